@@ -1,0 +1,34 @@
+"""The kvferry exception hierarchy. ``kvferry._core`` raises these classes.
+
+Every error is a :class:`KvFerryError`; invalid arguments are also ``ValueError`` and unknown
+request ids also ``KeyError``, so callers that catch the builtins keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvFerryError",
+    "InvalidArgumentError",
+    "DuplicateTransferError",
+    "UnknownRequestError",
+]
+
+
+class KvFerryError(Exception):
+    """Base class of every error kvferry raises."""
+
+
+class InvalidArgumentError(KvFerryError, ValueError):
+    """An argument is outside its domain; the message names the argument and its value."""
+
+
+class DuplicateTransferError(KvFerryError):
+    """A block was claimed a second time. Sending it again would be a silent resend."""
+
+
+class UnknownRequestError(KvFerryError, KeyError):
+    """A request id that was never added, or was already removed."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,414 @@
+//! The per-step batch API: every live request's ledger, keyed by request id, planned for a
+//! whole scheduler step in one call.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{CoreError, Result};
+use crate::ledger::Ledger;
+use crate::plan::{check_tokens_per_block, Prompt};
+use crate::range::BlockRange;
+
+/// What the book needs to know about a request when it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestSpec {
+    /// Prompt length in tokens.
+    pub prompt_len: i64,
+    /// Reused (prepopulated) prompt length in tokens.
+    pub reused_len: i64,
+    /// Sliding window of the layer group, `None` for full attention.
+    pub window: Option<i64>,
+    /// The request only runs prefill on this worker (disaggregated context phase).
+    pub context_only: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    ledger: Ledger,
+    context_only: bool,
+    cancelled: bool,
+    /// The step that last touched this entry; catches a request listed twice in one batch
+    /// without a per-call hash set.
+    stamp: u64,
+}
+
+/// The slices planned for one batch, as flat parallel arrays (one element per slice).
+/// `request_index[k]` is the position in the batch the plan was made from, which is also the
+/// row of that request in the block tables given to [`crate::pairs::block_pairs`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlicePlan {
+    /// Number of requests in the batch the plan was made from.
+    pub num_requests: usize,
+    /// Batch position of each slice's request.
+    pub request_index: Vec<i64>,
+    /// Request id of each slice.
+    pub request_id: Vec<i64>,
+    /// First block of each slice.
+    pub start: Vec<i64>,
+    /// One past the last block of each slice.
+    pub end: Vec<i64>,
+    /// True for the slice that finishes its request's prompt.
+    pub last: Vec<bool>,
+}
+
+impl SlicePlan {
+    fn with_capacity(num_requests: usize) -> Self {
+        Self {
+            num_requests,
+            request_index: Vec::with_capacity(num_requests),
+            request_id: Vec::with_capacity(num_requests),
+            start: Vec::with_capacity(num_requests),
+            end: Vec::with_capacity(num_requests),
+            last: Vec::with_capacity(num_requests),
+        }
+    }
+
+    fn push(&mut self, index: usize, id: i64, range: BlockRange, last: bool) {
+        self.request_index.push(index as i64);
+        self.request_id.push(id);
+        self.start.push(range.start as i64);
+        self.end.push(range.end as i64);
+        self.last.push(last);
+    }
+
+    /// Number of slices.
+    pub fn len(&self) -> usize {
+        self.start.len()
+    }
+
+    /// True when nothing is to be sent.
+    pub fn is_empty(&self) -> bool {
+        self.start.is_empty()
+    }
+
+    /// Total blocks over all slices.
+    pub fn total_blocks(&self) -> u64 {
+        self.start
+            .iter()
+            .zip(&self.end)
+            .map(|(s, e)| (e - s) as u64)
+            .sum()
+    }
+}
+
+/// Adds the request id to an error raised while planning one request of a batch.
+fn in_request(id: i64) -> impl Fn(CoreError) -> CoreError {
+    move |err| match err {
+        CoreError::DuplicateTransfer {
+            block, start, end, ..
+        } => CoreError::DuplicateTransfer {
+            owner: format!("of request {id} "),
+            block,
+            start,
+            end,
+        },
+        CoreError::InvalidArgument {
+            name,
+            value,
+            expected,
+        } => CoreError::InvalidArgument {
+            name,
+            value,
+            expected: format!("{expected} (request_id={id})"),
+        },
+        other => other,
+    }
+}
+
+/// The ledgers of all live requests of one worker. Owned by the executor that drives the
+/// scheduler loop; every batch call validates the whole batch before it changes anything.
+#[derive(Debug, Clone)]
+pub struct TransferBook {
+    tokens_per_block: i64,
+    pipelined: bool,
+    entries: FxHashMap<i64, Entry>,
+    step: u64,
+}
+
+impl TransferBook {
+    /// A book for one KV cache geometry. `pipelined = false` disables early sends (the
+    /// whole prompt then leaves with its chunks).
+    pub fn new(tokens_per_block: i64, pipelined: bool) -> Result<Self> {
+        check_tokens_per_block(tokens_per_block)?;
+        Ok(Self {
+            tokens_per_block,
+            pipelined,
+            entries: FxHashMap::default(),
+            step: 0,
+        })
+    }
+
+    /// Tokens per block of every request in the book.
+    pub const fn tokens_per_block(&self) -> i64 {
+        self.tokens_per_block
+    }
+
+    /// Whether early sends are enabled.
+    pub const fn pipelined(&self) -> bool {
+        self.pipelined
+    }
+
+    /// Number of live requests.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no request is live.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether `id` is live.
+    pub fn contains(&self, id: i64) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// Registers a new request.
+    pub fn add(&mut self, id: i64, spec: RequestSpec) -> Result<()> {
+        if self.entries.contains_key(&id) {
+            return Err(CoreError::invalid(
+                "request_id",
+                id,
+                "not already in the book",
+            ));
+        }
+        let prompt = Prompt::new(
+            self.tokens_per_block,
+            spec.prompt_len,
+            spec.reused_len,
+            spec.window,
+        )?;
+        let entry = Entry {
+            ledger: Ledger::new(prompt)?,
+            context_only: spec.context_only,
+            cancelled: false,
+            stamp: 0,
+        };
+        self.entries.insert(id, entry);
+        Ok(())
+    }
+
+    /// Forgets a request and frees its ledger, returning it (callers check `is_complete`).
+    pub fn remove(&mut self, id: i64) -> Result<Ledger> {
+        self.entries
+            .remove(&id)
+            .map(|e| e.ledger)
+            .ok_or(CoreError::UnknownRequest(id))
+    }
+
+    /// Marks a request cancelled: it is no longer eligible for an early send.
+    pub fn cancel(&mut self, id: i64) -> Result<()> {
+        self.entry_mut(id)?.cancelled = true;
+        Ok(())
+    }
+
+    /// Whether a request was cancelled.
+    pub fn is_cancelled(&self, id: i64) -> Result<bool> {
+        Ok(self.entry(id)?.cancelled)
+    }
+
+    /// The ledger of a live request.
+    pub fn ledger(&self, id: i64) -> Result<&Ledger> {
+        Ok(&self.entry(id)?.ledger)
+    }
+
+    fn entry(&self, id: i64) -> Result<&Entry> {
+        self.entries.get(&id).ok_or(CoreError::UnknownRequest(id))
+    }
+
+    fn entry_mut(&mut self, id: i64) -> Result<&mut Entry> {
+        self.entries
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownRequest(id))
+    }
+
+    /// Looks up every id of a batch once, refusing unknown and repeated ids.
+    fn stamp_batch(&mut self, ids: &[i64]) -> Result<()> {
+        self.step += 1;
+        let step = self.step;
+        for &id in ids {
+            let entry = self
+                .entries
+                .get_mut(&id)
+                .ok_or(CoreError::UnknownRequest(id))?;
+            if entry.stamp == step {
+                return Err(CoreError::invalid(
+                    "request_ids",
+                    id,
+                    "listed once per batch",
+                ));
+            }
+            entry.stamp = step;
+        }
+        Ok(())
+    }
+
+    /// Plans and claims the early prefix slices of a batch about to run its context forward.
+    /// Requests that are not eligible (not context-only, cancelled, a forward already ran,
+    /// prefix already sent, no complete reused block, sliding window, or the book is not
+    /// pipelined) are skipped; unknown or repeated ids fail the whole call, changing nothing.
+    pub fn plan_early(&mut self, ids: &[i64]) -> Result<SlicePlan> {
+        self.stamp_batch(ids)?;
+        let mut plan = SlicePlan::with_capacity(ids.len());
+        if !self.pipelined {
+            return Ok(plan);
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            let entry = &self.entries[&id];
+            if !entry.context_only || entry.cancelled || entry.ledger.prefix_sent() {
+                continue;
+            }
+            if let Some(range) = entry.ledger.early_candidate() {
+                entry.ledger.check_claim(range).map_err(in_request(id))?;
+                plan.push(i, id, range, false);
+            }
+        }
+        for (k, &id) in plan.request_id.iter().enumerate() {
+            let range = BlockRange::from_bounds(plan.start[k] as u64, plan.end[k] as u64);
+            self.entries
+                .get_mut(&id)
+                .expect("stamped above")
+                .ledger
+                .commit_early(range);
+        }
+        Ok(plan)
+    }
+
+    /// Plans and claims the slices of a batch of finished prefill chunks
+    /// `[chunk_starts[i], chunk_ends[i])`. Chunks that finish no block yield no slice. Any
+    /// invalid chunk, unknown or repeated id, or duplicate claim fails the whole call,
+    /// changing nothing.
+    pub fn plan_chunks(
+        &mut self,
+        ids: &[i64],
+        chunk_starts: &[i64],
+        chunk_ends: &[i64],
+    ) -> Result<SlicePlan> {
+        for (name, len) in [
+            ("chunk_starts", chunk_starts.len()),
+            ("chunk_ends", chunk_ends.len()),
+        ] {
+            if len != ids.len() {
+                return Err(CoreError::invalid(
+                    name,
+                    format!("<array of length {len}>"),
+                    format!("of length {} (the length of request_ids)", ids.len()),
+                ));
+            }
+        }
+        self.stamp_batch(ids)?;
+        let mut plan = SlicePlan::with_capacity(ids.len());
+        let mut ranges = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let ledger = &self.entries[&id].ledger;
+            let range = ledger
+                .chunk_candidate(chunk_starts[i], chunk_ends[i])
+                .map_err(in_request(id))?;
+            if let Some(range) = range {
+                plan.push(
+                    i,
+                    id,
+                    range,
+                    chunk_ends[i] as u64 == ledger.prompt().prompt_len(),
+                );
+            }
+            ranges.push(range);
+        }
+        for (&id, range) in ids.iter().zip(ranges) {
+            self.entries
+                .get_mut(&id)
+                .expect("stamped above")
+                .ledger
+                .commit_chunk(range);
+        }
+        Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(prompt_len: i64, reused_len: i64) -> RequestSpec {
+        RequestSpec {
+            prompt_len,
+            reused_len,
+            window: None,
+            context_only: true,
+        }
+    }
+
+    #[test]
+    fn early_then_chunks_through_the_book() {
+        let mut book = TransferBook::new(32, true).unwrap();
+        book.add(7, spec(1000, 700)).unwrap();
+        book.add(8, spec(100, 10)).unwrap();
+        let early = book.plan_early(&[8, 7]).unwrap();
+        assert_eq!(
+            (
+                early.request_index.clone(),
+                early.start.clone(),
+                early.end.clone()
+            ),
+            (vec![1], vec![0], vec![21])
+        );
+        // Next step: already sent, so nothing.
+        assert!(book.plan_early(&[7, 8]).unwrap().is_empty());
+        let chunks = book.plan_chunks(&[7, 8], &[700, 10], &[828, 100]).unwrap();
+        assert_eq!(chunks.start, vec![21, 0]);
+        assert_eq!(chunks.end, vec![25, 4]);
+        assert_eq!(chunks.last, vec![false, true]);
+        assert!(book.ledger(8).unwrap().is_complete());
+        assert!(book.remove(8).unwrap().is_complete());
+        assert!(!book.contains(8));
+    }
+
+    #[test]
+    fn a_failing_batch_changes_nothing() {
+        let mut book = TransferBook::new(4, true).unwrap();
+        book.add(1, spec(32, 12)).unwrap();
+        book.add(2, spec(32, 0)).unwrap();
+        assert!(matches!(
+            book.plan_early(&[1, 99]),
+            Err(CoreError::UnknownRequest(99))
+        ));
+        assert!(!book.ledger(1).unwrap().prefix_sent());
+        let err = book.plan_chunks(&[1, 2], &[12, 0], &[16, 40]).unwrap_err();
+        assert!(err.to_string().contains("chunk_end=40"), "{err}");
+        assert!(err.to_string().contains("request_id=2"), "{err}");
+        assert_eq!(book.ledger(1).unwrap().claimed_blocks(), 0);
+        let err = book.plan_chunks(&[1, 1], &[12, 12], &[16, 16]).unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid request_ids=1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn cancelled_and_generation_requests_skip_early() {
+        let mut book = TransferBook::new(4, true).unwrap();
+        book.add(1, spec(32, 12)).unwrap();
+        book.add(
+            2,
+            RequestSpec {
+                context_only: false,
+                ..spec(32, 12)
+            },
+        )
+        .unwrap();
+        book.cancel(1).unwrap();
+        assert!(book.plan_early(&[1, 2]).unwrap().is_empty());
+        let mut off = TransferBook::new(4, false).unwrap();
+        off.add(1, spec(32, 12)).unwrap();
+        assert!(off.plan_early(&[1]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn duplicate_claim_names_the_request() {
+        let mut book = TransferBook::new(4, true).unwrap();
+        book.add(5, spec(32, 12)).unwrap();
+        book.plan_chunks(&[5], &[12], &[20]).unwrap();
+        let err = book.plan_chunks(&[5], &[12], &[20]).unwrap_err();
+        assert!(matches!(err, CoreError::DuplicateTransfer { .. }));
+        assert!(err.to_string().contains("of request 5"), "{err}");
+    }
+}

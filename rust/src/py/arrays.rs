@@ -1,0 +1,84 @@
+//! numpy inputs: contiguous int64/bool arrays are borrowed as they are; other array-likes
+//! (lists, int32 arrays) are converted once, and anything that is not losslessly an integer
+//! (or bool) array is refused with an error that names the argument.
+
+use numpy::{Element, PyArray, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::errors::type_error;
+use crate::error::CoreError;
+
+fn as_array<'py, T: Element, D: numpy::ndarray::Dimension>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    dtype: &str,
+) -> PyResult<PyReadonlyArray<'py, T, D>> {
+    if let Ok(array) = obj.cast::<PyArray<T, D>>() {
+        if array.is_c_contiguous() {
+            return Ok(array
+                .try_readonly()
+                .map_err(|e| type_error(name, "a readable array", e))?);
+        }
+    }
+    let py = obj.py();
+    let np = py.import("numpy")?;
+    let array = np.call_method1("asarray", (obj,))?;
+    let ndim: usize = array.getattr("ndim")?.extract()?;
+    let want = D::NDIM.unwrap_or(ndim);
+    if ndim != want {
+        return Err(CoreError::invalid(
+            name,
+            format!("<{ndim}-d array>"),
+            format!("a {want}-d array"),
+        )
+        .into());
+    }
+    let size: usize = array.getattr("size")?.extract()?;
+    let from = array.getattr("dtype")?;
+    // Empty lists arrive as float64; anything else must cast without loss.
+    let safe: bool = np
+        .call_method1("can_cast", (&from, dtype, "safe"))?
+        .extract()?;
+    if size > 0 && !safe {
+        return Err(type_error(
+            name,
+            &format!("an array castable to {dtype}"),
+            format!("dtype {from}"),
+        ));
+    }
+    let converted = np.call_method1("ascontiguousarray", (array, dtype))?;
+    Ok(converted.cast_into::<PyArray<T, D>>()?.readonly())
+}
+
+/// A 1-d int64 view of `obj`.
+pub fn i64_vec<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+) -> PyResult<PyReadonlyArray<'py, i64, numpy::Ix1>> {
+    as_array(obj, name, "int64")
+}
+
+/// A 2-d int64 view of `obj`.
+pub fn i64_table<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+) -> PyResult<PyReadonlyArray<'py, i64, numpy::Ix2>> {
+    as_array(obj, name, "int64")
+}
+
+/// A 1-d bool view of `obj`.
+pub fn bool_vec<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+) -> PyResult<PyReadonlyArray<'py, bool, numpy::Ix1>> {
+    as_array(obj, name, "bool")
+}
+
+/// The contiguous slice of a borrowed array (always contiguous after `as_array`).
+pub fn slice<'a, T: Element, D: numpy::ndarray::Dimension>(
+    array: &'a PyReadonlyArray<'_, T, D>,
+) -> PyResult<&'a [T]> {
+    array
+        .as_slice()
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}

@@ -1,0 +1,124 @@
+//! `kvferry.TransferLedger`: one request's ownership bitmap.
+
+use pyo3::prelude::*;
+
+use super::errors::fence;
+use super::range::{wrap, PyBlockRange};
+use crate::ledger::Ledger;
+use crate::plan::Prompt;
+
+/// Which blocks of one request have left; every block leaves exactly once.
+/// Owned by whoever drives that request's transfer (one thread at a time).
+#[pyclass(name = "TransferLedger", module = "kvferry")]
+pub struct PyTransferLedger(pub Ledger);
+
+#[pymethods]
+impl PyTransferLedger {
+    #[new]
+    #[pyo3(signature = (tokens_per_block, prompt_len, *, reused_len=0, window=None))]
+    fn new(
+        tokens_per_block: i64,
+        prompt_len: i64,
+        reused_len: i64,
+        window: Option<i64>,
+    ) -> PyResult<Self> {
+        fence(|| {
+            Ok(Self(Ledger::new(Prompt::new(
+                tokens_per_block,
+                prompt_len,
+                reused_len,
+                window,
+            )?)?))
+        })
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn tokens_per_block(&self) -> u64 {
+        self.0.prompt().tokens_per_block()
+    }
+
+    /// Prompt length in tokens.
+    #[getter]
+    fn prompt_len(&self) -> u64 {
+        self.0.prompt().prompt_len()
+    }
+
+    /// Reused prompt length in tokens.
+    #[getter]
+    fn reused_len(&self) -> u64 {
+        self.0.prompt().reused_len()
+    }
+
+    /// Sliding window shorter than the prompt, else ``None``.
+    #[getter]
+    fn window(&self) -> Option<u64> {
+        self.0.prompt().window()
+    }
+
+    /// ``ceil(prompt_len / tokens_per_block)``.
+    #[getter]
+    fn num_blocks(&self) -> u64 {
+        self.0.num_blocks()
+    }
+
+    /// True once the early prefix slice was claimed.
+    #[getter]
+    fn prefix_sent(&self) -> bool {
+        self.0.prefix_sent()
+    }
+
+    /// True once a chunk was recorded (a forward has run).
+    #[getter]
+    fn forward_started(&self) -> bool {
+        self.0.forward_started()
+    }
+
+    /// Number of claimed blocks.
+    #[getter]
+    fn claimed_blocks(&self) -> u64 {
+        self.0.claimed_blocks()
+    }
+
+    /// True when every needed block is claimed.
+    #[getter]
+    fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+
+    /// Claims and returns the early prefix slice, or ``None`` when there is nothing to send
+    /// early. Raises ``DuplicateTransferError`` when it was already sent.
+    fn send_early(&mut self) -> PyResult<Option<PyBlockRange>> {
+        fence(|| Ok(wrap(self.0.send_early()?)))
+    }
+
+    /// Claims and returns the slice of a finished chunk ``[chunk_start, chunk_end)``.
+    fn send_chunk(&mut self, chunk_start: i64, chunk_end: i64) -> PyResult<Option<PyBlockRange>> {
+        fence(|| Ok(wrap(self.0.send_chunk(chunk_start, chunk_end)?)))
+    }
+
+    /// Claims an explicit range; nothing changes on error.
+    fn claim(&mut self, range: PyRef<'_, PyBlockRange>) -> PyResult<()> {
+        fence(|| Ok(self.0.claim(range.0)?))
+    }
+
+    /// Needed blocks not yet claimed, as maximal ranges.
+    fn missing(&self) -> Vec<PyBlockRange> {
+        self.0.missing().into_iter().map(PyBlockRange).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        let p = self.0.prompt();
+        let window = p
+            .window()
+            .map_or_else(|| "None".to_string(), |w| w.to_string());
+        format!(
+            "TransferLedger({}, {}, reused_len={}, window={window}) <{}/{} blocks claimed>",
+            p.tokens_per_block(),
+            p.prompt_len(),
+            p.reused_len(),
+            self.0.claimed_blocks(),
+            self.0.num_blocks()
+        )
+    }
+}
