@@ -1,5 +1,5 @@
 # Hand-written stub of the compiled module; checked by `python -m mypy.stubtest kvferry._core`.
-from typing import Optional, Union
+from typing import Optional, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -9,8 +9,24 @@ _BoolArray = npt.NDArray[np.bool_]
 _IntLike = Union[npt.ArrayLike, _IntArray]
 _BoolLike = Union[npt.ArrayLike, _BoolArray]
 
+__all__ = [
+    "BlockPairs",
+    "BlockRange",
+    "BlockRuns",
+    "MAX_LEDGER_BLOCKS",
+    "SlicePlan",
+    "TransferBook",
+    "TransferLedger",
+    "block_pairs",
+    "block_runs",
+    "chunk_blocks",
+    "early_prefix_blocks",
+    "select_early",
+]
+
 MAX_LEDGER_BLOCKS: int
 
+@final
 class BlockRange:
     def __new__(cls, start: int, end: int) -> BlockRange: ...
     @property
@@ -18,11 +34,12 @@ class BlockRange:
     @property
     def end(self) -> int: ...
     def __len__(self) -> int: ...
-    def __eq__(self, other: object) -> bool: ...
-    def __ne__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __getnewargs__(self) -> tuple[int, int]: ...
 
+@final
 class TransferLedger:
     def __new__(
         cls,
@@ -55,6 +72,7 @@ class TransferLedger:
     def claim(self, range: BlockRange) -> None: ...
     def missing(self) -> list[BlockRange]: ...
 
+@final
 class SlicePlan:
     @property
     def num_requests(self) -> int: ...
@@ -73,6 +91,7 @@ class SlicePlan:
     def slices(self) -> list[tuple[int, BlockRange, bool]]: ...
     def __len__(self) -> int: ...
 
+@final
 class BlockPairs:
     @property
     def src(self) -> _IntArray: ...
@@ -82,6 +101,7 @@ class BlockPairs:
     def offsets(self) -> _IntArray: ...
     def __len__(self) -> int: ...
 
+@final
 class BlockRuns:
     @property
     def src(self) -> _IntArray: ...
@@ -93,6 +113,7 @@ class BlockRuns:
     def offsets(self) -> _IntArray: ...
     def __len__(self) -> int: ...
 
+@final
 class TransferBook:
     def __new__(cls, tokens_per_block: int, *, pipelined: bool = True) -> TransferBook: ...
     @property
@@ -120,7 +141,7 @@ class TransferBook:
         self, request_ids: _IntLike, chunk_starts: _IntLike, chunk_ends: _IntLike
     ) -> SlicePlan: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: int) -> bool: ...
+    def __contains__(self, request_id: int, /) -> bool: ...
 
 def early_prefix_blocks(tokens_per_block: int, reused_len: int) -> Optional[BlockRange]: ...
 def chunk_blocks(

@@ -64,7 +64,7 @@ impl Bitmap {
     pub fn count_range(&self, start: u64, end: u64) -> u64 {
         let mut n = 0;
         Self::for_words(start, end, |w, mask| {
-            n += u64::from((self.words[w] & mask).count_ones())
+            n += u64::from((self.words[w] & mask).count_ones());
         });
         n
     }

@@ -21,6 +21,8 @@
 //!
 //! The Python bindings (`kvferry._core`) live in `py/` behind the `python` feature.
 
+#![allow(clippy::struct_field_names)] // `Prompt::prompt_len` reads best as it is.
+
 pub mod bitmap;
 pub mod book;
 pub mod error;

@@ -219,6 +219,7 @@ pub fn chunk_blocks(
 mod tests {
     use super::*;
 
+    #[allow(clippy::unnecessary_wraps)] // reads like the expected value of a planner call
     fn r(start: u64, end: u64) -> Option<BlockRange> {
         Some(BlockRange::from_bounds(start, end))
     }

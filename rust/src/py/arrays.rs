@@ -15,9 +15,9 @@ fn as_array<'py, T: Element, D: numpy::ndarray::Dimension>(
 ) -> PyResult<PyReadonlyArray<'py, T, D>> {
     if let Ok(array) = obj.cast::<PyArray<T, D>>() {
         if array.is_c_contiguous() {
-            return Ok(array
+            return array
                 .try_readonly()
-                .map_err(|e| type_error(name, "a readable array", e))?);
+                .map_err(|e| type_error(name, "a readable array", e));
         }
     }
     let py = obj.py();

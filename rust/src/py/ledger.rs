@@ -98,8 +98,8 @@ impl PyTransferLedger {
     }
 
     /// Claims an explicit range; nothing changes on error.
-    fn claim(&mut self, range: PyRef<'_, PyBlockRange>) -> PyResult<()> {
-        fence(|| Ok(self.0.claim(range.0)?))
+    fn claim(&mut self, range: &Bound<'_, PyBlockRange>) -> PyResult<()> {
+        fence(|| Ok(self.0.claim(range.get().0)?))
     }
 
     /// Needed blocks not yet claimed, as maximal ranges.

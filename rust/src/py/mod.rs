@@ -1,4 +1,4 @@
-//! The PyO3 bindings: the only place that touches pyo3 or numpy. Everything here converts,
+//! The `PyO3` bindings: the only place that touches `pyo3` or `numpy`. Everything here converts,
 //! releases the GIL around O(n) work and maps errors; the logic lives in the pure core.
 
 use pyo3::prelude::*;

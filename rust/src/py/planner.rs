@@ -8,6 +8,9 @@ use super::range::{wrap, PyBlockRange};
 use crate::select::{EarlyInputs, Flag};
 use numpy::{PyArray1, PyReadonlyArray1};
 
+/// Positions of eligible requests and their early block counts.
+type Selection<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+
 /// The early prefix slice ``[0, reused_len // tokens_per_block)``, or ``None`` when the reused
 /// prefix holds no complete block.
 #[pyfunction]
@@ -63,7 +66,7 @@ pub fn select_early<'py>(
     cancelled: &Bound<'py, PyAny>,
     first_chunk: &Bound<'py, PyAny>,
     pipelined: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>)> {
+) -> PyResult<Selection<'py>> {
     fence(|| {
         let reused = i64_vec(reused_len, "reused_len")?;
         let context_only = bool_vec(context_only, "context_only")?;

@@ -1,0 +1,162 @@
+"""The ``kvferry`` command line: ``kvferry plan`` prints the transfer plan of one request."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from kvferry._core import BlockRange, TransferLedger
+from kvferry.errors import KvFerryError
+
+# KV bytes per token of a Llama-3-8B-shaped model in bf16: K and V x 8 KV heads x 128 dims
+# x 2 bytes x 32 layers. The default block size of `kvferry plan` is this times tokens/block.
+LLAMA8B_BYTES_PER_TOKEN = 2 * 8 * 128 * 2 * 32
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments give one line on stderr and exit code 2 (argparse prints usage too)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One row of the plan: what leaves, for which tokens."""
+
+    name: str
+    tokens: tuple[int, int]
+    blocks: BlockRange
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Every slice of one request, with the ledger that claimed them."""
+
+    slices: list[Slice]
+    ledger: TransferLedger
+    needed_blocks: int
+
+
+def plan_request(
+    tokens_per_block: int,
+    prompt: int,
+    reused: int,
+    chunk: Optional[int],
+    *,
+    early: bool = True,
+    window: Optional[int] = None,
+) -> RequestPlan:
+    """Drives a ledger through one request: the early slice, then each prefill chunk."""
+    ledger = TransferLedger(tokens_per_block, prompt, reused_len=reused, window=window)
+    needed = sum(len(r) for r in ledger.missing())
+    slices: list[Slice] = []
+    if early:
+        blocks = ledger.send_early()
+        if blocks is not None:
+            slices.append(Slice("early", (0, blocks.end * tokens_per_block), blocks))
+    step = chunk if chunk is not None else prompt - reused
+    for n, start in enumerate(range(reused, prompt, step), start=1):
+        end = min(start + step, prompt)
+        blocks = ledger.send_chunk(start, end)
+        if blocks is not None:
+            slices.append(Slice(f"chunk {n}", (start, end), blocks))
+    return RequestPlan(slices, ledger, needed)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    tpb = args.tokens_per_block
+    block_bytes = args.block_bytes if args.block_bytes is not None else LLAMA8B_BYTES_PER_TOKEN * tpb
+    plan = plan_request(tpb, args.prompt, args.reused, args.chunk, early=not args.no_early, window=args.window)
+    slices, ledger = plan.slices, plan.ledger
+    window = "full attention" if ledger.window is None else f"sliding window {ledger.window}"
+    print(
+        f"prompt {args.prompt} tokens, {args.reused} reused, {tpb} tokens/block "
+        f"({ledger.num_blocks} blocks of {_size(block_bytes)}), {window}, "
+        f"early send {'off' if args.no_early else 'on'}"
+    )
+    header = f"{'slice':<10} {'tokens':>16} {'blocks':>14} {'count':>7} {'bytes':>11}"
+    print(header)
+    print("-" * len(header))
+    for s in slices:
+        tokens = f"[{s.tokens[0]}, {s.tokens[1]})"
+        blocks = f"[{s.blocks.start}, {s.blocks.end})"
+        print(f"{s.name:<10} {tokens:>16} {blocks:>14} {len(s.blocks):>7} {_size(len(s.blocks) * block_bytes):>11}")
+    sent = sum(len(s.blocks) for s in slices)
+    early_blocks = sum(len(s.blocks) for s in slices if s.name == "early")
+    if not ledger.is_complete or sent != ledger.claimed_blocks:
+        print(f"coverage FAILED: missing {ledger.missing()}", file=sys.stderr)
+        return 1
+    print(
+        f"exact-once: {sent} of {plan.needed_blocks} needed blocks sent, none twice; "
+        f"{early_blocks} ({100 * early_blocks / max(sent, 1):.1f}%) before the first forward"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvferry", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="print the transfer plan of one request")
+    plan.add_argument("--tokens-per-block", type=_positive, required=True, metavar="N")
+    plan.add_argument("--prompt", type=_positive, required=True, metavar="TOKENS", help="prompt length")
+    plan.add_argument("--reused", type=_non_negative, default=0, metavar="TOKENS", help="reused prefix length")
+    plan.add_argument(
+        "--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)"
+    )
+    plan.add_argument("--no-early", action="store_true", help="send the prefix with the first chunk instead")
+    plan.add_argument("--window", type=_positive, default=None, metavar="TOKENS", help="sliding attention window")
+    plan.add_argument(
+        "--block-bytes",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="bytes per block over all layers (default: Llama-3-8B bf16, 128 KiB per token)",
+    )
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvFerryError as err:
+        print(f"kvferry {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
