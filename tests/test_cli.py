@@ -1,0 +1,81 @@
+"""`kvferry plan`: the slice table, exact-once confirmation and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvferry.cli import LLAMA8B_BYTES_PER_TOKEN, main, plan_request
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_issue_example_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "--tokens-per-block", "32", "--prompt", "1000", "--reused", "700", "--chunk", "128")
+    assert code == 0 and err == ""
+    rows = [line.split() for line in out.splitlines() if line.startswith(("early", "chunk"))]
+    blocks = [" ".join(r[-5:-3]) for r in rows]  # the "blocks" column
+    assert blocks == ["[0, 21)", "[21, 25)", "[25, 29)", "[29, 32)"]
+    assert "exact-once: 32 of 32 needed blocks sent, none twice" in out
+    # Default block bytes: Llama-3-8B geometry, 32 tokens per block -> 4 MiB per block.
+    assert LLAMA8B_BYTES_PER_TOKEN * 32 == 4 * 1024 * 1024
+    assert "84.0 MiB" in out
+
+
+def test_no_early_sends_prefix_with_first_chunk(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--tokens-per-block", "32", "--prompt", "1000", "--reused", "700", "--chunk", "128", "--no-early")
+    assert code == 0
+    assert not any(line.startswith("early") for line in out.splitlines())
+    assert "[0, 25)" in out
+    assert "0 (0.0%) before the first forward" in out
+
+
+def test_window_and_block_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--tokens-per-block", "4", "--prompt", "32", "--chunk", "16", "--window", "16", "--block-bytes", "1024")
+    assert code == 0
+    assert "[4, 8)" in out and "4.0 KiB" in out
+    assert "4 of 4 needed blocks" in out
+
+
+def test_plan_request_covers_every_block_once() -> None:
+    plan = plan_request(16, 5000, 3333, 300)
+    covered = [b for s in plan.slices for b in range(s.blocks.start, s.blocks.end)]
+    assert covered == list(range(plan.ledger.num_blocks))
+    assert plan.needed_blocks == plan.ledger.num_blocks
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--tokens-per-block", "0", "--prompt", "5"], "--tokens-per-block: must be > 0, got 0"),
+        (["--tokens-per-block", "x", "--prompt", "5"], "expected an integer, got 'x'"),
+        (["--tokens-per-block", "4", "--prompt", "8", "--reused", "8"], "invalid reused_len=8"),
+        (["--tokens-per-block", "4", "--prompt", "8", "--reused", "-1"], "must be >= 0, got -1"),
+        (["--tokens-per-block", "4"], "--prompt"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        code = main(["plan", *argv])
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    _, err = capsys.readouterr()
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_console_script_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "plan", "--tokens-per-block", "4", "--prompt", "32", "--reused", "12"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "early" in proc.stdout and "[0, 3)" in proc.stdout
