@@ -45,14 +45,17 @@ impl Bitmap {
 
     /// The first set bit in `[start, end)`, if any. `end <= len` is the caller's contract.
     pub fn first_set(&self, start: u64, end: u64) -> Option<u64> {
-        let mut found = None;
-        Self::for_words(start, end, |w, mask| {
-            let hit = self.words[w] & mask;
-            if found.is_none() && hit != 0 {
-                found = Some(w as u64 * 64 + u64::from(hit.trailing_zeros()));
+        let mut bit = start;
+        while bit < end {
+            let word = bit / 64;
+            let hi = end.min((word + 1) * 64);
+            let hit = self.words[word as usize] & word_mask(bit % 64, hi - word * 64);
+            if hit != 0 {
+                return Some(word * 64 + u64::from(hit.trailing_zeros()));
             }
-        });
-        found
+            bit = hi;
+        }
+        None
     }
 
     /// Sets bits `[start, end)`.

@@ -221,25 +221,22 @@ impl TransferBook {
             .ok_or(CoreError::UnknownRequest(id))
     }
 
-    /// Looks up every id of a batch once, refusing unknown and repeated ids.
-    fn stamp_batch(&mut self, ids: &[i64]) -> Result<()> {
-        self.step += 1;
-        let step = self.step;
-        for &id in ids {
-            let entry = self
-                .entries
-                .get_mut(&id)
-                .ok_or(CoreError::UnknownRequest(id))?;
-            if entry.stamp == step {
-                return Err(CoreError::invalid(
-                    "request_ids",
-                    id,
-                    "listed once per batch",
-                ));
-            }
-            entry.stamp = step;
+    /// Looks up one id of the batch of step `step`, refusing unknown ids and ids listed twice
+    /// in the batch (the stamp records the step that last saw the entry).
+    fn stamped(&mut self, id: i64, step: u64) -> Result<&mut Entry> {
+        let entry = self
+            .entries
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownRequest(id))?;
+        if entry.stamp == step {
+            return Err(CoreError::invalid(
+                "request_ids",
+                id,
+                "listed once per batch",
+            ));
         }
-        Ok(())
+        entry.stamp = step;
+        Ok(entry)
     }
 
     /// Plans and claims the early prefix slices of a batch about to run its context forward.
@@ -247,14 +244,14 @@ impl TransferBook {
     /// prefix already sent, no complete reused block, sliding window, or the book is not
     /// pipelined) are skipped; unknown or repeated ids fail the whole call, changing nothing.
     pub fn plan_early(&mut self, ids: &[i64]) -> Result<SlicePlan> {
-        self.stamp_batch(ids)?;
+        self.step += 1;
+        let (step, pipelined) = (self.step, self.pipelined);
         let mut plan = SlicePlan::with_capacity(ids.len());
-        if !self.pipelined {
-            return Ok(plan);
-        }
+        // Pass 1 checks the whole batch and plans; pass 2 commits, so an error in pass 1
+        // leaves every ledger as it was (stamps are bookkeeping, not state).
         for (i, &id) in ids.iter().enumerate() {
-            let entry = self.entry(id)?;
-            if !entry.context_only || entry.cancelled || entry.ledger.prefix_sent() {
+            let entry = self.stamped(id, step)?;
+            if !pipelined || !entry.context_only || entry.cancelled || entry.ledger.prefix_sent() {
                 continue;
             }
             if let Some(range) = entry.ledger.early_candidate() {
@@ -264,7 +261,7 @@ impl TransferBook {
         }
         for (k, &id) in plan.request_id.iter().enumerate() {
             let range = BlockRange::from_bounds(plan.start[k] as u64, plan.end[k] as u64);
-            // Every id was found by `stamp_batch`; `if let` keeps panics out of the core.
+            // Every id was found in pass 1; `if let` keeps panics out of the core.
             if let Some(entry) = self.entries.get_mut(&id) {
                 entry.ledger.commit_early(range);
             }
@@ -294,11 +291,12 @@ impl TransferBook {
                 ));
             }
         }
-        self.stamp_batch(ids)?;
+        self.step += 1;
+        let step = self.step;
         let mut plan = SlicePlan::with_capacity(ids.len());
         let mut ranges = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
-            let ledger = &self.entry(id)?.ledger;
+            let ledger = &self.stamped(id, step)?.ledger;
             let range = ledger
                 .chunk_candidate(chunk_starts[i], chunk_ends[i])
                 .map_err(in_request(id))?;
@@ -313,7 +311,6 @@ impl TransferBook {
             ranges.push(range);
         }
         for (&id, range) in ids.iter().zip(ranges) {
-            // Every id was found by `stamp_batch`; `if let` keeps panics out of the core.
             if let Some(entry) = self.entries.get_mut(&id) {
                 entry.ledger.commit_chunk(range);
             }

@@ -129,6 +129,11 @@ fn check_ids(plan: &SlicePlan, table: BlockTable<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Bitwise OR of all ids: negative exactly when some id is.
+fn or_all(ids: &[i64]) -> i64 {
+    ids.iter().fold(0, |acc, &x| acc | x)
+}
+
 /// The physical `(src, dst)` id of every planned block, in slice order.
 pub fn block_pairs(
     plan: &SlicePlan,
@@ -142,16 +147,16 @@ pub fn block_pairs(
         offsets: Vec::with_capacity(plan.len() + 1),
     };
     out.offsets.push(0);
-    // Negative ids are rare; one branch-free min per slice keeps the copy loop tight and the
-    // slow path names the culprit.
-    let mut min_id = 0i64;
+    // Negative ids are rare: OR-ing every id and testing the sign bit once vectorises on
+    // baseline x86-64 (an i64 `min` does not), and the slow path then names the culprit.
+    let mut any_bits = 0i64;
     for (s, d) in slice_rows(plan, src, dst)? {
         out.src.extend_from_slice(s);
         out.dst.extend_from_slice(d);
-        min_id = min_id.min(s.iter().chain(d).copied().min().unwrap_or(0));
+        any_bits |= or_all(s) | or_all(d);
         out.offsets.push(out.src.len() as i64);
     }
-    if min_id < 0 {
+    if any_bits < 0 {
         check_ids(plan, src)?;
         check_ids(plan, dst)?;
     }
@@ -161,20 +166,29 @@ pub fn block_pairs(
 /// The planned blocks as maximal runs where both sides are contiguous: the shape that needs
 /// the fewest copy descriptors.
 pub fn block_runs(plan: &SlicePlan, src: BlockTable<'_>, dst: BlockTable<'_>) -> Result<BlockRuns> {
+    // At most one run per block; reserving that up front avoids regrowing three vectors
+    // (untouched capacity costs address space, not memory).
+    let total = plan.total_blocks() as usize;
     let mut out = BlockRuns {
+        src: Vec::with_capacity(total),
+        dst: Vec::with_capacity(total),
+        len: Vec::with_capacity(total),
         offsets: Vec::with_capacity(plan.len() + 1),
-        ..BlockRuns::default()
     };
     out.offsets.push(0);
-    let mut min_id = 0i64;
+    let mut any_bits = 0i64;
     for (s, d) in slice_rows(plan, src, dst)? {
+        any_bits |= or_all(s) | or_all(d);
         let mut i = 0;
         while i < s.len() {
             let mut j = i + 1;
-            while j < s.len() && s[j] == s[j - 1] + 1 && d[j] == d[j - 1] + 1 {
+            // `checked_add` so that an id of i64::MAX ends a run instead of wrapping into one.
+            while j < s.len()
+                && s[j - 1].checked_add(1) == Some(s[j])
+                && d[j - 1].checked_add(1) == Some(d[j])
+            {
                 j += 1;
             }
-            min_id = min_id.min(s[i]).min(d[i]);
             out.src.push(s[i]);
             out.dst.push(d[i]);
             out.len.push((j - i) as i64);
@@ -182,8 +196,7 @@ pub fn block_runs(plan: &SlicePlan, src: BlockTable<'_>, dst: BlockTable<'_>) ->
         }
         out.offsets.push(out.src.len() as i64);
     }
-    // A run's ids grow from its first, so checking run heads covers every id.
-    if min_id < 0 {
+    if any_bits < 0 {
         check_ids(plan, src)?;
         check_ids(plan, dst)?;
     }

@@ -156,7 +156,8 @@ impl Prompt {
     /// start:   0 if first and the prefix did not leave early, else floor(s/tpb)
     /// end:     ceil(e/tpb) if last, else floor(e/tpb)   (a cut block waits for its finisher)
     /// ```
-    /// A non-final chunk whose range is empty sends nothing; the last chunk always sends.
+    /// A non-final chunk whose range is empty sends nothing; the last chunk always sends,
+    /// except under a window of one token that ends on a block boundary (no KV is needed).
     pub fn chunk(
         &self,
         chunk_start: i64,
@@ -178,7 +179,12 @@ impl Prompt {
         if self.window.is_some() {
             // Nothing of a windowed group is final before the prompt is: blocks may still
             // slide out of the window.
-            return if last { Some(self.needed()) } else { None };
+            // W = 1 on a block boundary needs no prompt KV at all: nothing to send.
+            return if last {
+                self.needed().non_empty()
+            } else {
+                None
+            };
         }
         let first = s == self.reused_len;
         let start = if first && !prefix_sent { 0 } else { s / tpb };
