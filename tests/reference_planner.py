@@ -40,7 +40,9 @@ def chunk_blocks(
     assert reused_len <= start < end <= prompt_len
     last = end == prompt_len
     if window is not None and window < prompt_len:
-        return live_window(tpb, prompt_len, window) if last else None
+        lo, hi = live_window(tpb, prompt_len, window)
+        # W = 1 on a block boundary needs no prompt KV: nothing to send.
+        return (lo, hi) if last and hi > lo else None
     first = start == reused_len
     lo = 0 if (first and not prefix_sent) else start // tpb
     hi = cdiv(end, tpb) if last else end // tpb
@@ -136,7 +138,7 @@ class RefBook:
 
     def plan_early(self, ids) -> list[tuple[int, int, int, int]]:
         """(batch index, request id, start, end) per early slice."""
-        out = []
+        out: list[tuple[int, int, int, int]] = []
         if not self.pipelined:
             return out
         for i, rid in enumerate(ids):
@@ -149,7 +151,7 @@ class RefBook:
         return out
 
     def plan_chunks(self, ids, starts, ends) -> list[tuple[int, int, int, int]]:
-        out = []
+        out: list[tuple[int, int, int, int]] = []
         for i, rid in enumerate(ids):
             r = self.ledgers[rid].send_chunk(int(starts[i]), int(ends[i]))
             if r is not None:

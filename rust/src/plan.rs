@@ -263,6 +263,21 @@ mod tests {
         assert_eq!(p.chunk(16, 32, false).unwrap(), r(4, 8));
         // A window that covers the prompt is full attention.
         assert_eq!(Prompt::new(4, 32, 0, Some(32)).unwrap().window(), None);
+        // W = 1 on a block boundary: no prompt KV is live, so nothing is sent.
+        assert_eq!(
+            Prompt::new(4, 32, 0, Some(1))
+                .unwrap()
+                .chunk(0, 32, false)
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            Prompt::new(4, 30, 0, Some(1))
+                .unwrap()
+                .chunk(0, 30, false)
+                .unwrap(),
+            r(7, 8)
+        );
     }
 
     #[test]

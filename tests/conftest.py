@@ -1,0 +1,24 @@
+"""Shared pytest configuration: bounded hypothesis runs so the whole suite stays fast."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+# 200 examples per property keeps the suite well under a minute; deadline=None because the
+# first call of a property pays for numpy/extension warm-up. KVFERRY_HYPOTHESIS_PROFILE=thorough
+# runs ten times as many for a slow local soak.
+settings.register_profile(
+    "default",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("KVFERRY_HYPOTHESIS_PROFILE", "default"))
