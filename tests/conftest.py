@@ -22,3 +22,17 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("KVFERRY_HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    """Tests marked ``cuda`` need a GPU: skipped where torch sees none (CPU CI), run on the
+    device machine."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,118 @@
+"""The fused CUDA block copy: one Triton launch for every (block, layer, segment) of a batch.
+
+```
+grid:     (pairs, layers, segments * chunks_per_segment)
+program:  copies CHUNK words of one segment of one block of one layer
+address:  base + layer_offset[layer] + segment * segment_stride + block_id * segment_words + w
+```
+Layers are separate allocations, so each side passes its lowest-addressed layer as ``base``
+and every layer's distance from it (in 8-byte words) as ``layer_offset`` (see
+``PagedKV.pointer_table``); one launch then reaches all layers without a pointer table.
+Imported only when a CUDA copy runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvferry.layout import PagedKV
+
+WORD_BYTES = 8
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Work per program and its shape; the defaults were chosen on an H200 (docs/benchmarks.md)."""
+
+    chunk_words: int = 2048
+    block_words: int = 1024
+    num_warps: int = 4
+    cache_hints: bool = True
+
+
+DEFAULT = LaunchConfig()
+
+
+@triton.jit
+def _copy_kernel(
+    src_base,
+    dst_base,
+    src_layer_off,
+    dst_layer_off,
+    ids,
+    n_pairs,
+    src_seg_stride,
+    dst_seg_stride,
+    SEG_WORDS: tl.constexpr,
+    CHUNKS_PER_SEG: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CACHE_HINTS: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    layer = tl.program_id(1)
+    seg = tl.program_id(2) // CHUNKS_PER_SEG
+    chunk = tl.program_id(2) % CHUNKS_PER_SEG
+    s_block = tl.load(ids + pair)
+    d_block = tl.load(ids + n_pairs + pair)
+    s_row = tl.load(src_layer_off + layer) + seg * src_seg_stride + s_block * SEG_WORDS
+    d_row = tl.load(dst_layer_off + layer) + seg * dst_seg_stride + d_block * SEG_WORDS
+    # Every row starts 16-byte aligned (checked by `supports`), so loads can be 128 bits wide.
+    s_row = tl.multiple_of(s_row, 2)
+    d_row = tl.multiple_of(d_row, 2)
+    src = src_base.to(tl.pointer_type(tl.int64))
+    dst = dst_base.to(tl.pointer_type(tl.int64))
+    for i in tl.static_range(0, CHUNK, BLOCK):
+        offs = chunk * CHUNK + i + tl.arange(0, BLOCK)
+        mask = offs < SEG_WORDS
+        if CACHE_HINTS:
+            # Streamed once: keep it out of L1 on the way in and mark it evict-first on the way out.
+            v = tl.load(src + s_row + offs, mask=mask, cache_modifier=".cg")
+            tl.store(dst + d_row + offs, v, mask=mask, cache_modifier=".cs")
+        else:
+            v = tl.load(src + s_row + offs, mask=mask)
+            tl.store(dst + d_row + offs, v, mask=mask)
+
+
+def supports(src: PagedKV, dst: PagedKV) -> bool:
+    """The kernel needs 16-byte aligned segments and layer bases."""
+    if src.segment_bytes % ALIGN:
+        return False
+    return all(t.data_ptr() % ALIGN == 0 for t in (*src.layers, *dst.layers))
+
+
+def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchConfig = DEFAULT) -> None:
+    """Launches the kernel. ``ids`` is a validated ``(2, n)`` int64 tensor on the pools'
+    device: row 0 source blocks, row 1 destination blocks."""
+    seg_words = src.segment_bytes // WORD_BYTES
+    chunk = min(config.chunk_words, triton.next_power_of_2(seg_words))
+    block = min(config.block_words, chunk)
+    chunks_per_seg = triton.cdiv(seg_words, chunk)
+    src_base, src_off = src.pointer_table
+    dst_base, dst_off = dst.pointer_table
+    n = ids.shape[1]
+    # CPU tensors reach here only under TRITON_INTERPRET=1 (the tests run the kernel so on CI).
+    where = torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext()
+    with where:
+        _copy_kernel[(n, src.num_layers, src.segments * chunks_per_seg)](
+            src_base,
+            dst_base,
+            src_off,
+            dst_off,
+            ids,
+            n,
+            src.num_blocks * seg_words,
+            dst.num_blocks * seg_words,
+            SEG_WORDS=seg_words,
+            CHUNKS_PER_SEG=chunks_per_seg,
+            CHUNK=chunk,
+            BLOCK=block,
+            CACHE_HINTS=config.cache_hints,
+            num_warps=config.num_warps,
+        )

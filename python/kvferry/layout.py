@@ -1,0 +1,166 @@
+"""`PagedKV`: a description of an engine's paged KV cache, without owning it.
+
+An engine keeps its KV cache as torch tensors, one per layer or one stacked over layers, with
+one dimension indexing blocks. kvferry only needs to know where each block's bytes are:
+
+```
+layer tensor:  shape (*outer, num_blocks, *inner), contiguous
+               outer = prod(shape[:block_dim])   e.g. 2 for a (K|V, blocks, ...) layout
+               inner = prod(shape[block_dim+1:]) * itemsize bytes  ("segment")
+one block:     `outer` segments of `segment_bytes`, one per outer index, in every layer
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+from kvferry.errors import InvalidArgumentError, KvFerryError
+
+__all__ = ["BlockIds", "LayoutMismatchError", "PagedKV"]
+
+BlockIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+class LayoutMismatchError(KvFerryError, ValueError):
+    """Sender and receiver pools cannot exchange blocks; raised before any byte moves."""
+
+
+@dataclass(frozen=True, eq=False)
+class PagedKV:
+    """A paged KV pool: ``layers[i]`` has shape ``(*outer, num_blocks, *inner)`` with the block
+    dimension at ``block_dim``. All layers share shape, dtype and device."""
+
+    layers: tuple[torch.Tensor, ...]
+    tokens_per_block: int
+    block_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, torch.Tensor) or not isinstance(self.layers, (tuple, list)):
+            raise InvalidArgumentError(
+                f"invalid layers={type(self.layers).__name__}: must be a sequence of tensors "
+                "(use PagedKV.stacked for one tensor over all layers)"
+            )
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise InvalidArgumentError("invalid layers=(): must hold at least one layer")
+        if self.tokens_per_block <= 0:
+            raise InvalidArgumentError(f"invalid tokens_per_block={self.tokens_per_block}: must be > 0")
+        first = self.layers[0]
+        if not 0 <= self.block_dim < first.dim():
+            raise InvalidArgumentError(
+                f"invalid block_dim={self.block_dim}: must be in [0, {first.dim()}) for layers of shape {tuple(first.shape)}"
+            )
+        for i, t in enumerate(self.layers):
+            for what, got, want in (
+                ("shape", tuple(t.shape), tuple(first.shape)),
+                ("dtype", t.dtype, first.dtype),
+                ("device", t.device, first.device),
+            ):
+                if got != want:
+                    raise InvalidArgumentError(f"invalid layers[{i}].{what}={got}: must match layers[0] ({want})")
+            if not t.is_contiguous():
+                raise InvalidArgumentError(f"invalid layers[{i}]: must be contiguous (stride {t.stride()})")
+
+    @classmethod
+    def stacked(cls, tensor: torch.Tensor, *, tokens_per_block: int, block_dim: int) -> PagedKV:
+        """One tensor over all layers, layers on dimension 0; ``block_dim`` counts from the
+        full tensor's dimensions (so ``block_dim >= 1``)."""
+        if block_dim < 1:
+            raise InvalidArgumentError(f"invalid block_dim={block_dim}: must be >= 1 (dimension 0 is the layer)")
+        return cls(tuple(tensor.unbind(0)), tokens_per_block, block_dim - 1)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.layers[0].shape)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[self.block_dim]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    @property
+    def segments(self) -> int:
+        """Contiguous pieces of one block in one layer (the product of the outer dims)."""
+        return math.prod(self.shape[: self.block_dim])
+
+    @property
+    def segment_bytes(self) -> int:
+        return math.prod(self.shape[self.block_dim + 1 :]) * self.layers[0].element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        return self.segments * self.segment_bytes
+
+    def geometry(self) -> dict[str, object]:
+        """What must match between a sender's and a receiver's pool."""
+        return {
+            "num_layers": self.num_layers,
+            "tokens_per_block": self.tokens_per_block,
+            "dtype": self.dtype,
+            "segments": self.segments,
+            "segment_bytes": self.segment_bytes,
+        }
+
+    def check_compatible(self, other: PagedKV) -> None:
+        """Raises :class:`LayoutMismatchError` naming the first field that differs."""
+        mine, theirs = self.geometry(), other.geometry()
+        for key, value in mine.items():
+            if theirs[key] != value:
+                raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs[key]} on the destination")
+
+    def segment_views(self, word: torch.dtype) -> list[torch.Tensor]:
+        """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``."""
+        words = self.segment_bytes // torch.empty((), dtype=word).element_size()
+        return [t.view(-1).view(word).view(self.segments, self.num_blocks, words) for t in self.layers]
+
+    def check_ids(self, name: str, ids: BlockIds) -> np.ndarray:
+        """Block ids as a 1-d int64 numpy array, each in ``[0, num_blocks)``. numpy, not torch:
+        for the few thousand ids of a step its reductions cost about a microsecond each."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"invalid {name}: must be a 1-d integer array, got {arr.dtype} of shape {arr.shape}")
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.num_blocks:
+                bad = lo if lo < 0 else hi
+                raise InvalidArgumentError(f"invalid {name}: block id {bad} outside [0, {self.num_blocks})")
+        return arr
+
+    @functools.cached_property
+    def pointer_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base, offsets)``: the lowest-addressed layer as a flat int64 tensor, and each
+        layer's distance from it in 8-byte words, on the pool's device. Lets one kernel launch
+        reach every layer; cached because the engine's tensors do not move."""
+        ptrs = [t.data_ptr() for t in self.layers]
+        first = min(range(len(ptrs)), key=ptrs.__getitem__)
+        base = self.layers[first].view(-1).view(torch.uint8)
+        offsets = torch.tensor([(p - ptrs[first]) // 8 for p in ptrs], dtype=torch.int64)
+        return base, offsets.to(self.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKV(<{self.num_layers} layers of {self.shape} {self.dtype} on {self.device}>, "
+            f"tokens_per_block={self.tokens_per_block}, block_dim={self.block_dim})"
+        )

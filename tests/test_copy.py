@@ -1,0 +1,177 @@
+"""copy_blocks against an independent per-block reference, on random data with a poisoned
+destination: every dtype, both block-dimension layouts, odd counts. The fused Triton kernel
+runs on CPU under TRITON_INTERPRET=1 (a subprocess, since the flag is read at import) and on
+the GPU in the `cuda`-marked tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.copy import copy_blocks, copy_blocks_torch
+from kvferry.errors import InvalidArgumentError
+from kvferry.layout import LayoutMismatchError, PagedKV
+
+POISON = 0x7B
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
+
+
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, layers: int = 3, device: str = "cpu", seed: int = 0) -> PagedKV:
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    tensors = tuple(
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape).to(device)
+        for _ in range(layers)
+    )
+    return PagedKV(tensors, 16, block_dim)
+
+
+def poisoned(like: PagedKV, num_blocks: int) -> PagedKV:
+    shape = list(like.shape)
+    shape[like.block_dim] = num_blocks
+    nbytes = torch.Size(shape).numel() * like.layers[0].element_size()
+    tensors = tuple(
+        torch.full((nbytes,), POISON, dtype=torch.uint8, device=like.device).view(like.dtype).view(shape)
+        for _ in range(like.num_layers)
+    )
+    return PagedKV(tensors, like.tokens_per_block, like.block_dim)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def assert_copied(src: PagedKV, dst: PagedKV, s: list[int], d: list[int]) -> None:
+    """Every listed block equals its source byte for byte; every other block kept its poison."""
+    for sl, dl in zip(src.layers, dst.layers):
+        for si, di in zip(s, d):
+            assert torch.equal(as_bytes(dl.select(dst.block_dim, di)), as_bytes(sl.select(src.block_dim, si)))
+        for b in sorted(set(range(dst.num_blocks)) - set(d)):
+            assert bool((as_bytes(dl.select(dst.block_dim, b)) == POISON).all()), f"block {b} was written"
+
+
+def pick(n: int, src_blocks: int, dst_blocks: int, seed: int) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(src_blocks)[:n].tolist(), rng.permutation(dst_blocks)[:n].tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_dim, shape", [(0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))])
+@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("fn", [copy_blocks, copy_blocks_torch], ids=["copy_blocks", "torch"])
+def test_random_blocks_bit_exact(fn, dtype: torch.dtype, block_dim: int, shape: tuple[int, ...], n: int) -> None:  # type: ignore[no-untyped-def]
+    src = random_pool(shape, dtype, block_dim, seed=n)
+    dst = poisoned(src, 41)
+    s, d = pick(n, 37, 41, seed=n)
+    fn(src, dst, np.array(s), torch.tensor(d))
+    assert_copied(src, dst, s, d)
+
+
+def test_segments_not_a_multiple_of_8_bytes_use_byte_words() -> None:
+    src = random_pool((9, 3, 5), torch.uint8, 0)  # 15-byte blocks
+    dst = poisoned(src, 9)
+    copy_blocks(src, dst, [8, 0, 4], [0, 8, 3])
+    assert_copied(src, dst, [8, 0, 4], [0, 8, 3])
+
+
+def test_same_pool_moves_blocks() -> None:
+    pool = random_pool((12, 2, 4, 8), torch.float32, 0)
+    before = [t.clone() for t in pool.layers]
+    copy_blocks(pool, pool, [0, 1], [10, 11])
+    for b, t in zip(before, pool.layers):  # bytes: random bit patterns include NaNs
+        assert torch.equal(as_bytes(t[10:12]), as_bytes(b[0:2])) and torch.equal(as_bytes(t[:10]), as_bytes(b[:10]))
+
+
+def test_empty_copy_is_a_no_op() -> None:
+    src = random_pool((5, 2, 8), torch.float16, 0)
+    dst = poisoned(src, 5)
+    copy_blocks(src, dst, [], [])
+    assert_copied(src, dst, [], [])
+
+
+@pytest.mark.parametrize(
+    "s, d, needle",
+    [
+        ([0, 1], [0], "invalid dst_ids: 1 ids for 2 src_ids"),
+        ([0, 37], [0, 1], "invalid src_ids: block id 37 outside [0, 37)"),
+        ([0, 1], [0, -1], "invalid dst_ids: block id -1"),
+        ([0, 1], [5, 5], "invalid dst_ids: block 5 is written twice"),
+        ([0.0], [1], "invalid src_ids: must be a 1-d integer array, got float64"),
+    ],
+)
+def test_bad_ids_rejected_before_any_write(s, d, needle: str) -> None:  # type: ignore[no-untyped-def]
+    src = random_pool((37, 2, 8), torch.bfloat16, 0)
+    dst = poisoned(src, 41)
+    with pytest.raises(InvalidArgumentError) as exc:
+        copy_blocks(src, dst, s, d)
+    assert needle in str(exc.value)
+    assert_copied(src, dst, [], [])
+
+
+def test_layout_mismatch_rejected_before_any_write() -> None:
+    src = random_pool((8, 2, 8), torch.bfloat16, 0)
+    dst = poisoned(random_pool((8, 2, 8), torch.float16, 0), 8)
+    with pytest.raises(LayoutMismatchError, match="dtype"):
+        copy_blocks(src, dst, [0], [0])
+    assert all(bool((as_bytes(t) == POISON).all()) for t in dst.layers)
+
+
+KERNEL_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from kvferry import _triton_copy
+    from test_copy import random_pool, poisoned, pick, assert_copied
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        for block_dim, shape in ((0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))):
+            for n in (1, 7):
+                for config in (_triton_copy.LaunchConfig(chunk_words=16, block_words=8),
+                               _triton_copy.LaunchConfig(chunk_words=64, block_words=64, cache_hints=False)):
+                    src = random_pool(shape, dtype, block_dim, seed=n)
+                    dst = poisoned(src, 41)
+                    s, d = pick(n, 37, 41, seed=n)
+                    assert _triton_copy.supports(src, dst)
+                    ids = torch.from_numpy(np.stack([np.array(s), np.array(d)]))
+                    _triton_copy.copy_blocks(src, dst, ids, config)
+                    assert_copied(src, dst, s, d)
+    print("kernel ok")
+    """
+)
+
+
+def test_fused_kernel_under_the_triton_interpreter() -> None:
+    """The kernel's indexing (layer offsets, segments, chunk tails) checked on CPU."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel ok" in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_dim, shape", [(0, (37, 2, 16, 4, 64)), (1, (2, 37, 16, 4, 64))])
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_cuda_fused_copy_bit_exact(dtype: torch.dtype, block_dim: int, shape: tuple[int, ...], n: int) -> None:
+    src = random_pool(shape, dtype, block_dim, layers=5, device="cuda", seed=n)
+    dst = poisoned(src, 41)
+    s, d = pick(n, 37, 41, seed=n)
+    copy_blocks(src, dst, s, d)
+    torch.cuda.synchronize()
+    assert_copied(src, dst, s, d)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_cuda_host_device_pools(where: tuple[str, str]) -> None:
+    src = random_pool((9, 2, 16, 64), torch.bfloat16, 0, device=where[0])
+    dst = poisoned(random_pool((11, 2, 16, 64), torch.bfloat16, 0, device=where[1]), 11)
+    copy_blocks(src, dst, [8, 0, 3], [1, 10, 4])
+    torch.cuda.synchronize()
+    assert_copied(src, dst, [8, 0, 3], [1, 10, 4])
