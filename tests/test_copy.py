@@ -130,8 +130,8 @@ KERNEL_CHECK = textwrap.dedent(
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for block_dim, shape in ((0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))):
             for n in (1, 7):
-                for config in (_triton_copy.LaunchConfig(chunk_words=16, block_words=8),
-                               _triton_copy.LaunchConfig(chunk_words=64, block_words=64, cache_hints=False)):
+                for config in (_triton_copy.LaunchConfig(chunk_words=16, block_words=8, num_warps=4, cache_hints=True),
+                               _triton_copy.LaunchConfig(chunk_words=64, block_words=64, num_warps=4, cache_hints=False)):
                     src = random_pool(shape, dtype, block_dim, seed=n)
                     dst = poisoned(src, 41)
                     s, d = pick(n, 37, 41, seed=n)
@@ -139,6 +139,13 @@ KERNEL_CHECK = textwrap.dedent(
                     ids = torch.from_numpy(np.stack([np.array(s), np.array(d)]))
                     _triton_copy.copy_blocks(src, dst, ids, config)
                     assert_copied(src, dst, s, d)
+    # The size-based choice of launch shape runs too.
+    src = random_pool((9, 2, 4, 8), torch.float16, 0)
+    dst = poisoned(src, 9)
+    _triton_copy.copy_blocks(src, dst, torch.tensor([[0, 8], [8, 0]]))
+    assert_copied(src, dst, [0, 8], [8, 0])
+    assert _triton_copy.pick_config(1 << 30) == _triton_copy.LARGE
+    assert _triton_copy.pick_config(34 << 20) == _triton_copy.SMALL
     print("kernel ok")
     """
 )

@@ -28,18 +28,27 @@ ALIGN = 16
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Work per program and its shape; the defaults were chosen on an H200 (docs/benchmarks.md)."""
+    """Work per program and its shape."""
 
-    chunk_words: int = 2048
-    block_words: int = 1024
-    num_warps: int = 4
-    cache_hints: bool = True
-
-
-DEFAULT = LaunchConfig()
+    chunk_words: int
+    block_words: int
+    num_warps: int
+    cache_hints: bool
 
 
-@triton.jit
+# Chosen from a sweep of 80 configurations on an H200 (docs/benchmarks.md): small batches
+# want many short programs to fill 132 SMs quickly; large ones long programs with 16 warps.
+SMALL = LaunchConfig(chunk_words=4096, block_words=1024, num_warps=4, cache_hints=True)
+LARGE = LaunchConfig(chunk_words=16384, block_words=1024, num_warps=16, cache_hints=False)
+LARGE_FROM_BYTES = 1 << 30
+
+
+def pick_config(payload_bytes: int) -> LaunchConfig:
+    """The launch shape for a copy of ``payload_bytes`` in all."""
+    return LARGE if payload_bytes >= LARGE_FROM_BYTES else SMALL
+
+
+@triton.jit(do_not_specialize=["n_pairs", "src_seg_stride", "dst_seg_stride"])
 def _copy_kernel(
     src_base,
     dst_base,
@@ -87,18 +96,22 @@ def supports(src: PagedKV, dst: PagedKV) -> bool:
     return all(t.data_ptr() % ALIGN == 0 for t in (*src.layers, *dst.layers))
 
 
-def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchConfig = DEFAULT) -> None:
+def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchConfig | None = None) -> None:
     """Launches the kernel. ``ids`` is a validated ``(2, n)`` int64 tensor on the pools'
     device: row 0 source blocks, row 1 destination blocks."""
+    n = ids.shape[1]
+    if config is None:
+        config = pick_config(n * src.num_layers * src.block_bytes)
     seg_words = src.segment_bytes // WORD_BYTES
     chunk = min(config.chunk_words, triton.next_power_of_2(seg_words))
     block = min(config.block_words, chunk)
     chunks_per_seg = triton.cdiv(seg_words, chunk)
     src_base, src_off = src.pointer_table
     dst_base, dst_off = dst.pointer_table
-    n = ids.shape[1]
-    # CPU tensors reach here only under TRITON_INTERPRET=1 (the tests run the kernel so on CI).
-    where = torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext()
+    # Switching devices costs microseconds a launch: only when the pool is not on the current
+    # one. CPU tensors reach here only under TRITON_INTERPRET=1 (how CI runs the kernel).
+    on_current = src.device.type != "cuda" or src.device.index in (None, torch.cuda.current_device())
+    where = contextlib.nullcontext() if on_current else torch.cuda.device(src.device)
     with where:
         _copy_kernel[(n, src.num_layers, src.segments * chunks_per_seg)](
             src_base,

@@ -110,6 +110,10 @@ class PagedKV:
         """Bytes of one block in one layer."""
         return self.segments * self.segment_bytes
 
+    @functools.cached_property
+    def _geometry(self) -> dict[str, object]:
+        return self.geometry()
+
     def geometry(self) -> dict[str, object]:
         """What must match between a sender's and a receiver's pool."""
         return {
@@ -122,7 +126,7 @@ class PagedKV:
 
     def check_compatible(self, other: PagedKV) -> None:
         """Raises :class:`LayoutMismatchError` naming the first field that differs."""
-        mine, theirs = self.geometry(), other.geometry()
+        mine, theirs = self._geometry, other._geometry
         for key, value in mine.items():
             if theirs[key] != value:
                 raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs[key]} on the destination")
