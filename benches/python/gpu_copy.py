@@ -1,6 +1,7 @@
-"""Fused block copy on one GPU: correctness against torch on random data with a poisoned
-destination, then bandwidth with CUDA events next to the device-to-device copy ceiling and
-torch's index_select + index_copy_, all measured in the same run.
+"""Fused block copy on one GPU: bandwidth with CUDA events next to the device-to-device copy
+ceiling and torch's index_select + index_copy_, all measured in the same run, each size
+verified byte for byte on a poisoned destination (the full correctness matrix is the `cuda`
+tests of tests/test_copy.py: run them in the same call).
 
     python benches/python/gpu_copy.py [--json PATH] [--quick]
 
@@ -27,114 +28,18 @@ from kvferry.layout import PagedKV
 POISON = 0x7B  # a byte pattern no random fill is likely to leave everywhere
 
 
-def time_ms(fn: Callable[[], None], reps: int, warmup: int = 5) -> float:
-    """Median of ``reps`` CUDA-event timings after ``warmup`` calls."""
+def _median_event_ms(fn: Callable[[], None], reps: int, *, calls: int = 1, queued: bool = False, warmup: int = 5) -> float:
+    """Median CUDA-event time of ``calls`` back-to-back calls of ``fn``, divided by ``calls``.
+    ``queued``: a sleep kernel keeps the GPU busy while the host issues the calls, so the
+    events bracket device work only (a copy queued behind a forward on its stream)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def random_pool(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str, block_dim: int, tpb: int) -> PagedKV:
-    layers = []
-    for _ in range(num_layers):
-        raw = torch.randint(-(2**31), 2**31 - 1, (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // 4,), dtype=torch.int32, device=device)
-        layers.append(raw.view(dtype).view(shape))
-    return PagedKV(tuple(layers), tpb, block_dim)
-
-
-def poisoned_like(pool: PagedKV, num_blocks: int) -> PagedKV:
-    shape = list(pool.shape)
-    shape[pool.block_dim] = num_blocks
-    nbytes = torch.Size(shape).numel() * pool.layers[0].element_size()
-    layers = tuple(
-        torch.full((nbytes,), POISON, dtype=torch.uint8, device=pool.device).view(pool.dtype).view(shape)
-        for _ in range(pool.num_layers)
-    )
-    return PagedKV(layers, pool.tokens_per_block, pool.block_dim)
-
-
-def check_correctness(device: str) -> list[str]:
-    """Every dtype, odd counts, both block dims, CPU<->GPU: fused path equals torch path bit
-    for bit, and blocks not written keep their poison."""
-    failures = []
-    gen = torch.Generator().manual_seed(0)
-    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-    for dtype in dtypes:
-        for block_dim, shape in ((0, (37, 2, 16, 4, 64)), (1, (2, 37, 16, 4, 64))):
-            for n in (1, 7, 33):
-                src = random_pool(5, shape, dtype, device, block_dim, 16)
-                src_ids = torch.randperm(37, generator=gen)[:n]
-                dst_ids = torch.randperm(41, generator=gen)[:n]
-                got = poisoned_like(src, 41)
-                want = poisoned_like(src, 41)
-                copy_blocks(src, got, src_ids, dst_ids)
-                copy_blocks_torch(src, want, src_ids, dst_ids)
-                torch.cuda.synchronize()
-                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got.layers, want.layers))
-                untouched = sorted(set(range(41)) - set(dst_ids.tolist()))
-                idx = torch.tensor(untouched, device=device)
-                poison_kept = all(
-                    bool((layer.index_select(block_dim, idx).contiguous().view(torch.uint8) == POISON).all())
-                    for layer in got.layers
-                )
-                # Independent check against a plain Python-indexed reference.
-                ref_ok = all(
-                    torch.equal(
-                        g.select(block_dim, int(d)).contiguous().view(torch.uint8),
-                        s.select(block_dim, int(si)).contiguous().view(torch.uint8),
-                    )
-                    for g, s in zip(got.layers, src.layers)
-                    for si, d in zip(src_ids, dst_ids)
-                )
-                if not (same and poison_kept and ref_ok):
-                    failures.append(f"{dtype} block_dim={block_dim} n={n}: same={same} poison={poison_kept} ref={ref_ok}")
-    # Pools on different devices (host <-> device) take the torch path.
-    for a, b in (("cpu", device), (device, "cpu")):
-        src = random_pool(3, (9, 2, 16, 4, 64), torch.bfloat16, a, 0, 16)
-        dst = poisoned_like(random_pool(3, (11, 2, 16, 4, 64), torch.bfloat16, b, 0, 16), 11)
-        copy_blocks(src, dst, [8, 0, 3], [1, 10, 4])
-        torch.cuda.synchronize()
-        ok = all(torch.equal(d[[1, 10, 4]].cpu().view(torch.uint8), s[[8, 0, 3]].cpu().view(torch.uint8)) for s, d in zip(src.layers, dst.layers))
-        if not ok:
-            failures.append(f"cross-device {a}->{b}")
-    return failures
-
-
-def time_queued_ms(fn: Callable[[], None], reps: int, warmup: int = 5) -> float:
-    """Median device time of one call, its host-side launch hidden: the GPU is kept busy with
-    a sleep kernel while the host issues the call, so the events bracket only device work
-    (the situation of a copy queued behind a forward on a stream)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # about 1 ms at 1.98 GHz: longer than any host launch
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def time_back_to_back_ms(fn: Callable[[], None], calls: int = 20, reps: int = 10) -> float:
-    """Median per-call time of ``calls`` launches queued back to back (host runs ahead)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(2_000_000)  # about 1 ms at 1.98 GHz: longer than any host launch
         start.record()
         for _ in range(calls):
             fn()
@@ -142,6 +47,45 @@ def time_back_to_back_ms(fn: Callable[[], None], calls: int = 20, reps: int = 10
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def time_ms(fn: Callable[[], None], reps: int) -> float:
+    """One call on an idle GPU: host launch overhead included."""
+    return _median_event_ms(fn, reps)
+
+
+def time_queued_ms(fn: Callable[[], None], reps: int) -> float:
+    """One call's device time, its host launch hidden behind queued work."""
+    return _median_event_ms(fn, reps, queued=True)
+
+
+def time_back_to_back_ms(fn: Callable[[], None], reps: int = 10) -> float:
+    """Per-call time of 20 calls queued back to back (the host runs ahead of the GPU)."""
+    return _median_event_ms(fn, reps, calls=20)
+
+
+def bench_pool(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, tpb: int) -> PagedKV:
+    """A pool of random bits filled on the device (gigabytes: too slow to fill on the host)."""
+    words = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // 4
+    layers = tuple(
+        torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda").view(dtype).view(shape)
+        for _ in range(num_layers)
+    )
+    return PagedKV(layers, tpb, block_dim)
+
+
+def verify(src: PagedKV, dst: PagedKV, s_ids: np.ndarray, d_ids: np.ndarray) -> bool:
+    """Poisons the destination blocks, copies once more, and compares byte for byte with the
+    source blocks (the full dtype/layout matrix is tests/test_copy.py's `cuda` tests)."""
+    s, d = torch.from_numpy(s_ids).cuda(), torch.from_numpy(d_ids).cuda()
+    for layer in dst.layers:
+        layer.view(torch.uint8).view(dst.num_blocks, -1).index_fill_(0, d, POISON)
+    copy_blocks(src, dst, s_ids, d_ids)
+    torch.cuda.synchronize()
+    return all(
+        torch.equal(dl.view(torch.uint8).view(dst.num_blocks, -1)[d], sl.view(torch.uint8).view(src.num_blocks, -1)[s])
+        for sl, dl in zip(src.layers, dst.layers)
+    )
 
 
 def host_overhead_us(src: PagedKV, dst: PagedKV, device: str, n: int = 8, calls: int = 200) -> dict[str, float]:
@@ -190,8 +134,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
 
-    failures = check_correctness(device)
-    print("correctness:", "OK" if not failures else failures)
+    failures: list[str] = []
 
     # Ceiling: a large contiguous copy, bytes read + written.
     big = torch.empty(4 * 1024**3, dtype=torch.uint8, device=device)
@@ -203,8 +146,8 @@ def main() -> int:
 
     layers, pool_blocks = 32, 4096 + 64
     shape = (pool_blocks, 2, 32, 8, 128)  # 128 KiB per block per layer, bf16
-    src = random_pool(layers, shape, torch.bfloat16, device, 0, 32)
-    dst = random_pool(layers, shape, torch.bfloat16, device, 0, 32)
+    src = bench_pool(layers, shape, torch.bfloat16, 0, 32)
+    dst = bench_pool(layers, shape, torch.bfloat16, 0, 32)
     configs = sweep_configs() if args.sweep else [_triton_copy.SMALL, _triton_copy.LARGE]
     rows, sweep = [], []
     for n in (8, 64, 1024, 4096):
@@ -227,6 +170,8 @@ def main() -> int:
         queued_t = time_queued_ms(lambda: _triton_copy.copy_blocks(src, dst, ids), reps)
         api_queued_t = time_queued_ms(lambda: copy_blocks(src, dst, s_ids, d_ids), reps)
         torch_t = time_ms(lambda: copy_blocks_torch(src, dst, s_ids, d_ids), max(5, reps // 5))
+        if not verify(src, dst, s_ids, d_ids):
+            failures.append(f"{n} blocks: copied bytes differ from the source")
         row = {"blocks": n, "payload_mb": payload / 1e6, "best_config": best.__dict__}
         for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
             row[f"{key}_ms"] = t
@@ -236,6 +181,7 @@ def main() -> int:
         row["speedup_vs_torch"] = torch_t / default_t
         rows.append(row)
         print(f"{n} blocks: top configs", [(round(t, 4), c.__dict__) for t, c in results[:3]])
+    print("correctness:", "OK" if not failures else failures)
     overhead = host_overhead_us(src, dst, device)
     print("host time per call (us, median of 200):", {k: round(v, 1) for k, v in overhead.items()})
     print()
