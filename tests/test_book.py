@@ -518,3 +518,27 @@ def test_slice_plan_arrays_are_copies() -> None:
     assert plan.end.tolist() == [3]
     table = np.arange(16, dtype=np.int64).reshape(2, 8)
     assert block_pairs(plan, table, table).src.tolist() == [8, 9, 10]
+
+
+def test_plan_with_tables_emits_pairs_and_refuses_bad_tables_before_claiming() -> None:
+    import kvferry
+
+    book = kvferry.TransferBook(4)
+    book.add(1, 32, reused_len=12)
+    src = np.arange(100, 108)[None, :]
+    dst = np.arange(200, 208)[None, :]
+    with pytest.raises(kvferry.InvalidArgumentError, match="dst_block_table"):
+        book.plan_early([1], src_block_table=src, dst_block_table=dst[:, :2])
+    assert not book.prefix_sent(1) and book.claimed_blocks(1) == 0
+    with pytest.raises(kvferry.InvalidArgumentError, match="dst_block_table=None"):
+        book.plan_early([1], src_block_table=src)
+    plan = book.plan_early([1], src_block_table=src, dst_block_table=dst)
+    assert plan.pairs is not None
+    assert plan.pairs.src.tolist() == [100, 101, 102] and plan.pairs.dst.tolist() == [200, 201, 202]
+    with pytest.raises(kvferry.InvalidArgumentError, match="src_block_table"):
+        book.plan_chunks([1], [12], [32], src_block_table=-src, dst_block_table=dst)
+    assert book.claimed_blocks(1) == 3
+    done = book.plan_chunks([1], [12], [32], src_block_table=src, dst_block_table=dst)
+    assert done.pairs is not None and done.pairs.dst.tolist() == [203, 204, 205, 206, 207]
+    assert book.is_complete(1)
+    assert book.plan_early([1]).pairs is None

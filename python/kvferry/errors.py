@@ -11,6 +11,8 @@ __all__ = [
     "InvalidArgumentError",
     "DuplicateTransferError",
     "UnknownRequestError",
+    "TransferError",
+    "TransferTimeoutError",
 ]
 
 
@@ -32,3 +34,11 @@ class UnknownRequestError(KvFerryError, KeyError):
     def __str__(self) -> str:
         # KeyError quotes its argument; keep the message readable.
         return str(self.args[0]) if self.args else ""
+
+
+class TransferError(KvFerryError):
+    """A transfer failed (a copy raised, a peer went away, a notice was refused)."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not complete within its deadline."""

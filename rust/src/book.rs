@@ -244,6 +244,17 @@ impl TransferBook {
     /// prefix already sent, no complete reused block, sliding window, or the book is not
     /// pipelined) are skipped; unknown or repeated ids fail the whole call, changing nothing.
     pub fn plan_early(&mut self, ids: &[i64]) -> Result<SlicePlan> {
+        self.plan_early_then(ids, |_| Ok(())).map(|(plan, ())| plan)
+    }
+
+    /// [`TransferBook::plan_early`], committing the claims only if `check(&plan)` succeeds:
+    /// whatever consumes the plan (block-id pairs from the block tables, say) can refuse it
+    /// without a block being marked sent that never left.
+    pub fn plan_early_then<T>(
+        &mut self,
+        ids: &[i64],
+        check: impl FnOnce(&SlicePlan) -> Result<T>,
+    ) -> Result<(SlicePlan, T)> {
         self.step += 1;
         let (step, pipelined) = (self.step, self.pipelined);
         let mut plan = SlicePlan::with_capacity(ids.len());
@@ -259,6 +270,7 @@ impl TransferBook {
                 plan.push(i, id, range, false);
             }
         }
+        let checked = check(&plan)?;
         for (k, &id) in plan.request_id.iter().enumerate() {
             let range = BlockRange::from_bounds(plan.start[k] as u64, plan.end[k] as u64);
             // Every id was found in pass 1; `if let` keeps panics out of the core.
@@ -266,7 +278,7 @@ impl TransferBook {
                 entry.ledger.commit_early(range);
             }
         }
-        Ok(plan)
+        Ok((plan, checked))
     }
 
     /// Plans and claims the slices of a batch of finished prefill chunks
@@ -279,6 +291,19 @@ impl TransferBook {
         chunk_starts: &[i64],
         chunk_ends: &[i64],
     ) -> Result<SlicePlan> {
+        self.plan_chunks_then(ids, chunk_starts, chunk_ends, |_| Ok(()))
+            .map(|(plan, ())| plan)
+    }
+
+    /// [`TransferBook::plan_chunks`], committing only if `check(&plan)` succeeds (see
+    /// [`TransferBook::plan_early_then`]).
+    pub fn plan_chunks_then<T>(
+        &mut self,
+        ids: &[i64],
+        chunk_starts: &[i64],
+        chunk_ends: &[i64],
+        check: impl FnOnce(&SlicePlan) -> Result<T>,
+    ) -> Result<(SlicePlan, T)> {
         for (name, len) in [
             ("chunk_starts", chunk_starts.len()),
             ("chunk_ends", chunk_ends.len()),
@@ -310,12 +335,13 @@ impl TransferBook {
             }
             ranges.push(range);
         }
+        let checked = check(&plan)?;
         for (&id, range) in ids.iter().zip(ranges) {
             if let Some(entry) = self.entries.get_mut(&id) {
                 entry.ledger.commit_chunk(range);
             }
         }
-        Ok(plan)
+        Ok((plan, checked))
     }
 }
 
@@ -395,6 +421,24 @@ mod tests {
         let mut off = TransferBook::new(4, false).unwrap();
         off.add(1, spec(32, 12)).unwrap();
         assert!(off.plan_early(&[1]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_refused_check_commits_nothing() {
+        let mut book = TransferBook::new(4, true).unwrap();
+        book.add(1, spec(32, 12)).unwrap();
+        let refuse =
+            |_: &SlicePlan| -> Result<()> { Err(CoreError::invalid("dst_block_table", "x", "y")) };
+        assert!(book.plan_early_then(&[1], refuse).is_err());
+        assert!(!book.ledger(1).unwrap().prefix_sent());
+        assert!(book.plan_chunks_then(&[1], &[12], &[20], refuse).is_err());
+        assert_eq!(book.ledger(1).unwrap().claimed_blocks(), 0);
+        assert!(!book.ledger(1).unwrap().forward_started());
+        let (plan, n) = book
+            .plan_early_then(&[1], |p| Ok(p.total_blocks()))
+            .unwrap();
+        assert_eq!((plan.len(), n), (1, 3));
+        assert!(book.ledger(1).unwrap().prefix_sent());
     }
 
     #[test]

@@ -1,20 +1,31 @@
 //! `kvferry.TransferBook` and the flat plans it returns: one call per scheduler step.
 
-use numpy::{PyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::arrays::{i64_table, i64_vec, slice};
+use super::arrays::{i64_vec, slice};
 use super::errors::fence;
 use super::ledger::PyTransferLedger;
+use super::pairs::{BorrowedTables, PySlicePlan};
 use super::range::PyBlockRange;
 use crate::book::{RequestSpec, SlicePlan, TransferBook};
-use crate::pairs::{BlockPairs, BlockRuns, BlockTable};
+use crate::pairs::{BlockPairs, BlockTable};
+
+/// The block pairs of `plan` when tables were given.
+fn pairs_if(plan: &SlicePlan, tables: Option<(BlockTable<'_>, BlockTable<'_>)>) -> crate::Result<Option<BlockPairs>> {
+    tables.map(|(src, dst)| crate::pairs::block_pairs(plan, src, dst)).transpose()
+}
+
+/// Whether planning a batch is worth releasing the GIL for.
+fn detach(requests: usize, with_pairs: bool) -> bool {
+    requests > DETACH_REQUESTS || (with_pairs && requests > DETACH_REQUESTS_WITH_PAIRS)
+}
 
 /// Batches larger than this release the GIL while they are planned: below it, the cost of
 /// dropping and retaking the GIL is a noticeable share of a few-microsecond call.
 const DETACH_REQUESTS: usize = 4096;
-/// Pair/run emission releases the GIL above this many blocks (about 10 us of work).
-const DETACH_BLOCKS: u64 = 8192;
+/// With block tables, batches above this many requests release the GIL: their pairs are
+/// tens of microseconds of work (a reused prefix is hundreds of blocks per request).
+const DETACH_REQUESTS_WITH_PAIRS: usize = 16;
 
 /// The transfer ledgers of every live request of one worker, planned a batch at a time.
 /// Owned by the executor thread that runs the scheduler loop.
@@ -104,31 +115,39 @@ impl PyTransferBook {
     }
 
     /// Plans and claims the early prefix slices of the batch about to run its context forward.
+    /// With both block tables, the plan also carries its block pairs (``plan.pairs``), and a
+    /// table that cannot serve the plan fails the call before anything is claimed.
+    #[pyo3(signature = (request_ids, *, src_block_table=None, dst_block_table=None))]
     fn plan_early(
         &mut self,
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
+        src_block_table: Option<&Bound<'_, PyAny>>,
+        dst_block_table: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlicePlan> {
         fence(|| {
             let ids = i64_vec(request_ids, "request_ids")?;
             let ids = slice(&ids)?;
+            let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
+            let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
             let book = &mut self.0;
-            let plan = if ids.len() > DETACH_REQUESTS {
-                py.detach(|| book.plan_early(ids))
-            } else {
-                book.plan_early(ids)
-            };
-            Ok(PySlicePlan(plan?))
+            let mut run = || book.plan_early_then(ids, |plan| pairs_if(plan, views));
+            let (plan, pairs) = if detach(ids.len(), views.is_some()) { py.detach(run) } else { run() }?;
+            PySlicePlan::new(py, plan, pairs)
         })
     }
 
-    /// Plans and claims the slices of a batch of finished prefill chunks.
+    /// Plans and claims the slices of a batch of finished prefill chunks; block tables as in
+    /// ``plan_early``.
+    #[pyo3(signature = (request_ids, chunk_starts, chunk_ends, *, src_block_table=None, dst_block_table=None))]
     fn plan_chunks(
         &mut self,
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
         chunk_starts: &Bound<'_, PyAny>,
         chunk_ends: &Bound<'_, PyAny>,
+        src_block_table: Option<&Bound<'_, PyAny>>,
+        dst_block_table: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlicePlan> {
         fence(|| {
             let (ids, starts, ends) = (
@@ -137,13 +156,12 @@ impl PyTransferBook {
                 i64_vec(chunk_ends, "chunk_ends")?,
             );
             let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
+            let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
+            let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
             let book = &mut self.0;
-            let plan = if ids.len() > DETACH_REQUESTS {
-                py.detach(|| book.plan_chunks(ids, starts, ends))
-            } else {
-                book.plan_chunks(ids, starts, ends)
-            };
-            Ok(PySlicePlan(plan?))
+            let mut run = || book.plan_chunks_then(ids, starts, ends, |plan| pairs_if(plan, views));
+            let (plan, pairs) = if detach(ids.len(), views.is_some()) { py.detach(run) } else { run() }?;
+            PySlicePlan::new(py, plan, pairs)
         })
     }
 
@@ -165,209 +183,3 @@ impl PyTransferBook {
     }
 }
 
-/// The slices planned for one batch, as parallel arrays (one element per slice). Row
-/// ``request_index[k]`` of the block tables belongs to slice ``k``.
-#[pyclass(frozen, name = "SlicePlan", module = "kvferry")]
-pub struct PySlicePlan(SlicePlan);
-
-#[pymethods]
-impl PySlicePlan {
-    /// Number of requests in the batch the plan was made from.
-    #[getter]
-    fn num_requests(&self) -> usize {
-        self.0.num_requests
-    }
-
-    /// Batch position of each slice's request (int64).
-    #[getter]
-    fn request_index<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        PyArray1::from_slice(py, &self.0.request_index)
-    }
-
-    /// Request id of each slice (int64).
-    #[getter]
-    fn request_id<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        PyArray1::from_slice(py, &self.0.request_id)
-    }
-
-    /// First block of each slice (int64).
-    #[getter]
-    fn start<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        PyArray1::from_slice(py, &self.0.start)
-    }
-
-    /// One past the last block of each slice (int64).
-    #[getter]
-    fn end<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        PyArray1::from_slice(py, &self.0.end)
-    }
-
-    /// True for the slice that finishes its request (bool).
-    #[getter]
-    fn last<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        PyArray1::from_slice(py, &self.0.last)
-    }
-
-    /// Total blocks over all slices.
-    #[getter]
-    fn total_blocks(&self) -> u64 {
-        self.0.total_blocks()
-    }
-
-    /// ``(request_id, BlockRange, last)`` per slice, for logs and tests (not the hot path).
-    fn slices(&self) -> Vec<(i64, PyBlockRange, bool)> {
-        (0..self.0.len())
-            .map(|k| {
-                let range = crate::range::BlockRange::from_bounds(
-                    self.0.start[k] as u64,
-                    self.0.end[k] as u64,
-                );
-                (self.0.request_id[k], PyBlockRange(range), self.0.last[k])
-            })
-            .collect()
-    }
-
-    fn __len__(&self) -> usize {
-        self.0.len()
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "SlicePlan(<{} slices, {} blocks, from {} requests>)",
-            self.0.len(),
-            self.0.total_blocks(),
-            self.0.num_requests
-        )
-    }
-}
-
-/// Physical ``(src, dst)`` block ids of a plan; slice ``k`` owns
-/// ``src[offsets[k]:offsets[k+1]]``.
-#[pyclass(frozen, name = "BlockPairs", module = "kvferry")]
-pub struct PyBlockPairs {
-    #[pyo3(get)]
-    src: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    dst: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    offsets: Py<PyArray1<i64>>,
-}
-
-#[pymethods]
-impl PyBlockPairs {
-    fn __len__(&self, py: Python<'_>) -> usize {
-        PyUntypedArrayMethods::len(self.src.bind(py))
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "BlockPairs(<{} pairs>)",
-            PyUntypedArrayMethods::len(self.src.bind(py))
-        )
-    }
-}
-
-/// Coalesced runs of a plan (both sides contiguous); slice ``k`` owns runs
-/// ``offsets[k]:offsets[k+1]``.
-#[pyclass(frozen, name = "BlockRuns", module = "kvferry")]
-pub struct PyBlockRuns {
-    #[pyo3(get)]
-    src: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    dst: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    len: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    offsets: Py<PyArray1<i64>>,
-}
-
-#[pymethods]
-impl PyBlockRuns {
-    fn __len__(&self, py: Python<'_>) -> usize {
-        PyUntypedArrayMethods::len(self.src.bind(py))
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "BlockRuns(<{} runs>)",
-            PyUntypedArrayMethods::len(self.src.bind(py))
-        )
-    }
-}
-
-/// Borrows both tables and runs `f` on them, without the GIL for big plans.
-fn with_tables<T: Send>(
-    py: Python<'_>,
-    plan: &SlicePlan,
-    src_block_table: &Bound<'_, PyAny>,
-    dst_block_table: &Bound<'_, PyAny>,
-    f: impl FnOnce(&SlicePlan, BlockTable<'_>, BlockTable<'_>) -> crate::Result<T> + Send,
-) -> PyResult<T> {
-    let src: PyReadonlyArray2<'_, i64> = i64_table(src_block_table, "src_block_table")?;
-    let dst = i64_table(dst_block_table, "dst_block_table")?;
-    let (s_shape, d_shape) = (src.shape(), dst.shape());
-    let (s, d) = (slice(&src)?, slice(&dst)?);
-    let src = BlockTable::new("src_block_table", s, s_shape[0], s_shape[1])?;
-    let dst = BlockTable::new("dst_block_table", d, d_shape[0], d_shape[1])?;
-    let result = if plan.total_blocks() > DETACH_BLOCKS {
-        py.detach(|| f(plan, src, dst))
-    } else {
-        f(plan, src, dst)
-    };
-    Ok(result?)
-}
-
-/// The physical ``(src, dst)`` id of every planned block. Row ``i`` of each ``(n, max_blocks)``
-/// int64 table maps request ``i`` of the planned batch's logical blocks to physical ids.
-#[pyfunction]
-pub fn block_pairs(
-    py: Python<'_>,
-    plan: &PySlicePlan,
-    src_block_table: &Bound<'_, PyAny>,
-    dst_block_table: &Bound<'_, PyAny>,
-) -> PyResult<PyBlockPairs> {
-    fence(|| {
-        let BlockPairs { src, dst, offsets } = with_tables(
-            py,
-            &plan.0,
-            src_block_table,
-            dst_block_table,
-            crate::pairs::block_pairs,
-        )?;
-        Ok(PyBlockPairs {
-            src: PyArray1::from_vec(py, src).unbind(),
-            dst: PyArray1::from_vec(py, dst).unbind(),
-            offsets: PyArray1::from_vec(py, offsets).unbind(),
-        })
-    })
-}
-
-/// The planned blocks as maximal runs where both source and destination ids are contiguous.
-#[pyfunction]
-pub fn block_runs(
-    py: Python<'_>,
-    plan: &PySlicePlan,
-    src_block_table: &Bound<'_, PyAny>,
-    dst_block_table: &Bound<'_, PyAny>,
-) -> PyResult<PyBlockRuns> {
-    fence(|| {
-        let BlockRuns {
-            src,
-            dst,
-            len,
-            offsets,
-        } = with_tables(
-            py,
-            &plan.0,
-            src_block_table,
-            dst_block_table,
-            crate::pairs::block_runs,
-        )?;
-        Ok(PyBlockRuns {
-            src: PyArray1::from_vec(py, src).unbind(),
-            dst: PyArray1::from_vec(py, dst).unbind(),
-            len: PyArray1::from_vec(py, len).unbind(),
-            offsets: PyArray1::from_vec(py, offsets).unbind(),
-        })
-    })
-}

