@@ -11,8 +11,13 @@ use crate::book::{RequestSpec, SlicePlan, TransferBook};
 use crate::pairs::{BlockPairs, BlockTable};
 
 /// The block pairs of `plan` when tables were given.
-fn pairs_if(plan: &SlicePlan, tables: Option<(BlockTable<'_>, BlockTable<'_>)>) -> crate::Result<Option<BlockPairs>> {
-    tables.map(|(src, dst)| crate::pairs::block_pairs(plan, src, dst)).transpose()
+fn pairs_if(
+    plan: &SlicePlan,
+    tables: Option<(BlockTable<'_>, BlockTable<'_>)>,
+) -> crate::Result<Option<BlockPairs>> {
+    tables
+        .map(|(src, dst)| crate::pairs::block_pairs(plan, src, dst))
+        .transpose()
 }
 
 /// Whether planning a batch is worth releasing the GIL for.
@@ -132,7 +137,11 @@ impl PyTransferBook {
             let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
             let book = &mut self.0;
             let mut run = || book.plan_early_then(ids, |plan| pairs_if(plan, views));
-            let (plan, pairs) = if detach(ids.len(), views.is_some()) { py.detach(run) } else { run() }?;
+            let (plan, pairs) = if detach(ids.len(), views.is_some()) {
+                py.detach(run)
+            } else {
+                run()
+            }?;
             PySlicePlan::new(py, plan, pairs)
         })
     }
@@ -160,7 +169,11 @@ impl PyTransferBook {
             let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
             let book = &mut self.0;
             let mut run = || book.plan_chunks_then(ids, starts, ends, |plan| pairs_if(plan, views));
-            let (plan, pairs) = if detach(ids.len(), views.is_some()) { py.detach(run) } else { run() }?;
+            let (plan, pairs) = if detach(ids.len(), views.is_some()) {
+                py.detach(run)
+            } else {
+                run()
+            }?;
             PySlicePlan::new(py, plan, pairs)
         })
     }
@@ -182,4 +195,3 @@ impl PyTransferBook {
         )
     }
 }
-

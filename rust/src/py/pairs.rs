@@ -24,7 +24,9 @@ pub struct PySlicePlan {
 impl PySlicePlan {
     /// Wraps a plan and, when the book emitted them with the plan, its block pairs.
     pub fn new(py: Python<'_>, plan: SlicePlan, pairs: Option<BlockPairs>) -> PyResult<Self> {
-        let pairs = pairs.map(|p| Py::new(py, PyBlockPairs::from_core(py, p))).transpose()?;
+        let pairs = pairs
+            .map(|p| Py::new(py, PyBlockPairs::from_core(py, p)))
+            .transpose()?;
         Ok(Self { plan, pairs })
     }
 }
@@ -87,7 +89,11 @@ impl PySlicePlan {
                     self.plan.start[k] as u64,
                     self.plan.end[k] as u64,
                 );
-                (self.plan.request_id[k], PyBlockRange(range), self.plan.last[k])
+                (
+                    self.plan.request_id[k],
+                    PyBlockRange(range),
+                    self.plan.last[k],
+                )
             })
             .collect()
     }
@@ -178,7 +184,10 @@ pub struct BorrowedTables<'py> {
 
 impl<'py> BorrowedTables<'py> {
     /// Borrows (or converts) both tables.
-    pub fn borrow(src_block_table: &Bound<'py, PyAny>, dst_block_table: &Bound<'py, PyAny>) -> PyResult<Self> {
+    pub fn borrow(
+        src_block_table: &Bound<'py, PyAny>,
+        dst_block_table: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
         Ok(Self {
             src: i64_table(src_block_table, "src_block_table")?,
             dst: i64_table(dst_block_table, "dst_block_table")?,
@@ -193,8 +202,18 @@ impl<'py> BorrowedTables<'py> {
         match (src_block_table, dst_block_table) {
             (Some(s), Some(d)) => Self::borrow(s, d).map(Some),
             (None, None) => Ok(None),
-            (Some(_), None) => Err(CoreError::invalid("dst_block_table", "None", "given with src_block_table").into()),
-            (None, Some(_)) => Err(CoreError::invalid("src_block_table", "None", "given with dst_block_table").into()),
+            (Some(_), None) => {
+                Err(
+                    CoreError::invalid("dst_block_table", "None", "given with src_block_table")
+                        .into(),
+                )
+            }
+            (None, Some(_)) => {
+                Err(
+                    CoreError::invalid("src_block_table", "None", "given with dst_block_table")
+                        .into(),
+                )
+            }
         }
     }
 
