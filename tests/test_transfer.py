@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
@@ -200,3 +201,82 @@ def test_shared_memory_two_processes_bit_exact() -> None:
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+class _Gate(Pending):
+    """A copy that finishes when the test says so."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.opened = False
+
+    def done(self) -> bool:
+        if self.opened and self.work is not None:
+            self.work(), setattr(self, "work", None)
+        return self.opened
+
+    def wait(self, timeout: Any) -> bool:
+        return self.done()
+
+
+class _GatedEngine(CopyEngine):
+    def __init__(self) -> None:
+        self.gates: list[_Gate] = []
+
+    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
+        from kvferry.copy import copy_blocks
+
+        gate = _Gate(lambda: copy_blocks(src, dst, src_ids, dst_ids))
+        self.gates.append(gate)
+        return gate
+
+
+def _gated_pair() -> tuple[KVSender, KVReceiver, _GatedEngine]:
+    receiver = KVReceiver(random_pool(1))
+    engine = _GatedEngine()
+    sender = KVSender(random_pool(0), InProcessTransport(receiver), engine=engine, timeout=0.05)
+    for rid in (1, 2):
+        receiver.expect(rid, 16)
+        sender.add(rid, 16, reused_len=8)
+    return sender, receiver, engine
+
+
+def test_cancel_waits_for_its_copies_and_drops_their_notices() -> None:
+    sender, receiver, engine = _gated_pair()
+    table = np.arange(8).reshape(2, 4)
+    sender.send_early([1, 2], table, table)
+    with pytest.raises(TransferTimeoutError, match="request 1: copies reading its blocks"):
+        sender.cancel(1, timeout=0.01)
+    with pytest.raises(ValueError, match=r"\[1\] were cancelled"):  # revoked while its copy runs
+        sender.send_chunks([1], [8], [16], table[:1], table[:1])
+    engine.gates[0].opened = True
+    ledger = sender.cancel(1, timeout=1)
+    assert ledger.prefix_sent and 1 not in sender.book
+    assert receiver.notices(2) and not receiver.notices(1)  # 2's notice went, 1's did not
+    with pytest.raises(UnknownRequestError, match="unknown request_id=1"):  # it is gone
+        sender.send_chunks([1], [8], [16], table[:1], table[:1])
+    receiver.release(1)
+    sender.send_chunks([2], [8], [16], table[1:], table[1:])
+    engine.gates[1].opened = True
+    sender.flush(timeout=1)
+    receiver.wait(2, timeout=1)
+
+
+def test_a_copy_past_its_timeout_fails_clearly() -> None:
+    sender, _, engine = _gated_pair()
+    table = np.arange(8).reshape(2, 4)
+    sender.send_early([1, 2], table, table)
+    import time
+
+    time.sleep(0.06)
+    with pytest.raises(TransferTimeoutError, match=r"requests \[1, 2\] still running"):
+        sender.poll()
+    engine.gates[0].opened = True
+    assert len(sender.poll()) == 2
+
+
+def test_cancel_before_anything_was_sent() -> None:
+    sender, receiver, _ = _gated_pair()
+    assert sender.cancel(1).claimed_blocks == 0
+    with pytest.raises(UnknownRequestError):
+        sender.cancel(1)

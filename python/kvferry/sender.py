@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from kvferry._core import SlicePlan, TransferBook, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
-from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError
+from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.transport import Transport
@@ -35,14 +35,27 @@ class KVSender:
     post; ``poll`` posts those whose copies finished; a block can never leave twice, because
     every slice is claimed in the book first."""
 
-    def __init__(self, pool: PagedKV, transport: Transport, *, pipelined: bool = True, engine: Optional[CopyEngine] = None) -> None:
+    def __init__(
+        self,
+        pool: PagedKV,
+        transport: Transport,
+        *,
+        pipelined: bool = True,
+        engine: Optional[CopyEngine] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """``timeout``: seconds a queued copy may take, counted from its submission (so after
+        the forward that produced it: a request in prefill is never timed out)."""
         pool.check_compatible(transport.dst)
+        self.timeout = timeout
         self.pool = pool
         self.transport = transport
         self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined)
         self.engine = engine if engine is not None else engine_for(pool)
         self._next_slice: dict[int, int] = {}
         self._inflight: deque[_Job] = deque()
+        # Cancelled requests whose copies may still be queued: their notices are dropped.
+        self._revoked: set[int] = set()
 
     def add(self, request_id: int, prompt_len: int, *, reused_len: int = 0, window: Optional[int] = None, context_only: bool = True) -> None:
         self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
@@ -50,6 +63,7 @@ class KVSender:
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
+        self._refuse_revoked(request_ids)
         return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table))
 
     def send_chunks(
@@ -61,8 +75,15 @@ class KVSender:
         dst_block_table: IntArray,
     ) -> list[Notice]:
         """After a context forward: the blocks each finished chunk completed."""
+        self._refuse_revoked(request_ids)
         plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
         return self._dispatch(plan)
+
+    def _refuse_revoked(self, request_ids: IntArray) -> None:
+        if self._revoked:
+            hit = self._revoked.intersection(np.asarray(request_ids).tolist())
+            if hit:
+                raise InvalidArgumentError(f"invalid request_ids: {sorted(hit)} were cancelled")
 
     def _dispatch(self, plan: SlicePlan) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
@@ -80,10 +101,17 @@ class KVSender:
         return notices
 
     def poll(self) -> list[Notice]:
-        """Posts the notices of every finished copy, oldest first, and returns them."""
+        """Posts the notices of every finished copy, oldest first, and returns them. Raises
+        `TransferTimeoutError` when the oldest copy has run past the sender's timeout."""
         posted: list[Notice] = []
         while self._inflight and self._inflight[0].pending.done():
             posted.extend(self._finish(self._inflight.popleft()))
+        if self._inflight and self.timeout is not None:
+            job = self._inflight[0]
+            age = time.monotonic() - job.submitted_at
+            if age > self.timeout:
+                ids = sorted({n.request_id for n in job.notices} - self._revoked)
+                raise TransferTimeoutError(f"copies for requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): cancel them")
         return posted
 
     def flush(self, timeout: Optional[float] = None) -> list[Notice]:
@@ -104,12 +132,38 @@ class KVSender:
         if error is not None:
             ids = sorted({n.request_id for n in job.notices})
             raise TransferError(f"copy for requests {ids} failed: {error}") from error
-        self.transport.post(job.notices)
-        return job.notices
+        notices = tuple(n for n in job.notices if n.request_id not in self._revoked)
+        for request_id in {n.request_id for n in job.notices} & self._revoked:
+            if request_id not in self._next_slice and not self.in_flight(request_id):
+                self._revoked.discard(request_id)  # cancelled and no copy left: forget it
+        self.transport.post(notices)
+        return notices
 
     def in_flight(self, request_id: int) -> bool:
         """Whether a queued copy still carries blocks of the request."""
         return any(n.request_id == request_id for job in self._inflight for n in job.notices)
+
+    def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> TransferLedger:
+        """Revokes a request: nothing more is planned or announced for it. Waits up to
+        ``timeout`` seconds for queued copies that read its blocks, then forgets it and
+        returns its ledger; its source blocks are the caller's to free once this returns.
+        If those copies outlive the wait, raises `TransferTimeoutError` and keeps the request
+        revoked (call again before freeing the blocks)."""
+        if request_id not in self._next_slice:
+            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
+        self.book.cancel(request_id)
+        self._revoked.add(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in list(self._inflight):
+            if any(n.request_id == request_id for n in job.notices):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not job.pending.wait(left):
+                    raise TransferTimeoutError(f"request {request_id}: copies reading its blocks still running after {timeout} s")
+        self.poll()
+        if not self.in_flight(request_id):
+            self._revoked.discard(request_id)
+        del self._next_slice[request_id]
+        return self.book.remove(request_id)
 
     def remove(self, request_id: int) -> TransferLedger:
         """Forgets a request whose copies have all finished; returns its ledger."""
