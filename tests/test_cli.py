@@ -79,3 +79,35 @@ def test_console_script_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "early" in proc.stdout and "[0, 3)" in proc.stdout
+
+
+def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out = tmp_path / "copy.json"
+    code = main(["bench", "copy", "--blocks", "2,5", "--layers", "2", "--block-kib", "4", "--reps", "1", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["ceiling_gbps"] > 0
+    got = {(r["transport"], r["blocks"]) for r in result["rows"]}
+    assert got == {(t, n) for t in ("torch", "copy", "in-process", "shm") for n in (2, 5)}
+    for row in result["rows"]:
+        assert row["payload_bytes"] == row["blocks"] * 2 * 4 * 1024
+        assert row["gbps"] > 0 and "of ceiling" in table
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--transport", "carrier-pigeon"], "unknown transport ['carrier-pigeon']"),
+        (["--blocks", "8,0"], "must be > 0, got 0"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
+def test_bench_copy_bad_options(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "copy", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

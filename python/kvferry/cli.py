@@ -145,7 +145,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes per block over all layers (default: Llama-3-8B bf16, 128 KiB per token)",
     )
     plan.set_defaults(func=_cmd_plan)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
+    copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (default: all that run on the device)")
+    copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (default 8,64,1024,4096)")
+    copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
+    copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 64 on cpu, 128 on cuda)")
+    copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
+    copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    copy.set_defaults(func=_cmd_bench_copy)
     return parser
+
+
+def _names(text: str) -> tuple[str, ...]:
+    from kvferry.bench_copy import TRANSPORTS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in TRANSPORTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown transport {bad or text!r}: choose from {', '.join(TRANSPORTS)}")
+    return names
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(_positive(part) for part in text.split(","))
+
+
+def _cmd_bench_copy(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from kvferry.bench_copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    on_gpu = args.device == "cuda"
+    transports = args.transport or (("torch", "copy", "in-process") if on_gpu else ("torch", "copy", "in-process", "shm"))
+    cfg = CopyBenchConfig(
+        device=args.device,
+        transports=transports,
+        blocks=args.blocks,
+        layers=args.layers or (32 if on_gpu else 8),
+        block_kib=args.block_kib or (128 if on_gpu else 64),
+        reps=args.reps,
+    )
+    result = run_copy_bench(cfg, progress=progress_to_stderr)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -154,6 +207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args))
     except KvFerryError as err:
+        print(f"kvferry {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # an invalid option value found past argument parsing
         print(f"kvferry {args.command}: error: {err}", file=sys.stderr)
         return 2
 

