@@ -26,7 +26,7 @@ from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transport import InProcessTransport, Transport
 
-TRANSPORTS = ("torch", "copy", "in-process", "shm")
+TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc")
 
 
 @dataclass(frozen=True)
@@ -92,28 +92,36 @@ def make_pool(cfg: CopyBenchConfig, num_blocks: int, *, fill: bool, device: Opti
     return PagedKV(tuple(layers), tokens_per_block=16)
 
 
-class _ShmReceiver:
-    """A receiver in a child process with its pool in shared memory (see kvferry.shm)."""
+class _RemoteReceiver:
+    """A receiver in a child process: its pool in shared memory (``shm``) or on the GPU,
+    shared through CUDA IPC (``cuda-ipc``)."""
 
-    def __init__(self, cfg: CopyBenchConfig, num_blocks: int) -> None:
+    def __init__(self, kind: str, cfg: CopyBenchConfig, num_blocks: int) -> None:
         ctx = mp.get_context("spawn")
+        self.kind = kind
         self._conn, child = ctx.Pipe()
         self._authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_shm_receiver_main, args=(child, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
+        self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
         self._proc.start()
         self.address = self._conn.recv()
 
     def transport(self) -> Transport:
-        from kvferry.shm import ShmTransport
+        if self.kind == "shm":
+            from kvferry.shm import ShmTransport
 
-        return ShmTransport(self.address, authkey=self._authkey)
+            return ShmTransport(self.address, authkey=self._authkey)
+        from kvferry.local import CudaIpcTransport
+
+        return CudaIpcTransport(self.address, authkey=self._authkey)
 
     def expect(self, request_id: int, prompt_len: int) -> None:
-        self._conn.send(("expect", request_id, prompt_len))
-        assert self._conn.recv() == "ok"
+        self._call("expect", request_id, prompt_len)
 
     def wait(self, request_id: int) -> None:
-        self._conn.send(("wait", request_id, 0))
+        self._call("wait", request_id, 0)
+
+    def _call(self, op: str, request_id: int, prompt_len: int) -> None:
+        self._conn.send((op, request_id, prompt_len))
         reply = self._conn.recv()
         if reply != "ok":
             raise RuntimeError(f"receiver process: {reply}")
@@ -123,13 +131,20 @@ class _ShmReceiver:
         self._proc.join(timeout=30)
 
 
-def _shm_receiver_main(conn: Any, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
+def _remote_receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
+    from kvferry.local import CudaIpcEndpoint, LocalEndpoint
     from kvferry.shm import SharedPool, ShmEndpoint
 
-    shared = SharedPool.create(num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    shared = None
+    if kind == "shm":
+        shared = SharedPool.create(num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16)
+        assert shared.pool is not None
+        receiver = KVReceiver(shared.pool)
+        endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    else:
+        cfg = CopyBenchConfig(device="cuda", layers=layers, block_kib=block_kib)
+        receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
+        endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
     conn.send(endpoint.address)
     while True:
         op, request_id, prompt_len = conn.recv()
@@ -146,7 +161,8 @@ def _shm_receiver_main(conn: Any, authkey: bytes, layers: int, num_blocks: int, 
             conn.send(repr(err))
     endpoint.close()
     receiver = None  # type: ignore[assignment]
-    shared.close()
+    if shared is not None:
+        shared.close()
 
 
 def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], None], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
@@ -212,11 +228,11 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 receiver.release(request_id)
 
             rows += _sender_rows(cfg, name, src, InProcessTransport(receiver), receiver.expect, arrived, pool_blocks, ceiling)
-        elif name == "shm":
-            if cfg.device != "cpu":
-                progress("shm: CPU pools only, skipped")
+        else:  # a receiver in another process
+            if (name == "shm") != (cfg.device == "cpu"):
+                progress(f"{name}: not for {cfg.device} pools, skipped")
                 continue
-            remote = _ShmReceiver(cfg, pool_blocks)
+            remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
                 rows += _sender_rows(cfg, name, src, remote.transport(), remote.expect, remote.wait, pool_blocks, ceiling)
             finally:

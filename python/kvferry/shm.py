@@ -1,36 +1,24 @@
-"""Cross-process transport on one host for CPU pools: the receiver's pool lives in POSIX
-shared memory, the sender maps it and writes blocks straight into it, and notices travel
-over an authenticated local socket.
-
-```
-receiver process                         sender process
-SharedPool.create  --descriptor-->       SharedPool.attach (same pages)
-ShmEndpoint: socket <--notices-------    ShmTransport.post, after copy_blocks finished
-```
-The segment name is 128 random bits and the socket demands the session's key (HMAC
-challenge of multiprocessing.connection), so another local process cannot guess its way in.
+"""CPU pools across processes on one host: the receiver's pool lives in POSIX shared memory,
+the sender maps it and writes blocks straight into it; notices travel over the local socket
+of kvferry.local. The segment name is 128 random bits.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import secrets
 import sys
-import tempfile
 import threading
-from multiprocessing import AuthenticationError, resource_tracker
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
+from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
-from kvferry.notice import Notice
+from kvferry.local import LocalEndpoint, LocalTransport
 from kvferry.receiver import KVReceiver
-from kvferry.transport import Transport
 
 __all__ = ["SharedPool", "ShmEndpoint", "ShmTransport"]
 
@@ -110,88 +98,21 @@ class SharedPool:
             self._segment.unlink()
 
 
-class ShmEndpoint:
-    """The receiver's side: serves the pool descriptor to each sender that presents the key,
-    then delivers its notices to the receiver on a listener thread."""
+class ShmEndpoint(LocalEndpoint):
+    """Serves a shared pool's descriptor; see `LocalEndpoint`."""
 
     def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes) -> None:
-        if len(authkey) < 16:
-            raise InvalidArgumentError(f"invalid authkey: {len(authkey)} bytes, need at least 16")
-        self.receiver = receiver
-        self.shared = shared
-        self._authkey = authkey
-        self._dir = tempfile.mkdtemp(prefix="kvferry-")
-        self.address = os.path.join(self._dir, "notices.sock")
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=authkey)
-        self._closing = threading.Event()
-        self._connections: list[Connection] = []
-        self.errors: list[BaseException] = []
-        self._thread = threading.Thread(target=self._serve, name="kvferry-shm-endpoint", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._closing.is_set():
-            try:
-                conn = self._listener.accept()
-            except (OSError, EOFError, AuthenticationError) as err:  # a bad key, or closing
-                if not self._closing.is_set():
-                    self.errors.append(err)
-                continue
-            if self._closing.is_set():
-                conn.close()
-                return
-            self._connections.append(conn)
-            threading.Thread(target=self._pump, args=(conn,), name="kvferry-shm-notices", daemon=True).start()
-
-    def _pump(self, conn: Connection) -> None:
-        conn.send({"pool": self.shared.descriptor})
-        while True:
-            try:
-                batch = conn.recv()
-            except (EOFError, OSError):
-                return  # the sender closed or died; its requests time out at the receiver
-            for values in batch:
-                try:
-                    self.receiver.deliver(Notice.from_tuple(values))
-                except KvFerryError as err:  # recorded on the request; its wait raises
-                    self.errors.append(err)
-
-    def close(self) -> None:
-        self._closing.set()
-        try:  # wake the accept() call
-            Client(self.address, family="AF_UNIX", authkey=self._authkey).close()
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
-        self._listener.close()
-        for conn in self._connections:
-            conn.close()
-        try:
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        super().__init__(receiver, {"pool": shared.descriptor}, authkey=authkey)
 
 
-class ShmTransport(Transport):
-    """The sender's side: connects with the key, maps the receiver's pool, posts notices."""
+def _open_shared(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
+    shared = SharedPool.attach(hello["pool"])
+    assert shared.pool is not None
+    return shared.pool, shared.close
+
+
+class ShmTransport(LocalTransport):
+    """Maps the receiver's shared pool; see `LocalTransport`."""
 
     def __init__(self, address: str, *, authkey: bytes) -> None:
-        try:
-            self._conn = Client(address, family="AF_UNIX", authkey=authkey)
-            hello = self._conn.recv()
-        except (OSError, EOFError, AuthenticationError) as err:
-            raise TransferError(f"cannot reach the receiver at {address}: {err!r}") from err
-        self._shared = SharedPool.attach(hello["pool"])
-        assert self._shared.pool is not None
-        self.dst = self._shared.pool
-
-    def post(self, notices: Sequence[Notice]) -> None:
-        try:
-            self._conn.send([n.as_tuple() for n in notices])
-        except OSError as err:
-            raise TransferError(f"receiver went away while posting {len(notices)} notices: {err}") from err
-
-    def close(self) -> None:
-        self._conn.close()
-        del self.dst
-        self._shared.close()
+        super().__init__(address, authkey=authkey, open_pool=_open_shared)
