@@ -81,9 +81,10 @@ def test_console_script_entry_point() -> None:
     assert "early" in proc.stdout and "[0, 3)" in proc.stdout
 
 
-def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import json
 
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     out = tmp_path / "copy.json"
     code = main(["bench", "copy", "--blocks", "2,5", "--layers", "2", "--block-kib", "4", "--reps", "1", "--json", str(out)])
     assert code == 0
@@ -91,7 +92,7 @@ def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tm
     result = json.loads(out.read_text())
     assert result["ceiling_gbps"] > 0
     got = {(r["transport"], r["blocks"]) for r in result["rows"]}
-    assert got == {(t, n) for t in ("torch", "copy", "in-process", "shm") for n in (2, 5)}
+    assert got == {(t, n) for t in ("torch", "copy", "in-process", "shm", "nixl") for n in (2, 5)}
     for row in result["rows"]:
         assert row["payload_bytes"] == row["blocks"] * 2 * 4 * 1024
         assert row["gbps"] > 0 and "of ceiling" in table

@@ -160,6 +160,11 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         assert shared.pool is not None
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    elif kind == "nixl":
+        from kvferry.nixl_link import NixlEndpoint
+
+        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB))
+        endpoint = NixlEndpoint(receiver, authkey=authkey)
     else:
         receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device="cuda") for _ in range(LAYERS)), TPB))
         endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
@@ -191,9 +196,9 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
         src_table, dst_table = block_tables(3)
         parent.send(dst_table)
         with pytest.raises(TransferError, match="cannot reach the receiver"):
-            transport(address, authkey=secrets.token_bytes(32))  # a wrong key is refused
+            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0)} if kind == "nixl" else {}))
         src = random_pool(4, device)
-        sender = KVSender(src, transport(address, authkey=authkey))
+        sender = KVSender(src, transport(address, authkey=authkey, src=src) if kind == "nixl" else transport(address, authkey=authkey))
         sent = drive(sender, src_table, dst_table)
         sender.flush(timeout=60)
         assert parent.poll(60), "receiver did not report"
@@ -212,6 +217,15 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
 
 def test_shared_memory_two_processes_bit_exact() -> None:
     _two_processes("shm", "cpu", ShmTransport)
+
+
+def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL with UCX on loopback: DRAM pools in two processes, notices as notifications."""
+    pytest.importorskip("nixl")
+    from kvferry.nixl_link import NixlTransport
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # inherited by the spawned receiver
+    _two_processes("nixl", "cpu", NixlTransport)
 
 
 @pytest.mark.cuda
@@ -334,3 +348,28 @@ def test_cancel_before_anything_was_sent() -> None:
     assert sender.cancel(1).claimed_blocks == 0
     with pytest.raises(UnknownRequestError):
         sender.cancel(1)
+
+
+def test_nixl_descriptors_and_indices_address_each_block() -> None:
+    from kvferry.nixl_link import block_descriptors, descriptor_indices
+
+    pool = PagedKV(tuple(torch.zeros(2, 5, 3, dtype=torch.float16) for _ in range(3)), TPB, block_dim=1)
+    desc = block_descriptors(pool)
+    assert desc.shape == (3 * 2 * 5, 3) and desc.dtype == np.uint64
+    rows = descriptor_indices(np.array([4, 1]), 3, 2, 5)
+    assert rows.dtype == np.int32 and len(rows) == 3 * 2 * 2
+    for row in rows:
+        layer, rem = divmod(int(row), 2 * 5)
+        segment, block = divmod(rem, 5)
+        assert block in (4, 1)
+        assert int(desc[row, 0]) == pool.layers[layer][segment, block].data_ptr()
+        assert int(desc[row, 1]) == pool.segment_bytes == 3 * 2
+
+
+def test_nixl_notice_wire_format_round_trips() -> None:
+    from kvferry.nixl_link import _decode, _encode
+
+    notices = [Notice(7, 0, 0, 21, False), Notice(-3, 4, 21, 32, True)]
+    assert _decode(_encode(notices)) == notices
+    with pytest.raises(TransferError, match="not a kvferry notification"):
+        _decode(b"hello")

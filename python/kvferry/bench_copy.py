@@ -26,7 +26,10 @@ from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transport import InProcessTransport, Transport
 
-TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc")
+TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "nixl")
+# Transports whose receiver runs in another process, and the pool devices they serve here
+# (NIXL moves VRAM too, but its wheel is not on the GPU machine this bench runs on).
+REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "nixl": ("cpu",)}
 
 
 @dataclass(frozen=True)
@@ -105,11 +108,15 @@ class _RemoteReceiver:
         self._proc.start()
         self.address = self._conn.recv()
 
-    def transport(self) -> Transport:
+    def transport(self, src: PagedKV) -> Transport:
         if self.kind == "shm":
             from kvferry.shm import ShmTransport
 
             return ShmTransport(self.address, authkey=self._authkey)
+        if self.kind == "nixl":
+            from kvferry.nixl_link import NixlTransport
+
+            return NixlTransport(self.address, authkey=self._authkey, src=src)
         from kvferry.local import CudaIpcTransport
 
         return CudaIpcTransport(self.address, authkey=self._authkey)
@@ -142,9 +149,14 @@ def _remote_receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, num
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
     else:
-        cfg = CopyBenchConfig(device="cuda", layers=layers, block_kib=block_kib)
+        cfg = CopyBenchConfig(device="cpu" if kind == "nixl" else "cuda", layers=layers, block_kib=block_kib)
         receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
-        endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
+        if kind == "nixl":
+            from kvferry.nixl_link import NixlEndpoint
+
+            endpoint = NixlEndpoint(receiver, authkey=authkey)
+        else:
+            endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
     conn.send(endpoint.address)
     while True:
         op, request_id, prompt_len = conn.recv()
@@ -229,12 +241,12 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
 
             rows += _sender_rows(cfg, name, src, InProcessTransport(receiver), receiver.expect, arrived, pool_blocks, ceiling)
         else:  # a receiver in another process
-            if (name == "shm") != (cfg.device == "cpu"):
-                progress(f"{name}: not for {cfg.device} pools, skipped")
+            if cfg.device not in REMOTE_DEVICES[name]:
+                progress(f"{name}: not for {cfg.device} pools here, skipped")
                 continue
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
-                rows += _sender_rows(cfg, name, src, remote.transport(), remote.expect, remote.wait, pool_blocks, ceiling)
+                rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, ceiling)
             finally:
                 remote.close()
     return {

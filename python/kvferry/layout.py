@@ -115,21 +115,23 @@ class PagedKV:
         return self.geometry()
 
     def geometry(self) -> dict[str, object]:
-        """What must match between a sender's and a receiver's pool."""
+        """What must match between a sender's and a receiver's pool, as plain values (it
+        crosses process boundaries in transports' handshakes)."""
         return {
             "num_layers": self.num_layers,
             "tokens_per_block": self.tokens_per_block,
-            "dtype": self.dtype,
+            "dtype": str(self.dtype),
             "segments": self.segments,
             "segment_bytes": self.segment_bytes,
         }
 
-    def check_compatible(self, other: PagedKV) -> None:
-        """Raises :class:`LayoutMismatchError` naming the first field that differs."""
-        mine, theirs = self._geometry, other._geometry
-        for key, value in mine.items():
-            if theirs[key] != value:
-                raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs[key]} on the destination")
+    def check_compatible(self, other: PagedKV | dict[str, object]) -> None:
+        """Raises :class:`LayoutMismatchError` naming the first field that differs from
+        ``other`` (a pool, or a remote pool's ``geometry()``)."""
+        theirs = other._geometry if isinstance(other, PagedKV) else other
+        for key, value in self._geometry.items():
+            if theirs.get(key) != value:
+                raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs.get(key)} on the destination")
 
     def segment_views(self, word: torch.dtype) -> list[torch.Tensor]:
         """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``."""

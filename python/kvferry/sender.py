@@ -46,7 +46,7 @@ class KVSender:
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out)."""
-        pool.check_compatible(transport.dst)
+        pool.check_compatible(transport.geometry())
         self.timeout = timeout
         self.pool = pool
         self.transport = transport
@@ -96,7 +96,7 @@ class KVSender:
             slice_id = self._next_slice[request_id]
             self._next_slice[request_id] = slice_id + 1
             notices.append(Notice(request_id, slice_id, blocks.start, blocks.end, last))
-        pending = self.engine.submit(self.pool, self.transport.dst, pairs.src, pairs.dst)
+        pending = self.transport.write(self.engine, self.pool, pairs.src, pairs.dst, notices)
         self._inflight.append(_Job(pending, tuple(notices), time.monotonic()))
         return notices
 

@@ -1,8 +1,11 @@
 """Transports: one-sided writes into the receiver's pool, then a completion notice.
 
-A transport gives the sender two things: ``dst``, the receiver's pool as this process can
-address it (the same tensors in-process, an attached shared-memory mapping across processes),
-and ``post``, which hands notices to the receiver once the writes they describe have landed.
+A transport gives the sender three things: ``geometry``, the receiver pool's layout to check
+against before any byte moves; ``write``, which queues the copy of block pairs into the
+receiver's pool; and ``post``, which hands notices to the receiver once the writes they
+describe have landed. Copy-based transports (in-process, shared memory, CUDA IPC) address the
+receiver's pool as ``dst`` and write with a copy engine; NIXL writes through its own agent and
+carries the notices with the write.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+import numpy as np
+
+from kvferry.engine import CopyEngine, Pending
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
@@ -18,9 +24,20 @@ __all__ = ["InProcessTransport", "Transport"]
 
 
 class Transport(ABC):
-    """The sender's view of one receiver."""
+    """The sender's view of one receiver. The base class is the copy-based transport: the
+    receiver's pool is addressable here as ``dst``."""
 
     dst: PagedKV
+
+    def geometry(self) -> dict[str, object]:
+        """The receiver pool's layout (see `PagedKV.geometry`)."""
+        return self.dst.geometry()
+
+    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+        """Queues the copy of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of the
+        receiver's pool; ``notices`` describe it (a transport that carries them with the write
+        uses them here)."""
+        return engine.submit(src, self.dst, src_ids, dst_ids)
 
     @abstractmethod
     def post(self, notices: Sequence[Notice]) -> None:

@@ -1,0 +1,219 @@
+"""NIXL transport (UCX backend): the engine production stacks use across nodes.
+
+```
+receiver: NixlEndpoint   registers its pool, hello = agent metadata + block descriptors
+sender:   NixlTransport  registers its pool, adds the remote agent, prepares both block
+                         descriptor lists once; each write is one prepared WRITE of
+                         (layer, segment, block) descriptors chosen by index, notices
+                         riding along as the transfer's notification
+receiver: a thread polls notifications and delivers the notices
+```
+Agent metadata is exchanged in-band over the authenticated local socket of kvferry.local
+(NIXL's own listener would bind every interface). Needs the `nixl` package
+(`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
+progresses.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from kvferry.engine import CopyEngine, Pending
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
+from kvferry.layout import PagedKV
+from kvferry.local import LocalEndpoint
+from kvferry.notice import Notice
+from kvferry.receiver import KVReceiver
+from kvferry.transport import Transport
+
+__all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
+
+NOTICE_MAGIC = b"kvf1"
+POLL_SECONDS = 100e-6
+
+
+def _agent(role: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    return nixl_agent(f"kvferry-{role}-{secrets.token_hex(8)}", config)
+
+
+def _mem_type(pool: PagedKV) -> str:
+    return "VRAM" if pool.device.type == "cuda" else "DRAM"
+
+
+def block_descriptors(pool: PagedKV) -> np.ndarray:
+    """One ``(address, length, device)`` uint64 row per (layer, segment, block), in that
+    order: row ``(layer * segments + segment) * num_blocks + block``."""
+    seg = pool.segment_bytes
+    bases = np.array([t.data_ptr() for t in pool.layers], dtype=np.uint64)
+    segment_offsets = np.arange(pool.segments, dtype=np.uint64) * np.uint64(pool.num_blocks * seg)
+    block_offsets = np.arange(pool.num_blocks, dtype=np.uint64) * np.uint64(seg)
+    addresses = (bases[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
+    device = pool.device.index or 0
+    return np.stack([addresses, np.full_like(addresses, seg), np.full_like(addresses, device)], axis=1)
+
+
+def descriptor_indices(ids: np.ndarray, num_layers: int, segments: int, num_blocks: int) -> np.ndarray:
+    """Rows of `block_descriptors` for blocks ``ids`` in every layer and segment (int32, the
+    type NIXL's prepared transfers take)."""
+    rows = np.arange(num_layers * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+    return rows.ravel().astype(np.int32)
+
+
+def _encode(notices: Sequence[Notice]) -> bytes:
+    return NOTICE_MAGIC + np.array([n.as_tuple() for n in notices], dtype=np.int64).tobytes()
+
+
+def _decode(message: bytes) -> list[Notice]:
+    if not message.startswith(NOTICE_MAGIC):
+        raise TransferError(f"not a kvferry notification: {message[:16]!r}")
+    rows = np.frombuffer(message[len(NOTICE_MAGIC) :], dtype=np.int64).reshape(-1, 5)
+    return [Notice.from_tuple(tuple(int(v) for v in row)) for row in rows]  # type: ignore[arg-type]
+
+
+class NixlEndpoint(LocalEndpoint):
+    """The receiver's side: registers the pool with a NIXL agent, hands its metadata and block
+    descriptors to senders that present the key, and delivers notices from notifications."""
+
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes) -> None:
+        pool = receiver.pool
+        self.agent = _agent("rx")
+        self._registered = self.agent.register_memory(list(pool.layers))
+        hello = {
+            "agent_metadata": self.agent.get_agent_metadata(),
+            "agent_name": self.agent.name,
+            "geometry": pool.geometry(),
+            "num_blocks": pool.num_blocks,
+            "descriptors": block_descriptors(pool),
+            "mem_type": _mem_type(pool),
+        }
+        self._stop = threading.Event()
+        super().__init__(receiver, hello, authkey=authkey)
+        self._poller = threading.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
+        self._poller.start()
+
+    def _poll_notifications(self) -> None:
+        while not self._stop.is_set():
+            got = self.agent.get_new_notifs()
+            if not got:
+                time.sleep(POLL_SECONDS)
+                continue
+            for messages in got.values():
+                for message in messages:
+                    try:
+                        for notice in _decode(message):
+                            self.receiver.deliver(notice)
+                    except KvFerryError as err:  # recorded on the request; its wait raises
+                        self.errors.append(err)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=5)
+        super().close()
+        self.agent.deregister_memory(self._registered)
+
+
+class _XferPending(Pending):
+    """A prepared WRITE, posted once the blocks it reads are final: at once for host pools,
+    after the producing stream's work for CUDA pools (NIXL does not follow CUDA streams, and
+    waiting here would block the executor, so the post is deferred to the next poll)."""
+
+    def __init__(self, agent: Any, handle: Any, ready: Optional[Any]) -> None:
+        self._agent = agent
+        self._handle = handle
+        self._ready = ready
+        self._state = "NEW"
+        self._maybe_post()
+
+    def _maybe_post(self) -> None:
+        if self._state == "NEW" and (self._ready is None or self._ready.query()):
+            self._state = self._agent.transfer(self._handle)
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._state in ("DONE", "ERR"):
+            self._agent.release_xfer_handle(self._handle)
+
+    def done(self) -> bool:
+        self._maybe_post()
+        if self._state == "PROC":
+            self._state = self._agent.check_xfer_state(self._handle)
+            self._settle()
+        return self._state in ("DONE", "ERR")
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def error(self) -> Optional[BaseException]:
+        return TransferError("NIXL transfer failed (state ERR)") if self._state == "ERR" else None
+
+
+class NixlTransport(Transport):
+    """The sender's side. ``src`` is the sender's own pool: NIXL registers both ends."""
+
+    def __init__(self, address: str, *, authkey: bytes, src: PagedKV) -> None:
+        try:
+            conn = Client(address, family="AF_UNIX", authkey=authkey)
+            hello = conn.recv()
+        except (OSError, EOFError, AuthenticationError) as err:
+            raise TransferError(f"cannot reach the receiver at {address}: {err!r}") from err
+        self._conn = conn
+        self._geometry = hello["geometry"]
+        src.check_compatible(self._geometry)
+        self._remote_blocks = int(hello["num_blocks"])
+        self._src = src
+        self.agent = _agent("tx")
+        self._registered = self.agent.register_memory(list(src.layers))
+        self._remote = self.agent.add_remote_agent(hello["agent_metadata"])
+        self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(src), _mem_type(src))
+        self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], hello["descriptors"], hello["mem_type"])
+
+    def geometry(self) -> dict[str, object]:
+        return dict(self._geometry)
+
+    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+        if src is not self._src:
+            raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
+        s = src.check_ids("src_ids", src_ids)
+        d = np.ascontiguousarray(dst_ids, dtype=np.int64)
+        if d.size and (int(d.min()) < 0 or int(d.max()) >= self._remote_blocks):
+            raise InvalidArgumentError(f"invalid dst_ids: ids outside the receiver's [0, {self._remote_blocks})")
+        layers, segments = src.num_layers, src.segments
+        handle = self.agent.make_prepped_xfer(
+            "WRITE",
+            self._local_side,
+            descriptor_indices(s, layers, segments, src.num_blocks),
+            self._remote_side,
+            descriptor_indices(d, layers, segments, self._remote_blocks),
+            _encode(notices),
+        )
+        ready = None
+        if src.device.type == "cuda":
+            import torch
+
+            ready = torch.cuda.current_stream(src.device).record_event()
+        return _XferPending(self.agent, handle, ready)
+
+    def post(self, notices: Sequence[Notice]) -> None:
+        """Nothing to do: the notices arrived with the write's notification."""
+
+    def close(self) -> None:
+        self.agent.release_dlist_handle(self._local_side)
+        self.agent.release_dlist_handle(self._remote_side)
+        self.agent.remove_remote_agent(self._remote)
+        self.agent.deregister_memory(self._registered)
+        self._conn.close()
