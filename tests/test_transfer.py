@@ -160,10 +160,11 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         assert shared.pool is not None
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    elif kind == "nixl":
+    elif kind.startswith("nixl"):
         from kvferry.nixl_link import NixlEndpoint
 
-        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB))
+        device = "cuda" if kind == "nixl-cuda" else "cpu"
+        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB))
         endpoint = NixlEndpoint(receiver, authkey=authkey)
     else:
         receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device="cuda") for _ in range(LAYERS)), TPB))
@@ -196,9 +197,9 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
         src_table, dst_table = block_tables(3)
         parent.send(dst_table)
         with pytest.raises(TransferError, match="cannot reach the receiver"):
-            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0)} if kind == "nixl" else {}))
+            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0, device)} if kind.startswith("nixl") else {}))
         src = random_pool(4, device)
-        sender = KVSender(src, transport(address, authkey=authkey, src=src) if kind == "nixl" else transport(address, authkey=authkey))
+        sender = KVSender(src, transport(address, authkey=authkey, src=src) if kind.startswith("nixl") else transport(address, authkey=authkey))
         sent = drive(sender, src_table, dst_table)
         sender.flush(timeout=60)
         assert parent.poll(60), "receiver did not report"
@@ -226,6 +227,15 @@ def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # inherited by the spawned receiver
     _two_processes("nixl", "cpu", NixlTransport)
+
+
+@pytest.mark.cuda
+def test_nixl_cuda_two_processes_bit_exact() -> None:
+    """NIXL between VRAM pools of two processes on one GPU."""
+    pytest.importorskip("nixl")
+    from kvferry.nixl_link import NixlTransport
+
+    _two_processes("nixl-cuda", "cuda", NixlTransport)
 
 
 @pytest.mark.cuda

@@ -27,9 +27,8 @@ from kvferry.sender import KVSender
 from kvferry.transport import InProcessTransport, Transport
 
 TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "nixl")
-# Transports whose receiver runs in another process, and the pool devices they serve here
-# (NIXL moves VRAM too, but its wheel is not on the GPU machine this bench runs on).
-REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "nixl": ("cpu",)}
+# Transports whose receiver runs in another process, and the pool devices they serve.
+REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "nixl": ("cpu", "cuda")}
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class _RemoteReceiver:
         self.kind = kind
         self._conn, child = ctx.Pipe()
         self._authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
+        self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
         self._proc.start()
         self.address = self._conn.recv()
 
@@ -138,7 +137,7 @@ class _RemoteReceiver:
         self._proc.join(timeout=30)
 
 
-def _remote_receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
+def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
     from kvferry.local import CudaIpcEndpoint, LocalEndpoint
     from kvferry.shm import SharedPool, ShmEndpoint
 
@@ -149,7 +148,7 @@ def _remote_receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, num
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
     else:
-        cfg = CopyBenchConfig(device="cpu" if kind == "nixl" else "cuda", layers=layers, block_kib=block_kib)
+        cfg = CopyBenchConfig(device=device, layers=layers, block_kib=block_kib)
         receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
         if kind == "nixl":
             from kvferry.nixl_link import NixlEndpoint
