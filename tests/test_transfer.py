@@ -160,6 +160,13 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         assert shared.pool is not None
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    elif kind.startswith("staging"):
+        from kvferry.staging import StagingEndpoint
+
+        device = "cuda" if kind == "staging-cuda" else "cpu"
+        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB))
+        # A small ring: batches wrap around it and wait for the receiver to free slots.
+        endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
     elif kind.startswith("nixl"):
         from kvferry.nixl_link import NixlEndpoint
 
@@ -218,6 +225,20 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
 
 def test_shared_memory_two_processes_bit_exact() -> None:
     _two_processes("shm", "cpu", ShmTransport)
+
+
+def test_pinned_staging_two_processes_bit_exact() -> None:
+    """The staging protocol with host pools (no pinning on CPU): ring wrap-around and waits."""
+    from kvferry.staging import StagingTransport
+
+    _two_processes("staging", "cpu", StagingTransport)
+
+
+@pytest.mark.cuda
+def test_pinned_staging_cuda_two_processes_bit_exact() -> None:
+    from kvferry.staging import StagingTransport
+
+    _two_processes("staging-cuda", "cuda", StagingTransport)
 
 
 def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,10 +322,8 @@ class _GatedEngine(CopyEngine):
     def __init__(self) -> None:
         self.gates: list[_Gate] = []
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
-        from kvferry.copy import copy_blocks
-
-        gate = _Gate(lambda: copy_blocks(src, dst, src_ids, dst_ids))
+    def submit_call(self, work: Any) -> Pending:
+        gate = _Gate(work)
         self.gates.append(gate)
         return gate
 

@@ -26,9 +26,11 @@ from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transport import InProcessTransport, Transport
 
-TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "nixl")
+TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "staging", "nixl")
 # Transports whose receiver runs in another process, and the pool devices they serve.
-REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "nixl": ("cpu", "cuda")}
+REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "staging": ("cuda",), "nixl": ("cpu", "cuda")}
+# The staging path crosses PCIe twice: its ceiling is a pinned host<->device copy.
+HOST_LINK = ("staging",)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,14 @@ def _median_seconds(fn: Callable[[], None], reps: int, device: str, setup: Optio
         if i:  # the first call warms caches, allocators and kernels
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def pinned_link_gbps(nbytes: int, reps: int) -> float:
+    """A large pinned host-to-device copy (bytes copied per second)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(7)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / _median_seconds(lambda: dev.copy_(host, non_blocking=True), reps, "cuda") / 1e9
 
 
 def ceiling_gbps(device: str, nbytes: int, reps: int) -> float:
@@ -116,6 +126,10 @@ class _RemoteReceiver:
             from kvferry.nixl_link import NixlTransport
 
             return NixlTransport(self.address, authkey=self._authkey, src=src)
+        if self.kind == "staging":
+            from kvferry.staging import StagingTransport
+
+            return StagingTransport(self.address, authkey=self._authkey)
         from kvferry.local import CudaIpcTransport
 
         return CudaIpcTransport(self.address, authkey=self._authkey)
@@ -154,6 +168,10 @@ def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, lay
             from kvferry.nixl_link import NixlEndpoint
 
             endpoint = NixlEndpoint(receiver, authkey=authkey)
+        elif kind == "staging":
+            from kvferry.staging import StagingEndpoint
+
+            endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
         else:
             endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
     conn.send(endpoint.address)
@@ -217,6 +235,10 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     block_bytes = cfg.block_kib * 1024
     progress(f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}")
     ceiling = ceiling_gbps(cfg.device, pool_blocks * block_bytes * cfg.layers, cfg.reps)
+    host_link = None
+    if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
+        progress("ceiling of the host link: one pinned host-to-device copy of 1 GiB")
+        host_link = pinned_link_gbps(1 << 30, cfg.reps)
     src = make_pool(cfg, pool_blocks, fill=True)
     rows: list[Row] = []
     rng = np.random.default_rng(cfg.seed)
@@ -245,7 +267,8 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 continue
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
-                rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, ceiling)
+                limit = host_link if name in HOST_LINK and host_link else ceiling
+                rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, limit)
             finally:
                 remote.close()
     return {
@@ -253,6 +276,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         "machine": _machine(cfg.device),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "ceiling_gbps": ceiling,
+        "host_link_gbps": host_link,
         "rows": [asdict(r) for r in rows],
     }
 
@@ -275,6 +299,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous copy, bytes copied per second)",
         f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
     ]
+    if result.get("host_link_gbps"):
+        lines.insert(1, f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})")
     for r in result["rows"]:
         lines.append(
             f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB {r['seconds'] * 1e3:>7.2f} ms "

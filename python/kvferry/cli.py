@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (CPU), nixl (CPU), cuda-ipc (CUDA); default: all that run on the device")
+    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (CPU), cuda-ipc and staging (CUDA), nixl; default: all but nixl on CUDA")
     copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (default 8,64,1024,4096)")
     copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
     copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 64 on cpu, 128 on cuda)")
@@ -184,7 +184,7 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
     on_gpu = args.device == "cuda"
-    transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))
+    transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc", "staging") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))
     cfg = CopyBenchConfig(
         device=args.device,
         transports=transports,

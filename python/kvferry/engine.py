@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -39,9 +39,14 @@ class Pending(ABC):
 
 
 class CopyEngine(ABC):
-    @abstractmethod
     def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
         """Queues ``copy_blocks(src, dst, src_ids, dst_ids)`` after the caller's pending work."""
+        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids))
+
+    @abstractmethod
+    def submit_call(self, work: Callable[[], None]) -> Pending:
+        """Queues ``work`` (which issues copies) after the caller's pending work: on the
+        engine's stream for CUDA, on its thread for CPU."""
 
     def close(self) -> None:
         """Finishes queued copies and releases the engine's resources."""
@@ -69,8 +74,8 @@ class ThreadCopyEngine(CopyEngine):
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-copy")
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
-        return _FuturePending(self._pool.submit(copy_blocks, src, dst, src_ids, dst_ids))
+    def submit_call(self, work: Callable[[], None]) -> Pending:
+        return _FuturePending(self._pool.submit(work))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -106,11 +111,11 @@ class CudaCopyEngine(CopyEngine):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
+    def submit_call(self, work: Callable[[], None]) -> Pending:
         produced = torch.cuda.current_stream(self.device).record_event()
         self.stream.wait_event(produced)
         with torch.cuda.stream(self.stream):
-            copy_blocks(src, dst, src_ids, dst_ids)
+            work()
             return _EventPending(self.stream.record_event())
 
     def close(self) -> None:

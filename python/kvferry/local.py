@@ -19,7 +19,7 @@ import tempfile
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Callable, Optional, Sequence
+from typing import AbstractSet, Any, Callable, Optional, Sequence
 
 import torch.multiprocessing  # noqa: F401  (registers the CUDA-tensor reductions)
 
@@ -27,7 +27,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
-from kvferry.transport import Transport
+from kvferry.transport import Transport, kept
 
 __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTransport"]
 
@@ -71,14 +71,21 @@ class LocalEndpoint:
         conn.send(self._hello)
         while True:
             try:
-                batch = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 return  # the sender closed or died; its requests time out at the receiver
-            for values in batch:
-                try:
-                    self.receiver.deliver(Notice.from_tuple(values))
-                except KvFerryError as err:  # recorded on the request; its wait raises
-                    self.errors.append(err)
+            self.handle(conn, message)
+
+    def handle(self, conn: Connection, message: Any) -> None:
+        """One message from a sender: here, a batch of notice tuples."""
+        self.deliver(message)
+
+    def deliver(self, batch: Sequence[tuple[int, int, int, int, bool]]) -> None:
+        for values in batch:
+            try:
+                self.receiver.deliver(Notice.from_tuple(values))
+            except KvFerryError as err:  # recorded on the request; its wait raises
+                self.errors.append(err)
 
     def close(self) -> None:
         self._closing.set()
@@ -108,11 +115,14 @@ class LocalTransport(Transport):
             raise TransferError(f"cannot reach the receiver at {address}: {err!r}") from err
         self.dst, self._release = open_pool(hello)
 
-    def post(self, notices: Sequence[Notice]) -> None:
+    def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
+        self._send([n.as_tuple() for n in kept(batch, revoked)])
+
+    def _send(self, message: Any) -> None:
         try:
-            self._conn.send([n.as_tuple() for n in notices])
+            self._conn.send(message)
         except OSError as err:
-            raise TransferError(f"receiver went away while posting {len(notices)} notices: {err}") from err
+            raise TransferError(f"receiver went away: {err}") from err
 
     def close(self) -> None:
         self._conn.close()

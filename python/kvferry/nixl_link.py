@@ -21,7 +21,7 @@ import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
-from typing import Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence
 
 import numpy as np
 
@@ -208,8 +208,9 @@ class NixlTransport(Transport):
             ready = torch.cuda.current_stream(src.device).record_event()
         return _XferPending(self.agent, handle, ready)
 
-    def post(self, notices: Sequence[Notice]) -> None:
-        """Nothing to do: the notices arrived with the write's notification."""
+    def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
+        """Nothing to do: the notices arrived with the write's notification (a cancelled
+        request's notices too: the receiver has released it and refuses them)."""
 
     def close(self) -> None:
         self.agent.release_dlist_handle(self._local_side)

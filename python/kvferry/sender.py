@@ -16,7 +16,7 @@ from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
-from kvferry.transport import Transport
+from kvferry.transport import Transport, TransportFull, kept
 
 __all__ = ["KVSender"]
 
@@ -96,9 +96,28 @@ class KVSender:
             slice_id = self._next_slice[request_id]
             self._next_slice[request_id] = slice_id + 1
             notices.append(Notice(request_id, slice_id, blocks.start, blocks.end, last))
-        pending = self.transport.write(self.engine, self.pool, pairs.src, pairs.dst, notices)
+        pending = self._write(pairs.src, pairs.dst, notices)
         self._inflight.append(_Job(pending, tuple(notices), time.monotonic()))
         return notices
+
+    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice]) -> Pending:
+        """Queues a write; a transport out of room gets the oldest writes posted (so its
+        receiver can release them) and is waited on, within the sender's timeout."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.transport.write(self.engine, self.pool, src_ids, dst_ids, notices)
+            except TransportFull as full:
+                left = 30.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"transport stayed full past the sender's timeout: {full}") from full
+                if self._inflight:
+                    job = self._inflight[0]
+                    if job.pending.wait(left):
+                        self._finish(self._inflight.popleft())
+                    continue
+                if not self.transport.wait_for_room(left) and deadline is None:
+                    raise TransferTimeoutError(f"transport full and nothing in flight to wait for: {full}") from full
 
     def poll(self) -> list[Notice]:
         """Posts the notices of every finished copy, oldest first, and returns them. Raises
@@ -130,13 +149,14 @@ class KVSender:
     def _finish(self, job: _Job) -> tuple[Notice, ...]:
         error = job.pending.error()
         if error is not None:
+            self.transport.abandon(job.notices)
             ids = sorted({n.request_id for n in job.notices})
             raise TransferError(f"copy for requests {ids} failed: {error}") from error
-        notices = tuple(n for n in job.notices if n.request_id not in self._revoked)
+        self.transport.post(job.notices, frozenset(self._revoked))
+        notices = tuple(kept(job.notices, self._revoked))
         for request_id in {n.request_id for n in job.notices} & self._revoked:
             if request_id not in self._next_slice and not self.in_flight(request_id):
                 self._revoked.discard(request_id)  # cancelled and no copy left: forget it
-        self.transport.post(notices)
         return notices
 
     def in_flight(self, request_id: int) -> bool:

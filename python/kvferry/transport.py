@@ -11,16 +11,22 @@ carries the notices with the write.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import numpy as np
 
 from kvferry.engine import CopyEngine, Pending
+from kvferry.errors import KvFerryError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 
-__all__ = ["InProcessTransport", "Transport"]
+__all__ = ["InProcessTransport", "Transport", "TransportFull", "kept"]
+
+
+class TransportFull(KvFerryError):
+    """The transport has no room for a write until earlier writes are posted and the
+    receiver releases them (a bounded staging ring, say). Nothing was queued."""
 
 
 class Transport(ABC):
@@ -40,8 +46,17 @@ class Transport(ABC):
         return engine.submit(src, self.dst, src_ids, dst_ids)
 
     @abstractmethod
-    def post(self, notices: Sequence[Notice]) -> None:
-        """Delivers notices whose writes are complete, in order."""
+    def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
+        """Called once per finished write, in order, with every notice the write carried:
+        delivers those whose request is not in ``revoked`` (cancelled requests)."""
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """After `TransportFull`: blocks until the receiver released room or ``timeout``
+        seconds passed; returns whether room was released."""
+        return False
+
+    def abandon(self, batch: Sequence[Notice]) -> None:
+        """Called instead of `post` when a write failed: releases what it held."""
 
     def close(self) -> None:
         """Releases the transport's resources (connections, mappings)."""
@@ -55,6 +70,11 @@ class InProcessTransport(Transport):
         self.receiver = receiver
         self.dst = receiver.pool
 
-    def post(self, notices: Sequence[Notice]) -> None:
-        for notice in notices:
+    def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
+        for notice in kept(batch, revoked):
             self.receiver.deliver(notice)
+
+
+def kept(batch: Sequence[Notice], revoked: AbstractSet[int]) -> list[Notice]:
+    """The notices of a batch whose requests were not cancelled."""
+    return [n for n in batch if n.request_id not in revoked]

@@ -1,0 +1,191 @@
+"""Pinned host staging: the path of a machine without GPUDirect (and a NIC-class link).
+
+```
+sender (CUDA pool)                    shared pinned host ring              receiver (CUDA pool)
+gather blocks, device-to-host  --->   slots [lo, lo+n) of every layer ---> host-to-device, scatter
+on the copy stream                    notice + slots + dst ids (socket)    then deliver; free slots
+```
+The ring lives in POSIX shared memory (kvferry.shm) and is page-locked in both processes, so
+both copies run at PCIe speed. Slots are freed in order by the receiver once its
+host-to-device copy finished; a sender that finds the ring full waits (bounded) for frees.
+CPU pools work too (no pinning): that is how CI exercises the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from multiprocessing.connection import Connection
+from typing import AbstractSet, Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvferry.engine import CopyEngine, Pending
+from kvferry.errors import InvalidArgumentError
+from kvferry.layout import PagedKV
+from kvferry.local import LocalEndpoint, LocalTransport
+from kvferry.notice import Notice
+from kvferry.receiver import KVReceiver
+from kvferry.shm import SharedPool
+from kvferry.transport import TransportFull, kept
+
+__all__ = ["StagingEndpoint", "StagingTransport"]
+
+
+def _pin(pool: PagedKV) -> Callable[[], None]:
+    """Page-locks a host pool's memory for fast, asynchronous copies; returns the undo."""
+    if not torch.cuda.is_available():
+        return lambda: None
+    cudart = torch.cuda.cudart()
+    layers = pool.layers
+    start = min(t.data_ptr() for t in layers)
+    size = max(t.data_ptr() + t.numel() * t.element_size() for t in layers) - start
+    err = cudart.cudaHostRegister(start, size, 0)
+    if int(err) != 0:
+        raise TransferError(f"cudaHostRegister of {size} staging bytes failed (error {int(err)})")
+    return lambda: cudart.cudaHostUnregister(start)
+
+
+def _staging_shape(geometry: dict[str, Any], capacity: int) -> tuple[int, int, int]:
+    return (int(geometry["segments"]), capacity, int(geometry["segment_bytes"]))
+
+
+class StagingEndpoint(LocalEndpoint):
+    """The receiver's side: owns the ring, moves each arriving batch from it into the pool,
+    then delivers the batch's notices and frees its slots."""
+
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks}: must be > 0")
+        pool = receiver.pool
+        geometry = pool.geometry()
+        self.ring = SharedPool.create(
+            num_layers=pool.num_layers,
+            shape=_staging_shape(geometry, capacity_blocks),
+            dtype=torch.uint8,
+            tokens_per_block=pool.tokens_per_block,
+            block_dim=1,
+        )
+        assert self.ring.pool is not None
+        self._unpin = _pin(self.ring.pool)
+        self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks}, authkey=authkey)
+
+    def handle(self, conn: Connection, message: Any) -> None:
+        """``(notices, lo, freed, picked, dst_ids)``: ring slots from ``lo`` hold a batch of
+        ``len(dst_ids)`` blocks (or more, of which those at ``picked`` go); ``freed`` slots are
+        returned to the sender afterwards."""
+        notices, lo, freed, picked, dst_ids = message
+        n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
+        ring, pool = self.ring.pool, self.receiver.pool
+        assert ring is not None
+        if len(dst_ids):
+            ids = torch.from_numpy(np.asarray(dst_ids, dtype=np.int64)).to(pool.device)
+            pick = None if picked is None else torch.from_numpy(np.asarray(picked, dtype=np.int64)).to(pool.device)
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for staged, layer in zip(ring.layers, pool.segment_views(torch.uint8)):
+                    batch = staged[:, lo : lo + n].to(pool.device, non_blocking=True)
+                    layer.index_copy_(1, ids, batch if pick is None else batch.index_select(1, pick))
+            if self._stream is not None:
+                self._stream.synchronize()
+        self.deliver(notices)
+        conn.send(freed)  # these slots are free again
+
+    def close(self) -> None:
+        super().close()
+        self._unpin()
+        self.ring.close()
+
+
+class StagingTransport(LocalTransport):
+    """The sender's side: copies blocks device-to-host into free ring slots on the copy
+    engine's stream, then posts notices with their slots. A full ring raises
+    `TransportFull`; the sender then posts finished writes and waits for frees."""
+
+    def __init__(self, address: str, *, authkey: bytes) -> None:
+        super().__init__(address, authkey=authkey, open_pool=self._open)
+        # Staged and not yet posted: (first slot, destination ids, slots to free after it).
+        self._pending: list[tuple[int, np.ndarray, int]] = []
+
+    def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
+        ring = SharedPool.attach(hello["ring"])
+        assert ring.pool is not None
+        self._geometry = hello["geometry"]
+        self.capacity = int(hello["capacity"])
+        self._head = 0  # next slot to fill
+        self._used = 0  # filled and not yet freed by the receiver
+        unpin = _pin(ring.pool)
+
+        def release() -> None:
+            unpin()
+            ring.close()
+
+        return ring.pool, release
+
+    def geometry(self) -> dict[str, object]:
+        return dict(self._geometry)
+
+    def _reserve(self, n: int) -> tuple[int, int]:
+        """First slot of ``n`` contiguous free slots, and how many tail slots were skipped to
+        keep them contiguous (freed by the receiver together with this batch). Raises
+        `TransportFull` (changing nothing) when the receiver has not freed enough yet."""
+        if n > self.capacity:
+            raise InvalidArgumentError(f"invalid batch: {n} blocks exceed the staging ring's {self.capacity} (raise capacity_blocks)")
+        self._collect_frees()
+        wraps = self._head + n > self.capacity
+        skipped = self.capacity - self._head if wraps else 0
+        if self.capacity - self._used - skipped < n:
+            raise TransportFull(f"staging ring: {n} blocks wanted, {self.capacity - self._used - skipped} free")
+        lo = 0 if wraps else self._head
+        self._head = lo + n
+        self._used += skipped + n
+        return lo, skipped
+
+    def wait_for_room(self, timeout: float) -> bool:
+        if not self._conn.poll(timeout):
+            return False
+        self._collect_frees()
+        return True
+
+    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+        src.check_compatible(self._geometry)
+        s = src.check_ids("src_ids", src_ids)
+        d = np.ascontiguousarray(dst_ids, dtype=np.int64)
+        lo, skipped = self._reserve(s.size)
+        ring = self.dst
+
+        def stage() -> None:
+            ids = torch.from_numpy(s).to(src.device, non_blocking=True)
+            for layer, staged in zip(src.segment_views(torch.uint8), ring.layers):
+                staged[:, lo : lo + s.size].copy_(layer.index_select(1, ids), non_blocking=True)
+
+        self._pending.append((lo, d, s.size + skipped))
+        self._collect_frees()
+        return engine.submit_call(stage)
+
+    def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
+        # Writes finish in order, so the oldest staged batch is this one.
+        lo, d, freed = self._pending.pop(0)
+        keep = kept(batch, revoked)
+        if len(keep) == len(batch):
+            self._send((self._as_tuples(keep), lo, freed, None, d))
+        else:
+            # Only the kept requests' blocks leave the ring; a cancelled request's
+            # destination blocks may already belong to someone else.
+            lengths = np.array([n.end - n.start for n in batch])
+            mask = np.repeat([n.request_id not in revoked for n in batch], lengths)
+            self._send((self._as_tuples(keep), lo, freed, np.flatnonzero(mask), d[mask]))
+        self._collect_frees()
+
+    def abandon(self, batch: Sequence[Notice]) -> None:
+        lo, d, freed = self._pending.pop(0)
+        self._send(([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
+
+    @staticmethod
+    def _as_tuples(notices: Sequence[Notice]) -> list[tuple[int, int, int, int, bool]]:
+        return [n.as_tuple() for n in notices]
+
+    def _collect_frees(self) -> None:
+        while self._conn.poll():  # without waiting
+            self._used -= self._conn.recv()
