@@ -402,3 +402,22 @@ def test_nixl_notice_wire_format_round_trips() -> None:
     assert _decode(_encode(notices)) == notices
     with pytest.raises(TransferError, match="not a kvferry notification"):
         _decode(b"hello")
+
+
+def test_staging_ring_reserves_contiguous_runs_and_starts_over_when_empty() -> None:
+    from kvferry.staging import StagingTransport
+    from kvferry.transport import TransportFull
+
+    ring = StagingTransport.__new__(StagingTransport)  # the slot arithmetic alone
+    ring.capacity, ring._head, ring._used = 10, 0, 0
+    ring._collect_frees = lambda: None  # type: ignore[method-assign]
+    assert ring._reserve(6) == (0, 0)
+    with pytest.raises(TransportFull, match="5 blocks wanted, 0 free"):
+        ring._reserve(5)  # 4 free at the tail, and a wrap would need slots still in use
+    assert (ring._head, ring._used) == (6, 6)  # a refused reservation changes nothing
+    ring._used = 0  # the receiver freed everything
+    assert ring._reserve(10) == (0, 0)
+    ring._used = 4  # frees arrive for the oldest slots first
+    ring._head = 8
+    assert ring._reserve(3) == (0, 2)  # skips the 2-slot tail to stay contiguous
+    assert ring._used == 4 + 2 + 3

@@ -133,6 +133,8 @@ class StagingTransport(LocalTransport):
         if n > self.capacity:
             raise InvalidArgumentError(f"invalid batch: {n} blocks exceed the staging ring's {self.capacity} (raise capacity_blocks)")
         self._collect_frees()
+        if self._used == 0:
+            self._head = 0  # an empty ring starts over: the whole ring is one free run
         wraps = self._head + n > self.capacity
         skipped = self.capacity - self._head if wraps else 0
         if self.capacity - self._used - skipped < n:
