@@ -10,6 +10,7 @@ Both run jobs in submission order, so completions arrive in order too.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
@@ -93,8 +94,6 @@ class _EventPending(Pending):
             self._event.synchronize()
             return True
         # CUDA events cannot be waited on with a deadline: poll with a short sleep.
-        import time
-
         deadline = time.monotonic() + timeout
         while not self._event.query():
             if time.monotonic() >= deadline:
