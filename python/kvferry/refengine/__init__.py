@@ -1,0 +1,3 @@
+"""A small but real reference engine: a Llama-style decoder over a paged KV cache with a
+prefix cache and chunked prefill, used to check kvferry end to end (aggregated versus
+disaggregated outputs, bit-exact KV) and to drive the agentic benchmark."""

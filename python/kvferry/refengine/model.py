@@ -1,0 +1,120 @@
+"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention over a paged KV cache,
+SwiGLU) with random weights from a fixed seed: nothing is downloaded.
+
+KV layout, per layer: ``(num_blocks, 2, tokens_per_block, kv_heads, head_dim)`` (K then V of
+a block side by side), so one block of one layer is contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.layout import PagedKV
+
+__all__ = ["ModelConfig", "TinyLlama", "new_kv_pool"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 512
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 32
+    ffn: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def new_kv_pool(cfg: ModelConfig, num_blocks: int, tokens_per_block: int, device: str | torch.device) -> PagedKV:
+    """A zeroed paged KV pool for ``cfg``."""
+    shape = (num_blocks, 2, tokens_per_block, cfg.kv_heads, cfg.head_dim)
+    return PagedKV(tuple(torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.layers)), tokens_per_block)
+
+
+class TinyLlama:
+    """Greedy next-token model over one request's paged KV at a time."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(cfg.seed)
+
+        def w(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(shape, generator=gen) * scale).to(device=self.device, dtype=cfg.dtype)
+
+        h, d = cfg.hidden, cfg.head_dim
+        self.embed = w(cfg.vocab, h, scale=1.0)
+        self.layers = []
+        for _ in range(cfg.layers):
+            self.layers.append(
+                {
+                    "attn_norm": torch.ones(h, device=self.device, dtype=cfg.dtype),
+                    "wq": w(h, cfg.heads * d, scale=1 / math.sqrt(h)),
+                    "wk": w(h, cfg.kv_heads * d, scale=1 / math.sqrt(h)),
+                    "wv": w(h, cfg.kv_heads * d, scale=1 / math.sqrt(h)),
+                    "wo": w(cfg.heads * d, h, scale=1 / math.sqrt(cfg.heads * d)),
+                    "mlp_norm": torch.ones(h, device=self.device, dtype=cfg.dtype),
+                    "w_gate": w(h, cfg.ffn, scale=1 / math.sqrt(h)),
+                    "w_up": w(h, cfg.ffn, scale=1 / math.sqrt(h)),
+                    "w_down": w(cfg.ffn, h, scale=1 / math.sqrt(cfg.ffn)),
+                }
+            )
+        self.final_norm = torch.ones(h, device=self.device, dtype=cfg.dtype)
+        self.lm_head = w(h, cfg.vocab, scale=1 / math.sqrt(h))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self._inv_freq = inv_freq.to(self.device)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.cfg.norm_eps)).to(x.dtype) * weight
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.double()[:, None] * self._inv_freq[None, :]
+        cos, sin = angles.cos().to(x.dtype)[:, None, :], angles.sin().to(x.dtype)[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int, kv: PagedKV, block_table: torch.Tensor) -> torch.Tensor:
+        """Runs tokens at positions ``[start, start + len(tokens))`` of one request, writing
+        their K and V into ``kv`` at the blocks of ``block_table`` and attending over
+        positions ``[0, start + len(tokens))``. Returns the logits of the last position."""
+        cfg, tpb = self.cfg, kv.tokens_per_block
+        n = tokens.numel()
+        end = start + n
+        positions = torch.arange(start, end, device=self.device)
+        blocks = block_table[positions // tpb]
+        slots = positions % tpb
+        used = block_table[: -(-end // tpb)]
+        x = self.embed[tokens]
+        causal = positions[:, None] >= torch.arange(end, device=self.device)[None, :]
+        for layer, cache in zip(self.layers, kv.layers):
+            a = self._rms(x, layer["attn_norm"])
+            q = self._rope((a @ layer["wq"]).view(n, cfg.heads, cfg.head_dim), positions)
+            k = self._rope((a @ layer["wk"]).view(n, cfg.kv_heads, cfg.head_dim), positions)
+            v = (a @ layer["wv"]).view(n, cfg.kv_heads, cfg.head_dim)
+            cache[blocks, 0, slots] = k
+            cache[blocks, 1, slots] = v
+            keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
+            values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
+            group = cfg.heads // cfg.kv_heads
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) / math.sqrt(cfg.head_dim)
+            scores = scores.masked_fill(~causal[None], float("-inf"))
+            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.float()).to(x.dtype)
+            x = x + attn.reshape(n, -1) @ layer["wo"]
+            m = self._rms(x, layer["mlp_norm"])
+            x = x + (torch.nn.functional.silu(m @ layer["w_gate"]) * (m @ layer["w_up"])) @ layer["w_down"]
+        return (self._rms(x[-1:], self.final_norm) @ self.lm_head)[0].float()

@@ -1,0 +1,95 @@
+"""One worker of the reference engine: a model, its paged KV pool, an allocator and a prefix
+cache, and the per-request state a scheduler drives (admit, prefill chunks, decode, finish)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from kvferry.copy import copy_blocks
+from kvferry.layout import PagedKV
+from kvferry.refengine.cache import BlockAllocator, PrefixCache
+from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
+
+__all__ = ["Worker", "RequestState"]
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    tokens: list[int]  # prompt, then generated tokens as they come
+    prompt_len: int
+    reused_len: int
+    blocks: list[int]
+    computed: int  # tokens whose KV is in the pool
+    shared: int = 0  # leading blocks shared with the prefix cache (read-only)
+    outputs: list[int] = field(default_factory=list)
+
+    def table(self) -> np.ndarray:
+        return np.asarray(self.blocks, dtype=np.int64)
+
+
+class Worker:
+    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, prefix_cache: bool = True) -> None:
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.tpb = tokens_per_block
+        self.pool: PagedKV = new_kv_pool(model.cfg, num_blocks, tokens_per_block, model.device)
+        self.alloc = BlockAllocator(num_blocks)
+        self.cache: Optional[PrefixCache] = PrefixCache(tokens_per_block, self.alloc) if prefix_cache else None
+        self.requests: dict[int, RequestState] = {}
+
+    def admit(self, request_id: int, prompt: Sequence[int]) -> RequestState:
+        """Finds the cached prefix, allocates the rest, and copies a partially reused block."""
+        prompt = list(prompt)
+        hit = self.cache.lookup(prompt, len(prompt) - 1) if self.cache is not None else None
+        shared = hit.blocks if hit is not None else []
+        self.alloc.ref(shared)
+        fresh = self.alloc.allocate(-(-len(prompt) // self.tpb) - len(shared))
+        reused = len(shared) * self.tpb
+        if hit is not None and hit.partial_block is not None:
+            copy_blocks(self.pool, self.pool, [hit.partial_block], [fresh[0]])  # copy on write
+            reused += hit.partial_tokens
+        state = RequestState(request_id, prompt, len(prompt), reused, shared + fresh, reused, shared=len(shared))
+        self.requests[request_id] = state
+        return state
+
+    def admit_with_blocks(self, request_id: int, prompt: Sequence[int], blocks: Sequence[int], computed: int) -> RequestState:
+        """A request whose KV arrives from elsewhere (the generation side of disaggregation)."""
+        state = RequestState(request_id, list(prompt), len(prompt), 0, list(blocks), computed)
+        self.requests[request_id] = state
+        return state
+
+    def forward(self, request_id: int, end: int) -> torch.Tensor:
+        """Computes tokens ``[computed, end)`` of the request; returns the last logits."""
+        state = self.requests[request_id]
+        tokens = torch.tensor(state.tokens[state.computed : end], device=self.model.device)
+        logits = self.model.forward(tokens, state.computed, self.pool, torch.as_tensor(state.table(), device=self.model.device))
+        state.computed = end
+        return logits
+
+    def decode(self, request_id: int, max_new_tokens: int, first_token: int) -> list[int]:
+        """Greedy decoding from ``first_token`` (already produced by prefill)."""
+        state = self.requests[request_id]
+        state.outputs = [first_token]
+        while len(state.outputs) < max_new_tokens:
+            state.tokens.append(state.outputs[-1])
+            if len(state.tokens) > len(state.blocks) * self.tpb:
+                state.blocks += self.alloc.allocate(1)
+            logits = self.forward(request_id, len(state.tokens))
+            state.outputs.append(int(logits.argmax()))
+        return state.outputs
+
+    def finish(self, request_id: int, *, cache_tokens: Optional[int] = None) -> RequestState:
+        """Releases the request's blocks, keeping those that hold ``cache_tokens`` tokens in
+        the prefix cache (default: every computed token)."""
+        state = self.requests.pop(request_id)
+        keep = state.computed if cache_tokens is None else cache_tokens
+        if self.cache is not None:
+            self.cache.insert(state.tokens[:keep], state.blocks[: -(-keep // self.tpb)])
+        cached = [self.cache is not None and self.cache.is_cached(b) for b in state.blocks]
+        self.alloc.release(state.blocks, cached)
+        return state

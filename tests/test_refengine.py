@@ -1,0 +1,104 @@
+"""The reference engine: the model, the prefix cache, and disaggregated serving through the
+executor hook checked against aggregated serving (outputs token for token, KV bit for bit)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvferry.refengine.cache import BlockAllocator, PrefixCache
+from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
+from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
+
+CFG = ModelConfig(vocab=256, hidden=128, layers=3, heads=4, kv_heads=2, head_dim=32, ffn=256)
+TPB = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLlama:
+    return TinyLlama(CFG)
+
+
+def test_chunked_prefill_matches_unchunked_and_rereading_is_stable(model: TinyLlama) -> None:
+    tokens = torch.randint(0, CFG.vocab, (100,), generator=torch.Generator().manual_seed(0))
+    table = torch.arange(7)
+    whole = new_kv_pool(CFG, 8, TPB, "cpu")
+    chunked = new_kv_pool(CFG, 8, TPB, "cpu")
+    last = model.forward(tokens, 0, whole, table)
+    model.forward(tokens[:37], 0, chunked, table)
+    last_chunked = model.forward(tokens[37:], 37, chunked, table)
+    assert torch.allclose(last, last_chunked, atol=1e-4)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole.layers, chunked.layers))
+    # Positions beyond the prompt are untouched (zero) in every layer.
+    assert all(bool((layer[6, :, 100 - 6 * TPB :] == 0).all()) for layer in whole.layers)
+
+
+def test_prefix_cache_full_and_partial_hits() -> None:
+    alloc = BlockAllocator(16)
+    cache = PrefixCache(4, alloc)
+    prompt = list(range(10))  # blocks [0..3] [4..7] and a partial [8, 9]
+    blocks = alloc.allocate(3)
+    cache.insert(prompt, blocks)
+    alloc.release(blocks, [cache.is_cached(b) for b in blocks])
+    hit = cache.lookup(prompt + [99, 98], max_reuse=11)
+    assert hit.blocks == blocks[:2] and (hit.partial_block, hit.partial_tokens) == (blocks[2], 2)
+    assert hit.reused_len(4) == 10
+    other = cache.lookup([0, 1, 2, 3, 4, 5, 70, 71, 72], max_reuse=8)
+    assert other.blocks == blocks[:1] and (other.partial_block, other.partial_tokens) == (blocks[1], 2)
+    # Capped reuse: the last token is always computed.
+    capped = cache.lookup(list(range(8)), max_reuse=7)
+    assert capped.blocks == blocks[:1] and capped.partial_tokens == 3
+    # Eviction forgets the blocks: a later lookup misses them.
+    alloc.allocate(16)
+    assert cache.lookup(prompt, max_reuse=9).reused_len(4) == 0
+
+
+def _sessions(seed: int, n: int, turns: int, *, system: int, new: tuple[int, int], out: int):  # type: ignore[no-untyped-def]
+    """Agentic multi-turn prompts: each turn is the whole conversation so far plus new tokens
+    (the previous turns' outputs included)."""
+    rng = random.Random(seed)
+    convs = {s: [rng.randrange(CFG.vocab) for _ in range(system + 3 * s)] for s in range(n)}
+    rid = 0
+    for _ in range(turns):
+        batch = []
+        for s in range(n):
+            convs[s] += [rng.randrange(CFG.vocab) for _ in range(rng.randrange(*new))]
+            rid += 1
+            batch.append((s, Turn(rid, tuple(convs[s]), out)))
+        outputs = yield [t for _, t in batch]
+        for s, turn in batch:
+            convs[s] += outputs[turn.request_id]
+
+
+@pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "baseline"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_disaggregated_matches_aggregated_over_multi_turn_sessions(model: TinyLlama, chunk, early: bool, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
+    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, overlap=overlap)
+    gen = _sessions(seed=7, n=3, turns=3, system=90, new=(5, 30), out=5)
+    turns = next(gen)
+    reused, early_slices = [], 0
+    while True:
+        got_a = agg.run(turns)
+        got_d = dis.run(turns, check_kv=True)
+        for turn in turns:
+            a, d = got_a[turn.request_id], got_d[turn.request_id]
+            assert d.outputs == a.outputs, f"request {turn.request_id}"
+            assert d.kv_mismatch_blocks == 0
+            assert d.reused_len == a.reused_len
+            covered = sorted(b for n in d.notices for b in range(n.start, n.end))
+            assert covered == list(range(-(-d.prompt_len // TPB)))  # every block exactly once
+            reused.append(d.reused_len)
+            if d.reused_len >= TPB:  # the first slice to arrive is the early prefix, or not
+                first = (d.notices[0].start, d.notices[0].end)
+                early_slices += first == (0, d.reused_len // TPB)
+        try:
+            turns = gen.send({r: got_a[r].outputs for r in got_a})
+        except StopIteration:
+            break
+    assert any(r % TPB for r in reused), "no unaligned reuse boundary was exercised"
+    assert any(r >= TPB for r in reused)
+    assert (early_slices > 0) == early
