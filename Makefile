@@ -22,8 +22,8 @@ setup: $(STAMP) ## create .venv and install the Python dependencies (torch, nump
 build: $(STAMP) ## build the Rust extension (release) into .venv as an editable install
 	maturin develop --release --quiet
 
-demo: build ## set everything up and run the main job (kvferry plan on an example)
-	kvferry plan --tokens-per-block 32 --prompt 32768 --reused 30000 --chunk 2048
+demo: build ## set everything up and run the main job: the agentic benchmark, early versus baseline (CPU)
+	kvferry bench agentic --json agentic.json --png agentic-timeline.png
 
 test: build test-rust test-python stubtest ## run every test: cargo test, pytest, stubtest
 

@@ -112,3 +112,31 @@ def test_bench_copy_bad_options(capsys: pytest.CaptureFixture[str], argv: list[s
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
+    argv = ["bench", "agentic", "--sessions", "2", "--turns", "1", "--cached", "160", "--new", "40", "--output", "3",
+            "--tokens-per-block", "16", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--link-gbps", "0.05", "--json", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["outputs_match"] is True and result["duplicate_blocks"] == 0
+    assert 0.0 <= result["hidden_fraction"] <= 1.0
+    for mode in ("baseline", "early", "ideal"):
+        assert result[mode]["kv_ready_ms_p50"] > 0 and result[mode]["kv_ready_ms_p90"] >= result[mode]["kv_ready_ms_p50"]
+    assert result["baseline"]["early_bytes"] == 0 and result["early"]["early_bytes"] > 0
+    # Both modes move the same bytes in all; early moves most of them before the forward.
+    assert result["baseline"]["after_bytes"] == result["early"]["early_bytes"] + result["early"]["after_bytes"]
+    early = [r for r in result["requests"] if r["mode"] == "early"]
+    assert all(r["reused_len"] >= 160 - 40 for r in early) and len(early) == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "outputs match aggregated: True" in table
+
+
+def test_bench_agentic_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "agentic", "--heads", "6", "--kv-heads", "4"]) == 2
+    assert "multiple of --kv-heads" in capsys.readouterr().err

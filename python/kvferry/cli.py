@@ -156,7 +156,69 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
     copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     copy.set_defaults(func=_cmd_bench_copy)
+
+    agentic = bench.add_parser("agentic", help="early versus baseline transfer on an agentic multi-turn workload (the main job)")
+    agentic.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    agentic.add_argument("--sessions", type=_positive, default=3, metavar="N")
+    agentic.add_argument("--turns", type=_positive, default=2, metavar="N", help="measured turns (after one warm-up turn)")
+    agentic.add_argument("--cached", type=_positive, default=3072, metavar="TOKENS", help="conversation length before the first measured turn")
+    agentic.add_argument("--new", type=_positive, default=256, metavar="TOKENS", help="new tokens per turn")
+    agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
+    agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N")
+    agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
+    agentic.add_argument("--link-gbps", type=float, default=0.5, metavar="GB/S", help="CPU: emulated link rate (0: raw copies)")
+    agentic.add_argument("--layers", type=_positive, default=8, metavar="N")
+    agentic.add_argument("--hidden", type=_positive, default=512, metavar="N")
+    agentic.add_argument("--heads", type=_positive, default=8, metavar="N")
+    agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N")
+    agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N")
+    agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
+    agentic.set_defaults(func=_cmd_bench_agentic)
     return parser
+
+
+def _cmd_bench_agentic(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from kvferry.bench_agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    if args.heads % args.kv_heads:
+        print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
+        return 2
+    if args.link_gbps < 0:
+        print(f"kvferry bench: error: --link-gbps must be >= 0, got {args.link_gbps}", file=sys.stderr)
+        return 2
+    cfg = AgenticConfig(
+        device=args.device,
+        sessions=args.sessions,
+        turns=args.turns,
+        cached_tokens=args.cached,
+        new_tokens=args.new,
+        output_tokens=args.output,
+        tokens_per_block=args.tokens_per_block,
+        chunk_size=args.chunk,
+        link_gbps=args.link_gbps or None,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
+    result = run_agentic(cfg, progress=progress_to_stderr)
+    print(format_agentic(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.png:
+        draw_timeline(result, args.png)
+        print(f"timeline: {args.png}")
+    return 0
 
 
 def _names(text: str) -> tuple[str, ...]:

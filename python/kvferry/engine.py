@@ -38,6 +38,10 @@ class Pending(ABC):
         """The exception the copy raised, once done; ``None`` on success."""
         return None
 
+    def interval(self) -> Optional[tuple[float, float]]:
+        """When the copy ran (``time.monotonic`` seconds), once done, where the engine knows."""
+        return None
+
 
 class CopyEngine(ABC):
     def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
@@ -54,7 +58,7 @@ class CopyEngine(ABC):
 
 
 class _FuturePending(Pending):
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+    def __init__(self, future: concurrent.futures.Future[Optional[tuple[float, float]]]) -> None:
         self._future = future
 
     def done(self) -> bool:
@@ -67,24 +71,54 @@ class _FuturePending(Pending):
     def error(self) -> Optional[BaseException]:
         return self._future.exception() if self._future.done() else None
 
+    def interval(self) -> Optional[tuple[float, float]]:
+        return self._future.result() if self._future.done() and self._future.exception() is None else None
+
 
 class ThreadCopyEngine(CopyEngine):
     """CPU pools: one worker thread, so a copy never blocks the scheduler (torch's index ops
-    release the GIL while they move bytes)."""
+    release the GIL while they move bytes). ``link_gbps`` emulates a slower link (a NIC on
+    one machine): each copy then takes at least its bytes over that rate, one after another
+    as on a real link."""
 
-    def __init__(self) -> None:
+    def __init__(self, link_gbps: Optional[float] = None) -> None:
+        if link_gbps is not None and link_gbps <= 0:
+            raise ValueError(f"invalid link_gbps={link_gbps}: must be > 0")
+        self.link_gbps = link_gbps
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-copy")
 
+    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
+        nbytes = len(src_ids) * src.block_bytes * src.num_layers
+        return self._run(lambda: copy_blocks(src, dst, src_ids, dst_ids), nbytes)
+
     def submit_call(self, work: Callable[[], None]) -> Pending:
-        return _FuturePending(self._pool.submit(work))
+        return self._run(work, 0)
+
+    def _run(self, work: Callable[[], None], nbytes: int) -> Pending:
+        def timed() -> tuple[float, float]:
+            start = time.monotonic()
+            work()
+            if self.link_gbps is not None:
+                time.sleep(max(0.0, start + nbytes / (self.link_gbps * 1e9) - time.monotonic()))
+            return start, time.monotonic()
+
+        return _FuturePending(self._pool.submit(timed))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
 class _EventPending(Pending):
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, started: Optional[torch.cuda.Event] = None, clock: Optional[tuple[torch.cuda.Event, float]] = None) -> None:
         self._event = event
+        self._started = started
+        self._clock = clock
+
+    def interval(self) -> Optional[tuple[float, float]]:
+        if self._started is None or self._clock is None or not self._event.query():
+            return None
+        base, at = self._clock
+        return at + base.elapsed_time(self._started) / 1e3, at + base.elapsed_time(self._event) / 1e3
 
     def done(self) -> bool:
         return bool(self._event.query())
@@ -109,13 +143,22 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        # A device event taken at a known host time turns later events into host times.
+        base = torch.cuda.Event(enable_timing=True)
+        base.record(self.stream)
+        base.synchronize()
+        self._clock = (base, time.monotonic())
 
     def submit_call(self, work: Callable[[], None]) -> Pending:
         produced = torch.cuda.current_stream(self.device).record_event()
         self.stream.wait_event(produced)
+        started = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            started.record()
             work()
-            return _EventPending(self.stream.record_event())
+            done.record()
+        return _EventPending(done, started, self._clock)
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -18,7 +18,7 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.transport import Transport, TransportFull, kept
 
-__all__ = ["KVSender"]
+__all__ = ["KVSender", "TransferRecord"]
 
 IntArray = npt.ArrayLike
 
@@ -28,6 +28,20 @@ class _Job:
     pending: Pending
     notices: tuple[Notice, ...]  # a tuple: callers get copies of it, never this one
     submitted_at: float
+    kind: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished write, for benchmarks and timelines (``KVSender(record=True)``)."""
+
+    kind: str  # "early" (before the forward) or "chunk"
+    notices: tuple[Notice, ...]
+    nbytes: int
+    submitted: float
+    started: float  # when the copy ran, where the engine knows; else submitted
+    finished: float  # else when the sender saw it done
 
 
 class KVSender:
@@ -43,6 +57,7 @@ class KVSender:
         pipelined: bool = True,
         engine: Optional[CopyEngine] = None,
         timeout: Optional[float] = None,
+        record: bool = False,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out)."""
@@ -56,6 +71,7 @@ class KVSender:
         self._inflight: deque[_Job] = deque()
         # Cancelled requests whose copies may still be queued: their notices are dropped.
         self._revoked: set[int] = set()
+        self.records: Optional[list[TransferRecord]] = [] if record else None
 
     def add(self, request_id: int, prompt_len: int, *, reused_len: int = 0, window: Optional[int] = None, context_only: bool = True) -> None:
         self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
@@ -64,7 +80,7 @@ class KVSender:
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
         self._refuse_revoked(request_ids)
-        return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table))
+        return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table), "early")
 
     def send_chunks(
         self,
@@ -77,7 +93,7 @@ class KVSender:
         """After a context forward: the blocks each finished chunk completed."""
         self._refuse_revoked(request_ids)
         plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
-        return self._dispatch(plan)
+        return self._dispatch(plan, "chunk")
 
     def _refuse_revoked(self, request_ids: IntArray) -> None:
         if self._revoked:
@@ -85,7 +101,7 @@ class KVSender:
             if hit:
                 raise InvalidArgumentError(f"invalid request_ids: {sorted(hit)} were cancelled")
 
-    def _dispatch(self, plan: SlicePlan) -> list[Notice]:
+    def _dispatch(self, plan: SlicePlan, kind: str) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
         before claiming anything, so nothing is marked sent that cannot leave)."""
         pairs = plan.pairs
@@ -97,7 +113,8 @@ class KVSender:
             self._next_slice[request_id] = slice_id + 1
             notices.append(Notice(request_id, slice_id, blocks.start, blocks.end, last))
         pending = self._write(pairs.src, pairs.dst, notices)
-        self._inflight.append(_Job(pending, tuple(notices), time.monotonic()))
+        nbytes = plan.total_blocks * self.pool.block_bytes * self.pool.num_layers
+        self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
         return notices
 
     def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice]) -> Pending:
@@ -153,6 +170,9 @@ class KVSender:
             ids = sorted({n.request_id for n in job.notices})
             raise TransferError(f"copy for requests {ids} failed: {error}") from error
         self.transport.post(job.notices, frozenset(self._revoked))
+        if self.records is not None:
+            started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
+            self.records.append(TransferRecord(job.kind, job.notices, job.nbytes, job.submitted_at, started, finished))
         notices = tuple(kept(job.notices, self._revoked))
         for request_id in {n.request_id for n in job.notices} & self._revoked:
             if request_id not in self._next_slice and not self.in_flight(request_id):

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from kvferry.engine import ThreadCopyEngine
 from kvferry.hook import TransferHook
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.model import ModelConfig, TinyLlama
@@ -40,9 +41,12 @@ class TurnResult:
     reused_len: int
     # Monotonic timestamps (seconds).
     admitted: float = 0.0
-    prefill_done: float = 0.0
+    prefill_start: float = 0.0
+    prefill_done: float = 0.0  # this request's last chunk computed
+    step_done: float = 0.0  # ... and the scheduler step holding it finished (batch forward)
     kv_ready: float = 0.0
-    first_decode: float = 0.0
+    first_decode: float = 0.0  # the generation worker starts decoding
+    first_token_at_gen: float = 0.0  # ... and has its first decoded token
     kv_mismatch_blocks: int = 0
     notices: list = field(default_factory=list)
 
@@ -50,6 +54,11 @@ class TurnResult:
 def _chunks(start: int, end: int, chunk: Optional[int]) -> list[tuple[int, int]]:
     step = chunk or (end - start)
     return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
+def _stamp_first(result: TurnResult) -> None:
+    if not result.first_token_at_gen:
+        result.first_token_at_gen = time.monotonic()
 
 
 def _argmax(logits: torch.Tensor) -> int:
@@ -66,8 +75,9 @@ class Aggregated:
     def run(self, turns: Sequence[Turn]) -> dict[int, TurnResult]:
         results = {}
         for turn in turns:
+            admitted = time.monotonic()
             state = self.worker.admit(turn.request_id, turn.prompt)
-            result = TurnResult(turn.request_id, [], state.prompt_len, state.reused_len, admitted=time.monotonic())
+            result = TurnResult(turn.request_id, [], state.prompt_len, state.reused_len, admitted=admitted, prefill_start=time.monotonic())
             for _, end in _chunks(state.reused_len, state.prompt_len, self.chunk_size):
                 logits = self.worker.forward(turn.request_id, end)
             result.prefill_done = result.kv_ready = time.monotonic()
@@ -91,11 +101,19 @@ class Disaggregated:
         early: bool = True,
         overlap: bool = False,
         gen_model: Optional[TinyLlama] = None,
+        link_gbps: Optional[float] = None,
+        record: bool = False,
     ) -> None:
+        """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
+        ``record`` keeps every transfer's timing in ``self.hook.sender.records``."""
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.gen = Worker(gen_model or model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=False)
         self.receiver = KVReceiver(self.gen.pool)
-        self.hook = TransferHook(KVSender(self.ctx.pool, InProcessTransport(self.receiver), pipelined=early))
+        engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
+        if link_gbps is not None and engine is None:
+            raise ValueError("link_gbps emulates a link for CPU pools only; on CUDA use a real transport")
+        sender = KVSender(self.ctx.pool, InProcessTransport(self.receiver), pipelined=early, engine=engine, record=record)
+        self.hook = TransferHook(sender)
         self.chunk_size = chunk_size
         self.overlap = overlap
 
@@ -107,11 +125,12 @@ class Disaggregated:
         plans: dict[int, list[tuple[int, int]]] = {}
         for turn in turns:
             rid = turn.request_id
+            admitted = time.monotonic()
             state = self.ctx.admit(rid, turn.prompt)
             dst_blocks[rid] = self.gen.alloc.allocate(len(state.blocks))
             self.receiver.expect(rid, state.prompt_len)
             self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst_blocks[rid])
-            results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=time.monotonic())
+            results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=admitted)
             plans[rid] = _chunks(state.reused_len, state.prompt_len, self.chunk_size)
         first: dict[int, int] = {}
         step = 0
@@ -125,12 +144,18 @@ class Disaggregated:
             starts, ends = [], []
             for rid in batch:
                 start, end = plans[rid][step]
+                if step == 0:
+                    results[rid].prefill_start = time.monotonic()
                 logits = self.ctx.forward(rid, end)
                 starts.append(start)
                 ends.append(end)
                 if end == results[rid].prompt_len:
                     first[rid] = _argmax(logits)
                     results[rid].prefill_done = time.monotonic()
+            step_done = time.monotonic()
+            for rid in batch:
+                if rid in first and not results[rid].step_done:
+                    results[rid].step_done = step_done
             step += 1
             live = [rid for rid in batch if step < len(plans[rid])]
             if self.overlap and live:
@@ -146,14 +171,21 @@ class Disaggregated:
             result.kv_ready = self.receiver.wait(rid, timeout=60)
             result.notices = self.receiver.notices(rid)
             self.receiver.release(rid)
-            src = self.ctx.requests[rid]
             if check_kv:
-                result.kv_mismatch_blocks = self._kv_mismatch(src.blocks, dst_blocks[rid], result.prompt_len)
+                result.kv_mismatch_blocks = self._kv_mismatch(self.ctx.requests[rid].blocks, dst_blocks[rid], result.prompt_len)
             self.ctx.finish(rid)
             self.gen.admit_with_blocks(rid, turn.prompt, dst_blocks[rid], computed=result.prompt_len)
             result.first_decode = time.monotonic()
-            result.outputs = self.gen.decode(rid, turn.max_new_tokens, first[rid])
-            self.gen.finish(rid)
+            result.outputs = [first[rid]]
+        # The generation worker decodes its batch one token per request per step.
+        for _ in range(max(t.max_new_tokens for t in turns) - 1):
+            for turn in turns:
+                result = results[turn.request_id]
+                if len(result.outputs) < turn.max_new_tokens:
+                    result.outputs.append(self.gen.step(turn.request_id, result.outputs[-1]))
+                    _stamp_first(result)
+        for turn in turns:
+            self.gen.finish(turn.request_id)
         return results
 
     def _kv_mismatch(self, src_blocks: list[int], dst_blocks: list[int], prompt_len: int) -> int:

@@ -73,15 +73,20 @@ class Worker:
 
     def decode(self, request_id: int, max_new_tokens: int, first_token: int) -> list[int]:
         """Greedy decoding from ``first_token`` (already produced by prefill)."""
+        outputs = [first_token]
+        while len(outputs) < max_new_tokens:
+            outputs.append(self.step(request_id, outputs[-1]))
+        return outputs
+
+    def step(self, request_id: int, token: int) -> int:
+        """One decode step: feeds ``token`` and returns the greedy next token."""
         state = self.requests[request_id]
-        state.outputs = [first_token]
-        while len(state.outputs) < max_new_tokens:
-            state.tokens.append(state.outputs[-1])
-            if len(state.tokens) > len(state.blocks) * self.tpb:
-                state.blocks += self.alloc.allocate(1)
-            logits = self.forward(request_id, len(state.tokens))
-            state.outputs.append(int(logits.argmax()))
-        return state.outputs
+        state.tokens.append(token)
+        if len(state.tokens) > len(state.blocks) * self.tpb:
+            state.blocks += self.alloc.allocate(1)
+        logits = self.forward(request_id, len(state.tokens))
+        state.outputs.append(int(logits.argmax()))
+        return state.outputs[-1]
 
     def finish(self, request_id: int, *, cache_tokens: Optional[int] = None) -> RequestState:
         """Releases the request's blocks, keeping those that hold ``cache_tokens`` tokens in

@@ -1,0 +1,283 @@
+"""`kvferry bench agentic`: the main job. An agentic workload (cached prefix >> new turn
+tokens >> output tokens; several sessions x several turns) served disaggregated twice,
+baseline (the prefix leaves with the first chunk, after its forward) and early (the prefix
+leaves before the first forward), against aggregated serving as the reference for outputs.
+
+Per request: prefill time, prefix-transfer time, post-prefill tail, KV-ready latency
+(admitted -> every block resident at the generation worker), TTFT at the generation worker,
+and the ideal bound max(prefill, prefix transfer) + tail.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from kvferry.refengine.model import ModelConfig, TinyLlama
+from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
+from kvferry.sender import TransferRecord
+
+__all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
+
+
+@dataclass(frozen=True)
+class AgenticConfig:
+    device: str = "cpu"
+    sessions: int = 3
+    turns: int = 2  # measured turns, after one warm-up turn that fills the prefix cache
+    cached_tokens: int = 3072  # the conversation before the first measured turn
+    new_tokens: int = 256
+    output_tokens: int = 8
+    tokens_per_block: int = 32
+    chunk_size: Optional[int] = None
+    # CPU pools: an emulated link rate (None: raw copies). 0.5 GB/s gives the CPU run the
+    # proportions of a GPU node (prefix transfer about a third of the batch prefill).
+    link_gbps: Optional[float] = 0.5
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 64
+    ffn: int = 1024
+    vocab: int = 512
+    seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        return ModelConfig(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn, seed=self.seed, dtype=dtype)
+
+
+@dataclass
+class RequestFigures:
+    mode: str
+    turn: int
+    request_id: int
+    prompt_len: int
+    reused_len: int
+    prefill_ms: float
+    prefix_transfer_ms: float
+    tail_transfer_ms: float
+    kv_ready_ms: float
+    ttft_gen_ms: float
+    ideal_kv_ready_ms: float
+    early_bytes: int
+    after_bytes: int
+    duplicate_blocks: int
+    # For the timeline: intervals relative to the turn's first admission (ms).
+    bars: dict[str, Any] = field(default_factory=dict)
+
+
+def _conversations(cfg: AgenticConfig) -> tuple[list[list[Turn]], dict[int, list[int]]]:
+    """Runs the whole workload aggregated: the turns (prompts) and the reference outputs."""
+    rng = random.Random(cfg.seed)
+    model = TinyLlama(cfg.model_config(), cfg.device)
+    agg = Aggregated(model, num_blocks=_pool_blocks(cfg), tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size)
+    convs = [[rng.randrange(cfg.vocab) for _ in range(cfg.cached_tokens - cfg.new_tokens)] for _ in range(cfg.sessions)]
+    all_turns, outputs, rid = [], {}, 0
+    for _ in range(cfg.turns + 1):
+        turns = []
+        for s in range(cfg.sessions):
+            convs[s] += [rng.randrange(cfg.vocab) for _ in range(cfg.new_tokens)]
+            rid += 1
+            turns.append(Turn(rid, tuple(convs[s]), cfg.output_tokens))
+        got = agg.run(turns)
+        for s, turn in enumerate(turns):
+            outputs[turn.request_id] = got[turn.request_id].outputs
+            convs[s] += got[turn.request_id].outputs
+        all_turns.append(turns)
+    return all_turns, outputs
+
+
+def _pool_blocks(cfg: AgenticConfig) -> int:
+    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
+    return 3 * cfg.sessions * (-(-longest // cfg.tokens_per_block)) + 64
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def _figures(mode: str, turn: int, results: dict[int, TurnResult], records: list[TransferRecord]) -> tuple[list[RequestFigures], float, float]:
+    """Per-request figures of one turn, and the early transfer time overlapped by prefill."""
+    t0 = min(r.admitted for r in results.values())
+    ms = lambda t: (t - t0) * 1e3  # noqa: E731
+    figures, hidden, early_total = [], 0.0, 0.0
+    prefill_span = (min(r.prefill_start for r in results.values()), max(r.prefill_done for r in results.values()))
+    for rec in records:
+        if rec.kind == "early":
+            early_total += rec.finished - rec.started
+            hidden += _overlap((rec.started, rec.finished), prefill_span)
+    for rid, r in results.items():
+        mine = [rec for rec in records if any(n.request_id == rid for n in rec.notices)]
+        early = [rec for rec in mine if rec.kind == "early"]
+        # The tail: what was still to move once the step with the request's last chunk ended.
+        tail = [rec for rec in mine if rec.kind == "chunk" and rec.finished > r.step_done]
+        prefix_s = sum(rec.finished - rec.started for rec in early)
+        tail_s = (max(rec.finished for rec in tail) - r.step_done) if tail else 0.0
+        tail_copy_s = sum(rec.finished - rec.started for rec in tail)
+        # Prefill as the decode side sees it: until the batch forward holding the last chunk ended.
+        prefill_s = r.step_done - r.prefill_start
+        blocks = [b for n in r.notices for b in range(n.start, n.end)]
+        per_block = lambda rec: rec.nbytes / max(1, sum(n.end - n.start for n in rec.notices))  # noqa: E731
+        early_bytes = int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in early))
+        after_bytes = int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in mine if rec.kind == "chunk"))
+        figures.append(
+            RequestFigures(
+                mode, turn, rid, r.prompt_len, r.reused_len,
+                prefill_ms=prefill_s * 1e3,
+                prefix_transfer_ms=prefix_s * 1e3,
+                tail_transfer_ms=tail_s * 1e3,
+                kv_ready_ms=(r.kv_ready - r.admitted) * 1e3,
+                ttft_gen_ms=(r.first_token_at_gen - r.admitted) * 1e3 if r.first_token_at_gen else float("nan"),
+                ideal_kv_ready_ms=((r.prefill_start - r.admitted) + max(prefill_s, prefix_s) + tail_copy_s) * 1e3,
+                early_bytes=early_bytes,
+                after_bytes=after_bytes,
+                duplicate_blocks=len(blocks) - len(set(blocks)),
+                bars={
+                    "prefill": (ms(r.prefill_start), ms(r.prefill_done)),
+                    "early": [(ms(rec.started), ms(rec.finished)) for rec in early],
+                    "chunk": [(ms(rec.started), ms(rec.finished)) for rec in mine if rec.kind == "chunk"],
+                    "kv_ready": ms(r.kv_ready),
+                    "decode": ms(r.first_decode),
+                },
+            )
+        )
+    return figures, hidden, early_total
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    progress(f"reference: aggregated serving of {cfg.sessions} sessions x {cfg.turns + 1} turns")
+    turns, reference = _conversations(cfg)
+    model = TinyLlama(cfg.model_config(), cfg.device)
+    per_request: list[RequestFigures] = []
+    outputs_match = True
+    hidden = {"early": [0.0, 0.0]}
+    for mode in ("baseline", "early"):
+        engine = Disaggregated(
+            model,
+            num_blocks=_pool_blocks(cfg),
+            tokens_per_block=cfg.tokens_per_block,
+            chunk_size=cfg.chunk_size,
+            early=mode == "early",
+            link_gbps=cfg.link_gbps if cfg.device == "cpu" else None,
+            record=True,
+        )
+        records = engine.hook.sender.records
+        assert records is not None
+        for t, batch in enumerate(turns):
+            progress(f"{mode}: turn {t}/{cfg.turns}" + (" (warm-up)" if t == 0 else ""))
+            records.clear()
+            results = engine.run(batch)
+            outputs_match &= all(results[turn.request_id].outputs == reference[turn.request_id] for turn in batch)
+            if t == 0:
+                continue
+            figures, hid, total = _figures(mode, t, results, list(records))
+            per_request += figures
+            if mode == "early":
+                hidden["early"][0] += hid
+                hidden["early"][1] += total
+
+    def summary(mode: str, key: str) -> dict[str, float]:
+        values = [getattr(f, key) for f in per_request if f.mode == mode]
+        return {f"{key}_p50": statistics.median(values), f"{key}_p90": _p(values, 0.9), f"{key}_mean": statistics.fmean(values)}
+
+    result: dict[str, Any] = {
+        "config": {k: v for k, v in asdict(cfg).items()},
+        "machine": torch.cuda.get_device_name(0) if cfg.device == "cuda" else _cpu_name(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "outputs_match": outputs_match,
+        "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
+        "hidden_fraction": hidden["early"][0] / hidden["early"][1] if hidden["early"][1] else 0.0,
+        "requests": [asdict(f) for f in per_request],
+    }
+    for mode in ("baseline", "early"):
+        mode_summary: dict[str, float] = {}
+        for key in ("kv_ready_ms", "ttft_gen_ms", "prefill_ms", "prefix_transfer_ms", "tail_transfer_ms"):
+            mode_summary.update(summary(mode, key))
+        mode_summary["early_bytes"] = sum(f.early_bytes for f in per_request if f.mode == mode)
+        mode_summary["after_bytes"] = sum(f.after_bytes for f in per_request if f.mode == mode)
+        result[mode] = mode_summary
+    ideal = [f.ideal_kv_ready_ms for f in per_request if f.mode == "early"]
+    result["ideal"] = {"kv_ready_ms_p50": statistics.median(ideal), "kv_ready_ms_p90": _p(ideal, 0.9)}
+    return result
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    except OSError:
+        return "CPU"
+
+
+def format_agentic(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [
+        f"{result['machine']}, {result['date']}: {cfg['sessions']} sessions x {cfg['turns']} turns, "
+        f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
+        f"tpb {cfg['tokens_per_block']}, link {cfg['link_gbps'] or 'raw'} GB/s",
+        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9}",
+    ]
+    for f in result["requests"]:
+        lines.append(
+            f"{f['mode']:<9} {f['turn']:>4} {f['request_id']:>4} {f['prompt_len']:>7} {f['reused_len']:>7} "
+            f"{f['prefill_ms']:>7.1f}m {f['prefix_transfer_ms']:>7.1f}m {f['tail_transfer_ms']:>6.1f}m {f['kv_ready_ms']:>8.1f}m "
+            f"{f['ideal_kv_ready_ms']:>6.1f}m {f['ttft_gen_ms']:>8.1f}m {f['early_bytes'] / 1e6:>9.1f} {f['after_bytes'] / 1e6:>9.1f}"
+        )
+    b, e, i = result["baseline"], result["early"], result["ideal"]
+    lines += [
+        "",
+        f"KV-ready p50/p90 ms: baseline {b['kv_ready_ms_p50']:.1f}/{b['kv_ready_ms_p90']:.1f}, "
+        f"early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, ideal {i['kv_ready_ms_p50']:.1f}/{i['kv_ready_ms_p90']:.1f} "
+        f"(early/baseline {e['kv_ready_ms_p50'] / b['kv_ready_ms_p50']:.2f}, early/ideal {e['kv_ready_ms_p50'] / i['kv_ready_ms_p50']:.2f})",
+        f"TTFT at the generation worker p50 ms: baseline {b['ttft_gen_ms_p50']:.1f}, early {e['ttft_gen_ms_p50']:.1f}",
+        f"bytes sent early {e['early_bytes'] / 1e6:.1f} MB, after prefill {e['after_bytes'] / 1e6:.1f} MB (baseline: all {b['after_bytes'] / 1e6:.1f} MB after)",
+        f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
+    ]
+    return "\n".join(lines)
+
+
+def draw_timeline(result: dict[str, Any], path: str) -> None:
+    """Per request of the last turn: prefill, transfers and decode start; baseline above
+    early, one time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    last = max(f["turn"] for f in result["requests"])
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    for ax, mode in zip(axes, ("baseline", "early")):
+        rows = [f for f in result["requests"] if f["mode"] == mode and f["turn"] == last]
+        for y, f in enumerate(rows):
+            bars = f["bars"]
+            p0, p1 = bars["prefill"]
+            ax.broken_barh([(p0, p1 - p0)], (y - 0.35, 0.3), color="#4c72b0", label="prefill" if y == 0 else None)
+            for kind, color in (("early", "#dd8452"), ("chunk", "#55a868")):
+                spans = [(a, max(b - a, 0.05)) for a, b in bars[kind]]
+                if spans:
+                    ax.broken_barh(spans, (y + 0.05, 0.3), color=color, label=f"{kind} transfer" if y == 0 else None)
+            ax.plot([bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, label="KV ready" if y == 0 else None)
+            ax.plot([bars["decode"]], [y], marker=">", color="#c44e52", label="decode starts" if y == 0 else None)
+        ax.set_yticks(range(len(rows)), [f"req {f['request_id']}" for f in rows])
+        ax.set_title(f"{mode}: KV-ready p50 {result[mode]['kv_ready_ms_p50']:.1f} ms")
+        ax.legend(loc="lower right", fontsize=7)
+    axes[-1].set_xlabel("ms since the turn's requests were admitted")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def progress_to_stderr(message: str) -> None:
+    print(f"[bench agentic] {message}", file=sys.stderr, flush=True)
