@@ -102,3 +102,49 @@ def test_disaggregated_matches_aggregated_over_multi_turn_sessions(model: TinyLl
     assert any(r % TPB for r in reused), "no unaligned reuse boundary was exercised"
     assert any(r >= TPB for r in reused)
     assert (early_slices > 0) == early
+
+
+@pytest.mark.parametrize("transport", ["shm", "staging", "nixl"])
+def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generation worker in its own process, reached over a real transport."""
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
+    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
+    try:
+        gen = _sessions(seed=3, n=2, turns=2, system=70, new=(5, 25), out=4)
+        turns = next(gen)
+        while True:
+            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+            for turn in turns:
+                assert got_d[turn.request_id].outputs == got_a[turn.request_id].outputs
+                assert got_d[turn.request_id].kv_mismatch_blocks == 0
+            try:
+                turns = gen.send({r: got_a[r].outputs for r in got_a})
+            except StopIteration:
+                break
+    finally:
+        dis.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport", ["in-process", "cuda-ipc", "staging"])
+def test_cuda_disaggregation_matches_aggregated(transport: str) -> None:
+    cuda_model = TinyLlama(CFG, "cuda")
+    agg = Aggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
+    dis = Disaggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
+    try:
+        gen = _sessions(seed=5, n=2, turns=2, system=70, new=(5, 25), out=4)
+        turns = next(gen)
+        while True:
+            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+            for turn in turns:
+                assert got_d[turn.request_id].outputs == got_a[turn.request_id].outputs
+                assert got_d[turn.request_id].kv_mismatch_blocks == 0
+            try:
+                turns = gen.send({r: got_a[r].outputs for r in got_a})
+            except StopIteration:
+                break
+    finally:
+        dis.close()

@@ -36,6 +36,7 @@ class AgenticConfig:
     output_tokens: int = 8
     tokens_per_block: int = 32
     chunk_size: Optional[int] = None
+    transport: str = "in-process"  # or shm, staging, nixl (CPU); cuda-ipc, staging (CUDA)
     # CPU pools: an emulated link rate (None: raw copies). 0.5 GB/s gives the CPU run the
     # proportions of a GPU node (prefix transfer about a third of the batch prefill).
     link_gbps: Optional[float] = 0.5
@@ -95,8 +96,10 @@ def _conversations(cfg: AgenticConfig) -> tuple[list[list[Turn]], dict[int, list
 
 
 def _pool_blocks(cfg: AgenticConfig) -> int:
+    """Each session holds its cached previous prompt plus the blocks of its running turn
+    that are not shared with it: about one and a half prompts."""
     longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
-    return 3 * cfg.sessions * (-(-longest // cfg.tokens_per_block)) + 64
+    return (3 * cfg.sessions * (-(-longest // cfg.tokens_per_block))) // 2 + 64
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -170,7 +173,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             tokens_per_block=cfg.tokens_per_block,
             chunk_size=cfg.chunk_size,
             early=mode == "early",
-            link_gbps=cfg.link_gbps if cfg.device == "cpu" else None,
+            transport=cfg.transport,
+            link_gbps=cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None,
             record=True,
         )
         records = engine.hook.sender.records
@@ -187,6 +191,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             if mode == "early":
                 hidden["early"][0] += hid
                 hidden["early"][1] += total
+        engine.close()
 
     def summary(mode: str, key: str) -> dict[str, float]:
         values = [getattr(f, key) for f in per_request if f.mode == mode]
@@ -226,7 +231,8 @@ def format_agentic(result: dict[str, Any]) -> str:
     lines = [
         f"{result['machine']}, {result['date']}: {cfg['sessions']} sessions x {cfg['turns']} turns, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
-        f"tpb {cfg['tokens_per_block']}, link {cfg['link_gbps'] or 'raw'} GB/s",
+        f"tpb {cfg['tokens_per_block']}, transport {cfg['transport']}"
+        + (f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""),
         f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9}",
     ]
     for f in result["requests"]:

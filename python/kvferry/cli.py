@@ -166,7 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
     agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N")
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
-    agentic.add_argument("--link-gbps", type=float, default=0.5, metavar="GB/S", help="CPU: emulated link rate (0: raw copies)")
+    agentic.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
+                         help="how the generation worker is reached; any but in-process runs it in another process")
+    agentic.add_argument("--link-gbps", type=float, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
+    agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N")
+    agentic.add_argument("--vocab", type=_positive, default=512, metavar="N")
     agentic.add_argument("--layers", type=_positive, default=8, metavar="N")
     agentic.add_argument("--hidden", type=_positive, default=512, metavar="N")
     agentic.add_argument("--heads", type=_positive, default=8, metavar="N")
@@ -203,12 +207,15 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         output_tokens=args.output,
         tokens_per_block=args.tokens_per_block,
         chunk_size=args.chunk,
+        transport=args.transport,
         link_gbps=args.link_gbps or None,
         layers=args.layers,
         hidden=args.hidden,
         heads=args.heads,
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
+        ffn=args.ffn,
+        vocab=args.vocab,
     )
     result = run_agentic(cfg, progress=progress_to_stderr)
     print(format_agentic(result))

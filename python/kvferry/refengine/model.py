@@ -48,10 +48,12 @@ class TinyLlama:
     def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
         self.cfg = cfg
         self.device = torch.device(device)
-        gen = torch.Generator().manual_seed(cfg.seed)
+        # Weights are drawn on the model's device (an 8B geometry is too slow to draw on the
+        # host); the same seed gives the same weights on every worker of that device type.
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
         def w(*shape: int, scale: float) -> torch.Tensor:
-            return (torch.randn(shape, generator=gen) * scale).to(device=self.device, dtype=cfg.dtype)
+            return (torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32) * scale).to(cfg.dtype)
 
         h, d = cfg.hidden, cfg.head_dim
         self.embed = w(cfg.vocab, h, scale=1.0)
@@ -109,11 +111,12 @@ class TinyLlama:
             keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             group = cfg.heads // cfg.kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) / math.sqrt(cfg.head_dim)
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.float()).to(x.dtype)
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                values.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                attn_mask=causal[None, None],
+            )[0].transpose(0, 1)
             x = x + attn.reshape(n, -1) @ layer["wo"]
             m = self._rms(x, layer["mlp_norm"])
             x = x + (torch.nn.functional.silu(m @ layer["w_gate"]) * (m @ layer["w_up"])) @ layer["w_down"]

@@ -12,16 +12,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from kvferry.engine import ThreadCopyEngine
 from kvferry.hook import TransferHook
-from kvferry.receiver import KVReceiver
+from kvferry.refengine.generation import FinishItem, LocalGeneration, RemoteGeneration
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
-from kvferry.transport import InProcessTransport, Transport
 
 __all__ = ["Aggregated", "Disaggregated", "Turn", "TurnResult"]
 
@@ -56,11 +54,6 @@ def _chunks(start: int, end: int, chunk: Optional[int]) -> list[tuple[int, int]]
     return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
-def _stamp_first(result: TurnResult) -> None:
-    if not result.first_token_at_gen:
-        result.first_token_at_gen = time.monotonic()
-
-
 def _argmax(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
@@ -88,8 +81,8 @@ class Aggregated:
 
 
 class Disaggregated:
-    """A context worker and a generation worker in one process, connected by ``transport``
-    (in-process by default), driven through the executor hook."""
+    """A context worker driven through the executor hook, and a generation worker in this
+    process (default) or another one (``transport``: shm, cuda-ipc, staging, nixl)."""
 
     def __init__(
         self,
@@ -100,36 +93,40 @@ class Disaggregated:
         chunk_size: Optional[int],
         early: bool = True,
         overlap: bool = False,
-        gen_model: Optional[TinyLlama] = None,
+        transport: str = "in-process",
         link_gbps: Optional[float] = None,
         record: bool = False,
     ) -> None:
         """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``."""
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
-        self.gen = Worker(gen_model or model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=False)
-        self.receiver = KVReceiver(self.gen.pool)
+        self.generation: LocalGeneration | RemoteGeneration
+        if transport == "in-process":
+            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
+        else:
+            device = "cuda" if model.device.type == "cuda" else "cpu"
+            self.generation = RemoteGeneration(
+                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool
+            )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
             raise ValueError("link_gbps emulates a link for CPU pools only; on CUDA use a real transport")
-        sender = KVSender(self.ctx.pool, InProcessTransport(self.receiver), pipelined=early, engine=engine, record=record)
+        sender = KVSender(self.ctx.pool, self.generation.transport, pipelined=early, engine=engine, record=record)
         self.hook = TransferHook(sender)
         self.chunk_size = chunk_size
         self.overlap = overlap
 
     def run(self, turns: Sequence[Turn], *, check_kv: bool = False) -> dict[int, TurnResult]:
         """Runs a batch of turns: all prefill together (one scheduler step per chunk), then
-        each request decodes on the generation worker once its KV has arrived."""
+        the generation worker decodes the batch once each request's KV has arrived."""
         results: dict[int, TurnResult] = {}
-        dst_blocks: dict[int, list[int]] = {}
         plans: dict[int, list[tuple[int, int]]] = {}
         for turn in turns:
             rid = turn.request_id
             admitted = time.monotonic()
             state = self.ctx.admit(rid, turn.prompt)
-            dst_blocks[rid] = self.gen.alloc.allocate(len(state.blocks))
-            self.receiver.expect(rid, state.prompt_len)
-            self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst_blocks[rid])
+            dst_blocks = self.generation.allocate(rid, state.prompt_len)
+            self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst_blocks)
             results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=admitted)
             plans[rid] = _chunks(state.reused_len, state.prompt_len, self.chunk_size)
         first: dict[int, int] = {}
@@ -164,38 +161,23 @@ class Disaggregated:
                 self.hook.on_batch_queued(live)
             self.hook.after_forward(batch, starts, ends)
             self.hook.poll()
+        src_digests = {}
         for turn in turns:
             rid = turn.request_id
-            self.hook.finish(rid)
-            result = results[rid]
-            result.kv_ready = self.receiver.wait(rid, timeout=60)
-            result.notices = self.receiver.notices(rid)
-            self.receiver.release(rid)
+            self.hook.finish(rid)  # its copies are done: the source blocks may be released
             if check_kv:
-                result.kv_mismatch_blocks = self._kv_mismatch(self.ctx.requests[rid].blocks, dst_blocks[rid], result.prompt_len)
+                src_digests[rid] = self.ctx.block_digests(self.ctx.requests[rid].blocks, results[rid].prompt_len)
             self.ctx.finish(rid)
-            self.gen.admit_with_blocks(rid, turn.prompt, dst_blocks[rid], computed=result.prompt_len)
-            result.first_decode = time.monotonic()
-            result.outputs = [first[rid]]
-        # The generation worker decodes its batch one token per request per step.
-        for _ in range(max(t.max_new_tokens for t in turns) - 1):
-            for turn in turns:
-                result = results[turn.request_id]
-                if len(result.outputs) < turn.max_new_tokens:
-                    result.outputs.append(self.gen.step(turn.request_id, result.outputs[-1]))
-                    _stamp_first(result)
-        for turn in turns:
-            self.gen.finish(turn.request_id)
+        items = [FinishItem(t.request_id, t.prompt, first[t.request_id], t.max_new_tokens) for t in turns]
+        outcomes = self.generation.finish_batch(items, digests=check_kv)
+        for rid, outcome in outcomes.items():
+            result = results[rid]
+            result.kv_ready, result.first_decode = outcome.kv_ready, outcome.first_decode
+            result.first_token_at_gen, result.outputs, result.notices = outcome.first_token_at_gen, outcome.outputs, outcome.notices
+            if check_kv:
+                result.kv_mismatch_blocks = sum(a != b for a, b in zip(src_digests[rid], outcome.digests))
         return results
 
-    def _kv_mismatch(self, src_blocks: list[int], dst_blocks: list[int], prompt_len: int) -> int:
-        """Blocks whose prompt-token slots differ between the two pools (0 when bit exact)."""
-        tpb = self.ctx.tpb
-        bad = 0
-        for i, (s, d) in enumerate(zip(src_blocks, dst_blocks)):
-            used = min(tpb, prompt_len - i * tpb)
-            for a, b in zip(self.ctx.pool.layers, self.gen.pool.layers):
-                if not torch.equal(a[s, :, :used].contiguous().view(torch.uint8), b[d, :, :used].contiguous().view(torch.uint8)):
-                    bad += 1
-                    break
-        return bad
+    def close(self) -> None:
+        self.hook.sender.close()
+        self.generation.close()

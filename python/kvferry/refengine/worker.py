@@ -3,6 +3,7 @@ cache, and the per-request state a scheduler drives (admit, prefill chunks, deco
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,11 +34,20 @@ class RequestState:
 
 
 class Worker:
-    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        model: TinyLlama,
+        *,
+        num_blocks: int,
+        tokens_per_block: int,
+        prefix_cache: bool = True,
+        pool: Optional[PagedKV] = None,
+    ) -> None:
+        """``pool``: a KV pool made elsewhere (in shared memory, say); a fresh one if omitted."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.tpb = tokens_per_block
-        self.pool: PagedKV = new_kv_pool(model.cfg, num_blocks, tokens_per_block, model.device)
+        self.pool: PagedKV = pool if pool is not None else new_kv_pool(model.cfg, num_blocks, tokens_per_block, model.device)
         self.alloc = BlockAllocator(num_blocks)
         self.cache: Optional[PrefixCache] = PrefixCache(tokens_per_block, self.alloc) if prefix_cache else None
         self.requests: dict[int, RequestState] = {}
@@ -87,6 +97,18 @@ class Worker:
         logits = self.forward(request_id, len(state.tokens))
         state.outputs.append(int(logits.argmax()))
         return state.outputs[-1]
+
+    def block_digests(self, blocks: Sequence[int], tokens: int) -> list[str]:
+        """One hash per block over the slots that hold ``tokens`` tokens, in every layer:
+        two pools hold the same KV exactly when these agree."""
+        digests = []
+        for i, block in enumerate(blocks):
+            used = min(self.tpb, tokens - i * self.tpb)
+            h = hashlib.sha256()
+            for layer in self.pool.layers:
+                h.update(layer[block, :, :used].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            digests.append(h.hexdigest())
+        return digests
 
     def finish(self, request_id: int, *, cache_tokens: Optional[int] = None) -> RequestState:
         """Releases the request's blocks, keeping those that hold ``cache_tokens`` tokens in
