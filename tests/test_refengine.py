@@ -129,9 +129,12 @@ def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transpo
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("transport", ["in-process", "cuda-ipc", "staging"])
-def test_cuda_disaggregation_matches_aggregated(transport: str) -> None:
-    cuda_model = TinyLlama(CFG, "cuda")
+def test_cuda_disaggregation_matches_aggregated(transport: str, dtype: torch.dtype) -> None:
+    from dataclasses import replace
+
+    cuda_model = TinyLlama(replace(CFG, dtype=dtype), "cuda")
     agg = Aggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
     dis = Disaggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
     try:

@@ -138,9 +138,10 @@ class _EventPending(Pending):
 
 class CudaCopyEngine(CopyEngine):
     """CUDA pools: copies run on a dedicated stream, each ordered after the work queued so
-    far on the submitting thread's current stream (the forward that produced the blocks)."""
+    far on the submitting thread's current stream (the forward that produced the blocks).
+    ``warm`` (the sender's pool) gets the copy kernel compiled for its geometry up front."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, warm: Optional[PagedKV] = None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         # A device event taken at a known host time turns later events into host times.
@@ -148,6 +149,12 @@ class CudaCopyEngine(CopyEngine):
         base.record(self.stream)
         base.synchronize()
         self._clock = (base, time.monotonic())
+        if warm is not None:
+            from kvferry import _triton_copy
+
+            with torch.cuda.stream(self.stream):
+                _triton_copy.warm_up(warm)
+            self.stream.synchronize()
 
     def submit_call(self, work: Callable[[], None]) -> Pending:
         produced = torch.cuda.current_stream(self.device).record_event()
@@ -167,5 +174,5 @@ class CudaCopyEngine(CopyEngine):
 def engine_for(src: PagedKV) -> CopyEngine:
     """The engine that suits the sender's pool."""
     if src.device.type == "cuda":
-        return CudaCopyEngine(src.device)
+        return CudaCopyEngine(src.device, warm=src)
     return ThreadCopyEngine()
