@@ -421,3 +421,15 @@ def test_staging_ring_reserves_contiguous_runs_and_starts_over_when_empty() -> N
     ring._head = 8
     assert ring._reserve(3) == (0, 2)  # skips the 2-slot tail to stay contiguous
     assert ring._used == 4 + 2 + 3
+
+
+def test_progress_thread_posts_without_the_executor_polling() -> None:
+    receiver = KVReceiver(random_pool(1))
+    receiver.expect(1, 16)
+    sender = KVSender(random_pool(0), InProcessTransport(receiver), progress=True)
+    sender.add(1, 16)
+    table = np.arange(4)[None, :]
+    sender.send_chunks([1], [0], [16], table, table)
+    receiver.wait(1, timeout=10)  # nobody called poll or flush
+    assert not sender.in_flight(1)
+    sender.close()

@@ -3,6 +3,7 @@ copy engine, and posts each slice's notice once its bytes have landed."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from kvferry.transport import Transport, TransportFull, kept
 __all__ = ["KVSender", "TransferRecord"]
 
 IntArray = npt.ArrayLike
+PROGRESS_SECONDS = 200e-6
 
 
 @dataclass
@@ -58,9 +60,13 @@ class KVSender:
         engine: Optional[CopyEngine] = None,
         timeout: Optional[float] = None,
         record: bool = False,
+        progress: bool = False,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
-        the forward that produced it: a request in prefill is never timed out)."""
+        the forward that produced it: a request in prefill is never timed out).
+        ``progress``: a background thread posts each write's notices as soon as it finished,
+        instead of at the executor's next `poll` (it matters where the receiver still has
+        work to do on arrival, as on the staging path)."""
         pool.check_compatible(transport.geometry())
         self.timeout = timeout
         self.pool = pool
@@ -72,6 +78,29 @@ class KVSender:
         # Cancelled requests whose copies may still be queued: their notices are dropped.
         self._revoked: set[int] = set()
         self.records: Optional[list[TransferRecord]] = [] if record else None
+        # The executor thread and the progress thread share the queue of writes.
+        self._lock = threading.RLock()
+        self._progress_error: Optional[BaseException] = None
+        self._closing = threading.Event()
+        self._progress: Optional[threading.Thread] = None
+        if progress:
+            self._progress = threading.Thread(target=self._progress_loop, name="kvferry-sender-progress", daemon=True)
+            self._progress.start()
+
+    def _progress_loop(self) -> None:
+        while not self._closing.wait(PROGRESS_SECONDS):
+            try:
+                with self._lock:
+                    while self._inflight and self._inflight[0].pending.done():
+                        self._finish(self._inflight.popleft())
+            except BaseException as err:  # handed to the executor thread at its next call
+                self._progress_error = err
+                return
+
+    def _raise_progress_error(self) -> None:
+        if self._progress_error is not None:
+            err, self._progress_error = self._progress_error, None
+            raise err
 
     def add(self, request_id: int, prompt_len: int, *, reused_len: int = 0, window: Optional[int] = None, context_only: bool = True) -> None:
         self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
@@ -79,8 +108,9 @@ class KVSender:
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
-        self._refuse_revoked(request_ids)
-        return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table), "early")
+        with self._lock:
+            self._refuse_revoked(request_ids)
+            return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table), "early")
 
     def send_chunks(
         self,
@@ -91,9 +121,10 @@ class KVSender:
         dst_block_table: IntArray,
     ) -> list[Notice]:
         """After a context forward: the blocks each finished chunk completed."""
-        self._refuse_revoked(request_ids)
-        plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
-        return self._dispatch(plan, "chunk")
+        with self._lock:
+            self._refuse_revoked(request_ids)
+            plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
+            return self._dispatch(plan, "chunk")
 
     def _refuse_revoked(self, request_ids: IntArray) -> None:
         if self._revoked:
@@ -139,6 +170,11 @@ class KVSender:
     def poll(self) -> list[Notice]:
         """Posts the notices of every finished copy, oldest first, and returns them. Raises
         `TransferTimeoutError` when the oldest copy has run past the sender's timeout."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> list[Notice]:
+        self._raise_progress_error()
         posted: list[Notice] = []
         while self._inflight and self._inflight[0].pending.done():
             posted.extend(self._finish(self._inflight.popleft()))
@@ -152,6 +188,11 @@ class KVSender:
 
     def flush(self, timeout: Optional[float] = None) -> list[Notice]:
         """Waits for every queued copy and posts its notices."""
+        with self._lock:
+            return self._flush(timeout)
+
+    def _flush(self, timeout: Optional[float]) -> list[Notice]:
+        self._raise_progress_error()
         deadline = None if timeout is None else time.monotonic() + timeout
         posted: list[Notice] = []
         while self._inflight:
@@ -181,7 +222,8 @@ class KVSender:
 
     def in_flight(self, request_id: int) -> bool:
         """Whether a queued copy still carries blocks of the request."""
-        return any(n.request_id == request_id for job in self._inflight for n in job.notices)
+        with self._lock:
+            return any(n.request_id == request_id for job in self._inflight for n in job.notices)
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> TransferLedger:
         """Revokes a request: nothing more is planned or announced for it. Waits up to
@@ -189,6 +231,10 @@ class KVSender:
         returns its ledger; its source blocks are the caller's to free once this returns.
         If those copies outlive the wait, raises `TransferTimeoutError` and keeps the request
         revoked (call again before freeing the blocks)."""
+        with self._lock:
+            return self._cancel(request_id, timeout)
+
+    def _cancel(self, request_id: int, timeout: Optional[float]) -> TransferLedger:
         if request_id not in self._next_slice:
             raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
         self.book.cancel(request_id)
@@ -207,7 +253,11 @@ class KVSender:
 
     def remove(self, request_id: int) -> TransferLedger:
         """Forgets a request whose copies have all finished; returns its ledger."""
-        self.poll()
+        with self._lock:
+            return self._remove(request_id)
+
+    def _remove(self, request_id: int) -> TransferLedger:
+        self._poll()
         if self.in_flight(request_id):
             raise InvalidArgumentError(f"invalid request_id={request_id}: copies still in flight (flush or wait first)")
         del self._next_slice[request_id]
@@ -215,6 +265,9 @@ class KVSender:
 
     def close(self) -> None:
         """Finishes queued copies, then releases the engine and the transport."""
+        self._closing.set()
+        if self._progress is not None:
+            self._progress.join(timeout=5)
         try:
             self.flush()
         finally:

@@ -111,7 +111,11 @@ class Disaggregated:
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
             raise ValueError("link_gbps emulates a link for CPU pools only; on CUDA use a real transport")
-        sender = KVSender(self.ctx.pool, self.generation.transport, pipelined=early, engine=engine, record=record)
+        # A remote receiver may still have work on arrival (the staging path's second leg):
+        # post each write as soon as it finished rather than at the next scheduler step.
+        sender = KVSender(
+            self.ctx.pool, self.generation.transport, pipelined=early, engine=engine, record=record, progress=transport != "in-process"
+        )
         self.hook = TransferHook(sender)
         self.chunk_size = chunk_size
         self.overlap = overlap
