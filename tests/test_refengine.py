@@ -104,16 +104,13 @@ def test_disaggregated_matches_aggregated_over_multi_turn_sessions(model: TinyLl
     assert (early_slices > 0) == early
 
 
-@pytest.mark.parametrize("transport", ["shm", "staging", "nixl"])
-def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The generation worker in its own process, reached over a real transport."""
-    if transport == "nixl":
-        pytest.importorskip("nixl")
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int) -> None:
+    """Two sessions x two turns, chunked prefill: disaggregated over ``transport`` gives
+    aggregated serving's outputs and bit-exact KV."""
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
     dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
     try:
-        gen = _sessions(seed=3, n=2, turns=2, system=70, new=(5, 25), out=4)
+        gen = _sessions(seed=seed, n=2, turns=2, system=70, new=(5, 25), out=4)
         turns = next(gen)
         while True:
             got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
@@ -126,6 +123,15 @@ def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transpo
                 break
     finally:
         dis.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "staging", "nixl"])
+def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generation worker in its own process, reached over a real transport."""
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    _assert_serving_matches(model, transport, seed=3)
 
 
 @pytest.mark.cuda
@@ -134,20 +140,4 @@ def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transpo
 def test_cuda_disaggregation_matches_aggregated(transport: str, dtype: torch.dtype) -> None:
     from dataclasses import replace
 
-    cuda_model = TinyLlama(replace(CFG, dtype=dtype), "cuda")
-    agg = Aggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
-    dis = Disaggregated(cuda_model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
-    try:
-        gen = _sessions(seed=5, n=2, turns=2, system=70, new=(5, 25), out=4)
-        turns = next(gen)
-        while True:
-            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
-            for turn in turns:
-                assert got_d[turn.request_id].outputs == got_a[turn.request_id].outputs
-                assert got_d[turn.request_id].kv_mismatch_blocks == 0
-            try:
-                turns = gen.send({r: got_a[r].outputs for r in got_a})
-            except StopIteration:
-                break
-    finally:
-        dis.close()
+    _assert_serving_matches(TinyLlama(replace(CFG, dtype=dtype), "cuda"), transport, seed=5)
