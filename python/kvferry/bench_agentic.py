@@ -74,7 +74,7 @@ class RequestFigures:
     bars: dict[str, Any] = field(default_factory=dict)
 
 
-def _conversations(cfg: AgenticConfig) -> tuple[list[list[Turn]], dict[int, list[int]]]:
+def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[list[list[Turn]], dict[int, list[int]]]:
     """Runs the whole workload aggregated: the turns (prompts) and the reference outputs."""
     rng = random.Random(cfg.seed)
     model = TinyLlama(cfg.model_config(), cfg.device)
@@ -92,6 +92,7 @@ def _conversations(cfg: AgenticConfig) -> tuple[list[list[Turn]], dict[int, list
             outputs[turn.request_id] = got[turn.request_id].outputs
             convs[s] += got[turn.request_id].outputs
         all_turns.append(turns)
+        advance(f"reference turn {len(all_turns) - 1}")
     return all_turns, outputs
 
 
@@ -160,8 +161,18 @@ def _p(values: list[float], q: float) -> float:
 
 
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    total = 3 * (cfg.turns + 1)  # turn batches: reference, baseline, early
+    done = 0
+
+    def advance(what: str) -> None:
+        nonlocal done
+        done += 1
+        width = 24
+        filled = width * done // total
+        progress(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what}")
+
     progress(f"reference: aggregated serving of {cfg.sessions} sessions x {cfg.turns + 1} turns")
-    turns, reference = _conversations(cfg)
+    turns, reference = _conversations(cfg, advance)
     model = TinyLlama(cfg.model_config(), cfg.device)
     per_request: list[RequestFigures] = []
     outputs_match = True
@@ -180,9 +191,9 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         records = engine.hook.sender.records
         assert records is not None
         for t, batch in enumerate(turns):
-            progress(f"{mode}: turn {t}/{cfg.turns}" + (" (warm-up)" if t == 0 else ""))
             records.clear()
             results = engine.run(batch)
+            advance(f"{mode} turn {t}" + (" (warm-up)" if t == 0 else ""))
             outputs_match &= all(results[turn.request_id].outputs == reference[turn.request_id] for turn in batch)
             if t == 0:
                 continue
