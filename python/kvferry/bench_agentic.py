@@ -161,15 +161,15 @@ def _p(values: list[float], q: float) -> float:
 
 
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    total = 3 * (cfg.turns + 1)  # turn batches: reference, baseline, early
+    batches = 3 * (cfg.turns + 1)  # turn batches: reference, baseline, early
     done = 0
 
     def advance(what: str) -> None:
         nonlocal done
         done += 1
         width = 24
-        filled = width * done // total
-        progress(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what}")
+        filled = width * done // batches
+        progress(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{batches} {what}")
 
     progress(f"reference: aggregated serving of {cfg.sessions} sessions x {cfg.turns + 1} turns")
     turns, reference = _conversations(cfg, advance)
