@@ -139,8 +139,11 @@ KERNEL_CHECK = textwrap.dedent(
                     ids = torch.from_numpy(np.stack([np.array(s), np.array(d)]))
                     _triton_copy.copy_blocks(src, dst, ids, config)
                     assert_copied(src, dst, s, d)
-    # The size-based choice of launch shape runs too.
+    # The size-based choice of launch shape runs too, and warming up leaves a pool unchanged.
     src = random_pool((9, 2, 4, 8), torch.float16, 0)
+    before = [t.clone() for t in src.layers]
+    _triton_copy.warm_up(src)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, src.layers))
     dst = poisoned(src, 9)
     _triton_copy.copy_blocks(src, dst, torch.tensor([[0, 8], [8, 0]]))
     assert_copied(src, dst, [0, 8], [8, 0])
