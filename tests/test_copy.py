@@ -96,19 +96,20 @@ def test_empty_copy_is_a_no_op() -> None:
 
 
 @pytest.mark.parametrize(
-    "s, d, needle",
+    "s, d, error, needle",
     [
-        ([0, 1], [0], "invalid dst_ids: 1 ids for 2 src_ids"),
-        ([0, 37], [0, 1], "invalid src_ids: block id 37 outside [0, 37)"),
-        ([0, 1], [0, -1], "invalid dst_ids: block id -1"),
-        ([0, 1], [5, 5], "invalid dst_ids: block 5 is written twice"),
-        ([0.0], [1], "invalid src_ids: must be a 1-d integer array, got float64"),
+        ([0, 1], [0], InvalidArgumentError, "invalid dst_ids=<1 ids>: must be as many as src_ids (2)"),
+        ([0, 37], [0, 1], InvalidArgumentError, "invalid src_ids=<block id 37>: must be in [0, 37)"),
+        ([0, 1], [0, -1], InvalidArgumentError, "invalid dst_ids=<block id -1>: must be in [0, 41)"),
+        ([0, 1], [5, 5], InvalidArgumentError, "invalid dst_ids=<block 5 twice>"),
+        ([0.0], [1], TypeError, "src_ids must be an array castable to int64, got dtype float64"),
+        ([[0]], [[1]], InvalidArgumentError, "invalid src_ids=<2-d array>"),
     ],
 )
-def test_bad_ids_rejected_before_any_write(s, d, needle: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_ids_rejected_before_any_write(s, d, error, needle: str) -> None:  # type: ignore[no-untyped-def]
     src = random_pool((37, 2, 8), torch.bfloat16, 0)
     dst = poisoned(src, 41)
-    with pytest.raises(InvalidArgumentError) as exc:
+    with pytest.raises(error) as exc:
         copy_blocks(src, dst, s, d)
     assert needle in str(exc.value)
     assert_copied(src, dst, [], [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvferry.errors import InvalidArgumentError
+from kvferry._core import pack_pairs
 from kvferry.layout import BlockIds, PagedKV
 
 __all__ = ["copy_blocks", "copy_blocks_torch"]
@@ -22,18 +22,19 @@ def _word(pool: PagedKV) -> torch.dtype:
 
 def checked_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> tuple[np.ndarray, np.ndarray]:
     """Validates a copy before any byte moves: compatible layouts, ids in range, as many
-    sources as destinations, and no destination written twice."""
+    sources as destinations, and no destination written twice. Returns the two id rows of
+    one contiguous ``(2, n)`` int64 array (see `kvferry._core.pack_pairs`)."""
+    packed = _packed_pairs(src, dst, src_ids, dst_ids)
+    return packed[0], packed[1]
+
+
+def _packed_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> np.ndarray:
     src.check_compatible(dst)
-    s = src.check_ids("src_ids", src_ids)
-    d = dst.check_ids("dst_ids", dst_ids)
-    if s.size != d.size:
-        raise InvalidArgumentError(f"invalid dst_ids: {d.size} ids for {s.size} src_ids (must be equal)")
-    if d.size > 1:
-        ordered = np.sort(d)
-        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeated.size:
-            raise InvalidArgumentError(f"invalid dst_ids: block {int(repeated[0])} is written twice")
-    return s, d
+    return pack_pairs(_host_ids(src_ids), _host_ids(dst_ids), src.num_blocks, dst.num_blocks)
+
+
+def _host_ids(ids: BlockIds) -> BlockIds:
+    return ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else ids
 
 
 def copy_blocks_torch(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> None:
@@ -80,7 +81,8 @@ def copy_blocks(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds
     """Copies block ``src_ids[i]`` of every layer of ``src`` into block ``dst_ids[i]`` of
     ``dst``. Layouts must be compatible and ids in range; ``dst_ids`` must not repeat. On CUDA
     the copy is queued on the current stream and returns at once."""
-    s, d = checked_pairs(src, dst, src_ids, dst_ids)
+    packed = _packed_pairs(src, dst, src_ids, dst_ids)
+    s, d = packed[0], packed[1]
     if not s.size:
         return
     if src.device.type == "cuda" and src.device == dst.device:
@@ -89,7 +91,7 @@ def copy_blocks(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds
         if _triton_copy.supports(src, dst):
             # One pinned (2, n) staging tensor: a single async host-to-device copy for both id
             # lists (torch's caching host allocator makes the pinning cheap after warm-up).
-            ids = torch.from_numpy(np.stack([s, d])).pin_memory().to(src.device, non_blocking=True)
+            ids = torch.from_numpy(packed).pin_memory().to(src.device, non_blocking=True)
             _triton_copy.copy_blocks(src, dst, ids)
             return
     _copy_torch(src, dst, s, d)

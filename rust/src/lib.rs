@@ -38,7 +38,7 @@ mod py;
 pub use book::{RequestSpec, SlicePlan, TransferBook};
 pub use error::{CoreError, Result};
 pub use ledger::{Ledger, MAX_LEDGER_BLOCKS};
-pub use pairs::{block_pairs, block_runs, BlockPairs, BlockRuns, BlockTable};
+pub use pairs::{block_pairs, block_runs, pack_pairs, BlockPairs, BlockRuns, BlockTable};
 pub use plan::{chunk_blocks, early_prefix_blocks, Prompt};
 pub use range::BlockRange;
 pub use select::{select_early, EarlyInputs, Flag};

@@ -203,6 +203,44 @@ pub fn block_runs(plan: &SlicePlan, src: BlockTable<'_>, dst: BlockTable<'_>) ->
     Ok(out)
 }
 
+/// Validates a copy's block ids and packs them as one row-major `(2, n)` array (sources,
+/// then destinations): every id inside its pool, as many sources as destinations, and no
+/// destination written twice (one bit per destination block finds repeats in O(n)).
+pub fn pack_pairs(src: &[i64], dst: &[i64], src_blocks: i64, dst_blocks: i64) -> Result<Vec<i64>> {
+    if dst.len() != src.len() {
+        return Err(CoreError::invalid(
+            "dst_ids",
+            format!("<{} ids>", dst.len()),
+            format!("as many as src_ids ({})", src.len()),
+        ));
+    }
+    for (name, ids, blocks) in [("src_ids", src, src_blocks), ("dst_ids", dst, dst_blocks)] {
+        if let Some(&bad) = ids.iter().find(|&&b| b < 0 || b >= blocks) {
+            return Err(CoreError::invalid(
+                name,
+                format!("<block id {bad}>"),
+                format!("in [0, {blocks})"),
+            ));
+        }
+    }
+    let mut seen = crate::bitmap::Bitmap::new(dst_blocks.max(0) as u64);
+    for &b in dst {
+        let b = b as u64;
+        if seen.get(b) {
+            return Err(CoreError::invalid(
+                "dst_ids",
+                format!("<block {b} twice>"),
+                "each destination written once",
+            ));
+        }
+        seen.set_range(b, b + 1);
+    }
+    let mut out = Vec::with_capacity(2 * src.len());
+    out.extend_from_slice(src);
+    out.extend_from_slice(dst);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +273,24 @@ mod tests {
         assert_eq!(runs.dst, vec![40, 42, 2]);
         assert_eq!(runs.len, vec![2, 1, 2]);
         assert_eq!(runs.offsets, vec![0, 2, 3]);
+    }
+
+    #[test]
+    fn pack_pairs_checks_and_packs() {
+        assert_eq!(
+            pack_pairs(&[3, 0], &[1, 2], 4, 3).unwrap(),
+            vec![3, 0, 1, 2]
+        );
+        let msg = |e: CoreError| e.to_string();
+        assert!(msg(pack_pairs(&[0, 1], &[0], 4, 4).unwrap_err())
+            .starts_with("invalid dst_ids=<1 ids>"));
+        assert!(msg(pack_pairs(&[4], &[0], 4, 4).unwrap_err())
+            .starts_with("invalid src_ids=<block id 4>"));
+        assert!(msg(pack_pairs(&[0], &[-1], 4, 4).unwrap_err())
+            .starts_with("invalid dst_ids=<block id -1>"));
+        assert!(msg(pack_pairs(&[0, 1], &[2, 2], 4, 4).unwrap_err())
+            .starts_with("invalid dst_ids=<block 2 twice>"));
+        assert!(pack_pairs(&[], &[], 0, 0).unwrap().is_empty());
     }
 
     #[test]

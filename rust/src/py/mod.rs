@@ -26,6 +26,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(planner::select_early, m)?)?;
     m.add_function(wrap_pyfunction!(pairs::block_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(pairs::block_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(pairs::pack_pairs, m)?)?;
     m.add("MAX_LEDGER_BLOCKS", crate::MAX_LEDGER_BLOCKS)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `kvferry.SlicePlan` and the physical block ids derived from it.
 
-use numpy::{PyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{i64_table, slice};
@@ -296,5 +296,27 @@ pub fn block_runs(
             len: PyArray1::from_vec(py, len).unbind(),
             offsets: PyArray1::from_vec(py, offsets).unbind(),
         })
+    })
+}
+
+/// Validates a copy's block ids and packs them as a ``(2, n)`` int64 array: row 0 the
+/// sources, row 1 the destinations (one call instead of several array operations per copy).
+#[pyfunction]
+pub fn pack_pairs<'py>(
+    py: Python<'py>,
+    src_ids: &Bound<'py, PyAny>,
+    dst_ids: &Bound<'py, PyAny>,
+    src_blocks: i64,
+    dst_blocks: i64,
+) -> PyResult<Bound<'py, numpy::PyArray2<i64>>> {
+    fence(|| {
+        let (s, d) = (
+            super::arrays::i64_vec(src_ids, "src_ids")?,
+            super::arrays::i64_vec(dst_ids, "dst_ids")?,
+        );
+        let (s, d) = (slice(&s)?, slice(&d)?);
+        let n = s.len();
+        let packed = crate::pairs::pack_pairs(s, d, src_blocks, dst_blocks)?;
+        Ok(PyArray1::from_vec(py, packed).reshape([2, n])?)
     })
 }
