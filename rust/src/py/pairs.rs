@@ -317,6 +317,6 @@ pub fn pack_pairs<'py>(
         let (s, d) = (slice(&s)?, slice(&d)?);
         let n = s.len();
         let packed = crate::pairs::pack_pairs(s, d, src_blocks, dst_blocks)?;
-        Ok(PyArray1::from_vec(py, packed).reshape([2, n])?)
+        PyArray1::from_vec(py, packed).reshape([2, n])
     })
 }
