@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry.copy import checked_pairs
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.layout import LayoutMismatchError, PagedKV
 
@@ -75,12 +76,17 @@ def test_compatible_pools_may_differ_in_block_count() -> None:
     pool().check_compatible(pool(shape=(99, 2, 4, 3, 8)))
 
 
-def test_check_ids() -> None:
+def test_block_ids_are_checked_against_each_pool() -> None:
     p = pool()
-    assert p.check_ids("src_ids", [0, 9, 3]).dtype == np.int64
-    assert p.check_ids("src_ids", torch.tensor([1, 2], dtype=torch.int32)).tolist() == [1, 2]
-    assert p.check_ids("src_ids", []).size == 0
-    for bad, needle in (([10], "block id 10 outside [0, 10)"), ([-1], "block id -1"), ([1.5], "float64"), ([[1]], "shape (1, 1)")):
-        with pytest.raises(InvalidArgumentError, match="src_ids") as exc:
-            p.check_ids("src_ids", bad)
+    assert checked_pairs(p, p, [0, 9, 3], [1, 2, 4])[0].dtype == np.int64
+    assert checked_pairs(p, p, torch.tensor([1, 2], dtype=torch.int32), [3, 4])[0].tolist() == [1, 2]
+    assert checked_pairs(p, p, [], [])[0].size == 0
+    for bad, error, needle in (
+        ([10], InvalidArgumentError, "src_ids=<block id 10>: must be in [0, 10)"),
+        ([-1], InvalidArgumentError, "src_ids=<block id -1>"),
+        ([1.5], TypeError, "src_ids must be an array castable to int64, got dtype float64"),
+        ([[1]], InvalidArgumentError, "src_ids=<2-d array>"),
+    ):
+        with pytest.raises(error) as exc:
+            checked_pairs(p, p, bad, [0])
         assert needle in str(exc.value)

@@ -185,12 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_bench_agentic(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from kvferry.bench_agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
+    if _cuda_missing(args.device):
         return 2
     if args.heads % args.kv_heads:
         print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
@@ -242,15 +239,22 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(_positive(part) for part in text.split(","))
 
 
+def _cuda_missing(device: str) -> bool:
+    """Reports (and returns True) when --device cuda was asked for on a machine without one."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_bench_copy(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from kvferry.bench_copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("kvferry bench: error: --device cuda: no CUDA device is visible", file=sys.stderr)
+    if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
     transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc", "staging") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))

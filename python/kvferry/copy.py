@@ -13,7 +13,7 @@ import torch
 from kvferry._core import pack_pairs
 from kvferry.layout import BlockIds, PagedKV
 
-__all__ = ["copy_blocks", "copy_blocks_torch"]
+__all__ = ["checked_pairs", "copy_blocks", "copy_blocks_torch", "packed_ids"]
 
 
 def _word(pool: PagedKV) -> torch.dtype:
@@ -30,7 +30,13 @@ def checked_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockI
 
 def _packed_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> np.ndarray:
     src.check_compatible(dst)
-    return pack_pairs(_host_ids(src_ids), _host_ids(dst_ids), src.num_blocks, dst.num_blocks)
+    return packed_ids(src_ids, dst_ids, src.num_blocks, dst.num_blocks)
+
+
+def packed_ids(src_ids: BlockIds, dst_ids: BlockIds, src_blocks: int, dst_blocks: int) -> np.ndarray:
+    """The ``(2, n)`` validated ids of a copy into a pool of ``dst_blocks`` blocks that this
+    process may not address (a remote receiver's)."""
+    return pack_pairs(_host_ids(src_ids), _host_ids(dst_ids), src_blocks, dst_blocks)
 
 
 def _host_ids(ids: BlockIds) -> BlockIds:

@@ -138,22 +138,6 @@ class PagedKV:
         words = self.segment_bytes // torch.empty((), dtype=word).element_size()
         return [t.view(-1).view(word).view(self.segments, self.num_blocks, words) for t in self.layers]
 
-    def check_ids(self, name: str, ids: BlockIds) -> np.ndarray:
-        """Block ids as a 1-d int64 numpy array, each in ``[0, num_blocks)``. numpy, not torch:
-        for the few thousand ids of a step its reductions cost about a microsecond each."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().numpy()
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(f"invalid {name}: must be a 1-d integer array, got {arr.dtype} of shape {arr.shape}")
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.num_blocks:
-                bad = lo if lo < 0 else hi
-                raise InvalidArgumentError(f"invalid {name}: block id {bad} outside [0, {self.num_blocks})")
-        return arr
-
     @functools.cached_property
     def pointer_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(base, offsets)``: the lowest-addressed layer as a flat int64 tensor, and each

@@ -25,6 +25,7 @@ from typing import AbstractSet, Any, Optional, Sequence
 
 import numpy as np
 
+from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
@@ -188,10 +189,7 @@ class NixlTransport(Transport):
     def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
         if src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
-        s = src.check_ids("src_ids", src_ids)
-        d = np.ascontiguousarray(dst_ids, dtype=np.int64)
-        if d.size and (int(d.min()) < 0 or int(d.max()) >= self._remote_blocks):
-            raise InvalidArgumentError(f"invalid dst_ids: ids outside the receiver's [0, {self._remote_blocks})")
+        s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
         layers, segments = src.num_layers, src.segments
         handle = self.agent.make_prepped_xfer(
             "WRITE",

@@ -21,6 +21,7 @@ from typing import AbstractSet, Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
@@ -70,7 +71,7 @@ class StagingEndpoint(LocalEndpoint):
         assert self.ring.pool is not None
         self._unpin = _pin(self.ring.pool)
         self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks}, authkey=authkey)
+        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks, "num_blocks": pool.num_blocks}, authkey=authkey)
 
     def handle(self, conn: Connection, message: Any) -> None:
         """``(notices, lo, freed, picked, dst_ids)``: ring slots from ``lo`` hold a batch of
@@ -113,6 +114,7 @@ class StagingTransport(LocalTransport):
         assert ring.pool is not None
         self._geometry = hello["geometry"]
         self.capacity = int(hello["capacity"])
+        self._remote_blocks = int(hello["num_blocks"])
         self._head = 0  # next slot to fill
         self._used = 0  # filled and not yet freed by the receiver
         unpin = _pin(ring.pool)
@@ -152,8 +154,7 @@ class StagingTransport(LocalTransport):
 
     def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
         src.check_compatible(self._geometry)
-        s = src.check_ids("src_ids", src_ids)
-        d = np.ascontiguousarray(dst_ids, dtype=np.int64)
+        s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
         lo, skipped = self._reserve(s.size)
         ring = self.dst
 
