@@ -120,11 +120,13 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
     argv = ["bench", "agentic", "--sessions", "2", "--turns", "1", "--cached", "160", "--new", "40", "--output", "3",
             "--tokens-per-block", "16", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--link-gbps", "0.05", "--json", str(out), "--png", str(png)]
+            "--head-dim", "16", "--link-gbps", "0.05", "--check-kv", "--json", str(out), "--png", str(png)]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0
+    assert result["kv_mismatch_blocks"] == 0 and result["output_divergences"] == []
+    assert "0 blocks differ" in table
     assert 0.0 <= result["hidden_fraction"] <= 1.0
     for mode in ("baseline", "early", "ideal"):
         assert result[mode]["kv_ready_ms_p50"] > 0 and result[mode]["kv_ready_ms_p90"] >= result[mode]["kv_ready_ms_p50"]

@@ -186,3 +186,30 @@ def test_cuda_host_device_pools(where: tuple[str, str]) -> None:
     copy_blocks(src, dst, [8, 0, 3], [1, 10, 4])
     torch.cuda.synchronize()
     assert_copied(src, dst, [8, 0, 3], [1, 10, 4])
+
+
+@pytest.mark.cuda
+def test_cuda_id_ring_reuse_across_paths() -> None:
+    """Many copies in a row cycle every staging slot (ids read from pinned host memory for
+    small batches, through the slot's device buffer for larger ones, freshly pinned past the
+    ring's size), on two streams, without one copy's ids leaking into another's."""
+    from kvferry import _triton_copy
+
+    blocks = _triton_copy.RING_PAIRS + 300
+    src = random_pool((blocks, 2, 64), torch.float16, 0, layers=2, device="cuda", seed=3)
+    sizes = [1, _triton_copy.HOST_READ_MAX_PAIRS, _triton_copy.HOST_READ_MAX_PAIRS + 1, 700, _triton_copy.RING_PAIRS + 1]
+    side = torch.cuda.Stream()
+    for round_ in range(3 * _triton_copy.RING_SLOTS // len(sizes) + 1):
+        for k, n in enumerate(sizes):
+            dst = poisoned(src, blocks)
+            s, d = pick(n, blocks, blocks, seed=100 * round_ + k)
+            torch.cuda.synchronize()  # the poison is written on the default stream
+            with torch.cuda.stream(side if k % 2 else torch.cuda.current_stream()):
+                copy_blocks(src, dst, s, d)
+            torch.cuda.synchronize()
+            for sl, dl in zip(src.layers, dst.layers):
+                sl, dl = sl.view(torch.int16), dl.view(torch.int16)  # random bits hold NaNs
+                assert torch.equal(dl[d], sl[s])
+                untouched = torch.ones(blocks, dtype=torch.bool, device="cuda")
+                untouched[d] = False
+                assert bool((dl[untouched].view(torch.uint8) == POISON).all())

@@ -141,3 +141,54 @@ def test_cuda_disaggregation_matches_aggregated(transport: str, dtype: torch.dty
     from dataclasses import replace
 
     _assert_serving_matches(TinyLlama(replace(CFG, dtype=dtype), "cuda"), transport, seed=5)
+
+
+def test_prefix_cache_index_is_empty_once_every_block_is_evicted() -> None:
+    """Regression (found by the soak): eviction left an empty children dict behind for every
+    prefix ever cached, so the index grew with every distinct conversation."""
+    alloc = BlockAllocator(8)
+    cache = PrefixCache(4, alloc)
+    rng = random.Random(0)
+    for _ in range(50):
+        prompt = [rng.randrange(100) for _ in range(rng.randint(1, 20))]
+        blocks = alloc.allocate(-(-len(prompt) // 4))
+        cache.insert(prompt, blocks)
+        alloc.release(blocks, [cache.is_cached(b) for b in blocks])
+    assert cache.index_entries > 0
+    alloc.allocate(alloc.available)
+    assert cache.index_entries == 0
+
+
+@pytest.mark.parametrize("transport", ["in-process", "shm"])
+@pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
+def test_prefix_awareness_keeps_held_blocks_at_the_receiver(model: TinyLlama, transport: str, chunk) -> None:  # type: ignore[no-untyped-def]
+    """The generation worker advertises the prompt blocks it still holds from earlier turns;
+    they never cross, every other block crosses once, and outputs and KV still match
+    aggregated serving."""
+    agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
+    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, transport=transport, aware=True)
+    try:
+        gen = _sessions(seed=11, n=2, turns=3, system=90, new=(5, 30), out=5)
+        turns = next(gen)
+        held_per_turn = []
+        while True:
+            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+            held = 0
+            for turn in turns:
+                a, d = got_a[turn.request_id], got_d[turn.request_id]
+                assert d.outputs == a.outputs, f"request {turn.request_id}"
+                assert d.kv_mismatch_blocks == 0
+                sent = [b for n in d.notices for b in range(n.start, n.end)]
+                assert len(sent) == len(set(sent))  # nothing crossed twice
+                kept = sorted(set(range(-(-d.prompt_len // TPB))) - set(sent))
+                assert kept == list(range(len(kept)))  # a prefix of full blocks stayed home
+                assert len(kept) * TPB <= d.prompt_len
+                held += len(kept)
+            held_per_turn.append(held)
+            try:
+                turns = gen.send({r: got_a[r].outputs for r in got_a})
+            except StopIteration:
+                break
+        assert held_per_turn[0] == 0 and all(h > 0 for h in held_per_turn[1:]), held_per_turn
+    finally:
+        dis.close()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import secrets
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
 import torch
 
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import InvalidArgumentError, DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
@@ -74,13 +74,18 @@ def digest(pool: PagedKV, table: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def test_in_process_random_kv_bit_exact() -> None:
+@pytest.mark.parametrize("max_write_blocks", [None, 5, 1])
+def test_in_process_random_kv_bit_exact(max_write_blocks: Optional[int]) -> None:
+    """Also with writes capped below a slice's size: slices are cut across writes, each
+    part announced once with its own slice id, and only the very last part marked last."""
     src = random_pool(1)
     dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
-    sender = KVSender(src, InProcessTransport(receiver))
+    transport = InProcessTransport(receiver)
+    transport.max_write_blocks = max_write_blocks
+    sender = KVSender(src, transport, record=True)
     src_table, dst_table = block_tables(2)
     sent = drive(sender, src_table, dst_table)
     sender.flush(timeout=10)
@@ -90,8 +95,13 @@ def test_in_process_random_kv_bit_exact() -> None:
         assert [n.slice_id for n in notices] == list(range(len(notices)))
         assert sum(n.end - n.start for n in notices) == -(-prompt // TPB)  # each block once
         assert notices[-1].last and not any(n.last for n in notices[:-1])
-        if reused >= TPB:  # the early slice went first
-            assert (notices[0].start, notices[0].end) == (0, reused // TPB)
+        assert [n.start for n in notices] == [0] + [n.end for n in notices[:-1]]  # in order
+        if reused >= TPB:  # the early slice went first, possibly in parts
+            assert reused // TPB in {n.end for n in notices}
+            if max_write_blocks is None:
+                assert (notices[0].start, notices[0].end) == (0, reused // TPB)
+    assert sender.records is not None
+    assert all(sum(n.end - n.start for n in rec.notices) <= (max_write_blocks or 10**9) for rec in sender.records)
     assert digest(dst, dst_table) == digest(src, src_table)
     assert len(sent) == sum(len(receiver.notices(r)) for r, _, _ in REQUESTS)
     for rid, _, _ in REQUESTS:
@@ -432,4 +442,44 @@ def test_progress_thread_posts_without_the_executor_polling() -> None:
     sender.send_chunks([1], [0], [16], table, table)
     receiver.wait(1, timeout=10)  # nobody called poll or flush
     assert not sender.in_flight(1)
+    sender.close()
+
+
+def test_blocks_the_receiver_holds_never_cross() -> None:
+    """Held blocks (with holes) are expected as arrived at the receiver and skipped by the
+    sender: their destination blocks keep their own contents, the rest arrive bit exact."""
+    from kvferry._core import BlockRange
+
+    src = random_pool(5)
+    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    receiver = KVReceiver(dst)
+    sender = KVSender(src, InProcessTransport(receiver))
+    src_table, dst_table = block_tables(6)
+    held = {11: [BlockRange(0, 2), BlockRange(4, 5)], 13: [BlockRange(1, 8)], 12: [], 14: [BlockRange(0, 3)]}
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt, held=held[rid])
+    # A hold that does not fit the prompt is refused and registers nothing.
+    with pytest.raises(InvalidArgumentError):
+        sender.add(11, 30, reused_len=13, held=[BlockRange(0, 2), BlockRange(7, 99)])
+    assert 11 not in sender.book
+    ids = np.array([r for r, _, _ in REQUESTS])
+    for rid, prompt, reused in REQUESTS:
+        sender.add(rid, prompt, reused_len=reused, held=held[rid])
+    sent = sender.send_early(ids, src_table, dst_table)
+    sent += sender.send_chunks(ids, np.array([r for _, _, r in REQUESTS]), np.array([p for _, p, _ in REQUESTS]), src_table, dst_table)
+    sender.flush(timeout=10)
+    for i, (rid, prompt, _) in enumerate(REQUESTS):
+        receiver.wait(rid, timeout=10)
+        kept = {b for r in held[rid] for b in range(r.start, r.end)}
+        crossed = [b for n in receiver.notices(rid) for b in range(n.start, n.end)]
+        assert sorted(crossed) == sorted(set(range(-(-prompt // TPB))) - kept)
+        for b in range(-(-prompt // TPB)):
+            for sl, dl in zip(src.layers, dst.layers):
+                got = dl[int(dst_table[i, b])]
+                if b in kept:
+                    assert bool(got.isnan().all())  # never written
+                else:
+                    assert torch.equal(got, sl[int(src_table[i, b])])
+        assert sender.remove(rid).is_complete
+    assert sum(n.end - n.start for n in sent) == sum(-(-p // TPB) for _, p, _ in REQUESTS) - sum(len(r) for rs in held.values() for r in rs)
     sender.close()

@@ -98,6 +98,8 @@ def host_overhead_us(src: PagedKV, dst: PagedKV, device: str, n: int = 8, calls:
         "ids_pinned_async": lambda: torch.from_numpy(np.stack([s_ids, d_ids])).pin_memory().to(device, non_blocking=True),
         "ids_pageable": lambda: torch.from_numpy(np.stack([s_ids, d_ids])).to(device),
         "launch": lambda: _triton_copy.copy_blocks(src, dst, ids),
+        "launch_triton_jit": lambda: _jit_launch(src, dst, ids),
+        "ring_stage_and_launch": lambda: _triton_copy.copy_packed(src, dst, np.stack([s_ids, d_ids])),
         "copy_blocks": lambda: copy_blocks(src, dst, s_ids, d_ids),
     }
     out = {}
@@ -110,6 +112,30 @@ def host_overhead_us(src: PagedKV, dst: PagedKV, device: str, n: int = 8, calls:
             torch.cuda.synchronize()
         out[name] = statistics.median(times)
     return out
+
+
+def _jit_launch(src: PagedKV, dst: PagedKV, ids: torch.Tensor) -> None:
+    """A launch through Triton's JIT call (what `_triton_copy` does before its fast path)."""
+    saved = dict(_triton_copy._compiled)
+    _triton_copy._compiled.clear()
+    try:
+        _triton_copy.copy_blocks(src, dst, ids)
+    finally:
+        _triton_copy._compiled.update(saved)
+
+
+def _device_ids(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with every batch's ids copied to the GPU first (no reads over PCIe)."""
+
+    def run() -> None:
+        limit = _triton_copy.HOST_READ_MAX_PAIRS
+        _triton_copy.HOST_READ_MAX_PAIRS = 0
+        try:
+            fn()
+        finally:
+            _triton_copy.HOST_READ_MAX_PAIRS = limit
+
+    return run
 
 
 def sweep_configs() -> list[_triton_copy.LaunchConfig]:
@@ -165,6 +191,8 @@ def main() -> int:
         best_t = time_ms(lambda: _triton_copy.copy_blocks(src, dst, ids, best), reps)
         default_t = time_ms(lambda: _triton_copy.copy_blocks(src, dst, ids), reps)
         api_t = time_ms(lambda: copy_blocks(src, dst, s_ids, d_ids), reps)
+        api_devids_t = time_ms(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids)), reps)
+        api_devids_queued_t = time_queued_ms(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids)), reps)
         api_b2b = time_back_to_back_ms(lambda: copy_blocks(src, dst, s_ids, d_ids))
         kernel_b2b = time_back_to_back_ms(lambda: _triton_copy.copy_blocks(src, dst, ids))
         queued_t = time_queued_ms(lambda: _triton_copy.copy_blocks(src, dst, ids), reps)
@@ -173,7 +201,7 @@ def main() -> int:
         if not verify(src, dst, s_ids, d_ids):
             failures.append(f"{n} blocks: copied bytes differ from the source")
         row = {"blocks": n, "payload_mb": payload / 1e6, "best_config": best.__dict__}
-        for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
+        for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_device_ids", api_devids_t), ("api_device_ids_queued", api_devids_queued_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
             row[f"{key}_ms"] = t
             row[f"{key}_tbps"] = payload / t / 1e9
         row["default_config"] = _triton_copy.pick_config(payload).__dict__
@@ -186,13 +214,13 @@ def main() -> int:
     print("host time per call (us, median of 200):", {k: round(v, 1) for k, v in overhead.items()})
     print()
     print(f"ceiling {ceiling:.2f} TB/s read+write; payload TB/s below (share = 2 x payload / ceiling)")
-    print("| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['blocks']} | {r['payload_mb']:.0f} MB | {r['queued_tbps']:.2f} ({100 * 2 * r['queued_tbps'] / ceiling:.0f}%, {r['queued_ms']:.3f} ms) "
             f"| {r['api_queued_tbps']:.2f} | {r['default_tbps']:.2f} ({r['default_ms']:.3f} ms) | {r['kernel_b2b_tbps']:.2f} "
-            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | {r['torch_ms'] / r['queued_ms']:.1f}x |"
+            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | {r['torch_ms'] / r['queued_ms']:.1f}x | {r['api_device_ids_tbps']:.2f} | {r['api_device_ids_queued_tbps']:.2f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

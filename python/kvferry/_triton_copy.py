@@ -14,11 +14,15 @@ Imported only when a CUDA copy runs.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from kvferry.layout import PagedKV
 
@@ -107,9 +111,15 @@ def warm_up(pool: PagedKV) -> None:
 
 
 def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchConfig | None = None) -> None:
-    """Launches the kernel. ``ids`` is a validated ``(2, n)`` int64 tensor on the pools'
-    device: row 0 source blocks, row 1 destination blocks."""
-    n = ids.shape[1]
+    """Launches the kernel. ``ids`` is a validated ``(2, n)`` int64 tensor the GPU can read
+    (on the pools' device, or pinned host memory): row 0 source blocks, row 1 destinations."""
+    _launch(src, dst, ids.numel() // 2, ids.data_ptr(), lambda: ids, config)
+
+
+def _launch(src: PagedKV, dst: PagedKV, n: int, ids_ptr: int, ids: Callable[[], torch.Tensor], config: LaunchConfig | None) -> None:
+    """``ids_ptr``: the address of the ``(2, n)`` ids, readable by the GPU; ``ids()`` gives
+    them as a tensor, needed only when Triton compiles (a tensor argument is what tells Triton
+    the pointer's type)."""
     if config is None:
         config = pick_config(n * src.num_layers * src.block_bytes)
     seg_words = src.segment_bytes // WORD_BYTES
@@ -118,24 +128,98 @@ def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchCon
     chunks_per_seg = triton.cdiv(seg_words, chunk)
     src_base, src_off = src.pointer_table
     dst_base, dst_off = dst.pointer_table
+    grid = (n, src.num_layers, src.segments * chunks_per_seg)
+    rest = (n, src.num_blocks * seg_words, dst.num_blocks * seg_words, seg_words, chunks_per_seg, chunk, block, config.cache_hints)
     # Switching devices costs microseconds a launch: only when the pool is not on the current
     # one. CPU tensors reach here only under TRITON_INTERPRET=1 (how CI runs the kernel).
     on_current = src.device.type != "cuda" or src.device.index in (None, torch.cuda.current_device())
     where = contextlib.nullcontext() if on_current else torch.cuda.device(src.device)
+    # Everything the compiled kernel was specialised on: the constexprs, the launch shape,
+    # and whether the ids pointer is 16-byte aligned (the other pointers always are).
+    key = (src.device, seg_words, chunks_per_seg, chunk, block, config, ids_ptr % ALIGN == 0)
     with where:
-        _copy_kernel[(n, src.num_layers, src.segments * chunks_per_seg)](
-            src_base,
-            dst_base,
-            src_off,
-            dst_off,
-            ids,
-            n,
-            src.num_blocks * seg_words,
-            dst.num_blocks * seg_words,
-            SEG_WORDS=seg_words,
-            CHUNKS_PER_SEG=chunks_per_seg,
-            CHUNK=chunk,
-            BLOCK=block,
-            CACHE_HINTS=config.cache_hints,
-            num_warps=config.num_warps,
-        )
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            # Plain addresses: the launcher then skips a driver query per tensor argument.
+            compiled[grid](src_base.data_ptr(), dst_base.data_ptr(), src_off.data_ptr(), dst_off.data_ptr(), ids_ptr, *rest)
+            return
+        kernel = _copy_kernel[grid](src_base, dst_base, src_off, dst_off, ids(), *rest[:3], SEG_WORDS=seg_words, CHUNKS_PER_SEG=chunks_per_seg, CHUNK=chunk, BLOCK=block, CACHE_HINTS=config.cache_hints, num_warps=config.num_warps)
+        if _FAST_LAUNCH and isinstance(kernel, CompiledKernel):
+            _compiled[key] = kernel
+
+
+# Triton's JIT call binds and hashes every argument on each launch (about 20 us of Python on
+# the H200 host); the compiled kernel's own launcher skips that. Since Triton 3.2 it takes every
+# argument, constexprs included, in signature order: older versions keep the slow path.
+_FAST_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 2)
+_compiled: dict[tuple[object, ...], CompiledKernel] = {}
+
+
+@dataclass
+class _Slot:
+    host: torch.Tensor  # pinned, 2 * RING_PAIRS int64
+    device: torch.Tensor  # the same on the GPU, for batches too large to read over PCIe
+    used: torch.cuda.Event  # recorded after the launch that reads this slot
+    host_ptr: int = 0
+    device_ptr: int = 0
+
+    def __post_init__(self) -> None:
+        # Under unified addressing a pinned host buffer's address is valid on the GPU too.
+        self.host_ptr, self.device_ptr = self.host.data_ptr(), self.device.data_ptr()
+
+
+# Ids of a small batch are read by the kernel straight from pinned host memory (a few bytes
+# per program over PCIe) instead of paying a host-to-device copy first; larger batches go
+# through the slot's device buffer. Slots are reused round robin once their launch finished.
+RING_SLOTS = 8
+RING_PAIRS = 4096
+HOST_READ_MAX_PAIRS = 64
+
+
+class IdRing:
+    """Reused pinned buffers for the block ids of copies on one device: no pinning, no
+    allocation and (for small batches) no host-to-device copy per launch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._slots = [
+            _Slot(
+                torch.empty(2 * RING_PAIRS, dtype=torch.int64, pin_memory=True),
+                torch.empty(2 * RING_PAIRS, dtype=torch.int64, device=device),
+                torch.cuda.Event(),
+            )
+            for _ in range(RING_SLOTS)
+        ]
+        self._host = [slot.host.numpy() for slot in self._slots]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def copy(self, src: PagedKV, dst: PagedKV, packed: np.ndarray) -> None:
+        """Copies the validated ``(2, n)`` pairs ``packed`` on the current stream."""
+        n = packed.shape[1]
+        if n > RING_PAIRS:
+            copy_blocks(src, dst, torch.from_numpy(packed).pin_memory().to(self.device, non_blocking=True))
+            return
+        with self._lock:
+            i = self._next
+            self._next = (i + 1) % RING_SLOTS
+            slot = self._slots[i]
+            slot.used.synchronize()  # the launch that last read this slot (long done, as a rule)
+            self._host[i][: 2 * n] = packed.reshape(-1)
+            if n <= HOST_READ_MAX_PAIRS:
+                _launch(src, dst, n, slot.host_ptr, lambda: slot.host[: 2 * n], None)
+            else:
+                slot.device[: 2 * n].copy_(slot.host[: 2 * n], non_blocking=True)
+                _launch(src, dst, n, slot.device_ptr, lambda: slot.device[: 2 * n], None)
+            slot.used.record()
+
+
+_rings: dict[torch.device, IdRing] = {}
+
+
+def copy_packed(src: PagedKV, dst: PagedKV, packed: np.ndarray) -> None:
+    """`copy_blocks` for validated host-side pairs (see `kvferry._core.pack_pairs`)."""
+    ring = _rings.get(src.device)
+    if ring is None:
+        ring = _rings.setdefault(src.device, IdRing(src.device))
+    ring.copy(src, dst, packed)

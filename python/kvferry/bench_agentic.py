@@ -48,6 +48,13 @@ class AgenticConfig:
     ffn: int = 1024
     vocab: int = 512
     seed: int = 0
+    # Hash every transferred block on both workers after each turn (slow at large
+    # geometries) and report blocks whose bytes differ, to tell a transfer fault from
+    # numerics when outputs diverge.
+    check_kv: bool = False
+    # Also run "aware": early transfer with receiver prefix awareness (the generation worker
+    # keeps each session's prompt blocks and advertises them; they never cross again).
+    aware: bool = False
 
     def model_config(self) -> ModelConfig:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
@@ -161,7 +168,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    batches = 3 * (cfg.turns + 1)  # turn batches: reference, baseline, early
+    batches = (4 if cfg.aware else 3) * (cfg.turns + 1)  # turn batches: reference, then each mode
     done = 0
 
     def advance(what: str) -> None:
@@ -176,14 +183,18 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     model = TinyLlama(cfg.model_config(), cfg.device)
     per_request: list[RequestFigures] = []
     outputs_match = True
+    kv_mismatch_blocks = 0
+    divergences: list[dict[str, Any]] = []
     hidden = {"early": [0.0, 0.0]}
-    for mode in ("baseline", "early"):
+    modes = ("baseline", "early", "aware") if cfg.aware else ("baseline", "early")
+    for mode in modes:
         engine = Disaggregated(
             model,
             num_blocks=_pool_blocks(cfg),
             tokens_per_block=cfg.tokens_per_block,
             chunk_size=cfg.chunk_size,
-            early=mode == "early",
+            early=mode != "baseline",
+            aware=mode == "aware",
             transport=cfg.transport,
             link_gbps=cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None,
             record=True,
@@ -192,9 +203,15 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         assert records is not None
         for t, batch in enumerate(turns):
             records.clear()
-            results = engine.run(batch)
+            results = engine.run(batch, check_kv=cfg.check_kv)
             advance(f"{mode} turn {t}" + (" (warm-up)" if t == 0 else ""))
-            outputs_match &= all(results[turn.request_id].outputs == reference[turn.request_id] for turn in batch)
+            for turn in batch:
+                got, want = results[turn.request_id].outputs, reference[turn.request_id]
+                kv_mismatch_blocks += results[turn.request_id].kv_mismatch_blocks
+                if got != want:
+                    outputs_match = False
+                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
             if t == 0:
                 continue
             figures, hid, total = _figures(mode, t, results, list(records))
@@ -213,11 +230,13 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "machine": torch.cuda.get_device_name(0) if cfg.device == "cuda" else _cpu_name(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "outputs_match": outputs_match,
+        "output_divergences": divergences,
+        "kv_mismatch_blocks": kv_mismatch_blocks if cfg.check_kv else None,
         "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
         "hidden_fraction": hidden["early"][0] / hidden["early"][1] if hidden["early"][1] else 0.0,
         "requests": [asdict(f) for f in per_request],
     }
-    for mode in ("baseline", "early"):
+    for mode in modes:
         mode_summary: dict[str, float] = {}
         for key in ("kv_ready_ms", "ttft_gen_ms", "prefill_ms", "prefix_transfer_ms", "tail_transfer_ms"):
             mode_summary.update(summary(mode, key))
@@ -262,6 +281,17 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"bytes sent early {e['early_bytes'] / 1e6:.1f} MB, after prefill {e['after_bytes'] / 1e6:.1f} MB (baseline: all {b['after_bytes'] / 1e6:.1f} MB after)",
         f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
     ]
+    if "aware" in result:
+        w = result["aware"]
+        lines.insert(
+            -1,
+            f"with receiver prefix awareness: KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms, "
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / 1e6:.1f} MB early + {w['after_bytes'] / 1e6:.1f} MB after prefill",
+        )
+    if result.get("kv_mismatch_blocks") is not None:
+        lines.append(f"KV checked block by block on both workers: {result['kv_mismatch_blocks']} blocks differ")
+    for d in result.get("output_divergences", []):
+        lines.append(f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}")
     return "\n".join(lines)
 
 

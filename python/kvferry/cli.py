@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import KvFerryError
+
+if TYPE_CHECKING:
+    from kvferry.bench_agentic import AgenticConfig
 
 # KV bytes per token of a Llama-3-8B-shaped model in bf16: K and V x 8 KV heads x 128 dims
 # x 2 bytes x 32 layers. The default block size of `kvferry plan` is this times tokens/block.
@@ -33,6 +38,17 @@ def _positive(text: str) -> int:
     value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    # nan would pass `< 0` and silently turn the emulated link off.
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -168,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
     agentic.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
                          help="how the generation worker is reached; any but in-process runs it in another process")
-    agentic.add_argument("--link-gbps", type=float, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
+    agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N")
     agentic.add_argument("--vocab", type=_positive, default=512, metavar="N")
     agentic.add_argument("--layers", type=_positive, default=8, metavar="N")
@@ -176,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--heads", type=_positive, default=8, metavar="N")
     agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N")
     agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N")
+    agentic.add_argument("--aware", action="store_true", help="also run early transfer with receiver prefix awareness (held blocks never cross)")
+    agentic.add_argument("--check-kv", action="store_true", help="hash every transferred block on both workers and report differing blocks (slow)")
     agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
     agentic.set_defaults(func=_cmd_bench_agentic)
@@ -192,9 +210,12 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
     if args.heads % args.kv_heads:
         print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
         return 2
-    if args.link_gbps < 0:
-        print(f"kvferry bench: error: --link-gbps must be >= 0, got {args.link_gbps}", file=sys.stderr)
-        return 2
+    if args.head_dim % 2:
+        return _refuse(f"--head-dim {args.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
+    if args.new > args.cached:
+        return _refuse(f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)")
+    if args.transport == "cuda-ipc" and args.device != "cuda":
+        return _refuse(f"--transport cuda-ipc needs --device cuda, got --device {args.device}")
     cfg = AgenticConfig(
         device=args.device,
         sessions=args.sessions,
@@ -213,7 +234,11 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
         ffn=args.ffn,
         vocab=args.vocab,
+        check_kv=args.check_kv,
+        aware=args.aware,
     )
+    if _too_big(args.device, _agentic_bytes(cfg), "the model and its two KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
+        return 2
     result = run_agentic(cfg, progress=progress_to_stderr)
     print(format_agentic(result))
     if args.json:
@@ -239,6 +264,42 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(_positive(part) for part in text.split(","))
 
 
+def _refuse(message: str) -> int:
+    print(f"kvferry bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _memory_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _too_big(device: str, need: int, what: str, options: str) -> bool:
+    """Reports (and returns True) when a run needs more memory than the device has: refused
+    up front, instead of a raw allocator error (or the OOM killer) minutes into the run."""
+    have = _memory_bytes(device)
+    if need <= have:
+        return False
+    _refuse(f"{what} {_size(need)}, more than the {_size(have)} of {device} memory here: lower {options}")
+    return True
+
+
+def _agentic_bytes(cfg: AgenticConfig) -> int:
+    """A lower bound of what `kvferry bench agentic` allocates: one model's weights and the
+    context and generation KV pools (activations and the reference run come on top)."""
+    import torch
+
+    from kvferry.bench_agentic import _pool_blocks
+
+    m = cfg.model_config()
+    per_layer = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
+    weights = (2 * m.vocab * m.hidden + m.layers * per_layer) * torch.empty((), dtype=m.dtype).element_size()
+    return weights + 2 * _pool_blocks(cfg) * cfg.tokens_per_block * m.kv_bytes_per_token
+
+
 def _cuda_missing(device: str) -> bool:
     """Reports (and returns True) when --device cuda was asked for on a machine without one."""
     import torch
@@ -257,6 +318,11 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
+    from kvferry.bench_copy import REMOTE_DEVICES
+
+    for name in args.transport or ():
+        if args.device not in REMOTE_DEVICES.get(name, (args.device,)):
+            return _refuse(f"--transport {name} serves {' and '.join(REMOTE_DEVICES[name])} pools, not --device {args.device}")
     transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc", "staging") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))
     cfg = CopyBenchConfig(
         device=args.device,
@@ -266,6 +332,12 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         block_kib=args.block_kib or (128 if on_gpu else 64),
         reps=args.reps,
     )
+    # A lower bound of the peak: the source pool and one destination pool (or the two
+    # buffers of the ceiling copy), each sized to the largest batch plus 64 blocks as in
+    # run_copy_bench.
+    pool = (max(cfg.blocks) + 64) * cfg.block_kib * 1024 * cfg.layers
+    if _too_big(args.device, 2 * pool, "a source and a destination pool need at least", "--blocks/--layers/--block-kib"):
+        return 2
     result = run_copy_bench(cfg, progress=progress_to_stderr)
     print(format_table(result))
     if args.json:

@@ -95,9 +95,6 @@ def copy_blocks(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds
         from kvferry import _triton_copy
 
         if _triton_copy.supports(src, dst):
-            # One pinned (2, n) staging tensor: a single async host-to-device copy for both id
-            # lists (torch's caching host allocator makes the pinning cheap after warm-up).
-            ids = torch.from_numpy(packed).pin_memory().to(src.device, non_blocking=True)
-            _triton_copy.copy_blocks(src, dst, ids)
+            _triton_copy.copy_packed(src, dst, packed)
             return
     _copy_torch(src, dst, s, d)

@@ -6,6 +6,8 @@ request ids also ``KeyError``, so callers that catch the builtins keep working.
 
 from __future__ import annotations
 
+from typing import Iterable, Optional
+
 __all__ = [
     "KvFerryError",
     "InvalidArgumentError",
@@ -37,7 +39,16 @@ class UnknownRequestError(KvFerryError, KeyError):
 
 
 class TransferError(KvFerryError):
-    """A transfer failed (a copy raised, a peer went away, a notice was refused)."""
+    """A transfer failed (a copy raised, a peer went away, a notice was refused).
+
+    ``request_ids`` lists the requests it failed (empty where it concerns none in
+    particular) and ``peer`` names the other side, so a caller can release exactly those
+    requests without parsing the message."""
+
+    def __init__(self, message: str = "", *, request_ids: Iterable[int] = (), peer: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.request_ids: tuple[int, ...] = tuple(int(r) for r in request_ids)
+        self.peer = peer
 
 
 class TransferTimeoutError(TransferError, TimeoutError):

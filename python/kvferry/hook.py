@@ -16,7 +16,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from kvferry._core import BlockRange, TransferLedger
+from kvferry.errors import InvalidArgumentError, UnknownRequestError
 from kvferry.notice import Notice
 from kvferry.sender import KVSender, as_table
 
@@ -40,21 +43,46 @@ class TransferHook:
         dst_blocks: npt.ArrayLike,
         window: Optional[int] = None,
         context_only: bool = True,
+        held: Sequence[BlockRange] = (),
     ) -> None:
         """A request admitted on the context worker, with its source blocks and the
-        destination blocks the generation worker allocated for it."""
-        self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
-        self._blocks[request_id] = (np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64))
+        destination blocks the generation worker allocated for it (one id per block of the
+        prompt, in order; for ``held`` blocks, those it already holds). Nothing is registered
+        if any argument is refused."""
+        # A throwaway ledger refuses a bad prompt with the book's own messages and gives the
+        # block count, before the sender learns of the request.
+        blocks = TransferLedger(self.sender.pool.tokens_per_block, prompt_len, reused_len=reused_len, window=window).num_blocks
+        rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
+        self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held)
+        self._blocks[request_id] = rows
 
-    def _tables(self, request_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _known(self, request_ids: Sequence[int]) -> list[int]:
+        """The batch's ids, each one a request of this hook; refused before anything is sent."""
+        ids = list(request_ids)
+        for r in ids:
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+                raise TypeError(f"request_ids must hold ints, got {type(r).__name__} {r!r}")
+            if r not in self._blocks:
+                self._raise_unknown(int(r))
+        return ids
+
+    def _raise_unknown(self, request_id: int) -> None:
+        raise UnknownRequestError(f"unknown request_id={request_id}: never added to the hook, or already finished or cancelled")
+
+    def __len__(self) -> int:
+        """Requests added and not yet finished or cancelled."""
+        return len(self._blocks)
+
+    def _tables(self, request_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         rows = [self._blocks[r] for r in request_ids]
-        width = max((len(s) for s, _ in rows), default=0)
+        width = max((max(len(s), len(d)) for s, d in rows), default=0)
         return as_table([s for s, _ in rows], width), as_table([d for _, d in rows], width)
 
     def before_forward(self, request_ids: Sequence[int]) -> list[Notice]:
         """Plain loop: right before the batch's context forward."""
-        src, dst = self._tables(request_ids)
-        return self.sender.send_early(np.asarray(request_ids, dtype=np.int64), src, dst)
+        ids = self._known(request_ids)
+        src, dst = self._tables(ids)
+        return self.sender.send_early(np.asarray(ids, dtype=np.int64), src, dst)
 
     def on_batch_queued(self, request_ids: Sequence[int]) -> list[Notice]:
         """Overlap loop: when batch n+1 is queued while batch n still runs. Sends the same
@@ -63,9 +91,11 @@ class TransferHook:
 
     def after_forward(self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int]) -> list[Notice]:
         """After the batch's context forward: each request finished ``[start, end)``."""
-        src, dst = self._tables(request_ids)
-        ids = np.asarray(request_ids, dtype=np.int64)
-        return self.sender.send_chunks(ids, np.asarray(chunk_starts), np.asarray(chunk_ends), src, dst)
+        ids = self._known(request_ids)
+        src, dst = self._tables(ids)
+        # The chunk bounds go to the book as given: it refuses a float or ragged one by name,
+        # where np.asarray here would truncate or raise numpy's own error.
+        return self.sender.send_chunks(np.asarray(ids, dtype=np.int64), chunk_starts, chunk_ends, src, dst)
 
     def poll(self) -> list[Notice]:
         """Posts the notices of finished copies (call once per scheduler step)."""
@@ -74,11 +104,33 @@ class TransferHook:
     def finish(self, request_id: int, timeout: Optional[float] = None) -> None:
         """After the request's last chunk: waits for its copies, then forgets it; its source
         blocks may be freed once this returns."""
+        if request_id not in self._blocks:
+            self._raise_unknown(request_id)
         while self.sender.in_flight(request_id):
             self.sender.flush(timeout)
         self.sender.remove(request_id)
         del self._blocks[request_id]
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> None:
+        if request_id not in self._blocks:
+            self._raise_unknown(request_id)
         self.sender.cancel(request_id, timeout)
         del self._blocks[request_id]
+
+
+def _block_ids(name: str, ids: npt.ArrayLike, blocks: int) -> np.ndarray:
+    """One request's block ids as int64, refusing what ``np.asarray(ids, dtype=np.int64)``
+    would let through silently: floats (truncated), bools (a mask), a 2-d table, too few ids."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    try:
+        array = np.asarray(ids)
+    except ValueError as err:  # a ragged nested list
+        raise InvalidArgumentError(f"invalid {name}: must be a 1-d sequence of block ids ({err})") from None
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"invalid {name}=<{array.ndim}-d array>: must be a 1-d sequence of block ids")
+    if array.size and (array.dtype.kind not in "iu" or not np.can_cast(array.dtype, np.int64)):
+        raise TypeError(f"{name} must hold integer block ids, got dtype {array.dtype}")
+    if array.size < blocks:
+        raise InvalidArgumentError(f"invalid {name}=<{array.size} ids>: must name all {blocks} blocks of the prompt")
+    return array.astype(np.int64)

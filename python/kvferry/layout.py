@@ -32,6 +32,17 @@ class LayoutMismatchError(KvFerryError, ValueError):
     """Sender and receiver pools cannot exchange blocks; raised before any byte moves."""
 
 
+# The Rust planner takes tokens_per_block as an int64: a larger value is refused here, with
+# the pool, rather than by the first book built for it.
+MAX_INT64 = 2**63 - 1
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is an int subclass, and a float 4.0 would pass every comparison: both are caller bugs.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
 @dataclass(frozen=True, eq=False)
 class PagedKV:
     """A paged KV pool: ``layers[i]`` has shape ``(*outer, num_blocks, *inner)`` with the block
@@ -50,8 +61,13 @@ class PagedKV:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise InvalidArgumentError("invalid layers=(): must hold at least one layer")
-        if self.tokens_per_block <= 0:
-            raise InvalidArgumentError(f"invalid tokens_per_block={self.tokens_per_block}: must be > 0")
+        for i, t in enumerate(self.layers):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"layers[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        _check_int("tokens_per_block", self.tokens_per_block)
+        _check_int("block_dim", self.block_dim)
+        if not 0 < self.tokens_per_block <= MAX_INT64:
+            raise InvalidArgumentError(f"invalid tokens_per_block={self.tokens_per_block}: must be in [1, 2**63)")
         first = self.layers[0]
         if not 0 <= self.block_dim < first.dim():
             raise InvalidArgumentError(
@@ -72,6 +88,9 @@ class PagedKV:
     def stacked(cls, tensor: torch.Tensor, *, tokens_per_block: int, block_dim: int) -> PagedKV:
         """One tensor over all layers, layers on dimension 0; ``block_dim`` counts from the
         full tensor's dimensions (so ``block_dim >= 1``)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        _check_int("block_dim", block_dim)
         if block_dim < 1:
             raise InvalidArgumentError(f"invalid block_dim={block_dim}: must be >= 1 (dimension 0 is the layer)")
         return cls(tuple(tensor.unbind(0)), tokens_per_block, block_dim - 1)
@@ -128,6 +147,8 @@ class PagedKV:
     def check_compatible(self, other: PagedKV | dict[str, object]) -> None:
         """Raises :class:`LayoutMismatchError` naming the first field that differs from
         ``other`` (a pool, or a remote pool's ``geometry()``)."""
+        if not isinstance(other, (PagedKV, dict)):
+            raise TypeError(f"other must be a PagedKV or a geometry() dict, got {type(other).__name__}")
         theirs = other._geometry if isinstance(other, PagedKV) else other
         for key, value in self._geometry.items():
             if theirs.get(key) != value:

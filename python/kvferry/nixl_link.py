@@ -12,6 +12,13 @@ Agent metadata is exchanged in-band over the authenticated local socket of kvfer
 (NIXL's own listener would bind every interface). Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
 progresses.
+
+Faults. The sender learns that its receiver died from the socket (EOF), from NIXL (a post or a
+transfer that ends in error), or, where neither says anything (a hung peer), from the sender's
+timeout, which aborts the transfer (`_XferPending.abort`) and fails its requests. The receiver
+cannot tell from the socket which requests a dead sender still owed: notifications travel
+apart from it, and its EOF may overtake those of writes that completed. So the receiver fails
+a NIXL request by its wait's timeout only.
 """
 
 from __future__ import annotations
@@ -19,8 +26,6 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
 from typing import AbstractSet, Any, Optional, Sequence
 
 import numpy as np
@@ -29,7 +34,7 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.local import LocalEndpoint
+from kvferry.local import LocalEndpoint, PeerConnection
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transport import Transport
@@ -41,10 +46,14 @@ POLL_SECONDS = 100e-6
 
 
 def _agent(role: str) -> Any:
+    """A NIXL agent on UCX. Its progress thread polls without pause (about half a core)
+    until the agent is destroyed, which happens only when the last object holding it goes:
+    so every holder here drops it as soon as it is done, rather than leave that to the
+    garbage collector."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-    return nixl_agent(f"kvferry-{role}-{secrets.token_hex(8)}", config)
+    return nixl_agent(f"kvferry-{role}-{secrets.token_hex(16)}", config)
 
 
 def _mem_type(pool: PagedKV) -> str:
@@ -77,7 +86,10 @@ def _encode(notices: Sequence[Notice]) -> bytes:
 def _decode(message: bytes) -> list[Notice]:
     if not message.startswith(NOTICE_MAGIC):
         raise TransferError(f"not a kvferry notification: {message[:16]!r}")
-    rows = np.frombuffer(message[len(NOTICE_MAGIC) :], dtype=np.int64).reshape(-1, 5)
+    body = message[len(NOTICE_MAGIC) :]
+    if len(body) % (5 * 8):
+        raise TransferError(f"malformed kvferry notification: {len(body)} bytes after the magic, not a multiple of 40")
+    rows = np.frombuffer(body, dtype=np.int64).reshape(-1, 5)
     return [Notice.from_tuple(tuple(int(v) for v in row)) for row in rows]  # type: ignore[arg-type]
 
 
@@ -108,48 +120,72 @@ class NixlEndpoint(LocalEndpoint):
             if not got:
                 time.sleep(POLL_SECONDS)
                 continue
-            for messages in got.values():
+            for agent, messages in got.items():
+                # The remote agent's name identifies the sender: a request belongs to the
+                # first agent that announced it, as a connection does on the socket.
+                source = f"NIXL agent {agent}"
                 for message in messages:
                     try:
                         for notice in _decode(message):
-                            self.receiver.deliver(notice)
+                            self.receiver.deliver(notice, source)
                     except KvFerryError as err:  # recorded on the request; its wait raises
                         self.errors.append(err)
+
+    def lost(self, peer: Any, reason: str) -> None:
+        """Nothing to fail here: see the module doc (the receiver's timeout decides)."""
 
     def close(self) -> None:
         self._stop.set()
         self._poller.join(timeout=5)
         super().close()
         self.agent.deregister_memory(self._registered)
+        self.agent = self._registered = None  # see _agent: ends its progress thread
 
 
 class _XferPending(Pending):
     """A prepared WRITE, posted once the blocks it reads are final: at once for host pools,
     after the producing stream's work for CUDA pools (NIXL does not follow CUDA streams, and
-    waiting here would block the executor, so the post is deferred to the next poll)."""
+    waiting here would block the executor, so the post is deferred to the next poll). NIXL
+    raising (a peer that disconnected, say) ends it in error rather than in the caller."""
 
-    def __init__(self, agent: Any, handle: Any, ready: Optional[Any]) -> None:
+    def __init__(self, agent: Any, handle: Any, ready: Optional[Any], peer: str, failure: Optional[BaseException] = None) -> None:
         self._agent = agent
         self._handle = handle
         self._ready = ready
-        self._state = "NEW"
+        self._peer = peer
+        self._failure = failure
+        self._state = "ERR" if failure is not None else "NEW"
+        self._settle()
         self._maybe_post()
+
+    def _call(self, op: Any) -> str:
+        try:
+            return str(op(self._handle))
+        except Exception as err:  # nixl's own error classes, e.g. NIXL_ERR_REMOTE_DISCONNECT
+            self._failure = err
+            return "ERR"
 
     def _maybe_post(self) -> None:
         if self._state == "NEW" and (self._ready is None or self._ready.query()):
-            self._state = self._agent.transfer(self._handle)
+            self._state = self._call(self._agent.transfer)
             self._settle()
 
     def _settle(self) -> None:
+        if self._state in ("DONE", "ERR") and self._handle is not None:
+            handle, self._handle = self._handle, None
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as err:  # reported by error(); NIXL keeps the handle
+                self._failure = self._failure or err
         if self._state in ("DONE", "ERR"):
-            self._agent.release_xfer_handle(self._handle)
+            self._agent = None  # see _agent
 
     def done(self) -> bool:
         self._maybe_post()
         if self._state == "PROC":
-            self._state = self._agent.check_xfer_state(self._handle)
+            self._state = self._call(self._agent.check_xfer_state)
             self._settle()
-        return self._state in ("DONE", "ERR")
+        return self._state in ("DONE", "ERR", "ABORTED")
 
     def wait(self, timeout: Optional[float]) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -159,20 +195,36 @@ class _XferPending(Pending):
             time.sleep(POLL_SECONDS)
         return True
 
+    def abort(self) -> bool:
+        """Cancels the transfer if it has not finished (a hung peer): returns whether it no
+        longer touches either pool. NIXL refuses to release a transfer it cannot cancel."""
+        if self.done():
+            return True
+        try:
+            self._agent.release_xfer_handle(self._handle)
+        except Exception as err:  # NIXL could not cancel it: it is still in flight
+            self._failure = err
+            return False
+        self._handle, self._agent, self._state = None, None, "ABORTED"
+        return True
+
     def error(self) -> Optional[BaseException]:
-        return TransferError("NIXL transfer failed (state ERR)") if self._state == "ERR" else None
+        if self._state == "ABORTED":
+            return TransferError(f"NIXL transfer to {self._peer} aborted", peer=self._peer)
+        if self._state == "ERR":
+            why = "state ERR" if self._failure is None else repr(self._failure)
+            return TransferError(f"NIXL transfer to {self._peer} failed: {why}", peer=self._peer)
+        return None
 
 
 class NixlTransport(Transport):
     """The sender's side. ``src`` is the sender's own pool: NIXL registers both ends."""
 
     def __init__(self, address: str, *, authkey: bytes, src: PagedKV) -> None:
-        try:
-            conn = Client(address, family="AF_UNIX", authkey=authkey)
-            hello = conn.recv()
-        except (OSError, EOFError, AuthenticationError) as err:
-            raise TransferError(f"cannot reach the receiver at {address}: {err!r}") from err
-        self._conn = conn
+        # The socket stays open for its EOF: the cheapest sign that the receiver died.
+        self._conn = PeerConnection(address, authkey)
+        self.peer = self._conn.peer
+        hello = self._conn.hello
         self._geometry = hello["geometry"]
         src.check_compatible(self._geometry)
         self._remote_blocks = int(hello["num_blocks"])
@@ -183,6 +235,10 @@ class NixlTransport(Transport):
         self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(src), _mem_type(src))
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], hello["descriptors"], hello["mem_type"])
 
+    @property
+    def num_blocks(self) -> int:
+        return self._remote_blocks
+
     def geometry(self) -> dict[str, object]:
         return dict(self._geometry)
 
@@ -191,28 +247,41 @@ class NixlTransport(Transport):
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
         s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
         layers, segments = src.num_layers, src.segments
-        handle = self.agent.make_prepped_xfer(
-            "WRITE",
-            self._local_side,
-            descriptor_indices(s, layers, segments, src.num_blocks),
-            self._remote_side,
-            descriptor_indices(d, layers, segments, self._remote_blocks),
-            _encode(notices),
-        )
+        try:
+            handle = self.agent.make_prepped_xfer(
+                "WRITE",
+                self._local_side,
+                descriptor_indices(s, layers, segments, src.num_blocks),
+                self._remote_side,
+                descriptor_indices(d, layers, segments, self._remote_blocks),
+                _encode(notices),
+            )
+        except Exception as err:  # a receiver already gone: the write fails, not the caller
+            return _XferPending(self.agent, None, None, self.peer, failure=err)
         ready = None
         if src.device.type == "cuda":
             import torch
 
             ready = torch.cuda.current_stream(src.device).record_event()
-        return _XferPending(self.agent, handle, ready)
+        return _XferPending(self.agent, handle, ready, self.peer)
+
+    def check_peer(self) -> None:
+        """Raises `TransferError` (naming the receiver) once its socket closed."""
+        self._conn.check()
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
-        """Nothing to do: the notices arrived with the write's notification (a cancelled
-        request's notices too: the receiver has released it and refuses them)."""
+        """The notices arrived with the write's notification (a cancelled request's notices
+        too: the receiver has released it and refuses them); only checks that the receiver
+        is still there, since a write can finish just before it died."""
+        self._conn.check()
 
     def close(self) -> None:
-        self.agent.release_dlist_handle(self._local_side)
-        self.agent.release_dlist_handle(self._remote_side)
-        self.agent.remove_remote_agent(self._remote)
-        self.agent.deregister_memory(self._registered)
-        self._conn.close()
+        try:
+            self.agent.release_dlist_handle(self._local_side)
+            self.agent.release_dlist_handle(self._remote_side)
+            self.agent.remove_remote_agent(self._remote)
+            self.agent.deregister_memory(self._registered)
+        finally:
+            self._conn.close()
+            # see _agent: the descriptor handles hold the agent too
+            self.agent = self._local_side = self._remote_side = self._registered = None

@@ -1,5 +1,13 @@
 """`KVSender`: the context side. Plans slices with the Rust book, queues their copies on a
-copy engine, and posts each slice's notice once its bytes have landed."""
+copy engine, and posts each slice's notice once its bytes have landed.
+
+Failures. A request fails when its write fails, when its write outlives ``timeout`` and the
+transport can abort it (NIXL), or when the receiver is lost (every request then fails: one
+sender serves one receiver). A failed request is revoked, its book entry released as soon as
+no copy reads its blocks any more, and its error raised once (naming the requests and the
+peer) and kept in `failures` until `remove` or `cancel` acknowledges it; sending it again
+raises that error. docs/faults.md has the whole picture.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvferry._core import SlicePlan, TransferBook, TransferLedger
+from kvferry._core import BlockRange, SlicePlan, TransferBook, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
@@ -23,6 +31,9 @@ __all__ = ["KVSender", "TransferRecord"]
 
 IntArray = npt.ArrayLike
 PROGRESS_SECONDS = 200e-6
+# How long losing the receiver waits for local copies still reading source blocks, when the
+# sender has no timeout of its own.
+LOST_PEER_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -68,6 +79,8 @@ class KVSender:
         instead of at the executor's next `poll` (it matters where the receiver still has
         work to do on arrival, as on the staging path)."""
         pool.check_compatible(transport.geometry())
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgumentError(f"invalid timeout={timeout}: must be > 0 or None")
         self.timeout = timeout
         self.pool = pool
         self.transport = transport
@@ -80,7 +93,13 @@ class KVSender:
         self.records: Optional[list[TransferRecord]] = [] if record else None
         # The executor thread and the progress thread share the queue of writes.
         self._lock = threading.RLock()
-        self._progress_error: Optional[BaseException] = None
+        # An error found where it could not be raised (the progress thread, a cancel that
+        # posted other requests' writes): raised by the executor's next poll or flush.
+        self._deferred_error: Optional[BaseException] = None
+        # Failed requests not yet acknowledged by remove/cancel, with their ledgers once no
+        # copy reads their blocks (until then they stay in the book, revoked).
+        self._failed: dict[int, tuple[TransferError, Optional[TransferLedger]]] = {}
+        self._lost: Optional[TransferError] = None  # the receiver is gone: nothing can be sent
         self._closing = threading.Event()
         self._progress: Optional[threading.Thread] = None
         if progress:
@@ -93,24 +112,50 @@ class KVSender:
                 with self._lock:
                     while self._inflight and self._inflight[0].pending.done():
                         self._finish(self._inflight.popleft())
+            except TransferError as err:  # its requests are failed already; later writes still post
+                self._defer(err)
+                if self._lost is not None:
+                    return  # nothing can be posted any more
             except BaseException as err:  # handed to the executor thread at its next call
-                self._progress_error = err
+                self._defer(err)
                 return
 
-    def _raise_progress_error(self) -> None:
-        if self._progress_error is not None:
-            err, self._progress_error = self._progress_error, None
+    def _defer(self, err: BaseException) -> None:
+        if self._deferred_error is None:  # the first one explains the rest
+            self._deferred_error = err
+
+    def _raise_deferred_error(self) -> None:
+        if self._deferred_error is not None:
+            err, self._deferred_error = self._deferred_error, None
             raise err
 
-    def add(self, request_id: int, prompt_len: int, *, reused_len: int = 0, window: Optional[int] = None, context_only: bool = True) -> None:
+    def add(
+        self,
+        request_id: int,
+        prompt_len: int,
+        *,
+        reused_len: int = 0,
+        window: Optional[int] = None,
+        context_only: bool = True,
+        held: Sequence[BlockRange] = (),
+    ) -> None:
+        """Registers a request. ``held``: blocks the receiver already holds (it advertised
+        them before prefill, by block hash): they count as sent and never cross. Nothing is
+        registered if any argument is refused."""
         self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
+        if held:
+            try:
+                self.book.hold(request_id, held)
+            except BaseException:
+                self.book.remove(request_id)
+                raise
         self._next_slice[request_id] = 0
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
         with self._lock:
             self._refuse_revoked(request_ids)
-            return self._dispatch(self.book.plan_early(request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table), "early")
+            return self._dispatch(self.book.plan_early(request_ids, **self._tables(src_block_table, dst_block_table)), "early")
 
     def send_chunks(
         self,
@@ -123,10 +168,30 @@ class KVSender:
         """After a context forward: the blocks each finished chunk completed."""
         with self._lock:
             self._refuse_revoked(request_ids)
-            plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, src_block_table=src_block_table, dst_block_table=dst_block_table)
+            plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table))
             return self._dispatch(plan, "chunk")
 
+    def _tables(self, src_block_table: IntArray, dst_block_table: IntArray) -> dict[str, object]:
+        """The book's block-table arguments, with both pools' sizes: a planned id outside
+        its pool, or a destination planned twice, fails the call before anything is claimed
+        (after the claim the copy would refuse it, and the blocks would count as sent)."""
+        return {
+            "src_block_table": src_block_table,
+            "dst_block_table": dst_block_table,
+            "src_blocks": self.pool.num_blocks,
+            "dst_blocks": self.transport.num_blocks,
+        }
+
     def _refuse_revoked(self, request_ids: IntArray) -> None:
+        """Before anything is claimed: refuses to send after the receiver was lost, or for
+        requests that failed or were cancelled."""
+        self._check_peer()
+        if self._lost is not None:
+            raise self._lost
+        if self._failed:
+            for request_id in np.asarray(request_ids).tolist():
+                if request_id in self._failed:
+                    raise self._failed[request_id][0]
         if self._revoked:
             hit = self._revoked.intersection(np.asarray(request_ids).tolist())
             if hit:
@@ -134,19 +199,39 @@ class KVSender:
 
     def _dispatch(self, plan: SlicePlan, kind: str) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
-        before claiming anything, so nothing is marked sent that cannot leave)."""
+        before claiming anything, so nothing is marked sent that cannot leave). A transport
+        with a `Transport.max_write_blocks` gets the plan in writes of at most that many
+        blocks, each with notices for its own part of the slices, so the receiver can take in
+        one write while the next is still being copied."""
         pairs = plan.pairs
         if not len(plan) or pairs is None:
             return []
-        notices = []
+        limit = self.transport.max_write_blocks or plan.total_blocks
+        block_bytes = self.pool.block_bytes * self.pool.num_layers
+        notices: list[Notice] = []
+        piece: list[Notice] = []
+        lo = hi = 0  # the current write's pairs
         for request_id, blocks, last in plan.slices():
-            slice_id = self._next_slice[request_id]
-            self._next_slice[request_id] = slice_id + 1
-            notices.append(Notice(request_id, slice_id, blocks.start, blocks.end, last))
-        pending = self._write(pairs.src, pairs.dst, notices)
-        nbytes = plan.total_blocks * self.pool.block_bytes * self.pool.num_layers
-        self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
+            start = blocks.start
+            while start < blocks.end:
+                end = min(blocks.end, start + limit - (hi - lo))
+                slice_id = self._next_slice[request_id]
+                self._next_slice[request_id] = slice_id + 1
+                piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end))
+                hi += end - start
+                start = end
+                if hi - lo == limit:
+                    self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+                    notices += piece
+                    piece, lo = [], hi
+        if piece:
+            self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+            notices += piece
         return notices
+
+    def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int) -> None:
+        pending = self._write(src_ids, dst_ids, notices)
+        self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
 
     def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice]) -> Pending:
         """Queues a write; a transport out of room gets the oldest writes posted (so its
@@ -174,7 +259,8 @@ class KVSender:
             return self._poll()
 
     def _poll(self) -> list[Notice]:
-        self._raise_progress_error()
+        self._raise_deferred_error()
+        self._check_peer()
         posted: list[Notice] = []
         while self._inflight and self._inflight[0].pending.done():
             posted.extend(self._finish(self._inflight.popleft()))
@@ -183,7 +269,25 @@ class KVSender:
             age = time.monotonic() - job.submitted_at
             if age > self.timeout:
                 ids = sorted({n.request_id for n in job.notices} - self._revoked)
-                raise TransferTimeoutError(f"copies for requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): cancel them")
+                if self._abort(job):
+                    # A write that can be called off (NIXL to a hung peer): its requests fail
+                    # now instead of waiting on a peer that may never answer.
+                    self._inflight.remove(job)
+                    self._abandon(job)
+                    if not ids:  # it only carried cancelled requests: nobody to tell
+                        return posted
+                    err = TransferTimeoutError(
+                        f"write of requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): aborted; "
+                        f"the requests failed and were released (peer: {self._peer_name()})",
+                        request_ids=ids,
+                        peer=self._peer_name(),
+                    )
+                    raise self._fail(ids, err)
+                raise TransferTimeoutError(
+                    f"copies for requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): cancel them (peer: {self._peer_name()})",
+                    request_ids=ids,
+                    peer=self._peer_name(),
+                )
         return posted
 
     def flush(self, timeout: Optional[float] = None) -> list[Notice]:
@@ -192,7 +296,8 @@ class KVSender:
             return self._flush(timeout)
 
     def _flush(self, timeout: Optional[float]) -> list[Notice]:
-        self._raise_progress_error()
+        self._raise_deferred_error()
+        self._check_peer()
         deadline = None if timeout is None else time.monotonic() + timeout
         posted: list[Notice] = []
         while self._inflight:
@@ -200,17 +305,26 @@ class KVSender:
             job = self._inflight[0]
             if not job.pending.wait(left):
                 ids = sorted({n.request_id for n in job.notices})
-                raise TransferTimeoutError(f"copies for requests {ids} did not finish within {timeout} s")
+                raise TransferTimeoutError(f"copies for requests {ids} did not finish within {timeout} s (peer: {self._peer_name()})", request_ids=ids, peer=self._peer_name())
             posted.extend(self._finish(self._inflight.popleft()))
         return posted
 
     def _finish(self, job: _Job) -> tuple[Notice, ...]:
+        ids = sorted({n.request_id for n in job.notices})
+        if self._lost is not None:  # its requests failed with the receiver: only settle them
+            self._abandon(job)
+            self._settle(ids)
+            return ()
         error = job.pending.error()
         if error is not None:
-            self.transport.abandon(job.notices)
-            ids = sorted({n.request_id for n in job.notices})
-            raise TransferError(f"copy for requests {ids} failed: {error}") from error
-        self.transport.post(job.notices, frozenset(self._revoked))
+            self._abandon(job)
+            self._check_peer()  # a write fails when its receiver died: then every request fails
+            err = TransferError(f"write of requests {ids} failed: {error} (peer: {self._peer_name()})", request_ids=ids, peer=self._peer_name())
+            raise self._fail(ids, err) from error
+        try:
+            self.transport.post(job.notices, frozenset(self._revoked))
+        except TransferError as err:  # the transport lost its receiver
+            raise self._lose_peer(err, unposted=ids) from err
         if self.records is not None:
             started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
             self.records.append(TransferRecord(job.kind, job.notices, job.nbytes, job.submitted_at, started, finished))
@@ -218,12 +332,108 @@ class KVSender:
         for request_id in {n.request_id for n in job.notices} & self._revoked:
             if request_id not in self._next_slice and not self.in_flight(request_id):
                 self._revoked.discard(request_id)  # cancelled and no copy left: forget it
+        self._settle(ids)
         return notices
 
     def in_flight(self, request_id: int) -> bool:
         """Whether a queued copy still carries blocks of the request."""
         with self._lock:
             return any(n.request_id == request_id for job in self._inflight for n in job.notices)
+
+    def failures(self) -> dict[int, TransferError]:
+        """Requests that failed and that `remove` or `cancel` has not acknowledged yet, with
+        their errors. Their source blocks are free once `in_flight` is false for them."""
+        with self._lock:
+            return {rid: err for rid, (err, _) in self._failed.items()}
+
+    def _peer_name(self) -> str:
+        return str(getattr(self.transport, "peer", type(self.transport).__name__))
+
+    def _check_peer(self) -> None:
+        """Asks the transport (if it can tell) whether its receiver is still there; the first
+        time it is not, fails every request and raises."""
+        check = getattr(self.transport, "check_peer", None)
+        if self._lost is not None or check is None:
+            return
+        try:
+            check()
+        except TransferError as err:
+            raise self._lose_peer(err) from err
+
+    def _lose_peer(self, cause: TransferError, unposted: Sequence[int] = ()) -> TransferError:
+        """The receiver is gone: every request fails (a sender has one receiver) except those
+        whose every block had been posted, every queued write is waited for (they read
+        source blocks) or aborted, then dropped unposted. ``unposted``: requests of a write
+        whose notices could not be posted."""
+        if self._lost is not None:
+            return self._lost
+        ids = sorted(r for r in self._next_slice if r in unposted or self.in_flight(r) or not self.book.is_complete(r))
+        self._lost = TransferError(f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name())
+        self._fail(ids, self._lost)
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else LOST_PEER_WAIT_SECONDS)
+        while self._inflight:
+            job = self._inflight[0]
+            if not job.pending.wait(max(0.0, deadline - time.monotonic())) and not self._abort(job):
+                break  # still reading source blocks: settled by a later poll
+            self._inflight.popleft()
+            self._abandon(job)
+        self._settle(ids)
+        return self._lost
+
+    def _fail(self, request_ids: list[int], error: TransferError) -> TransferError:
+        """Fails requests: revoked at once (no more notices), released from the book once no
+        copy reads their blocks. Returns ``error``."""
+        for request_id in request_ids:
+            if request_id in self._next_slice and request_id not in self._failed:
+                self.book.cancel(request_id)
+                self._revoked.add(request_id)
+                self._failed[request_id] = (error, None)
+        self._settle(request_ids)
+        return error
+
+    def _settle(self, request_ids: list[int]) -> None:
+        """Releases the book entries of failed requests that no copy reads any more."""
+        for request_id in request_ids:
+            failed = self._failed.get(request_id)
+            if failed is not None and failed[1] is None and not self.in_flight(request_id):
+                self._failed[request_id] = (failed[0], self.book.remove(request_id))
+                del self._next_slice[request_id]
+                self._revoked.discard(request_id)
+
+    def _abort(self, job: _Job) -> bool:
+        # Only some writes can be called off (a NIXL transfer); a local copy always runs to
+        # its end, so its source blocks stay busy until then.
+        abort = getattr(job.pending, "abort", None)
+        return bool(abort()) if abort is not None else False
+
+    def _abandon(self, job: _Job) -> None:
+        try:
+            self.transport.abandon(job.notices)
+        except TransferError:
+            pass  # the receiver is gone: it holds nothing of ours any more
+
+    def _drain(self) -> None:
+        """Posts finished writes; their failures (and a lost receiver) are kept for the next
+        poll: the caller asked about one request, not about these."""
+        try:
+            self._check_peer()
+        except TransferError as err:
+            self._defer(err)
+        while self._inflight and self._inflight[0].pending.done():
+            try:
+                self._finish(self._inflight.popleft())
+            except TransferError as err:
+                self._defer(err)
+
+    def _acknowledge(self, request_id: int) -> TransferLedger:
+        """Forgets a failed request whose copies are all done; returns its ledger."""
+        self._drain()
+        self._settle([request_id])
+        error, ledger = self._failed[request_id]
+        if ledger is None:
+            raise InvalidArgumentError(f"invalid request_id={request_id}: failed ({error}), but copies reading its blocks are still in flight")
+        del self._failed[request_id]
+        return ledger
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> TransferLedger:
         """Revokes a request: nothing more is planned or announced for it. Waits up to
@@ -235,42 +445,65 @@ class KVSender:
             return self._cancel(request_id, timeout)
 
     def _cancel(self, request_id: int, timeout: Optional[float]) -> TransferLedger:
+        if request_id in self._failed:
+            self._wait_for(request_id, timeout)
+            return self._acknowledge(request_id)
         if request_id not in self._next_slice:
             raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
         self.book.cancel(request_id)
         self._revoked.add(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for job in list(self._inflight):
-            if any(n.request_id == request_id for n in job.notices):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not job.pending.wait(left):
-                    raise TransferTimeoutError(f"request {request_id}: copies reading its blocks still running after {timeout} s")
-        self.poll()
+        self._wait_for(request_id, timeout)
+        self._drain()
+        if request_id in self._failed:  # one of the writes just drained failed it
+            return self._acknowledge(request_id)
         if not self.in_flight(request_id):
             self._revoked.discard(request_id)
         del self._next_slice[request_id]
         return self.book.remove(request_id)
 
+    def _wait_for(self, request_id: int, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in list(self._inflight):
+            if any(n.request_id == request_id for n in job.notices):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not job.pending.wait(left):
+                    raise TransferTimeoutError(
+                        f"request {request_id}: copies reading its blocks still running after {timeout} s", request_ids=(request_id,), peer=self._peer_name()
+                    )
+
     def remove(self, request_id: int) -> TransferLedger:
-        """Forgets a request whose copies have all finished; returns its ledger."""
+        """Forgets a request whose copies have all finished (or that failed: acknowledges its
+        failure); returns its ledger."""
         with self._lock:
             return self._remove(request_id)
 
     def _remove(self, request_id: int) -> TransferLedger:
-        self._poll()
+        self._drain()
+        if request_id in self._failed:
+            return self._acknowledge(request_id)
+        if request_id not in self._next_slice:
+            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
         if self.in_flight(request_id):
             raise InvalidArgumentError(f"invalid request_id={request_id}: copies still in flight (flush or wait first)")
         del self._next_slice[request_id]
         return self.book.remove(request_id)
 
     def close(self) -> None:
-        """Finishes queued copies, then releases the engine and the transport."""
+        """Finishes queued copies (within the sender's timeout, if it has one), then releases
+        the engine and the transport. After the receiver was lost there is nothing to post."""
         self._closing.set()
         if self._progress is not None:
             self._progress.join(timeout=5)
         try:
-            self.flush()
+            with self._lock:
+                if self._lost is None and self._inflight:
+                    self._flush(self.timeout)
+                elif self._lost is None:
+                    self._raise_deferred_error()
         finally:
+            with self._lock:
+                for job in self._inflight:
+                    self._abort(job)  # must not run on into a closed transport
             self.engine.close()
             self.transport.close()
 

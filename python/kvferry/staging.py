@@ -23,7 +23,7 @@ import torch
 
 from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import InvalidArgumentError
+from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.local import LocalEndpoint, LocalTransport
 from kvferry.notice import Notice
@@ -32,6 +32,14 @@ from kvferry.shm import SharedPool
 from kvferry.transport import TransportFull, kept
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
+
+# A write's two PCIe legs (device-to-host here, host-to-device at the receiver) run one after
+# the other, so cutting plans into smaller writes lets the receiver take in one while the next
+# is staged. Measured on one H200 shared by both processes (docs/benchmarks.md), 256 MiB writes
+# made the agentic early transfer slower, not faster: each write's gather and scatter kernels
+# are time-sliced between the two processes' GPU contexts and against the prefill. So by
+# default a write is bounded only by half the ring; `write_bytes` sets a smaller bound for
+# sender and receiver on different GPUs.
 
 
 def _pin(pool: PagedKV) -> Callable[[], None]:
@@ -104,7 +112,10 @@ class StagingTransport(LocalTransport):
     engine's stream, then posts notices with their slots. A full ring raises
     `TransportFull`; the sender then posts finished writes and waits for frees."""
 
-    def __init__(self, address: str, *, authkey: bytes) -> None:
+    def __init__(self, address: str, *, authkey: bytes, write_bytes: Optional[int] = None) -> None:
+        if write_bytes is not None and write_bytes <= 0:
+            raise InvalidArgumentError(f"invalid write_bytes={write_bytes}: must be > 0")
+        self._write_bytes = write_bytes
         super().__init__(address, authkey=authkey, open_pool=self._open)
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
@@ -115,6 +126,10 @@ class StagingTransport(LocalTransport):
         self._geometry = hello["geometry"]
         self.capacity = int(hello["capacity"])
         self._remote_blocks = int(hello["num_blocks"])
+        geometry = self._geometry
+        block_bytes = int(geometry["num_layers"]) * int(geometry["segments"]) * int(geometry["segment_bytes"])
+        per_write = self.capacity // 2 if self._write_bytes is None else min(self.capacity // 2, self._write_bytes // block_bytes)
+        self.max_write_blocks = max(1, per_write)
         self._head = 0  # next slot to fill
         self._used = 0  # filled and not yet freed by the receiver
         unpin = _pin(ring.pool)
@@ -124,6 +139,10 @@ class StagingTransport(LocalTransport):
             ring.close()
 
         return ring.pool, release
+
+    @property
+    def num_blocks(self) -> int:
+        return self._remote_blocks
 
     def geometry(self) -> dict[str, object]:
         return dict(self._geometry)

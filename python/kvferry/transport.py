@@ -11,7 +11,7 @@ carries the notices with the write.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import AbstractSet, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 import numpy as np
 
@@ -34,10 +34,19 @@ class Transport(ABC):
     receiver's pool is addressable here as ``dst``."""
 
     dst: PagedKV
+    # The most blocks one write may carry; the sender cuts larger plans into several writes
+    # (None: no limit). A transport whose receiver has work to do per write sets it, so that
+    # work overlaps the copy of the next write.
+    max_write_blocks: Optional[int] = None
 
     def geometry(self) -> dict[str, object]:
         """The receiver pool's layout (see `PagedKV.geometry`)."""
         return self.dst.geometry()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the receiver's pool."""
+        return self.dst.num_blocks
 
     def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
         """Queues the copy of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of the

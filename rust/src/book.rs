@@ -187,6 +187,19 @@ impl TransferBook {
         Ok(())
     }
 
+    /// Records blocks the receiver already holds for a request (see [`Ledger::hold`]):
+    /// claimed without being sent, skipped by every slice. All ranges or none: on error
+    /// nothing changes.
+    pub fn hold(&mut self, id: i64, ranges: &[BlockRange]) -> Result<()> {
+        let entry = self.entry_mut(id)?;
+        let mut ledger = entry.ledger.clone();
+        for &range in ranges {
+            ledger.hold(range).map_err(in_request(id))?;
+        }
+        entry.ledger = ledger;
+        Ok(())
+    }
+
     /// Forgets a request and frees its ledger, returning it (callers check `is_complete`).
     pub fn remove(&mut self, id: i64) -> Result<Ledger> {
         self.entries
@@ -266,8 +279,10 @@ impl TransferBook {
                 continue;
             }
             if let Some(range) = entry.ledger.early_candidate() {
-                entry.ledger.check_claim(range).map_err(in_request(id))?;
-                plan.push(i, id, range, false);
+                entry.ledger.check_sendable(range).map_err(in_request(id))?;
+                entry
+                    .ledger
+                    .sendable_runs(range, |run| plan.push(i, id, run, false));
             }
         }
         let checked = check(&plan)?;
@@ -326,12 +341,15 @@ impl TransferBook {
                 .chunk_candidate(chunk_starts[i], chunk_ends[i])
                 .map_err(in_request(id))?;
             if let Some(range) = range {
-                plan.push(
-                    i,
-                    id,
-                    range,
-                    chunk_ends[i] as u64 == ledger.prompt().prompt_len(),
-                );
+                // The last chunk's final run carries `last` (none at all when the receiver
+                // already holds every block the chunk finished).
+                let first_row = plan.len();
+                ledger.sendable_runs(range, |run| plan.push(i, id, run, false));
+                if chunk_ends[i] as u64 == ledger.prompt().prompt_len() && plan.len() > first_row {
+                    if let Some(last) = plan.last.last_mut() {
+                        *last = true;
+                    }
+                }
             }
             ranges.push(range);
         }

@@ -11,12 +11,17 @@ pub const MAX_LEDGER_BLOCKS: u64 = 1 << 24;
 
 /// The ownership state of one request: one bit per block, set once the block is claimed by an
 /// early, chunk or explicit slice. A second claim of any block is refused, never resent.
-#[derive(Debug, Clone)]
+/// Two ledgers are equal when they track the same prompt with the same claims and flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ledger {
     prompt: Prompt,
     claimed: Bitmap,
     /// Number of set bits in `claimed`, kept so the common first claim skips the bitmap scan.
     num_claimed: u64,
+    /// Blocks the receiver already holds (claimed without being sent; slices skip them).
+    /// Allocated on the first hold: most requests have none.
+    held: Option<Bitmap>,
+    num_held: u64,
     prefix_sent: bool,
     /// Set by the first chunk slice: after a forward has run, nothing may leave "early".
     forward_started: bool,
@@ -39,6 +44,8 @@ impl Ledger {
         Ok(Self {
             claimed: Bitmap::new(prompt.num_blocks()),
             num_claimed: 0,
+            held: None,
+            num_held: 0,
             prompt,
             prefix_sent: false,
             forward_started: false,
@@ -77,13 +84,7 @@ impl Ledger {
 
     /// Refuses `range` if it passes the last block or overlaps a claimed block.
     pub fn check_claim(&self, range: BlockRange) -> Result<()> {
-        if range.end > self.num_blocks() {
-            return Err(CoreError::invalid(
-                "range",
-                range,
-                format!("within the request's {} blocks", self.num_blocks()),
-            ));
-        }
+        self.check_bounds(range)?;
         if self.num_claimed == 0 {
             return Ok(());
         }
@@ -98,6 +99,17 @@ impl Ledger {
         }
     }
 
+    fn check_bounds(&self, range: BlockRange) -> Result<()> {
+        if range.end > self.num_blocks() {
+            return Err(CoreError::invalid(
+                "range",
+                range,
+                format!("within the request's {} blocks", self.num_blocks()),
+            ));
+        }
+        Ok(())
+    }
+
     /// Claims `range`; on error nothing changes.
     pub fn claim(&mut self, range: BlockRange) -> Result<()> {
         self.check_claim(range)?;
@@ -105,10 +117,72 @@ impl Ledger {
         Ok(())
     }
 
-    /// Marks a range that `check_claim` accepted.
+    /// Marks a range that `check_claim` or `check_sendable` accepted: its only claimed blocks,
+    /// if any, are held ones, which are not counted twice.
     fn set_claimed(&mut self, range: BlockRange) {
+        let already = if self.num_held == 0 {
+            0
+        } else {
+            self.claimed.count_range(range.start, range.end)
+        };
         self.claimed.set_range(range.start, range.end);
-        self.num_claimed += range.len();
+        self.num_claimed += range.len() - already;
+    }
+
+    /// Blocks the receiver already holds.
+    pub const fn held_blocks(&self) -> u64 {
+        self.num_held
+    }
+
+    /// Records that the receiver already holds `range` (by block hash, say): those blocks
+    /// count as claimed and every later slice skips them. On error (a block out of range or
+    /// already claimed) nothing changes.
+    pub fn hold(&mut self, range: BlockRange) -> Result<()> {
+        self.check_claim(range)?;
+        self.set_claimed(range);
+        let blocks = self.num_blocks();
+        self.held
+            .get_or_insert_with(|| Bitmap::new(blocks))
+            .set_range(range.start, range.end);
+        self.num_held += range.len();
+        Ok(())
+    }
+
+    /// [`Ledger::check_claim`] for a slice about to be planned: held blocks inside `range`
+    /// are allowed (they will be skipped), blocks an earlier slice claimed are not.
+    pub fn check_sendable(&self, range: BlockRange) -> Result<()> {
+        let Some(held) = &self.held else {
+            return self.check_claim(range);
+        };
+        self.check_bounds(range)?;
+        // Held blocks are claimed too: the range is clean when it claims nothing else.
+        if self.claimed.count_range(range.start, range.end)
+            == held.count_range(range.start, range.end)
+        {
+            return Ok(());
+        }
+        let block = (range.start..range.end)
+            .find(|&b| self.claimed.get(b) && !held.get(b))
+            .unwrap_or(range.start);
+        Err(CoreError::DuplicateTransfer {
+            owner: String::new(),
+            block,
+            start: range.start,
+            end: range.end,
+        })
+    }
+
+    /// Calls `emit` with the parts of `range` that must cross: `range` minus held blocks, as
+    /// maximal runs in order (just `range` when nothing is held).
+    pub fn sendable_runs(&self, range: BlockRange, mut emit: impl FnMut(BlockRange)) {
+        match &self.held {
+            None => emit(range),
+            Some(held) => {
+                for (start, end) in held.clear_runs(range.start, range.end) {
+                    emit(BlockRange::from_bounds(start, end));
+                }
+            }
+        }
     }
 
     /// The early slice this ledger would send now: `None` when the prompt has no complete
@@ -126,8 +200,8 @@ impl Ledger {
         let Some(range) = self.early_candidate() else {
             return Ok(None);
         };
-        self.claim(range)?;
-        self.prefix_sent = true;
+        self.check_sendable(range)?;
+        self.commit_early(range);
         Ok(Some(range))
     }
 
@@ -138,7 +212,7 @@ impl Ledger {
             .prompt
             .chunk(chunk_start, chunk_end, self.prefix_sent)?;
         if let Some(range) = range {
-            self.check_claim(range)?;
+            self.check_sendable(range)?;
         }
         Ok(range)
     }

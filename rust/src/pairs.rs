@@ -7,6 +7,8 @@
 //! runs:           maximal stretches where both src and dst ids advance by one
 //! ```
 
+use rustc_hash::{FxBuildHasher, FxHashSet};
+
 use crate::book::SlicePlan;
 use crate::error::{CoreError, Result};
 
@@ -203,10 +205,49 @@ pub fn block_runs(plan: &SlicePlan, src: BlockTable<'_>, dst: BlockTable<'_>) ->
     Ok(out)
 }
 
+/// The first destination id that appears twice, in `dst` order. Ids are in `[0, pool)`, so
+/// `lo..=hi` below is non-empty and cannot overflow.
+///
+/// ```text
+/// ids:     3 9 4 9        span [lo, hi] = [3, 9]: 7 bits, at most 64 per id plus a KiB
+/// dense:   one bit per id of the span, set as ids are seen: O(n), no hashing
+/// sparse:  a hash set of the ids seen (the span would dwarf the ids)
+/// ```
+/// The bitmap is sized by the ids, never by the pool: sized by `dst_blocks`, a pool of 2^54
+/// blocks asked for petabytes and aborted the process, which no panic fence can catch.
+fn first_repeat(dst: &[i64]) -> Option<i64> {
+    let (Some(&lo), Some(&hi)) = (dst.iter().min(), dst.iter().max()) else {
+        return None;
+    };
+    let span = (hi - lo) as u64 + 1;
+    if span <= 64 * (dst.len() as u64 + 128) {
+        let mut seen = crate::bitmap::Bitmap::new(span);
+        dst.iter().copied().find(|&b| {
+            let bit = (b - lo) as u64;
+            let repeat = seen.get(bit);
+            seen.set_range(bit, bit + 1);
+            repeat
+        })
+    } else {
+        let mut seen = FxHashSet::with_capacity_and_hasher(dst.len(), FxBuildHasher);
+        dst.iter().copied().find(|&b| !seen.insert(b))
+    }
+}
+
+/// Refuses a negative pool size: a length computed wrongly upstream, not an empty pool.
+fn check_pool_blocks(name: &'static str, blocks: i64) -> Result<()> {
+    if blocks < 0 {
+        return Err(CoreError::invalid(name, blocks, ">= 0"));
+    }
+    Ok(())
+}
+
 /// Validates a copy's block ids and packs them as one row-major `(2, n)` array (sources,
 /// then destinations): every id inside its pool, as many sources as destinations, and no
-/// destination written twice (one bit per destination block finds repeats in O(n)).
+/// destination written twice.
 pub fn pack_pairs(src: &[i64], dst: &[i64], src_blocks: i64, dst_blocks: i64) -> Result<Vec<i64>> {
+    check_pool_blocks("src_blocks", src_blocks)?;
+    check_pool_blocks("dst_blocks", dst_blocks)?;
     if dst.len() != src.len() {
         return Err(CoreError::invalid(
             "dst_ids",
@@ -223,22 +264,69 @@ pub fn pack_pairs(src: &[i64], dst: &[i64], src_blocks: i64, dst_blocks: i64) ->
             ));
         }
     }
-    let mut seen = crate::bitmap::Bitmap::new(dst_blocks.max(0) as u64);
-    for &b in dst {
-        let b = b as u64;
-        if seen.get(b) {
-            return Err(CoreError::invalid(
-                "dst_ids",
-                format!("<block {b} twice>"),
-                "each destination written once",
-            ));
-        }
-        seen.set_range(b, b + 1);
+    if let Some(b) = first_repeat(dst) {
+        return Err(CoreError::invalid(
+            "dst_ids",
+            format!("<block {b} twice>"),
+            "each destination written once",
+        ));
     }
     let mut out = Vec::with_capacity(2 * src.len());
     out.extend_from_slice(src);
     out.extend_from_slice(dst);
     Ok(out)
+}
+
+/// The request id and logical block of pair `j` of a plan's pairs.
+fn locate(plan: &SlicePlan, pairs: &BlockPairs, j: usize) -> (i64, i64) {
+    let k = pairs.offsets.partition_point(|&o| o <= j as i64) - 1;
+    (
+        plan.request_id[k],
+        plan.start[k] + (j as i64 - pairs.offsets[k]),
+    )
+}
+
+/// Refuses a plan's pairs that a copy would refuse: an id outside its pool (`src_blocks`,
+/// `dst_blocks` blocks; `None` skips that side) or a destination planned twice. Checked
+/// before the plan is committed, so a bad table never leaves blocks claimed that cannot
+/// leave. Ids are `>= 0` here ([`block_pairs`] refused negative ones).
+pub fn check_pools(
+    plan: &SlicePlan,
+    pairs: &BlockPairs,
+    src_blocks: Option<i64>,
+    dst_blocks: Option<i64>,
+) -> Result<()> {
+    let sides = [
+        ("src_block_table", "src_blocks", &pairs.src, src_blocks),
+        ("dst_block_table", "dst_blocks", &pairs.dst, dst_blocks),
+    ];
+    for (table, bound, ids, blocks) in sides {
+        let Some(blocks) = blocks else { continue };
+        check_pool_blocks(bound, blocks)?;
+        if let Some(j) = ids.iter().position(|&b| b >= blocks) {
+            let (request, block) = locate(plan, pairs, j);
+            return Err(CoreError::invalid(
+                table,
+                format!("<id {} at block {block} of request {request}>", ids[j]),
+                format!("in [0, {bound}={blocks})"),
+            ));
+        }
+    }
+    if dst_blocks.is_some() {
+        if let Some(id) = first_repeat(&pairs.dst) {
+            // The error path only: find both places the id was planned, to name them.
+            let mut at = pairs.dst.iter().enumerate().filter(|&(_, &b)| b == id);
+            let (first, second) = (at.next().map_or(0, |p| p.0), at.next().map_or(0, |p| p.0));
+            let (r1, b1) = locate(plan, pairs, first);
+            let (r2, b2) = locate(plan, pairs, second);
+            return Err(CoreError::invalid(
+                "dst_block_table",
+                format!("<id {id} at block {b1} of request {r1} and block {b2} of request {r2}>"),
+                "each destination written once per plan",
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -291,6 +379,59 @@ mod tests {
         assert!(msg(pack_pairs(&[0, 1], &[2, 2], 4, 4).unwrap_err())
             .starts_with("invalid dst_ids=<block 2 twice>"));
         assert!(pack_pairs(&[], &[], 0, 0).unwrap().is_empty());
+        assert!(msg(pack_pairs(&[], &[], -1, 0).unwrap_err()).starts_with("invalid src_blocks=-1"));
+    }
+
+    #[test]
+    fn check_pools_names_request_and_block() {
+        let src = [100, 101, 102, 103, 5, 6, 9, 7];
+        let dst = [0, 1, 2, 3, 40, 41, 3, 50];
+        let (s, d) = (
+            BlockTable::new("src_block_table", &src, 2, 4).unwrap(),
+            BlockTable::new("dst_block_table", &dst, 2, 4).unwrap(),
+        );
+        let plan = plan();
+        let pairs = block_pairs(&plan, s, d).unwrap();
+        check_pools(&plan, &pairs, None, None).unwrap();
+        let err = check_pools(&plan, &pairs, Some(100), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("invalid src_block_table=<id 102 at block 2 of request 10>"),
+            "{err}"
+        );
+        let err = check_pools(&plan, &pairs, None, Some(64))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("<id 3 at block 2 of request 11 and block 3 of request 10>"),
+            "{err}"
+        );
+        let err = check_pools(&plan, &pairs, None, Some(-2))
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("invalid dst_blocks=-2"), "{err}");
+    }
+
+    #[test]
+    fn pack_pairs_memory_follows_the_ids_not_the_pool() {
+        // Found by the `book` fuzz target: the duplicate check allocated one bit per block of
+        // the declared pool, so a huge pool aborted the process on allocation failure.
+        assert!(pack_pairs(&[], &[], 1, i64::MAX).unwrap().is_empty());
+        let top = i64::MAX - 1;
+        assert_eq!(
+            pack_pairs(&[0, 1], &[top, 1 << 50], 2, i64::MAX).unwrap(),
+            vec![0, 1, top, 1 << 50]
+        );
+        let err = pack_pairs(&[0, 1, 0], &[7, top, top], 2, i64::MAX).unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with(&format!("invalid dst_ids=<block {top} twice>")));
+        // Dense ids far from 0 take the bitmap path; the first repeat in order is named.
+        let err = pack_pairs(&[0, 0, 0, 0], &[900, 905, 901, 905], 1, 1000).unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("invalid dst_ids=<block 905 twice>"));
     }
 
     #[test]

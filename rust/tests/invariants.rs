@@ -972,3 +972,92 @@ fn issue_examples() {
     assert_eq!(p.chunk(0, 16, false).unwrap(), None);
     assert_eq!(p.chunk(16, 32, false).unwrap(), r(4, 8));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Blocks the receiver already holds
+// ---------------------------------------------------------------------------------------------
+
+/// Random disjoint held ranges inside `[0, num_blocks)`: a mask drawn block by block.
+fn held_ranges(num_blocks: u64, mask: &[bool]) -> Vec<BlockRange> {
+    let mut out = Vec::new();
+    let mut start = None;
+    for b in 0..num_blocks {
+        let held = mask[b as usize % mask.len()];
+        match (held, start) {
+            (true, None) => start = Some(b),
+            (false, Some(s)) => {
+                out.push(range(s, b));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        out.push(range(s, num_blocks));
+    }
+    out
+}
+
+proptest! {
+    /// With holes held by the receiver, the planned slices and the held blocks tile the
+    /// prompt exactly once, no slice touches a held block, only the final row of the last
+    /// chunk is marked last, and the request ends complete with every block claimed.
+    #[test]
+    fn held_blocks_never_leave_and_the_rest_leaves_once(
+        s in shape(3000),
+        mask in prop::collection::vec(any::<bool>(), 1..40),
+        pipelined in any::<bool>(),
+    ) {
+        let mut book = TransferBook::new(s.tpb, pipelined).unwrap();
+        let spec = RequestSpec { prompt_len: s.prompt, reused_len: s.reused, window: None, context_only: true };
+        book.add(1, spec).unwrap();
+        let num_blocks = ((s.prompt + s.tpb - 1) / s.tpb) as u64;
+        let held = held_ranges(num_blocks, &mask);
+        book.hold(1, &held).unwrap();
+        let held_count: u64 = held.iter().map(BlockRange::len).sum();
+        prop_assert_eq!(book.ledger(1).unwrap().held_blocks(), held_count);
+        let mut covered = vec![0u8; num_blocks as usize];
+        for r in &held {
+            cover(&mut covered, *r)?;
+        }
+        let early = book.plan_early(&[1]).unwrap();
+        let mut rows: Vec<(u64, u64, bool)> = (0..early.len())
+            .map(|k| (early.start[k] as u64, early.end[k] as u64, early.last[k]))
+            .collect();
+        let all = chunks(s.reused, s.prompt, &s.sizes);
+        for &(cs, ce) in &all {
+            let plan = book.plan_chunks(&[1], &[cs], &[ce]).unwrap();
+            rows.extend((0..plan.len()).map(|k| (plan.start[k] as u64, plan.end[k] as u64, plan.last[k])));
+        }
+        for &(start, end, _) in &rows {
+            prop_assert!(start < end, "empty row {}..{}", start, end);
+            cover(&mut covered, range(start, end))?;
+        }
+        prop_assert!(covered.iter().all(|&c| c == 1), "uncovered blocks: {:?}", book.ledger(1).unwrap().missing());
+        let lasts: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.2).map(|(k, _)| k).collect();
+        prop_assert!(lasts.len() <= 1 && lasts.iter().all(|&k| k + 1 == rows.len()), "last flags {:?}", rows);
+        let ledger = book.ledger(1).unwrap();
+        prop_assert!(ledger.is_complete());
+        prop_assert_eq!(ledger.claimed_blocks(), num_blocks);
+    }
+
+    /// A hold that overlaps an earlier claim or leaves the prompt fails and changes nothing.
+    #[test]
+    fn a_failing_hold_changes_nothing(s in shape(2000), extra in 1u64..5) {
+        let mut book = TransferBook::new(s.tpb, true).unwrap();
+        let spec = RequestSpec { prompt_len: s.prompt, reused_len: s.reused, window: None, context_only: true };
+        book.add(1, spec).unwrap();
+        let num_blocks = ((s.prompt + s.tpb - 1) / s.tpb) as u64;
+        book.plan_early(&[1]).unwrap();
+        let before = book.ledger(1).unwrap().clone();
+        // A valid first range, then one past the end: neither is applied.
+        let bad = [range(num_blocks - 1, num_blocks), range(num_blocks, num_blocks + extra)];
+        prop_assert!(book.hold(1, &bad).is_err());
+        prop_assert_eq!(book.ledger(1).unwrap(), &before);
+        if before.claimed_blocks() > 0 {
+            let duplicate = matches!(book.hold(1, &[range(0, 1)]), Err(CoreError::DuplicateTransfer { .. }));
+            prop_assert!(duplicate, "holding a claimed block must be a duplicate");
+            prop_assert_eq!(book.ledger(1).unwrap(), &before);
+        }
+    }
+}

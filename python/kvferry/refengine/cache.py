@@ -62,6 +62,14 @@ class BlockAllocator:
     def available(self) -> int:
         return len(self._free) + len(self._idle)
 
+    def free_ids(self) -> list[int]:
+        """Blocks with no reference and no cached content (for audits)."""
+        return list(self._free)
+
+    def idle_ids(self) -> list[int]:
+        """Cached blocks with no reference, least recently released first (for audits)."""
+        return list(self._idle)
+
 
 @dataclass
 class PrefixHit:
@@ -90,6 +98,12 @@ class PrefixCache:
 
     def is_cached(self, block: int) -> bool:
         return block in self._owner
+
+    @property
+    def index_entries(self) -> int:
+        """Entries of the lookup index (hashes, owners, parents): zero once every cached
+        block was evicted."""
+        return len(self._full) + len(self._owner) + len(self._children)
 
     def lookup(self, tokens: Sequence[int], max_reuse: int) -> PrefixHit:
         """The longest cached prefix of ``tokens``, at most ``max_reuse`` tokens long."""
@@ -146,6 +160,10 @@ class PrefixCache:
 
     def _forget(self, block: int) -> None:
         parent, own = self._owner.pop(block, (0, None))
-        self._children.get(parent, {}).pop(block, None)
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.pop(block, None)
+            if not siblings:  # else every prefix ever cached leaves an empty dict behind
+                del self._children[parent]
         if own is not None and self._full.get(own) == block:
             del self._full[own]

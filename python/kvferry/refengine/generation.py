@@ -3,7 +3,9 @@ connected by a real cross-process transport.
 
 ```
 context process                           generation process (spawned)
-allocate(rid, prompt_len) --control--->   allocates destination blocks, expects the request
+allocate(rid, prompt)  --control--->     allocates destination blocks, expects the request;
+                      <--blocks, held----  with prefix awareness: the prompt's full blocks it
+                                          still holds (prefix cache, by chained hash)
 KVSender --transport (shm, CUDA IPC, ---> pool; notices -> KVReceiver
            staging, NIXL)
 finish_batch(items) --control--------->   waits for each request's KV, checks it, decodes
@@ -19,12 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from kvferry._core import BlockRange
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 from kvferry.refengine.worker import Worker
 from kvferry.transport import InProcessTransport, Transport
 
-__all__ = ["FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration", "TRANSPORTS"]
+__all__ = ["Allocation", "FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration", "TRANSPORTS"]
 
 TRANSPORTS = ("in-process", "shm", "cuda-ipc", "staging", "nixl")
 
@@ -35,6 +38,27 @@ class FinishItem:
     prompt: tuple[int, ...]
     first_token: int
     max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The destination blocks of a request, one per prompt block, and the ranges of them the
+    generation worker already holds (they need not cross)."""
+
+    blocks: list[int]
+    held: list[tuple[int, int]]
+
+
+def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Sequence[int]) -> Allocation:
+    """With a prefix cache (prefix awareness on), the prompt's leading full blocks that this
+    worker still holds from an earlier turn are mapped into the request and expected as held;
+    the rest are fresh blocks that the context worker fills."""
+    shared = worker.cache.lookup(prompt, len(prompt)).blocks if worker.cache is not None else []
+    worker.alloc.ref(shared)
+    blocks = shared + worker.alloc.allocate(-(-len(prompt) // worker.tpb) - len(shared))
+    held = [(0, len(shared))] if shared else []
+    receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held])
+    return Allocation(blocks, held)
 
 
 @dataclass
@@ -57,10 +81,7 @@ def _finish(worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], 
         receiver.release(rid)
         dst = blocks.pop(rid)
         worker.admit_with_blocks(rid, item.prompt, dst, computed=len(item.prompt))
-        outcome = GenerationOutcome(kv_ready, time.monotonic(), 0.0, [item.first_token], notices)
-        if digests:
-            outcome.digests = worker.block_digests(dst, len(item.prompt))
-        outcomes[rid] = outcome
+        outcomes[rid] = GenerationOutcome(kv_ready, time.monotonic(), 0.0, [item.first_token], notices)
     for _ in range(max((i.max_new_tokens for i in items), default=1) - 1):
         for item in items:
             outcome = outcomes[item.request_id]
@@ -68,24 +89,29 @@ def _finish(worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], 
                 outcome.outputs.append(worker.step(item.request_id, outcome.outputs[-1]))
                 outcome.first_token_at_gen = outcome.first_token_at_gen or time.monotonic()
     for item in items:
-        worker.finish(item.request_id)
+        if digests:  # after decoding, so that hashing does not count as time to first token
+            state = worker.requests[item.request_id]  # decode only appends past the prompt
+            outcomes[item.request_id].digests = worker.block_digests(state.blocks, len(item.prompt))
+        # Only the prompt's blocks are kept for later turns: they hold the context worker's
+        # bytes, while blocks of decoded tokens hold KV a prefill would compute differently.
+        worker.finish(item.request_id, cache_tokens=len(item.prompt))
     return outcomes
 
 
 class LocalGeneration:
     """A generation worker in this process; the transport is in-process."""
 
-    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int) -> None:
-        self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=False)
+    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, aware: bool = False) -> None:
+        """``aware``: keep a prefix cache and advertise the blocks it still holds."""
+        self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=aware)
         self.receiver = KVReceiver(self.worker.pool)
         self.transport: Transport = InProcessTransport(self.receiver)
         self._blocks: dict[int, list[int]] = {}
 
-    def allocate(self, request_id: int, prompt_len: int) -> list[int]:
-        blocks = self.worker.alloc.allocate(-(-prompt_len // self.worker.tpb))
-        self.receiver.expect(request_id, prompt_len)
-        self._blocks[request_id] = blocks
-        return blocks
+    def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
+        allocation = _allocate(self.worker, self.receiver, request_id, prompt)
+        self._blocks[request_id] = allocation.blocks
+        return allocation
 
     def finish_batch(self, items: Sequence[FinishItem], *, digests: bool = False) -> dict[int, GenerationOutcome]:
         return _finish(self.worker, self.receiver, self._blocks, items, digests)
@@ -98,21 +124,23 @@ class RemoteGeneration:
     """A generation worker in a spawned process, reached by ``transport`` (shm and staging
     serve CPU or CUDA pools as noted in kvferry.bench_copy; cuda-ipc needs CUDA)."""
 
-    def __init__(self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False
+    ) -> None:
         if transport not in TRANSPORTS[1:]:
             raise ValueError(f"invalid transport={transport!r}: choose from {', '.join(TRANSPORTS[1:])}")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey), daemon=True)
+        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware), daemon=True)
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
             raise reply
         self.transport = _open_transport(transport, reply, authkey, src_pool)
 
-    def allocate(self, request_id: int, prompt_len: int) -> list[int]:
-        return self._call(("allocate", request_id, prompt_len))
+    def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
+        return self._call(("allocate", request_id, tuple(prompt)))
 
     def finish_batch(self, items: Sequence[FinishItem], *, digests: bool = False) -> dict[int, GenerationOutcome]:
         return self._call(("finish", list(items), digests))
@@ -150,7 +178,7 @@ def _open_transport(kind: str, address: str, authkey: bytes, src_pool: Any) -> T
     return NixlTransport(address, authkey=authkey, src=src_pool)
 
 
-def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes) -> None:
+def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool) -> None:
     try:
         model = TinyLlama(cfg, device)
         shared = None
@@ -162,7 +190,7 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
             pool = shared.pool
         else:
             pool = new_kv_pool(cfg, num_blocks, tpb, device)
-        worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=False, pool=pool)
+        worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool)
         receiver = KVReceiver(worker.pool)
         endpoint = _endpoint(kind, receiver, shared, authkey, num_blocks)
     except Exception as err:  # reported to the parent, which raises it
@@ -176,10 +204,10 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
             if message[0] == "stop":
                 break
             if message[0] == "allocate":
-                _, rid, prompt_len = message
-                blocks[rid] = worker.alloc.allocate(-(-prompt_len // tpb))
-                receiver.expect(rid, prompt_len)
-                conn.send(blocks[rid])
+                _, rid, prompt = message
+                allocation = _allocate(worker, receiver, rid, prompt)
+                blocks[rid] = allocation.blocks
+                conn.send(allocation)
             else:
                 _, items, digests = message
                 conn.send(_finish(worker, receiver, blocks, items, digests))

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvferry._core import BlockRange
 from kvferry.engine import ThreadCopyEngine
 from kvferry.hook import TransferHook
 from kvferry.refengine.generation import FinishItem, LocalGeneration, RemoteGeneration
@@ -96,17 +97,20 @@ class Disaggregated:
         transport: str = "in-process",
         link_gbps: Optional[float] = None,
         record: bool = False,
+        aware: bool = False,
     ) -> None:
         """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
-        ``record`` keeps every transfer's timing in ``self.hook.sender.records``."""
+        ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
+        turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
+        and advertises those it still holds, which then never cross)."""
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.generation: LocalGeneration | RemoteGeneration
         if transport == "in-process":
-            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
+            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware)
         else:
             device = "cuda" if model.device.type == "cuda" else "cpu"
             self.generation = RemoteGeneration(
-                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool
+                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
@@ -129,8 +133,9 @@ class Disaggregated:
             rid = turn.request_id
             admitted = time.monotonic()
             state = self.ctx.admit(rid, turn.prompt)
-            dst_blocks = self.generation.allocate(rid, state.prompt_len)
-            self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst_blocks)
+            allocation = self.generation.allocate(rid, turn.prompt)
+            held = [BlockRange(s, e) for s, e in allocation.held]
+            self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=allocation.blocks, held=held)
             results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=admitted)
             plans[rid] = _chunks(state.reused_len, state.prompt_len, self.chunk_size)
         first: dict[int, int] = {}

@@ -1,10 +1,13 @@
 //! numpy inputs: contiguous int64/bool arrays are borrowed as they are; other array-likes
 //! (lists, int32 arrays) are converted once, and anything that is not losslessly an integer
-//! (or bool) array is refused with an error that names the argument.
+//! (or bool) array is refused with an error that names the argument: floats, bool masks
+//! where ids belong, ragged lists, the wrong number of dimensions.
 
 use numpy::{Element, PyArray, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
+use super::args::{kind_and_value, shown};
 use super::errors::type_error;
 use crate::error::CoreError;
 
@@ -22,24 +25,29 @@ fn as_array<'py, T: Element, D: numpy::ndarray::Dimension>(
     }
     let py = obj.py();
     let np = py.import("numpy")?;
-    let array = np.call_method1("asarray", (obj,))?;
+    let array = np
+        .call_method1("asarray", (obj,))
+        .map_err(|err| unconvertible(py, obj, name, D::NDIM, &err))?;
     let ndim: usize = array.getattr("ndim")?.extract()?;
     let want = D::NDIM.unwrap_or(ndim);
     if ndim != want {
-        return Err(CoreError::invalid(
-            name,
-            format!("<{ndim}-d array>"),
-            format!("a {want}-d array"),
-        )
-        .into());
+        // A scalar is shown as itself: `src_ids=None` says more than `<0-d array>`.
+        let value = if ndim == 0 {
+            shown(obj)
+        } else {
+            format!("<{ndim}-d array>")
+        };
+        return Err(CoreError::invalid(name, value, format!("a {want}-d array")).into());
     }
     let size: usize = array.getattr("size")?.extract()?;
     let from = array.getattr("dtype")?;
-    // Empty lists arrive as float64; anything else must cast without loss.
+    // Empty lists arrive as float64; anything else must cast without loss. numpy calls
+    // bool -> int64 safe, but a bool array where ids belong is a mask passed by mistake.
+    let kind: String = from.getattr("kind")?.extract()?;
     let safe: bool = np
         .call_method1("can_cast", (&from, dtype, "safe"))?
         .extract()?;
-    if size > 0 && !safe {
+    if size > 0 && (!safe || (kind == "b" && dtype != "bool")) {
         return Err(type_error(
             name,
             &format!("an array castable to {dtype}"),
@@ -48,6 +56,26 @@ fn as_array<'py, T: Element, D: numpy::ndarray::Dimension>(
     }
     let converted = np.call_method1("ascontiguousarray", (array, dtype))?;
     Ok(converted.cast_into::<PyArray<T, D>>()?.readonly())
+}
+
+/// The error for an array-like numpy cannot convert (a ragged list, a CUDA tensor), naming
+/// the argument instead of leaking numpy's message alone.
+fn unconvertible(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: &'static str,
+    want: Option<usize>,
+    err: &PyErr,
+) -> PyErr {
+    let why = err.value(py).to_string();
+    let want = want.map_or_else(
+        || "an array-like".to_string(),
+        |n| format!("a {n}-d array-like"),
+    );
+    if err.is_instance_of::<PyTypeError>(py) {
+        return type_error(name, &want, format!("{} ({why})", kind_and_value(obj)));
+    }
+    CoreError::invalid(name, shown(obj), format!("{want} ({why})")).into()
 }
 
 /// A 1-d int64 view of `obj`.

@@ -2,22 +2,74 @@
 
 use pyo3::prelude::*;
 
+use super::args;
 use super::arrays::{i64_vec, slice};
-use super::errors::fence;
+use super::errors::{fence, type_error};
 use super::ledger::PyTransferLedger;
 use super::pairs::{BorrowedTables, PySlicePlan};
 use super::range::PyBlockRange;
 use crate::book::{RequestSpec, SlicePlan, TransferBook};
+use crate::error::CoreError;
 use crate::pairs::{BlockPairs, BlockTable};
 
-/// The block pairs of `plan` when tables were given.
+/// The block pairs of `plan` when tables were given, checked against the pools' sizes when
+/// those were given too.
 fn pairs_if(
     plan: &SlicePlan,
     tables: Option<(BlockTable<'_>, BlockTable<'_>)>,
+    pools: Pools,
 ) -> crate::Result<Option<BlockPairs>> {
-    tables
-        .map(|(src, dst)| crate::pairs::block_pairs(plan, src, dst))
-        .transpose()
+    let Some((src, dst)) = tables else {
+        return Ok(None);
+    };
+    let pairs = crate::pairs::block_pairs(plan, src, dst)?;
+    crate::pairs::check_pools(plan, &pairs, pools.src, pools.dst)?;
+    Ok(Some(pairs))
+}
+
+/// Block counts of the source and destination pools a plan's pairs must fit (`None`: not
+/// checked).
+#[derive(Clone, Copy)]
+struct Pools {
+    src: Option<i64>,
+    dst: Option<i64>,
+}
+
+impl Pools {
+    /// Pool sizes only mean something next to the tables they bound.
+    fn new(src: Option<i64>, dst: Option<i64>, with_tables: bool) -> PyResult<Self> {
+        if !with_tables {
+            for (name, blocks) in [("src_blocks", src), ("dst_blocks", dst)] {
+                if let Some(blocks) = blocks {
+                    return Err(CoreError::invalid(
+                        name,
+                        blocks,
+                        "given with src_block_table and dst_block_table",
+                    )
+                    .into());
+                }
+            }
+        }
+        Ok(Self { src, dst })
+    }
+}
+
+/// A sequence of `BlockRange`s, refused by name otherwise.
+fn held_ranges(obj: &Bound<'_, PyAny>) -> PyResult<Vec<crate::range::BlockRange>> {
+    let not_ranges = || {
+        type_error(
+            "ranges",
+            "a sequence of BlockRange",
+            args::kind_and_value(obj),
+        )
+    };
+    let mut out = Vec::new();
+    for item in obj.try_iter().map_err(|_| not_ranges())? {
+        let item = item?;
+        let range = item.cast::<PyBlockRange>().map_err(|_| not_ranges())?;
+        out.push(range.get().0);
+    }
+    Ok(out)
 }
 
 /// Whether planning a batch is worth releasing the GIL for.
@@ -41,7 +93,10 @@ pub struct PyTransferBook(TransferBook);
 impl PyTransferBook {
     #[new]
     #[pyo3(signature = (tokens_per_block, *, pipelined=true))]
-    fn new(tokens_per_block: i64, pipelined: bool) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
+        #[pyo3(from_py_with = args::pipelined)] pipelined: bool,
+    ) -> PyResult<Self> {
         fence(|| Ok(Self(TransferBook::new(tokens_per_block, pipelined)?)))
     }
 
@@ -61,11 +116,11 @@ impl PyTransferBook {
     #[pyo3(signature = (request_id, prompt_len, *, reused_len=0, window=None, context_only=true))]
     fn add(
         &mut self,
-        request_id: i64,
-        prompt_len: i64,
-        reused_len: i64,
-        window: Option<i64>,
-        context_only: bool,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+        #[pyo3(from_py_with = args::prompt_len)] prompt_len: i64,
+        #[pyo3(from_py_with = args::reused_len)] reused_len: i64,
+        #[pyo3(from_py_with = args::window)] window: Option<i64>,
+        #[pyo3(from_py_with = args::context_only)] context_only: bool,
     ) -> PyResult<()> {
         let spec = RequestSpec {
             prompt_len,
@@ -76,38 +131,75 @@ impl PyTransferBook {
         fence(|| Ok(self.0.add(request_id, spec)?))
     }
 
+    /// Records blocks the generation worker already holds for a request (advertised before
+    /// prefill): they count as sent and every slice skips them. All or nothing.
+    fn hold(
+        &mut self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+        ranges: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ranges = held_ranges(ranges)?;
+        fence(|| Ok(self.0.hold(request_id, &ranges)?))
+    }
+
+    /// Blocks of a request the receiver already holds.
+    fn held_blocks(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<u64> {
+        fence(|| Ok(self.0.ledger(request_id)?.held_blocks()))
+    }
+
     /// Forgets a request, freeing its ledger, and returns the ledger.
-    fn remove(&mut self, request_id: i64) -> PyResult<PyTransferLedger> {
+    fn remove(
+        &mut self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<PyTransferLedger> {
         fence(|| Ok(PyTransferLedger(self.0.remove(request_id)?)))
     }
 
     /// Marks a request cancelled: no early send is planned for it any more.
-    fn cancel(&mut self, request_id: i64) -> PyResult<()> {
+    fn cancel(&mut self, #[pyo3(from_py_with = args::request_id)] request_id: i64) -> PyResult<()> {
         fence(|| Ok(self.0.cancel(request_id)?))
     }
 
     /// Whether a request was cancelled.
-    fn is_cancelled(&self, request_id: i64) -> PyResult<bool> {
+    fn is_cancelled(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<bool> {
         fence(|| Ok(self.0.is_cancelled(request_id)?))
     }
 
     /// Whether every needed block of a request has been planned.
-    fn is_complete(&self, request_id: i64) -> PyResult<bool> {
+    fn is_complete(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<bool> {
         fence(|| Ok(self.0.ledger(request_id)?.is_complete()))
     }
 
     /// Whether a request's prefix left early.
-    fn prefix_sent(&self, request_id: i64) -> PyResult<bool> {
+    fn prefix_sent(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<bool> {
         fence(|| Ok(self.0.ledger(request_id)?.prefix_sent()))
     }
 
     /// Blocks of a request planned so far.
-    fn claimed_blocks(&self, request_id: i64) -> PyResult<u64> {
+    fn claimed_blocks(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<u64> {
         fence(|| Ok(self.0.ledger(request_id)?.claimed_blocks()))
     }
 
     /// Needed blocks of a request not yet planned.
-    fn missing(&self, request_id: i64) -> PyResult<Vec<PyBlockRange>> {
+    fn missing(
+        &self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+    ) -> PyResult<Vec<PyBlockRange>> {
         fence(|| {
             Ok(self
                 .0
@@ -121,22 +213,27 @@ impl PyTransferBook {
 
     /// Plans and claims the early prefix slices of the batch about to run its context forward.
     /// With both block tables, the plan also carries its block pairs (``plan.pairs``), and a
-    /// table that cannot serve the plan fails the call before anything is claimed.
-    #[pyo3(signature = (request_ids, *, src_block_table=None, dst_block_table=None))]
+    /// table that cannot serve the plan fails the call before anything is claimed. With the
+    /// pools' block counts (``src_blocks``, ``dst_blocks``) too, so does a planned id outside
+    /// its pool or a destination planned twice: what the copy would refuse after the claim.
+    #[pyo3(signature = (request_ids, *, src_block_table=None, dst_block_table=None, src_blocks=None, dst_blocks=None))]
     fn plan_early(
         &mut self,
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
         src_block_table: Option<&Bound<'_, PyAny>>,
         dst_block_table: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
+        #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
         fence(|| {
             let ids = i64_vec(request_ids, "request_ids")?;
             let ids = slice(&ids)?;
             let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
             let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
+            let pools = Pools::new(src_blocks, dst_blocks, views.is_some())?;
             let book = &mut self.0;
-            let mut run = || book.plan_early_then(ids, |plan| pairs_if(plan, views));
+            let mut run = || book.plan_early_then(ids, |plan| pairs_if(plan, views, pools));
             let (plan, pairs) = if detach(ids.len(), views.is_some()) {
                 py.detach(run)
             } else {
@@ -148,7 +245,8 @@ impl PyTransferBook {
 
     /// Plans and claims the slices of a batch of finished prefill chunks; block tables as in
     /// ``plan_early``.
-    #[pyo3(signature = (request_ids, chunk_starts, chunk_ends, *, src_block_table=None, dst_block_table=None))]
+    #[pyo3(signature = (request_ids, chunk_starts, chunk_ends, *, src_block_table=None, dst_block_table=None, src_blocks=None, dst_blocks=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments, no Rust caller
     fn plan_chunks(
         &mut self,
         py: Python<'_>,
@@ -157,6 +255,8 @@ impl PyTransferBook {
         chunk_ends: &Bound<'_, PyAny>,
         src_block_table: Option<&Bound<'_, PyAny>>,
         dst_block_table: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
+        #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
         fence(|| {
             let (ids, starts, ends) = (
@@ -167,8 +267,10 @@ impl PyTransferBook {
             let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
             let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
             let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
+            let pools = Pools::new(src_blocks, dst_blocks, views.is_some())?;
             let book = &mut self.0;
-            let mut run = || book.plan_chunks_then(ids, starts, ends, |plan| pairs_if(plan, views));
+            let mut run =
+                || book.plan_chunks_then(ids, starts, ends, |plan| pairs_if(plan, views, pools));
             let (plan, pairs) = if detach(ids.len(), views.is_some()) {
                 py.detach(run)
             } else {
@@ -182,8 +284,11 @@ impl PyTransferBook {
         self.0.len()
     }
 
-    fn __contains__(&self, request_id: i64) -> bool {
-        self.0.contains(request_id)
+    /// Like a dict: anything that is not an int64 is simply not in the book.
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
+        request_id
+            .extract::<i64>()
+            .is_ok_and(|id| self.0.contains(id))
     }
 
     fn __repr__(&self) -> String {

@@ -2,10 +2,18 @@
 
 use pyo3::prelude::*;
 
-use super::errors::fence;
+use super::args;
+use super::errors::{fence, type_error};
 use super::range::{wrap, PyBlockRange};
 use crate::ledger::Ledger;
 use crate::plan::Prompt;
+
+/// `range` of `claim`: a `BlockRange`, refused by name otherwise (`PyO3` would only note it).
+fn range_arg(obj: &Bound<'_, PyAny>) -> PyResult<PyBlockRange> {
+    obj.cast::<PyBlockRange>()
+        .map(|r| *r.get())
+        .map_err(|_| type_error("range", "a BlockRange", args::kind_and_value(obj)))
+}
 
 /// Which blocks of one request have left; every block leaves exactly once.
 /// Owned by whoever drives that request's transfer (one thread at a time).
@@ -17,10 +25,10 @@ impl PyTransferLedger {
     #[new]
     #[pyo3(signature = (tokens_per_block, prompt_len, *, reused_len=0, window=None))]
     fn new(
-        tokens_per_block: i64,
-        prompt_len: i64,
-        reused_len: i64,
-        window: Option<i64>,
+        #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
+        #[pyo3(from_py_with = args::prompt_len)] prompt_len: i64,
+        #[pyo3(from_py_with = args::reused_len)] reused_len: i64,
+        #[pyo3(from_py_with = args::window)] window: Option<i64>,
     ) -> PyResult<Self> {
         fence(|| {
             Ok(Self(Ledger::new(Prompt::new(
@@ -93,13 +101,17 @@ impl PyTransferLedger {
     }
 
     /// Claims and returns the slice of a finished chunk ``[chunk_start, chunk_end)``.
-    fn send_chunk(&mut self, chunk_start: i64, chunk_end: i64) -> PyResult<Option<PyBlockRange>> {
+    fn send_chunk(
+        &mut self,
+        #[pyo3(from_py_with = args::chunk_start)] chunk_start: i64,
+        #[pyo3(from_py_with = args::chunk_end)] chunk_end: i64,
+    ) -> PyResult<Option<PyBlockRange>> {
         fence(|| Ok(wrap(self.0.send_chunk(chunk_start, chunk_end)?)))
     }
 
     /// Claims an explicit range; nothing changes on error.
-    fn claim(&mut self, range: &Bound<'_, PyBlockRange>) -> PyResult<()> {
-        fence(|| Ok(self.0.claim(range.get().0)?))
+    fn claim(&mut self, #[pyo3(from_py_with = range_arg)] range: PyBlockRange) -> PyResult<()> {
+        fence(|| Ok(self.0.claim(range.0)?))
     }
 
     /// Needed blocks not yet claimed, as maximal ranges.

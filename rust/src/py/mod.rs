@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod args;
 mod arrays;
 mod book;
 mod errors;

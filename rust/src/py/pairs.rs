@@ -3,8 +3,9 @@
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use super::args;
 use super::arrays::{i64_table, slice};
-use super::errors::fence;
+use super::errors::{fence, type_error};
 use super::range::PyBlockRange;
 use crate::book::SlicePlan;
 use crate::error::CoreError;
@@ -226,6 +227,13 @@ impl<'py> BorrowedTables<'py> {
     }
 }
 
+/// `plan` of `block_pairs` / `block_runs`, refused by name when it is not a `SlicePlan`.
+fn slice_plan<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PySlicePlan>> {
+    obj.cast::<PySlicePlan>()
+        .cloned()
+        .map_err(|_| type_error("plan", "a SlicePlan", args::kind_and_value(obj)))
+}
+
 /// Runs `f` on the plan and both tables, without the GIL for big plans.
 fn with_tables<T: Send>(
     py: Python<'_>,
@@ -249,14 +257,15 @@ fn with_tables<T: Send>(
 #[pyfunction]
 pub fn block_pairs(
     py: Python<'_>,
-    plan: &PySlicePlan,
+    plan: &Bound<'_, PyAny>,
     src_block_table: &Bound<'_, PyAny>,
     dst_block_table: &Bound<'_, PyAny>,
 ) -> PyResult<PyBlockPairs> {
     fence(|| {
+        let plan = slice_plan(plan)?;
         let BlockPairs { src, dst, offsets } = with_tables(
             py,
-            &plan.plan,
+            &plan.get().plan,
             src_block_table,
             dst_block_table,
             crate::pairs::block_pairs,
@@ -273,7 +282,7 @@ pub fn block_pairs(
 #[pyfunction]
 pub fn block_runs(
     py: Python<'_>,
-    plan: &PySlicePlan,
+    plan: &Bound<'_, PyAny>,
     src_block_table: &Bound<'_, PyAny>,
     dst_block_table: &Bound<'_, PyAny>,
 ) -> PyResult<PyBlockRuns> {
@@ -285,7 +294,7 @@ pub fn block_runs(
             offsets,
         } = with_tables(
             py,
-            &plan.plan,
+            &slice_plan(plan)?.get().plan,
             src_block_table,
             dst_block_table,
             crate::pairs::block_runs,
@@ -306,8 +315,8 @@ pub fn pack_pairs<'py>(
     py: Python<'py>,
     src_ids: &Bound<'py, PyAny>,
     dst_ids: &Bound<'py, PyAny>,
-    src_blocks: i64,
-    dst_blocks: i64,
+    #[pyo3(from_py_with = args::src_blocks)] src_blocks: i64,
+    #[pyo3(from_py_with = args::dst_blocks)] dst_blocks: i64,
 ) -> PyResult<Bound<'py, numpy::PyArray2<i64>>> {
     fence(|| {
         let (s, d) = (

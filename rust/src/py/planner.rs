@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+use super::args;
 use super::arrays::{bool_vec, i64_vec, slice};
 use super::errors::fence;
 use super::range::{wrap, PyBlockRange};
@@ -15,8 +16,8 @@ type Selection<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
 /// prefix holds no complete block.
 #[pyfunction]
 pub fn early_prefix_blocks(
-    tokens_per_block: i64,
-    reused_len: i64,
+    #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
+    #[pyo3(from_py_with = args::reused_len)] reused_len: i64,
 ) -> PyResult<Option<PyBlockRange>> {
     fence(|| {
         Ok(wrap(crate::plan::early_prefix_blocks(
@@ -30,13 +31,13 @@ pub fn early_prefix_blocks(
 #[pyfunction]
 #[pyo3(signature = (tokens_per_block, prompt_len, chunk_start, chunk_end, *, reused_len=0, prefix_sent=false, window=None))]
 pub fn chunk_blocks(
-    tokens_per_block: i64,
-    prompt_len: i64,
-    chunk_start: i64,
-    chunk_end: i64,
-    reused_len: i64,
-    prefix_sent: bool,
-    window: Option<i64>,
+    #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
+    #[pyo3(from_py_with = args::prompt_len)] prompt_len: i64,
+    #[pyo3(from_py_with = args::chunk_start)] chunk_start: i64,
+    #[pyo3(from_py_with = args::chunk_end)] chunk_end: i64,
+    #[pyo3(from_py_with = args::reused_len)] reused_len: i64,
+    #[pyo3(from_py_with = args::prefix_sent)] prefix_sent: bool,
+    #[pyo3(from_py_with = args::window)] window: Option<i64>,
 ) -> PyResult<Option<PyBlockRange>> {
     fence(|| {
         Ok(wrap(crate::plan::chunk_blocks(
@@ -60,7 +61,7 @@ pub fn chunk_blocks(
 )]
 pub fn select_early<'py>(
     py: Python<'py>,
-    tokens_per_block: i64,
+    #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
     reused_len: &Bound<'py, PyAny>,
     context_only: &Bound<'py, PyAny>,
     cancelled: &Bound<'py, PyAny>,

@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+use super::args;
 use super::errors::fence;
 use crate::range::BlockRange;
 
@@ -13,7 +14,10 @@ pub struct PyBlockRange(pub BlockRange);
 #[pymethods]
 impl PyBlockRange {
     #[new]
-    fn new(start: i64, end: i64) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = args::start)] start: i64,
+        #[pyo3(from_py_with = args::end)] end: i64,
+    ) -> PyResult<Self> {
         fence(|| Ok(Self(BlockRange::new(start, end)?)))
     }
 

@@ -1,0 +1,283 @@
+"""Peer authentication: only peers holding the session's key get anything from an endpoint
+(and a sender trusts only a receiver holding it); shared-memory segments and socket
+directories are unguessable and private; the receiver checks every notice against the
+request's own ledger and the sender it belongs to, so an authenticated but wrong (or
+hostile) sender can fail a request but never make blocks count as arrived."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import stat
+import tempfile
+import threading
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+from typing import Iterator
+
+import pytest
+import torch
+
+from kvferry.errors import DuplicateTransferError, InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.notice import Notice
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender
+from kvferry.shm import SharedPool, ShmEndpoint, ShmTransport
+
+from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
+
+# "kvferry-" and 32 hex digits: 128 random bits (secrets.token_hex(16)).
+SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
+
+
+def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
+    """Against a generation worker in its own process: a client that connects and stalls
+    in the handshake, a client with a wrong key, and a raw client that shows nothing but the
+    challenge and a failure ever reaches a peer without the key (no hello, so no segment
+    name or IPC handle); meanwhile the right key is served end to end."""
+    gen = Generation("shm")
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        stalled.connect(gen.address)  # never answers the challenge, stays connected
+        with pytest.raises(TransferError, match="cannot reach the receiver"):
+            ShmTransport(gen.address, authkey=secrets.token_bytes(32))
+
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(gen.address)
+        conn = Connection(raw.detach())
+        assert conn.poll(SLACK)
+        challenge = conn.recv_bytes(256)
+        assert challenge.startswith(b"#CHALLENGE#") and gen.segment.encode() not in challenge
+        conn.send_bytes(b"\0" * 16)  # a wrong digest
+        assert conn.recv_bytes(256) == b"#FAILURE#"
+        with pytest.raises(EOFError):  # closed without another byte: the hello never left
+            conn.recv_bytes()
+        conn.close()
+
+        src = random_pool(3)
+        sender = KVSender(src, ShmTransport(gen.address, authkey=gen.authkey))
+        dst = gen.call("expect", 1, 24)
+        sender.add(1, 24, reused_len=9)
+        sender.send_early([1], tables(list(range(6))), tables(dst))
+        sender.send_chunks([1], [9], [24], tables(list(range(6))), tables(dst))
+        sender.flush(timeout=SLACK)
+        status, _, remote = gen.call("wait", 1, SLACK)
+        assert status == "ok" and remote == digest(src, range(6))
+        gen.call("release", 1)
+        sender.remove(1)
+        sender.close()
+
+        # Both wrong keys were recorded (the stalled peer too, should its bound have passed).
+        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "digest received was wrong" in e]
+        assert len(refused) == 2 and all("refused" in e for e in refused), refused
+        assert gen.close() == []  # the stalled peer's thread ended with the endpoint
+    finally:
+        stalled.close()
+        gen.cleanup()
+
+
+def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvferry.local
+
+    monkeypatch.setattr(kvferry.local, "HANDSHAKE_SECONDS", 0.2)
+    with shm_endpoint() as (_, endpoint, _):
+        stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stalled.connect(endpoint.address)
+        assert until(lambda: len(endpoint.errors) == 1)
+        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused" in str(endpoint.errors[0])
+        assert until(lambda: "kvferry-notices" not in {t.name for t in threading.enumerate()})
+        stalled.close()
+
+
+def test_the_sender_refuses_a_receiver_without_the_key() -> None:
+    """Mutual: a listener that cannot answer the sender's challenge gets no connection, and
+    nothing it sent is unpickled."""
+    with tempfile.TemporaryDirectory() as tmp:
+        address = os.path.join(tmp, "fake.sock")
+        listener = Listener(address, family="AF_UNIX", authkey=secrets.token_bytes(32))
+
+        def serve() -> None:
+            try:
+                listener.accept()
+            except (AuthenticationError, OSError, EOFError):
+                pass
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        with pytest.raises(TransferError, match="cannot reach the receiver"):
+            ShmTransport(address, authkey=secrets.token_bytes(32))
+        thread.join(timeout=SLACK)
+        listener.close()
+
+
+def test_segment_names_are_unguessable_and_segments_private() -> None:
+    """The segment's name carries 128 random bits; the name alone is no protection (any
+    local user can list /dev/shm), so the segment must also be the owner's alone (0600), as
+    must the directory of the notice socket (0700)."""
+    from kvferry.staging import StagingEndpoint
+
+    pools = [SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB) for _ in range(8)]
+    receiver = KVReceiver(random_pool(0))
+    staging = StagingEndpoint(receiver, authkey=secrets.token_bytes(32), capacity_blocks=4)
+    try:
+        names = [p.descriptor["name"] for p in pools] + [staging.ring.descriptor["name"]]
+        assert all(SEGMENT_NAME.fullmatch(n) for n in names), names
+        assert len(set(names)) == len(names)
+        assert len({n[8:16] for n in names}) == len(names)  # no shared prefix: not a counter
+        for name in names:
+            mode = os.stat(f"/dev/shm/{name}").st_mode
+            assert stat.S_IMODE(mode) == 0o600, (name, oct(mode))
+        directory = os.path.dirname(staging.address)
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert re.fullmatch(r"kvferry-\w{8,}", os.path.basename(directory))
+    finally:
+        staging.close()
+        for p in pools:
+            p.close()
+
+
+# --- the receiver's checks, over a real socket ------------------------------------------------
+
+
+@contextlib.contextmanager
+def shm_endpoint() -> Iterator[tuple[KVReceiver, ShmEndpoint, bytes]]:
+    """A receiver with a shared pool and its endpoint in this process: notices from the
+    test's transports still cross a real socket and the endpoint's connection threads."""
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    authkey = secrets.token_bytes(32)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    try:
+        yield receiver, endpoint, authkey
+    finally:
+        endpoint.close()
+        del receiver
+        shared.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[KVReceiver, ShmEndpoint, bytes]]:
+    with shm_endpoint() as parts:
+        yield parts
+
+
+def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """An authenticated sender announces an unknown request, blocks past the request's end,
+    no blocks, a negative or an unrepresentable range, and blocks that already arrived:
+    each notice is refused whole and recorded, nothing of it counts as arrived, the request
+    it names fails at once (its wait raises, no timeout needed) and can be released; good
+    notices on the same connection still count."""
+    receiver, endpoint, authkey = rig
+    for rid in (1, 2, 3, 4, 5, 6, 7):
+        receiver.expect(rid, 24)  # 6 blocks each
+    rogue = ShmTransport(endpoint.address, authkey=authkey)
+    bad = [
+        (Notice(99, 0, 0, 1, False), UnknownRequestError, None),
+        (Notice(1, 0, 4, 8, True), InvalidArgumentError, 1),  # past block 6
+        (Notice(3, 0, 2, 2, False), InvalidArgumentError, 3),  # no blocks
+        (Notice(4, 0, -1, 1, False), InvalidArgumentError, 4),
+        (Notice(5, 0, 0, 2**70, True), InvalidArgumentError, 5),
+    ]
+    rogue.post([Notice(2, 0, 0, 2, False)])  # accepted...
+    rogue.post([Notice(2, 1, 1, 3, False)])  # ...then blocks 1-2: block 1 arrived already
+    for notice, _, _ in bad:
+        rogue.post([notice])
+    rogue.post([Notice(6, 0, 0, 6, True)])  # a good notice after all that
+    assert until(lambda: receiver.refused_count == len(bad) + 1)
+    assert receiver.wait(6, timeout=SLACK)
+
+    refused = receiver.refused()
+    assert [r.notice for r in refused] == [Notice(2, 1, 1, 3, False)] + [n for n, _, _ in bad]
+    assert [type(r.error) for r in refused] == [DuplicateTransferError] + [e for _, e, _ in bad]
+    assert all(r.source is not None and r.source.startswith("sender #") for r in refused)
+    assert len(endpoint.errors) == len(refused)  # the endpoint records them too
+
+    for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start"), (5, "invalid end")]:
+        with pytest.raises(TransferError, match=f"request {rid} failed: .*{kind}") as info:
+            receiver.wait(rid, timeout=SLACK)  # fails now, not at a timeout
+        assert info.value.request_ids == (rid,)
+        arrived = receiver.notices(rid)
+        ledger = receiver.release(rid)
+        if rid == 2:  # only the first, good notice counts
+            assert arrived == [Notice(2, 0, 0, 2, False)] and ledger.claimed_blocks == 2
+        else:
+            assert arrived == [] and ledger.claimed_blocks == 0
+    with pytest.raises(TransferTimeoutError):  # 7 was never named: untouched
+        receiver.wait(7, timeout=0.05)
+    receiver.release(6)
+    receiver.release(7)
+    assert len(receiver) == 0
+    rogue.close()
+
+
+def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """Two senders with the key: a notice for a request the other one announced (or sent
+    first) is refused, recorded with its sender, and fails the request."""
+    receiver, endpoint, authkey = rig
+    for rid in (5, 6, 7):
+        receiver.expect(rid, 8)  # 2 blocks each
+    a = ShmTransport(endpoint.address, authkey=authkey)
+    b = ShmTransport(endpoint.address, authkey=authkey)
+    a.announce([5])
+    a.post([Notice(7, 0, 0, 2, True)])
+    assert receiver.wait(7, timeout=SLACK)  # a's connection is past its announce
+    b.post([Notice(6, 0, 0, 1, False)])  # 6 is b's from its first notice
+    b.post([Notice(5, 0, 0, 2, True)])  # 5 is a's
+    assert until(lambda: receiver.refused_count == 1)
+    a.post([Notice(6, 1, 1, 2, True)])  # 6 is b's
+    assert until(lambda: receiver.refused_count == 2)
+
+    first, second = receiver.refused()
+    assert first.notice == Notice(5, 0, 0, 2, True) and "belongs to sender #" in str(first.error)
+    assert second.notice == Notice(6, 1, 1, 2, True) and first.source != second.source
+    for rid in (5, 6):
+        with pytest.raises(TransferError, match=f"request {rid} failed: .*belongs to sender #"):
+            receiver.wait(rid, timeout=SLACK)
+        assert receiver.release(rid).claimed_blocks == (1 if rid == 6 else 0)
+    receiver.release(7)
+    a.close()
+    b.close()
+
+
+def test_a_malformed_message_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """A message that breaks the protocol (a notice that is not five integers, an unknown
+    control message) ends that sender's connection and fails the requests it owned; other
+    senders are served on."""
+    receiver, endpoint, authkey = rig
+    for rid in (1, 2, 3):
+        receiver.expect(rid, 8)
+    good = ShmTransport(endpoint.address, authkey=authkey)
+    for rid, message in [(1, [("one", 0, 0, 1, False)]), (2, {"kind": "shutdown"})]:
+        rogue = ShmTransport(endpoint.address, authkey=authkey)
+        rogue.announce([rid])
+        rogue._send(message)  # noqa: SLF001  (a hostile peer writes what it likes)
+        with pytest.raises(TransferError, match=f"request {rid} failed: .*went away"):
+            receiver.wait(rid, timeout=SLACK)
+        assert until(lambda: _closed(rogue))  # the endpoint hung up on it
+        rogue.close()
+    assert any("malformed message" in str(e) for e in endpoint.errors)
+    assert any("invalid control message kind='shutdown'" in str(e) for e in endpoint.errors)
+    good.post([Notice(3, 0, 0, 2, True)])
+    assert receiver.wait(3, timeout=SLACK)
+    good.close()
+
+
+def _closed(transport: ShmTransport) -> bool:
+    try:
+        transport.check_peer()
+    except TransferError:
+        return True
+    return False
+
+
+def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
+    from kvferry.nixl_link import NOTICE_MAGIC, _decode, _encode
+
+    assert _decode(_encode([Notice(1, 0, 0, 2, True)])) == [Notice(1, 0, 0, 2, True)]
+    for message in (b"junk", NOTICE_MAGIC + b"\1\2\3", NOTICE_MAGIC + bytes(41)):
+        with pytest.raises(TransferError):
+            _decode(message)
