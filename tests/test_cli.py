@@ -126,7 +126,8 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     result = json.loads(out.read_text())
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0
     assert result["kv_mismatch_blocks"] == 0 and result["output_divergences"] == []
-    assert "0 blocks differ" in table
+    assert result["prefill_mismatch_blocks"] == 0 and result["reuse_mismatches"] == 0
+    assert "0 blocks differ between the workers, 0 between" in table
     assert 0.0 <= result["hidden_fraction"] <= 1.0
     for mode in ("baseline", "early", "ideal"):
         assert result[mode]["kv_ready_ms_p50"] > 0 and result[mode]["kv_ready_ms_p90"] >= result[mode]["kv_ready_ms_p50"]

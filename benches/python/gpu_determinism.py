@@ -48,6 +48,27 @@ def decode_logits(layers: int, context: int, repeats: int, side_copy: bool = Fal
     return out
 
 
+def prefill_repeats(layers: int, context: int, new: int, backend: str, repeats: int = 3) -> list[bool]:
+    """Prefill of ``new`` tokens after ``context`` cached ones, repeated: whether the KV it
+    writes and its logits equal the first run's bit for bit, per repeat. ``backend`` pins
+    SDPA's kernel ("default": torch's choice)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, pool, table = _setup(layers, context + new)
+    tokens = torch.randint(0, model.cfg.vocab, (new,), generator=torch.Generator().manual_seed(2)).cuda()
+    chosen = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
+    runs = []
+    for _ in range(repeats):
+        if backend == "default":
+            logits = model.forward(tokens, context, pool, table)
+        else:
+            with sdpa_kernel(chosen[backend]):
+                logits = model.forward(tokens, context, pool, table)
+        kv = torch.cat([layer[context // TPB :].reshape(-1).view(torch.int16) for layer in pool.layers])
+        runs.append((logits.cpu(), kv.clone()))
+    return [torch.equal(runs[0][0], lg) and torch.equal(runs[0][1], kv) for lg, kv in runs[1:]]
+
+
 def _child(conn: Any, layers: int, context: int, env: dict[str, str]) -> None:
     os.environ.update(env)
     # As numpy arrays: a tensor would cross as a shared file descriptor that dies with us.
@@ -76,8 +97,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=34820)
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill repeatability checks")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.layers} layers, context {args.context}")
+    for backend in ("default", "efficient", "cudnn"):
+        try:
+            same = prefill_repeats(args.layers, args.context - 2048, 2048, backend)
+            print(f"prefill of 2048 tokens after {args.context - 2048}, SDPA {backend:<9}: repeats bit-equal to the first: {same}")
+        except RuntimeError as err:  # a backend that cannot run this shape
+            print(f"prefill, SDPA {backend}: not available here ({str(err).splitlines()[0][:100]})")
+        torch.cuda.empty_cache()
+    if args.prefill_only:
+        return
     local = decode_logits(args.layers, args.context, 3)
     ref = local[0]
     for i, got in enumerate(local[1:], 1):

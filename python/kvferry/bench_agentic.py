@@ -81,8 +81,8 @@ class RequestFigures:
     bars: dict[str, Any] = field(default_factory=dict)
 
 
-def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[list[list[Turn]], dict[int, list[int]]]:
-    """Runs the whole workload aggregated: the turns (prompts) and the reference outputs."""
+def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[list[list[Turn]], dict[int, TurnResult]]:
+    """Runs the whole workload aggregated: the turns (prompts) and the reference results."""
     rng = random.Random(cfg.seed)
     model = TinyLlama(cfg.model_config(), cfg.device)
     agg = Aggregated(model, num_blocks=_pool_blocks(cfg), tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size)
@@ -94,9 +94,9 @@ def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[
             convs[s] += [rng.randrange(cfg.vocab) for _ in range(cfg.new_tokens)]
             rid += 1
             turns.append(Turn(rid, tuple(convs[s]), cfg.output_tokens))
-        got = agg.run(turns)
+        got = agg.run(turns, check_kv=cfg.check_kv)
         for s, turn in enumerate(turns):
-            outputs[turn.request_id] = got[turn.request_id].outputs
+            outputs[turn.request_id] = got[turn.request_id]
             convs[s] += got[turn.request_id].outputs
         all_turns.append(turns)
         advance(f"reference turn {len(all_turns) - 1}")
@@ -183,7 +183,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     model = TinyLlama(cfg.model_config(), cfg.device)
     per_request: list[RequestFigures] = []
     outputs_match = True
-    kv_mismatch_blocks = 0
+    kv_mismatch_blocks = prefill_mismatch_blocks = reuse_mismatches = 0
     divergences: list[dict[str, Any]] = []
     hidden = {"early": [0.0, 0.0]}
     modes = ("baseline", "early", "aware") if cfg.aware else ("baseline", "early")
@@ -206,8 +206,12 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             results = engine.run(batch, check_kv=cfg.check_kv)
             advance(f"{mode} turn {t}" + (" (warm-up)" if t == 0 else ""))
             for turn in batch:
-                got, want = results[turn.request_id].outputs, reference[turn.request_id]
+                ref = reference[turn.request_id]
+                got, want = results[turn.request_id].outputs, ref.outputs
                 kv_mismatch_blocks += results[turn.request_id].kv_mismatch_blocks
+                if cfg.check_kv:  # the context worker's prefill against the aggregated one's
+                    prefill_mismatch_blocks += sum(a != b for a, b in zip(results[turn.request_id].digests, ref.digests))
+                    reuse_mismatches += results[turn.request_id].reused_len != ref.reused_len
                 if got != want:
                     outputs_match = False
                     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -232,6 +236,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "outputs_match": outputs_match,
         "output_divergences": divergences,
         "kv_mismatch_blocks": kv_mismatch_blocks if cfg.check_kv else None,
+        "prefill_mismatch_blocks": prefill_mismatch_blocks if cfg.check_kv else None,
+        "reuse_mismatches": reuse_mismatches if cfg.check_kv else None,
         "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
         "hidden_fraction": hidden["early"][0] / hidden["early"][1] if hidden["early"][1] else 0.0,
         "requests": [asdict(f) for f in per_request],
@@ -289,7 +295,11 @@ def format_agentic(result: dict[str, Any]) -> str:
             f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / 1e6:.1f} MB early + {w['after_bytes'] / 1e6:.1f} MB after prefill",
         )
     if result.get("kv_mismatch_blocks") is not None:
-        lines.append(f"KV checked block by block on both workers: {result['kv_mismatch_blocks']} blocks differ")
+        lines.append(
+            f"KV checked block by block: {result['kv_mismatch_blocks']} blocks differ between the workers, "
+            f"{result['prefill_mismatch_blocks']} between the context worker's prefill and aggregated serving's "
+            f"({result['reuse_mismatches']} requests reused a different length)"
+        )
     for d in result.get("output_divergences", []):
         lines.append(f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}")
     return "\n".join(lines)

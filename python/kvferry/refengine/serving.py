@@ -48,6 +48,8 @@ class TurnResult:
     first_token_at_gen: float = 0.0  # ... and has its first decoded token
     kv_mismatch_blocks: int = 0
     notices: list = field(default_factory=list)
+    # With ``check_kv``: one hash per prompt block of the KV this request's prefill wrote.
+    digests: list[str] = field(default_factory=list)
 
 
 def _chunks(start: int, end: int, chunk: Optional[int]) -> list[tuple[int, int]]:
@@ -66,7 +68,8 @@ class Aggregated:
         self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.chunk_size = chunk_size
 
-    def run(self, turns: Sequence[Turn]) -> dict[int, TurnResult]:
+    def run(self, turns: Sequence[Turn], *, check_kv: bool = False) -> dict[int, TurnResult]:
+        """``check_kv``: also hash each request's prompt blocks after its prefill."""
         results = {}
         for turn in turns:
             admitted = time.monotonic()
@@ -75,6 +78,8 @@ class Aggregated:
             for _, end in _chunks(state.reused_len, state.prompt_len, self.chunk_size):
                 logits = self.worker.forward(turn.request_id, end)
             result.prefill_done = result.kv_ready = time.monotonic()
+            if check_kv:
+                result.digests = self.worker.block_digests(state.blocks, state.prompt_len)
             result.outputs = self.worker.decode(turn.request_id, turn.max_new_tokens, _argmax(logits))
             self.worker.finish(turn.request_id, cache_tokens=state.prompt_len)
             results[turn.request_id] = result
@@ -184,6 +189,7 @@ class Disaggregated:
             result.kv_ready, result.first_decode = outcome.kv_ready, outcome.first_decode
             result.first_token_at_gen, result.outputs, result.notices = outcome.first_token_at_gen, outcome.outputs, outcome.notices
             if check_kv:
+                result.digests = src_digests[rid]
                 result.kv_mismatch_blocks = sum(a != b for a, b in zip(src_digests[rid], outcome.digests))
         return results
 
