@@ -213,3 +213,35 @@ def test_cuda_id_ring_reuse_across_paths() -> None:
                 untouched = torch.ones(blocks, dtype=torch.bool, device="cuda")
                 untouched[d] = False
                 assert bool((dl[untouched].view(torch.uint8) == POISON).all())
+
+
+@pytest.mark.cuda
+def test_cuda_small_copies_through_captured_graphs() -> None:
+    """Small batches replay a captured launch padded to its size bucket: every size from 1 to
+    the largest bucket copies exactly its blocks; graphs die with their pools."""
+    import gc
+
+    from kvferry import _triton_copy
+
+    blocks = 300
+    src = random_pool((blocks, 2, 64), torch.bfloat16, 0, layers=3, device="cuda", seed=5)
+    _triton_copy.warm_up(src)  # graphs need the kernel compiled first
+    dst = poisoned(src, blocks)
+    torch.cuda.synchronize()
+    for n in range(1, _triton_copy.GRAPH_BUCKETS[-1] + 1):
+        s, d = pick(n, blocks, blocks, seed=n)
+        for layer in dst.layers:
+            layer.view(torch.uint8).fill_(POISON)
+        copy_blocks(src, dst, s, d)
+        torch.cuda.synchronize()
+        for sl, dl in zip(src.layers, dst.layers):
+            sl, dl = sl.view(torch.int16), dl.view(torch.int16)
+            assert torch.equal(dl[d], sl[s]), n
+            untouched = torch.ones(blocks, dtype=torch.bool, device="cuda")
+            untouched[d] = False
+            assert bool((dl[untouched].view(torch.uint8) == POISON).all()), n
+    assert (id(src), id(dst)) in _triton_copy._graphs
+    key = (id(src), id(dst))
+    del dst
+    gc.collect()
+    assert key not in _triton_copy._graphs

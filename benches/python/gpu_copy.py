@@ -99,7 +99,8 @@ def host_overhead_us(src: PagedKV, dst: PagedKV, device: str, n: int = 8, calls:
         "ids_pageable": lambda: torch.from_numpy(np.stack([s_ids, d_ids])).to(device),
         "launch": lambda: _triton_copy.copy_blocks(src, dst, ids),
         "launch_triton_jit": lambda: _jit_launch(src, dst, ids),
-        "ring_stage_and_launch": lambda: _triton_copy.copy_packed(src, dst, np.stack([s_ids, d_ids])),
+        "ring_stage_and_launch": _no_graphs(lambda: _triton_copy.copy_packed(src, dst, np.stack([s_ids, d_ids]))),
+        "graph_stage_and_replay": lambda: _triton_copy.copy_packed(src, dst, np.stack([s_ids, d_ids])),
         "copy_blocks": lambda: copy_blocks(src, dst, s_ids, d_ids),
     }
     out = {}
@@ -134,6 +135,19 @@ def _device_ids(fn: Callable[[], None]) -> Callable[[], None]:
             fn()
         finally:
             _triton_copy.HOST_READ_MAX_PAIRS = limit
+
+    return run
+
+
+def _no_graphs(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with small batches launched directly instead of replaying captured graphs."""
+
+    def run() -> None:
+        _triton_copy.USE_GRAPHS = False
+        try:
+            fn()
+        finally:
+            _triton_copy.USE_GRAPHS = True
 
     return run
 
@@ -191,8 +205,9 @@ def main() -> int:
         best_t = time_ms(lambda: _triton_copy.copy_blocks(src, dst, ids, best), reps)
         default_t = time_ms(lambda: _triton_copy.copy_blocks(src, dst, ids), reps)
         api_t = time_ms(lambda: copy_blocks(src, dst, s_ids, d_ids), reps)
-        api_devids_t = time_ms(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids)), reps)
-        api_devids_queued_t = time_queued_ms(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids)), reps)
+        api_devids_t = time_ms(_no_graphs(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids))), reps)
+        api_nographs_t = time_ms(_no_graphs(lambda: copy_blocks(src, dst, s_ids, d_ids)), reps)
+        api_devids_queued_t = time_queued_ms(_no_graphs(_device_ids(lambda: copy_blocks(src, dst, s_ids, d_ids))), reps)
         api_b2b = time_back_to_back_ms(lambda: copy_blocks(src, dst, s_ids, d_ids))
         kernel_b2b = time_back_to_back_ms(lambda: _triton_copy.copy_blocks(src, dst, ids))
         queued_t = time_queued_ms(lambda: _triton_copy.copy_blocks(src, dst, ids), reps)
@@ -201,7 +216,7 @@ def main() -> int:
         if not verify(src, dst, s_ids, d_ids):
             failures.append(f"{n} blocks: copied bytes differ from the source")
         row = {"blocks": n, "payload_mb": payload / 1e6, "best_config": best.__dict__}
-        for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_device_ids", api_devids_t), ("api_device_ids_queued", api_devids_queued_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
+        for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_device_ids", api_devids_t), ("api_no_graphs", api_nographs_t), ("api_device_ids_queued", api_devids_queued_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
             row[f"{key}_ms"] = t
             row[f"{key}_tbps"] = payload / t / 1e9
         row["default_config"] = _triton_copy.pick_config(payload).__dict__
@@ -214,13 +229,13 @@ def main() -> int:
     print("host time per call (us, median of 200):", {k: round(v, 1) for k, v in overhead.items()})
     print()
     print(f"ceiling {ceiling:.2f} TB/s read+write; payload TB/s below (share = 2 x payload / ceiling)")
-    print("| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU | one call, no graph |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['blocks']} | {r['payload_mb']:.0f} MB | {r['queued_tbps']:.2f} ({100 * 2 * r['queued_tbps'] / ceiling:.0f}%, {r['queued_ms']:.3f} ms) "
             f"| {r['api_queued_tbps']:.2f} | {r['default_tbps']:.2f} ({r['default_ms']:.3f} ms) | {r['kernel_b2b_tbps']:.2f} "
-            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | {r['torch_ms'] / r['queued_ms']:.1f}x | {r['api_device_ids_tbps']:.2f} | {r['api_device_ids_queued_tbps']:.2f} |"
+            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | {r['torch_ms'] / r['queued_ms']:.1f}x | {r['api_device_ids_tbps']:.2f} | {r['api_device_ids_queued_tbps']:.2f} | {r['api_no_graphs_tbps']:.2f} |"
         )
     if args.json:
         with open(args.json, "w") as f:
