@@ -268,6 +268,10 @@ class LaunchGraphs:
         key = (src.device, seg_words, triton.cdiv(seg_words, chunk), chunk, min(config.block_words, chunk), config, True)
         if key not in _compiled:
             return None
+        # Nothing may allocate or copy from pageable memory while capturing: build both pools'
+        # pointer tables first.
+        for pool in (src, dst):
+            _ = pool.pointer_table  # cached on the pool from here on
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(src.device)
         side.wait_stream(torch.cuda.current_stream(src.device))
