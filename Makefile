@@ -6,7 +6,20 @@ STAMP := $(VENV)/.installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup build demo test test-rust test-python stubtest lint fmt bench bench-rust bench-python wheel clean
+# cargo-fuzz, pinned and installed under target/ (cargo install skips it when it is there).
+CARGO_FUZZ_VERSION := 0.13.2
+CARGO_FUZZ := target/tools/bin/cargo-fuzz
+# Seconds of fuzzing in all, two thirds to the batch API (the larger state space).
+FUZZ_SECONDS ?= 60
+# `-s none`: AddressSanitizer needs nightly's -Zsanitizer and adds little to a core that forbids
+# `unsafe`; without it the build takes only stable flags (sancov passes, --cfg fuzzing).
+FUZZ := $(CARGO_FUZZ) fuzz run --fuzz-dir rust/fuzz --target-dir target/fuzz -s none
+# New inputs go to target/fuzz-corpus; the committed corpus is only read. A 10 s timeout turns
+# a hang into a failure well inside the run; verbosity 0 drops the line per new input (a crash
+# still prints its panic, its input in base64 and the file it was saved to).
+FUZZ_OPTS := -timeout=10 -verbosity=0 -print_final_stats=1
+
+.PHONY: help setup build demo test test-rust test-python stubtest lint fmt fuzz bench bench-rust bench-python wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -37,12 +50,26 @@ test-python: build ## pytest over tests/
 stubtest: build ## check the hand-written _core.pyi against the compiled module
 	$(PY) -m mypy.stubtest kvferry._core
 
-lint: ## rustfmt and clippy checks
+lint: ## rustfmt and clippy checks (the fuzz crate too)
 	cargo fmt --all --check
+	cargo fmt --manifest-path rust/fuzz/Cargo.toml --check
 	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --manifest-path rust/fuzz/Cargo.toml --all-targets --target-dir target/fuzz -- -D warnings
 
 fmt: ## format the Rust code
 	cargo fmt --all
+	cargo fmt --manifest-path rust/fuzz/Cargo.toml
+
+$(CARGO_FUZZ):
+	cargo install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION) --root target/tools
+
+fuzz: $(CARGO_FUZZ) ## fuzz the batch API and the planner for FUZZ_SECONDS in all (default 60; docs/fuzzing.md)
+	mkdir -p target/fuzz-corpus/book target/fuzz-corpus/planner
+	book=$$(( $(FUZZ_SECONDS) * 2 / 3 )); planner=$$(( $(FUZZ_SECONDS) - book )); \
+	$(FUZZ) book target/fuzz-corpus/book rust/fuzz/corpus/book -- \
+		$(FUZZ_OPTS) -max_total_time=$$(( book > 0 ? book : 1 )) && \
+	$(FUZZ) planner target/fuzz-corpus/planner rust/fuzz/corpus/planner -- \
+		$(FUZZ_OPTS) -max_total_time=$$(( planner > 0 ? planner : 1 ))
 
 bench: bench-rust bench-python ## run every benchmark
 

@@ -100,7 +100,9 @@ impl Ledger {
     }
 
     fn check_bounds(&self, range: BlockRange) -> Result<()> {
-        if range.end > self.num_blocks() {
+        // `BlockRange`'s fields are public, so a reversed range can reach here from Rust; its
+        // `len()` would underflow when the claim is counted (found by the `book` fuzz target).
+        if range.start > range.end || range.end > self.num_blocks() {
             return Err(CoreError::invalid(
                 "range",
                 range,
@@ -303,6 +305,20 @@ mod tests {
         let mut l = ledger(4, 30, 0, None);
         let err = l.claim(BlockRange::from_bounds(7, 9)).unwrap_err();
         assert!(err.to_string().starts_with("invalid range=[7, 9)"), "{err}");
+    }
+
+    #[test]
+    fn reversed_range_is_invalid_not_a_panic() {
+        let mut l = ledger(4, 30, 0, None);
+        let reversed = BlockRange { start: 5, end: 2 };
+        for err in [
+            l.hold(reversed).unwrap_err(),
+            l.claim(reversed).unwrap_err(),
+        ] {
+            assert!(err.to_string().starts_with("invalid range=[5, 2)"), "{err}");
+        }
+        assert!(l.check_sendable(reversed).is_err());
+        assert_eq!((l.claimed_blocks(), l.held_blocks()), (0, 0));
     }
 
     #[test]
