@@ -47,8 +47,9 @@ test-rust: ## cargo unit, property and doc tests of the pure core (no Python nee
 test-python: build ## pytest over tests/
 	$(PY) -m pytest tests
 
-stubtest: build ## check the hand-written _core.pyi against the compiled module
+stubtest: build ## check the hand-written _core.pyi against the compiled module, and type-check the package
 	$(PY) -m mypy.stubtest kvferry._core
+	$(PY) -m mypy python/kvferry --ignore-missing-imports
 
 lint: ## rustfmt and clippy checks (the fuzz crate too)
 	cargo fmt --all --check

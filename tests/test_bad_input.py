@@ -202,12 +202,14 @@ def new_receiver() -> KVReceiver:
 
 
 def receiver_state(receiver: KVReceiver) -> object:
-    return len(receiver), receiver.is_complete(1), receiver.notices(1)
+    return len(receiver), receiver.is_complete(1), receiver.notices(1), receiver.fenced(1)
 
 
 def new_hook() -> tuple[TransferHook, KVSender, KVReceiver]:
-    sender, receiver = new_sender()
-    sender.remove(1)
+    """As `new_sender`, with request 1 added through the hook instead."""
+    receiver = KVReceiver(pool(6))
+    receiver.expect(1, 16)
+    sender = KVSender(pool(8), InProcessTransport(receiver))
     hook = TransferHook(sender)
     hook.add_request(1, 16, reused_len=8, src_blocks=[0, 1, 2, 3], dst_blocks=[3, 2, 1, 0])
     return hook, sender, receiver
@@ -387,6 +389,8 @@ ROWS: list[Row] = [
     Row("sender-timeout", "KVSender(...)", "timeout=-1", lambda _: KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), timeout=-1), InvalidArgumentError, "invalid timeout=-1"),
     Row("sender-add-duplicate", "KVSender.add", "request_id already added", lambda c: c[0].add(1, 16), InvalidArgumentError, "invalid request_id=1", new_sender, sender_state),
     Row("sender-add-huge", "KVSender.add", "prompt_len=2**64", lambda c: c[0].add(2, HUGE), InvalidArgumentError, f"invalid prompt_len={HUGE}", new_sender, sender_state),
+    Row("sender-add-epoch", "KVSender.add", "epoch=-1", lambda c: c[0].add(2, 16, epoch=-1), InvalidArgumentError, "invalid epoch=-1", new_sender, sender_state),
+    Row("sender-add-epoch-float", "KVSender.add", "epoch=1.5", lambda c: c[0].add(2, 16, epoch=1.5), TypeError, "epoch must be an integer, got float 1.5", new_sender, sender_state),  # type: ignore[arg-type]
     Row("sender-early-unknown", "KVSender.send_early", "unknown request id", lambda c: c[0].send_early([9], TABLE, TABLE), UnknownRequestError, "unknown request_id=9", new_sender, sender_state),
     Row("sender-early-float", "KVSender.send_early", "float request_ids", lambda c: c[0].send_early(np.array([1.0]), TABLE, TABLE), TypeError, "request_ids must be an array castable to int64", new_sender, sender_state),
     Row("sender-early-narrow", "KVSender.send_early", "table narrower than the prefix", lambda c: c[0].send_early([1], TABLE[:, :1], TABLE), InvalidArgumentError, "invalid src_block_table=<table with 1 columns>", new_sender, sender_state),
@@ -411,10 +415,16 @@ ROWS: list[Row] = [
     Row("receiver-deliver-range", "KVReceiver.deliver", "notice past the prompt", lambda r: r.deliver(Notice(1, 1, 2, 9, True)), InvalidArgumentError, "invalid range=[2, 9)", new_receiver, receiver_state),
     Row("receiver-deliver-again", "KVReceiver.deliver", "notice of blocks already arrived", lambda r: r.deliver(Notice(1, 1, 1, 4, True)), DuplicateTransferError, "block 1 is already claimed", new_receiver, receiver_state),
     Row("receiver-deliver-negative", "KVReceiver.deliver", "notice start=-1", lambda r: r.deliver(Notice(1, 1, -1, 3, False)), InvalidArgumentError, "invalid start=-1", new_receiver, receiver_state),
+    Row("receiver-deliver-epoch", "KVReceiver.deliver", "notice of an epoch never issued", lambda r: r.deliver(Notice(1, 1, 2, 4, True, 99)), InvalidArgumentError, "invalid epoch=99 for request 1: never issued", new_receiver, receiver_state),
+    Row("receiver-revoked-epoch", "KVReceiver.revoked", "fence of an epoch never issued", lambda r: r.revoked(1, 99), InvalidArgumentError, "invalid epoch=99 for request 1: never issued", new_receiver, receiver_state),
     Row("receiver-wait-unknown", "KVReceiver.wait", "unknown request id", lambda r: r.wait(99, timeout=0), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     Row("receiver-release-unknown", "KVReceiver.release", "unknown request id", lambda r: r.release(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
+    Row("receiver-release-unfenced-unknown", "KVReceiver.release_unfenced", "unknown request id", lambda r: r.release_unfenced(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
+    Row("receiver-cancel-unknown", "KVReceiver.cancel", "unknown request id", lambda r: r.cancel(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
+    Row("receiver-fenced-unknown", "KVReceiver.fenced", "unknown request id", lambda r: r.fenced(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     Row("receiver-notices-unknown", "KVReceiver.notices", "unknown request id", lambda r: r.notices(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     # -- TransferHook --------------------------------------------------------------------------
+    Row("hook-add-epoch", "TransferHook.add_request", "epoch=-1", lambda c: c[0].add_request(2, 16, reused_len=8, src_blocks=[4, 5, 6, 7], dst_blocks=[0, 1, 2, 3], epoch=-1), InvalidArgumentError, "invalid epoch=-1", new_hook, hook_state),
     Row("hook-add-prompt", "TransferHook.add_request", "prompt_len=0", lambda c: c[0].add_request(2, 0, reused_len=0, src_blocks=[0], dst_blocks=[0]), InvalidArgumentError, "invalid prompt_len=0", new_hook, hook_state),
     Row("hook-add-duplicate", "TransferHook.add_request", "request_id already added", lambda c: c[0].add_request(1, 16, reused_len=8, src_blocks=[4, 5, 6, 7], dst_blocks=[4, 5, 0, 1]), InvalidArgumentError, "invalid request_id=1", new_hook, hook_state),
     Row("hook-add-float", "TransferHook.add_request", "float src_blocks", lambda c: c[0].add_request(2, 16, reused_len=8, src_blocks=[4.5, 5, 6, 7], dst_blocks=[0, 1, 2, 3]), TypeError, "src_blocks must hold integer block ids, got dtype float64", new_hook, hook_state),
@@ -668,14 +678,22 @@ FOOTER = """
   treats `bool` as an `int`. `PagedKV` refuses it for `tokens_per_block`, where it is a bug.
 - A window at least as long as the prompt: full attention, not an error.
 - `kvferry plan --chunk` larger than the prompt: one chunk.
-- `KVSender.in_flight` of an unknown id: `False` (a question, not an action).
+- `KVSender.in_flight` and `KVSender.leased` of an unknown id: `False` (a question, not an
+  action).
+- `epoch=0` in `KVSender.add` / `TransferHook.add_request` and on a notice: no epoch was
+  issued (the sender was not told one); such notices are not checked against the request's
+  epoch.
+- A notice, announce or fence of an epoch that was issued but is not the request's current
+  one (the request was released, its id reused): discarded and counted
+  (`KVReceiver.discarded`), not an error: it is late, not wrong.
 
 ## What a refused call may still change
 
 - `KVReceiver.deliver` refuses a bad notice without marking any block arrived, and marks the
   request failed (its `wait` raises at once instead of at its timeout): a sender that
   announced a bad slice cannot be trusted for that request any more. The rows check that the
-  arrivals (`notices`, `is_complete`) are unchanged.
+  arrivals (`notices`, `is_complete`, `fenced`) are unchanged. A fence (`KVReceiver.revoked`)
+  of an epoch never issued is refused the same way.
 """
 
 

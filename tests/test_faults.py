@@ -518,11 +518,10 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
     ctx = Context(endpoint.address, authkey)
     try:
         dst = {rid: dst_blocks.take(6) for rid in (1, 2, 3, 4)}
-        for rid in dst:
-            receiver.expect(rid, 24)
+        epochs = {rid: receiver.expect(rid, 24) for rid in dst}
         src = {1: [0, 1, 2, 3, 4, 5], 4: [10, 11, 12, 13, 14, 15]}
         assert ctx.call("add", 1, 24, 9) == "ok" and ctx.call("add", 4, 24, 0) == "ok"
-        assert ctx.call("announce", [2]) == "ok"  # will send 2, has sent nothing for it yet
+        assert ctx.call("announce", [(2, epochs[2])]) == "ok"  # will send 2, has sent nothing for it yet
         ctx.call("early", [1], tables(src[1]), tables(dst[1]))  # request 1 is under way
         ctx.call("chunk", [4], [0], [24], tables(src[4]), tables(dst[4]))  # request 4 is done
         assert receiver.wait(4, timeout=LONG_TIMEOUT)
@@ -538,14 +537,19 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
         assert receiver.wait(4, timeout=1)  # finished before the kill: still complete
         with pytest.raises(TransferTimeoutError):  # never mentioned: only its timeout ends it
             receiver.wait(3, timeout=0.2)
-        assert [n.as_tuple() for n in receiver.notices(1)] == [(1, 0, 0, 2, False)]
-        for rid in dst:
-            receiver.release(rid)
+        assert [n.as_tuple() for n in receiver.notices(1)] == [(1, 0, 0, 2, False, 0)]
+        for rid in (1, 2, 4):  # the dead sender's requests are fenced by its end: released at once
+            receiver.release(rid, timeout=0)
             dst_blocks.give(dst[rid])
+        # 3 was never mentioned: no sender can be known to have stopped writing it.
+        with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
+            receiver.release(3, timeout=0.05)
+        receiver.release_unfenced(3)  # the test never handed its blocks to anyone
+        dst_blocks.give(dst[3])
         assert len(receiver) == 0 and dst_blocks.free == NUM_BLOCKS
         # The dead sender's connection thread is gone without the endpoint closing.
         assert until(lambda: "kvferry-notices" not in kvferry_threads())
-        assert endpoint.errors == []
+        assert list(endpoint.errors) == []
     finally:
         ctx.cleanup()
         endpoint.close()

@@ -196,33 +196,41 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
     assert all(r.source is not None and r.source.startswith("sender #") for r in refused)
     assert len(endpoint.errors) == len(refused)  # the endpoint records them too
 
+    arrived = {}
     for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start"), (5, "invalid end")]:
         with pytest.raises(TransferError, match=f"request {rid} failed: .*{kind}") as info:
             receiver.wait(rid, timeout=SLACK)  # fails now, not at a timeout
         assert info.value.request_ids == (rid,)
-        arrived = receiver.notices(rid)
-        ledger = receiver.release(rid)
-        if rid == 2:  # only the first, good notice counts
-            assert arrived == [Notice(2, 0, 0, 2, False)] and ledger.claimed_blocks == 2
-        else:
-            assert arrived == [] and ledger.claimed_blocks == 0
+        arrived[rid] = receiver.notices(rid)
     with pytest.raises(TransferTimeoutError):  # 7 was never named: untouched
         receiver.wait(7, timeout=0.05)
-    receiver.release(6)
-    receiver.release(7)
-    assert len(receiver) == 0
+    # The rogue is still connected and could still write: a failed request's blocks are not
+    # handed back until it is fenced (here by the rogue's connection ending).
+    with pytest.raises(TransferTimeoutError, match="request 1 .*no fence"):
+        receiver.release(1, timeout=0.05)
     rogue.close()
+    for rid in (1, 2, 3, 4, 5):
+        ledger = receiver.release(rid, timeout=SLACK)
+        if rid == 2:  # only the first, good notice counts
+            assert arrived[rid] == [Notice(2, 0, 0, 2, False)] and ledger.claimed_blocks == 2
+        else:
+            assert arrived[rid] == [] and ledger.claimed_blocks == 0
+    receiver.release(6)  # complete: fenced
+    # No sender ever named 7, so nothing fences it; the test never handed its blocks out.
+    with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
+        receiver.release(7, timeout=0.05)
+    receiver.release_unfenced(7)
+    assert len(receiver) == 0
 
 
 def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
     """Two senders with the key: a notice for a request the other one announced (or sent
     first) is refused, recorded with its sender, and fails the request."""
     receiver, endpoint, authkey = rig
-    for rid in (5, 6, 7):
-        receiver.expect(rid, 8)  # 2 blocks each
+    epochs = {rid: receiver.expect(rid, 8) for rid in (5, 6, 7)}  # 2 blocks each
     a = ShmTransport(endpoint.address, authkey=authkey)
     b = ShmTransport(endpoint.address, authkey=authkey)
-    a.announce([5])
+    a.announce([(5, epochs[5])])
     a.post([Notice(7, 0, 0, 2, True)])
     assert receiver.wait(7, timeout=SLACK)  # a's connection is past its announce
     b.post([Notice(6, 0, 0, 1, False)])  # 6 is b's from its first notice
@@ -237,14 +245,15 @@ def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver
     for rid in (5, 6):
         with pytest.raises(TransferError, match=f"request {rid} failed: .*belongs to sender #"):
             receiver.wait(rid, timeout=SLACK)
-        assert receiver.release(rid).claimed_blocks == (1 if rid == 6 else 0)
-    receiver.release(7)
-    a.close()
+    a.close()  # 5 and 6 failed, but their owners could still write: their ends fence them
     b.close()
+    for rid in (5, 6):
+        assert receiver.release(rid, timeout=SLACK).claimed_blocks == (1 if rid == 6 else 0)
+    receiver.release(7)
 
 
 def test_a_malformed_message_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
-    """A message that breaks the protocol (a notice that is not five integers, an unknown
+    """A message that breaks the protocol (a notice that is not six integers, an unknown
     control message) ends that sender's connection and fails the requests it owned; other
     senders are served on."""
     receiver, endpoint, authkey = rig
@@ -253,7 +262,7 @@ def test_a_malformed_message_drops_only_that_sender(rig: tuple[KVReceiver, ShmEn
     good = ShmTransport(endpoint.address, authkey=authkey)
     for rid, message in [(1, [("one", 0, 0, 1, False)]), (2, {"kind": "shutdown"})]:
         rogue = ShmTransport(endpoint.address, authkey=authkey)
-        rogue.announce([rid])
+        rogue.announce([(rid, 0)])
         rogue._send(message)  # noqa: SLF001  (a hostile peer writes what it likes)
         with pytest.raises(TransferError, match=f"request {rid} failed: .*went away"):
             receiver.wait(rid, timeout=SLACK)

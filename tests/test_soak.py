@@ -1,6 +1,8 @@
 """The soak driver (kvferry.refengine.soak), short: a few hundred requests through the hook
 and the reference engine leave no block leaked, doubly owned or delivered twice, and every
-cancellation stage and both timeouts were exercised. benches/python/soak.py runs 10,000."""
+cancellation stage and both timeouts were exercised: a sender timeout cancels from the
+context side, a receiver timeout from the generation side (its release asks the sender to
+cancel and waits for the fence). benches/python/soak.py runs 10,000."""
 
 from __future__ import annotations
 
@@ -42,17 +44,20 @@ def test_short_soak_leaks_nothing_and_exercises_cancellations_and_timeouts() -> 
     assert report.cancelled_with_early > 0
     assert report.sender_timeouts > 0 and report.cancelled["sender timeout"] > 0
     assert report.receiver_timeouts > 0 and report.cancelled["receiver timeout"] > 0
+    # Most receiver timeouts reach the sender before its last notice (the rest completed
+    # meanwhile); each of those was revoked at the sender and fenced.
+    assert 0 < report.receiver_cancels <= report.receiver_timeouts
     assert report.early_slices > 0 and report.chunked > 0 and report.unaligned_reuse > 0
     assert len(report.memory) == 4
 
 
 def test_short_soak_over_shared_memory() -> None:
-    """Notices cross a socket to the receiver's listener thread; copies land in a shared
-    segment. Notices that arrive after a cancelled request was released are counted, not
-    failed (see `SoakReport.late_notices`)."""
+    """Notices, fences and the receiver's cancellations cross a socket; copies land in a
+    shared segment. No notice is ever refused (a late one cannot outrun its request's fence;
+    one that arrives after the receiver gave up is discarded, `SoakReport.late_notices`)."""
     report = _run(SoakConfig(requests=150, seed=2, transport="shm", rss_every=50))
     assert report.failures() == []
-    assert report.kv_checked > 0 and sum(report.cancelled.values()) > 0
+    assert report.kv_checked > 0 and sum(report.cancelled.values()) > 0 and report.receiver_cancels > 0
 
 
 def test_soak_reports_a_block_the_engine_forgets_to_release(monkeypatch: pytest.MonkeyPatch) -> None:

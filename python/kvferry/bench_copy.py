@@ -59,7 +59,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_seconds(fn: Callable[[], None], reps: int, device: str, setup: Optional[Callable[[], None]] = None) -> float:
+def _median_seconds(fn: Callable[[], object], reps: int, device: str, setup: Optional[Callable[[], None]] = None) -> float:
     """Median wall time of ``fn`` (device synchronised before and after), after one warm-up."""
     times = []
     for i in range(reps + 1):
@@ -194,7 +194,7 @@ def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, lay
         shared.close()
 
 
-def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], None], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
+def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], object], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
     """End to end through a KVSender: plan, copy, notice, receiver complete."""
     sender = KVSender(src, tx)
     rng = np.random.default_rng(cfg.seed)

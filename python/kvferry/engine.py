@@ -42,6 +42,12 @@ class Pending(ABC):
         """When the copy ran (``time.monotonic`` seconds), once done, where the engine knows."""
         return None
 
+    def abort(self) -> bool:
+        """Calls an unfinished copy off, where that is possible (a NIXL transfer); returns
+        whether it was called off and no longer touches either pool. A local copy always
+        runs to its end: ``False``, and its source blocks stay busy until it is done."""
+        return False
+
 
 class CopyEngine(ABC):
     def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:

@@ -8,6 +8,11 @@ overlap loop:   on_batch_queued(batch n+1) while batch n runs -> ... -> after_fo
 eligible request of the batch (context-only, not cancelled, first chunk, a complete reused
 block, pipelined transfer on); ``after_forward`` sends what each finished chunk completed.
 Neither waits on earlier transfers: copies are queued and their notices posted by `poll`.
+
+Leases: a request's source blocks belong to the transfer from `add_request` until `finish`
+or `cancel` returns (`leased` says so); the engine keeps its references to them (so that no
+prefix-cache eviction or reallocation can take them) until then. Its destination blocks are
+leased under the ``epoch`` the generation side's `KVReceiver.expect` issued.
 """
 
 from __future__ import annotations
@@ -44,16 +49,18 @@ class TransferHook:
         window: Optional[int] = None,
         context_only: bool = True,
         held: Sequence[BlockRange] = (),
+        epoch: int = 0,
     ) -> None:
         """A request admitted on the context worker, with its source blocks and the
         destination blocks the generation worker allocated for it (one id per block of the
-        prompt, in order; for ``held`` blocks, those it already holds). Nothing is registered
-        if any argument is refused."""
+        prompt, in order; for ``held`` blocks, those it already holds) under ``epoch``, the
+        lease its `KVReceiver.expect` returned. Nothing is registered if any argument is
+        refused."""
         # A throwaway ledger refuses a bad prompt with the book's own messages and gives the
         # block count, before the sender learns of the request.
         blocks = TransferLedger(self.sender.pool.tokens_per_block, prompt_len, reused_len=reused_len, window=window).num_blocks
         rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
-        self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held)
+        self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
         self._blocks[request_id] = rows
 
     def _known(self, request_ids: Sequence[int]) -> list[int]:
@@ -112,10 +119,18 @@ class TransferHook:
         del self._blocks[request_id]
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> None:
+        """Revokes the request; once this returns its source blocks may be freed. Raises
+        `TransferTimeoutError` while a copy still reads them (the request stays revoked and
+        leased: call again)."""
         if request_id not in self._blocks:
             self._raise_unknown(request_id)
         self.sender.cancel(request_id, timeout)
         del self._blocks[request_id]
+
+    def leased(self, request_id: int) -> bool:
+        """Whether the request's source blocks are still leased to the transfer (see
+        `KVSender.leased`): while true the engine must not free, evict or reuse them."""
+        return self.sender.leased(request_id)
 
 
 def _block_ids(name: str, ids: npt.ArrayLike, blocks: int) -> np.ndarray:

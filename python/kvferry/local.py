@@ -6,9 +6,12 @@ authenticated Unix socket.
 receiver process                              sender process
 LocalEndpoint <--challenge / response (key)-->  LocalTransport
               --hello (how to reach the pool)-->  opens the pool
-              <--announce (optional)-----------  announce(request_ids)
+              <--announce (request, epoch)------  KVSender.add
               <--notices, after the writes------  post()
-              EOF: the sender's unfinished requests fail at once
+              <--revoke (request, epoch)--------  the fence: no more writes for it
+              --cancel (request, epoch)-------->  the receiver gave up on it; read at the
+                                                  sender's next poll, which revokes it
+              EOF: the sender's unfinished requests fail at once, and all it owned is fenced
 ```
 Both sides prove they hold the session's key (the HMAC challenge of
 multiprocessing.connection, run both ways) before anything is unpickled or the hello leaves,
@@ -20,7 +23,9 @@ Which requests a connection owns: a request belongs to the first connection that
 it (`LocalTransport.announce`) or sent a notice for it (`KVReceiver.bind` / ``deliver(...,
 source)``). When a connection ends (EOF, a reset, a message that breaks the protocol), the
 receiver fails every incomplete request it owns, so their waits raise at once; a request no
-connection announced yet is left to its own timeout.
+connection announced yet is left to its own timeout. A connection that ended (not the
+endpoint closing it) fences every request it owned: its process is gone, or closed the
+transport after its copies ended (`KVSender.close`), so nothing more lands in their blocks.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import tempfile
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
-from typing import AbstractSet, Any, Callable, Iterable, Optional, Sequence
+from collections import deque
+from typing import AbstractSet, Any, Callable, Hashable, Optional, Sequence
 
 import torch.multiprocessing  # noqa: F401  (registers the CUDA-tensor reductions)
 
@@ -50,6 +56,9 @@ MIN_AUTHKEY_BYTES = 16
 # not hold a thread (or, before the handshake moved off the accept loop, every other sender).
 HANDSHAKE_SECONDS = 10.0
 JOIN_SECONDS = 5.0
+# What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
+# misbehaving sender cannot grow the endpoint without bound.
+ERRORS_KEPT = 1024
 
 
 def _socket_of(conn: Connection) -> socket.socket:
@@ -84,9 +93,19 @@ class _Peer:
         self.number = next(self._numbers)
         self.pid = _peer_pid(self.sock)
         self.thread: Optional[threading.Thread] = None
+        # What the receiver records as the requests' sender: this connection, unless the
+        # transport names itself otherwise (a NIXL agent, whose notifications bypass it).
+        self.source: Hashable = self
+        # The connection thread replies (staging frees) while another thread may pass on a
+        # cancellation: one message at a time.
+        self._send_lock = threading.Lock()
 
     def __str__(self) -> str:
         return f"sender #{self.number} (pid {self.pid})"
+
+    def send(self, message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
 
     def shutdown(self) -> None:
         """Wakes a thread blocked reading the connection (closing the descriptor would not)."""
@@ -120,9 +139,29 @@ class LocalEndpoint:
         self._lock = threading.Lock()
         self._peers: set[_Peer] = set()
         self._local = threading.local()  # the peer whose thread is running
-        self.errors: list[BaseException] = []
+        self.errors: deque[BaseException] = deque(maxlen=ERRORS_KEPT)
+        self.error_count = 0
+        self._unsubscribe = receiver.on_cancel(self._pass_cancel)
         self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
+
+    def _record(self, err: BaseException) -> None:
+        with self._lock:  # connection threads record concurrently
+            self.errors.append(err)
+            self.error_count += 1
+
+    def _pass_cancel(self, source: Optional[Hashable], request_id: int, epoch: int) -> None:
+        """The receiver gave up on a request: tells the sender that owns it, if it is
+        connected here, which revokes it and posts its fence."""
+        if source is None:
+            return
+        with self._lock:
+            peers = [p for p in self._peers if p.source == source]
+        for peer in peers:
+            try:
+                peer.send({"kind": "cancel", "requests": [(int(request_id), int(epoch))]})
+            except OSError as err:  # the connection is ending: its end fences the request
+                self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
 
     def _serve(self) -> None:
         while True:
@@ -131,7 +170,7 @@ class LocalEndpoint:
             except OSError as err:
                 if self._closing.is_set():
                     return
-                self.errors.append(err)
+                self._record(err)
                 continue
             if self._closing.is_set():
                 conn.close()
@@ -150,7 +189,7 @@ class LocalEndpoint:
             _set_recv_timeout(peer.sock, 0)
         except Exception as err:  # a wrong key, a stall, garbage: refused before any unpickling
             if not self._closing.is_set():
-                self.errors.append(AuthenticationError(f"{peer}: refused: {err!r}"))
+                self._record(AuthenticationError(f"{peer}: refused: {err!r}"))
             return False
         return True
 
@@ -160,7 +199,7 @@ class LocalEndpoint:
         try:
             if not self._authenticate(peer):
                 return
-            peer.conn.send(self._hello)
+            peer.send(self._hello)
             while True:
                 message = peer.conn.recv()
                 if isinstance(message, dict):
@@ -169,12 +208,12 @@ class LocalEndpoint:
                     self.handle(peer.conn, message)
         except KvFerryError as err:
             reason = f"it broke the protocol: {err}"
-            self.errors.append(err)
+            self._record(err)
         except (EOFError, OSError) as err:
             reason = "the endpoint closed" if self._closing.is_set() else f"its connection ended ({type(err).__name__})"
         except Exception as err:  # a malformed message: the peer cannot be trusted further
             reason = f"it sent a malformed message ({err!r})"
-            self.errors.append(TransferError(f"{peer}: {reason}; disconnected", peer=str(peer)))
+            self._record(TransferError(f"{peer}: {reason}; disconnected", peer=str(peer)))
         finally:
             with self._lock:
                 self._peers.discard(peer)
@@ -182,39 +221,61 @@ class LocalEndpoint:
             self.lost(peer, reason)
 
     def lost(self, peer: Any, reason: str) -> None:
-        """A sender's connection ended: its unfinished requests can get no more notices."""
-        self.receiver.fail_source(peer, f"{peer} went away before all its blocks arrived: {reason}")
+        """A sender's connection ended: its unfinished requests can get no more notices.
+        Unless the endpoint itself is closing (the sender may then still be writing), the
+        sender can write nothing more either: what it owned is fenced."""
+        self.receiver.fail_source(peer.source, f"{peer} went away before all its blocks arrived: {reason}", fenced=not self._closing.is_set())
 
     def control(self, peer: Any, message: dict[str, Any]) -> None:
-        """A control message: ``{"kind": "announce", "request_ids": [...]}`` binds requests
-        to the sender before their first notice."""
-        if message.get("kind") != "announce":
-            raise InvalidArgumentError(f"invalid control message kind={message.get('kind')!r}: expected 'announce'")
-        for request_id in message["request_ids"]:
+        """A control message: ``{"kind": "announce", "requests": [(id, epoch), ...]}`` binds
+        requests to the sender before their first notice; ``{"kind": "revoke",
+        "request_id": id, "epoch": epoch}`` is a request's fence."""
+        kind = message.get("kind")
+        if kind == "announce":
+            for request_id, epoch in message["requests"]:
+                try:
+                    self.receiver.bind(int(request_id), peer.source, int(epoch))
+                except KvFerryError as err:  # recorded; a conflicting bind failed the request
+                    self._record(err)
+        elif kind == "revoke":
             try:
-                self.receiver.bind(int(request_id), peer)
-            except KvFerryError as err:  # recorded; a conflicting bind failed the request
-                self.errors.append(err)
+                self.receiver.revoked(int(message["request_id"]), int(message["epoch"]), peer.source)
+            except KvFerryError as err:  # recorded; another sender's fence failed the request
+                self._record(err)
+        else:
+            raise InvalidArgumentError(f"invalid control message kind={kind!r}: expected 'announce' or 'revoke'")
 
     def handle(self, conn: Connection, message: Any) -> None:
         """One message from a sender: here, a batch of notice tuples."""
-        self.deliver(message)
+        self.deliver(self.notices(message))
 
-    def deliver(self, batch: Sequence[tuple[int, int, int, int, bool]], source: Any = None) -> None:
-        """Hands a batch of notice tuples to the receiver. ``source`` defaults to the sender
-        whose connection thread is running (subclasses' `handle` call this without it)."""
-        source = source if source is not None else getattr(self._local, "peer", None)
-        for values in batch:
-            notice = Notice.from_tuple(values)  # a malformed tuple raises: the peer is dropped
+    def current_source(self) -> Optional[Hashable]:
+        """The sender whose connection thread is running (``None`` on any other thread)."""
+        peer = getattr(self._local, "peer", None)
+        return None if peer is None else peer.source
+
+    def deliver(self, batch: Sequence[Notice], source: Any = None) -> None:
+        """Hands a batch of notices to the receiver. ``source`` defaults to the sender whose
+        connection thread is running (subclasses' `handle` call this without it). Stale
+        notices are discarded by the receiver (`KVReceiver.discarded`), not recorded here."""
+        source = source if source is not None else self.current_source()
+        for notice in batch:
             try:
                 self.receiver.deliver(notice, source)
             except KvFerryError as err:  # refused and recorded; a known request failed
-                self.errors.append(err)
+                self._record(err)
+
+    @staticmethod
+    def notices(batch: Any) -> list[Notice]:
+        """A batch of notice tuples off the wire; anything malformed raises (the peer is then
+        dropped)."""
+        return [Notice.from_tuple(values) for values in batch]
 
     def close(self) -> None:
         """Stops serving; unfinished requests of connected senders fail ("the endpoint
         closed"); every thread of the endpoint has ended when this returns."""
         self._closing.set()
+        self._unsubscribe()
         try:  # wake the accept() call
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
                 wake.connect(self.address)
@@ -238,7 +299,11 @@ class LocalEndpoint:
 class PeerConnection:
     """The sender's connection to its receiver. Every way of losing the receiver (EOF, a
     broken pipe, a reset) surfaces as one `TransferError` naming it, kept in ``lost``, so
-    callers (and the staging ring's own reads) need no per-call error handling."""
+    callers (and the staging ring's own reads) need no per-call error handling.
+
+    The receiver sends two kinds of message back: cancellations (a dict, kept in
+    ``cancels`` until `take_cancels`) and transport replies (the staging ring's frees, kept
+    in ``replies`` for their reader). `read_waiting` sorts whatever has arrived."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
         try:
@@ -248,6 +313,8 @@ class PeerConnection:
         self._sock = _socket_of(self._conn)
         self.peer = f"receiver at {address} (pid {_peer_pid(self._sock)})"
         self.lost: Optional[TransferError] = None
+        self.cancels: list[tuple[int, int]] = []
+        self.replies: deque[Any] = deque()
         try:
             self.hello = self._conn.recv()
         except (OSError, EOFError) as err:
@@ -283,21 +350,34 @@ class PeerConnection:
         except (OSError, EOFError) as err:
             raise self._lose(err) from err
 
+    def read_waiting(self) -> None:
+        """Reads every message that has arrived, without blocking, into ``cancels`` and
+        ``replies``. Raises ``lost`` once the receiver's end closed (after what it sent
+        before closing was read)."""
+        while self.poll():
+            message = self.recv()
+            if not isinstance(message, dict):
+                self.replies.append(message)
+            elif message.get("kind") == "cancel":
+                try:
+                    self.cancels.extend((int(r), int(e)) for r, e in message["requests"])
+                except (KeyError, TypeError, ValueError) as err:
+                    raise self._lose(TransferError(f"malformed cancellation {message!r}: {err!r}")) from None
+            else:
+                raise self._lose(TransferError(f"unknown message kind={message.get('kind')!r} from the receiver"))
+
     def check(self) -> None:
-        """Raises ``lost`` once the receiver's end closed; never blocks, never consumes a
-        message (a peek: the staging ring's frees stay queued for their reader)."""
-        if self.lost is None:
-            try:
-                data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError as err:
-                raise self._lose(err) from err
-            if data:
-                return
-            self._lose(EOFError("connection closed"))
-        assert self.lost is not None
-        raise self.lost
+        """Raises ``lost`` once the receiver's end closed; never blocks. Reads what the
+        receiver sent meanwhile (`read_waiting`): a message waiting unread would otherwise
+        hide the end of the connection behind it."""
+        if self.lost is not None:
+            raise self.lost
+        self.read_waiting()
+
+    def take_cancels(self) -> list[tuple[int, int]]:
+        """The cancellations read so far, each once."""
+        cancels, self.cancels = self.cancels, []
+        return cancels
 
     def close(self) -> None:
         self._conn.close()
@@ -317,14 +397,20 @@ class LocalTransport(Transport):
         """Raises `TransferError` (naming the receiver) once the receiver went away."""
         self._conn.check()
 
-    def announce(self, request_ids: Iterable[int]) -> None:
-        """Tells the receiver that these requests come from this sender, before any of their
-        notices: if this sender dies first, the receiver fails them at once instead of at
-        their timeout."""
-        self._conn.send({"kind": "announce", "request_ids": [int(r) for r in request_ids]})
+    def cancel_requests(self) -> list[tuple[int, int]]:
+        return self._conn.take_cancels()
+
+    def announce(self, requests: Sequence[tuple[int, int]]) -> None:
+        """Tells the receiver that these ``(request_id, epoch)`` come from this sender,
+        before any of their notices: if this sender dies first, the receiver fails them at
+        once instead of at their timeout."""
+        self._send({"kind": "announce", "requests": [(int(r), int(e)) for r, e in requests]})
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         self._send([n.as_tuple() for n in kept(batch, revoked)])
+
+    def revoke(self, request_id: int, epoch: int) -> None:
+        self._send({"kind": "revoke", "request_id": int(request_id), "epoch": int(epoch)})
 
     def _send(self, message: Any) -> None:
         self._conn.send(message)

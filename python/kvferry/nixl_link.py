@@ -6,7 +6,8 @@ sender:   NixlTransport  registers its pool, adds the remote agent, prepares bot
                          descriptor lists once; each write is one prepared WRITE of
                          (layer, segment, block) descriptors chosen by index, notices
                          riding along as the transfer's notification
-receiver: a thread polls notifications and delivers the notices
+receiver: a thread polls notifications and delivers the notices (and the fences, which
+                         the sender posts as notifications of their own, after its writes)
 ```
 Agent metadata is exchanged in-band over the authenticated local socket of kvferry.local
 (NIXL's own listener would bind every interface). Needs the `nixl` package
@@ -18,7 +19,13 @@ transfer that ends in error), or, where neither says anything (a hung peer), fro
 timeout, which aborts the transfer (`_XferPending.abort`) and fails its requests. The receiver
 cannot tell from the socket which requests a dead sender still owed: notifications travel
 apart from it, and its EOF may overtake those of writes that completed. So the receiver fails
-a NIXL request by its wait's timeout only.
+a NIXL request by its wait's timeout only; the EOF only fences the agent's requests (a dead
+process writes nothing more), so that they can be released at once.
+
+Wire: a notification is ``NOTICE_MAGIC`` and six int64 per notice (`Notice.as_tuple`), or
+``REVOKE_MAGIC`` and one ``(request_id, epoch)`` int64 pair: a fence. The sender names its
+agent on the socket first (``{"kind": "agent"}``), so that the receiver can tie the agent's
+requests to the connection (announces, cancellations back, its end).
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.local import LocalEndpoint, PeerConnection
-from kvferry.notice import Notice
+from kvferry.notice import NOTICE_FIELDS, Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transport import Transport
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
-NOTICE_MAGIC = b"kvf1"
+# "kvf1" carried five values per notice, without the epoch.
+NOTICE_MAGIC = b"kvf2"
+REVOKE_MAGIC = b"kvr2"
 POLL_SECONDS = 100e-6
 
 
@@ -80,17 +89,29 @@ def descriptor_indices(ids: np.ndarray, num_layers: int, segments: int, num_bloc
 
 
 def _encode(notices: Sequence[Notice]) -> bytes:
-    return NOTICE_MAGIC + np.array([n.as_tuple() for n in notices], dtype=np.int64).tobytes()
+    return NOTICE_MAGIC + np.array([n.as_tuple() for n in notices], dtype=np.int64).reshape(-1, NOTICE_FIELDS).tobytes()
+
+
+def _encode_revoke(request_id: int, epoch: int) -> bytes:
+    return REVOKE_MAGIC + np.array([request_id, epoch], dtype=np.int64).tobytes()
 
 
 def _decode(message: bytes) -> list[Notice]:
     if not message.startswith(NOTICE_MAGIC):
         raise TransferError(f"not a kvferry notification: {message[:16]!r}")
     body = message[len(NOTICE_MAGIC) :]
-    if len(body) % (5 * 8):
-        raise TransferError(f"malformed kvferry notification: {len(body)} bytes after the magic, not a multiple of 40")
-    rows = np.frombuffer(body, dtype=np.int64).reshape(-1, 5)
+    if len(body) % (NOTICE_FIELDS * 8):
+        raise TransferError(f"malformed kvferry notification: {len(body)} bytes after the magic, not a multiple of {NOTICE_FIELDS * 8}")
+    rows = np.frombuffer(body, dtype=np.int64).reshape(-1, NOTICE_FIELDS)
     return [Notice.from_tuple(tuple(int(v) for v in row)) for row in rows]  # type: ignore[arg-type]
+
+
+def _decode_revoke(message: bytes) -> tuple[int, int]:
+    body = message[len(REVOKE_MAGIC) :]
+    if len(body) != 16:
+        raise TransferError(f"malformed kvferry fence: {len(body)} bytes after the magic, not 16")
+    request_id, epoch = np.frombuffer(body, dtype=np.int64).tolist()
+    return int(request_id), int(epoch)
 
 
 class NixlEndpoint(LocalEndpoint):
@@ -123,16 +144,30 @@ class NixlEndpoint(LocalEndpoint):
             for agent, messages in got.items():
                 # The remote agent's name identifies the sender: a request belongs to the
                 # first agent that announced it, as a connection does on the socket.
-                source = f"NIXL agent {agent}"
+                source = _agent_source(agent)
                 for message in messages:
                     try:
+                        if message.startswith(REVOKE_MAGIC):
+                            self.receiver.revoked(*_decode_revoke(message), source)
+                            continue
                         for notice in _decode(message):
                             self.receiver.deliver(notice, source)
                     except KvFerryError as err:  # recorded on the request; its wait raises
-                        self.errors.append(err)
+                        self._record(err)
+
+    def control(self, peer: Any, message: dict[str, Any]) -> None:
+        """``{"kind": "agent", "name": ...}``: the NIXL agent this connection writes with;
+        its requests are the agent's (the notifications name it). Else see `LocalEndpoint`."""
+        if message.get("kind") == "agent":
+            peer.source = _agent_source(str(message["name"]))
+            return
+        super().control(peer, message)
 
     def lost(self, peer: Any, reason: str) -> None:
-        """Nothing to fail here: see the module doc (the receiver's timeout decides)."""
+        """Fails nothing (see the module doc: the receiver's timeout decides), but fences
+        the agent's requests unless the endpoint itself is closing."""
+        if not self._closing.is_set():
+            self.receiver.fence_source(peer.source)
 
     def close(self) -> None:
         self._stop.set()
@@ -140,6 +175,11 @@ class NixlEndpoint(LocalEndpoint):
         super().close()
         self.agent.deregister_memory(self._registered)
         self.agent = self._registered = None  # see _agent: ends its progress thread
+
+
+def _agent_source(name: str) -> str:
+    """How the receiver names a NIXL sender: by its agent."""
+    return f"NIXL agent {name}"
 
 
 class _XferPending(Pending):
@@ -230,8 +270,10 @@ class NixlTransport(Transport):
         self._remote_blocks = int(hello["num_blocks"])
         self._src = src
         self.agent = _agent("tx")
+        self._conn.send({"kind": "agent", "name": self.agent.name})  # before any announce
         self._registered = self.agent.register_memory(list(src.layers))
         self._remote = self.agent.add_remote_agent(hello["agent_metadata"])
+        self._remote_name = hello["agent_name"]
         self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(src), _mem_type(src))
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], hello["descriptors"], hello["mem_type"])
 
@@ -269,10 +311,28 @@ class NixlTransport(Transport):
         """Raises `TransferError` (naming the receiver) once its socket closed."""
         self._conn.check()
 
+    def cancel_requests(self) -> list[tuple[int, int]]:
+        return self._conn.take_cancels()
+
+    def announce(self, requests: Sequence[tuple[int, int]]) -> None:
+        """On the socket: binds the requests to this sender's agent before their first
+        notification."""
+        self._conn.send({"kind": "announce", "requests": [(int(r), int(e)) for r, e in requests]})
+
+    def revoke(self, request_id: int, epoch: int) -> None:
+        """A notification of its own, on the path of the writes' notifications: the sender
+        posts it only once every write of the request is done or aborted."""
+        self._conn.check()
+        try:
+            self.agent.send_notif(self._remote_name, _encode_revoke(request_id, epoch))
+        except Exception as err:  # a receiver already gone
+            raise TransferError(f"fence of request {request_id} to {self.peer} failed: {err!r}", peer=self.peer) from err
+
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         """The notices arrived with the write's notification (a cancelled request's notices
-        too: the receiver has released it and refuses them); only checks that the receiver
-        is still there, since a write can finish just before it died."""
+        too: the receiver discards them once the request's fence, which follows, arrived or
+        its epoch is gone); only checks that the receiver is still there, since a write can
+        finish just before it died."""
         self._conn.check()
 
     def close(self) -> None:

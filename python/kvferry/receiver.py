@@ -8,6 +8,21 @@ the request (its `wait` raises at once instead of at its timeout). A transport t
 which sender a notice came from passes it as ``source``: a request then belongs to the first
 sender that announced it (`bind`, or its first notice), a notice from any other sender is
 refused, and `fail_source` fails what a lost sender still owed.
+
+Leases (docs/faults.md, "Leases, epochs and fences"). `expect` issues each request an epoch,
+1, 2, ... per receiver, never reused; the sender stamps it on every notice. A message of an
+epoch that is not the request's current one (the request was released, its id reused) is
+stale: discarded and counted (`discarded`), never applied and never failing the live
+request. The destination blocks of an incomplete request are reusable only once the request
+is *fenced*: its sender posted ``revoked(request_id, epoch)`` after its last write, or the
+sender's connection ended. `release` waits for that (bounded), and asks the sender to cancel
+first when the receiver gives up on its own.
+
+```
+expect -> pending --every block arrived------------------------------> complete (fenced)
+             |  \\--sender's fence / its connection ended------------> fenced: wait raises
+             \\--cancel (or release): notices discarded, sender asked -> ... fenced -> released
+```
 """
 
 from __future__ import annotations
@@ -16,28 +31,41 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
-__all__ = ["KVReceiver", "Refusal"]
+__all__ = ["CancelHandler", "Discard", "KVReceiver", "Refusal"]
 
-# Refused notices kept for inspection; a sender that keeps sending bad ones cannot grow the
-# receiver without bound (``refused_count`` still counts every one).
+# Refused and discarded messages kept for inspection; a sender that keeps sending bad or late
+# ones cannot grow the receiver without bound (``refused_count`` / ``discarded_count`` still
+# count every one).
 REFUSALS_KEPT = 1024
+DISCARDS_KEPT = 1024
+# How long `release` waits, by default, for the fence of an incomplete request.
+RELEASE_SECONDS = 30.0
+
+# Called (outside the receiver's lock) when the receiver gives up on a request:
+# ``(source, request_id, epoch)``; an endpoint passes it on to that sender.
+CancelHandler = Callable[[Optional[Hashable], int, int], None]
 
 
 @dataclass
 class _Expected:
     ledger: TransferLedger
+    epoch: int
     slices: int = 0
     error: Optional[KvFerryError] = None
     arrived_at: Optional[float] = None
     notices: list[Notice] = field(default_factory=list)
     source: Optional[Hashable] = None  # the sender it belongs to, once one announced it
+    cancelled: bool = False  # the receiver gave up: notices are discarded
+    revoked: bool = False  # its sender posted its fence: notices are discarded
+    fenced: bool = False  # no sender writes its blocks any more (complete counts too)
+    asked: bool = False  # its sender was asked to cancel it
 
 
 @dataclass(frozen=True)
@@ -47,6 +75,20 @@ class Refusal:
     notice: Notice
     error: KvFerryError
     source: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Discard:
+    """A stale message, dropped without failing anything: a ``notice``, an ``announce`` or
+    a ``revoke`` of an epoch that is no longer the request's, or a notice for a request the
+    receiver cancelled or its sender revoked."""
+
+    kind: str
+    request_id: int
+    epoch: int
+    reason: str
+    source: Optional[str] = None
+    notice: Optional[Notice] = None
 
 
 class KVReceiver:
@@ -59,74 +101,166 @@ class KVReceiver:
         self.pool = pool
         self._requests: dict[int, _Expected] = {}
         self._cond = threading.Condition()
+        self._next_epoch = 1
         self._refused: deque[Refusal] = deque(maxlen=REFUSALS_KEPT)
         self.refused_count = 0
+        self._discarded: deque[Discard] = deque(maxlen=DISCARDS_KEPT)
+        self.discarded_count = 0
+        self._cancel_handlers: list[CancelHandler] = []
 
-    def expect(self, request_id: int, prompt_len: int, *, window: Optional[int] = None, held: Sequence[BlockRange] = ()) -> None:
-        """Registers a request before its first notice. ``held`` lists blocks this worker
-        already holds: they count as arrived and must never be sent."""
+    def expect(self, request_id: int, prompt_len: int, *, window: Optional[int] = None, held: Sequence[BlockRange] = ()) -> int:
+        """Registers a request before its first notice and returns its epoch, which the
+        engine passes to the context side with the destination blocks (`KVSender.add`).
+        ``held`` lists blocks this worker already holds: they count as arrived and must never
+        be sent."""
         ledger = TransferLedger(self.pool.tokens_per_block, prompt_len, window=window)
         for blocks in held:
             ledger.claim(blocks)
         with self._cond:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"invalid request_id={request_id}: already expected")
-            expected = _Expected(ledger)
+            epoch = self._next_epoch
+            self._next_epoch += 1
+            expected = _Expected(ledger, epoch)
             if ledger.is_complete:  # everything was held: nothing will arrive
                 expected.arrived_at = time.monotonic()
+                expected.fenced = True
             self._requests[request_id] = expected
+            return epoch
+
+    def epoch(self, request_id: int) -> int:
+        """The request's current epoch."""
+        with self._cond:
+            return self._get(request_id).epoch
+
+    def _stale(self, request_id: int, epoch: int, expected: Optional[_Expected]) -> Optional[str]:
+        """Why a message of ``epoch`` for the request is stale, or ``None``. Epochs only grow,
+        so one that was issued and is not the request's current one belongs to a request
+        that is gone. Raises for an epoch this receiver never issued."""
+        if epoch == 0:  # the sender was given no epoch: nothing to compare
+            return None
+        if not 0 < epoch < self._next_epoch:
+            raise InvalidArgumentError(f"invalid epoch={epoch} for request {request_id}: never issued by this receiver (last issued: {self._next_epoch - 1})")
+        if expected is None:
+            return f"epoch {epoch} of request {request_id}, which was released"
+        if expected.epoch != epoch:
+            return f"epoch {epoch} of request {request_id}, which is now epoch {expected.epoch} (its id was reused)"
+        return None
+
+    def _stale_or_fail(self, request_id: int, epoch: int, expected: Optional[_Expected]) -> Optional[str]:
+        """`_stale`, failing a known request whose sender used an epoch never issued."""
+        try:
+            return self._stale(request_id, epoch, expected)
+        except KvFerryError as err:
+            if expected is not None and expected.error is None:
+                expected.error = err
+                self._cond.notify_all()
+            raise
+
+    def _screen(self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected]) -> Optional[str]:
+        """Why the notice is to be discarded, or ``None``; raises if it is to be refused."""
+        reason = self._stale(notice.request_id, notice.epoch, expected)
+        if reason is not None:
+            return reason
+        if expected is None:
+            raise UnknownRequestError(f"unknown request_id={notice.request_id}: notice {notice} for a request not expected")
+        if expected.cancelled:
+            return f"request {notice.request_id} was cancelled by the receiver"
+        if expected.revoked:
+            return f"request {notice.request_id} was revoked by its sender"
+        if source is not None and expected.source is not None and expected.source != source:
+            raise TransferError(
+                f"request {notice.request_id}: notice {notice} from {source}, but the request belongs to {expected.source}",
+                request_ids=(notice.request_id,),
+                peer=str(source),
+            )
+        return None
 
     def deliver(self, notice: Notice, source: Optional[Hashable] = None) -> bool:
-        """Records a notice; returns whether the request is now complete. A notice for an
-        unknown request, for no blocks or blocks outside the prompt, for blocks that already
-        arrived, or from a sender other than the one the request belongs to is refused
-        (raised, and kept in `refused`); a refused notice for a known request fails it."""
+        """Records a notice; returns whether the request is now complete. A stale notice (an
+        old epoch, a request cancelled here or revoked by its sender) is discarded: kept in
+        `discarded`, nothing else changes. A notice for an unknown request, for no blocks or
+        blocks outside the prompt, for blocks that already arrived, for an epoch never issued
+        or from a sender other than the one the request belongs to is refused (raised, and
+        kept in `refused`); a refused notice for a known request fails it."""
         with self._cond:
             expected = self._requests.get(notice.request_id)
-            if expected is None:
-                raise self._refuse(notice, source, None, UnknownRequestError(f"unknown request_id={notice.request_id}: notice {notice} for a request not expected"))
-            if source is not None:
-                if expected.source is None:
-                    expected.source = source
-                elif expected.source != source:
-                    err = TransferError(
-                        f"request {notice.request_id}: notice {notice} from {source}, but the request belongs to {expected.source}",
-                        request_ids=(notice.request_id,),
-                        peer=str(source),
-                    )
-                    raise self._refuse(notice, source, expected, err)
             try:
-                blocks = _blocks_of(notice)
-                expected.ledger.claim(blocks)  # all or nothing: a refused claim marks nothing
+                reason = self._screen(notice, source, expected)
             except KvFerryError as err:
                 raise self._refuse(notice, source, expected, err) from None
-            expected.slices += 1
-            expected.notices.append(notice)
-            complete = expected.ledger.is_complete
-            if complete:
-                expected.arrived_at = time.monotonic()
-                self._cond.notify_all()
-            return complete
+            if reason is None:
+                assert expected is not None
+                return self._claim(expected, notice, source)
+            self._discard(Discard("notice", notice.request_id, notice.epoch, reason, _name(source), notice))
+            # A notice of the current epoch for a request cancelled before any sender had
+            # announced it: that sender is the one to ask (a stale epoch binds nothing).
+            ask = expected is not None and notice.epoch in (0, expected.epoch) and self._bind_late(expected, source)
+        if ask:
+            assert expected is not None
+            self._ask_cancel(notice.request_id, expected)
+        return False
+
+    def _claim(self, expected: _Expected, notice: Notice, source: Optional[Hashable]) -> bool:
+        if source is not None and expected.source is None:
+            expected.source = source
+        try:
+            expected.ledger.claim(_blocks_of(notice))  # all or nothing: a refused claim marks nothing
+        except KvFerryError as err:
+            raise self._refuse(notice, source, expected, err) from None
+        expected.slices += 1
+        expected.notices.append(notice)
+        complete = expected.ledger.is_complete
+        if complete:
+            expected.arrived_at = time.monotonic()
+            expected.fenced = True
+            self._cond.notify_all()
+        return complete
+
+    def admits(self, notice: Notice, source: Optional[Hashable] = None) -> bool:
+        """Whether `deliver` would take the notice's request and epoch as live (not stale,
+        not cancelled or revoked, from its owner); changes nothing. A transport that applies
+        writes itself (the staging ring) asks this before it copies a notice's blocks."""
+        with self._cond:
+            try:
+                return self._screen(notice, source, self._requests.get(notice.request_id)) is None
+            except KvFerryError:
+                return False
 
     def _refuse(self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected], error: KvFerryError) -> KvFerryError:
         """Records a refused notice and fails its request; returns the error to raise."""
-        self._refused.append(Refusal(notice, error, None if source is None else str(source)))
+        self._refused.append(Refusal(notice, error, _name(source)))
         self.refused_count += 1
         if expected is not None and expected.error is None:
             expected.error = error
             self._cond.notify_all()
         return error
 
+    def _discard(self, record: Discard) -> None:
+        self._discarded.append(record)
+        self.discarded_count += 1
+
     def refused(self) -> list[Refusal]:
         """The most recent refused notices (up to ``REFUSALS_KEPT``), oldest first."""
         with self._cond:
             return list(self._refused)
 
-    def bind(self, request_id: int, source: Hashable) -> None:
-        """Records that ``source`` will send the request (before its first notice), so that
-        losing that sender fails the request at once (`fail_source`). A request another
-        sender already owns is failed and the call raises."""
+    def discarded(self) -> list[Discard]:
+        """The most recent stale messages dropped (up to ``DISCARDS_KEPT``), oldest first."""
         with self._cond:
+            return list(self._discarded)
+
+    def bind(self, request_id: int, source: Hashable, epoch: int = 0) -> None:
+        """Records that ``source`` will send the request (before its first notice), so that
+        losing that sender fails the request at once (`fail_source`). An announce of a stale
+        epoch is discarded. A request another sender already owns is failed and the call
+        raises."""
+        with self._cond:
+            expected = self._requests.get(request_id)
+            reason = self._stale_or_fail(request_id, epoch, expected)
+            if reason is not None:
+                self._discard(Discard("announce", request_id, epoch, reason, _name(source)))
+                return
             expected = self._get(request_id)
             if expected.source is not None and expected.source != source:
                 err = TransferError(f"request {request_id}: announced by {source}, but it belongs to {expected.source}", request_ids=(request_id,), peer=str(source))
@@ -134,7 +268,94 @@ class KVReceiver:
                     expected.error = err
                     self._cond.notify_all()
                 raise err
-            expected.source = source
+            ask = self._bind_late(expected, source)
+        if ask:
+            self._ask_cancel(request_id, expected)
+
+    def _bind_late(self, expected: _Expected, source: Optional[Hashable]) -> bool:
+        """Binds a request that had no sender yet; returns whether that sender must now be
+        asked to cancel it (the receiver gave up before it knew whom to ask)."""
+        if source is None or expected.source is not None:
+            return False
+        expected.source = source
+        return expected.cancelled and not expected.asked
+
+    def revoked(self, request_id: int, epoch: int, source: Optional[Hashable] = None) -> bool:
+        """The fence: the request's sender writes nothing more into its blocks. A request
+        not complete fails (its `wait` raises) and may be released at once. A fence of a
+        stale epoch, or for a request already released, is discarded; one from a sender the
+        request does not belong to is refused (raised) and fails it. Returns whether the
+        request was fenced by this call."""
+        with self._cond:
+            expected = self._requests.get(request_id)
+            reason = self._stale_or_fail(request_id, epoch, expected)
+            if reason is None and expected is None:
+                reason = f"request {request_id} was released"
+            if reason is not None:
+                self._discard(Discard("revoke", request_id, epoch, reason, _name(source)))
+                return False
+            assert expected is not None
+            if source is not None and expected.source is not None and expected.source != source:
+                err = TransferError(f"request {request_id}: revoked by {source}, but it belongs to {expected.source}", request_ids=(request_id,), peer=str(source))
+                if expected.error is None:
+                    expected.error = err
+                    self._cond.notify_all()
+                raise err
+            if expected.revoked or expected.ledger.is_complete:
+                return False
+            expected.fenced = expected.revoked = True
+            if expected.error is None:
+                who = "its sender" if source is None else str(source)
+                expected.error = TransferError(f"request {request_id}: revoked by {who} before all its blocks arrived", request_ids=(request_id,), peer=_name(source))
+            self._cond.notify_all()
+            return True
+
+    def fenced(self, request_id: int) -> bool:
+        """Whether no sender writes the request's destination blocks any more: it completed,
+        its sender revoked it, or its sender's connection ended."""
+        with self._cond:
+            return self._get(request_id).fenced
+
+    def on_cancel(self, handler: CancelHandler) -> Callable[[], None]:
+        """Calls ``handler(source, request_id, epoch)`` whenever the receiver gives up on a
+        request (`cancel`, `release` of an incomplete one). Returns the unsubscribe call."""
+        with self._cond:
+            self._cancel_handlers.append(handler)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if handler in self._cancel_handlers:
+                    self._cancel_handlers.remove(handler)
+
+        return unsubscribe
+
+    def cancel(self, request_id: int, reason: str = "the generation side gave up on it") -> bool:
+        """The receiver gives up on an incomplete request: its `wait` raises, later notices
+        for it are discarded, and its sender is asked to cancel it (a transport with a way
+        back passes that on; the sender then posts its fence). Returns whether this call
+        cancelled it (``False``: complete, revoked or cancelled already)."""
+        with self._cond:
+            expected = self._get(request_id)
+            if expected.cancelled or expected.revoked or expected.ledger.is_complete:
+                return False
+            expected.cancelled = True
+            if expected.error is None:
+                peer = None if expected.source is None else str(expected.source)
+                expected.error = TransferError(f"request {request_id}: cancelled by the receiver ({reason})", request_ids=(request_id,), peer=peer)
+            self._cond.notify_all()
+            ask = not expected.fenced  # a sender that is gone has nothing to stop
+        if ask:
+            self._ask_cancel(request_id, expected)
+        return True
+
+    def _ask_cancel(self, request_id: int, expected: _Expected) -> None:
+        with self._cond:
+            # Unbound, only in-process senders hear it: a sender that announces the request
+            # later is asked then (`_bind_late`).
+            expected.asked = expected.source is not None
+            handlers, source, epoch = list(self._cancel_handlers), expected.source, expected.epoch
+        for handler in handlers:
+            handler(source, request_id, epoch)
 
     def fail(self, request_id: int, error: KvFerryError) -> bool:
         """Marks a request failed (the transport lost its peer, say); `wait` raises `error`.
@@ -148,9 +369,23 @@ class KVReceiver:
             self._cond.notify_all()
             return True
 
-    def fail_source(self, source: Hashable, reason: str) -> list[int]:
+    def fence_source(self, source: Hashable) -> list[int]:
+        """``source`` can write nothing more (its process is gone, or closed its connection
+        after its copies ended): every request it owns is fenced, and may be released at
+        once. Nothing is failed here. Returns their ids, in order."""
+        with self._cond:
+            owned = sorted(rid for rid, e in self._requests.items() if e.source == source)
+            for rid in owned:
+                self._requests[rid].fenced = True
+            self._cond.notify_all()
+        return owned
+
+    def fail_source(self, source: Hashable, reason: str, *, fenced: bool = False) -> list[int]:
         """Fails every incomplete request that belongs to ``source`` (a sender that went
-        away): their waits raise at once. Returns their ids, in order."""
+        away): their waits raise at once. ``fenced``: the sender can write nothing more
+        (`fence_source` first). Returns the failed ids, in order."""
+        if fenced:
+            self.fence_source(source)
         with self._cond:
             owned = sorted(rid for rid, e in self._requests.items() if e.source == source)
         failed = []
@@ -188,9 +423,37 @@ class KVReceiver:
                     raise TransferTimeoutError(f"request {request_id}: blocks {missing} did not arrive within {timeout} s", request_ids=(request_id,), peer=peer)
                 self._cond.wait(left)
 
-    def release(self, request_id: int) -> TransferLedger:
-        """Forgets a request (complete, failed or cancelled); its destination blocks are the
-        caller's to reuse once this returns."""
+    def release(self, request_id: int, timeout: Optional[float] = RELEASE_SECONDS) -> TransferLedger:
+        """Forgets a request; its destination blocks are the caller's to reuse once this
+        returns. A fenced request (complete, revoked by its sender, or whose sender's
+        connection ended) goes at once. Otherwise the receiver gives up on it (`cancel`:
+        its sender is asked to stop) and waits up to ``timeout`` seconds for the fence; if
+        none comes, raises `TransferTimeoutError` and keeps the request (cancelled): call
+        again, or `release_unfenced` once no sender can write its blocks."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.cancel(request_id)  # no-op for a fenced request
+        with self._cond:
+            while True:
+                expected = self._get(request_id)
+                if expected.fenced:
+                    del self._requests[request_id]
+                    return expected.ledger
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    who = "no sender has announced it" if expected.source is None else f"its sender is {expected.source}"
+                    raise TransferTimeoutError(
+                        f"request {request_id} (epoch {expected.epoch}): no fence within {timeout} s ({who}), so a write may still land in its "
+                        f"destination blocks; they are not released: call release again, or release_unfenced once no sender can write them",
+                        request_ids=(request_id,),
+                        peer=None if expected.source is None else str(expected.source),
+                    )
+                self._cond.wait(left)
+
+    def release_unfenced(self, request_id: int) -> TransferLedger:
+        """Forgets a request at once, fenced or not (its sender is still asked to cancel).
+        The caller vouches that no sender writes its destination blocks any more: it never
+        handed them out, or it keeps them out of use. A late notice for it is discarded."""
+        self.cancel(request_id)
         with self._cond:
             expected = self._requests.pop(request_id, None)
         if expected is None:
@@ -210,6 +473,10 @@ class KVReceiver:
     @staticmethod
     def _raise_unknown(request_id: int) -> None:
         raise UnknownRequestError(f"unknown request_id={request_id}: never expected or already released")
+
+
+def _name(source: Optional[Hashable]) -> Optional[str]:
+    return None if source is None else str(source)
 
 
 def _blocks_of(notice: Notice) -> BlockRange:

@@ -7,6 +7,14 @@ sender serves one receiver). A failed request is revoked, its book entry release
 no copy reads its blocks any more, and its error raised once (naming the requests and the
 peer) and kept in `failures` until `remove` or `cancel` acknowledges it; sending it again
 raises that error. docs/faults.md has the whole picture.
+
+Leases (docs/faults.md, "Leases, epochs and fences"). A request's source blocks are leased to
+the sender from `add` until `remove` or `cancel` returns (`leased`): the engine must not
+free, evict or reuse them before. Its destination blocks are leased under the epoch the
+receiver issued (``add(..., epoch=...)``, stamped on every notice): when the sender gives a
+request up before its last notice (cancel, failure, a removal of an incomplete request, the
+receiver asking), it posts the fence ``revoke(request_id, epoch)`` down the notices' channel
+once no copy touches the request any more, and the receiver may hand the blocks out again.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +39,20 @@ __all__ = ["KVSender", "TransferRecord"]
 
 IntArray = npt.ArrayLike
 PROGRESS_SECONDS = 200e-6
+# How often the progress thread asks the transport about its receiver (a syscall each time).
+PEER_CHECK_SECONDS = 5e-3
 # How long losing the receiver waits for local copies still reading source blocks, when the
 # sender has no timeout of its own.
 LOST_PEER_WAIT_SECONDS = 5.0
+
+
+class _Tables(TypedDict):
+    """The book's block-table arguments (`KVSender._tables`)."""
+
+    src_block_table: IntArray
+    dst_block_table: IntArray
+    src_blocks: int
+    dst_blocks: int
 
 
 @dataclass
@@ -86,10 +105,14 @@ class KVSender:
         self.transport = transport
         self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined)
         self.engine = engine if engine is not None else engine_for(pool)
-        self._next_slice: dict[int, int] = {}
+        self._next_slice: dict[int, int] = {}  # registered requests: their next slice id
+        self._epochs: dict[int, int] = {}  # registered requests: the receiver's lease
         self._inflight: deque[_Job] = deque()
         # Cancelled requests whose copies may still be queued: their notices are dropped.
         self._revoked: set[int] = set()
+        # Requests given up before their last notice, with their epochs: each gets its fence
+        # once no unfinished copy touches it.
+        self._unfenced: dict[int, int] = {}
         self.records: Optional[list[TransferRecord]] = [] if record else None
         # The executor thread and the progress thread share the queue of writes.
         self._lock = threading.RLock()
@@ -107,9 +130,15 @@ class KVSender:
             self._progress.start()
 
     def _progress_loop(self) -> None:
+        next_check = 0.0
         while not self._closing.wait(PROGRESS_SECONDS):
             try:
                 with self._lock:
+                    if time.monotonic() >= next_check:
+                        # The receiver's cancellations are taken here too, so that a request
+                        # it gave up on gets its fence without waiting for the executor.
+                        next_check = time.monotonic() + PEER_CHECK_SECONDS
+                        self._check_peer()
                     while self._inflight and self._inflight[0].pending.done():
                         self._finish(self._inflight.popleft())
             except TransferError as err:  # its requests are failed already; later writes still post
@@ -138,18 +167,41 @@ class KVSender:
         window: Optional[int] = None,
         context_only: bool = True,
         held: Sequence[BlockRange] = (),
+        epoch: int = 0,
     ) -> None:
-        """Registers a request. ``held``: blocks the receiver already holds (it advertised
-        them before prefill, by block hash): they count as sent and never cross. Nothing is
-        registered if any argument is refused."""
-        self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
-        if held:
+        """Registers a request and announces it to the receiver. ``held``: blocks the
+        receiver already holds (it advertised them before prefill, by block hash): they count
+        as sent and never cross. ``epoch``: the lease `KVReceiver.expect` issued for the
+        request's destination blocks, stamped on its notices and its fence (0: none given;
+        then a late notice cannot be told from a fresh one). Its source blocks are leased
+        from now on (`leased`). Nothing is registered if any argument is refused or the
+        receiver is gone."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"epoch must be an integer, got {type(epoch).__name__} {epoch!r}")
+        if not 0 <= epoch < 2**63:
+            raise InvalidArgumentError(f"invalid epoch={epoch}: must be in [0, 2**63) (0: none issued)")
+        with self._lock:
+            self._check_peer()
+            if self._lost is not None:
+                raise self._lost
+            self._drain()  # copies of an earlier request with this id may just have finished
+            if request_id in self._revoked or request_id in self._failed:
+                raise InvalidArgumentError(
+                    f"invalid request_id={request_id}: its previous transfer is not settled (copies still queued, or its failure not acknowledged)"
+                )
+            self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
             try:
-                self.book.hold(request_id, held)
+                if held:
+                    self.book.hold(request_id, held)
+                self.transport.announce([(request_id, int(epoch))])
+            except TransferError as err:  # the receiver is gone
+                self.book.remove(request_id)
+                raise self._lose_peer(err) from err
             except BaseException:
                 self.book.remove(request_id)
                 raise
-        self._next_slice[request_id] = 0
+            self._next_slice[request_id] = 0
+            self._epochs[request_id] = int(epoch)
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
@@ -171,7 +223,7 @@ class KVSender:
             plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table))
             return self._dispatch(plan, "chunk")
 
-    def _tables(self, src_block_table: IntArray, dst_block_table: IntArray) -> dict[str, object]:
+    def _tables(self, src_block_table: IntArray, dst_block_table: IntArray) -> _Tables:
         """The book's block-table arguments, with both pools' sizes: a planned id outside
         its pool, or a destination planned twice, fails the call before anything is claimed
         (after the claim the copy would refuse it, and the blocks would count as sent)."""
@@ -210,23 +262,33 @@ class KVSender:
         block_bytes = self.pool.block_bytes * self.pool.num_layers
         notices: list[Notice] = []
         piece: list[Notice] = []
+        slices = list(plan.slices())
         lo = hi = 0  # the current write's pairs
-        for request_id, blocks, last in plan.slices():
-            start = blocks.start
-            while start < blocks.end:
-                end = min(blocks.end, start + limit - (hi - lo))
-                slice_id = self._next_slice[request_id]
-                self._next_slice[request_id] = slice_id + 1
-                piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end))
-                hi += end - start
-                start = end
-                if hi - lo == limit:
-                    self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
-                    notices += piece
-                    piece, lo = [], hi
-        if piece:
-            self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
-            notices += piece
+        try:
+            for at, (request_id, blocks, last) in enumerate(slices):
+                start = blocks.start
+                while start < blocks.end:
+                    end = min(blocks.end, start + limit - (hi - lo))
+                    slice_id = self._next_slice[request_id]
+                    self._next_slice[request_id] = slice_id + 1
+                    piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end, self._epochs[request_id]))
+                    hi += end - start
+                    start = end
+                    if hi - lo == limit:
+                        self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+                        notices += piece
+                        piece, lo = [], hi
+            if piece:
+                at = len(slices)
+                self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+                notices += piece
+        except TransferError as err:
+            if self._lost is not None:
+                raise
+            # Claimed in the book but never queued: those requests cannot complete any more.
+            ids = sorted({n.request_id for n in piece} | {r for r, _, _ in slices[at:]})
+            failed = type(err)(f"{err}; requests {ids} failed (claimed, never written)", request_ids=ids, peer=self._peer_name())
+            raise self._fail(ids, failed) from err
         return notices
 
     def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int) -> None:
@@ -235,8 +297,11 @@ class KVSender:
 
     def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice]) -> Pending:
         """Queues a write; a transport out of room gets the oldest writes posted (so its
-        receiver can release them) and is waited on, within the sender's timeout."""
+        receiver can release them) and is waited on, within the sender's timeout. A transport
+        that finds its receiver gone (the staging ring reading a closed socket) fails every
+        request here and now, this write's included."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        ids = sorted({n.request_id for n in notices})
         while True:
             try:
                 return self.transport.write(self.engine, self.pool, src_ids, dst_ids, notices)
@@ -247,10 +312,21 @@ class KVSender:
                 if self._inflight:
                     job = self._inflight[0]
                     if job.pending.wait(left):
-                        self._finish(self._inflight.popleft())
+                        try:
+                            self._finish(self._inflight.popleft())
+                        except TransferError as err:  # that write's requests failed, not these
+                            if self._lost is not None:
+                                raise
+                            self._defer(err)
                     continue
-                if not self.transport.wait_for_room(left) and deadline is None:
+                try:
+                    room = self.transport.wait_for_room(left)
+                except TransferError as err:
+                    raise self._lose_peer(err, unposted=ids) from err
+                if not room and deadline is None:
                     raise TransferTimeoutError(f"transport full and nothing in flight to wait for: {full}") from full
+            except TransferError as err:
+                raise self._lose_peer(err, unposted=ids) from err
 
     def poll(self) -> list[Notice]:
         """Posts the notices of every finished copy, oldest first, and returns them. Raises
@@ -259,8 +335,8 @@ class KVSender:
             return self._poll()
 
     def _poll(self) -> list[Notice]:
-        self._raise_deferred_error()
         self._check_peer()
+        self._raise_deferred_error()
         posted: list[Notice] = []
         while self._inflight and self._inflight[0].pending.done():
             posted.extend(self._finish(self._inflight.popleft()))
@@ -274,6 +350,7 @@ class KVSender:
                     # now instead of waiting on a peer that may never answer.
                     self._inflight.remove(job)
                     self._abandon(job)
+                    self._post_fences()  # the cancelled requests it carried
                     if not ids:  # it only carried cancelled requests: nobody to tell
                         return posted
                     err = TransferTimeoutError(
@@ -296,8 +373,8 @@ class KVSender:
             return self._flush(timeout)
 
     def _flush(self, timeout: Optional[float]) -> list[Notice]:
-        self._raise_deferred_error()
         self._check_peer()
+        self._raise_deferred_error()
         deadline = None if timeout is None else time.monotonic() + timeout
         posted: list[Notice] = []
         while self._inflight:
@@ -333,32 +410,73 @@ class KVSender:
             if request_id not in self._next_slice and not self.in_flight(request_id):
                 self._revoked.discard(request_id)  # cancelled and no copy left: forget it
         self._settle(ids)
+        self._post_fences()
         return notices
 
     def in_flight(self, request_id: int) -> bool:
-        """Whether a queued copy still carries blocks of the request."""
+        """Whether a queued copy still carries blocks of the request (finished copies count
+        until their notices are posted)."""
         with self._lock:
             return any(n.request_id == request_id for job in self._inflight for n in job.notices)
 
+    def _reading(self, request_id: int) -> bool:
+        """Whether a queued copy that carries the request's blocks has not finished."""
+        return any(not job.pending.done() for job in self._inflight if any(n.request_id == request_id for n in job.notices))
+
+    def leased(self, request_id: int) -> bool:
+        """Whether the request's source blocks are leased to the sender: it is registered (a
+        later send reads them) or an unfinished copy reads them. The engine may free, evict
+        or reuse them only while this is false: once `remove` or `cancel` returned (a
+        `cancel` that raised keeps the lease), or, for a failed request, once its copies
+        ended."""
+        with self._lock:
+            return request_id in self._next_slice or self._reading(request_id)
+
     def failures(self) -> dict[int, TransferError]:
         """Requests that failed and that `remove` or `cancel` has not acknowledged yet, with
-        their errors. Their source blocks are free once `in_flight` is false for them."""
+        their errors. Their source blocks are free once `leased` is false for them."""
         with self._lock:
             return {rid: err for rid, (err, _) in self._failed.items()}
 
     def _peer_name(self) -> str:
-        return str(getattr(self.transport, "peer", type(self.transport).__name__))
+        return self.transport.peer
 
     def _check_peer(self) -> None:
-        """Asks the transport (if it can tell) whether its receiver is still there; the first
-        time it is not, fails every request and raises."""
-        check = getattr(self.transport, "check_peer", None)
-        if self._lost is not None or check is None:
+        """Asks the transport whether its receiver is still there (the first time it is not,
+        fails every request and raises), then takes the receiver's cancellations: each
+        request it gave up on fails (the error is raised by the next `poll` or `flush`) and
+        gets its fence once its copies end. A cancellation names the epoch it was issued
+        for, so one meant for an earlier request with the same id is ignored."""
+        if self._lost is not None:
             return
         try:
-            check()
-        except TransferError as err:
-            raise self._lose_peer(err) from err
+            self.transport.check_peer()
+        except TransferError as lost:
+            raise self._lose_peer(lost) from lost
+        ids = [
+            rid
+            for rid, epoch in self.transport.cancel_requests()
+            if epoch and self._epochs.get(rid) == epoch and rid not in self._failed and rid not in self._revoked
+        ]
+        if ids:
+            ids = sorted(set(ids))
+            peer = self._peer_name()
+            err = TransferError(f"requests {ids} cancelled by the {peer}: revoked, their fences follow their last copies", request_ids=ids, peer=peer)
+            self._defer(self._fail(ids, err))
+
+    def _post_fences(self) -> None:
+        """Posts the fence of every request given up whose copies have all ended."""
+        if self._lost is not None:
+            self._unfenced.clear()  # the receiver is gone: its connection's end is the fence
+            return
+        for request_id, epoch in list(self._unfenced.items()):
+            if self._reading(request_id):
+                continue
+            del self._unfenced[request_id]
+            try:
+                self.transport.revoke(request_id, epoch)
+            except TransferError as err:
+                raise self._lose_peer(err) from err
 
     def _lose_peer(self, cause: TransferError, unposted: Sequence[int] = ()) -> TransferError:
         """The receiver is gone: every request fails (a sender has one receiver) except those
@@ -368,6 +486,7 @@ class KVSender:
         if self._lost is not None:
             return self._lost
         ids = sorted(r for r in self._next_slice if r in unposted or self.in_flight(r) or not self.book.is_complete(r))
+        self._unfenced.clear()
         self._lost = TransferError(f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name())
         self._fail(ids, self._lost)
         deadline = time.monotonic() + (self.timeout if self.timeout is not None else LOST_PEER_WAIT_SECONDS)
@@ -387,6 +506,7 @@ class KVSender:
             if request_id in self._next_slice and request_id not in self._failed:
                 self.book.cancel(request_id)
                 self._revoked.add(request_id)
+                self._unfenced[request_id] = self._epochs[request_id]
                 self._failed[request_id] = (error, None)
         self._settle(request_ids)
         return error
@@ -397,14 +517,14 @@ class KVSender:
             failed = self._failed.get(request_id)
             if failed is not None and failed[1] is None and not self.in_flight(request_id):
                 self._failed[request_id] = (failed[0], self.book.remove(request_id))
-                del self._next_slice[request_id]
+                del self._next_slice[request_id], self._epochs[request_id]
                 self._revoked.discard(request_id)
+        self._post_fences()
 
     def _abort(self, job: _Job) -> bool:
         # Only some writes can be called off (a NIXL transfer); a local copy always runs to
         # its end, so its source blocks stay busy until then.
-        abort = getattr(job.pending, "abort", None)
-        return bool(abort()) if abort is not None else False
+        return job.pending.abort()
 
     def _abandon(self, job: _Job) -> None:
         try:
@@ -450,16 +570,20 @@ class KVSender:
             return self._acknowledge(request_id)
         if request_id not in self._next_slice:
             raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
-        self.book.cancel(request_id)
-        self._revoked.add(request_id)
+        if request_id not in self._revoked:  # not a second call after a timeout
+            self.book.cancel(request_id)
+            self._revoked.add(request_id)
+            self._unfenced[request_id] = self._epochs[request_id]
         self._wait_for(request_id, timeout)
         self._drain()
         if request_id in self._failed:  # one of the writes just drained failed it
             return self._acknowledge(request_id)
         if not self.in_flight(request_id):
             self._revoked.discard(request_id)
-        del self._next_slice[request_id]
-        return self.book.remove(request_id)
+        del self._next_slice[request_id], self._epochs[request_id]
+        ledger = self.book.remove(request_id)
+        self._post_fences()  # its copies ended: the receiver may reuse its blocks
+        return ledger
 
     def _wait_for(self, request_id: int, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -473,7 +597,8 @@ class KVSender:
 
     def remove(self, request_id: int) -> TransferLedger:
         """Forgets a request whose copies have all finished (or that failed: acknowledges its
-        failure); returns its ledger."""
+        failure); returns its ledger. A request removed before all its blocks were sent gets
+        its fence: nothing more will come for it."""
         with self._lock:
             return self._remove(request_id)
 
@@ -486,11 +611,18 @@ class KVSender:
         if self.in_flight(request_id):
             raise InvalidArgumentError(f"invalid request_id={request_id}: copies still in flight (flush or wait first)")
         del self._next_slice[request_id]
-        return self.book.remove(request_id)
+        epoch = self._epochs.pop(request_id)
+        ledger = self.book.remove(request_id)
+        if not ledger.is_complete:
+            self._unfenced[request_id] = epoch
+            self._post_fences()
+        return ledger
 
     def close(self) -> None:
-        """Finishes queued copies (within the sender's timeout, if it has one), then releases
-        the engine and the transport. After the receiver was lost there is nothing to post."""
+        """Finishes queued copies (within the sender's timeout, if it has one), posts the
+        fence of every request still registered that the receiver cannot complete, then
+        releases the engine and the transport. After the receiver was lost there is nothing
+        to post."""
         self._closing.set()
         if self._progress is not None:
             self._progress.join(timeout=5)
@@ -504,8 +636,24 @@ class KVSender:
             with self._lock:
                 for job in self._inflight:
                     self._abort(job)  # must not run on into a closed transport
-            self.engine.close()
+            self.engine.close()  # waits for local copies: none reads or writes after this
+            with self._lock:
+                self._fence_remaining()
             self.transport.close()
+
+    def _fence_remaining(self) -> None:
+        """At close: registered requests whose last notice was not posted get their fences
+        (a cross-process receiver would also see the connection end; one in this process
+        would not)."""
+        if self._lost is not None:
+            return
+        for request_id, epoch in self._epochs.items():
+            if request_id in self._revoked or self.in_flight(request_id) or not self.book.is_complete(request_id):
+                self._unfenced.setdefault(request_id, epoch)
+        try:
+            self._post_fences()
+        except TransferError:
+            pass  # the receiver is gone: nothing to tell it
 
 
 def as_table(rows: list[np.ndarray], width: int) -> np.ndarray:

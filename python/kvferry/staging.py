@@ -9,12 +9,16 @@ The ring lives in POSIX shared memory (kvferry.shm) and is page-locked in both p
 both copies run at PCIe speed. Slots are freed in order by the receiver once its
 host-to-device copy finished; a sender that finds the ring full waits (bounded) for frees.
 CPU pools work too (no pinning): that is how CI exercises the protocol.
+
+Here the receiver applies every write itself, so it also checks each one: the blocks of a
+notice the receiver would not take (a stale epoch, a request cancelled here or revoked by
+its sender, another sender's request) stay in the ring and never reach the pool, whatever
+the sender knew when it posted them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from multiprocessing.connection import Connection
 from typing import AbstractSet, Any, Callable, Optional, Sequence
 
@@ -83,10 +87,23 @@ class StagingEndpoint(LocalEndpoint):
 
     def handle(self, conn: Connection, message: Any) -> None:
         """``(notices, lo, freed, picked, dst_ids)``: ring slots from ``lo`` hold a batch of
-        ``len(dst_ids)`` blocks (or more, of which those at ``picked`` go); ``freed`` slots are
-        returned to the sender afterwards."""
-        notices, lo, freed, picked, dst_ids = message
+        ``len(dst_ids)`` blocks (or more, of which those at ``picked`` go), the blocks of
+        ``notices`` in order; ``freed`` slots are returned to the sender afterwards. Blocks
+        of a notice the receiver does not admit are skipped."""
+        wire, lo, freed, picked, dst_ids = message
+        notices = self.notices(wire)
+        dst_ids = np.asarray(dst_ids, dtype=np.int64)
+        picked = None if picked is None else np.asarray(picked, dtype=np.int64)
+        lengths = np.array([n.end - n.start for n in notices], dtype=np.int64)
+        if int(lengths.sum()) != len(dst_ids) or (picked is not None and len(picked) != len(dst_ids)):
+            raise InvalidArgumentError(f"invalid staging batch: notices cover {int(lengths.sum())} blocks, {len(dst_ids)} destination ids, picked {None if picked is None else len(picked)}")
         n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
+        source = self.current_source()
+        admitted = [self.receiver.admits(notice, source) for notice in notices]
+        if not all(admitted):  # stale or refused: their ring slots are not applied
+            keep = np.repeat(np.array(admitted, dtype=bool), lengths)
+            picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
+            dst_ids = dst_ids[keep]
         ring, pool = self.ring.pool, self.receiver.pool
         assert ring is not None
         if len(dst_ids):
@@ -99,7 +116,12 @@ class StagingEndpoint(LocalEndpoint):
             if self._stream is not None:
                 self._stream.synchronize()
         self.deliver(notices)
-        conn.send(freed)  # these slots are free again
+        self._reply(freed)  # these slots are free again
+
+    def _reply(self, message: Any) -> None:
+        peer = getattr(self._local, "peer", None)
+        assert peer is not None, "called off a connection thread"
+        peer.send(message)
 
     def close(self) -> None:
         super().close()
@@ -168,7 +190,7 @@ class StagingTransport(LocalTransport):
     def wait_for_room(self, timeout: float) -> bool:
         if not self._conn.poll(timeout):
             return False
-        self._collect_frees()
+        self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
 
     def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
@@ -205,9 +227,10 @@ class StagingTransport(LocalTransport):
         self._send(([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
 
     @staticmethod
-    def _as_tuples(notices: Sequence[Notice]) -> list[tuple[int, int, int, int, bool]]:
+    def _as_tuples(notices: Sequence[Notice]) -> list[tuple[int, int, int, int, bool, int]]:
         return [n.as_tuple() for n in notices]
 
     def _collect_frees(self) -> None:
-        while self._conn.poll():  # without waiting
-            self._used -= self._conn.recv()
+        self._conn.read_waiting()  # without waiting; cancellations are kept for check_peer
+        while self._conn.replies:
+            self._used -= int(self._conn.replies.popleft())

@@ -1,9 +1,12 @@
 """Transports: one-sided writes into the receiver's pool, then a completion notice.
 
-A transport gives the sender three things: ``geometry``, the receiver pool's layout to check
-against before any byte moves; ``write``, which queues the copy of block pairs into the
-receiver's pool; and ``post``, which hands notices to the receiver once the writes they
-describe have landed. Copy-based transports (in-process, shared memory, CUDA IPC) address the
+A transport gives the sender: ``geometry``, the receiver pool's layout to check against
+before any byte moves; ``write``, which queues the copy of block pairs into the receiver's
+pool; ``post``, which hands notices to the receiver once the writes they describe have
+landed; and ``revoke``, the fence: posted down the same ordered channel as the notices once
+the sender will write nothing more for a request it cancelled or failed, it tells the
+receiver that the request's destination blocks may be reused (docs/faults.md, "Leases,
+epochs and fences"). Copy-based transports (in-process, shared memory, CUDA IPC) address the
 receiver's pool as ``dst`` and write with a copy engine; NIXL writes through its own agent and
 carries the notices with the write.
 """
@@ -11,7 +14,8 @@ carries the notices with the write.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import AbstractSet, Optional, Sequence
+from collections import deque
+from typing import AbstractSet, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -38,6 +42,21 @@ class Transport(ABC):
     # (None: no limit). A transport whose receiver has work to do per write sets it, so that
     # work overlaps the copy of the next write.
     max_write_blocks: Optional[int] = None
+    # Names the receiver in errors (a cross-process transport says which socket and pid).
+    peer: str = "receiver"
+
+    def check_peer(self) -> None:
+        """Raises `TransferError` naming the receiver once it is known to be gone; never
+        blocks. A transport that cannot tell returns."""
+
+    def announce(self, requests: Sequence[tuple[int, int]]) -> None:
+        """Tells the receiver, before any notice, that these ``(request_id, epoch)`` come
+        from this sender, so that losing the sender fails them at once."""
+
+    def cancel_requests(self) -> list[tuple[int, int]]:
+        """The ``(request_id, epoch)`` pairs the receiver asked this sender to cancel since
+        the last call (it gave up on them); a transport without a way back returns none."""
+        return []
 
     def geometry(self) -> dict[str, object]:
         """The receiver pool's layout (see `PagedKV.geometry`)."""
@@ -59,6 +78,12 @@ class Transport(ABC):
         """Called once per finished write, in order, with every notice the write carried:
         delivers those whose request is not in ``revoked`` (cancelled requests)."""
 
+    @abstractmethod
+    def revoke(self, request_id: int, epoch: int) -> None:
+        """The fence: this sender writes nothing more into the request's destination blocks
+        (every write that touched them finished or was called off, and was posted or
+        abandoned). Delivered after every notice posted before it."""
+
     def wait_for_room(self, timeout: float) -> bool:
         """After `TransportFull`: blocks until the receiver released room or ``timeout``
         seconds passed; returns whether room was released."""
@@ -75,13 +100,36 @@ class InProcessTransport(Transport):
     """Both pools in one process, on any devices: writes are direct copies and notices are
     method calls."""
 
+    peer = "receiver in this process"
+
     def __init__(self, receiver: KVReceiver) -> None:
         self.receiver = receiver
         self.dst = receiver.pool
+        # The receiver's cancellations of requests no connection owns (in-process senders
+        # deliver without a source); the sender keeps those whose epoch it issued to a
+        # request of its own.
+        self._cancels: deque[tuple[int, int]] = deque()
+        self._unsubscribe = receiver.on_cancel(self._on_cancel)
+
+    def _on_cancel(self, source: Optional[Hashable], request_id: int, epoch: int) -> None:
+        if source is None:
+            self._cancels.append((request_id, epoch))
+
+    def cancel_requests(self) -> list[tuple[int, int]]:
+        out = []
+        while self._cancels:
+            out.append(self._cancels.popleft())
+        return out
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         for notice in kept(batch, revoked):
             self.receiver.deliver(notice)
+
+    def revoke(self, request_id: int, epoch: int) -> None:
+        self.receiver.revoked(request_id, epoch)
+
+    def close(self) -> None:
+        self._unsubscribe()
 
 
 def kept(batch: Sequence[Notice], revoked: AbstractSet[int]) -> list[Notice]:

@@ -4,8 +4,9 @@ connected by a real cross-process transport.
 ```
 context process                           generation process (spawned)
 allocate(rid, prompt)  --control--->     allocates destination blocks, expects the request;
-                      <--blocks, held----  with prefix awareness: the prompt's full blocks it
-                                          still holds (prefix cache, by chained hash)
+                <--blocks, held, epoch--  with prefix awareness: the prompt's full blocks it
+                                          still holds (prefix cache, by chained hash); the
+                                          epoch is the lease the sender stamps on its notices
 KVSender --transport (shm, CUDA IPC, ---> pool; notices -> KVReceiver
            staging, NIXL)
 finish_batch(items) --control--------->   waits for each request's KV, checks it, decodes
@@ -42,11 +43,13 @@ class FinishItem:
 
 @dataclass(frozen=True)
 class Allocation:
-    """The destination blocks of a request, one per prompt block, and the ranges of them the
-    generation worker already holds (they need not cross)."""
+    """The destination blocks of a request, one per prompt block, the ranges of them the
+    generation worker already holds (they need not cross), and the epoch its receiver issued
+    for them (`KVReceiver.expect`)."""
 
     blocks: list[int]
     held: list[tuple[int, int]]
+    epoch: int = 0
 
 
 def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Sequence[int]) -> Allocation:
@@ -57,8 +60,8 @@ def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Seq
     worker.alloc.ref(shared)
     blocks = shared + worker.alloc.allocate(-(-len(prompt) // worker.tpb) - len(shared))
     held = [(0, len(shared))] if shared else []
-    receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held])
-    return Allocation(blocks, held)
+    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held])
+    return Allocation(blocks, held, epoch)
 
 
 @dataclass
@@ -223,6 +226,7 @@ def _endpoint(kind: str, receiver: KVReceiver, shared: Optional[Any], authkey: b
     if kind == "shm":
         from kvferry.shm import ShmEndpoint
 
+        assert shared is not None, "an shm endpoint serves a shared pool"
         return ShmEndpoint(receiver, shared, authkey=authkey)
     if kind == "cuda-ipc":
         from kvferry.local import CudaIpcEndpoint

@@ -126,6 +126,9 @@ class Disaggregated:
             self.ctx.pool, self.generation.transport, pipelined=early, engine=engine, record=record, progress=transport != "in-process"
         )
         self.hook = TransferHook(sender)
+        # The context worker keeps a request's blocks (the reused prefix-cache blocks too)
+        # referenced while its transfer still reads them.
+        self.ctx.leased = self.hook.leased
         self.chunk_size = chunk_size
         self.overlap = overlap
 
@@ -140,7 +143,9 @@ class Disaggregated:
             state = self.ctx.admit(rid, turn.prompt)
             allocation = self.generation.allocate(rid, turn.prompt)
             held = [BlockRange(s, e) for s, e in allocation.held]
-            self.hook.add_request(rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=allocation.blocks, held=held)
+            self.hook.add_request(
+                rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=allocation.blocks, held=held, epoch=allocation.epoch
+            )
             results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=admitted)
             plans[rid] = _chunks(state.reused_len, state.prompt_len, self.chunk_size)
         first: dict[int, int] = {}

@@ -12,6 +12,11 @@ cancel at:  before early send | after early send | mid-chunk | after the last ch
 fast lane:  ThreadCopyEngine, notices posted by poll
 slow lane:  ThreadCopyEngine(link_gbps), progress thread, sender and receiver timeouts
 ```
+Every request holds the epoch its `expect` issued. A cancel from the context side revokes it
+at the sender, whose fence lets `receiver.release` return; a receiver timeout goes the other
+way: `receiver.release` asks the sender (through the transport) to cancel and waits for its
+fence, and only then are the destination blocks reused. Notices that arrive for a request
+the receiver already gave up on are discarded (`SoakReport.late_notices`), never counted.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvferry.engine import ThreadCopyEngine
-from kvferry.errors import DuplicateTransferError, KvFerryError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import DuplicateTransferError, KvFerryError, TransferError, TransferTimeoutError
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
@@ -156,7 +161,8 @@ class SoakReport:
     receiver_timeouts: int = 0
     cancel_timeouts: int = 0  # cancel raised while the request's own copies still ran
     misattributed_cancel_timeouts: int = 0  # ... while they had finished
-    late_notices: int = 0  # reached the receiver after a cancelled request was released
+    late_notices: int = 0  # stale notices the receiver discarded (a request it had given up on)
+    receiver_cancels: int = 0  # requests the sender revoked because the receiver asked
     early_slices: int = 0
     chunked: int = 0
     unaligned_reuse: int = 0
@@ -291,13 +297,16 @@ class Soak:
             progress=True,
         )
         self.lanes = (_Lane(TransferHook(fast), slow=False), _Lane(TransferHook(slow), slow=True))
+        # A request's context blocks stay referenced while either lane's transfer reads them.
+        self.ctx.leased = lambda rid: any(lane.hook.leased(rid) for lane in self.lanes)
         self.sessions = [_Session() for _ in range(config.sessions)]
         self.systems = [[self.rng.randrange(config.model.vocab) for _ in range(self.rng.randint(1, 60))] for _ in range(4)]
         self.running: list[_Live] = []
-        # Late notices arrive within moments of the release: recent cancellations suffice to
-        # tell them from other refusals, and a bounded window keeps the soak's own memory flat.
-        self._recently_cancelled: deque[int] = deque(maxlen=256)
+        # Requests the receiver gave up on: the sender reports each once it revoked it.
+        # Bounded: the report comes within a step or two.
+        self._receiver_gave_up: deque[int] = deque(maxlen=256)
         self._refusals_seen = 0
+        self._discards_seen = 0
         self._endpoint_errors_seen = 0
         self._next_id = 0
 
@@ -342,9 +351,9 @@ class Soak:
             self._next_id += 1
             state = self.ctx.admit(rid, prompt)
             dst = self.gen.alloc.allocate(-(-len(prompt) // cfg.tokens_per_block))
-            self.receiver.expect(rid, len(prompt))
+            epoch = self.receiver.expect(rid, len(prompt))
             lane = self.lanes[rng.random() < cfg.p_slow]
-            lane.hook.add_request(rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst)
+            lane.hook.add_request(rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst, epoch=epoch)
             chunked = rng.random() < cfg.p_chunked
             self.report.chunked += chunked
             self.report.unaligned_reuse += state.reused_len % cfg.tokens_per_block != 0
@@ -406,8 +415,22 @@ class Soak:
             self.report.sender_timeouts += 1
             for r in [r for r in self.running if r.lane is lane and lane.hook.sender.in_flight(r.rid)]:
                 self._cancel(r, "sender timeout")
+        except TransferError as err:
+            # The sender revoked requests because the receiver asked: the receiver's own
+            # timeout path has already acknowledged them (see `_cancel`).
+            if not lane.slow or "cancelled by the" not in str(err) or not set(err.request_ids) <= set(self._receiver_gave_up):
+                raise
+            self.report.receiver_cancels += len(err.request_ids)
 
-    def _cancel(self, r: _Live, why: str) -> None:
+    def _cancel(self, r: _Live, why: str, *, receiver_first: bool = False) -> None:
+        """Ends a request that will not complete. By default the context side cancels
+        first (its fence lets the receiver release at once); ``receiver_first``: the
+        generation side gives up, and its release waits for the sender to hear of it and
+        post its fence."""
+        if receiver_first:
+            self._check_ledger(r, complete=False)
+            self._receiver_gave_up.append(r.rid)
+            self.receiver.release(r.rid, timeout=CANCEL_GIVE_UP_SECONDS)
         give_up = time.monotonic() + CANCEL_GIVE_UP_SECONDS
         while True:
             try:
@@ -423,9 +446,11 @@ class Soak:
                 if time.monotonic() > give_up:
                     raise
                 time.sleep(self.cfg.cancel_timeout)
-        self._check_ledger(r, complete=False)
-        self.receiver.release(r.rid)
-        self._recently_cancelled.append(r.rid)
+        if receiver_first:
+            self._poll(r.lane)  # the sender's report of the receiver's cancellation, if any
+        else:
+            self._check_ledger(r, complete=False)
+            self.receiver.release(r.rid, timeout=CANCEL_GIVE_UP_SECONDS)  # its fence is on the way
         self.gen.alloc.release(r.dst, [False] * len(r.dst))
         self.ctx.finish(r.rid)  # what was computed stays cached
         r.session.tokens = r.prompt  # the user tries again with more words
@@ -441,7 +466,7 @@ class Soak:
                 self.receiver.wait(rid, timeout=self.cfg.receiver_timeout)
             except TransferTimeoutError:
                 self.report.receiver_timeouts += 1
-                self._cancel(r, "receiver timeout")
+                self._cancel(r, "receiver timeout", receiver_first=True)
                 return
         r.lane.hook.finish(rid)
         self.receiver.wait(rid, timeout=30)
@@ -478,7 +503,9 @@ class Soak:
 
     def _audit(self) -> None:
         assert self.ctx.cache is not None
-        ctx = audit_allocator(self.ctx.alloc, Counter(b for s in self.ctx.requests.values() for b in s.blocks), self.ctx.cache.is_cached)
+        held = Counter(b for s in self.ctx.requests.values() for b in s.blocks)
+        held.update(b for blocks in self.ctx.parked.values() for b in blocks)  # leased to a transfer
+        ctx = audit_allocator(self.ctx.alloc, held, self.ctx.cache.is_cached)
         gen_held = Counter(b for r in self.running for b in r.dst)
         gen = audit_allocator(self.gen.alloc, gen_held, lambda block: False)
         self.report.leaked_blocks = max(self.report.leaked_blocks, ctx.leaked + gen.leaked)
@@ -486,27 +513,30 @@ class Soak:
         self._check_refusals()
 
     def _check_refusals(self) -> None:
-        """Notices the receiver refused since the last audit: a duplicate is a failure; one
-        for a request cancelled and released moments ago was only late."""
+        """Notices the receiver refused since the last audit: every one is a failure (a
+        duplicate counts its blocks too). Stale notices are discarded, not refused: those
+        are only counted (`SoakReport.late_notices`)."""
+        discards = self.receiver.discarded_count - self._discards_seen
+        if discards:  # audited after every request: far fewer than the receiver keeps
+            self._discards_seen = self.receiver.discarded_count
+            self.report.late_notices += sum(1 for d in self.receiver.discarded()[-discards:] if d.kind == "notice")
         new = self.receiver.refused_count - self._refusals_seen
-        endpoint_errors = [] if self._endpoint is None else self._endpoint.errors[self._endpoint_errors_seen :]
-        if not new and not endpoint_errors:
+        new_errors = 0 if self._endpoint is None else self._endpoint.error_count - self._endpoint_errors_seen
+        if not new and not new_errors:
             return
         self._refusals_seen = self.receiver.refused_count
         refusals = self.receiver.refused()[-new:] if new else []
         for refusal in refusals:
             if isinstance(refusal.error, DuplicateTransferError):
                 self.report.duplicate_blocks += refusal.notice.end - refusal.notice.start
-            elif isinstance(refusal.error, UnknownRequestError) and refusal.notice.request_id in self._recently_cancelled:
-                self.report.late_notices += 1
-                continue
             self.report.errors.append(f"receiver refused {refusal.notice}: {type(refusal.error).__name__}: {refusal.error}")
         # The endpoint records the refusals above too (the same exception objects), and
-        # whatever else went wrong on its side (handshakes, broken messages). Its list is
-        # read, never cleared: what it keeps counts in the soak's memory figures.
+        # whatever else went wrong on its side (handshakes, broken messages). It keeps the
+        # last few only; its count says how many there were.
+        endpoint_errors = list(self._endpoint.errors)[-new_errors:] if new_errors else []
         known = {id(r.error) for r in refusals}
         self.report.errors += [f"endpoint: {type(e).__name__}: {e}" for e in endpoint_errors if id(e) not in known]
-        self._endpoint_errors_seen += len(endpoint_errors)
+        self._endpoint_errors_seen += new_errors
 
     def _final_audit(self) -> None:
         """Everything ended: no request may be left anywhere, and once the prefix cache has
@@ -519,13 +549,19 @@ class Soak:
                 "hook": len(lane.hook),
                 "book": len(sender.book),
                 "slice counters": len(getattr(sender, "_next_slice", ())),
+                "epochs": len(getattr(sender, "_epochs", ())),
                 "revoked set": len(getattr(sender, "_revoked", ())),
+                "unposted fences": len(getattr(sender, "_unfenced", ())),
+                "failures": len(sender.failures()),
             }
             for what, n in kept.items():
                 if n:
                     self.report.errors.append(f"{'slow' if lane.slow else 'fast'} lane: the {what} keeps {n} requests")
         if len(self.receiver):
             self.report.errors.append(f"receiver keeps {len(self.receiver)} requests")
+        self.ctx.reap()
+        if self.ctx.parked:
+            self.report.errors.append(f"context worker keeps the blocks of {sorted(self.ctx.parked)} leased after every transfer ended")
         alloc = self.ctx.alloc
         evicted = alloc.allocate(alloc.available)
         alloc.release(evicted, [False] * len(evicted))

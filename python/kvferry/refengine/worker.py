@@ -1,11 +1,24 @@
 """One worker of the reference engine: a model, its paged KV pool, an allocator and a prefix
-cache, and the per-request state a scheduler drives (admit, prefill chunks, decode, finish)."""
+cache, and the per-request state a scheduler drives (admit, prefill chunks, decode, finish).
+
+Source leases. On a context worker a request's blocks, the prefix-cache blocks it reuses
+included, are read by its transfer until the hook lets go of them (`TransferHook.leased`).
+`finish` of a request whose blocks are still leased (an abort, say, while an early copy is
+queued) parks them: they keep their references, so neither a prefix-cache eviction nor an
+allocation can take them, and `reap` (run by every `admit`) releases them once the lease
+ended.
+
+```
+admit: ref(reused) + allocate --> copies queued --finish--> parked (refs held) --lease ends--> released
+                                                                               (reap)          cached blocks idle
+```
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,9 +64,14 @@ class Worker:
         self.alloc = BlockAllocator(num_blocks)
         self.cache: Optional[PrefixCache] = PrefixCache(tokens_per_block, self.alloc) if prefix_cache else None
         self.requests: dict[int, RequestState] = {}
+        # Whether a request's blocks are still read by its transfer (`TransferHook.leased`
+        # on a context worker); none are by default.
+        self.leased: Callable[[int], bool] = lambda request_id: False
+        self._parked: dict[int, list[int]] = {}  # finished, blocks still leased
 
     def admit(self, request_id: int, prompt: Sequence[int]) -> RequestState:
         """Finds the cached prefix, allocates the rest, and copies a partially reused block."""
+        self.reap()
         prompt = list(prompt)
         hit = self.cache.lookup(prompt, len(prompt) - 1) if self.cache is not None else None
         shared = hit.blocks if hit is not None else []
@@ -112,11 +130,31 @@ class Worker:
 
     def finish(self, request_id: int, *, cache_tokens: Optional[int] = None) -> RequestState:
         """Releases the request's blocks, keeping those that hold ``cache_tokens`` tokens in
-        the prefix cache (default: every computed token)."""
+        the prefix cache (default: every computed token). Blocks still leased to a transfer
+        are parked instead, with their references, until `reap` finds the lease ended."""
         state = self.requests.pop(request_id)
         keep = state.computed if cache_tokens is None else cache_tokens
         if self.cache is not None:
             self.cache.insert(state.tokens[:keep], state.blocks[: -(-keep // self.tpb)])
-        cached = [self.cache is not None and self.cache.is_cached(b) for b in state.blocks]
-        self.alloc.release(state.blocks, cached)
+        if self.leased(request_id):
+            self._parked[request_id] = state.blocks
+        else:
+            self._release(state.blocks)
         return state
+
+    def _release(self, blocks: list[int]) -> None:
+        cached = [self.cache is not None and self.cache.is_cached(b) for b in blocks]
+        self.alloc.release(blocks, cached)
+
+    def reap(self) -> list[int]:
+        """Releases the blocks of finished requests whose lease has ended; returns those
+        requests' ids."""
+        done = [rid for rid in self._parked if not self.leased(rid)]
+        for rid in done:
+            self._release(self._parked.pop(rid))
+        return done
+
+    @property
+    def parked(self) -> dict[int, list[int]]:
+        """Finished requests whose blocks are still leased, with those blocks."""
+        return dict(self._parked)
