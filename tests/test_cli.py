@@ -143,3 +143,19 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
 def test_bench_agentic_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "agentic", "--heads", "6", "--kv-heads", "4"]) == 2
     assert "multiple of --kv-heads" in capsys.readouterr().err
+
+
+def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out = tmp_path / "fanout.json"
+    argv = ["bench", "fanout", "--requests", "3", "--prefix", "256", "--suffix", "8", "--output", "2", "--chunk", "64", "--link-gbps", "0", "--json", str(out)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["outputs_match"] is True and result["kv_mismatch_blocks"] == 0
+    # tpb 16: a 264-token prompt is 16 full prefix blocks + 1 own block; the prefix crosses once.
+    assert result["without_dedup"]["blocks_sent"] == 3 * 17
+    assert result["with_dedup"]["blocks_sent"] == 16 + 3
+    assert result["bytes_ratio"] == pytest.approx(19 / 51)
+    assert "outputs match aggregated: True" in table

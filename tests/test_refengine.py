@@ -192,3 +192,37 @@ def test_prefix_awareness_keeps_held_blocks_at_the_receiver(model: TinyLlama, tr
         assert held_per_turn[0] == 0 and all(h > 0 for h in held_per_turn[1:]), held_per_turn
     finally:
         dis.close()
+
+
+@pytest.fixture(scope="module")
+def fan_out(model: TinyLlama):  # type: ignore[no-untyped-def]
+    """Eight concurrent requests with one shared 8k-token prefix (n samples of one prompt) and
+    aggregated serving's results for them."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(CFG.vocab) for _ in range(8192)]
+    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(CFG.vocab) for _ in range(rng.randrange(5, 40))]), 3) for i in range(8)]
+    agg = Aggregated(model, num_blocks=4400, tokens_per_block=TPB, chunk_size=1024)
+    return turns, agg.run(turns)
+
+
+@pytest.mark.parametrize("transport, dedup", [("in-process", False), ("in-process", True), ("shm", True)])
+def test_in_flight_dedup_moves_a_shared_prefix_once(model: TinyLlama, fan_out, transport: str, dedup: bool) -> None:  # type: ignore[no-untyped-def]
+    """With dedup the shared prefix's blocks cross once (without it, once per request): the
+    other requests map and await them, and every request's KV is bit exact and its output
+    equals aggregated serving's."""
+    turns, want = fan_out
+    dis = Disaggregated(model, num_blocks=4400, tokens_per_block=TPB, chunk_size=1024, transport=transport, dedup=dedup)
+    try:
+        got = dis.run(turns, check_kv=True)
+    finally:
+        dis.close()
+    prefix_blocks = 8192 // TPB
+    crossed = [b for t in turns for n in got[t.request_id].notices for b in range(n.start, n.end)]
+    for t in turns:
+        d = got[t.request_id]
+        assert d.outputs == want[t.request_id].outputs, t.request_id
+        assert d.kv_mismatch_blocks == 0
+    prefix_crossings = sum(b < prefix_blocks for b in crossed)
+    assert prefix_crossings == (prefix_blocks if dedup else 8 * prefix_blocks)
+    # Every request's own tail (the suffix and its partial block) crosses either way.
+    assert len(crossed) - prefix_crossings == sum(-(-len(t.prompt) // TPB) - prefix_blocks for t in turns)

@@ -483,3 +483,52 @@ def test_blocks_the_receiver_holds_never_cross() -> None:
         assert sender.remove(rid).is_complete
     assert sum(n.end - n.start for n in sent) == sum(-(-p // TPB) for _, p, _ in REQUESTS) - sum(len(r) for rs in held.values() for r in rs)
     sender.close()
+
+
+def test_awaited_blocks_complete_with_their_owner() -> None:
+    """In-flight dedup at the receiver: a request's awaited blocks count as its own only once
+    they arrived with the owner's transfer; an owner that fails, or is forgotten before
+    they arrived, fails the request; a notice for awaited blocks is refused."""
+    from kvferry._core import BlockRange
+
+    def receiver() -> KVReceiver:
+        return KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+
+    r = receiver()
+    owner = r.expect(1, 40)  # blocks [0, 10)
+    r.expect(2, 44, awaits=[(1, BlockRange(0, 8))])  # shares 8 blocks, brings [8, 11) itself
+    with pytest.raises(InvalidArgumentError, match="owner request_id=9"):
+        r.expect(3, 44, awaits=[(9, BlockRange(0, 8))])
+    with pytest.raises(DuplicateTransferError):
+        r.deliver(Notice(2, 0, 0, 2, False, 0))  # awaited blocks never come for request 2
+    r = receiver()
+    r.expect(1, 40)
+    r.expect(2, 44, awaits=[(1, BlockRange(0, 8))])
+    assert r.deliver(Notice(2, 0, 8, 11, True, 0))
+    with pytest.raises(TransferTimeoutError):
+        r.wait(2, timeout=0.05)  # its own blocks are in, the shared ones are not
+    r.deliver(Notice(1, 0, 0, 8, False, 0))
+    assert r.wait(2, timeout=1) > 0
+    r.deliver(Notice(1, 1, 8, 10, True, 0))
+    r.release(1)
+    r.release(2)
+    # Released after the shared blocks arrived: fine; before: the request fails.
+    r = receiver()
+    r.expect(1, 40)
+    r.expect(2, 44, awaits=[(1, BlockRange(0, 8))])
+    r.expect(3, 44, awaits=[(1, BlockRange(0, 8))])
+    r.deliver(Notice(2, 0, 8, 11, True, 0))
+    r.deliver(Notice(3, 0, 8, 11, True, 0))
+    r.deliver(Notice(1, 0, 0, 4, False, 0))
+    r.fail(1, TransferError("receiver of request 1 gone"))
+    for rid in (2, 3):
+        with pytest.raises(TransferError, match="request 1"):
+            r.wait(rid, timeout=1)
+    r = receiver()
+    r.expect(1, 40)
+    r.expect(2, 44, awaits=[(1, BlockRange(0, 8))])
+    r.deliver(Notice(2, 0, 8, 11, True, 0))
+    r.release_unfenced(1)
+    with pytest.raises(TransferError, match="request 1's transfer, which failed"):
+        r.wait(2, timeout=1)
+    assert owner == 1

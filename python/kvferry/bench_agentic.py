@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
+from kvferry.benchutil import machine, percentile, stderr_progress
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.sender import TransferRecord
@@ -162,11 +162,6 @@ def _figures(mode: str, turn: int, results: dict[int, TurnResult], records: list
     return figures, hidden, early_total
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     batches = (4 if cfg.aware else 3) * (cfg.turns + 1)  # turn batches: reference, then each mode
     done = 0
@@ -227,11 +222,11 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
 
     def summary(mode: str, key: str) -> dict[str, float]:
         values = [getattr(f, key) for f in per_request if f.mode == mode]
-        return {f"{key}_p50": statistics.median(values), f"{key}_p90": _p(values, 0.9), f"{key}_mean": statistics.fmean(values)}
+        return {f"{key}_p50": statistics.median(values), f"{key}_p90": percentile(values, 0.9), f"{key}_mean": statistics.fmean(values)}
 
     result: dict[str, Any] = {
         "config": {k: v for k, v in asdict(cfg).items()},
-        "machine": torch.cuda.get_device_name(0) if cfg.device == "cuda" else _cpu_name(),
+        "machine": machine(cfg.device),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "outputs_match": outputs_match,
         "output_divergences": divergences,
@@ -250,16 +245,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         mode_summary["after_bytes"] = sum(f.after_bytes for f in per_request if f.mode == mode)
         result[mode] = mode_summary
     ideal = [f.ideal_kv_ready_ms for f in per_request if f.mode == "early"]
-    result["ideal"] = {"kv_ready_ms_p50": statistics.median(ideal), "kv_ready_ms_p90": _p(ideal, 0.9)}
+    result["ideal"] = {"kv_ready_ms_p50": statistics.median(ideal), "kv_ready_ms_p90": percentile(ideal, 0.9)}
     return result
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
-    except OSError:
-        return "CPU"
 
 
 def format_agentic(result: dict[str, Any]) -> str:
@@ -336,5 +323,4 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def progress_to_stderr(message: str) -> None:
-    print(f"[bench agentic] {message}", file=sys.stderr, flush=True)
+progress_to_stderr = stderr_progress("bench agentic")

@@ -12,7 +12,6 @@ import itertools
 import multiprocessing as mp
 import secrets
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
@@ -20,6 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from kvferry.benchutil import machine, stderr_progress
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
@@ -273,25 +273,12 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 remote.close()
     return {
         "config": asdict(cfg),
-        "machine": _machine(cfg.device),
+        "machine": machine(cfg.device),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "ceiling_gbps": ceiling,
         "host_link_gbps": host_link,
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    except OSError:
-        model = "unknown CPU"
-    import os
-
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -309,5 +296,4 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def progress_to_stderr(message: str) -> None:
-    print(f"[bench copy] {message}", file=sys.stderr, flush=True)
+progress_to_stderr = stderr_progress("bench copy")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import KvFerryError
@@ -197,16 +198,66 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
     agentic.set_defaults(func=_cmd_bench_agentic)
+
+    fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
+    fanout.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fanout.add_argument("--requests", type=_positive, default=8, metavar="N", help="concurrent requests (default %(default)s)")
+    fanout.add_argument("--prefix", type=_positive, default=8192, metavar="TOKENS", help="shared prefix (default %(default)s)")
+    fanout.add_argument("--suffix", type=_positive, default=32, metavar="TOKENS", help="each request's own tokens (default %(default)s)")
+    fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS")
+    fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N")
+    fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size (default %(default)s)")
+    fanout.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process")
+    fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
+    fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    fanout.set_defaults(func=_cmd_bench_fanout)
     return parser
 
 
-def _cmd_bench_agentic(args: argparse.Namespace) -> int:
-    import json
+def _cmd_bench_fanout(args: argparse.Namespace) -> int:
+    from kvferry.bench_fanout import FanoutConfig, format_fanout, progress_to_stderr, run_fanout
 
-    from kvferry.bench_agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
+    refused = _device_refused(args)
+    if refused is not None:
+        return refused
+    cfg = FanoutConfig(
+        device=args.device,
+        requests=args.requests,
+        prefix_tokens=args.prefix,
+        suffix_tokens=args.suffix,
+        output_tokens=args.output,
+        tokens_per_block=args.tokens_per_block,
+        chunk_size=args.chunk,
+        transport=args.transport,
+        link_gbps=args.link_gbps or None,
+    )
+    result = run_fanout(cfg, progress=progress_to_stderr)
+    print(format_fanout(result))
+    _write_json(args.json, result)
+    return 0
 
+
+def _device_refused(args: argparse.Namespace) -> Optional[int]:
+    """The exit status for a ``--device``/``--transport`` pair this machine cannot run."""
     if _cuda_missing(args.device):
         return 2
+    if args.transport == "cuda-ipc" and args.device != "cuda":
+        return _refuse(f"--transport cuda-ipc needs --device cuda, got --device {args.device}")
+    return None
+
+
+def _write_json(path: Optional[str], result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _cmd_bench_agentic(args: argparse.Namespace) -> int:
+    from kvferry.bench_agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
+
+    refused = _device_refused(args)
+    if refused is not None:
+        return refused
     if args.heads % args.kv_heads:
         print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
         return 2
@@ -214,8 +265,6 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         return _refuse(f"--head-dim {args.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)")
-    if args.transport == "cuda-ipc" and args.device != "cuda":
-        return _refuse(f"--transport cuda-ipc needs --device cuda, got --device {args.device}")
     cfg = AgenticConfig(
         device=args.device,
         sessions=args.sessions,
@@ -241,9 +290,7 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         return 2
     result = run_agentic(cfg, progress=progress_to_stderr)
     print(format_agentic(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    _write_json(args.json, result)
     if args.png:
         draw_timeline(result, args.png)
         print(f"timeline: {args.png}")
@@ -311,8 +358,6 @@ def _cuda_missing(device: str) -> bool:
 
 
 def _cmd_bench_copy(args: argparse.Namespace) -> int:
-    import json
-
     from kvferry.bench_copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
 
     if _cuda_missing(args.device):
@@ -340,9 +385,7 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         return 2
     result = run_copy_bench(cfg, progress=progress_to_stderr)
     print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    _write_json(args.json, result)
     return 0
 
 

@@ -66,6 +66,10 @@ class _Expected:
     revoked: bool = False  # its sender posted its fence: notices are discarded
     fenced: bool = False  # no sender writes its blocks any more (complete counts too)
     asked: bool = False  # its sender was asked to cancel it
+    # Blocks that arrive with another request's transfer (in-flight dedup): (owner request,
+    # blocks), dropped once they have arrived there.
+    awaits: list[tuple[int, BlockRange]] = field(default_factory=list)
+    awaited_at: float = 0.0  # when the last awaited block arrived
 
 
 @dataclass(frozen=True)
@@ -108,20 +112,34 @@ class KVReceiver:
         self.discarded_count = 0
         self._cancel_handlers: list[CancelHandler] = []
 
-    def expect(self, request_id: int, prompt_len: int, *, window: Optional[int] = None, held: Sequence[BlockRange] = ()) -> int:
+    def expect(
+        self,
+        request_id: int,
+        prompt_len: int,
+        *,
+        window: Optional[int] = None,
+        held: Sequence[BlockRange] = (),
+        awaits: Sequence[tuple[int, BlockRange]] = (),
+    ) -> int:
         """Registers a request before its first notice and returns its epoch, which the
         engine passes to the context side with the destination blocks (`KVSender.add`).
         ``held`` lists blocks this worker already holds: they count as arrived and must never
-        be sent."""
+        be sent. ``awaits`` lists ``(owner, blocks)``: blocks of this request that arrive
+        with request ``owner``'s transfer into the same destination blocks (in-flight dedup);
+        they are never sent for this request either, and it completes only once they arrived
+        there (it fails if ``owner`` fails or is released first)."""
         ledger = TransferLedger(self.pool.tokens_per_block, prompt_len, window=window)
-        for blocks in held:
+        for blocks in [*held, *(blocks for _, blocks in awaits)]:
             ledger.claim(blocks)
         with self._cond:
             if request_id in self._requests:
                 raise InvalidArgumentError(f"invalid request_id={request_id}: already expected")
+            for owner, _ in awaits:
+                if owner not in self._requests or owner == request_id:
+                    raise InvalidArgumentError(f"invalid awaits: owner request_id={owner} is not another expected request")
             epoch = self._next_epoch
             self._next_epoch += 1
-            expected = _Expected(ledger, epoch)
+            expected = _Expected(ledger, epoch, awaits=list(awaits))
             if ledger.is_complete:  # everything was held: nothing will arrive
                 expected.arrived_at = time.monotonic()
                 expected.fenced = True
@@ -214,7 +232,8 @@ class KVReceiver:
         if complete:
             expected.arrived_at = time.monotonic()
             expected.fenced = True
-            self._cond.notify_all()
+        # Every arrival: a request awaiting these blocks (in-flight dedup) may be done too.
+        self._cond.notify_all()
         return complete
 
     def admits(self, notice: Notice, source: Optional[Hashable] = None) -> bool:
@@ -413,15 +432,43 @@ class KVReceiver:
                 if expected.error is not None:
                     peer = getattr(expected.error, "peer", None)
                     raise TransferError(f"request {request_id} failed: {expected.error}", request_ids=(request_id,), peer=peer) from expected.error
-                if expected.ledger.is_complete:
+                if expected.ledger.is_complete and self._settle_awaits(request_id, expected):
                     assert expected.arrived_at is not None
-                    return expected.arrived_at
+                    return max(expected.arrived_at, expected.awaited_at)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     missing = expected.ledger.missing()
                     peer = None if expected.source is None else str(expected.source)
                     raise TransferTimeoutError(f"request {request_id}: blocks {missing} did not arrive within {timeout} s", request_ids=(request_id,), peer=peer)
                 self._cond.wait(left)
+
+    def _forget(self, request_id: int) -> None:
+        """Drops a request (lock held). Requests awaiting its blocks keep those that arrived;
+        the others fail at their next `wait`."""
+        for other, theirs in self._requests.items():
+            if other != request_id and any(owner == request_id for owner, _ in theirs.awaits):
+                try:
+                    self._settle_awaits(other, theirs)
+                except TransferError:
+                    pass  # recorded on that request: its wait raises
+        del self._requests[request_id]
+        self._cond.notify_all()
+
+    def _settle_awaits(self, request_id: int, expected: _Expected) -> bool:
+        """Drops the awaited blocks that have arrived with their owner's transfer; True when
+        none is left. An owner that failed or was forgotten first fails this request."""
+        for owner, blocks in list(expected.awaits):
+            theirs = self._requests.get(owner)
+            if theirs is None or theirs.error is not None:
+                why = "was released" if theirs is None else f"failed ({theirs.error})"
+                expected.error = TransferError(
+                    f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did", request_ids=(request_id,)
+                )
+                raise TransferError(f"request {request_id} failed: {expected.error}", request_ids=(request_id,)) from expected.error
+            if not any(m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing()):
+                expected.awaits.remove((owner, blocks))
+                expected.awaited_at = max(expected.awaited_at, time.monotonic() if theirs.arrived_at is None else theirs.arrived_at)
+        return not expected.awaits
 
     def release(self, request_id: int, timeout: Optional[float] = RELEASE_SECONDS) -> TransferLedger:
         """Forgets a request; its destination blocks are the caller's to reuse once this
@@ -436,7 +483,7 @@ class KVReceiver:
             while True:
                 expected = self._get(request_id)
                 if expected.fenced:
-                    del self._requests[request_id]
+                    self._forget(request_id)
                     return expected.ledger
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -455,7 +502,9 @@ class KVReceiver:
         handed them out, or it keeps them out of use. A late notice for it is discarded."""
         self.cancel(request_id)
         with self._cond:
-            expected = self._requests.pop(request_id, None)
+            expected = self._requests.get(request_id)
+            if expected is not None:
+                self._forget(request_id)
         if expected is None:
             self._raise_unknown(request_id)
         return expected.ledger  # type: ignore[union-attr]

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 from kvferry._core import BlockRange
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
+from kvferry.refengine.cache import PrefixCache
 from kvferry.refengine.worker import Worker
 from kvferry.transport import InProcessTransport, Transport
 
@@ -43,25 +44,88 @@ class FinishItem:
 
 @dataclass(frozen=True)
 class Allocation:
-    """The destination blocks of a request, one per prompt block, the ranges of them the
-    generation worker already holds (they need not cross), and the epoch its receiver issued
-    for them (`KVReceiver.expect`)."""
+    """The destination blocks of a request, one per prompt block, the ranges of them that
+    need not cross (the generation worker already holds them, or another request's transfer
+    is bringing them), and the epoch its receiver issued for them (`KVReceiver.expect`)."""
 
     blocks: list[int]
     held: list[tuple[int, int]]
     epoch: int = 0
 
 
-def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Sequence[int]) -> Allocation:
+class InflightBlocks:
+    """Blocks whose KV is on its way to this worker, by chained block hash (in-flight dedup):
+    a request that carries the same full block maps the block already coming instead of
+    having it sent again, and waits for that transfer."""
+
+    def __init__(self) -> None:
+        self._by_hash: dict[int, tuple[int, int]] = {}  # hash -> (block, owner request)
+        self._by_owner: dict[int, list[int]] = {}
+
+    def get(self, block_hash: int) -> Optional[tuple[int, int]]:
+        return self._by_hash.get(block_hash)
+
+    def add(self, owner: int, hashes_and_blocks: Sequence[tuple[int, int]]) -> None:
+        for h, block in hashes_and_blocks:
+            self._by_hash.setdefault(h, (block, owner))
+        self._by_owner.setdefault(owner, []).extend(h for h, _ in hashes_and_blocks)
+
+    def drop(self, owner: int) -> None:
+        """The owner's transfer ended (arrived, failed or cancelled): later requests get its
+        blocks from the prefix cache, if at all."""
+        for h in self._by_owner.pop(owner, []):
+            if self._by_hash.get(h, (None, None))[1] == owner:
+                del self._by_hash[h]
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as maximal ``[start, end)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Sequence[int], inflight: Optional[InflightBlocks] = None) -> Allocation:
     """With a prefix cache (prefix awareness on), the prompt's leading full blocks that this
-    worker still holds from an earlier turn are mapped into the request and expected as held;
-    the rest are fresh blocks that the context worker fills."""
+    worker still holds from an earlier turn are mapped into the request and expected as held.
+    With ``inflight`` (dedup on), full blocks that another request's transfer is already
+    bringing are mapped too (shared, reference-counted) and awaited. The rest are fresh
+    blocks that the context worker fills."""
+    tpb = worker.tpb
     shared = worker.cache.lookup(prompt, len(prompt)).blocks if worker.cache is not None else []
     worker.alloc.ref(shared)
-    blocks = shared + worker.alloc.allocate(-(-len(prompt) // worker.tpb) - len(shared))
+    num_blocks = -(-len(prompt) // tpb)
+    blocks: list[Optional[int]] = [*shared, *([None] * (num_blocks - len(shared)))]
+    hashes: list[int] = []
+    borrowed: dict[int, list[int]] = {}  # owner -> block indices
+    if inflight is not None:
+        parent = 0
+        for i in range(len(prompt) // tpb):  # full blocks only: a partial one is recomputed
+            parent = PrefixCache.chain(parent, prompt[i * tpb : (i + 1) * tpb])
+            hashes.append(parent)
+            hit = inflight.get(parent) if blocks[i] is None else None
+            if hit is not None:
+                worker.alloc.ref([hit[0]])
+                blocks[i] = hit[0]
+                borrowed.setdefault(hit[1], []).append(i)
+    fresh = iter(worker.alloc.allocate(sum(b is None for b in blocks)))
+    fresh_at = [i for i, b in enumerate(blocks) if b is None]
+    for i in fresh_at:
+        blocks[i] = next(fresh)
     held = [(0, len(shared))] if shared else []
-    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held])
-    return Allocation(blocks, held, epoch)
+    awaits = [(owner, BlockRange(s, e)) for owner, idx in borrowed.items() for s, e in _runs(idx)]
+    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held], awaits=awaits)
+    if inflight is not None:
+        inflight.add(request_id, [(hashes[i], blocks[i]) for i in fresh_at if i < len(hashes)])  # type: ignore[misc]
+    never_sent = sorted(held + [(r.start, r.end) for _, r in awaits])
+    return Allocation([int(b) for b in blocks if b is not None], never_sent, epoch)
 
 
 @dataclass
@@ -74,12 +138,18 @@ class GenerationOutcome:
     digests: list[str] = field(default_factory=list)  # per destination block, prompt slots
 
 
-def _finish(worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], items: Sequence[FinishItem], digests: bool) -> dict[int, GenerationOutcome]:
+def _finish(
+    worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], items: Sequence[FinishItem], digests: bool, inflight: Optional[InflightBlocks] = None
+) -> dict[int, GenerationOutcome]:
     """Waits for each request's KV, then decodes the batch one token per request per step."""
     outcomes = {}
     for item in items:
         rid = item.request_id
-        kv_ready = receiver.wait(rid, timeout=300)
+        try:
+            kv_ready = receiver.wait(rid, timeout=300)
+        finally:
+            if inflight is not None:
+                inflight.drop(rid)
         notices = receiver.notices(rid)
         receiver.release(rid)
         dst = blocks.pop(rid)
@@ -104,20 +174,22 @@ def _finish(worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], 
 class LocalGeneration:
     """A generation worker in this process; the transport is in-process."""
 
-    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, aware: bool = False) -> None:
-        """``aware``: keep a prefix cache and advertise the blocks it still holds."""
+    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, aware: bool = False, dedup: bool = False) -> None:
+        """``aware``: keep a prefix cache and advertise the blocks it still holds; ``dedup``:
+        map full blocks another request is already bringing instead of receiving them again."""
         self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=aware)
+        self.inflight = InflightBlocks() if dedup else None
         self.receiver = KVReceiver(self.worker.pool)
         self.transport: Transport = InProcessTransport(self.receiver)
         self._blocks: dict[int, list[int]] = {}
 
     def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
-        allocation = _allocate(self.worker, self.receiver, request_id, prompt)
+        allocation = _allocate(self.worker, self.receiver, request_id, prompt, self.inflight)
         self._blocks[request_id] = allocation.blocks
         return allocation
 
     def finish_batch(self, items: Sequence[FinishItem], *, digests: bool = False) -> dict[int, GenerationOutcome]:
-        return _finish(self.worker, self.receiver, self._blocks, items, digests)
+        return _finish(self.worker, self.receiver, self._blocks, items, digests, self.inflight)
 
     def close(self) -> None:
         """Nothing to stop: the worker lives in this process."""
@@ -128,14 +200,14 @@ class RemoteGeneration:
     serve CPU or CUDA pools as noted in kvferry.bench_copy; cuda-ipc needs CUDA)."""
 
     def __init__(
-        self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False
+        self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False, dedup: bool = False
     ) -> None:
         if transport not in TRANSPORTS[1:]:
             raise ValueError(f"invalid transport={transport!r}: choose from {', '.join(TRANSPORTS[1:])}")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware), daemon=True)
+        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup), daemon=True)
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
@@ -181,7 +253,7 @@ def _open_transport(kind: str, address: str, authkey: bytes, src_pool: Any) -> T
     return NixlTransport(address, authkey=authkey, src=src_pool)
 
 
-def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool) -> None:
+def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool) -> None:
     try:
         model = TinyLlama(cfg, device)
         shared = None
@@ -201,6 +273,7 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
         return
     conn.send(endpoint.address)
     blocks: dict[int, list[int]] = {}
+    inflight = InflightBlocks() if dedup else None
     while True:
         message = conn.recv()
         try:
@@ -208,12 +281,12 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
                 break
             if message[0] == "allocate":
                 _, rid, prompt = message
-                allocation = _allocate(worker, receiver, rid, prompt)
+                allocation = _allocate(worker, receiver, rid, prompt, inflight)
                 blocks[rid] = allocation.blocks
                 conn.send(allocation)
             else:
                 _, items, digests = message
-                conn.send(_finish(worker, receiver, blocks, items, digests))
+                conn.send(_finish(worker, receiver, blocks, items, digests, inflight))
         except Exception as err:  # reported to the parent, which raises it
             conn.send(err)
     endpoint.close()

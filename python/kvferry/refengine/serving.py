@@ -103,19 +103,22 @@ class Disaggregated:
         link_gbps: Optional[float] = None,
         record: bool = False,
         aware: bool = False,
+        dedup: bool = False,
     ) -> None:
         """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
         turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
-        and advertises those it still holds, which then never cross)."""
+        and advertises those it still holds, which then never cross); ``dedup`` turns on
+        in-flight dedup (a full block that another request's transfer is already bringing
+        is mapped and awaited instead of sent again)."""
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.generation: LocalGeneration | RemoteGeneration
         if transport == "in-process":
-            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware)
+            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware, dedup=dedup)
         else:
             device = "cuda" if model.device.type == "cuda" else "cpu"
             self.generation = RemoteGeneration(
-                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware
+                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
