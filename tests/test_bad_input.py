@@ -299,6 +299,10 @@ ROWS: list[Row] = [
     Row("book-add-too-long", "TransferBook.add", "prompt_len over MAX_LEDGER_BLOCKS blocks", lambda b: b.add(3, TPB * MAX_LEDGER_BLOCKS + 1), InvalidArgumentError, f"invalid prompt_len={TPB * MAX_LEDGER_BLOCKS + 1}", new_book, book_state),
     Row("book-add-id-huge", "TransferBook.add", "request_id=2**64", lambda b: b.add(HUGE, 8), InvalidArgumentError, f"invalid request_id={HUGE}", new_book, book_state),
     Row("book-add-context-only-str", "TransferBook.add", "context_only='yes'", lambda b: b.add(3, 8, context_only="yes"), TypeError, "context_only must be a bool, got str 'yes'", new_book, book_state),
+    Row("book-hold-not-ranges", "TransferBook.hold", "ranges=[1, 2]", lambda b: b.hold(2, [1, 2]), TypeError, "ranges must be a sequence of BlockRange, got list [1, 2]", new_book, book_state),
+    Row("book-hold-outside", "TransferBook.hold", "a range past the prompt (after a valid one)", lambda b: b.hold(2, [BlockRange(0, 1), BlockRange(7, 9)]), InvalidArgumentError, "invalid range=[7, 9)", new_book, book_state),
+    Row("book-hold-claimed", "TransferBook.hold", "a block already planned", lambda b: (b.plan_early([1]), b.hold(1, [BlockRange(0, 1)])), DuplicateTransferError, "block 0", new_book),
+    Row("book-hold-unknown", "TransferBook.hold", "unknown request_id", lambda b: b.hold(99, []), UnknownRequestError, "unknown request_id=99", new_book, book_state),
     Row("book-remove-unknown", "TransferBook.remove", "unknown request_id", lambda b: b.remove(99), UnknownRequestError, "unknown request_id=99", new_book, book_state),
     Row("book-cancel-unknown", "TransferBook.cancel", "unknown request_id", lambda b: b.cancel(99), UnknownRequestError, "unknown request_id=99", new_book, book_state),
     Row("book-query-unknown", "TransferBook.claimed_blocks", "unknown request_id", lambda b: b.claimed_blocks(99), UnknownRequestError, "unknown request_id=99", new_book, book_state),
@@ -406,6 +410,8 @@ ROWS: list[Row] = [
     # -- KVReceiver ----------------------------------------------------------------------------
     Row("receiver-pool-none", "KVReceiver(...)", "pool=None", lambda _: KVReceiver(None), TypeError, "pool must be a PagedKV, got NoneType",),  # type: ignore[arg-type]
     Row("receiver-expect-prompt", "KVReceiver.expect", "prompt_len=0", lambda r: r.expect(2, 0), InvalidArgumentError, "invalid prompt_len=0", new_receiver, receiver_state),
+    Row("receiver-expect-awaits-unknown", "KVReceiver.expect", "awaits an owner never expected", lambda r: r.expect(2, 16, awaits=[(9, BlockRange(0, 2))]), InvalidArgumentError, "invalid awaits: owner request_id=9", new_receiver, receiver_state),
+    Row("receiver-expect-awaits-self", "KVReceiver.expect", "awaits itself", lambda r: r.expect(2, 16, awaits=[(2, BlockRange(0, 2))]), InvalidArgumentError, "invalid awaits: owner request_id=2", new_receiver, receiver_state),
     Row("receiver-expect-duplicate", "KVReceiver.expect", "request_id already expected", lambda r: r.expect(1, 16), InvalidArgumentError, "invalid request_id=1: already expected", new_receiver, receiver_state),
     Row("receiver-expect-held-range", "KVReceiver.expect", "held range past the prompt", lambda r: r.expect(2, 16, held=[BlockRange(0, 9)]), InvalidArgumentError, "invalid range=[0, 9)", new_receiver, receiver_state),
     Row("receiver-expect-held-overlap", "KVReceiver.expect", "overlapping held ranges", lambda r: r.expect(2, 16, held=[BlockRange(0, 2), BlockRange(1, 3)]), DuplicateTransferError, "block 1 is already claimed", new_receiver, receiver_state),
@@ -442,6 +448,9 @@ ROWS: list[Row] = [
     Row("hook-cancel-unknown", "TransferHook.cancel", "unknown request id", lambda c: c[0].cancel(99), UnknownRequestError, "unknown request_id=99", new_hook, hook_state),
     Row("hook-cancelled-send", "TransferHook.before_forward", "a cancelled request id", lambda c: (c[0].cancel(1), c[0].before_forward([1])), UnknownRequestError, "unknown request_id=1", new_hook),
     # -- kvferry plan --------------------------------------------------------------------------
+    Row("cli-fanout-requests-zero", "kvferry bench fanout", "--requests 0", lambda _: cli("bench", "fanout", "--requests", "0"), CliExit, "argument --requests: must be > 0, got 0"),
+    Row("cli-fanout-ipc-on-cpu", "kvferry bench fanout", "--transport cuda-ipc on cpu", lambda _: cli("bench", "fanout", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc needs --device cuda"),
+    Row("cli-fanout-link-nan", "kvferry bench fanout", "--link-gbps nan", lambda _: cli("bench", "fanout", "--link-gbps", "nan"), CliExit, "argument --link-gbps"),
     Row("cli-plan-tpb-zero", "kvferry plan", "--tokens-per-block 0", lambda _: cli("plan", "--tokens-per-block", "0", "--prompt", "8"), CliExit, "argument --tokens-per-block: must be > 0, got 0"),
     Row("cli-plan-tpb-text", "kvferry plan", "--tokens-per-block x", lambda _: cli("plan", "--tokens-per-block", "x", "--prompt", "8"), CliExit, "argument --tokens-per-block: expected an integer, got 'x'"),
     Row("cli-plan-tpb-huge", "kvferry plan", "--tokens-per-block 2**64", lambda _: cli("plan", "--tokens-per-block", str(HUGE), "--prompt", "8"), CliExit, f"invalid tokens_per_block={HUGE}"),
