@@ -542,3 +542,61 @@ def test_plan_with_tables_emits_pairs_and_refuses_bad_tables_before_claiming() -
     assert done.pairs is not None and done.pairs.dst.tolist() == [203, 204, 205, 206, 207]
     assert book.is_complete(1)
     assert book.plan_early([1]).pairs is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-wise streaming (planner only)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_layers_per_group_then_an_empty_chunk_plan() -> None:
+    book = TransferBook(4, layer_groups=2)
+    assert book.layer_groups == 2 and TransferBook(4).layer_groups == 1
+    assert "layer_groups=2" in repr(book)
+    book.add(1, 32, reused_len=12)
+    src = np.arange(100, 108)[None, :]
+    dst = np.arange(200, 208)[None, :]
+    book.plan_early([1])
+    plan = book.plan_layers([1], [12], [32], 1, src_block_table=src, dst_block_table=dst)
+    assert arrays(plan) == {
+        "request_index": [0],
+        "request_id": [1],
+        "start": [3],
+        "end": [8],
+        "last": [True],
+    }
+    assert plan.pairs is not None and plan.pairs.dst.tolist() == [203, 204, 205, 206, 207]
+    assert book.claimed_blocks(1) == 3 and not book.is_complete(1)
+    assert len(book.plan_layers([1], [12], [32], 1)) == 0
+    # Group 0 has not gone yet: a whole-block plan would resend group 1's part.
+    before = snapshot(book, [1])
+    with pytest.raises(DuplicateTransferError, match="block 3 of request 1"):
+        book.plan_chunks([1], [12], [32])
+    assert snapshot(book, [1]) == before
+    book.plan_layers(np.array([1]), np.array([12]), np.array([32]), 0)
+    assert book.is_complete(1)
+    assert len(book.plan_chunks([1], [12], [32])) == 0
+
+
+def test_plan_layers_errors_are_named_and_change_nothing() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"invalid layer_groups=0"):
+        TransferBook(4, layer_groups=0)
+    with pytest.raises(InvalidArgumentError, match=r"invalid layer_groups=1025"):
+        TransferBook(4, layer_groups=1025)
+    book = TransferBook(4, layer_groups=2)
+    book.add(1, 32, reused_len=12)
+    before = snapshot(book, [1])
+    with pytest.raises(InvalidArgumentError, match=r"invalid layer_group=2"):
+        book.plan_layers([1], [12], [32], 2)
+    with pytest.raises(InvalidArgumentError, match=r"invalid layer_group=-1"):
+        book.plan_layers([1], [12], [32], -1)
+    with pytest.raises(TypeError, match="layer_group"):
+        book.plan_layers([1], [12], [32], 1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"chunk_end=40"):
+        book.plan_layers([1], [12], [40], 0)
+    with pytest.raises(UnknownRequestError):
+        book.plan_layers([1, 9], [12, 0], [32, 4], 0)
+    src = np.arange(100, 108)[None, :]
+    with pytest.raises(InvalidArgumentError, match="dst_block_table"):
+        book.plan_layers([1], [12], [32], 0, src_block_table=src, dst_block_table=src[:, :2])
+    assert snapshot(book, [1]) == before

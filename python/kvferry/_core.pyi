@@ -118,11 +118,15 @@ class BlockRuns:
 
 @final
 class TransferBook:
-    def __new__(cls, tokens_per_block: int, *, pipelined: bool = True) -> TransferBook: ...
+    def __new__(
+        cls, tokens_per_block: int, *, pipelined: bool = True, layer_groups: int = 1
+    ) -> TransferBook: ...
     @property
     def tokens_per_block(self) -> int: ...
     @property
     def pipelined(self) -> bool: ...
+    @property
+    def layer_groups(self) -> int: ...
     def add(
         self,
         request_id: int,
@@ -155,6 +159,18 @@ class TransferBook:
         request_ids: _IntLike,
         chunk_starts: _IntLike,
         chunk_ends: _IntLike,
+        *,
+        src_block_table: Optional[_IntLike] = None,
+        dst_block_table: Optional[_IntLike] = None,
+        src_blocks: Optional[int] = None,
+        dst_blocks: Optional[int] = None,
+    ) -> SlicePlan: ...
+    def plan_layers(
+        self,
+        request_ids: _IntLike,
+        chunk_starts: _IntLike,
+        chunk_ends: _IntLike,
+        layer_group: int,
         *,
         src_block_table: Optional[_IntLike] = None,
         dst_block_table: Optional[_IntLike] = None,

@@ -4,7 +4,7 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::{CoreError, Result};
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, MAX_LAYER_GROUPS};
 use crate::plan::{check_tokens_per_block, Prompt};
 use crate::range::BlockRange;
 
@@ -70,6 +70,17 @@ impl SlicePlan {
         self.last.push(last);
     }
 
+    /// Marks the final row pushed since `first_row` `last` when `chunk_end` ends the prompt:
+    /// the last chunk's final run carries it (none at all when every block the chunk
+    /// finished was skipped).
+    fn mark_last(&mut self, first_row: usize, chunk_end: i64, ledger: &Ledger) {
+        if chunk_end as u64 == ledger.prompt().prompt_len() && self.len() > first_row {
+            if let Some(last) = self.last.last_mut() {
+                *last = true;
+            }
+        }
+    }
+
     /// Number of slices.
     pub fn len(&self) -> usize {
         self.start.len()
@@ -114,12 +125,31 @@ fn in_request(id: i64) -> impl Fn(CoreError) -> CoreError {
     }
 }
 
+/// Refuses chunk arrays whose length is not the batch's.
+fn check_lengths(ids: &[i64], chunk_starts: &[i64], chunk_ends: &[i64]) -> Result<()> {
+    for (name, len) in [
+        ("chunk_starts", chunk_starts.len()),
+        ("chunk_ends", chunk_ends.len()),
+    ] {
+        if len != ids.len() {
+            return Err(CoreError::invalid(
+                name,
+                format!("<array of length {len}>"),
+                format!("of length {} (the length of request_ids)", ids.len()),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The ledgers of all live requests of one worker. Owned by the executor that drives the
 /// scheduler loop; every batch call validates the whole batch before it changes anything.
 #[derive(Debug, Clone)]
 pub struct TransferBook {
     tokens_per_block: i64,
     pipelined: bool,
+    /// Layer groups whose blocks may stream separately (see [`TransferBook::plan_layers`]).
+    layer_groups: usize,
     entries: FxHashMap<i64, Entry>,
     step: u64,
 }
@@ -128,10 +158,28 @@ impl TransferBook {
     /// A book for one KV cache geometry. `pipelined = false` disables early sends (the
     /// whole prompt then leaves with its chunks).
     pub fn new(tokens_per_block: i64, pipelined: bool) -> Result<Self> {
+        Self::with_layer_groups(tokens_per_block, pipelined, 1)
+    }
+
+    /// [`TransferBook::new`] for a model whose layers form `layer_groups` groups (in
+    /// `[1, 1024]`) that may stream separately with [`TransferBook::plan_layers`].
+    pub fn with_layer_groups(
+        tokens_per_block: i64,
+        pipelined: bool,
+        layer_groups: i64,
+    ) -> Result<Self> {
         check_tokens_per_block(tokens_per_block)?;
+        if !(1..=MAX_LAYER_GROUPS).contains(&layer_groups) {
+            return Err(CoreError::invalid(
+                "layer_groups",
+                layer_groups,
+                format!("in [1, {MAX_LAYER_GROUPS}]"),
+            ));
+        }
         Ok(Self {
             tokens_per_block,
             pipelined,
+            layer_groups: layer_groups as usize,
             entries: FxHashMap::default(),
             step: 0,
         })
@@ -145,6 +193,11 @@ impl TransferBook {
     /// Whether early sends are enabled.
     pub const fn pipelined(&self) -> bool {
         self.pipelined
+    }
+
+    /// Number of layer groups.
+    pub const fn layer_groups(&self) -> usize {
+        self.layer_groups
     }
 
     /// Number of live requests.
@@ -319,18 +372,7 @@ impl TransferBook {
         chunk_ends: &[i64],
         check: impl FnOnce(&SlicePlan) -> Result<T>,
     ) -> Result<(SlicePlan, T)> {
-        for (name, len) in [
-            ("chunk_starts", chunk_starts.len()),
-            ("chunk_ends", chunk_ends.len()),
-        ] {
-            if len != ids.len() {
-                return Err(CoreError::invalid(
-                    name,
-                    format!("<array of length {len}>"),
-                    format!("of length {} (the length of request_ids)", ids.len()),
-                ));
-            }
-        }
+        check_lengths(ids, chunk_starts, chunk_ends)?;
         self.step += 1;
         let step = self.step;
         let mut plan = SlicePlan::with_capacity(ids.len());
@@ -341,15 +383,9 @@ impl TransferBook {
                 .chunk_candidate(chunk_starts[i], chunk_ends[i])
                 .map_err(in_request(id))?;
             if let Some(range) = range {
-                // The last chunk's final run carries `last` (none at all when the receiver
-                // already holds every block the chunk finished).
                 let first_row = plan.len();
                 ledger.sendable_runs(range, |run| plan.push(i, id, run, false));
-                if chunk_ends[i] as u64 == ledger.prompt().prompt_len() && plan.len() > first_row {
-                    if let Some(last) = plan.last.last_mut() {
-                        *last = true;
-                    }
-                }
+                plan.mark_last(first_row, chunk_ends[i], ledger);
             }
             ranges.push(range);
         }
@@ -357,6 +393,79 @@ impl TransferBook {
         for (&id, range) in ids.iter().zip(ranges) {
             if let Some(entry) = self.entries.get_mut(&id) {
                 entry.ledger.commit_chunk(range);
+            }
+        }
+        Ok((plan, checked))
+    }
+
+    /// Plans and claims the layer slices of layer group `layer_group` for a batch of prefill
+    /// chunks `[chunk_starts[i], chunk_ends[i])` whose forward finished that group's layers
+    /// (layer-wise streaming, normally on the last chunk). Each request's slice is the range
+    /// its chunk slice would have, minus held blocks and blocks that group already sent; a
+    /// block counts as claimed once every group sent it.
+    ///
+    /// ```text
+    /// chunk [s, e):   blocks [a ............ b)        (Prompt::chunk)
+    /// plan_layers g:  [a ............ b) for group g    one call per finished group
+    /// plan_chunks:    [a ............ b) minus blocks every group sent: nothing when all did
+    /// ```
+    /// It does not record the chunk's forward: the executor still calls
+    /// [`TransferBook::plan_chunks`] for the chunk afterwards, which fails with
+    /// [`CoreError::DuplicateTransfer`] if some groups, but not all, sent a block. Any
+    /// invalid chunk or group, unknown or repeated id, or block a whole-block slice already
+    /// claimed fails the whole call, changing nothing.
+    pub fn plan_layers(
+        &mut self,
+        ids: &[i64],
+        chunk_starts: &[i64],
+        chunk_ends: &[i64],
+        layer_group: i64,
+    ) -> Result<SlicePlan> {
+        self.plan_layers_then(ids, chunk_starts, chunk_ends, layer_group, |_| Ok(()))
+            .map(|(plan, ())| plan)
+    }
+
+    /// [`TransferBook::plan_layers`], committing only if `check(&plan)` succeeds (see
+    /// [`TransferBook::plan_early_then`]).
+    pub fn plan_layers_then<T>(
+        &mut self,
+        ids: &[i64],
+        chunk_starts: &[i64],
+        chunk_ends: &[i64],
+        layer_group: i64,
+        check: impl FnOnce(&SlicePlan) -> Result<T>,
+    ) -> Result<(SlicePlan, T)> {
+        check_lengths(ids, chunk_starts, chunk_ends)?;
+        let groups = self.layer_groups;
+        let group = match usize::try_from(layer_group) {
+            Ok(g) if g < groups => g,
+            _ => {
+                return Err(CoreError::invalid(
+                    "layer_group",
+                    layer_group,
+                    format!("in [0, {groups}) (layer_groups={groups})"),
+                ))
+            }
+        };
+        self.step += 1;
+        let step = self.step;
+        let mut plan = SlicePlan::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let ledger = &self.stamped(id, step)?.ledger;
+            let range = ledger
+                .layer_candidate(chunk_starts[i], chunk_ends[i], group, groups)
+                .map_err(in_request(id))?;
+            if let Some(range) = range {
+                let first_row = plan.len();
+                ledger.layer_runs(range, group, |run| plan.push(i, id, run, false));
+                plan.mark_last(first_row, chunk_ends[i], ledger);
+            }
+        }
+        let checked = check(&plan)?;
+        for (k, &id) in plan.request_id.iter().enumerate() {
+            let run = BlockRange::from_bounds(plan.start[k] as u64, plan.end[k] as u64);
+            if let Some(entry) = self.entries.get_mut(&id) {
+                entry.ledger.commit_layer(run, group, groups);
             }
         }
         Ok((plan, checked))
@@ -467,5 +576,80 @@ mod tests {
         let err = book.plan_chunks(&[5], &[12], &[20]).unwrap_err();
         assert!(matches!(err, CoreError::DuplicateTransfer { .. }));
         assert!(err.to_string().contains("of request 5"), "{err}");
+    }
+
+    #[test]
+    fn layer_slices_then_an_empty_chunk_plan() {
+        let mut book = TransferBook::with_layer_groups(4, true, 3).unwrap();
+        assert_eq!(book.layer_groups(), 3);
+        book.add(1, spec(32, 12)).unwrap();
+        book.add(2, spec(20, 0)).unwrap();
+        book.hold(2, &[BlockRange::from_bounds(4, 5)]).unwrap();
+        book.plan_early(&[1, 2]).unwrap();
+        book.plan_chunks(&[2], &[0], &[8]).unwrap(); // [0, 2)
+        for group in [2, 0, 1] {
+            let plan = book
+                .plan_layers(&[1, 2], &[12, 8], &[32, 20], group)
+                .unwrap();
+            assert_eq!(plan.start, vec![3, 2]);
+            assert_eq!(plan.end, vec![8, 4]);
+            assert_eq!(plan.last, vec![true, true]);
+            assert_eq!(plan.request_index, vec![0, 1]);
+            // The same group again: it already has everything.
+            assert!(book
+                .plan_layers(&[1, 2], &[12, 8], &[32, 20], group)
+                .unwrap()
+                .is_empty());
+        }
+        assert!(book.ledger(1).unwrap().is_complete());
+        assert!(book.ledger(2).unwrap().is_complete());
+        let chunks = book.plan_chunks(&[1, 2], &[12, 8], &[32, 20]).unwrap();
+        assert!(chunks.is_empty());
+        assert!(book.ledger(1).unwrap().forward_started());
+    }
+
+    #[test]
+    fn failing_layer_plans_change_nothing() {
+        let mut book = TransferBook::with_layer_groups(4, true, 2).unwrap();
+        book.add(1, spec(32, 12)).unwrap();
+        book.add(2, spec(32, 0)).unwrap();
+        let err = book.plan_layers(&[1], &[12], &[32], 2).unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid layer_group=2"),
+            "{err}"
+        );
+        let err = book.plan_layers(&[1], &[12], &[32], -1).unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid layer_group=-1"),
+            "{err}"
+        );
+        let err = book
+            .plan_layers(&[1, 2], &[12, 0], &[32, 40], 0)
+            .unwrap_err();
+        assert!(err.to_string().contains("request_id=2"), "{err}");
+        assert!(book.plan_layers(&[1, 1], &[12, 12], &[32, 32], 0).is_err());
+        let refuse =
+            |_: &SlicePlan| -> Result<()> { Err(CoreError::invalid("dst_block_table", "x", "y")) };
+        assert!(book
+            .plan_layers_then(&[1], &[12], &[32], 0, refuse)
+            .is_err());
+        assert!(!book.ledger(1).unwrap().is_group_claimed(3, 0));
+        // One group went: a whole-block plan of the chunk is a duplicate naming the block.
+        book.plan_layers(&[1], &[12], &[32], 0).unwrap();
+        let before = book.ledger(1).unwrap().clone();
+        let err = book.plan_chunks(&[1], &[12], &[32]).unwrap_err();
+        assert!(
+            matches!(err, CoreError::DuplicateTransfer { block: 0, .. }),
+            "{err}"
+        );
+        assert_eq!(book.ledger(1).unwrap(), &before);
+        for groups in [0, 1025] {
+            let err = TransferBook::with_layer_groups(4, true, groups).unwrap_err();
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("invalid layer_groups={groups}")),
+                "{err}"
+            );
+        }
     }
 }

@@ -9,19 +9,54 @@ use crate::range::BlockRange;
 /// larger is a caller bug, refused before a huge bitmap is allocated.
 pub const MAX_LEDGER_BLOCKS: u64 = 1 << 24;
 
+/// Most layer groups a book streams separately (layer-wise streaming). A group is a set of
+/// consecutive layers whose forward finishes together; real models have at most a few hundred
+/// layers, and the per-block group counters are `u16`.
+pub const MAX_LAYER_GROUPS: i64 = 1024;
+
+/// Claims per layer group, for layer-wise streaming: allocated when a request's first layer
+/// slice is planned (most requests never stream by layer, and never pay for this).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GroupClaims {
+    /// One bitmap per layer group: the blocks that group's slices claimed.
+    groups: Vec<Bitmap>,
+    /// Per block, how many groups claimed it; at `groups.len()` the block is claimed whole.
+    counts: Vec<u16>,
+}
+
+impl GroupClaims {
+    fn new(num_groups: usize, num_blocks: u64) -> Self {
+        Self {
+            groups: (0..num_groups).map(|_| Bitmap::new(num_blocks)).collect(),
+            counts: vec![0; num_blocks as usize],
+        }
+    }
+
+    /// Some group claimed the block, but not every group.
+    fn partial(&self, block: u64) -> bool {
+        let n = usize::from(self.counts[block as usize]);
+        n > 0 && n < self.groups.len()
+    }
+}
+
 /// The ownership state of one request: one bit per block, set once the block is claimed by an
-/// early, chunk or explicit slice. A second claim of any block is refused, never resent.
-/// Two ledgers are equal when they track the same prompt with the same claims and flags.
+/// early, chunk or explicit slice, held, or claimed in every layer group by layer slices. A
+/// second claim of any block (of any (group, block) for layer slices) is refused, never
+/// resent. Two ledgers are equal when they track the same prompt with the same claims and
+/// flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ledger {
     prompt: Prompt,
     claimed: Bitmap,
     /// Number of set bits in `claimed`, kept so the common first claim skips the bitmap scan.
     num_claimed: u64,
-    /// Blocks the receiver already holds (claimed without being sent; slices skip them).
-    /// Allocated on the first hold: most requests have none.
-    held: Option<Bitmap>,
+    /// Blocks claimed without a whole-block slice: held by the receiver, or claimed in every
+    /// layer group. Whole-block slices skip them. Allocated on the first such block: most
+    /// requests have none.
+    settled: Option<Bitmap>,
     num_held: u64,
+    /// Per-(layer group, block) claims of layer slices; `None` until the first one.
+    groups: Option<GroupClaims>,
     prefix_sent: bool,
     /// Set by the first chunk slice: after a forward has run, nothing may leave "early".
     forward_started: bool,
@@ -44,8 +79,9 @@ impl Ledger {
         Ok(Self {
             claimed: Bitmap::new(prompt.num_blocks()),
             num_claimed: 0,
-            held: None,
+            settled: None,
             num_held: 0,
+            groups: None,
             prompt,
             prefix_sent: false,
             forward_started: false,
@@ -82,21 +118,53 @@ impl Ledger {
         block < self.num_blocks() && self.claimed.get(block)
     }
 
-    /// Refuses `range` if it passes the last block or overlaps a claimed block.
+    /// Refuses `range` if it passes the last block, overlaps a claimed block, or overlaps a
+    /// block that some layer group, but not every one, has claimed.
     pub fn check_claim(&self, range: BlockRange) -> Result<()> {
+        self.check_bounds(range)?;
+        if self.num_claimed > 0 {
+            if let Some(block) = self.claimed.first_set(range.start, range.end) {
+                return Err(duplicate(block, range));
+            }
+        }
+        self.check_partial(range)
+    }
+
+    /// Refuses `range` if a layer group claimed one of its blocks without every group having
+    /// claimed it: a whole-block slice would send that group's part a second time.
+    fn check_partial(&self, range: BlockRange) -> Result<()> {
+        let Some(claims) = &self.groups else {
+            return Ok(());
+        };
+        match (range.start..range.end).find(|&b| claims.partial(b)) {
+            Some(block) => Err(duplicate(block, range)),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses `range` if it passes the last block or overlaps a block that a whole-block
+    /// slice claimed; settled blocks (held, or claimed in every group) are allowed.
+    fn check_unsettled(&self, range: BlockRange) -> Result<()> {
         self.check_bounds(range)?;
         if self.num_claimed == 0 {
             return Ok(());
         }
-        match self.claimed.first_set(range.start, range.end) {
-            Some(block) => Err(CoreError::DuplicateTransfer {
-                owner: String::new(),
-                block,
-                start: range.start,
-                end: range.end,
-            }),
-            None => Ok(()),
-        }
+        let block = match &self.settled {
+            None => self.claimed.first_set(range.start, range.end),
+            // Settled blocks are claimed too: the range is clean when it claims nothing else.
+            Some(settled)
+                if self.claimed.count_range(range.start, range.end)
+                    == settled.count_range(range.start, range.end) =>
+            {
+                None
+            }
+            Some(settled) => Some(
+                (range.start..range.end)
+                    .find(|&b| self.claimed.get(b) && !settled.get(b))
+                    .unwrap_or(range.start),
+            ),
+        };
+        block.map_or(Ok(()), |block| Err(duplicate(block, range)))
     }
 
     fn check_bounds(&self, range: BlockRange) -> Result<()> {
@@ -120,9 +188,9 @@ impl Ledger {
     }
 
     /// Marks a range that `check_claim` or `check_sendable` accepted: its only claimed blocks,
-    /// if any, are held ones, which are not counted twice.
+    /// if any, are settled ones, which are not counted twice.
     fn set_claimed(&mut self, range: BlockRange) {
-        let already = if self.num_held == 0 {
+        let already = if self.settled.is_none() {
             0
         } else {
             self.claimed.count_range(range.start, range.end)
@@ -143,47 +211,59 @@ impl Ledger {
         self.check_claim(range)?;
         self.set_claimed(range);
         let blocks = self.num_blocks();
-        self.held
+        self.settled
             .get_or_insert_with(|| Bitmap::new(blocks))
             .set_range(range.start, range.end);
         self.num_held += range.len();
         Ok(())
     }
 
-    /// [`Ledger::check_claim`] for a slice about to be planned: held blocks inside `range`
-    /// are allowed (they will be skipped), blocks an earlier slice claimed are not.
+    /// [`Ledger::check_claim`] for a whole-block slice about to be planned: settled blocks
+    /// inside `range` (held, or claimed in every layer group) are allowed, as they will be
+    /// skipped; blocks an earlier slice claimed, or that only some layer groups claimed, are
+    /// not.
     pub fn check_sendable(&self, range: BlockRange) -> Result<()> {
-        let Some(held) = &self.held else {
-            return self.check_claim(range);
-        };
-        self.check_bounds(range)?;
-        // Held blocks are claimed too: the range is clean when it claims nothing else.
-        if self.claimed.count_range(range.start, range.end)
-            == held.count_range(range.start, range.end)
-        {
-            return Ok(());
-        }
-        let block = (range.start..range.end)
-            .find(|&b| self.claimed.get(b) && !held.get(b))
-            .unwrap_or(range.start);
-        Err(CoreError::DuplicateTransfer {
-            owner: String::new(),
-            block,
-            start: range.start,
-            end: range.end,
-        })
+        self.check_unsettled(range)?;
+        self.check_partial(range)
     }
 
-    /// Calls `emit` with the parts of `range` that must cross: `range` minus held blocks, as
-    /// maximal runs in order (just `range` when nothing is held).
-    pub fn sendable_runs(&self, range: BlockRange, mut emit: impl FnMut(BlockRange)) {
-        match &self.held {
-            None => emit(range),
-            Some(held) => {
-                for (start, end) in held.clear_runs(range.start, range.end) {
-                    emit(BlockRange::from_bounds(start, end));
+    /// Calls `emit` with the parts of `range` that must cross: `range` minus settled blocks,
+    /// as maximal runs in order (just `range` when nothing is settled).
+    pub fn sendable_runs(&self, range: BlockRange, emit: impl FnMut(BlockRange)) {
+        self.runs_skipping(range, None, emit);
+    }
+
+    /// The maximal runs of `range` outside the settled blocks and, for `Some(group)`, outside
+    /// the blocks that group claimed.
+    fn runs_skipping(
+        &self,
+        range: BlockRange,
+        group: Option<usize>,
+        mut emit: impl FnMut(BlockRange),
+    ) {
+        let group = group.and_then(|g| self.groups.as_ref().map(|c| &c.groups[g]));
+        let runs = match (&self.settled, group) {
+            (None, None) => return emit(range),
+            (Some(skip), None) | (None, Some(skip)) => skip.clear_runs(range.start, range.end),
+            (Some(settled), Some(group)) => {
+                let mut runs = Vec::new();
+                let mut run_start = None;
+                for b in range.start..range.end {
+                    match (settled.get(b) || group.get(b), run_start) {
+                        (false, None) => run_start = Some(b),
+                        (true, Some(s)) => {
+                            runs.push((s, b));
+                            run_start = None;
+                        }
+                        _ => {}
+                    }
                 }
+                runs.extend(run_start.map(|s| (s, range.end)));
+                runs
             }
+        };
+        for (start, end) in runs {
+            emit(BlockRange::from_bounds(start, end));
         }
     }
 
@@ -241,6 +321,121 @@ impl Ledger {
         self.prefix_sent = true;
     }
 
+    /// Whether layer group `group` has claimed `block` (through a layer slice).
+    pub fn is_group_claimed(&self, block: u64, group: usize) -> bool {
+        block < self.num_blocks()
+            && self
+                .groups
+                .as_ref()
+                .and_then(|c| c.groups.get(group))
+                .is_some_and(|bits| bits.get(block))
+    }
+
+    /// The block range of a layer slice of chunk `[chunk_start, chunk_end)` for layer group
+    /// `group` of `num_groups`: the range a chunk slice of that chunk would have (see
+    /// [`Prompt::chunk`]), checked against whole-block claims but not claimed. Its sendable
+    /// parts are given by [`Ledger::layer_runs`].
+    ///
+    /// ```text
+    /// chunk slice:   [s ........................ e)   one claim covers every group
+    /// group g:       [s ........................ e)   minus settled blocks and g's blocks
+    /// block b is claimed whole once every group 0..G claimed it (then chunk slices skip it)
+    /// ```
+    pub fn layer_candidate(
+        &self,
+        chunk_start: i64,
+        chunk_end: i64,
+        group: usize,
+        num_groups: usize,
+    ) -> Result<Option<BlockRange>> {
+        self.check_group(group, num_groups)?;
+        let range = self
+            .prompt
+            .chunk(chunk_start, chunk_end, self.prefix_sent)?;
+        if let Some(range) = range {
+            // Blocks other groups claimed are fine; blocks a whole-block slice claimed are not.
+            self.check_unsettled(range)?;
+        }
+        Ok(range)
+    }
+
+    fn check_group(&self, group: usize, num_groups: usize) -> Result<()> {
+        if num_groups == 0 || num_groups as i64 > MAX_LAYER_GROUPS {
+            return Err(CoreError::invalid(
+                "layer_groups",
+                num_groups,
+                format!("in [1, {MAX_LAYER_GROUPS}]"),
+            ));
+        }
+        if let Some(claims) = &self.groups {
+            if claims.groups.len() != num_groups {
+                return Err(CoreError::invalid(
+                    "layer_groups",
+                    num_groups,
+                    format!(
+                        "{} (as in this ledger's earlier layer slices)",
+                        claims.groups.len()
+                    ),
+                ));
+            }
+        }
+        if group >= num_groups {
+            return Err(CoreError::invalid(
+                "layer_group",
+                group,
+                format!("in [0, {num_groups}) (layer_groups={num_groups})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Calls `emit` with the parts of a [`Ledger::layer_candidate`] range that group `group`
+    /// must still send: minus settled blocks and the blocks that group already claimed.
+    pub fn layer_runs(&self, range: BlockRange, group: usize, emit: impl FnMut(BlockRange)) {
+        self.runs_skipping(range, Some(group), emit);
+    }
+
+    /// Claims `run` (a run from [`Ledger::layer_runs`]) for layer group `group` of
+    /// `num_groups`; a block that every group has now claimed becomes claimed whole.
+    pub(crate) fn commit_layer(&mut self, run: BlockRange, group: usize, num_groups: usize) {
+        let num_blocks = self.num_blocks();
+        let claims = self
+            .groups
+            .get_or_insert_with(|| GroupClaims::new(num_groups, num_blocks));
+        claims.groups[group].set_range(run.start, run.end);
+        for b in run.start..run.end {
+            let count = &mut claims.counts[b as usize];
+            *count += 1;
+            if usize::from(*count) == num_groups {
+                self.settled
+                    .get_or_insert_with(|| Bitmap::new(num_blocks))
+                    .set_range(b, b + 1);
+                self.claimed.set_range(b, b + 1);
+                self.num_claimed += 1;
+            }
+        }
+    }
+
+    /// Claims and returns the runs of the layer slice of chunk `[chunk_start, chunk_end)` for
+    /// layer group `group` of `num_groups` (see [`Ledger::layer_candidate`]). On error nothing
+    /// changes.
+    pub fn send_layer(
+        &mut self,
+        chunk_start: i64,
+        chunk_end: i64,
+        group: usize,
+        num_groups: usize,
+    ) -> Result<Vec<BlockRange>> {
+        let mut runs = Vec::new();
+        if let Some(range) = self.layer_candidate(chunk_start, chunk_end, group, num_groups)? {
+            self.layer_runs(range, group, |run| runs.push(run));
+        }
+        for &run in &runs {
+            self.commit_layer(run, group, num_groups);
+        }
+        Ok(runs)
+    }
+
     /// The needed blocks (see [`Prompt::needed`]) not yet claimed, as maximal ranges.
     pub fn missing(&self) -> Vec<BlockRange> {
         let needed = self.prompt.needed();
@@ -255,6 +450,15 @@ impl Ledger {
     pub fn is_complete(&self) -> bool {
         let needed = self.prompt.needed();
         self.claimed.count_range(needed.start, needed.end) == needed.len()
+    }
+}
+
+fn duplicate(block: u64, range: BlockRange) -> CoreError {
+    CoreError::DuplicateTransfer {
+        owner: String::new(),
+        block,
+        start: range.start,
+        end: range.end,
     }
 }
 
@@ -337,5 +541,69 @@ mod tests {
             Some(BlockRange::from_bounds(4, 8))
         );
         assert!(l.is_complete());
+    }
+
+    #[test]
+    fn layer_slices_claim_a_block_once_every_group_has_it() {
+        // tpb 4, P 32, R 12: early [0, 3), last chunk [12, 32) -> [3, 8).
+        let mut l = ledger(4, 32, 12, None);
+        l.send_early().unwrap();
+        assert_eq!(
+            l.send_layer(12, 32, 1, 2).unwrap(),
+            vec![BlockRange::from_bounds(3, 8)]
+        );
+        assert!(l.is_group_claimed(3, 1) && !l.is_group_claimed(3, 0));
+        assert_eq!(l.claimed_blocks(), 3);
+        // Group 1 again: it already has every block, nothing crosses twice.
+        assert!(l.send_layer(12, 32, 1, 2).unwrap().is_empty());
+        // A whole-block claim of a partially streamed block is a duplicate.
+        let err = l.send_chunk(12, 32).unwrap_err();
+        assert!(
+            matches!(err, CoreError::DuplicateTransfer { block: 3, .. }),
+            "{err}"
+        );
+        assert!(l.claim(BlockRange::from_bounds(5, 6)).is_err());
+        assert!(l.hold(BlockRange::from_bounds(7, 8)).is_err());
+        assert_eq!(
+            l.send_layer(12, 32, 0, 2).unwrap(),
+            vec![BlockRange::from_bounds(3, 8)]
+        );
+        assert!(l.is_complete());
+        // The chunk slice after every group went: nothing left, and the forward is recorded.
+        assert_eq!(
+            l.send_chunk(12, 32).unwrap(),
+            Some(BlockRange::from_bounds(3, 8))
+        );
+        assert!(l.forward_started());
+        assert_eq!(l.claimed_blocks(), 8);
+    }
+
+    #[test]
+    fn layer_slices_skip_held_blocks_and_refuse_sent_ones() {
+        let mut l = ledger(4, 32, 0, None);
+        l.hold(BlockRange::from_bounds(2, 3)).unwrap();
+        l.send_chunk(0, 8).unwrap(); // [0, 2)
+        let err = l.send_layer(0, 12, 0, 3).unwrap_err();
+        assert!(
+            matches!(err, CoreError::DuplicateTransfer { block: 0, .. }),
+            "{err}"
+        );
+        assert_eq!(
+            l.send_layer(8, 32, 2, 3).unwrap(),
+            vec![BlockRange::from_bounds(3, 8)]
+        );
+        let before = l.clone();
+        for (group, groups, name) in [
+            (3, 3, "layer_group=3"),
+            (0, 4, "layer_groups=4"),
+            (0, 0, "layer_groups=0"),
+        ] {
+            let err = l.send_layer(8, 32, group, groups).unwrap_err();
+            assert!(
+                err.to_string().starts_with(&format!("invalid {name}")),
+                "{err}"
+            );
+        }
+        assert_eq!(l, before);
     }
 }

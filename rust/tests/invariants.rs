@@ -1061,3 +1061,127 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Layer-wise streaming: per-(layer group, block) claims
+// ---------------------------------------------------------------------------------------------
+
+/// Marks the rows of `plan` in `covered[g][b]` for the groups in `groups`, failing on any
+/// (group, block) already covered, and returns the rows as `(start, end, last)`.
+fn cover_groups(
+    covered: &mut [Vec<u8>],
+    plan: &SlicePlan,
+    groups: std::ops::Range<usize>,
+) -> Result<Vec<(u64, u64, bool)>, TestCaseError> {
+    let mut rows = Vec::new();
+    for k in 0..plan.len() {
+        let (start, end) = (plan.start[k] as u64, plan.end[k] as u64);
+        prop_assert!(start < end, "empty row {}..{}", start, end);
+        for g in groups.clone() {
+            cover(&mut covered[g], range(start, end))?;
+        }
+        rows.push((start, end, plan.last[k]));
+    }
+    Ok(rows)
+}
+
+proptest! {
+    /// Early slice, then each chunk either as a chunk slice, or (the last chunk, at random) as
+    /// one layer slice per group in random order followed by its chunk slice: every
+    /// (group, block) crosses exactly once (a whole-block slice covers every group), held
+    /// blocks never, each group's `last` is its final row of the last chunk, and the ledger
+    /// ends complete. On the way, a whole-block plan over partially streamed blocks and a
+    /// group out of range are refused and change nothing.
+    #[test]
+    fn layer_slices_cover_each_group_block_exactly_once(
+        s in shape(3000),
+        groups in 1usize..=5,
+        mask in prop::collection::vec(any::<bool>(), 1..40),
+        hold in any::<bool>(),
+        early in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix(seed);
+        let mut book = TransferBook::with_layer_groups(s.tpb, true, groups as i64).unwrap();
+        let spec = RequestSpec { prompt_len: s.prompt, reused_len: s.reused, window: None, context_only: true };
+        book.add(1, spec).unwrap();
+        let num_blocks = ((s.prompt + s.tpb - 1) / s.tpb) as u64;
+        let held = if hold { held_ranges(num_blocks, &mask) } else { Vec::new() };
+        book.hold(1, &held).unwrap();
+        let mut covered = vec![vec![0u8; num_blocks as usize]; groups];
+        if early {
+            let plan = book.plan_early(&[1]).unwrap();
+            cover_groups(&mut covered, &plan, 0..groups)?;
+        }
+        let all = chunks(s.reused, s.prompt, &s.sizes);
+        let mut layered = false;
+        for (k, &(cs, ce)) in all.iter().enumerate() {
+            if k + 1 == all.len() && rng.chance(50) {
+                layered = true;
+                let mut order: Vec<usize> = (0..groups).collect();
+                for i in (1..order.len()).rev() {
+                    order.swap(i, rng.below(i + 1));
+                }
+                for (n, &g) in order.iter().enumerate() {
+                    let before = book.ledger(1).unwrap().clone();
+                    let bad = book.plan_layers(&[1], &[cs], &[ce], groups as i64);
+                    let named = matches!(bad, Err(CoreError::InvalidArgument { name: "layer_group", .. }));
+                    prop_assert!(named, "group out of range gave {:?}", bad);
+                    prop_assert_eq!(book.ledger(1).unwrap(), &before);
+                    if n > 0 {
+                        // Some groups went: a whole-block plan over a partial block is refused.
+                        let partial: Vec<u64> = (0..num_blocks)
+                            .filter(|&b| {
+                                let n = covered.iter().filter(|c| c[b as usize] == 1).count();
+                                n > 0 && n < groups
+                            })
+                            .collect();
+                        match book.plan_chunks(&[1], &[cs], &[ce]) {
+                            Err(CoreError::DuplicateTransfer { block, .. }) => {
+                                prop_assert!(partial.contains(&block), "block {} is not partial", block);
+                            }
+                            Ok(_) => prop_assert!(partial.is_empty(), "partial blocks {:?} planned", partial),
+                            Err(other) => prop_assert!(false, "unexpected {other:?}"),
+                        }
+                        if partial.is_empty() {
+                            // Nothing was partial (the chunk had no sendable block): the
+                            // chunk plan was empty and recorded only the forward.
+                            prop_assert_eq!(book.ledger(1).unwrap().claimed_blocks(), before.claimed_blocks());
+                        } else {
+                            prop_assert_eq!(book.ledger(1).unwrap(), &before);
+                        }
+                    }
+                    let plan = book.plan_layers(&[1], &[cs], &[ce], g as i64).unwrap();
+                    let rows = cover_groups(&mut covered, &plan, g..g + 1)?;
+                    let lasts: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.2).map(|(i, _)| i).collect();
+                    prop_assert!(lasts.len() <= 1 && lasts.iter().all(|&i| i + 1 == rows.len()), "last flags {:?}", rows);
+                    prop_assert_eq!(lasts.len(), usize::from(!rows.is_empty()));
+                    // The same group again sends nothing.
+                    prop_assert!(book.plan_layers(&[1], &[cs], &[ce], g as i64).unwrap().is_empty());
+                }
+            }
+            let plan = book.plan_chunks(&[1], &[cs], &[ce]).unwrap();
+            if layered {
+                prop_assert!(plan.is_empty(), "chunk plan after every group: {:?}", plan);
+            }
+            cover_groups(&mut covered, &plan, 0..groups)?;
+        }
+        for r in &held {
+            for b in r.start..r.end {
+                for c in &covered {
+                    prop_assert_eq!(c[b as usize], 0, "held block {} crossed", b);
+                }
+            }
+        }
+        let held_mask: Vec<bool> = (0..num_blocks).map(|b| held.iter().any(|r| r.start <= b && b < r.end)).collect();
+        for (g, c) in covered.iter().enumerate() {
+            for b in 0..num_blocks as usize {
+                prop_assert_eq!(c[b] == 1, !held_mask[b], "group {} block {}", g, b);
+            }
+        }
+        let ledger = book.ledger(1).unwrap();
+        prop_assert!(ledger.is_complete());
+        prop_assert_eq!(ledger.claimed_blocks(), num_blocks);
+        prop_assert!(ledger.forward_started());
+    }
+}

@@ -78,6 +78,8 @@ int_args!(
     request_id,
     src_blocks,
     dst_blocks,
+    layer_groups,
+    layer_group,
 );
 
 /// `window`: ``None`` (full attention) or an `i64`.

@@ -84,6 +84,48 @@ const DETACH_REQUESTS: usize = 4096;
 /// tens of microseconds of work (a reused prefix is hundreds of blocks per request).
 const DETACH_REQUESTS_WITH_PAIRS: usize = 16;
 
+/// The arguments of a chunk-batch call (`plan_chunks`, `plan_layers`).
+struct ChunkBatch<'a, 'py> {
+    request_ids: &'a Bound<'py, PyAny>,
+    chunk_starts: &'a Bound<'py, PyAny>,
+    chunk_ends: &'a Bound<'py, PyAny>,
+    src_block_table: Option<&'a Bound<'py, PyAny>>,
+    dst_block_table: Option<&'a Bound<'py, PyAny>>,
+    src_blocks: Option<i64>,
+    dst_blocks: Option<i64>,
+}
+
+impl ChunkBatch<'_, '_> {
+    /// Plans the batch: chunk slices, or the layer slices of `layer_group` when given.
+    fn plan(
+        &self,
+        py: Python<'_>,
+        book: &mut TransferBook,
+        layer_group: Option<i64>,
+    ) -> PyResult<PySlicePlan> {
+        let (ids, starts, ends) = (
+            i64_vec(self.request_ids, "request_ids")?,
+            i64_vec(self.chunk_starts, "chunk_starts")?,
+            i64_vec(self.chunk_ends, "chunk_ends")?,
+        );
+        let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
+        let tables = BorrowedTables::borrow_optional(self.src_block_table, self.dst_block_table)?;
+        let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
+        let pools = Pools::new(self.src_blocks, self.dst_blocks, views.is_some())?;
+        let check = |plan: &SlicePlan| pairs_if(plan, views, pools);
+        let mut run = || match layer_group {
+            None => book.plan_chunks_then(ids, starts, ends, check),
+            Some(group) => book.plan_layers_then(ids, starts, ends, group, check),
+        };
+        let (plan, pairs) = if detach(ids.len(), views.is_some()) {
+            py.detach(run)
+        } else {
+            run()
+        }?;
+        PySlicePlan::new(py, plan, pairs)
+    }
+}
+
 /// The transfer ledgers of every live request of one worker, planned a batch at a time.
 /// Owned by the executor thread that runs the scheduler loop.
 #[pyclass(name = "TransferBook", module = "kvferry")]
@@ -92,12 +134,25 @@ pub struct PyTransferBook(TransferBook);
 #[pymethods]
 impl PyTransferBook {
     #[new]
-    #[pyo3(signature = (tokens_per_block, *, pipelined=true))]
+    #[pyo3(signature = (tokens_per_block, *, pipelined=true, layer_groups=1))]
     fn new(
         #[pyo3(from_py_with = args::tokens_per_block)] tokens_per_block: i64,
         #[pyo3(from_py_with = args::pipelined)] pipelined: bool,
+        #[pyo3(from_py_with = args::layer_groups)] layer_groups: i64,
     ) -> PyResult<Self> {
-        fence(|| Ok(Self(TransferBook::new(tokens_per_block, pipelined)?)))
+        fence(|| {
+            Ok(Self(TransferBook::with_layer_groups(
+                tokens_per_block,
+                pipelined,
+                layer_groups,
+            )?))
+        })
+    }
+
+    /// Layer groups whose blocks may stream separately (``plan_layers``).
+    #[getter]
+    fn layer_groups(&self) -> usize {
+        self.0.layer_groups()
     }
 
     /// Tokens per block.
@@ -258,26 +313,47 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
         #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
-        fence(|| {
-            let (ids, starts, ends) = (
-                i64_vec(request_ids, "request_ids")?,
-                i64_vec(chunk_starts, "chunk_starts")?,
-                i64_vec(chunk_ends, "chunk_ends")?,
-            );
-            let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
-            let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
-            let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
-            let pools = Pools::new(src_blocks, dst_blocks, views.is_some())?;
-            let book = &mut self.0;
-            let mut run =
-                || book.plan_chunks_then(ids, starts, ends, |plan| pairs_if(plan, views, pools));
-            let (plan, pairs) = if detach(ids.len(), views.is_some()) {
-                py.detach(run)
-            } else {
-                run()
-            }?;
-            PySlicePlan::new(py, plan, pairs)
-        })
+        let chunks = ChunkBatch {
+            request_ids,
+            chunk_starts,
+            chunk_ends,
+            src_block_table,
+            dst_block_table,
+            src_blocks,
+            dst_blocks,
+        };
+        fence(|| chunks.plan(py, &mut self.0, None))
+    }
+
+    /// Plans and claims the layer slices of one layer group for a batch of prefill chunks
+    /// whose forward finished that group's layers (layer-wise streaming): each chunk's slice
+    /// minus held blocks and blocks that group already sent. ``plan_chunks`` still follows
+    /// for the chunk, and then plans only blocks not every group sent. Block tables as in
+    /// ``plan_early``.
+    #[pyo3(signature = (request_ids, chunk_starts, chunk_ends, layer_group, *, src_block_table=None, dst_block_table=None, src_blocks=None, dst_blocks=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments, no Rust caller
+    fn plan_layers(
+        &mut self,
+        py: Python<'_>,
+        request_ids: &Bound<'_, PyAny>,
+        chunk_starts: &Bound<'_, PyAny>,
+        chunk_ends: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = args::layer_group)] layer_group: i64,
+        src_block_table: Option<&Bound<'_, PyAny>>,
+        dst_block_table: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
+        #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
+    ) -> PyResult<PySlicePlan> {
+        let chunks = ChunkBatch {
+            request_ids,
+            chunk_starts,
+            chunk_ends,
+            src_block_table,
+            dst_block_table,
+            src_blocks,
+            dst_blocks,
+        };
+        fence(|| chunks.plan(py, &mut self.0, Some(layer_group)))
     }
 
     fn __len__(&self) -> usize {
@@ -292,8 +368,13 @@ impl PyTransferBook {
     }
 
     fn __repr__(&self) -> String {
+        // `layer_groups` only when set, so the common repr stays as it was.
+        let groups = match self.0.layer_groups() {
+            1 => String::new(),
+            n => format!(", layer_groups={n}"),
+        };
         format!(
-            "TransferBook({}, pipelined={}) <{} live requests>",
+            "TransferBook({}, pipelined={}{groups}) <{} live requests>",
             self.0.tokens_per_block(),
             if self.0.pipelined() { "True" } else { "False" },
             self.0.len()
