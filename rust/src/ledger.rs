@@ -53,10 +53,10 @@ pub struct Ledger {
     /// Blocks claimed without a whole-block slice: held by the receiver, or claimed in every
     /// layer group. Whole-block slices skip them. Allocated on the first such block: most
     /// requests have none.
-    settled: Option<Bitmap>,
+    settled: Option<Box<Bitmap>>,
     num_held: u64,
     /// Per-(layer group, block) claims of layer slices; `None` until the first one.
-    groups: Option<GroupClaims>,
+    groups: Option<Box<GroupClaims>>,
     prefix_sent: bool,
     /// Set by the first chunk slice: after a forward has run, nothing may leave "early".
     forward_started: bool,
@@ -212,7 +212,7 @@ impl Ledger {
         self.set_claimed(range);
         let blocks = self.num_blocks();
         self.settled
-            .get_or_insert_with(|| Bitmap::new(blocks))
+            .get_or_insert_with(|| Box::new(Bitmap::new(blocks)))
             .set_range(range.start, range.end);
         self.num_held += range.len();
         Ok(())
@@ -242,7 +242,7 @@ impl Ledger {
         mut emit: impl FnMut(BlockRange),
     ) {
         let group = group.and_then(|g| self.groups.as_ref().map(|c| &c.groups[g]));
-        let runs = match (&self.settled, group) {
+        let runs = match (self.settled.as_deref(), group) {
             (None, None) => return emit(range),
             (Some(skip), None) | (None, Some(skip)) => skip.clear_runs(range.start, range.end),
             (Some(settled), Some(group)) => {
@@ -401,14 +401,14 @@ impl Ledger {
         let num_blocks = self.num_blocks();
         let claims = self
             .groups
-            .get_or_insert_with(|| GroupClaims::new(num_groups, num_blocks));
+            .get_or_insert_with(|| Box::new(GroupClaims::new(num_groups, num_blocks)));
         claims.groups[group].set_range(run.start, run.end);
         for b in run.start..run.end {
             let count = &mut claims.counts[b as usize];
             *count += 1;
             if usize::from(*count) == num_groups {
                 self.settled
-                    .get_or_insert_with(|| Bitmap::new(num_blocks))
+                    .get_or_insert_with(|| Box::new(Bitmap::new(num_blocks)))
                     .set_range(b, b + 1);
                 self.claimed.set_range(b, b + 1);
                 self.num_claimed += 1;
