@@ -111,6 +111,9 @@ class KVReceiver:
         self._discarded: deque[Discard] = deque(maxlen=DISCARDS_KEPT)
         self.discarded_count = 0
         self._cancel_handlers: list[CancelHandler] = []
+        # owner -> requests awaiting some of its blocks (in-flight dedup), so forgetting a
+        # request visits only its dependents, not every live request.
+        self._dependents: dict[int, set[int]] = {}
 
     def expect(
         self,
@@ -140,6 +143,8 @@ class KVReceiver:
             epoch = self._next_epoch
             self._next_epoch += 1
             expected = _Expected(ledger, epoch, awaits=list(awaits))
+            for owner, _ in awaits:
+                self._dependents.setdefault(owner, set()).add(request_id)
             if ledger.is_complete:  # everything was held: nothing will arrive
                 expected.arrived_at = time.monotonic()
                 expected.fenced = True
@@ -445,8 +450,9 @@ class KVReceiver:
     def _forget(self, request_id: int) -> None:
         """Drops a request (lock held). Requests awaiting its blocks keep those that arrived;
         the others fail at their next `wait`."""
-        for other, theirs in self._requests.items():
-            if other != request_id and any(owner == request_id for owner, _ in theirs.awaits):
+        for other in self._dependents.pop(request_id, ()):
+            theirs = self._requests.get(other)
+            if theirs is not None and theirs.awaits:
                 try:
                     self._settle_awaits(other, theirs)
                 except TransferError:
