@@ -288,6 +288,11 @@ ROWS: list[Row] = [
     Row("ledger-claim-past-end", "TransferLedger.claim", "range past the last block", lambda led: led.claim(BlockRange(6, 9)), InvalidArgumentError, "invalid range=[6, 9): must be within the request's 8 blocks", new_ledger, ledger_state),
     Row("ledger-claim-overlap", "TransferLedger.claim", "range overlapping claimed blocks", lambda led: led.claim(BlockRange(2, 5)), DuplicateTransferError, "block 2 is already claimed (claim of blocks [2, 5))", new_ledger, ledger_state),
     Row("ledger-claim-tuple", "TransferLedger.claim", "range=(3, 5), a tuple", lambda led: led.claim((3, 5)), TypeError, "range must be a BlockRange, got tuple (3, 5)", new_ledger, ledger_state),
+    Row("ledger-claim-layer-group", "TransferLedger.claim_layer", "layer_group=2 of 2", lambda led: led.claim_layer(BlockRange(4, 5), 2, 2), InvalidArgumentError, "invalid layer_group=2: must be in [0, 2)", new_ledger, ledger_state),
+    Row("ledger-claim-layer-negative", "TransferLedger.claim_layer", "layer_group=-1", lambda led: led.claim_layer(BlockRange(4, 5), -1, 2), InvalidArgumentError, "invalid layer_group=-1", new_ledger, ledger_state),
+    Row("ledger-claim-layer-groups", "TransferLedger.claim_layer", "layer_groups=0", lambda led: led.claim_layer(BlockRange(4, 5), 0, 0), InvalidArgumentError, "invalid layer_groups=0", new_ledger, ledger_state),
+    Row("ledger-claim-layer-claimed", "TransferLedger.claim_layer", "a block claimed whole", lambda led: led.claim_layer(BlockRange(2, 5), 0, 2), DuplicateTransferError, "block 2 is already claimed", new_ledger, ledger_state),
+    Row("ledger-claim-layer-again", "TransferLedger.claim_layer", "a group's block twice", lambda led: (led.claim_layer(BlockRange(4, 6), 1, 2), led.claim_layer(BlockRange(5, 7), 1, 2)), DuplicateTransferError, "block 5 is already claimed", new_ledger),
     # -- TransferBook --------------------------------------------------------------------------
     Row("book-tpb-zero", "TransferBook(...)", "tokens_per_block=0", lambda _: TransferBook(0), InvalidArgumentError, "invalid tokens_per_block=0"),
     Row("book-tpb-huge", "TransferBook(...)", "tokens_per_block=2**64", lambda _: TransferBook(HUGE), InvalidArgumentError, f"invalid tokens_per_block={HUGE}"),
@@ -364,6 +369,9 @@ ROWS: list[Row] = [
     Row("pool-non-contiguous", "PagedKV(...)", "a non-contiguous layer", lambda _: PagedKV((torch.zeros(2, 4).t(),), 4), InvalidArgumentError, "invalid layers[0]: must be contiguous"),
     Row("pool-stacked-dim", "PagedKV.stacked", "block_dim=0 (the layer dimension)", lambda _: PagedKV.stacked(torch.zeros(2, 4, 3), tokens_per_block=4, block_dim=0), InvalidArgumentError, "invalid block_dim=0: must be >= 1"),
     Row("pool-stacked-numpy", "PagedKV.stacked", "a numpy array", lambda _: PagedKV.stacked(np.zeros((2, 4, 3)), tokens_per_block=4, block_dim=1), TypeError, "tensor must be a torch.Tensor, got ndarray"),  # type: ignore[arg-type]
+    Row("pool-group-layers", "PagedKV.group_layers", "groups=3 of 2 layers", lambda _: pool(8).group_layers(0, 3), InvalidArgumentError, "invalid groups=3: must be in [1, 2]"),
+    Row("pool-group-index", "PagedKV.group_layers", "group=2 of 2", lambda _: pool(8).group_layers(2, 2), InvalidArgumentError, "invalid group=2: must be in [0, 2)"),
+    Row("pool-layer-slice", "PagedKV.layer_slice", "layers [1, 1)", lambda _: pool(8).layer_slice(1, 1), InvalidArgumentError, "invalid layers=[1, 1)"),
     Row("compat-layers", "PagedKV.check_compatible", "different layer counts", lambda _: pool(layers=2).check_compatible(pool(layers=3)), LayoutMismatchError, "layout mismatch: num_layers is 2 on the source and 3 on the destination"),
     Row("compat-tpb", "PagedKV.check_compatible", "different tokens-per-block", lambda _: pool().check_compatible(pool(tpb=8, inner=2)), LayoutMismatchError, "layout mismatch: tokens_per_block is 4 on the source and 8"),
     Row("compat-dtype", "PagedKV.check_compatible", "float32 vs float16", lambda _: pool().check_compatible(pool(dtype=torch.float16)), LayoutMismatchError, "layout mismatch: dtype is torch.float32 on the source and torch.float16"),
@@ -391,6 +399,8 @@ ROWS: list[Row] = [
     # -- KVSender ------------------------------------------------------------------------------
     Row("sender-layout", "KVSender(...)", "receiver pool with other tokens-per-block", lambda _: KVSender(pool(8, tpb=8, inner=2), InProcessTransport(KVReceiver(pool(6)))), LayoutMismatchError, "layout mismatch: tokens_per_block is 8 on the source and 4"),
     Row("sender-timeout", "KVSender(...)", "timeout=-1", lambda _: KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), timeout=-1), InvalidArgumentError, "invalid timeout=-1"),
+    Row("sender-layer-groups", "KVSender(...)", "layer_groups=3 for a pool of 2 layers", lambda _: KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), layer_groups=3), InvalidArgumentError, "invalid layer_groups=3: must be in [1, 2]"),
+    Row("sender-layer-groups-float", "KVSender(...)", "layer_groups=2.0", lambda _: KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), layer_groups=2.0), TypeError, "layer_groups must be an int, got float 2.0"),  # type: ignore[arg-type]
     Row("sender-add-duplicate", "KVSender.add", "request_id already added", lambda c: c[0].add(1, 16), InvalidArgumentError, "invalid request_id=1", new_sender, sender_state),
     Row("sender-add-huge", "KVSender.add", "prompt_len=2**64", lambda c: c[0].add(2, HUGE), InvalidArgumentError, f"invalid prompt_len={HUGE}", new_sender, sender_state),
     Row("sender-add-epoch", "KVSender.add", "epoch=-1", lambda c: c[0].add(2, 16, epoch=-1), InvalidArgumentError, "invalid epoch=-1", new_sender, sender_state),
@@ -403,6 +413,8 @@ ROWS: list[Row] = [
     Row("sender-early-dst-twice", "KVSender.send_early", "one destination twice in the table", lambda c: c[0].send_early([1], TABLE, np.array([[2, 2, 2, 3]])), InvalidArgumentError, "dst_block_table=<id 2 at block 0 of request 1 and block 1 of request 1>", new_sender, sender_state),
     Row("sender-chunks-length", "KVSender.send_chunks", "chunk_starts longer than request_ids", lambda c: c[0].send_chunks([1], [8, 9], [16], TABLE, TABLE), InvalidArgumentError, "invalid chunk_starts=<array of length 2>", new_sender, sender_state),
     Row("sender-chunks-range", "KVSender.send_chunks", "chunk_start < reused_len", lambda c: c[0].send_chunks([1], [4], [16], TABLE, TABLE), InvalidArgumentError, "invalid chunk_start=4", new_sender, sender_state),
+    Row("sender-layers-group", "KVSender.send_layers", "group=1 of layer_groups=1", lambda c: c[0].send_layers([1], [8], [16], 1, TABLE, TABLE), InvalidArgumentError, "invalid layer_group=1: must be in [0, 1)", new_sender, sender_state),
+    Row("sender-layers-early", "KVSender.send_layers", "chunk_start < reused_len", lambda c: c[0].send_layers([1], [4], [16], 0, TABLE, TABLE), InvalidArgumentError, "invalid chunk_start=4", new_sender, sender_state),
     Row("sender-cancel-unknown", "KVSender.cancel", "unknown request id", lambda c: c[0].cancel(99), UnknownRequestError, "unknown request_id=99", new_sender, sender_state),
     Row("sender-remove-unknown", "KVSender.remove", "unknown request id", lambda c: c[0].remove(99), UnknownRequestError, "unknown request_id=99", new_sender, sender_state),
     Row("sender-cancelled-send", "KVSender.send_early", "a cancelled request id", lambda c: (c[0].cancel(1), c[0].send_early([1], TABLE, TABLE)), UnknownRequestError, "unknown request_id=1", new_sender),
@@ -422,6 +434,7 @@ ROWS: list[Row] = [
     Row("receiver-deliver-again", "KVReceiver.deliver", "notice of blocks already arrived", lambda r: r.deliver(Notice(1, 1, 1, 4, True)), DuplicateTransferError, "block 1 is already claimed", new_receiver, receiver_state),
     Row("receiver-deliver-negative", "KVReceiver.deliver", "notice start=-1", lambda r: r.deliver(Notice(1, 1, -1, 3, False)), InvalidArgumentError, "invalid start=-1", new_receiver, receiver_state),
     Row("receiver-deliver-epoch", "KVReceiver.deliver", "notice of an epoch never issued", lambda r: r.deliver(Notice(1, 1, 2, 4, True, 99)), InvalidArgumentError, "invalid epoch=99 for request 1: never issued", new_receiver, receiver_state),
+    Row("receiver-deliver-groups", "KVReceiver.deliver", "a notice of group 0 of 3 (the pool has 2 layers)", lambda r: r.deliver(Notice(1, 1, 2, 4, True, 0, 0, 3)), InvalidArgumentError, "invalid groups=3: must be in [1, 2]", new_receiver, receiver_state),
     Row("receiver-revoked-epoch", "KVReceiver.revoked", "fence of an epoch never issued", lambda r: r.revoked(1, 99), InvalidArgumentError, "invalid epoch=99 for request 1: never issued", new_receiver, receiver_state),
     Row("receiver-wait-unknown", "KVReceiver.wait", "unknown request id", lambda r: r.wait(99, timeout=0), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     Row("receiver-release-unknown", "KVReceiver.release", "unknown request id", lambda r: r.release(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
@@ -447,6 +460,10 @@ ROWS: list[Row] = [
     Row("hook-finish-unknown", "TransferHook.finish", "unknown request id", lambda c: c[0].finish(99), UnknownRequestError, "unknown request_id=99", new_hook, hook_state),
     Row("hook-cancel-unknown", "TransferHook.cancel", "unknown request id", lambda c: c[0].cancel(99), UnknownRequestError, "unknown request_id=99", new_hook, hook_state),
     Row("hook-cancelled-send", "TransferHook.before_forward", "a cancelled request id", lambda c: (c[0].cancel(1), c[0].before_forward([1])), UnknownRequestError, "unknown request_id=1", new_hook),
+    Row("hook-layer-range", "TransferHook.after_layer", "layer=2 of 2 layers", lambda c: c[0].after_layer([1], [8], [16], 2), InvalidArgumentError, "invalid layer=2: must be in [0, 2)", new_hook, hook_state),
+    Row("hook-layer-float", "TransferHook.after_layer", "layer=1.0", lambda c: c[0].after_layer([1], [8], [16], 1.0), TypeError, "layer must be an int, got float 1.0", new_hook, hook_state),  # type: ignore[arg-type]
+    Row("hook-layer-lengths", "TransferHook.after_layer", "two chunk_starts for one request", lambda c: c[0].after_layer([1], [8, 9], [16], 1), InvalidArgumentError, "invalid chunk_starts=<2 values>", new_hook, hook_state),
+    Row("hook-layer-unknown", "TransferHook.after_layer", "unknown request id", lambda c: c[0].after_layer([7], [8], [16], 1), UnknownRequestError, "unknown request_id=7", new_hook, hook_state),
     # -- kvferry plan --------------------------------------------------------------------------
     Row("cli-fanout-requests-zero", "kvferry bench fanout", "--requests 0", lambda _: cli("bench", "fanout", "--requests", "0"), CliExit, "argument --requests: must be > 0, got 0"),
     Row("cli-fanout-ipc-on-cpu", "kvferry bench fanout", "--transport cuda-ipc on cpu", lambda _: cli("bench", "fanout", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc needs --device cuda"),
@@ -494,6 +511,9 @@ ROWS: list[Row] = [
     Row("cli-agentic-transport-device", "kvferry bench agentic", "--transport cuda-ipc --device cpu", lambda _: cli("bench", "agentic", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc needs --device cuda, got --device cpu"),
     Row("cli-agentic-device", "kvferry bench agentic", "--device tpu", lambda _: cli("bench", "agentic", "--device", "tpu"), CliExit, "argument --device: invalid choice: 'tpu'"),
     Row("cli-agentic-no-cuda", "kvferry bench agentic", "--device cuda without a GPU", lambda _: cli("bench", "agentic", "--device", "cuda"), CliExit, "--device cuda: no CUDA device is visible", skip="a CUDA device is visible" if CUDA else None),
+    Row("cli-agentic-layerwise-zero", "kvferry bench agentic", "--layerwise 0", lambda _: cli("bench", "agentic", "--layerwise", "0"), CliExit, "argument --layerwise: must be > 0, got 0"),
+    Row("cli-agentic-layerwise-text", "kvferry bench agentic", "--layerwise all", lambda _: cli("bench", "agentic", "--layerwise", "all"), CliExit, "argument --layerwise: expected an integer, got 'all'"),
+    Row("cli-agentic-layerwise-past-layers", "kvferry bench agentic", "--layerwise 9 --layers 8", lambda _: cli("bench", "agentic", "--layerwise", "9", "--layers", "8"), CliExit, "--layerwise 9 must be <= --layers 8"),
 ]
 
 

@@ -537,7 +537,7 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
         assert receiver.wait(4, timeout=1)  # finished before the kill: still complete
         with pytest.raises(TransferTimeoutError):  # never mentioned: only its timeout ends it
             receiver.wait(3, timeout=0.2)
-        assert [n.as_tuple() for n in receiver.notices(1)] == [(1, 0, 0, 2, False, 0)]
+        assert [n.as_tuple() for n in receiver.notices(1)] == [(1, 0, 0, 2, False, 0, 0, 1)]
         for rid in (1, 2, 4):  # the dead sender's requests are fenced by its end: released at once
             receiver.release(rid, timeout=0)
             dst_blocks.give(dst[rid])

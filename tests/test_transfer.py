@@ -44,8 +44,10 @@ def block_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return as_table(rows_s, max(widths)), as_table(rows_d, max(widths))
 
 
-def drive(sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk: int = 8) -> list[Notice]:
-    """An executor's view: early sends before the first forward, then chunk by chunk."""
+def drive(sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk: int = 8, layerwise: bool = False) -> list[Notice]:
+    """An executor's view: early sends before the first forward, then chunk by chunk;
+    ``layerwise``: the last chunk's blocks leave layer group by layer group during its
+    forward (`KVSender.send_layers`, groups in order), before its `send_chunks`."""
     ids = np.array([r for r, _, _ in REQUESTS])
     for rid, prompt, reused in REQUESTS:
         sender.add(rid, prompt, reused_len=reused)
@@ -57,11 +59,27 @@ def drive(sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk:
             break
         starts = np.array([pos[REQUESTS[i][0]] for i in live])
         ends = np.array([min(pos[REQUESTS[i][0]] + chunk, REQUESTS[i][1]) for i in live])
+        last = [k for k, i in enumerate(live) if ends[k] == REQUESTS[i][1]]
+        if layerwise and last:
+            rows = [live[k] for k in last]
+            for group in range(sender.layer_groups):
+                sent += sender.send_layers(ids[rows], starts[last], ends[last], group, src_table[rows], dst_table[rows])
         sent += sender.send_chunks(ids[live], starts, ends, src_table[live], dst_table[live])
         for i, e in zip(live, ends):
             pos[REQUESTS[i][0]] = int(e)
         sender.poll()
     return sent
+
+
+def check_layer_coverage(pool: PagedKV, notices: list[Notice]) -> None:
+    """Every (layer, block) of every request arrived in exactly one notice."""
+    for rid, prompt, _ in REQUESTS:
+        seen = np.zeros((pool.num_layers, -(-prompt // TPB)), dtype=np.int64)
+        for n in notices:
+            if n.request_id == rid:
+                lo, hi = pool.group_layers(n.group, n.groups)
+                seen[lo:hi, n.start : n.end] += 1
+        assert (seen == 1).all(), f"request {rid}: (layer, block) arrivals {seen.tolist()}"
 
 
 def digest(pool: PagedKV, table: np.ndarray) -> str:
@@ -161,6 +179,75 @@ def test_sender_refuses_resend_and_bad_tables() -> None:
     sender.close()
 
 
+@pytest.mark.parametrize("layer_groups, max_write_blocks", [(1, None), (2, None), (3, None), (3, 2)])
+def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_blocks: Optional[int]) -> None:
+    """The last chunk's blocks leave one layer group at a time (groups of uneven size for
+    2 groups of 3 layers): every (layer, block) arrives once, a request completes only once
+    every group of its last blocks arrived, and the KV is bit exact; the chunk's own
+    `send_chunks` then sends nothing more."""
+    src = random_pool(5)
+    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    receiver = KVReceiver(dst)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    transport = InProcessTransport(receiver)
+    transport.max_write_blocks = max_write_blocks
+    sender = KVSender(src, transport, record=True, layer_groups=layer_groups)
+    src_table, dst_table = block_tables(6)
+    sent = drive(sender, src_table, dst_table, layerwise=True)
+    sender.flush(timeout=10)
+    for rid, _, _ in REQUESTS:
+        receiver.wait(rid, timeout=10)
+    arrived = [n for rid, _, _ in REQUESTS for n in receiver.notices(rid)]
+    assert sorted(arrived, key=lambda n: (n.request_id, n.slice_id)) == sorted(sent, key=lambda n: (n.request_id, n.slice_id))
+    check_layer_coverage(dst, arrived)
+    assert {n.groups for n in arrived} == {1} if layer_groups == 1 else {n.groups for n in arrived if n.group > 0} == {layer_groups}
+    assert sender.records is not None
+    layer_bytes = [r.nbytes for r in sender.records if r.kind == "layer"]
+    assert layer_bytes and all(r.kind in ("early", "chunk", "layer") for r in sender.records)
+    # A layer write carries only its group's layers: the bytes add up to whole blocks.
+    expected = sum(-(-p // TPB) for _, p, _ in REQUESTS) * src.block_bytes * LAYERS
+    assert sum(r.nbytes for r in sender.records) == expected
+    assert digest(dst, dst_table) == digest(src, src_table)
+    for rid, _, _ in REQUESTS:
+        assert sender.remove(rid).is_complete
+        assert receiver.release(rid).is_complete
+    sender.close()
+
+
+def test_layer_slices_count_at_the_receiver_per_group() -> None:
+    """The receiver's side of exact-once per (layer group, block): a block is complete once
+    every group of it arrived; a group twice, a whole block over a partly arrived one, a
+    group of a whole block, or a group the pool cannot split into are refused and fail the
+    request, changing nothing."""
+    pool = PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB)
+    r = KVReceiver(pool)
+    r.expect(1, 8)  # two blocks
+    assert not r.deliver(Notice(1, 0, 0, 2, False, 0, 0, 2))
+    assert not r.is_complete(1)
+    assert r.deliver(Notice(1, 1, 0, 2, True, 0, 1, 2))
+    r.wait(1, timeout=1)
+    for bad, error in [
+        (Notice(1, 2, 0, 1, False, 0, 1, 2), DuplicateTransferError),  # group 1 again
+        (Notice(1, 2, 0, 1, False, 0, 0, 1), DuplicateTransferError),  # the whole block again
+    ]:
+        with pytest.raises(error):
+            r.deliver(bad)
+    r.expect(2, 8)
+    r.deliver(Notice(2, 0, 0, 1, False, 0, 2, 3))
+    with pytest.raises(DuplicateTransferError):  # block 0 arrived in part: not whole
+        r.deliver(Notice(2, 1, 0, 2, True, 0))
+    assert r.refused()[-1].notice.request_id == 2
+    r.expect(3, 8)
+    with pytest.raises(InvalidArgumentError, match="groups=4"):  # 3 layers cannot make 4 groups
+        r.deliver(Notice(3, 0, 0, 2, True, 0, 0, 4))
+    r.expect(4, 8)
+    with pytest.raises(InvalidArgumentError, match="group=3"):
+        r.deliver(Notice(4, 0, 0, 2, True, 0, 3, 3))
+    with pytest.raises(TransferError):
+        r.wait(4, timeout=1)
+
+
 def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
     """The generation worker: a pool (shared memory, or CUDA shared by IPC), a receiver, an
     endpoint; reports the digest of its blocks once every request completed."""
@@ -203,7 +290,7 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         shared.close()
 
 
-def _two_processes(kind: str, device: str, transport: Any) -> None:
+def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     authkey = secrets.token_bytes(32)
@@ -216,8 +303,9 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
         with pytest.raises(TransferError, match="cannot reach the receiver"):
             transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0, device)} if kind.startswith("nixl") else {}))
         src = random_pool(4, device)
-        sender = KVSender(src, transport(address, authkey=authkey, src=src) if kind.startswith("nixl") else transport(address, authkey=authkey))
-        sent = drive(sender, src_table, dst_table)
+        link = transport(address, authkey=authkey, src=src) if kind.startswith("nixl") else transport(address, authkey=authkey)
+        sender = KVSender(src, link, layer_groups=layer_groups)
+        sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
         sender.flush(timeout=60)
         assert parent.poll(60), "receiver did not report"
         status, value, counts = parent.recv()
@@ -233,45 +321,56 @@ def _two_processes(kind: str, device: str, transport: Any) -> None:
             proc.kill()
 
 
-def test_shared_memory_two_processes_bit_exact() -> None:
-    _two_processes("shm", "cpu", ShmTransport)
+# Each cross-process transport also streams the last chunk by layer group (2 groups of 3
+# layers: uneven), so a layer slice's subset of layers crosses every data path.
+LAYERWISE = pytest.mark.parametrize("layer_groups", [1, 2])
 
 
-def test_pinned_staging_two_processes_bit_exact() -> None:
+@LAYERWISE
+def test_shared_memory_two_processes_bit_exact(layer_groups: int) -> None:
+    _two_processes("shm", "cpu", ShmTransport, layer_groups)
+
+
+@LAYERWISE
+def test_pinned_staging_two_processes_bit_exact(layer_groups: int) -> None:
     """The staging protocol with host pools (no pinning on CPU): ring wrap-around and waits."""
     from kvferry.staging import StagingTransport
 
-    _two_processes("staging", "cpu", StagingTransport)
+    _two_processes("staging", "cpu", StagingTransport, layer_groups)
 
 
 @pytest.mark.cuda
-def test_pinned_staging_cuda_two_processes_bit_exact() -> None:
+@LAYERWISE
+def test_pinned_staging_cuda_two_processes_bit_exact(layer_groups: int) -> None:
     from kvferry.staging import StagingTransport
 
-    _two_processes("staging-cuda", "cuda", StagingTransport)
+    _two_processes("staging-cuda", "cuda", StagingTransport, layer_groups)
 
 
-def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+@LAYERWISE
+def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch, layer_groups: int) -> None:
     """NIXL with UCX on loopback: DRAM pools in two processes, notices as notifications."""
     pytest.importorskip("nixl")
     from kvferry.nixl_link import NixlTransport
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # inherited by the spawned receiver
-    _two_processes("nixl", "cpu", NixlTransport)
+    _two_processes("nixl", "cpu", NixlTransport, layer_groups)
 
 
 @pytest.mark.cuda
-def test_nixl_cuda_two_processes_bit_exact() -> None:
+@LAYERWISE
+def test_nixl_cuda_two_processes_bit_exact(layer_groups: int) -> None:
     """NIXL between VRAM pools of two processes on one GPU."""
     pytest.importorskip("nixl")
     from kvferry.nixl_link import NixlTransport
 
-    _two_processes("nixl-cuda", "cuda", NixlTransport)
+    _two_processes("nixl-cuda", "cuda", NixlTransport, layer_groups)
 
 
 @pytest.mark.cuda
-def test_cuda_ipc_two_processes_bit_exact() -> None:
-    _two_processes("cuda-ipc", "cuda", CudaIpcTransport)
+@LAYERWISE
+def test_cuda_ipc_two_processes_bit_exact(layer_groups: int) -> None:
+    _two_processes("cuda-ipc", "cuda", CudaIpcTransport, layer_groups)
 
 
 @pytest.mark.cuda
@@ -395,7 +494,7 @@ def test_nixl_descriptors_and_indices_address_each_block() -> None:
     pool = PagedKV(tuple(torch.zeros(2, 5, 3, dtype=torch.float16) for _ in range(3)), TPB, block_dim=1)
     desc = block_descriptors(pool)
     assert desc.shape == (3 * 2 * 5, 3) and desc.dtype == np.uint64
-    rows = descriptor_indices(np.array([4, 1]), 3, 2, 5)
+    rows = descriptor_indices(np.array([4, 1]), (0, 3), 2, 5)
     assert rows.dtype == np.int32 and len(rows) == 3 * 2 * 2
     for row in rows:
         layer, rem = divmod(int(row), 2 * 5)
@@ -403,6 +502,10 @@ def test_nixl_descriptors_and_indices_address_each_block() -> None:
         assert block in (4, 1)
         assert int(desc[row, 0]) == pool.layers[layer][segment, block].data_ptr()
         assert int(desc[row, 1]) == pool.segment_bytes == 3 * 2
+    # A layer slice addresses the same blocks in its layers only.
+    rows = descriptor_indices(np.array([4, 1]), (1, 2), 2, 5)
+    assert sorted(divmod(int(r), 2 * 5)[0] for r in rows) == [1] * 4
+    assert sorted({int(r) % 5 for r in rows}) == [1, 4]
 
 
 def test_nixl_notice_wire_format_round_trips() -> None:
@@ -532,3 +635,36 @@ def test_awaited_blocks_complete_with_their_owner() -> None:
     with pytest.raises(TransferError, match="request 1's transfer, which failed"):
         r.wait(2, timeout=1)
     assert owner == 1
+
+
+def test_hook_after_layer_streams_the_last_chunk_by_layer_group() -> None:
+    """`TransferHook.after_layer`: a group leaves after its last layer (3 layers in 2
+    groups: after layers 0 and 2), only for requests in their last chunk; `after_forward`
+    then sends whole blocks only for the others."""
+    from kvferry.hook import TransferHook
+
+    src = random_pool(7)
+    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    receiver = KVReceiver(dst)
+    hook = TransferHook(KVSender(src, InProcessTransport(receiver), layer_groups=2))
+    for rid, prompt, blocks in [(1, 14, range(0, 4)), (2, 32, range(10, 18))]:
+        epoch = receiver.expect(rid, prompt)
+        hook.add_request(rid, prompt, reused_len=0, src_blocks=list(blocks), dst_blocks=[b + 40 for b in blocks], epoch=epoch)
+    starts, ends = [0, 0], [14, 16]  # request 1's only chunk; request 2's first of two
+    sent = [hook.after_layer([1, 2], starts, ends, layer) for layer in range(LAYERS)]
+    assert [[(n.request_id, n.start, n.end, n.group, n.groups) for n in notices] for notices in sent] == [[(1, 0, 4, 0, 2)], [], [(1, 0, 4, 1, 2)]]
+    assert [(n.request_id, n.start, n.end, n.groups) for n in hook.after_forward([1, 2], starts, ends)] == [(2, 0, 4, 1)]
+    hook.sender.flush(timeout=10)
+    receiver.wait(1, timeout=10)
+    assert not receiver.is_complete(2)
+    sent = [hook.after_layer([2], [16], [32], layer) for layer in range(LAYERS)]
+    assert [[(n.start, n.end, n.group, n.last) for n in notices] for notices in sent] == [[(4, 8, 0, True)], [], [(4, 8, 1, True)]]
+    assert hook.after_forward([2], [16], [32]) == []
+    hook.finish(1, timeout=10)
+    hook.finish(2, timeout=10)
+    receiver.wait(2, timeout=10)
+    for rid, blocks in [(1, range(0, 4)), (2, range(10, 18))]:
+        ids = torch.tensor(list(blocks))
+        for a, b in zip(src.layers, dst.layers):
+            assert torch.equal(a[ids], b[ids + 40]), rid
+    hook.sender.close()

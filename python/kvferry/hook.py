@@ -3,11 +3,16 @@
 ```
 plain loop:     before_forward(batch) -> forward(batch) -> after_forward(batch, chunks)
 overlap loop:   on_batch_queued(batch n+1) while batch n runs -> ... -> after_forward(n+1)
+layer-wise:     forward(batch): layer 0 .. after_layer(batch, chunks, 0) .. layer L-1 ..
+                after_layer(batch, chunks, L-1) -> after_forward(batch, chunks)
 ```
 ``before_forward`` / ``on_batch_queued`` send the complete reused-prefix blocks of every
 eligible request of the batch (context-only, not cancelled, first chunk, a complete reused
 block, pipelined transfer on); ``after_forward`` sends what each finished chunk completed.
-Neither waits on earlier transfers: copies are queued and their notices posted by `poll`.
+``after_layer`` (layer-wise streaming, a sender with ``layer_groups > 1``) sends, during the
+last chunk's forward, each layer group's layers of the chunk's blocks as soon as the group's
+last layer wrote its K and V. None of them waits on earlier transfers: copies are queued and
+their notices posted by `poll`.
 
 Leases: a request's source blocks belong to the transfer from `add_request` until `finish`
 or `cancel` returns (`leased` says so); the engine keeps its references to them (so that no
@@ -37,6 +42,10 @@ class TransferHook:
     def __init__(self, sender: KVSender) -> None:
         self.sender = sender
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._prompt_len: dict[int, int] = {}
+        # The last layer of each layer group -> the group: its layers are done after it.
+        pool, groups = sender.pool, sender.layer_groups
+        self._group_ending_at = {pool.group_layers(g, groups)[1] - 1: g for g in range(groups)}
 
     def add_request(
         self,
@@ -62,6 +71,7 @@ class TransferHook:
         rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
         self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
         self._blocks[request_id] = rows
+        self._prompt_len[request_id] = int(prompt_len)
 
     def _known(self, request_ids: Sequence[int]) -> list[int]:
         """The batch's ids, each one a request of this hook; refused before anything is sent."""
@@ -104,6 +114,32 @@ class TransferHook:
         # where np.asarray here would truncate or raise numpy's own error.
         return self.sender.send_chunks(np.asarray(ids, dtype=np.int64), chunk_starts, chunk_ends, src, dst)
 
+    def after_layer(self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int], layer: int) -> list[Notice]:
+        """During the batch's context forward, right after layer ``layer`` wrote the chunk's
+        K and V (on CUDA: once that write is queued on the current stream; the copy is
+        ordered after it). When ``layer`` is the last of its layer group, sends that group's
+        layers of the blocks each chunk completes, for the requests whose chunk ends the
+        prompt (the last chunk: earlier chunks' blocks leave after their forward and overlap
+        the next one). The chunk's `after_forward` then sends only what no group sent."""
+        ids = self._known(request_ids)
+        starts, ends = list(chunk_starts), list(chunk_ends)
+        for name, values in (("chunk_starts", starts), ("chunk_ends", ends)):
+            if len(values) != len(ids):
+                raise InvalidArgumentError(f"invalid {name}=<{len(values)} values>: must hold one per request ({len(ids)})")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        num_layers = self.sender.pool.num_layers
+        if not 0 <= layer < num_layers:
+            raise InvalidArgumentError(f"invalid layer={layer}: must be in [0, {num_layers})")
+        group = self._group_ending_at.get(int(layer))
+        last = [i for i, r in enumerate(ids) if ends[i] == self._prompt_len[r]]
+        if group is None or not last:
+            return []
+        ids = [ids[i] for i in last]
+        src, dst = self._tables(ids)
+        picked = np.asarray(ids, dtype=np.int64)
+        return self.sender.send_layers(picked, [starts[i] for i in last], [ends[i] for i in last], group, src, dst)
+
     def poll(self) -> list[Notice]:
         """Posts the notices of finished copies (call once per scheduler step)."""
         return self.sender.poll()
@@ -116,7 +152,7 @@ class TransferHook:
         while self.sender.in_flight(request_id):
             self.sender.flush(timeout)
         self.sender.remove(request_id)
-        del self._blocks[request_id]
+        del self._blocks[request_id], self._prompt_len[request_id]
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> None:
         """Revokes the request; once this returns its source blocks may be freed. Raises
@@ -125,7 +161,7 @@ class TransferHook:
         if request_id not in self._blocks:
             self._raise_unknown(request_id)
         self.sender.cancel(request_id, timeout)
-        del self._blocks[request_id]
+        del self._blocks[request_id], self._prompt_len[request_id]
 
     def leased(self, request_id: int) -> bool:
         """Whether the request's source blocks are still leased to the transfer (see

@@ -154,6 +154,37 @@ class PagedKV:
             if theirs.get(key) != value:
                 raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs.get(key)} on the destination")
 
+    def group_layers(self, group: int, groups: int) -> tuple[int, int]:
+        """The layers ``[lo, hi)`` of layer group ``group`` of ``groups``: consecutive
+        layers, as even as the count allows (layer-wise streaming sends a group's layers of
+        a block once that group's forward finished). Sender and receiver agree on this
+        split, so a notice names only ``(group, groups)``."""
+        _check_int("groups", groups)
+        _check_int("group", group)
+        if not 1 <= groups <= self.num_layers:
+            raise InvalidArgumentError(f"invalid groups={groups}: must be in [1, {self.num_layers}] (the pool's layers)")
+        if not 0 <= group < groups:
+            raise InvalidArgumentError(f"invalid group={group}: must be in [0, {groups})")
+        return group * self.num_layers // groups, (group + 1) * self.num_layers // groups
+
+    def layer_slice(self, lo: int, hi: int) -> PagedKV:
+        """The pool restricted to layers ``[lo, hi)`` (the same tensors, no copy); the whole
+        pool for ``(0, num_layers)``. Cached, so that a copy kernel's pointer tables and
+        captured graphs are built once per slice."""
+        if (lo, hi) == (0, self.num_layers):
+            return self
+        if not 0 <= lo < hi <= self.num_layers:
+            raise InvalidArgumentError(f"invalid layers=[{lo}, {hi}): must be a non-empty range within [0, {self.num_layers})")
+        slices = self._slices
+        view = slices.get((lo, hi))
+        if view is None:
+            view = slices[(lo, hi)] = PagedKV(self.layers[lo:hi], self.tokens_per_block, self.block_dim)
+        return view
+
+    @functools.cached_property
+    def _slices(self) -> dict[tuple[int, int], PagedKV]:
+        return {}
+
     def segment_views(self, word: torch.dtype) -> list[torch.Tensor]:
         """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``."""
         words = self.segment_bytes // torch.empty((), dtype=word).element_size()

@@ -22,7 +22,7 @@ apart from it, and its EOF may overtake those of writes that completed. So the r
 a NIXL request by its wait's timeout only; the EOF only fences the agent's requests (a dead
 process writes nothing more), so that they can be released at once.
 
-Wire: a notification is ``NOTICE_MAGIC`` and six int64 per notice (`Notice.as_tuple`), or
+Wire: a notification is ``NOTICE_MAGIC`` and eight int64 per notice (`Notice.as_tuple`), or
 ``REVOKE_MAGIC`` and one ``(request_id, epoch)`` int64 pair: a fence. The sender names its
 agent on the socket first (``{"kind": "agent"}``), so that the receiver can tie the agent's
 requests to the connection (announces, cancellations back, its end).
@@ -49,7 +49,7 @@ from kvferry.transport import Transport
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
 # "kvf1" carried five values per notice, without the epoch.
-NOTICE_MAGIC = b"kvf2"
+NOTICE_MAGIC = b"kvf3"
 REVOKE_MAGIC = b"kvr2"
 POLL_SECONDS = 100e-6
 
@@ -81,10 +81,12 @@ def block_descriptors(pool: PagedKV) -> np.ndarray:
     return np.stack([addresses, np.full_like(addresses, seg), np.full_like(addresses, device)], axis=1)
 
 
-def descriptor_indices(ids: np.ndarray, num_layers: int, segments: int, num_blocks: int) -> np.ndarray:
-    """Rows of `block_descriptors` for blocks ``ids`` in every layer and segment (int32, the
-    type NIXL's prepared transfers take)."""
-    rows = np.arange(num_layers * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, num_blocks: int) -> np.ndarray:
+    """Rows of `block_descriptors` for blocks ``ids`` in every segment of layers
+    ``[lo, hi)`` (int32, the type NIXL's prepared transfers take): a layer slice is a
+    subset of the same prepared descriptor lists."""
+    lo, hi = layers
+    rows = np.arange(lo * segments, hi * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
     return rows.ravel().astype(np.int32)
 
 
@@ -284,11 +286,14 @@ class NixlTransport(Transport):
     def geometry(self) -> dict[str, object]:
         return dict(self._geometry)
 
-    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+    def write(
+        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
+    ) -> Pending:
         if src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
         s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
-        layers, segments = src.num_layers, src.segments
+        layers = (0, src.num_layers) if layers is None else layers
+        segments = src.segments
         try:
             handle = self.agent.make_prepped_xfer(
                 "WRITE",

@@ -3,7 +3,8 @@ counts a request complete only when every expected block has landed exactly once
 
 Every notice is checked against the request's own ledger before it counts: a notice for a
 request not expected here, for blocks outside the request, for no blocks, or for blocks that
-already arrived is refused whole (nothing is marked arrived), recorded in `refused`, and fails
+already arrived (for a layer-group notice: blocks that arrived whole or in that group) is
+refused whole (nothing is marked arrived), recorded in `refused`, and fails
 the request (its `wait` raises at once instead of at its timeout). A transport that knows
 which sender a notice came from passes it as ``source``: a request then belongs to the first
 sender that announced it (`bind`, or its first notice), a notice from any other sender is
@@ -228,7 +229,14 @@ class KVReceiver:
         if source is not None and expected.source is None:
             expected.source = source
         try:
-            expected.ledger.claim(_blocks_of(notice))  # all or nothing: a refused claim marks nothing
+            blocks = _blocks_of(notice)
+            if notice.whole:
+                expected.ledger.claim(blocks)  # all or nothing: a refused claim marks nothing
+            else:
+                # A layer slice: the group must name layers of this pool; a block counts as
+                # arrived once every group's layers of it did.
+                self.pool.group_layers(notice.group, notice.groups)
+                expected.ledger.claim_layer(blocks, notice.group, notice.groups)
         except KvFerryError as err:
             raise self._refuse(notice, source, expected, err) from None
         expected.slices += 1

@@ -68,7 +68,7 @@ class _Job:
 class TransferRecord:
     """One finished write, for benchmarks and timelines (``KVSender(record=True)``)."""
 
-    kind: str  # "early" (before the forward) or "chunk"
+    kind: str  # "early" (before the forward), "chunk" (after it) or "layer" (during it)
     notices: tuple[Notice, ...]
     nbytes: int
     submitted: float
@@ -91,19 +91,27 @@ class KVSender:
         timeout: Optional[float] = None,
         record: bool = False,
         progress: bool = False,
+        layer_groups: int = 1,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
         ``progress``: a background thread posts each write's notices as soon as it finished,
         instead of at the executor's next `poll` (it matters where the receiver still has
-        work to do on arrival, as on the staging path)."""
+        work to do on arrival, as on the staging path). ``layer_groups``: the pool's layers
+        split into that many consecutive groups (`PagedKV.group_layers`) that may stream
+        separately (`send_layers`)."""
         pool.check_compatible(transport.geometry())
+        if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
+            raise TypeError(f"layer_groups must be an int, got {type(layer_groups).__name__} {layer_groups!r}")
+        if not 1 <= layer_groups <= pool.num_layers:
+            raise InvalidArgumentError(f"invalid layer_groups={layer_groups}: must be in [1, {pool.num_layers}] (the pool's layers)")
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"invalid timeout={timeout}: must be > 0 or None")
         self.timeout = timeout
         self.pool = pool
         self.transport = transport
-        self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined)
+        self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined, layer_groups=int(layer_groups))
+        self.layer_groups = int(layer_groups)
         self.engine = engine if engine is not None else engine_for(pool)
         self._next_slice: dict[int, int] = {}  # registered requests: their next slice id
         self._epochs: dict[int, int] = {}  # registered requests: the receiver's lease
@@ -223,6 +231,24 @@ class KVSender:
             plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table))
             return self._dispatch(plan, "chunk")
 
+    def send_layers(
+        self,
+        request_ids: IntArray,
+        chunk_starts: IntArray,
+        chunk_ends: IntArray,
+        group: int,
+        src_block_table: IntArray,
+        dst_block_table: IntArray,
+    ) -> list[Notice]:
+        """During a context forward, once layer group ``group``'s layers of it ran: that
+        group's layers of the blocks each chunk ``[start, end)`` completes (layer-wise
+        streaming, normally on the last chunk). Each block crosses once per group; the
+        chunk's `send_chunks` afterwards sends only the blocks no group sent."""
+        with self._lock:
+            self._refuse_revoked(request_ids)
+            plan = self.book.plan_layers(request_ids, chunk_starts, chunk_ends, group, **self._tables(src_block_table, dst_block_table))
+            return self._dispatch(plan, "layer", int(group))
+
     def _tables(self, src_block_table: IntArray, dst_block_table: IntArray) -> _Tables:
         """The book's block-table arguments, with both pools' sizes: a planned id outside
         its pool, or a destination planned twice, fails the call before anything is claimed
@@ -249,17 +275,20 @@ class KVSender:
             if hit:
                 raise InvalidArgumentError(f"invalid request_ids: {sorted(hit)} were cancelled")
 
-    def _dispatch(self, plan: SlicePlan, kind: str) -> list[Notice]:
+    def _dispatch(self, plan: SlicePlan, kind: str, group: Optional[int] = None) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
         before claiming anything, so nothing is marked sent that cannot leave). A transport
         with a `Transport.max_write_blocks` gets the plan in writes of at most that many
         blocks, each with notices for its own part of the slices, so the receiver can take in
-        one write while the next is still being copied."""
+        one write while the next is still being copied. A layer slice (``group``) writes and
+        announces only that layer group's layers."""
         pairs = plan.pairs
         if not len(plan) or pairs is None:
             return []
         limit = self.transport.max_write_blocks or plan.total_blocks
-        block_bytes = self.pool.block_bytes * self.pool.num_layers
+        groups = 1 if group is None else self.layer_groups
+        layers = None if groups == 1 else self.pool.group_layers(group or 0, groups)
+        block_bytes = self.pool.block_bytes * (self.pool.num_layers if layers is None else layers[1] - layers[0])
         notices: list[Notice] = []
         piece: list[Notice] = []
         slices = list(plan.slices())
@@ -271,16 +300,16 @@ class KVSender:
                     end = min(blocks.end, start + limit - (hi - lo))
                     slice_id = self._next_slice[request_id]
                     self._next_slice[request_id] = slice_id + 1
-                    piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end, self._epochs[request_id]))
+                    piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end, self._epochs[request_id], group or 0, groups))
                     hi += end - start
                     start = end
                     if hi - lo == limit:
-                        self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+                        self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes, layers)
                         notices += piece
                         piece, lo = [], hi
             if piece:
                 at = len(slices)
-                self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes)
+                self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes, layers)
                 notices += piece
         except TransferError as err:
             if self._lost is not None:
@@ -291,11 +320,11 @@ class KVSender:
             raise self._fail(ids, failed) from err
         return notices
 
-    def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int) -> None:
-        pending = self._write(src_ids, dst_ids, notices)
+    def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int, layers: Optional[tuple[int, int]]) -> None:
+        pending = self._write(src_ids, dst_ids, notices, layers)
         self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
 
-    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice]) -> Pending:
+    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]) -> Pending:
         """Queues a write; a transport out of room gets the oldest writes posted (so its
         receiver can release them) and is waited on, within the sender's timeout. A transport
         that finds its receiver gone (the staging ring reading a closed socket) fails every
@@ -304,7 +333,7 @@ class KVSender:
         ids = sorted({n.request_id for n in notices})
         while True:
             try:
-                return self.transport.write(self.engine, self.pool, src_ids, dst_ids, notices)
+                return self.transport.write(self.engine, self.pool, src_ids, dst_ids, notices, layers)
             except TransportFull as full:
                 left = 30.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:

@@ -30,7 +30,7 @@ from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.local import LocalEndpoint, LocalTransport
-from kvferry.notice import Notice
+from kvferry.notice import Notice, NoticeTuple
 from kvferry.receiver import KVReceiver
 from kvferry.shm import SharedPool
 from kvferry.transport import TransportFull, kept
@@ -106,6 +106,12 @@ class StagingEndpoint(LocalEndpoint):
             dst_ids = dst_ids[keep]
         ring, pool = self.ring.pool, self.receiver.pool
         assert ring is not None
+        groups = {(n.group, n.groups) for n in notices}
+        if len(groups) > 1:
+            raise InvalidArgumentError(f"invalid staging batch: notices of several layer groups {sorted(groups)} in one write")
+        if groups and not notices[0].whole:  # a layer slice: only its layers were staged
+            layers = pool.group_layers(notices[0].group, notices[0].groups)
+            ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
         if len(dst_ids):
             ids = torch.from_numpy(np.asarray(dst_ids, dtype=np.int64)).to(pool.device)
             pick = None if picked is None else torch.from_numpy(np.asarray(picked, dtype=np.int64)).to(pool.device)
@@ -193,15 +199,20 @@ class StagingTransport(LocalTransport):
         self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
 
-    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+    def write(
+        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
+    ) -> Pending:
         src.check_compatible(self._geometry)
         s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
         lo, skipped = self._reserve(s.size)
-        ring = self.dst
+        # A layer slice fills those layers of its slots only (the rest of them stay unused:
+        # slots are whole blocks, so the ring's accounting stays one slot per block).
+        ring = self.dst if layers is None else self.dst.layer_slice(*layers)
+        source = src if layers is None else src.layer_slice(*layers)
 
         def stage() -> None:
-            ids = torch.from_numpy(s).to(src.device, non_blocking=True)
-            for layer, staged in zip(src.segment_views(torch.uint8), ring.layers):
+            ids = torch.from_numpy(s).to(source.device, non_blocking=True)
+            for layer, staged in zip(source.segment_views(torch.uint8), ring.layers):
                 staged[:, lo : lo + s.size].copy_(layer.index_select(1, ids), non_blocking=True)
 
         self._pending.append((lo, d, s.size + skipped))
@@ -227,7 +238,7 @@ class StagingTransport(LocalTransport):
         self._send(([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
 
     @staticmethod
-    def _as_tuples(notices: Sequence[Notice]) -> list[tuple[int, int, int, int, bool, int]]:
+    def _as_tuples(notices: Sequence[Notice]) -> list[NoticeTuple]:
         return [n.as_tuple() for n in notices]
 
     def _collect_frees(self) -> None:

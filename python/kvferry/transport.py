@@ -67,11 +67,16 @@ class Transport(ABC):
         """Blocks in the receiver's pool."""
         return self.dst.num_blocks
 
-    def write(self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice]) -> Pending:
+    def write(
+        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
+    ) -> Pending:
         """Queues the copy of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of the
-        receiver's pool; ``notices`` describe it (a transport that carries them with the write
-        uses them here)."""
-        return engine.submit(src, self.dst, src_ids, dst_ids)
+        receiver's pool, in layers ``[lo, hi)`` only when ``layers`` is given (a layer
+        slice); ``notices`` describe it (a transport that carries them with the write uses
+        them here)."""
+        if layers is None:
+            return engine.submit(src, self.dst, src_ids, dst_ids)
+        return engine.submit(src.layer_slice(*layers), self.dst.layer_slice(*layers), src_ids, dst_ids)
 
     @abstractmethod
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:

@@ -416,6 +416,29 @@ impl Ledger {
         }
     }
 
+    /// Claims `range` for layer group `group` of `num_groups`: the receiver's side of a
+    /// layer slice (the sender plans with [`Ledger::send_layer`]). Refused, changing nothing,
+    /// if the range passes the last block, if any of its blocks is claimed whole (by a
+    /// whole-block slice, held, or already claimed in every group), or if `group` claimed any
+    /// of them before; a block becomes claimed whole once every group claimed it.
+    pub fn claim_layer(&mut self, range: BlockRange, group: i64, num_groups: i64) -> Result<()> {
+        let (group, num_groups) = layer_args(group, num_groups)?;
+        self.check_group(group, num_groups)?;
+        self.check_bounds(range)?;
+        if self.num_claimed > 0 {
+            if let Some(block) = self.claimed.first_set(range.start, range.end) {
+                return Err(duplicate(block, range));
+            }
+        }
+        if let Some(bits) = self.groups.as_ref().map(|c| &c.groups[group]) {
+            if let Some(block) = bits.first_set(range.start, range.end) {
+                return Err(duplicate(block, range));
+            }
+        }
+        self.commit_layer(range, group, num_groups);
+        Ok(())
+    }
+
     /// Claims and returns the runs of the layer slice of chunk `[chunk_start, chunk_end)` for
     /// layer group `group` of `num_groups` (see [`Ledger::layer_candidate`]). On error nothing
     /// changes.
@@ -451,6 +474,25 @@ impl Ledger {
         let needed = self.prompt.needed();
         self.claimed.count_range(needed.start, needed.end) == needed.len()
     }
+}
+
+/// `(group, num_groups)` as indices; a negative value is refused by name.
+fn layer_args(group: i64, num_groups: i64) -> Result<(usize, usize)> {
+    let num = usize::try_from(num_groups).map_err(|_| {
+        CoreError::invalid(
+            "layer_groups",
+            num_groups,
+            format!("in [1, {MAX_LAYER_GROUPS}]"),
+        )
+    })?;
+    let g = usize::try_from(group).map_err(|_| {
+        CoreError::invalid(
+            "layer_group",
+            group,
+            format!("in [0, {num_groups}) (layer_groups={num_groups})"),
+        )
+    })?;
+    Ok((g, num))
 }
 
 fn duplicate(block: u64, range: BlockRange) -> CoreError {

@@ -1108,10 +1108,18 @@ proptest! {
         let num_blocks = ((s.prompt + s.tpb - 1) / s.tpb) as u64;
         let held = if hold { held_ranges(num_blocks, &mask) } else { Vec::new() };
         book.hold(1, &held).unwrap();
+        // The receiver's ledger takes every row the sender planned, each once: a layer row
+        // with `claim_layer`, a whole-block row with `claim`; a repeat is refused.
+        let mut receiver = Ledger::new(Prompt::new(s.tpb, s.prompt, s.reused, None).unwrap()).unwrap();
+        for r in &held {
+            receiver.hold(*r).unwrap();
+        }
         let mut covered = vec![vec![0u8; num_blocks as usize]; groups];
         if early {
             let plan = book.plan_early(&[1]).unwrap();
-            cover_groups(&mut covered, &plan, 0..groups)?;
+            for (start, end, _) in cover_groups(&mut covered, &plan, 0..groups)? {
+                receiver.claim(range(start, end)).unwrap();
+            }
         }
         let all = chunks(s.reused, s.prompt, &s.sizes);
         let mut layered = false;
@@ -1153,6 +1161,16 @@ proptest! {
                     }
                     let plan = book.plan_layers(&[1], &[cs], &[ce], g as i64).unwrap();
                     let rows = cover_groups(&mut covered, &plan, g..g + 1)?;
+                    for &(start, end, _) in &rows {
+                        let before = receiver.clone();
+                        receiver.claim_layer(range(start, end), g as i64, groups as i64).unwrap();
+                        prop_assert!(receiver.claim_layer(range(start, end), g as i64, groups as i64).is_err());
+                        if groups > 1 && n + 1 < groups {
+                            // Partly arrived: a whole-block claim of it is refused.
+                            prop_assert!(receiver.claim(range(start, end)).is_err());
+                        }
+                        prop_assert!(before.claimed_blocks() <= receiver.claimed_blocks());
+                    }
                     let lasts: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.2).map(|(i, _)| i).collect();
                     prop_assert!(lasts.len() <= 1 && lasts.iter().all(|&i| i + 1 == rows.len()), "last flags {:?}", rows);
                     prop_assert_eq!(lasts.len(), usize::from(!rows.is_empty()));
@@ -1164,8 +1182,13 @@ proptest! {
             if layered {
                 prop_assert!(plan.is_empty(), "chunk plan after every group: {:?}", plan);
             }
-            cover_groups(&mut covered, &plan, 0..groups)?;
+            for (start, end, _) in cover_groups(&mut covered, &plan, 0..groups)? {
+                receiver.claim(range(start, end)).unwrap();
+                prop_assert!(receiver.claim_layer(range(start, end), 0, groups as i64).is_err());
+            }
         }
+        prop_assert!(receiver.is_complete(), "receiver missing {:?}", receiver.missing());
+        prop_assert_eq!(receiver.claimed_blocks(), num_blocks);
         for r in &held {
             for b in r.start..r.end {
                 for c in &covered {

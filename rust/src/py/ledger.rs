@@ -114,6 +114,18 @@ impl PyTransferLedger {
         fence(|| Ok(self.0.claim(range.0)?))
     }
 
+    /// Claims an explicit range for one layer group (a layer slice that arrived): refused,
+    /// changing nothing, if a block of it is claimed whole or that group claimed it before.
+    /// A block counts as claimed once every one of ``layer_groups`` groups claimed it.
+    fn claim_layer(
+        &mut self,
+        #[pyo3(from_py_with = range_arg)] range: PyBlockRange,
+        #[pyo3(from_py_with = args::layer_group)] layer_group: i64,
+        #[pyo3(from_py_with = args::layer_groups)] layer_groups: i64,
+    ) -> PyResult<()> {
+        fence(|| Ok(self.0.claim_layer(range.0, layer_group, layer_groups)?))
+    }
+
     /// Needed blocks not yet claimed, as maximal ranges.
     fn missing(&self) -> Vec<PyBlockRange> {
         self.0.missing().into_iter().map(PyBlockRange).collect()
