@@ -140,9 +140,39 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     assert "outputs match aggregated: True" in table
 
 
+@pytest.mark.parametrize("flag, groups", [(["--layerwise"], 3), (["--layerwise", "2"], 2)], ids=["per-layer", "G2"])
+def test_bench_agentic_layerwise_small_run(capsys: pytest.CaptureFixture[str], tmp_path, flag: list[str], groups: int) -> None:  # type: ignore[no-untyped-def]
+    """A third run, early + layer-wise: its own figures in the JSON and the table, outputs and
+    KV checked like the others, every byte sent once (early + layer slices + after the
+    forward add up to what baseline sends)."""
+    import json
+
+    out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
+    argv = ["bench", "agentic", "--sessions", "2", "--turns", "1", "--cached", "160", "--new", "40", "--output", "2",
+            "--tokens-per-block", "16", "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--link-gbps", "0.05", "--check-kv", *flag, "--json", str(out), "--png", str(png)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["outputs_match"] is True and result["duplicate_blocks"] == 0 and result["output_divergences"] == []
+    assert result["kv_mismatch_blocks"] == 0 and result["prefill_mismatch_blocks"] == 0
+    lw, early, base = result["layerwise"], result["early"], result["baseline"]
+    assert lw["layer_groups"] == groups and lw["duplicate_blocks"] == 0
+    assert set(early) <= set(lw)  # shaped like early
+    assert lw["kv_ready_ms_p50"] > 0 and lw["ideal_kv_ready_ms_p50"] > 0 and 0.0 <= lw["hidden_fraction"] <= 1.0
+    assert lw["layer_bytes"] > 0 and early["layer_bytes"] == 0 and lw["early_bytes"] == early["early_bytes"]
+    assert lw["early_bytes"] + lw["layer_bytes"] + lw["after_bytes"] == base["after_bytes"]
+    rows = [r for r in result["requests"] if r["mode"] == "layerwise"]
+    assert len(rows) == 2 and all(r["bars"]["layer"] for r in rows)
+    assert f"layer-wise ({groups} layer groups): KV-ready p50/p90" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_agentic_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "agentic", "--heads", "6", "--kv-heads", "4"]) == 2
     assert "multiple of --kv-heads" in capsys.readouterr().err
+    assert main(["bench", "agentic", "--layers", "4", "--layerwise", "5"]) == 2
+    assert "--layerwise 5 must be <= --layers 4" in capsys.readouterr().err
 
 
 def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -4,10 +4,12 @@ executor hook checked against aggregated serving (outputs token for token, KV bi
 from __future__ import annotations
 
 import random
+from typing import Optional, Sequence
 
 import pytest
 import torch
 
+from kvferry.notice import Notice
 from kvferry.refengine.cache import BlockAllocator, PrefixCache
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
@@ -104,19 +106,35 @@ def test_disaggregated_matches_aggregated_over_multi_turn_sessions(model: TinyLl
     assert (early_slices > 0) == early
 
 
-def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int) -> None:
-    """Two sessions x two turns, chunked prefill: disaggregated over ``transport`` gives
-    aggregated serving's outputs and bit-exact KV."""
+def _assert_layers_cross_once(notices: Sequence[Notice], num_blocks: int) -> None:
+    """Every layer of every block of the prompt crossed exactly once, as a whole block or as
+    layer-group slices."""
+    crossed = sorted(
+        (b, layer)
+        for n in notices
+        for b in range(n.start, n.end)
+        for layer in range(n.group * CFG.layers // n.groups, (n.group + 1) * CFG.layers // n.groups)
+    )
+    assert crossed == [(b, layer) for b in range(num_blocks) for layer in range(CFG.layers)]
+
+
+def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int, layer_groups: Optional[int] = None) -> None:
+    """Two sessions x two turns, chunked prefill: disaggregated over ``transport`` (with
+    layer-wise streaming in ``layer_groups`` groups, if given) gives aggregated serving's
+    outputs and bit-exact KV, each layer of each block crossing once."""
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
-    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport)
+    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport, layer_groups=layer_groups)
     try:
         gen = _sessions(seed=seed, n=2, turns=2, system=70, new=(5, 25), out=4)
         turns = next(gen)
         while True:
             got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
             for turn in turns:
-                assert got_d[turn.request_id].outputs == got_a[turn.request_id].outputs
-                assert got_d[turn.request_id].kv_mismatch_blocks == 0
+                d = got_d[turn.request_id]
+                assert d.outputs == got_a[turn.request_id].outputs
+                assert d.kv_mismatch_blocks == 0
+                _assert_layers_cross_once(d.notices, -(-d.prompt_len // TPB))
+                assert any(not n.whole for n in d.notices) == ((layer_groups or 1) > 1)
             try:
                 turns = gen.send({r: got_a[r].outputs for r in got_a})
             except StopIteration:
@@ -141,6 +159,17 @@ def test_cuda_disaggregation_matches_aggregated(transport: str, dtype: torch.dty
     from dataclasses import replace
 
     _assert_serving_matches(TinyLlama(replace(CFG, dtype=dtype), "cuda"), transport, seed=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("groups", [2, CFG.layers], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("transport", ["in-process", "cuda-ipc", "staging"])
+def test_cuda_layerwise_streaming_matches_aggregated(transport: str, groups: int) -> None:
+    """On CUDA each group's copy is ordered after the forward's write of its layers by an
+    event on the current stream: the KV still arrives bit exact."""
+    from dataclasses import replace
+
+    _assert_serving_matches(TinyLlama(replace(CFG, dtype=torch.bfloat16), "cuda"), transport, seed=5, layer_groups=groups)
 
 
 def test_prefix_cache_index_is_empty_once_every_block_is_evicted() -> None:
@@ -226,3 +255,73 @@ def test_in_flight_dedup_moves_a_shared_prefix_once(model: TinyLlama, fan_out, t
     assert prefix_crossings == (prefix_blocks if dedup else 8 * prefix_blocks)
     # Every request's own tail (the suffix and its partial block) crosses either way.
     assert len(crossed) - prefix_crossings == sum(-(-len(t.prompt) // TPB) - prefix_blocks for t in turns)
+
+
+def test_on_layer_is_called_once_per_layer_in_order_with_that_layers_kv_written(model: TinyLlama) -> None:
+    """``on_layer(i)`` runs right after layer i wrote the chunk's K and V: that layer holds
+    its final KV (what a forward without the callback writes), later layers nothing yet."""
+    tokens = torch.randint(0, CFG.vocab, (40,), generator=torch.Generator().manual_seed(1))
+    table = torch.arange(3)
+    want = new_kv_pool(CFG, 3, TPB, "cpu")
+    model.forward(tokens, 0, want, table)
+    pool = new_kv_pool(CFG, 3, TPB, "cpu")
+    seen: list[int] = []
+
+    def on_layer(i: int) -> None:
+        assert torch.equal(pool.layers[i], want.layers[i]), f"layer {i} not final at its callback"
+        assert all(not bool(pool.layers[j].any()) for j in range(i + 1, CFG.layers)), f"a layer after {i} was written before its callback"
+        seen.append(i)
+
+    model.forward(tokens, 0, pool, table, on_layer=on_layer)
+    assert seen == list(range(CFG.layers))
+    assert all(torch.equal(a, b) for a, b in zip(pool.layers, want.layers))
+
+
+@pytest.mark.parametrize("groups", [1, 2, CFG.layers], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "baseline"])
+def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, chunk, early: bool) -> None:  # type: ignore[no-untyped-def]
+    """Layer-wise streaming of the last chunk: outputs equal aggregated serving's, the KV at
+    the generation worker is bit exact, each layer of each block crosses once, and the last
+    chunk's blocks leave from the per-layer callback (records of kind "layer"), so that the
+    forward afterwards sends no block of the last chunk again."""
+    agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
+    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, layer_groups=groups, record=True)
+    records = dis.hook.sender.records
+    assert records is not None
+    gen = _sessions(seed=13, n=2, turns=2, system=60, new=(5, 30), out=3)
+    turns = next(gen)
+    try:
+        while True:
+            records.clear()
+            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+            for turn in turns:
+                a, d = got_a[turn.request_id], got_d[turn.request_id]
+                assert d.outputs == a.outputs, f"request {turn.request_id}"
+                assert d.kv_mismatch_blocks == 0 and d.digests
+                _assert_layers_cross_once(d.notices, -(-d.prompt_len // TPB))
+                assert all(n.groups == groups for n in d.notices if not n.whole)
+                mine = lambda kind: [n for rec in records if rec.kind == kind for n in rec.notices if n.request_id == turn.request_id]  # noqa: E731
+                assert mine("layer"), "nothing left from the per-layer callback"
+                # Nothing of the last chunk's blocks went after the forward.
+                last_start = d.reused_len + (d.prompt_len - 1 - d.reused_len) // chunk * chunk if chunk else d.reused_len
+                assert all(n.whole and n.end <= last_start // TPB for n in mine("chunk")), (last_start, mine("chunk"))
+            try:
+                turns = gen.send({r: got_a[r].outputs for r in got_a})
+            except StopIteration:
+                break
+    finally:
+        dis.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "staging"])
+def test_two_process_layerwise_streaming_matches_aggregated(model: TinyLlama, transport: str) -> None:
+    """The generation worker in its own process: its receiver takes the layer-group notices
+    as they come; outputs and KV match aggregated serving."""
+    _assert_serving_matches(model, transport, seed=17, layer_groups=2)
+
+
+def test_layer_groups_out_of_range_is_refused(model: TinyLlama) -> None:
+    for bad in (0, CFG.layers + 1):
+        with pytest.raises(ValueError, match=rf"invalid layer_groups={bad}"):
+            Disaggregated(model, num_blocks=16, tokens_per_block=TPB, chunk_size=None, layer_groups=bad)

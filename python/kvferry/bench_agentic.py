@@ -2,10 +2,19 @@
 tokens >> output tokens; several sessions x several turns) served disaggregated twice,
 baseline (the prefix leaves with the first chunk, after its forward) and early (the prefix
 leaves before the first forward), against aggregated serving as the reference for outputs.
+Optionally also "aware" (early with receiver prefix awareness) and "layerwise" (early, and
+during the last chunk each layer group's blocks leave as soon as the forward wrote them).
 
 Per request: prefill time, prefix-transfer time, post-prefill tail, KV-ready latency
 (admitted -> every block resident at the generation worker), TTFT at the generation worker,
-and the ideal bound max(prefill, prefix transfer) + tail.
+and the ideal bound max(prefill, transfer overlappable with it) + tail copy:
+
+```
+early:      |==== prefill ====|- turn KV -|          tail copy: the whole turn's KV
+            |--- prefix KV ---|
+layerwise:  |==== prefill ====|-|                    tail copy: the last layer group's part
+            |--- prefix KV ---|groups 0..G-2 of the turn's KV (as the forward passes them)
+```
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 from kvferry.benchutil import machine, percentile, stderr_progress
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
+from kvferry.notice import Notice
 from kvferry.sender import TransferRecord
 
 __all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
@@ -55,6 +65,14 @@ class AgenticConfig:
     # Also run "aware": early transfer with receiver prefix awareness (the generation worker
     # keeps each session's prompt blocks and advertises them; they never cross again).
     aware: bool = False
+    # Also run "layerwise": early transfer plus layer-wise streaming of the last prefill
+    # chunk, with this many groups of consecutive layers (1 to layers); None: not run.
+    layer_groups: Optional[int] = None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The disaggregated runs, in order."""
+        return ("baseline", "early") + (("aware",) if self.aware else ()) + (("layerwise",) if self.layer_groups is not None else ())
 
     def model_config(self) -> ModelConfig:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
@@ -75,7 +93,8 @@ class RequestFigures:
     ttft_gen_ms: float
     ideal_kv_ready_ms: float
     early_bytes: int
-    after_bytes: int
+    after_bytes: int  # whole blocks sent after a chunk's forward
+    layer_bytes: int  # layer-group slices sent during the last chunk's forward
     duplicate_blocks: int
     # For the timeline: intervals relative to the turn's first admission (ms).
     bars: dict[str, Any] = field(default_factory=dict)
@@ -114,30 +133,56 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def _figures(mode: str, turn: int, results: dict[int, TurnResult], records: list[TransferRecord]) -> tuple[list[RequestFigures], float, float]:
-    """Per-request figures of one turn, and the early transfer time overlapped by prefill."""
+def _layer_units(notice: Notice, layers: int) -> range:
+    """The layers a notice covers (every layer of a whole-block notice)."""
+    return range(notice.group * layers // notice.groups, (notice.group + 1) * layers // notice.groups)
+
+
+def duplicate_blocks(notices: list[Notice], layers: int) -> int:
+    """Blocks any layer of which crossed more than once (a block sent as layer-group slices
+    crosses once when each of its layers did)."""
+    seen: set[tuple[int, int]] = set()
+    twice: set[int] = set()
+    for n in notices:
+        for block in range(n.start, n.end):
+            for layer in _layer_units(n, layers):
+                if (block, layer) in seen:
+                    twice.add(block)
+                seen.add((block, layer))
+    return len(twice)
+
+
+def _figures(
+    mode: str, turn: int, results: dict[int, TurnResult], records: list[TransferRecord], layers: int
+) -> tuple[list[RequestFigures], float, float]:
+    """Per-request figures of one turn, and the transfer time sent during prefill (early and
+    layer slices) that prefill overlapped, out of its total."""
     t0 = min(r.admitted for r in results.values())
     ms = lambda t: (t - t0) * 1e3  # noqa: E731
-    figures, hidden, early_total = [], 0.0, 0.0
+    figures, hidden, during_total = [], 0.0, 0.0
     prefill_span = (min(r.prefill_start for r in results.values()), max(r.prefill_done for r in results.values()))
     for rec in records:
-        if rec.kind == "early":
-            early_total += rec.finished - rec.started
+        if rec.kind in ("early", "layer"):
+            during_total += rec.finished - rec.started
             hidden += _overlap((rec.started, rec.finished), prefill_span)
     for rid, r in results.items():
         mine = [rec for rec in records if any(n.request_id == rid for n in rec.notices)]
         early = [rec for rec in mine if rec.kind == "early"]
+        layer = [rec for rec in mine if rec.kind == "layer"]
         # The tail: what was still to move once the step with the request's last chunk ended.
-        tail = [rec for rec in mine if rec.kind == "chunk" and rec.finished > r.step_done]
+        tail = [rec for rec in mine if rec.kind in ("chunk", "layer") and rec.finished > r.step_done]
         prefix_s = sum(rec.finished - rec.started for rec in early)
         tail_s = (max(rec.finished for rec in tail) - r.step_done) if tail else 0.0
-        tail_copy_s = sum(rec.finished - rec.started for rec in tail)
+        # The ideal bound: the copies that can only start once the forward ended (whole
+        # blocks after it, the last layer group's slices) follow prefill; the prefix and the
+        # other groups' slices could all hide under it.
+        last_group = [rec for rec in layer if any(n.request_id == rid and n.group == n.groups - 1 for n in rec.notices)]
+        after_copy_s = sum(rec.finished - rec.started for rec in tail if rec.kind == "chunk") + sum(rec.finished - rec.started for rec in last_group)
+        overlappable_s = prefix_s + sum(rec.finished - rec.started for rec in layer if all(rec is not x for x in last_group))
         # Prefill as the decode side sees it: until the batch forward holding the last chunk ended.
         prefill_s = r.step_done - r.prefill_start
-        blocks = [b for n in r.notices for b in range(n.start, n.end)]
         per_block = lambda rec: rec.nbytes / max(1, sum(n.end - n.start for n in rec.notices))  # noqa: E731
-        early_bytes = int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in early))
-        after_bytes = int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in mine if rec.kind == "chunk"))
+        own_bytes = lambda recs: int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in recs))  # noqa: E731
         figures.append(
             RequestFigures(
                 mode, turn, rid, r.prompt_len, r.reused_len,
@@ -146,24 +191,26 @@ def _figures(mode: str, turn: int, results: dict[int, TurnResult], records: list
                 tail_transfer_ms=tail_s * 1e3,
                 kv_ready_ms=(r.kv_ready - r.admitted) * 1e3,
                 ttft_gen_ms=(r.first_token_at_gen - r.admitted) * 1e3 if r.first_token_at_gen else float("nan"),
-                ideal_kv_ready_ms=((r.prefill_start - r.admitted) + max(prefill_s, prefix_s) + tail_copy_s) * 1e3,
-                early_bytes=early_bytes,
-                after_bytes=after_bytes,
-                duplicate_blocks=len(blocks) - len(set(blocks)),
+                ideal_kv_ready_ms=((r.prefill_start - r.admitted) + max(prefill_s, overlappable_s) + after_copy_s) * 1e3,
+                early_bytes=own_bytes(early),
+                after_bytes=own_bytes([rec for rec in mine if rec.kind == "chunk"]),
+                layer_bytes=own_bytes(layer),
+                duplicate_blocks=duplicate_blocks(r.notices, layers),
                 bars={
                     "prefill": (ms(r.prefill_start), ms(r.prefill_done)),
                     "early": [(ms(rec.started), ms(rec.finished)) for rec in early],
                     "chunk": [(ms(rec.started), ms(rec.finished)) for rec in mine if rec.kind == "chunk"],
+                    "layer": [(ms(rec.started), ms(rec.finished)) for rec in layer],
                     "kv_ready": ms(r.kv_ready),
                     "decode": ms(r.first_decode),
                 },
             )
         )
-    return figures, hidden, early_total
+    return figures, hidden, during_total
 
 
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    batches = (4 if cfg.aware else 3) * (cfg.turns + 1)  # turn batches: reference, then each mode
+    batches = (1 + len(cfg.modes)) * (cfg.turns + 1)  # turn batches: reference, then each mode
     done = 0
 
     def advance(what: str) -> None:
@@ -180,8 +227,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     outputs_match = True
     kv_mismatch_blocks = prefill_mismatch_blocks = reuse_mismatches = 0
     divergences: list[dict[str, Any]] = []
-    hidden = {"early": [0.0, 0.0]}
-    modes = ("baseline", "early", "aware") if cfg.aware else ("baseline", "early")
+    modes = cfg.modes
+    hidden = {mode: [0.0, 0.0] for mode in modes}
     for mode in modes:
         engine = Disaggregated(
             model,
@@ -190,6 +237,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             chunk_size=cfg.chunk_size,
             early=mode != "baseline",
             aware=mode == "aware",
+            layer_groups=cfg.layer_groups if mode == "layerwise" else None,
             transport=cfg.transport,
             link_gbps=cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None,
             record=True,
@@ -213,12 +261,14 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                     divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
             if t == 0:
                 continue
-            figures, hid, total = _figures(mode, t, results, list(records))
+            figures, hid, total = _figures(mode, t, results, list(records), cfg.layers)
             per_request += figures
-            if mode == "early":
-                hidden["early"][0] += hid
-                hidden["early"][1] += total
+            hidden[mode][0] += hid
+            hidden[mode][1] += total
         engine.close()
+
+    def fraction(mode: str) -> float:
+        return hidden[mode][0] / hidden[mode][1] if hidden[mode][1] else 0.0
 
     def summary(mode: str, key: str) -> dict[str, float]:
         values = [getattr(f, key) for f in per_request if f.mode == mode]
@@ -234,16 +284,20 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "prefill_mismatch_blocks": prefill_mismatch_blocks if cfg.check_kv else None,
         "reuse_mismatches": reuse_mismatches if cfg.check_kv else None,
         "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
-        "hidden_fraction": hidden["early"][0] / hidden["early"][1] if hidden["early"][1] else 0.0,
+        "hidden_fraction": fraction("early"),
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:
         mode_summary: dict[str, float] = {}
-        for key in ("kv_ready_ms", "ttft_gen_ms", "prefill_ms", "prefix_transfer_ms", "tail_transfer_ms"):
+        for key in ("kv_ready_ms", "ttft_gen_ms", "prefill_ms", "prefix_transfer_ms", "tail_transfer_ms", "ideal_kv_ready_ms"):
             mode_summary.update(summary(mode, key))
-        mode_summary["early_bytes"] = sum(f.early_bytes for f in per_request if f.mode == mode)
-        mode_summary["after_bytes"] = sum(f.after_bytes for f in per_request if f.mode == mode)
+        for key in ("early_bytes", "after_bytes", "layer_bytes", "duplicate_blocks"):
+            mode_summary[key] = sum(getattr(f, key) for f in per_request if f.mode == mode)
+        # Transfer sent during prefill (early and layer slices) that prefill overlapped.
+        mode_summary["hidden_fraction"] = fraction(mode)
         result[mode] = mode_summary
+    if cfg.layer_groups is not None:
+        result["layerwise"]["layer_groups"] = cfg.layer_groups
     ideal = [f.ideal_kv_ready_ms for f in per_request if f.mode == "early"]
     result["ideal"] = {"kv_ready_ms_p50": statistics.median(ideal), "kv_ready_ms_p90": percentile(ideal, 0.9)}
     return result
@@ -256,13 +310,13 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
         f"tpb {cfg['tokens_per_block']}, transport {cfg['transport']}"
         + (f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""),
-        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9}",
+        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9} {'layer MB':>9}",
     ]
     for f in result["requests"]:
         lines.append(
             f"{f['mode']:<9} {f['turn']:>4} {f['request_id']:>4} {f['prompt_len']:>7} {f['reused_len']:>7} "
             f"{f['prefill_ms']:>7.1f}m {f['prefix_transfer_ms']:>7.1f}m {f['tail_transfer_ms']:>6.1f}m {f['kv_ready_ms']:>8.1f}m "
-            f"{f['ideal_kv_ready_ms']:>6.1f}m {f['ttft_gen_ms']:>8.1f}m {f['early_bytes'] / 1e6:>9.1f} {f['after_bytes'] / 1e6:>9.1f}"
+            f"{f['ideal_kv_ready_ms']:>6.1f}m {f['ttft_gen_ms']:>8.1f}m {f['early_bytes'] / 1e6:>9.1f} {f['after_bytes'] / 1e6:>9.1f} {f['layer_bytes'] / 1e6:>9.1f}"
         )
     b, e, i = result["baseline"], result["early"], result["ideal"]
     lines += [
@@ -281,6 +335,17 @@ def format_agentic(result: dict[str, Any]) -> str:
             f"with receiver prefix awareness: KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms, "
             f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / 1e6:.1f} MB early + {w['after_bytes'] / 1e6:.1f} MB after prefill",
         )
+    if "layerwise" in result:
+        w = result["layerwise"]
+        lines.insert(
+            -1,
+            f"layer-wise ({w['layer_groups']} layer groups): KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms "
+            f"(early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, layer-wise/early {w['kv_ready_ms_p50'] / e['kv_ready_ms_p50']:.2f}), "
+            f"its ideal {w['ideal_kv_ready_ms_p50']:.1f}/{w['ideal_kv_ready_ms_p90']:.1f}; post-prefill tail p50/p90 "
+            f"{w['tail_transfer_ms_p50']:.1f}/{w['tail_transfer_ms_p90']:.1f} ms (early {e['tail_transfer_ms_p50']:.1f}/{e['tail_transfer_ms_p90']:.1f}); "
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms; sent {w['early_bytes'] / 1e6:.1f} MB early + {w['layer_bytes'] / 1e6:.1f} MB in layer slices "
+            f"+ {w['after_bytes'] / 1e6:.1f} MB after the forward; hidden fraction {w['hidden_fraction']:.2f}",
+        )
     if result.get("kv_mismatch_blocks") is not None:
         lines.append(
             f"KV checked block by block: {result['kv_mismatch_blocks']} blocks differ between the workers, "
@@ -294,28 +359,30 @@ def format_agentic(result: dict[str, Any]) -> str:
 
 def draw_timeline(result: dict[str, Any], path: str) -> None:
     """Per request of the last turn: prefill, transfers and decode start; baseline above
-    early, one time axis."""
+    early (above layer-wise, when it ran), one time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     last = max(f["turn"] for f in result["requests"])
-    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
-    for ax, mode in zip(axes, ("baseline", "early")):
+    modes = [m for m in ("baseline", "early", "layerwise") if m in result]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 2.75 * len(modes)), sharex=True)
+    for ax, mode in zip(axes, modes):
         rows = [f for f in result["requests"] if f["mode"] == mode and f["turn"] == last]
         for y, f in enumerate(rows):
             bars = f["bars"]
             p0, p1 = bars["prefill"]
             ax.broken_barh([(p0, p1 - p0)], (y - 0.35, 0.3), color="#4c72b0", label="prefill" if y == 0 else None)
-            for kind, color in (("early", "#dd8452"), ("chunk", "#55a868")):
-                spans = [(a, max(b - a, 0.05)) for a, b in bars[kind]]
+            for kind, color in (("early", "#dd8452"), ("chunk", "#55a868"), ("layer", "#8172b3")):
+                spans = [(a, max(b - a, 0.05)) for a, b in bars.get(kind, ())]
                 if spans:
                     ax.broken_barh(spans, (y + 0.05, 0.3), color=color, label=f"{kind} transfer" if y == 0 else None)
             ax.plot([bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, label="KV ready" if y == 0 else None)
             ax.plot([bars["decode"]], [y], marker=">", color="#c44e52", label="decode starts" if y == 0 else None)
         ax.set_yticks(range(len(rows)), [f"req {f['request_id']}" for f in rows])
-        ax.set_title(f"{mode}: KV-ready p50 {result[mode]['kv_ready_ms_p50']:.1f} ms")
+        m = result[mode]
+        ax.set_title(f"{mode}: KV-ready p50 {m['kv_ready_ms_p50']:.1f} ms, post-prefill tail p50 {m['tail_transfer_ms_p50']:.1f} ms")
         ax.legend(loc="lower right", fontsize=7)
     axes[-1].set_xlabel("ms since the turn's requests were admitted")
     fig.tight_layout()

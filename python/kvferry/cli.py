@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N")
     agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N")
     agentic.add_argument("--aware", action="store_true", help="also run early transfer with receiver prefix awareness (held blocks never cross)")
+    # A bare --layerwise (const 0) means one group per layer; resolved against --layers below.
+    agentic.add_argument("--layerwise", nargs="?", type=_positive, const=0, default=None, metavar="GROUPS",
+                         help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: one per layer)")
     agentic.add_argument("--check-kv", action="store_true", help="hash every transferred block on both workers and report differing blocks (slow)")
     agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
@@ -265,6 +268,9 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         return _refuse(f"--head-dim {args.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)")
+    layer_groups = args.layers if args.layerwise == 0 else args.layerwise
+    if layer_groups is not None and layer_groups > args.layers:
+        return _refuse(f"--layerwise {layer_groups} must be <= --layers {args.layers} (a layer group holds at least one layer)")
     cfg = AgenticConfig(
         device=args.device,
         sessions=args.sessions,
@@ -285,6 +291,7 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         check_kv=args.check_kv,
         aware=args.aware,
+        layer_groups=layer_groups,
     )
     if _too_big(args.device, _agentic_bytes(cfg), "the model and its two KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
         return 2

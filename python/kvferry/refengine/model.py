@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -88,10 +89,17 @@ class TinyLlama:
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int, kv: PagedKV, block_table: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, start: int, kv: PagedKV, block_table: torch.Tensor, on_layer: Optional[Callable[[int], None]] = None
+    ) -> torch.Tensor:
         """Runs tokens at positions ``[start, start + len(tokens))`` of one request, writing
         their K and V into ``kv`` at the blocks of ``block_table`` and attending over
-        positions ``[0, start + len(tokens))``. Returns the logits of the last position."""
+        positions ``[0, start + len(tokens))``. Returns the logits of the last position.
+
+        ``on_layer(i)`` is called once per layer, in order, right after layer ``i`` wrote
+        the chunk's K and V into ``kv`` (on CUDA: once those writes are enqueued on the
+        current stream). Nothing later in the forward changes them, so layer-wise streaming
+        (`TransferHook.after_layer`) may send that layer's part of the blocks from there."""
         cfg, tpb = self.cfg, kv.tokens_per_block
         n = tokens.numel()
         end = start + n
@@ -101,13 +109,15 @@ class TinyLlama:
         used = block_table[: -(-end // tpb)]
         x = self.embed[tokens]
         causal = positions[:, None] >= torch.arange(end, device=self.device)[None, :]
-        for layer, cache in zip(self.layers, kv.layers):
+        for index, (layer, cache) in enumerate(zip(self.layers, kv.layers)):
             a = self._rms(x, layer["attn_norm"])
             q = self._rope((a @ layer["wq"]).view(n, cfg.heads, cfg.head_dim), positions)
             k = self._rope((a @ layer["wk"]).view(n, cfg.kv_heads, cfg.head_dim), positions)
             v = (a @ layer["wv"]).view(n, cfg.kv_heads, cfg.head_dim)
             cache[blocks, 0, slots] = k
             cache[blocks, 1, slots] = v
+            if on_layer is not None:
+                on_layer(index)
             keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             group = cfg.heads // cfg.kv_heads

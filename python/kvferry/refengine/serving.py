@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -104,13 +105,20 @@ class Disaggregated:
         record: bool = False,
         aware: bool = False,
         dedup: bool = False,
+        layer_groups: Optional[int] = None,
     ) -> None:
         """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
         turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
         and advertises those it still holds, which then never cross); ``dedup`` turns on
         in-flight dedup (a full block that another request's transfer is already bringing
-        is mapped and awaited instead of sent again)."""
+        is mapped and awaited instead of sent again). ``layer_groups`` turns on layer-wise
+        streaming with that many groups of consecutive layers (1 to the model's layers):
+        during the chunk that ends a request's prompt, each group's part of the blocks the
+        chunk completes leaves as soon as the forward wrote the group's last layer
+        (`TransferHook.after_layer`); None (default): whole blocks after the forward."""
+        if layer_groups is not None and not 1 <= layer_groups <= model.cfg.layers:
+            raise ValueError(f"invalid layer_groups={layer_groups}: must be None or 1 to the model's {model.cfg.layers} layers")
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.generation: LocalGeneration | RemoteGeneration
         if transport == "in-process":
@@ -126,7 +134,13 @@ class Disaggregated:
         # A remote receiver may still have work on arrival (the staging path's second leg):
         # post each write as soon as it finished rather than at the next scheduler step.
         sender = KVSender(
-            self.ctx.pool, self.generation.transport, pipelined=early, engine=engine, record=record, progress=transport != "in-process"
+            self.ctx.pool,
+            self.generation.transport,
+            pipelined=early,
+            engine=engine,
+            record=record,
+            progress=transport != "in-process",
+            layer_groups=layer_groups or 1,
         )
         self.hook = TransferHook(sender)
         # The context worker keeps a request's blocks (the reused prefix-cache blocks too)
@@ -134,6 +148,7 @@ class Disaggregated:
         self.ctx.leased = self.hook.leased
         self.chunk_size = chunk_size
         self.overlap = overlap
+        self.layer_groups = layer_groups
 
     def run(self, turns: Sequence[Turn], *, check_kv: bool = False) -> dict[int, TurnResult]:
         """Runs a batch of turns: all prefill together (one scheduler step per chunk), then
@@ -165,7 +180,13 @@ class Disaggregated:
                 start, end = plans[rid][step]
                 if step == 0:
                     results[rid].prefill_start = time.monotonic()
-                logits = self.ctx.forward(rid, end)
+                on_layer = None
+                if self.layer_groups is not None and end == results[rid].prompt_len:
+                    # The last chunk: each layer group's blocks leave as the forward passes it.
+                    # This engine runs a batch as one forward per request, so the hook hears
+                    # of each request's layers on their own (a batch of one).
+                    on_layer = partial(self._after_layer, rid, start, end)
+                logits = self.ctx.forward(rid, end, on_layer=on_layer)
                 starts.append(start)
                 ends.append(end)
                 if end == results[rid].prompt_len:
@@ -200,6 +221,9 @@ class Disaggregated:
                 result.digests = src_digests[rid]
                 result.kv_mismatch_blocks = sum(a != b for a, b in zip(src_digests[rid], outcome.digests))
         return results
+
+    def _after_layer(self, request_id: int, start: int, end: int, layer: int) -> None:
+        self.hook.after_layer([request_id], [start], [end], layer)
 
     def close(self) -> None:
         self.hook.sender.close()

@@ -91,11 +91,13 @@ class Worker:
         self.requests[request_id] = state
         return state
 
-    def forward(self, request_id: int, end: int) -> torch.Tensor:
-        """Computes tokens ``[computed, end)`` of the request; returns the last logits."""
+    def forward(self, request_id: int, end: int, on_layer: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """Computes tokens ``[computed, end)`` of the request; returns the last logits.
+        ``on_layer``: see `TinyLlama.forward` (called as each layer's KV is in the pool)."""
         state = self.requests[request_id]
         tokens = torch.tensor(state.tokens[state.computed : end], device=self.model.device)
-        logits = self.model.forward(tokens, state.computed, self.pool, torch.as_tensor(state.table(), device=self.model.device))
+        table = torch.as_tensor(state.table(), device=self.model.device)
+        logits = self.model.forward(tokens, state.computed, self.pool, table, on_layer=on_layer)
         state.computed = end
         return logits
 
