@@ -497,6 +497,12 @@ ROWS: list[Row] = [
     Row("cli-fanout-requests-zero", "kvferry bench fanout", "--requests 0", lambda _: cli("bench", "fanout", "--requests", "0"), CliExit, "argument --requests: must be > 0, got 0"),
     Row("cli-fanout-ipc-on-cpu", "kvferry bench fanout", "--transport cuda-ipc on cpu", lambda _: cli("bench", "fanout", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc needs --device cuda"),
     Row("cli-fanout-link-nan", "kvferry bench fanout", "--link-gbps nan", lambda _: cli("bench", "fanout", "--link-gbps", "nan"), CliExit, "argument --link-gbps"),
+    Row("cli-tiers-fraction", "kvferry bench tiers", "--host-fraction 1.5", lambda _: cli("bench", "tiers", "--host-fraction", "1.5"), CliExit, "argument --host-fraction: must be in [0, 1], got 1.5"),
+    Row("cli-tiers-fraction-nan", "kvferry bench tiers", "--host-fraction nan", lambda _: cli("bench", "tiers", "--host-fraction", "nan"), CliExit, "argument --host-fraction: must be a finite number >= 0, got nan"),
+    Row("cli-tiers-blocks-zero", "kvferry bench tiers", "--blocks 0", lambda _: cli("bench", "tiers", "--blocks", "0"), CliExit, "argument --blocks: must be > 0, got 0"),
+    Row("cli-tiers-ipc-on-cpu", "kvferry bench tiers", "--transport cuda-ipc on cpu", lambda _: cli("bench", "tiers", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc serves cuda pools, not --device cpu"),
+    Row("cli-tiers-blocks-huge", "kvferry bench tiers", "--blocks 10**9 (more than memory)", lambda _: cli("bench", "tiers", "--blocks", str(10**9)), CliExit, "the device pool and the receiver's pool need at least"),
+    Row("cli-tiers-no-cuda", "kvferry bench tiers", "--device cuda without a GPU", lambda _: cli("bench", "tiers", "--device", "cuda"), CliExit, "--device cuda: no CUDA device is visible", skip="a CUDA device is visible" if CUDA else None),
     Row("cli-plan-tpb-zero", "kvferry plan", "--tokens-per-block 0", lambda _: cli("plan", "--tokens-per-block", "0", "--prompt", "8"), CliExit, "argument --tokens-per-block: must be > 0, got 0"),
     Row("cli-plan-tpb-text", "kvferry plan", "--tokens-per-block x", lambda _: cli("plan", "--tokens-per-block", "x", "--prompt", "8"), CliExit, "argument --tokens-per-block: expected an integer, got 'x'"),
     Row("cli-plan-tpb-huge", "kvferry plan", "--tokens-per-block 2**64", lambda _: cli("plan", "--tokens-per-block", str(HUGE), "--prompt", "8"), CliExit, f"invalid tokens_per_block={HUGE}"),
@@ -572,7 +578,7 @@ def test_rows_are_unique_and_cover_the_public_names() -> None:
     # BlockPairs and BlockRuns only come out of calls, like SlicePlan).
     for name in set(kvferry.__all__) - {"MAX_LEDGER_BLOCKS", "BlockPairs", "BlockRuns", "KvFerryError", "InvalidArgumentError", "DuplicateTransferError", "UnknownRequestError"}:
         assert name in entries, name
-    for name in ("copy_blocks", "PagedKV(", "check_compatible", "KVSender", "KVReceiver", "TransferHook", "kvferry plan", "kvferry bench copy", "kvferry bench agentic"):
+    for name in ("copy_blocks", "PagedKV(", "check_compatible", "KVSender", "KVReceiver", "TransferHook", "kvferry plan", "kvferry bench copy", "kvferry bench agentic", "kvferry bench tiers", "KVSender.order_after"):
         assert name in entries, name
 
 
