@@ -383,6 +383,30 @@ def test_a_declaration_ends_with_its_signal_and_the_engine_can_close_on_a_stuck_
     sender.close()
 
 
+def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy() -> None:
+    """The wait for a tier signal counts in the sender's timeout: `poll` raises, `cancel`
+    keeps the request leased while the copy has not run, and once the tier is done the copy
+    ends, the cancel returns and the request is fenced with none of its notices posted."""
+    dev, host = pools(16)
+    receiver = KVReceiver(nan_pool())
+    receiver.expect(1, 17)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, timeout=0.05)
+    sender.add(1, 17, reused_len=16)
+    written = threading.Event()
+    sender.order_after([DEVICE_BLOCKS + 3], written)
+    sender.send_early([1], np.array([[DEVICE_BLOCKS + 3, 1, 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
+    time.sleep(0.1)
+    with pytest.raises(TransferError, match=r"requests \[1\] still running"):
+        sender.poll()
+    with pytest.raises(TransferError, match="request 1: copies reading its blocks still running"):
+        sender.cancel(1, timeout=0.01)
+    assert sender.leased(1) and not receiver.fenced(1)
+    written.set()
+    sender.cancel(1, timeout=10)
+    assert not sender.leased(1) and receiver.fenced(1) and not receiver.notices(1)
+    sender.close()
+
+
 def test_leases_cover_host_blocks() -> None:
     """A request whose blocks are all in the host tier stays leased while its copy is queued
     and after, until `remove`; the tier must keep those host blocks until then."""
@@ -473,7 +497,7 @@ def _cuda_race(kind: str, ordered: bool) -> None:
     torch.cuda.synchronize()
     slot = 1 if kind == "offload" else 0
     for layer in range(LAYERS):
-        assert torch.equal(receiver.pool.layers[layer][slot], final[layer] if ordered else before[layer])
+        assert torch.equal(receiver.pool.layers[layer][slot].cpu(), (final[layer] if ordered else before[layer]).cpu())
     sender.cancel(1)
     sender.close()
 

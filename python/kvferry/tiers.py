@@ -206,7 +206,10 @@ def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
     layers = []
     with torch.cuda.device(device):
         for i, t in enumerate(pool.layers):
-            view = torch.as_tensor(_DeviceArray(t), device=device)
+            try:
+                view = torch.as_tensor(_DeviceArray(t), device=device)
+            except (RuntimeError, TypeError, ValueError) as err:  # torch could not map it
+                raise InvalidArgumentError(f"invalid host_pool: layer {i} cannot be read in place from {device}: {err}") from err
             if view.data_ptr() != t.data_ptr() or view.device != device:
                 raise InvalidArgumentError(f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to {view.device})")
             layers.append(view.view(t.dtype).view(t.shape))
