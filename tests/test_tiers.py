@@ -562,3 +562,12 @@ def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
     from kvferry.nixl_link import NixlTransport
 
     _two_processes("nixl-cuda", lambda address, key, dev, host: NixlTransport(address, authkey=key, src=dev, host_src=host), "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_ipc_mixed_tier_prefix_bit_exact() -> None:
+    """The receiver's CUDA pool mapped through CUDA IPC: both parts of each write go through
+    the copy kernel, the host part read from the pinned tier in place."""
+    from kvferry.local import CudaIpcTransport
+
+    _two_processes("cuda-ipc", lambda address, key, dev, host: CudaIpcTransport(address, authkey=key), "cuda")
