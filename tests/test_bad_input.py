@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -192,6 +193,35 @@ def sender_state(ctx: tuple[KVSender, KVReceiver]) -> object:
 
 
 TABLE = np.arange(4, dtype=np.int64)[None, :]  # request 1's blocks 0..3 on both sides
+
+
+def new_tiered_sender() -> tuple[KVSender, KVReceiver]:
+    """As `new_sender`, with a host tier of 12 blocks: source ids 8..19 name host blocks."""
+    receiver = KVReceiver(pool(6))
+    receiver.expect(1, 16)
+    sender = KVSender(pool(8), InProcessTransport(receiver), host_pool=pool(12))
+    sender.add(1, 16, reused_len=8)
+    return sender, receiver
+
+
+def tiered_state(ctx: tuple[KVSender, KVReceiver]) -> object:
+    return sender_state(ctx), len(ctx[0]._ordering)
+
+
+def meta_pool(blocks: int) -> PagedKV:
+    return PagedKV(tuple(torch.empty((blocks, 2, TPB, 4), device="meta") for _ in range(2)), TPB)
+
+
+def sender_with_host(host_pool: Any) -> KVSender:
+    return KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), host_pool=host_pool)
+
+
+def cuda_sender_with_unpinned_host() -> KVSender:
+    device_pool = PagedKV(tuple(t.cuda() for t in pool(8).layers), TPB)
+    return KVSender(device_pool, InProcessTransport(KVReceiver(PagedKV(tuple(t.cuda() for t in pool(6).layers), TPB))), host_pool=pool(12))
+
+
+CUDA_EVENTS = hasattr(torch._C, "_CudaEventBase")  # torch built with CUDA (a device need not be there)
 
 
 def new_receiver() -> KVReceiver:
@@ -419,6 +449,20 @@ ROWS: list[Row] = [
     Row("sender-remove-unknown", "KVSender.remove", "unknown request id", lambda c: c[0].remove(99), UnknownRequestError, "unknown request_id=99", new_sender, sender_state),
     Row("sender-cancelled-send", "KVSender.send_early", "a cancelled request id", lambda c: (c[0].cancel(1), c[0].send_early([1], TABLE, TABLE)), UnknownRequestError, "unknown request_id=1", new_sender),
     Row("sender-cancel-twice", "KVSender.cancel", "a cancelled request id", lambda c: (c[0].cancel(1), c[0].cancel(1)), UnknownRequestError, "unknown request_id=1", new_sender),
+    # -- KVSender: the host tier ---------------------------------------------------------------
+    Row("sender-host-pool-type", "KVSender(...)", "host_pool=<a tensor>", lambda _: sender_with_host(torch.zeros(4)), TypeError, "host_pool must be a PagedKV, got Tensor"),
+    Row("sender-host-pool-layout", "KVSender(...)", "host_pool of another block geometry", lambda _: sender_with_host(pool(12, inner=8)), LayoutMismatchError, "invalid host_pool: its segment_bytes is 256, the device pool's is 128"),
+    Row("sender-host-pool-tpb", "KVSender(...)", "host_pool of other tokens-per-block", lambda _: sender_with_host(pool(12, tpb=8, inner=2)), LayoutMismatchError, "invalid host_pool: its tokens_per_block is 8, the device pool's is 4"),
+    Row("sender-host-pool-device", "KVSender(...)", "host_pool not in host memory", lambda _: sender_with_host(meta_pool(12)), InvalidArgumentError, "invalid host_pool=<pool on meta>: must be a CPU pool"),
+    Row("sender-host-pool-unpinned", "KVSender(...)", "CUDA pool with an unpinned host_pool", lambda _: cuda_sender_with_unpinned_host(), InvalidArgumentError, "invalid host_pool: layers [0, 1] are not pinned", skip=None if CUDA else "needs a CUDA device"),
+    Row("sender-early-host-range", "KVSender.send_early", "src id past the host tier", lambda c: c[0].send_early([1], np.array([[0, 20, 2, 3]]), TABLE), InvalidArgumentError, "src_block_table=<id 20 at block 1 of request 1>: must be in [0, src_blocks=20)", new_tiered_sender, tiered_state),
+    Row("sender-order-after-signal", "KVSender.order_after", "signal='done', a string", lambda c: c[0].order_after([8], "done"), TypeError, "signal must be a torch.cuda.Event, a threading.Event or a concurrent.futures.Future, got str 'done'", new_tiered_sender, tiered_state),  # type: ignore[arg-type]
+    Row("sender-order-after-unrecorded", "KVSender.order_after", "a torch.cuda.Event never recorded", lambda c: c[0].order_after([8], torch.cuda.Event()), InvalidArgumentError, "invalid signal=<torch.cuda.Event never recorded>", new_tiered_sender, tiered_state, skip=None if CUDA_EVENTS else "torch built without CUDA"),
+    Row("sender-order-after-range", "KVSender.order_after", "src id past the host tier", lambda c: c[0].order_after([3, 20], threading.Event()), InvalidArgumentError, "invalid src_ids=<block id 20>: must be in [0, 20) (device blocks [0, 8), host blocks [8, 20))", new_tiered_sender, tiered_state),
+    Row("sender-order-after-no-host", "KVSender.order_after", "a host id, no host_pool", lambda c: c[0].order_after([8], threading.Event()), InvalidArgumentError, "invalid src_ids=<block id 8>: must be in [0, 8) (device blocks [0, 8), no host pool)", new_sender, sender_state),
+    Row("sender-order-after-negative", "KVSender.order_after", "src id -1", lambda c: c[0].order_after([-1], threading.Event()), InvalidArgumentError, "invalid src_ids=<block id -1>", new_tiered_sender, tiered_state),
+    Row("sender-order-after-float", "KVSender.order_after", "float src_ids", lambda c: c[0].order_after([1.5], threading.Event()), TypeError, "src_ids must hold integer block ids, got dtype float64", new_tiered_sender, tiered_state),
+    Row("sender-order-after-2d", "KVSender.order_after", "2-d src_ids", lambda c: c[0].order_after([[1, 2]], threading.Event()), InvalidArgumentError, "invalid src_ids=<2-d array>", new_tiered_sender, tiered_state),
     # -- KVReceiver ----------------------------------------------------------------------------
     Row("receiver-pool-none", "KVReceiver(...)", "pool=None", lambda _: KVReceiver(None), TypeError, "pool must be a PagedKV, got NoneType",),  # type: ignore[arg-type]
     Row("receiver-expect-prompt", "KVReceiver.expect", "prompt_len=0", lambda r: r.expect(2, 0), InvalidArgumentError, "invalid prompt_len=0", new_receiver, receiver_state),
@@ -464,10 +508,18 @@ ROWS: list[Row] = [
     Row("hook-layer-float", "TransferHook.after_layer", "layer=1.0", lambda c: c[0].after_layer([1], [8], [16], 1.0), TypeError, "layer must be an int, got float 1.0", new_hook, hook_state),  # type: ignore[arg-type]
     Row("hook-layer-lengths", "TransferHook.after_layer", "two chunk_starts for one request", lambda c: c[0].after_layer([1], [8, 9], [16], 1), InvalidArgumentError, "invalid chunk_starts=<2 values>", new_hook, hook_state),
     Row("hook-layer-unknown", "TransferHook.after_layer", "unknown request id", lambda c: c[0].after_layer([7], [8], [16], 1), UnknownRequestError, "unknown request_id=7", new_hook, hook_state),
+    Row("hook-order-after-signal", "TransferHook.order_after", "signal=None", lambda c: c[0].order_after([0], None), TypeError, "signal must be a torch.cuda.Event, a threading.Event or a concurrent.futures.Future, got NoneType None", new_hook, hook_state),  # type: ignore[arg-type]
+    Row("hook-order-after-range", "TransferHook.order_after", "src id outside the pool", lambda c: c[0].order_after([8], threading.Event()), InvalidArgumentError, "invalid src_ids=<block id 8>: must be in [0, 8)", new_hook, hook_state),
     # -- kvferry plan --------------------------------------------------------------------------
     Row("cli-fanout-requests-zero", "kvferry bench fanout", "--requests 0", lambda _: cli("bench", "fanout", "--requests", "0"), CliExit, "argument --requests: must be > 0, got 0"),
     Row("cli-fanout-ipc-on-cpu", "kvferry bench fanout", "--transport cuda-ipc on cpu", lambda _: cli("bench", "fanout", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc needs --device cuda"),
     Row("cli-fanout-link-nan", "kvferry bench fanout", "--link-gbps nan", lambda _: cli("bench", "fanout", "--link-gbps", "nan"), CliExit, "argument --link-gbps"),
+    Row("cli-tiers-fraction", "kvferry bench tiers", "--host-fraction 1.5", lambda _: cli("bench", "tiers", "--host-fraction", "1.5"), CliExit, "argument --host-fraction: must be in [0, 1], got 1.5"),
+    Row("cli-tiers-fraction-nan", "kvferry bench tiers", "--host-fraction nan", lambda _: cli("bench", "tiers", "--host-fraction", "nan"), CliExit, "argument --host-fraction: must be a finite number >= 0, got nan"),
+    Row("cli-tiers-blocks-zero", "kvferry bench tiers", "--blocks 0", lambda _: cli("bench", "tiers", "--blocks", "0"), CliExit, "argument --blocks: must be > 0, got 0"),
+    Row("cli-tiers-ipc-on-cpu", "kvferry bench tiers", "--transport cuda-ipc on cpu", lambda _: cli("bench", "tiers", "--transport", "cuda-ipc"), CliExit, "--transport cuda-ipc serves cuda pools, not --device cpu"),
+    Row("cli-tiers-blocks-huge", "kvferry bench tiers", "--blocks 10**9 (more than memory)", lambda _: cli("bench", "tiers", "--blocks", str(10**9)), CliExit, "the device pool and the receiver's pool need at least"),
+    Row("cli-tiers-no-cuda", "kvferry bench tiers", "--device cuda without a GPU", lambda _: cli("bench", "tiers", "--device", "cuda"), CliExit, "--device cuda: no CUDA device is visible", skip="a CUDA device is visible" if CUDA else None),
     Row("cli-plan-tpb-zero", "kvferry plan", "--tokens-per-block 0", lambda _: cli("plan", "--tokens-per-block", "0", "--prompt", "8"), CliExit, "argument --tokens-per-block: must be > 0, got 0"),
     Row("cli-plan-tpb-text", "kvferry plan", "--tokens-per-block x", lambda _: cli("plan", "--tokens-per-block", "x", "--prompt", "8"), CliExit, "argument --tokens-per-block: expected an integer, got 'x'"),
     Row("cli-plan-tpb-huge", "kvferry plan", "--tokens-per-block 2**64", lambda _: cli("plan", "--tokens-per-block", str(HUGE), "--prompt", "8"), CliExit, f"invalid tokens_per_block={HUGE}"),
@@ -546,7 +598,7 @@ def test_rows_are_unique_and_cover_the_public_names() -> None:
     # BlockPairs and BlockRuns only come out of calls, like SlicePlan).
     for name in set(kvferry.__all__) - {"MAX_LEDGER_BLOCKS", "BlockPairs", "BlockRuns", "KvFerryError", "InvalidArgumentError", "DuplicateTransferError", "UnknownRequestError"}:
         assert name in entries, name
-    for name in ("copy_blocks", "PagedKV(", "check_compatible", "KVSender", "KVReceiver", "TransferHook", "kvferry plan", "kvferry bench copy", "kvferry bench agentic"):
+    for name in ("copy_blocks", "PagedKV(", "check_compatible", "KVSender", "KVReceiver", "TransferHook", "kvferry plan", "kvferry bench copy", "kvferry bench agentic", "kvferry bench tiers", "KVSender.order_after"):
         assert name in entries, name
 
 
@@ -666,6 +718,8 @@ def row_prefix(row: Row) -> str:
 
 def outcome(row: Row) -> str:
     """What the call does today, for the example column."""
+    if row.skip:  # e.g. a CUDA row on a machine without one: it would show only that
+        return cell(f"(not run where the table was generated: {row.skip})")
     ctx = row.setup()
     try:
         row.call(ctx)
@@ -712,6 +766,9 @@ FOOTER = """
 - `epoch=0` in `KVSender.add` / `TransferHook.add_request` and on a notice: no epoch was
   issued (the sender was not told one); such notices are not checked against the request's
   epoch.
+- `KVSender.order_after` / `TransferHook.order_after` with no ids, or with a signal that has
+  already completed: accepted, and nothing is declared (a completed tier copy orders
+  nothing).
 - A notice, announce or fence of an epoch that was issued but is not the request's current
   one (the request was released, its id reused): discarded and counted
   (`KVReceiver.discarded`), not an error: it is late, not wrong.

@@ -277,10 +277,10 @@ class GatedEngine(ThreadCopyEngine):
     def release(self) -> None:
         self._open.set()
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
-        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids))
+    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Any = ()) -> Pending:
+        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids), after=after)
 
-    def submit_call(self, work: Callable[[], None]) -> Pending:
+    def submit_call(self, work: Callable[[], None], *, after: Any = (), nbytes: int = 0) -> Pending:
         gate = self._open
 
         def gated() -> None:
@@ -291,7 +291,7 @@ class GatedEngine(ThreadCopyEngine):
             finally:
                 self.running -= 1
 
-        return super().submit_call(gated)
+        return super().submit_call(gated, after=after, nbytes=nbytes)
 
 
 class Context:

@@ -652,11 +652,11 @@ class _BrokenWrite(InProcessTransport):
         self.writes = 0
         self.fail_at = fail_at
 
-    def write(self, engine: Any, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Any, layers: Any = None) -> Pending:
+    def write(self, engine: Any, src: Any, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Any, *, after: Any = (), layers: Any = None) -> Pending:
         self.writes += 1
         if self.writes == self.fail_at:
             raise TransferError("staging ring: the receiver closed its socket", peer=self.peer)
-        return super().write(engine, src, src_ids, dst_ids, notices, layers)
+        return super().write(engine, src, src_ids, dst_ids, notices, after=after, layers=layers)
 
 
 def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing() -> None:

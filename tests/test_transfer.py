@@ -431,7 +431,7 @@ class _GatedEngine(CopyEngine):
     def __init__(self) -> None:
         self.gates: list[_Gate] = []
 
-    def submit_call(self, work: Any) -> Pending:
+    def submit_call(self, work: Any, *, after: Any = (), nbytes: int = 0) -> Pending:
         gate = _Gate(work)
         self.gates.append(gate)
         return gate

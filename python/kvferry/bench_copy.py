@@ -117,7 +117,9 @@ class _RemoteReceiver:
         self._proc.start()
         self.address = self._conn.recv()
 
-    def transport(self, src: PagedKV) -> Transport:
+    def transport(self, src: PagedKV, host_src: Optional[PagedKV] = None) -> Transport:
+        """A transport to this receiver from ``src`` (and its host tier ``host_src``, which
+        NIXL registers too)."""
         if self.kind == "shm":
             from kvferry.shm import ShmTransport
 
@@ -125,7 +127,7 @@ class _RemoteReceiver:
         if self.kind == "nixl":
             from kvferry.nixl_link import NixlTransport
 
-            return NixlTransport(self.address, authkey=self._authkey, src=src)
+            return NixlTransport(self.address, authkey=self._authkey, src=src, host_src=host_src)
         if self.kind == "staging":
             from kvferry.staging import StagingTransport
 

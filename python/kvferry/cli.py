@@ -214,7 +214,61 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     fanout.set_defaults(func=_cmd_bench_fanout)
+
+    tiers = bench.add_parser("tiers", help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send")
+    tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    tiers.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default=None,
+                       help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process")
+    tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix (default %(default)s)")
+    tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier (default %(default)s)")
+    tiers.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
+    tiers.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 32 on cpu, 128 on cuda)")
+    tiers.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
+    tiers.add_argument("--host-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU: emulated host-to-device rate of the onboarding (0: raw copies)")
+    tiers.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions of each mode, after one warm-up; the median is reported")
+    tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    tiers.set_defaults(func=_cmd_bench_tiers)
     return parser
+
+
+def _fraction(text: str) -> float:
+    value = _rate(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from kvferry.bench_tiers import TRANSPORTS, TiersConfig, format_tiers, progress_to_stderr, run_tiers
+
+    if _cuda_missing(args.device):
+        return 2
+    on_gpu = args.device == "cuda"
+    transport = args.transport or ("staging" if on_gpu else "in-process")
+    if args.device not in TRANSPORTS[transport]:
+        return _refuse(f"--transport {transport} serves {' and '.join(TRANSPORTS[transport])} pools, not --device {args.device}")
+    cfg = TiersConfig(
+        device=args.device,
+        blocks=args.blocks,
+        host_fraction=args.host_fraction,
+        layers=args.layers or (32 if on_gpu else 8),
+        block_kib=args.block_kib or (128 if on_gpu else 32),
+        transport=transport,
+        link_gbps=args.link_gbps or None,
+        host_gbps=args.host_gbps or None,
+        reps=args.reps,
+    )
+    # The sender's device pool (prefix, last block, onboarding room), its host tier and the
+    # receiver's pool.
+    pool = cfg.block_kib * 1024 * cfg.layers
+    if _too_big(args.device, (2 * cfg.blocks + 2 + cfg.host_blocks) * pool, "the device pool and the receiver's pool need at least", "--blocks/--layers/--block-kib"):
+        return 2
+    if _too_big("cpu", cfg.host_blocks * pool, "the host tier needs at least", "--blocks/--host-fraction/--layers/--block-kib"):
+        return 2
+    result = run_tiers(cfg, progress=progress_to_stderr)
+    print(format_tiers(result))
+    _write_json(args.json, result)
+    return 0
 
 
 def _cmd_bench_fanout(args: argparse.Namespace) -> int:

@@ -5,20 +5,29 @@ CudaCopyEngine:    current stream --event--> copy stream: copy_blocks --event-->
 ThreadCopyEngine:  caller --queue--> one worker thread: copy_blocks --> future done?
 ```
 Both run jobs in submission order, so completions arrive in order too.
+
+A job may be ordered ``after`` signals of the engine's tier copies (kvferry.tiers): the copy
+stream waits on CUDA events without a host sync; host signals (a ``threading.Event``, a
+``Future``) are waited for by the worker thread, or, on CUDA, by a launcher thread that
+enqueues the job (and every later one, to keep the order) once they completed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from collections import deque
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from kvferry.copy import copy_blocks
+from kvferry.errors import TransferError
 from kvferry.layout import PagedKV
+from kvferry.tiers import Signal, signal_done, signal_error, wait_signal
 
 __all__ = ["CopyEngine", "CudaCopyEngine", "Pending", "ThreadCopyEngine", "engine_for"]
 
@@ -50,14 +59,18 @@ class Pending(ABC):
 
 
 class CopyEngine(ABC):
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
-        """Queues ``copy_blocks(src, dst, src_ids, dst_ids)`` after the caller's pending work."""
-        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids))
+    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()) -> Pending:
+        """Queues ``copy_blocks(src, dst, src_ids, dst_ids)`` after the caller's pending work
+        and after every signal in ``after``."""
+        nbytes = len(src_ids) * src.block_bytes * src.num_layers
+        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids), after=after, nbytes=nbytes)
 
     @abstractmethod
-    def submit_call(self, work: Callable[[], None]) -> Pending:
-        """Queues ``work`` (which issues copies) after the caller's pending work: on the
-        engine's stream for CUDA, on its thread for CPU."""
+    def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
+        """Queues ``work`` (which issues copies of ``nbytes`` payload bytes) after the
+        caller's pending work and after every signal in ``after`` (kvferry.tiers): on the
+        engine's stream for CUDA, on its thread for CPU. A signal that failed (a Future's
+        exception) fails the job instead of running it."""
 
     def close(self) -> None:
         """Finishes queued copies and releases the engine's resources."""
@@ -92,16 +105,15 @@ class ThreadCopyEngine(CopyEngine):
             raise ValueError(f"invalid link_gbps={link_gbps}: must be > 0")
         self.link_gbps = link_gbps
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-copy")
+        self._closing = threading.Event()
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> Pending:
-        nbytes = len(src_ids) * src.block_bytes * src.num_layers
-        return self._run(lambda: copy_blocks(src, dst, src_ids, dst_ids), nbytes)
+    def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
+        return self._run(work, nbytes, tuple(after))
 
-    def submit_call(self, work: Callable[[], None]) -> Pending:
-        return self._run(work, 0)
-
-    def _run(self, work: Callable[[], None], nbytes: int) -> Pending:
+    def _run(self, work: Callable[[], None], nbytes: int, after: tuple[Signal, ...] = ()) -> Pending:
         def timed() -> tuple[float, float]:
+            for signal in after:  # the tier's copies of the blocks this job reads
+                await_signal(signal, self._closing)
             start = time.monotonic()
             work()
             if self.link_gbps is not None:
@@ -111,7 +123,35 @@ class ThreadCopyEngine(CopyEngine):
         return _FuturePending(self._pool.submit(timed))
 
     def close(self) -> None:
+        self._closing.set()  # a job still waiting for a tier signal fails instead of running
         self._pool.shutdown(wait=True)
+
+
+def await_signal(signal: Signal, closing: threading.Event) -> None:
+    """Blocks until the tier's copy behind ``signal`` ended; raises `TransferError` if it
+    failed or the engine closes first (the job then never reads its blocks)."""
+    while not wait_signal(signal, 0.05):
+        if closing.is_set():
+            raise TransferError("the copy engine closed while a copy waited for a tier copy of its blocks")
+    error = signal_error(signal)
+    if error is not None:
+        raise TransferError(f"the tier copy this copy was ordered after failed: {error!r}") from error
+
+
+class _FailedPending(Pending):
+    """A job that never ran: a signal it was ordered after had failed."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        return True
+
+    def error(self) -> Optional[BaseException]:
+        return self._error
 
 
 class _EventPending(Pending):
@@ -161,20 +201,128 @@ class CudaCopyEngine(CopyEngine):
             with torch.cuda.stream(self.stream):
                 _triton_copy.warm_up(warm)
             self.stream.synchronize()
+        # Jobs ordered after host signals still pending wait here, in order, for the
+        # launcher thread; while any does, later jobs queue behind it (jobs keep their order).
+        self._lock = threading.Lock()
+        self._waiting = threading.Condition(self._lock)
+        self._deferred: deque[_Deferred] = deque()
+        self._launcher: Optional[threading.Thread] = None
+        self._closing = threading.Event()
 
-    def submit_call(self, work: Callable[[], None]) -> Pending:
-        produced = torch.cuda.current_stream(self.device).record_event()
-        self.stream.wait_event(produced)
+    def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
+        events = [s for s in after if isinstance(s, torch.cuda.Event)]
+        host = [s for s in after if not isinstance(s, torch.cuda.Event)]
+        failed = next((e for e in map(signal_error, host) if e is not None), None)
+        if failed is not None:
+            return _FailedPending(TransferError(f"the tier copy this copy was ordered after failed: {failed!r}"))
+        # The forward that produced the blocks: recorded now, whenever the job is enqueued.
+        waits = [torch.cuda.current_stream(self.device).record_event(), *events]
+        with self._lock:
+            pending_host = [s for s in host if not signal_done(s)]
+            if not pending_host and not self._deferred:
+                return self._enqueue(work, waits)
+            job = _Deferred(work, waits, pending_host)
+            self._deferred.append(job)
+            if self._launcher is None:
+                self._launcher = threading.Thread(target=self._launch_deferred, name="kvferry-copy-launcher", daemon=True)
+                self._launcher.start()
+            self._waiting.notify()
+            return job.pending
+
+    def _enqueue(self, work: Callable[[], None], waits: Sequence[torch.cuda.Event]) -> Pending:
+        """Queues ``work`` on the copy stream after ``waits`` (caller holds the lock)."""
+        for event in waits:
+            self.stream.wait_event(event)  # no host sync: the stream waits
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             started.record()
             work()
             done.record()
         return _EventPending(done, started, self._clock)
 
+    def _launch_deferred(self) -> None:
+        """The launcher thread: waits for the oldest deferred job's host signals (without the
+        lock, so the executor keeps submitting), then enqueues it."""
+        while True:
+            with self._lock:
+                while not self._deferred and not self._closing.is_set():
+                    self._waiting.wait()
+                if not self._deferred:
+                    return
+                job = self._deferred[0]
+            error: Optional[BaseException] = None
+            try:
+                for signal in job.host:
+                    await_signal(signal, self._closing)
+            except TransferError as err:
+                error = err
+            with self._lock:
+                self._deferred.popleft()
+                if error is not None:
+                    job.pending.fail(error)
+                    continue
+                try:
+                    job.pending.place(self._enqueue(job.work, job.waits))
+                except BaseException as err:  # reported by the job, not lost on this thread
+                    job.pending.fail(err)
+
     def close(self) -> None:
+        self._closing.set()  # deferred jobs still waiting for a tier signal fail
+        with self._lock:
+            self._waiting.notify()
+            launcher = self._launcher
+        if launcher is not None:
+            launcher.join()
         self.stream.synchronize()
+
+
+class _Deferred:
+    """A CUDA job waiting for host signals before it is enqueued."""
+
+    def __init__(self, work: Callable[[], None], waits: list[torch.cuda.Event], host: Sequence[Signal]) -> None:
+        self.work = work
+        self.waits = waits
+        self.host = host
+        self.pending = _DeferredPending()
+
+
+class _DeferredPending(Pending):
+    """The job's completion once the launcher enqueued it (or failed it)."""
+
+    def __init__(self) -> None:
+        self._placed = threading.Event()
+        self._inner: Optional[Pending] = None
+        self._error: Optional[BaseException] = None
+
+    def place(self, inner: Pending) -> None:
+        self._inner = inner
+        self._placed.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._placed.set()
+
+    def done(self) -> bool:
+        if not self._placed.is_set():
+            return False
+        return self._inner is None or self._inner.done()
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._placed.wait(timeout):
+            return False
+        if self._inner is None:
+            return True
+        return self._inner.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def error(self) -> Optional[BaseException]:
+        if self._error is not None:
+            return self._error
+        return self._inner.error() if self._inner is not None and self._inner.done() else None
+
+    def interval(self) -> Optional[tuple[float, float]]:
+        return self._inner.interval() if self._inner is not None else None
 
 
 def engine_for(src: PagedKV) -> CopyEngine:

@@ -18,6 +18,10 @@ Leases: a request's source blocks belong to the transfer from `add_request` unti
 or `cancel` returns (`leased` says so); the engine keeps its references to them (so that no
 prefix-cache eviction or reallocation can take them) until then. Its destination blocks are
 leased under the ``epoch`` the generation side's `KVReceiver.expect` issued.
+
+Host tier: with ``KVSender(..., host_pool=...)`` a request's source block ids may name host-tier
+blocks (``pool.num_blocks + host id``), read straight from host memory; `order_after` tells the
+hook about the tier's own copies (onboards, offloads) still writing blocks a send will read.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import InvalidArgumentError, UnknownRequestError
 from kvferry.notice import Notice
 from kvferry.sender import KVSender, as_table
+from kvferry.tiers import Signal
 
 __all__ = ["TransferHook"]
 
@@ -63,8 +68,9 @@ class TransferHook:
         """A request admitted on the context worker, with its source blocks and the
         destination blocks the generation worker allocated for it (one id per block of the
         prompt, in order; for ``held`` blocks, those it already holds) under ``epoch``, the
-        lease its `KVReceiver.expect` returned. Nothing is registered if any argument is
-        refused."""
+        lease its `KVReceiver.expect` returned. A source id at or past the device pool's
+        ``num_blocks`` names a host-tier block (see `KVSender`). Nothing is registered if any
+        argument is refused."""
         # A throwaway ledger refuses a bad prompt with the book's own messages and gives the
         # block count, before the sender learns of the request.
         blocks = TransferLedger(self.sender.pool.tokens_per_block, prompt_len, reused_len=reused_len, window=window).num_blocks
@@ -139,6 +145,13 @@ class TransferHook:
         src, dst = self._tables(ids)
         picked = np.asarray(ids, dtype=np.int64)
         return self.sender.send_layers(picked, [starts[i] for i in last], [ends[i] for i in last], group, src, dst)
+
+    def order_after(self, src_ids: npt.ArrayLike, signal: Signal) -> None:
+        """The engine's tier is writing source blocks ``src_ids`` (an onboard into device
+        blocks, an offload into host blocks) until ``signal`` completes: copies queued from
+        now on that read them wait for it (see `KVSender.order_after`). Call it when the tier
+        copy is queued, before the batch that reads the blocks is sent."""
+        self.sender.order_after(src_ids, signal)
 
     def poll(self) -> list[Notice]:
         """Posts the notices of finished copies (call once per scheduler step)."""

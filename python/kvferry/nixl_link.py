@@ -44,6 +44,7 @@ from kvferry.layout import PagedKV
 from kvferry.local import LocalEndpoint, PeerConnection
 from kvferry.notice import NOTICE_FIELDS, Notice
 from kvferry.receiver import KVReceiver
+from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
 from kvferry.transport import Transport
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
@@ -185,49 +186,113 @@ def _agent_source(name: str) -> str:
 
 
 class _XferPending(Pending):
-    """A prepared WRITE, posted once the blocks it reads are final: at once for host pools,
-    after the producing stream's work for CUDA pools (NIXL does not follow CUDA streams, and
-    waiting here would block the executor, so the post is deferred to the next poll). NIXL
-    raising (a peer that disconnected, say) ends it in error rather than in the caller."""
+    """One write: its prepared WRITEs (one, or one per memory type when a host-tier source
+    spans VRAM and DRAM), posted once the blocks they read are final: at once for host
+    pools, after the producing stream's work for CUDA pools and after every tier signal it
+    is ordered after (NIXL follows neither CUDA streams nor host signals, and waiting here
+    would block the executor, so the post is deferred to the next poll). With ``notify``
+    (a write of several transfers) the notices go as a notification of their own once every
+    transfer is done, so they never overtake a part of the write. NIXL raising (a peer that
+    disconnected, say) ends it in error rather than in the caller."""
 
-    def __init__(self, agent: Any, handle: Any, ready: Optional[Any], peer: str, failure: Optional[BaseException] = None) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        handles: Sequence[Any],
+        ready: Sequence[Any],
+        peer: str,
+        failure: Optional[BaseException] = None,
+        notify: Optional[tuple[str, bytes]] = None,
+    ) -> None:
         self._agent = agent
-        self._handle = handle
-        self._ready = ready
+        self._handles = list(handles)  # transfers not known to be finished
+        self._ready = list(ready)
         self._peer = peer
         self._failure = failure
-        self._state = "ERR" if failure is not None else "NEW"
-        self._settle()
+        self._notify = notify
+        self._state = "NEW"
+        if failure is not None:
+            self._fail(failure)
         self._maybe_post()
 
-    def _call(self, op: Any) -> str:
+    def _call(self, op: Any, handle: Any) -> str:
         try:
-            return str(op(self._handle))
+            return str(op(handle))
         except Exception as err:  # nixl's own error classes, e.g. NIXL_ERR_REMOTE_DISCONNECT
-            self._failure = err
+            self._failure = self._failure or err
             return "ERR"
 
     def _maybe_post(self) -> None:
-        if self._state == "NEW" and (self._ready is None or self._ready.query()):
-            self._state = self._call(self._agent.transfer)
-            self._settle()
+        if self._state != "NEW" or not all(signal_done(s) for s in self._ready):
+            return
+        error = next((e for e in map(signal_error, self._ready) if e is not None), None)
+        if error is not None:  # a tier copy of its blocks failed: nothing is posted
+            self._fail(TransferError(f"the tier copy this write was ordered after failed: {error!r}"))
+            return
+        self._state = "PROC"
+        for handle in list(self._handles):
+            state = self._call(self._agent.transfer, handle)
+            if state == "ERR":
+                self._fail(None)
+                return
+            if state == "DONE":
+                self._finished(handle)
+        self._complete()
 
-    def _settle(self) -> None:
-        if self._state in ("DONE", "ERR") and self._handle is not None:
-            handle, self._handle = self._handle, None
+    def _finished(self, handle: Any) -> None:
+        self._handles.remove(handle)
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as err:  # reported by error(); NIXL keeps the handle
+            self._failure = self._failure or err
+
+    def _fail(self, error: Optional[BaseException]) -> None:
+        self._failure = self._failure or error
+        self._state = "ERR"
+        self._release()
+
+    def _release(self) -> bool:
+        """Releases (cancelling) every transfer not finished; returns whether none is left.
+        One NIXL cannot cancel stays, and the write is not done until it ends."""
+        for handle in list(self._handles):
             try:
                 self._agent.release_xfer_handle(handle)
-            except Exception as err:  # reported by error(); NIXL keeps the handle
+            except Exception as err:  # still in flight
                 self._failure = self._failure or err
-        if self._state in ("DONE", "ERR"):
+                continue
+            self._handles.remove(handle)
+        if not self._handles:
             self._agent = None  # see _agent
+        return not self._handles
+
+    def _complete(self) -> None:
+        if self._state != "PROC" or self._handles:
+            return
+        if self._notify is not None:
+            try:
+                self._agent.send_notif(*self._notify)
+            except Exception as err:  # a receiver already gone
+                self._failure = self._failure or err
+                self._state = "ERR"
+                self._agent = None
+                return
+        self._state = "DONE"
+        self._agent = None  # see _agent
 
     def done(self) -> bool:
         self._maybe_post()
         if self._state == "PROC":
-            self._state = self._call(self._agent.check_xfer_state)
-            self._settle()
-        return self._state in ("DONE", "ERR", "ABORTED")
+            for handle in list(self._handles):
+                state = self._call(self._agent.check_xfer_state, handle)
+                if state == "ERR":
+                    self._fail(None)
+                    break
+                if state == "DONE":
+                    self._finished(handle)
+            self._complete()
+        elif self._state == "ERR" and self._handles:
+            self._release()
+        return self._state in ("DONE", "ABORTED") or (self._state == "ERR" and not self._handles)
 
     def wait(self, timeout: Optional[float]) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -238,16 +303,13 @@ class _XferPending(Pending):
         return True
 
     def abort(self) -> bool:
-        """Cancels the transfer if it has not finished (a hung peer): returns whether it no
-        longer touches either pool. NIXL refuses to release a transfer it cannot cancel."""
+        """Cancels the transfers that have not finished (a hung peer): returns whether none
+        touches either pool any more. NIXL refuses to release a transfer it cannot cancel."""
         if self.done():
             return True
-        try:
-            self._agent.release_xfer_handle(self._handle)
-        except Exception as err:  # NIXL could not cancel it: it is still in flight
-            self._failure = err
+        if not self._release():
             return False
-        self._handle, self._agent, self._state = None, None, "ABORTED"
+        self._state = "ABORTED"
         return True
 
     def error(self) -> Optional[BaseException]:
@@ -259,24 +321,53 @@ class _XferPending(Pending):
         return None
 
 
-class NixlTransport(Transport):
-    """The sender's side. ``src`` is the sender's own pool: NIXL registers both ends."""
+# A host-tier write whose two pools are of one memory type (DRAM and DRAM) is one transfer
+# over one descriptor list covering both pools; of two types (VRAM and DRAM) it is one
+# transfer per type, its notices sent once both are done. True takes the second path always
+# (how CI exercises it, on DRAM only).
+SPLIT_TIERS = False
 
-    def __init__(self, address: str, *, authkey: bytes, src: PagedKV) -> None:
+
+class NixlTransport(Transport):
+    """The sender's side. ``src`` is the sender's own pool and ``host_src`` its host tier,
+    if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
+    and the receiver's."""
+
+    def __init__(self, address: str, *, authkey: bytes, src: PagedKV, host_src: Optional[PagedKV] = None) -> None:
+        if host_src is not None:
+            if not isinstance(host_src, PagedKV):
+                raise TypeError(f"host_src must be a PagedKV, got {type(host_src).__name__}")
+            if host_src.device.type != "cpu":
+                raise InvalidArgumentError(f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)")
         # The socket stays open for its EOF: the cheapest sign that the receiver died.
         self._conn = PeerConnection(address, authkey)
         self.peer = self._conn.peer
         hello = self._conn.hello
         self._geometry = hello["geometry"]
         src.check_compatible(self._geometry)
+        if host_src is not None:
+            host_src.check_compatible(self._geometry)
         self._remote_blocks = int(hello["num_blocks"])
         self._src = src
+        self._host_src = host_src
         self.agent = _agent("tx")
         self._conn.send({"kind": "agent", "name": self.agent.name})  # before any announce
-        self._registered = self.agent.register_memory(list(src.layers))
+        self._registered = [self.agent.register_memory(list(src.layers))]
+        if host_src is not None:
+            self._registered.append(self.agent.register_memory(list(host_src.layers)))
         self._remote = self.agent.add_remote_agent(hello["agent_metadata"])
         self._remote_name = hello["agent_name"]
-        self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(src), _mem_type(src))
+        # Local descriptor lists: rows of the device pool's blocks, then (one list) the host
+        # pool's, from `_host_row`; or the host pool's in a list of its own (`_host_side`).
+        self._split = host_src is not None and (SPLIT_TIERS or _mem_type(src) != _mem_type(host_src))
+        descriptors = block_descriptors(src)
+        self._host_row = len(descriptors)
+        if host_src is not None and not self._split:
+            descriptors = np.concatenate([descriptors, block_descriptors(host_src)])
+        self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors, _mem_type(src))
+        self._host_side = None
+        if host_src is not None and self._split:
+            self._host_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src))
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], hello["descriptors"], hello["mem_type"])
 
     @property
@@ -286,31 +377,64 @@ class NixlTransport(Transport):
     def geometry(self) -> dict[str, object]:
         return dict(self._geometry)
 
-    def write(
-        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
-    ) -> Pending:
-        if src is not self._src:
+    def check_source(self, src: Source) -> None:
+        """NIXL reads only registered memory: the pool given as ``src`` and, for a sender
+        with a host tier, the one given as ``host_src``."""
+        if isinstance(src, TieredSource):
+            if src.device is not self._src:
+                raise InvalidArgumentError("invalid pool: not the pool this NIXL transport registered as src")
+            if src.host is not self._host_src:
+                raise InvalidArgumentError("invalid host_pool: not registered with this NIXL transport: create it as NixlTransport(..., src=pool, host_src=host_pool)")
+        elif src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
+
+    def write(
+        self,
+        engine: CopyEngine,
+        src: Source,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        notices: Sequence[Notice],
+        *,
+        after: Sequence[Signal] = (),
+        layers: Optional[tuple[int, int]] = None,
+    ) -> Pending:
+        self.check_source(src)
         s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
-        layers = (0, src.num_layers) if layers is None else layers
-        segments = src.segments
+        pool = self._src
+        layers = (0, pool.num_layers) if layers is None else layers
+        segments = pool.segments
+        # Per local descriptor list: the rows each part reads there, and where they go.
+        lists: dict[int, tuple[Any, list[np.ndarray], list[np.ndarray]]] = {}
+        for part in source_parts(src, s, d):
+            if part.pool is pool:
+                local, rows = self._local_side, descriptor_indices(part.src_ids, layers, segments, pool.num_blocks)
+            else:  # a host-tier part: the registered host pool's rows
+                assert self._host_src is not None
+                rows = descriptor_indices(part.src_ids, layers, segments, self._host_src.num_blocks)
+                local = self._host_side if self._split else self._local_side
+                if not self._split:  # its rows follow the device pool's in the one list
+                    rows = (rows.astype(np.int64) + self._host_row).astype(np.int32)
+            entry = lists.setdefault(id(local), (local, [], []))
+            entry[1].append(rows)
+            entry[2].append(descriptor_indices(part.dst_ids, layers, segments, self._remote_blocks))
+        sides = [(local, np.concatenate(rows), np.concatenate(remote)) for local, rows, remote in lists.values()]
+        notify = None
+        message = _encode(notices)
+        if len(sides) > 1:  # several transfers: the notices follow once all are done
+            notify, message = (self._remote_name, message), b""
+        handles = []
         try:
-            handle = self.agent.make_prepped_xfer(
-                "WRITE",
-                self._local_side,
-                descriptor_indices(s, layers, segments, src.num_blocks),
-                self._remote_side,
-                descriptor_indices(d, layers, segments, self._remote_blocks),
-                _encode(notices),
-            )
+            for local, rows, remote in sides:
+                handles.append(self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message))
         except Exception as err:  # a receiver already gone: the write fails, not the caller
-            return _XferPending(self.agent, None, None, self.peer, failure=err)
-        ready = None
-        if src.device.type == "cuda":
+            return _XferPending(self.agent, handles, [], self.peer, failure=err)
+        ready: list[Signal] = list(after)
+        if pool.device.type == "cuda":
             import torch
 
-            ready = torch.cuda.current_stream(src.device).record_event()
-        return _XferPending(self.agent, handle, ready, self.peer)
+            ready.append(torch.cuda.current_stream(pool.device).record_event())
+        return _XferPending(self.agent, handles, ready, self.peer, notify=notify)
 
     def check_peer(self) -> None:
         """Raises `TransferError` (naming the receiver) once its socket closed."""
@@ -343,10 +467,14 @@ class NixlTransport(Transport):
     def close(self) -> None:
         try:
             self.agent.release_dlist_handle(self._local_side)
+            if self._host_side is not None:
+                self.agent.release_dlist_handle(self._host_side)
             self.agent.release_dlist_handle(self._remote_side)
             self.agent.remove_remote_agent(self._remote)
-            self.agent.deregister_memory(self._registered)
+            for registered in self._registered:
+                self.agent.deregister_memory(registered)
         finally:
             self._conn.close()
             # see _agent: the descriptor handles hold the agent too
-            self.agent = self._local_side = self._remote_side = self._registered = None
+            self.agent = self._local_side = self._host_side = self._remote_side = None
+            self._registered = []

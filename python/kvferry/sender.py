@@ -15,6 +15,12 @@ receiver issued (``add(..., epoch=...)``, stamped on every notice): when the sen
 request up before its last notice (cancel, failure, a removal of an incomplete request, the
 receiver asking), it posts the fence ``revoke(request_id, epoch)`` down the notices' channel
 once no copy touches the request any more, and the receiver may hand the blocks out again.
+
+Host tier (kvferry.tiers). ``KVSender(..., host_pool=...)`` reads blocks evicted to host
+memory straight from the host pool: source ids ``[0, D)`` name device-pool blocks, ``[D, D +
+H)`` host-pool blocks ``id - D``. ``order_after(ids, signal)`` orders every later copy that
+reads one of ``ids`` after the tier's own copy writing them (an offload, an onboard). A
+request's lease covers its blocks in either pool.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
+from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
 from kvferry.transport import Transport, TransportFull, kept
 
 __all__ = ["KVSender", "TransferRecord"]
@@ -92,6 +99,7 @@ class KVSender:
         record: bool = False,
         progress: bool = False,
         layer_groups: int = 1,
+        host_pool: Optional[PagedKV] = None,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
@@ -99,7 +107,10 @@ class KVSender:
         instead of at the executor's next `poll` (it matters where the receiver still has
         work to do on arrival, as on the staging path). ``layer_groups``: the pool's layers
         split into that many consecutive groups (`PagedKV.group_layers`) that may stream
-        separately (`send_layers`)."""
+        separately (`send_layers`).
+        ``host_pool``: the engine's host tier, a CPU pool of ``pool``'s block layout (pinned
+        when ``pool`` is on CUDA); source ids from ``pool.num_blocks`` on name its blocks
+        (see the module doc), which are read from it directly."""
         pool.check_compatible(transport.geometry())
         if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
             raise TypeError(f"layer_groups must be an int, got {type(layer_groups).__name__} {layer_groups!r}")
@@ -107,11 +118,17 @@ class KVSender:
             raise InvalidArgumentError(f"invalid layer_groups={layer_groups}: must be in [1, {pool.num_layers}] (the pool's layers)")
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"invalid timeout={timeout}: must be > 0 or None")
+        self.host_pool = host_pool
+        # What writes read: the pool, or the pool and its host tier behind one id space.
+        self.source: Source = pool if host_pool is None else tiered_source(pool, host_pool)
+        transport.check_source(self.source)
         self.timeout = timeout
         self.pool = pool
         self.transport = transport
         self.book = TransferBook(pool.tokens_per_block, pipelined=pipelined, layer_groups=int(layer_groups))
         self.layer_groups = int(layer_groups)
+        # Tier copies the engine declared (order_after) whose signals have not completed.
+        self._ordering = TierOrdering()
         self.engine = engine if engine is not None else engine_for(pool)
         self._next_slice: dict[int, int] = {}  # registered requests: their next slice id
         self._epochs: dict[int, int] = {}  # registered requests: the receiver's lease
@@ -256,9 +273,24 @@ class KVSender:
         return {
             "src_block_table": src_block_table,
             "dst_block_table": dst_block_table,
-            "src_blocks": self.pool.num_blocks,
+            "src_blocks": self.source.num_blocks,
             "dst_blocks": self.transport.num_blocks,
         }
+
+    def order_after(self, src_ids: IntArray, signal: Signal) -> None:
+        """Declares that the engine's tier is writing source blocks ``src_ids`` (combined
+        ids: an onboard writing device blocks, an offload writing host blocks) until
+        ``signal`` completes: a recorded `torch.cuda.Event` (the copy stream waits on it),
+        or a `threading.Event` / `concurrent.futures.Future` the tier completes (the copy
+        waits for it before it reads; a Future's exception fails the write). Every copy
+        queued after this call that reads one of those blocks runs after the signal;
+        copies queued before are not affected (the lease keeps the tier from writing the
+        blocks they read). The declaration is dropped once the signal completed."""
+        host_blocks = 0 if self.host_pool is None else self.host_pool.num_blocks
+        ids = source_ids("src_ids", src_ids, self.pool.num_blocks, host_blocks)
+        check_signal(signal)
+        with self._lock:
+            self._ordering.add(ids, signal)
 
     def _refuse_revoked(self, request_ids: IntArray) -> None:
         """Before anything is claimed: refuses to send after the receiver was lost, or for
@@ -331,9 +363,10 @@ class KVSender:
         request here and now, this write's included."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         ids = sorted({n.request_id for n in notices})
+        after = self._ordering.signals_for(src_ids)  # tier copies still writing what it reads
         while True:
             try:
-                return self.transport.write(self.engine, self.pool, src_ids, dst_ids, notices, layers)
+                return self.transport.write(self.engine, self.source, src_ids, dst_ids, notices, after=after, layers=layers)
             except TransportFull as full:
                 left = 30.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
@@ -457,7 +490,8 @@ class KVSender:
         later send reads them) or an unfinished copy reads them. The engine may free, evict
         or reuse them only while this is false: once `remove` or `cancel` returned (a
         `cancel` that raised keeps the lease), or, for a failed request, once its copies
-        ended."""
+        ended. Host-tier blocks included: while leased, the tier must not overwrite, evict
+        or move them either."""
         with self._lock:
             return request_id in self._next_slice or self._reading(request_id)
 

@@ -33,6 +33,7 @@ from kvferry.local import LocalEndpoint, LocalTransport
 from kvferry.notice import Notice, NoticeTuple
 from kvferry.receiver import KVReceiver
 from kvferry.shm import SharedPool
+from kvferry.tiers import Signal, Source, source_layers, source_parts
 from kvferry.transport import TransportFull, kept
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
@@ -200,24 +201,51 @@ class StagingTransport(LocalTransport):
         return True
 
     def write(
-        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
+        self,
+        engine: CopyEngine,
+        src: Source,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        notices: Sequence[Notice],
+        *,
+        after: Sequence[Signal] = (),
+        layers: Optional[tuple[int, int]] = None,
     ) -> Pending:
+        """Stages the blocks into ring slots in the write's order. A host-tier source's two
+        parts are gathered into one buffer on the device pool's device (host blocks read in
+        place through the tier's CUDA view on CUDA), then staged together. A layer slice
+        fills those layers of its slots only (the rest of them stay unused: slots are whole
+        blocks, so the ring's accounting stays one slot per block)."""
         src.check_compatible(self._geometry)
         s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
+        parts = source_parts(source_layers(src, layers), s, d)
         lo, skipped = self._reserve(s.size)
-        # A layer slice fills those layers of its slots only (the rest of them stay unused:
-        # slots are whole blocks, so the ring's accounting stays one slot per block).
         ring = self.dst if layers is None else self.dst.layer_slice(*layers)
-        source = src if layers is None else src.layer_slice(*layers)
+        n = s.size
 
         def stage() -> None:
-            ids = torch.from_numpy(s).to(source.device, non_blocking=True)
-            for layer, staged in zip(source.segment_views(torch.uint8), ring.layers):
-                staged[:, lo : lo + s.size].copy_(layer.index_select(1, ids), non_blocking=True)
+            device = parts[0].pool.device
+            gathers = [
+                (part.pool.segment_views(torch.uint8), torch.from_numpy(part.src_ids).to(device, non_blocking=True), part.positions)
+                for part in parts
+            ]
+            whole = len(gathers) == 1 and gathers[0][2] is None
+            at = [None if p is None else torch.from_numpy(p).to(device, non_blocking=True) for _, _, p in gathers]
+            for i, staged in enumerate(ring.layers):
+                if whole:
+                    views, ids, _ = gathers[0]
+                    staged[:, lo : lo + n].copy_(views[i].index_select(1, ids), non_blocking=True)
+                    continue
+                segments, _, width = staged.shape
+                batch = torch.empty((segments, n, width), dtype=torch.uint8, device=device)
+                for (views, ids, _), where in zip(gathers, at):
+                    assert where is not None
+                    batch.index_copy_(1, where, views[i].index_select(1, ids))
+                staged[:, lo : lo + n].copy_(batch, non_blocking=True)
 
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
-        return engine.submit_call(stage)
+        return engine.submit_call(stage, after=after, nbytes=n * int(self._geometry["num_layers"]) * int(self._geometry["segments"]) * int(self._geometry["segment_bytes"]))
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.

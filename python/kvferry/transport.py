@@ -19,11 +19,13 @@ from typing import AbstractSet, Hashable, Optional, Sequence
 
 import numpy as np
 
+from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import KvFerryError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
+from kvferry.tiers import Signal, Source, source_layers, source_parts
 
 __all__ = ["InProcessTransport", "Transport", "TransportFull", "kept"]
 
@@ -67,16 +69,37 @@ class Transport(ABC):
         """Blocks in the receiver's pool."""
         return self.dst.num_blocks
 
+    def check_source(self, src: Source) -> None:
+        """Refuses, before anything is sent, a source this transport cannot read (a NIXL
+        transport reads only the pools it registered). Copy-based transports read any."""
+
     def write(
-        self, engine: CopyEngine, src: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Sequence[Notice], layers: Optional[tuple[int, int]] = None
+        self,
+        engine: CopyEngine,
+        src: Source,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        notices: Sequence[Notice],
+        *,
+        after: Sequence[Signal] = (),
+        layers: Optional[tuple[int, int]] = None,
     ) -> Pending:
-        """Queues the copy of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of the
-        receiver's pool, in layers ``[lo, hi)`` only when ``layers`` is given (a layer
-        slice); ``notices`` describe it (a transport that carries them with the write uses
-        them here)."""
-        if layers is None:
-            return engine.submit(src, self.dst, src_ids, dst_ids)
-        return engine.submit(src.layer_slice(*layers), self.dst.layer_slice(*layers), src_ids, dst_ids)
+        """Queues the copy of blocks ``src_ids`` of ``src`` (a pool, or a device pool and its
+        host tier behind one id space: kvferry.tiers) into blocks ``dst_ids`` of the
+        receiver's pool, after every signal in ``after``, in layers ``[lo, hi)`` only when
+        ``layers`` is given (a layer slice); ``notices`` describe it (a transport that
+        carries them with the write uses them here). One write is one job: its notices are
+        posted once every part of it landed."""
+        src, dst = source_layers(src, layers), self.dst if layers is None else self.dst.layer_slice(*layers)
+        if isinstance(src, PagedKV):
+            return engine.submit(src, dst, src_ids, dst_ids, after=after)
+        parts = source_parts(src, src_ids, dst_ids)
+
+        def copy() -> None:
+            for part in parts:
+                copy_blocks(part.pool, dst, part.src_ids, part.dst_ids)
+
+        return engine.submit_call(copy, after=after, nbytes=len(src_ids) * src.device.block_bytes * src.device.num_layers)
 
     @abstractmethod
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:

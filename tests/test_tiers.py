@@ -1,0 +1,577 @@
+"""Reused prefixes split across the device pool and the host tier (kvferry.tiers).
+
+* A prefix whose blocks lie in both pools arrives bit exact through every transport that runs
+  here (in-process, shared memory, staging, NIXL on DRAM, NIXL's split path).
+* The tier's own copies race the send and lose nothing: an offload still writing a host
+  block, or an onboard still writing a device block, when the send is queued; with
+  `order_after` the receiver gets the final bytes. Controls show the race is real: without
+  it the same send delivers the stale bytes. Every interleaving is forced by events the test
+  releases, never by timing.
+* CUDA variants (pinned host pool read in place, `torch.cuda.Event` signals, host signals on
+  the CUDA engine's launcher) are marked ``cuda``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import multiprocessing as mp
+import secrets
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.engine import ThreadCopyEngine
+from kvferry.errors import TransferError
+from kvferry.hook import TransferHook
+from kvferry.layout import PagedKV
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender, as_table
+from kvferry.shm import ShmTransport
+from kvferry.transport import InProcessTransport
+
+from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, _receiver_process, block_tables, check_layer_coverage, drive
+
+DEVICE_BLOCKS = SHAPE[0]  # 96
+HOST_BLOCKS = 64
+HOST_SHAPE = (HOST_BLOCKS, *SHAPE[1:])
+
+
+def pools(seed: int, device: str = "cpu") -> tuple[PagedKV, PagedKV]:
+    """A device pool and a host tier of random KV (the host pool pinned for CUDA)."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = PagedKV(tuple(torch.randn(SHAPE, generator=gen).to(device) for _ in range(LAYERS)), TPB)
+    host_layers = [torch.randn(HOST_SHAPE, generator=gen) for _ in range(LAYERS)]
+    if device == "cuda":
+        host_layers = [t.pin_memory() for t in host_layers]
+    return dev, PagedKV(tuple(host_layers), TPB)
+
+
+def tiered_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint random source blocks per request from both tiers (combined ids: host blocks
+    from DEVICE_BLOCKS on), about half of each prefix on the host; random destinations."""
+    rng = np.random.default_rng(seed)
+    widths = [-(-p // TPB) for _, p, _ in REQUESTS]
+    src = rng.permutation(DEVICE_BLOCKS + HOST_BLOCKS)
+    _, dst_table = block_tables(seed)
+    offsets = np.cumsum([0, *widths])
+    rows = [src[offsets[i] : offsets[i + 1]] for i in range(len(REQUESTS))]
+    table = as_table(rows, max(widths))
+    assert (table >= DEVICE_BLOCKS).any() and ((table >= 0) & (table < DEVICE_BLOCKS)).any()
+    return table, dst_table
+
+
+def block(dev: PagedKV, host: PagedKV, layer: int, combined: int) -> torch.Tensor:
+    """Block ``combined`` of one layer, from whichever tier holds it."""
+    if combined < dev.num_blocks:
+        return dev.layers[layer][combined]
+    return host.layers[layer][combined - dev.num_blocks]
+
+
+def expected_digest(dev: PagedKV, host: PagedKV, src_table: np.ndarray) -> str:
+    """`test_transfer.digest` of what the receiver must hold: each request's blocks in logical
+    order, every layer, read from the tier its combined id names."""
+    h = hashlib.sha256()
+    for i, (_, prompt, _) in enumerate(REQUESTS):
+        ids = src_table[i, : -(-prompt // TPB)]
+        for layer in range(LAYERS):
+            h.update(torch.stack([block(dev, host, layer, int(b)).cpu() for b in ids]).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def received_digest(dst: PagedKV, dst_table: np.ndarray) -> str:
+    from test_transfer import digest
+
+    return digest(dst, dst_table)
+
+
+def nan_pool(device: str = "cpu") -> PagedKV:
+    return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
+
+
+# --- a mixed-tier prefix, bit exact ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_write_blocks, layer_groups", [(None, 1), (3, 1), (1, 1), (None, 3), (3, 2)])
+def test_mixed_tier_prefix_in_process_bit_exact(max_write_blocks: Optional[int], layer_groups: int) -> None:
+    """Every request's source blocks come from both tiers (the early slice included); each
+    write is one job over both pools, its notices posted once both parts landed. With layer
+    groups, the last chunk streams group by group from both tiers' layer slices."""
+    dev, host = pools(1)
+    dst = nan_pool()
+    receiver = KVReceiver(dst)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    transport = InProcessTransport(receiver)
+    transport.max_write_blocks = max_write_blocks
+    sender = KVSender(dev, transport, host_pool=host, record=True, layer_groups=layer_groups)
+    src_table, dst_table = tiered_tables(2)
+    sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
+    sender.flush(timeout=10)
+    for rid, _, _ in REQUESTS:
+        receiver.wait(rid, timeout=10)
+    check_layer_coverage(dst, [n for rid, _, _ in REQUESTS for n in receiver.notices(rid)])
+    assert received_digest(dst, dst_table) == expected_digest(dev, host, src_table)
+    assert len(sent) == sum(len(receiver.notices(r)) for r, _, _ in REQUESTS)
+    assert sender.records is not None and sum(r.nbytes for r in sender.records) == sum(-(-p // TPB) for _, p, _ in REQUESTS) * dev.block_bytes * LAYERS
+    for rid, _, _ in REQUESTS:
+        assert sender.remove(rid).is_complete
+    sender.close()
+
+
+def test_hook_takes_host_ids_and_order_after() -> None:
+    """Through the executor hook: ``src_blocks`` with host ids, the tier's copy declared with
+    `TransferHook.order_after`."""
+    dev, host = pools(3)
+    receiver = KVReceiver(nan_pool())
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
+    hook = TransferHook(sender)
+    epoch = receiver.expect(7, 17)
+    src = [DEVICE_BLOCKS + 5, 2, DEVICE_BLOCKS + 63, 9, 10]
+    hook.add_request(7, 17, reused_len=12, src_blocks=src, dst_blocks=[0, 1, 2, 3, 4], epoch=epoch)
+    written = threading.Event()
+    hook.order_after([DEVICE_BLOCKS + 63], written)
+    final = [torch.full(HOST_SHAPE[1:], float(layer)) for layer in range(LAYERS)]
+    hook.before_forward([7])
+    time.sleep(0.05)
+    assert not receiver.notices(7)  # the early copy waits for the tier
+    for layer in range(LAYERS):
+        host.layers[layer][63].copy_(final[layer])
+    written.set()
+    hook.after_forward([7], [12], [17])
+    hook.finish(7, timeout=10)
+    receiver.wait(7, timeout=10)
+    for layer in range(LAYERS):
+        for b, s in enumerate(src):
+            assert torch.equal(receiver.pool.layers[layer][b], block(dev, host, layer, s))
+        assert torch.equal(receiver.pool.layers[layer][2], final[layer])
+    assert not hook.leased(7)
+    sender.close()
+
+
+# --- across processes -----------------------------------------------------------------------
+
+
+def _two_processes(kind: str, make: Callable[[str, bytes, PagedKV, PagedKV], Any], device: str = "cpu", layer_groups: int = 1) -> None:
+    """`test_transfer._two_processes` with a host tier: the receiver process reports the
+    digest of its blocks, compared with the blocks read from both tiers here."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    authkey = secrets.token_bytes(32)
+    proc = ctx.Process(target=_receiver_process, args=(child, authkey, kind), daemon=True)
+    proc.start()
+    try:
+        address = parent.recv()
+        src_table, dst_table = tiered_tables(3)
+        parent.send(dst_table)
+        dev, host = pools(4, device)
+        sender = KVSender(dev, make(address, authkey, dev, host), host_pool=host, layer_groups=layer_groups)
+        sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
+        sender.flush(timeout=60)
+        assert parent.poll(60), "receiver did not report"
+        status, value, counts = parent.recv()
+        assert status == "ok", value
+        assert value == expected_digest(dev, host, src_table)
+        assert sum(counts) == len(sent)
+        sender.close()
+        parent.send("done")
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_mixed_tier_prefix_shared_memory_bit_exact() -> None:
+    _two_processes("shm", lambda address, key, dev, host: ShmTransport(address, authkey=key))
+
+
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_mixed_tier_prefix_staging_bit_exact(layer_groups: int) -> None:
+    """The staging ring takes each write's blocks in order, whichever tier each comes from
+    (a small ring: writes wrap and wait for frees); also layer group by layer group."""
+    from kvferry.staging import StagingTransport
+
+    _two_processes("staging", lambda address, key, dev, host: StagingTransport(address, authkey=key), layer_groups=layer_groups)
+
+
+@pytest.mark.parametrize("split, layer_groups", [(False, 1), (True, 1), (True, 2)], ids=["one-list", "split", "split-layerwise"])
+def test_mixed_tier_prefix_nixl_bit_exact(monkeypatch: pytest.MonkeyPatch, split: bool, layer_groups: int) -> None:
+    """NIXL registers the host pool too. DRAM and DRAM: one descriptor list over both pools,
+    one transfer per write. ``split``: one transfer per tier and the notices sent after both
+    (the path of VRAM plus a DRAM host tier), forced here on DRAM; with layer groups, each
+    tier's rows of a group's layers."""
+    pytest.importorskip("nixl")
+    from kvferry import nixl_link
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setattr(nixl_link, "SPLIT_TIERS", split)
+    _two_processes("nixl", lambda address, key, dev, host: nixl_link.NixlTransport(address, authkey=key, src=dev, host_src=host), layer_groups=layer_groups)
+
+
+# --- the tier's own copies racing the send ---------------------------------------------------
+
+
+def _signal(kind: str) -> tuple[Any, Callable[[], None]]:
+    """A tier completion signal of ``kind`` and the function that completes it."""
+    if kind == "event":
+        event = threading.Event()
+        return event, event.set
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    return future, lambda: future.set_result(None)
+
+
+class SlowTierCopy:
+    """The tier's copy of one block, run by a thread that starts only when the test releases
+    it and then writes layer by layer with pauses (a torn block, read mid-way, would show),
+    completing ``signal`` at the end."""
+
+    def __init__(self, write_layer: Callable[[int], None], complete: Callable[[], None]) -> None:
+        self.release = threading.Event()
+        self._write_layer = write_layer
+        self._complete = complete
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.release.wait(10)
+        for layer in range(LAYERS):
+            self._write_layer(layer)
+            time.sleep(0.005)
+        self._complete()
+
+
+def _race_setup(seed: int) -> tuple[PagedKV, PagedKV, KVReceiver, KVSender]:
+    dev, host = pools(seed)
+    receiver = KVReceiver(nan_pool())
+    receiver.expect(1, 17)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
+    sender.add(1, 17, reused_len=16)  # 4 complete reused blocks leave early
+    return dev, host, receiver, sender
+
+
+@pytest.mark.parametrize("signal_kind", ["event", "future"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["order_after", "control"])
+def test_an_offload_racing_the_send_delivers_the_final_bytes(signal_kind: str, ordered: bool) -> None:
+    """Host block 7 is being written by an offload (device block 30 -> host block 7) when
+    the early send of a prefix that holds it is queued. With `order_after` the copy waits for
+    the offload and the receiver gets its final bytes. The control declares nothing: the copy
+    runs at once and the receiver gets the stale bytes (the offload is released only after
+    the send completed), so this test would fail if ordering were lost."""
+    dev, host, receiver, sender = _race_setup(10)
+    stale = [host.layers[layer][7].clone() for layer in range(LAYERS)]
+    signal, complete = _signal(signal_kind)
+    offload = SlowTierCopy(lambda layer: host.layers[layer][7].copy_(dev.layers[layer][30]), complete)
+    src = np.array([[3, DEVICE_BLOCKS + 7, 50, DEVICE_BLOCKS + 12, 60]])
+    dst = np.array([[0, 1, 2, 3, 4]])
+    if ordered:
+        sender.order_after([DEVICE_BLOCKS + 7], signal)
+    sender.send_early([1], src, dst)
+    if ordered:
+        time.sleep(0.05)
+        assert sender.poll() == [] and sender.in_flight(1) and sender.leased(1)  # waiting for the tier
+    else:
+        sender.flush(timeout=10)  # the send completes before the offload even starts
+    offload.release.set()
+    offload.thread.join(10)
+    sender.flush(timeout=10)
+    sender.send_chunks([1], [16], [17], src, dst)
+    sender.flush(timeout=10)
+    receiver.wait(1, timeout=10)
+    for layer in range(LAYERS):
+        got = receiver.pool.layers[layer][1]
+        assert torch.equal(got, dev.layers[layer][30] if ordered else stale[layer])
+        assert torch.equal(receiver.pool.layers[layer][3], host.layers[layer][12])  # the untouched host block
+        assert torch.equal(receiver.pool.layers[layer][0], dev.layers[layer][3])
+    assert not torch.equal(stale[0], dev.layers[0][30])  # the two outcomes differ
+    sender.remove(1)
+    sender.close()
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["order_after", "control"])
+def test_an_onboard_racing_the_send_delivers_the_onboarded_bytes(ordered: bool) -> None:
+    """Device block 40 is being written from host block 9 (an onboard) when the send that
+    reads it is queued; ordered after the onboard's Future the receiver gets the onboarded
+    bytes, without it (control) the device block's old bytes."""
+    dev, host, receiver, sender = _race_setup(11)
+    old = [dev.layers[layer][40].clone() for layer in range(LAYERS)]
+    signal, complete = _signal("future")
+    onboard = SlowTierCopy(lambda layer: dev.layers[layer][40].copy_(host.layers[layer][9]), complete)
+    src, dst = np.array([[40, 1, 2, 3, 4]]), np.array([[5, 6, 7, 8, 9]])
+    if ordered:
+        sender.order_after(np.array([40]), signal)
+    sender.send_early([1], src, dst)
+    if not ordered:
+        sender.flush(timeout=10)
+    onboard.release.set()
+    onboard.thread.join(10)
+    sender.flush(timeout=10)
+    for layer in range(LAYERS):
+        assert torch.equal(receiver.pool.layers[layer][5], host.layers[layer][9] if ordered else old[layer])
+    sender.cancel(1)
+    sender.close()
+
+
+def test_only_writes_reading_a_declared_block_wait() -> None:
+    """Writes of at most two blocks: the first write (device blocks) lands while the second,
+    which reads the host block being offloaded into, waits for the tier."""
+    dev, host, receiver, sender = _race_setup(12)
+    receiver.expect(2, 9)
+    transport = sender.transport
+    transport.max_write_blocks = 2
+    sender.add(2, 9, reused_len=8)
+    written = threading.Event()
+    sender.order_after([DEVICE_BLOCKS + 20], written)
+    sender.send_early([1, 2], np.array([[1, 2, DEVICE_BLOCKS + 20, 4, 5], [6, 7, 8, 0, 0]]), np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]))
+    deadline = time.monotonic() + 10
+    while not receiver.notices(1) and time.monotonic() < deadline:
+        sender.poll()
+        time.sleep(0.002)
+    assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2)]  # the first write only
+    time.sleep(0.05)
+    sender.poll()
+    assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2)]
+    assert not receiver.notices(2)  # queued behind the waiting write (copies keep their order)
+    written.set()
+    sender.flush(timeout=10)
+    assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2), (2, 4)]
+    assert [(n.start, n.end) for n in receiver.notices(2)] == [(0, 2)]
+    sender.close()
+
+
+def test_a_failed_tier_copy_fails_the_write_and_fences_the_request() -> None:
+    """The onboard's Future ends in an exception: the write ordered after it never reads the
+    block; its request fails (raised once, naming it) and gets its fence; a request not
+    reading the block is unaffected."""
+    dev, host, receiver, sender = _race_setup(13)
+    receiver.expect(2, 9)
+    sender.add(2, 9, reused_len=8)
+    onboard: concurrent.futures.Future[None] = concurrent.futures.Future()
+    sender.order_after([DEVICE_BLOCKS + 1], onboard)
+    sender.send_early([2], np.array([[10, 11, 0]]), np.array([[20, 21, 22]]))
+    sender.send_early([1], np.array([[DEVICE_BLOCKS + 1, 2, 3, 4, 5]]), np.array([[0, 1, 2, 3, 4]]))
+    onboard.set_exception(OSError("DMA error"))
+    with pytest.raises(TransferError, match=r"requests \[1\] failed.*ordered after failed.*DMA error"):
+        sender.flush(timeout=10)
+    assert torch.isnan(receiver.pool.layers[0][0]).all()  # never written
+    assert receiver.fenced(1) and not receiver.notices(1)
+    assert [(n.start, n.end) for n in receiver.notices(2)] == [(0, 2)]
+    assert not sender.leased(1)
+    sender.cancel(1)  # acknowledges the failure
+    sender.close()
+
+
+def test_a_declaration_ends_with_its_signal_and_the_engine_can_close_on_a_stuck_one() -> None:
+    """Once the tier's signal completed, later copies no longer wait for it; a copy waiting
+    for a signal that never comes is failed by the engine's close, which does not hang."""
+    dev, host, receiver, sender = _race_setup(14)
+    done = threading.Event()
+    done.set()
+    sender.order_after([0, 1], done)
+    stuck = threading.Event()
+    sender.order_after([DEVICE_BLOCKS + 2], stuck)
+    assert len(sender._ordering) == 1  # the completed one is gone
+    sender.send_early([1], np.array([[0, 1, DEVICE_BLOCKS + 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
+    engine = sender.engine
+    assert isinstance(engine, ThreadCopyEngine)
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < 5
+    with pytest.raises(TransferError, match="closed while a copy waited for a tier copy"):
+        sender.flush(timeout=5)
+    sender.close()
+
+
+def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy() -> None:
+    """The wait for a tier signal counts in the sender's timeout: `poll` raises, `cancel`
+    keeps the request leased while the copy has not run, and once the tier is done the copy
+    ends, the cancel returns and the request is fenced with none of its notices posted."""
+    dev, host = pools(16)
+    receiver = KVReceiver(nan_pool())
+    receiver.expect(1, 17)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, timeout=0.05)
+    sender.add(1, 17, reused_len=16)
+    written = threading.Event()
+    sender.order_after([DEVICE_BLOCKS + 3], written)
+    sender.send_early([1], np.array([[DEVICE_BLOCKS + 3, 1, 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
+    time.sleep(0.1)
+    with pytest.raises(TransferError, match=r"requests \[1\] still running"):
+        sender.poll()
+    with pytest.raises(TransferError, match="request 1: copies reading its blocks still running"):
+        sender.cancel(1, timeout=0.01)
+    assert sender.leased(1) and not receiver.fenced(1)
+    written.set()
+    sender.cancel(1, timeout=10)
+    assert not sender.leased(1) and receiver.fenced(1) and not receiver.notices(1)
+    sender.close()
+
+
+def test_leases_cover_host_blocks() -> None:
+    """A request whose blocks are all in the host tier stays leased while its copy is queued
+    and after, until `remove`; the tier must keep those host blocks until then."""
+    dev, host = pools(15)
+    receiver = KVReceiver(nan_pool())
+    receiver.expect(1, 8)
+    engine = _GatedEngine()
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, engine=engine)
+    sender.add(1, 8)
+    sender.send_chunks([1], [0], [8], np.array([[DEVICE_BLOCKS + 4, DEVICE_BLOCKS + 5]]), np.array([[0, 1]]))
+    assert sender.leased(1)
+    engine.gates[0].opened = True
+    sender.flush(timeout=1)
+    assert sender.leased(1)  # registered: a later send may still read its blocks
+    sender.remove(1)
+    assert not sender.leased(1)
+    for layer in range(LAYERS):
+        assert torch.equal(receiver.pool.layers[layer][1], host.layers[layer][5])
+    sender.close()
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_cuda_mixed_tier_prefix_bit_exact(layer_groups: int) -> None:
+    """CUDA pools with a pinned host tier: host blocks are read in place (a CUDA view of the
+    pinned memory) by the same copy kernel, on the copy stream (also by layer group)."""
+    dev, host = pools(20, "cuda")
+    dst = nan_pool("cuda")
+    receiver = KVReceiver(dst)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, layer_groups=layer_groups)
+    src_table, dst_table = tiered_tables(21)
+    drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
+    sender.flush(timeout=30)
+    for rid, _, _ in REQUESTS:
+        receiver.wait(rid, timeout=30)
+    assert received_digest(dst, dst_table) == expected_digest(dev, host, src_table)
+    sender.close()
+
+
+@pytest.mark.cuda
+def test_cuda_refuses_an_unpinned_host_tier() -> None:
+    from kvferry.errors import InvalidArgumentError
+
+    dev, _ = pools(22, "cuda")
+    host = PagedKV(tuple(torch.zeros(HOST_SHAPE) for _ in range(LAYERS)), TPB)
+    with pytest.raises(InvalidArgumentError, match="not pinned"):
+        KVSender(dev, InProcessTransport(KVReceiver(nan_pool("cuda"))), host_pool=host)
+
+
+def _cuda_race(kind: str, ordered: bool) -> None:
+    """An offload (device 30 -> host 7) or an onboard (host 9 -> device 40) on a side stream,
+    held back by a ~100 ms GPU sleep, signalled by a CUDA event; the send is queued meanwhile."""
+    dev, host = pools(23, "cuda")
+    receiver = KVReceiver(nan_pool("cuda"))
+    receiver.expect(1, 17)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
+    sender.add(1, 17, reused_len=16)
+    side = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    if kind == "offload":
+        before = [host.layers[layer][7].clone() for layer in range(LAYERS)]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            for layer in range(LAYERS):
+                host.layers[layer][7].copy_(dev.layers[layer][30], non_blocking=True)
+            done.record()
+        declared, src = DEVICE_BLOCKS + 7, np.array([[3, DEVICE_BLOCKS + 7, 50, DEVICE_BLOCKS + 12, 60]])
+        final = [dev.layers[layer][30] for layer in range(LAYERS)]
+    else:
+        before = [dev.layers[layer][40].clone() for layer in range(LAYERS)]
+        staged = [host.layers[layer][9].to("cuda") for layer in range(LAYERS)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            for layer in range(LAYERS):
+                dev.layers[layer][40].copy_(staged[layer], non_blocking=True)
+            done.record()
+        declared, src = 40, np.array([[40, 1, 2, 3, 4]])
+        final = staged
+    if ordered:
+        sender.order_after([declared], done)
+    sender.send_early([1], src, np.array([[0, 1, 2, 3, 4]]))
+    sender.flush(timeout=30)
+    torch.cuda.synchronize()
+    slot = 1 if kind == "offload" else 0
+    for layer in range(LAYERS):
+        assert torch.equal(receiver.pool.layers[layer][slot].cpu(), (final[layer] if ordered else before[layer]).cpu())
+    sender.cancel(1)
+    sender.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["offload", "onboard"])
+def test_cuda_tier_copy_racing_the_send_is_ordered_by_its_event(kind: str) -> None:
+    _cuda_race(kind, ordered=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["offload", "onboard"])
+def test_cuda_tier_copy_racing_the_send_control(kind: str) -> None:
+    """Without `order_after` the copy stream does not wait for the side stream's 100 ms
+    sleep: the receiver gets the bytes from before the tier's copy."""
+    _cuda_race(kind, ordered=False)
+
+
+@pytest.mark.cuda
+def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor() -> None:
+    """A host-side offload (a CPU thread writing the pinned host block) signalled by a
+    threading.Event: the CUDA engine's launcher enqueues the copy once it is set, and a later
+    write of another request queues behind it; `send_*` never blocks."""
+    dev, host = pools(24, "cuda")
+    receiver = KVReceiver(nan_pool("cuda"))
+    receiver.expect(1, 17)
+    receiver.expect(2, 9)
+    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
+    sender.add(1, 17, reused_len=16)
+    sender.add(2, 9, reused_len=8)
+    signal, complete = _signal("event")
+    offload = SlowTierCopy(lambda layer: host.layers[layer][7].copy_(dev.layers[layer][30].cpu()), complete)
+    sender.order_after([DEVICE_BLOCKS + 7], signal)
+    start = time.monotonic()
+    sender.send_early([1], np.array([[3, DEVICE_BLOCKS + 7, 50, 51, 52]]), np.array([[0, 1, 2, 3, 4]]))
+    sender.send_early([2], np.array([[60, 61, 0]]), np.array([[10, 11, 12]]))
+    assert time.monotonic() - start < 1.0
+    time.sleep(0.05)
+    assert sender.poll() == []
+    offload.release.set()
+    sender.flush(timeout=30)
+    for layer in range(LAYERS):
+        assert torch.equal(receiver.pool.layers[layer][1], dev.layers[layer][30])
+        assert torch.equal(receiver.pool.layers[layer][10], dev.layers[layer][60])
+    sender.cancel(1)
+    sender.cancel(2)
+    sender.close()
+
+
+@pytest.mark.cuda
+def test_cuda_staging_mixed_tier_prefix_bit_exact() -> None:
+    from kvferry.staging import StagingTransport
+
+    _two_processes("staging-cuda", lambda address, key, dev, host: StagingTransport(address, authkey=key), "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
+    """VRAM device pool and a DRAM host tier: one NIXL transfer per memory type, the notices
+    sent after both."""
+    pytest.importorskip("nixl")
+    from kvferry.nixl_link import NixlTransport
+
+    _two_processes("nixl-cuda", lambda address, key, dev, host: NixlTransport(address, authkey=key, src=dev, host_src=host), "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_ipc_mixed_tier_prefix_bit_exact() -> None:
+    """The receiver's CUDA pool mapped through CUDA IPC: both parts of each write go through
+    the copy kernel, the host part read from the pinned tier in place."""
+    from kvferry.local import CudaIpcTransport
+
+    _two_processes("cuda-ipc", lambda address, key, dev, host: CudaIpcTransport(address, authkey=key), "cuda")
