@@ -470,8 +470,10 @@ def _cuda_race(kind: str, ordered: bool) -> None:
     dev, host = pools(23, "cuda")
     receiver = KVReceiver(nan_pool("cuda"))
     receiver.expect(1, 17)
+    receiver.expect(2, 17)
     sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
     sender.add(1, 17, reused_len=16)
+    sender.add(2, 17, reused_len=16)
     side = torch.cuda.Stream()
     done = torch.cuda.Event()
     if kind == "offload":
@@ -494,6 +496,12 @@ def _cuda_race(kind: str, ordered: bool) -> None:
             done.record()
         declared, src = 40, np.array([[40, 1, 2, 3, 4]])
         final = staged
+    # A first copy of the same shape, from other blocks: the copy path's one-time setup
+    # (kernel graphs per pool pair) is done before the race, so the unordered send runs at
+    # once instead of after anything that setup may wait for.
+    warm = np.where(src >= DEVICE_BLOCKS, src + 20, src + 1)
+    sender.send_early([2], warm, np.array([[10, 11, 12, 13, 14]]))
+    sender.flush(timeout=30)
     if ordered:
         sender.order_after([declared], done)
     sender.send_early([1], src, np.array([[0, 1, 2, 3, 4]]))

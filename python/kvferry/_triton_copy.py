@@ -224,7 +224,9 @@ _rings: dict[torch.device, IdRing] = {}
 # same bytes to the same block again (harmless), so device time grows by at most the
 # bucket's slack.
 GRAPH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-GRAPH_PAIR_SETS = 16  # pool pairs with captured graphs, least recently used dropped first
+# Pool pairs with captured graphs, least recently used dropped first: enough for a pool, each
+# of its layer groups' slices (up to one per layer) and a host tier's view, to every receiver.
+GRAPH_PAIR_SETS = 128
 
 
 class LaunchGraphs:
@@ -276,13 +278,22 @@ class LaunchGraphs:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(src.device)
         side.wait_stream(torch.cuda.current_stream(src.device))
-        # thread_local: other threads (a sender's progress thread polling events) keep working.
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            # The ids go up in one small copy inside the graph: cheaper in device time than
-            # every program reading its pair over PCIe.
-            ids = self._device[: 2 * bucket]
-            ids.copy_(self._host[: 2 * bucket], non_blocking=True)
-            _launch(src, dst, bucket, ids.data_ptr(), lambda: ids, config)
+        # Captured with capture_begin/end rather than `torch.cuda.graph`, whose entry
+        # synchronizes the whole device, collects garbage and empties the allocator's cache:
+        # a first copy of a new pool pair (a layer group's slice, a host tier's view) would
+        # then stall behind the running prefill and every other stream. Nothing here
+        # allocates. thread_local: other threads (a sender's progress thread polling events)
+        # keep working meanwhile.
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                # The ids go up in one small copy inside the graph: cheaper in device time
+                # than every program reading its pair over PCIe.
+                ids = self._device[: 2 * bucket]
+                ids.copy_(self._host[: 2 * bucket], non_blocking=True)
+                _launch(src, dst, bucket, ids.data_ptr(), lambda: ids, config)
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(src.device).wait_stream(side)
         self._graphs[bucket] = graph
         return graph
