@@ -11,6 +11,7 @@ largest difference, and the greedy token with its margin over the runner-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 from typing import Any
@@ -69,6 +70,106 @@ def prefill_repeats(layers: int, context: int, new: int, backend: str, repeats: 
     return [torch.equal(runs[0][0], lg) and torch.equal(runs[0][1], kv) for lg, kv in runs[1:]]
 
 
+def sdpa_repeats(context: int, repeats: int = 20) -> None:
+    """One decode step's attention alone (1 query over ``context`` keys, 32 heads, GQA as the
+    model lays it out, a boolean mask), per SDPA backend: is it bit-equal to its first run
+    when other work runs on other streams at the same time (a device-to-device copy kernel,
+    a host-to-device copy on the copy engine as a staging receiver issues, a matmul)? Also
+    which backend torch's default matches."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 32, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16).transpose(0, 1)[None]
+    keys = torch.randn(context, 8, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    values = torch.randn(context, 8, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    k = keys.repeat_interleave(4, dim=1).transpose(0, 1)[None]
+    v = values.repeat_interleave(4, dim=1).transpose(0, 1)[None]
+    mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device="cuda")
+    side = torch.cuda.Stream()
+    big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    loads = {
+        "quiet": lambda: None,
+        "d2d copy kernel": lambda: big[: 1 << 30].copy_(big[1 << 30 :]),
+        "h2d copy engine": lambda: big[: 1 << 30].copy_(host, non_blocking=True),
+        "matmul": lambda: a @ a,
+    }
+    backends = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    outputs = {}
+    for name, backend in backends.items():
+        def attend() -> torch.Tensor:
+            if backend is None:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        try:
+            ref = attend()
+        except RuntimeError as err:
+            print(f"sdpa {name:<9}: not available ({str(err).splitlines()[0][:90]})")
+            continue
+        torch.cuda.synchronize()
+        outputs[name] = ref
+        for load_name, load in loads.items():
+            equal = 0
+            for _ in range(repeats):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    load()
+                got = attend()
+                torch.cuda.synchronize()
+                equal += bool(torch.equal(got, ref))
+            print(f"sdpa {name:<9} decode over {context} keys, {load_name:<16}: {equal}/{repeats} runs bit-equal to the first")
+    for name, out in outputs.items():
+        if name != "default":
+            print(f"sdpa default output bit-equal to {name}: {torch.equal(outputs['default'], out)}")
+
+
+def sdpa_surroundings(context: int, repeats: int = 5) -> None:
+    """Does one decode step's attention depend on bytes outside its inputs or on where they
+    start? Same values each time, placed in larger buffers whose bytes past the views'
+    ends hold fresh random values, NaN or zeros, and at several start offsets; per backend,
+    how many runs equal the first."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    keys = torch.randn(context, 32, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    values = torch.randn(context, 32, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    query = torch.randn(1, 32, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    slack = 1 << 20
+
+    def placed(t: torch.Tensor, offset: int, fill: str) -> torch.Tensor:
+        buf = torch.empty(offset + t.numel() + slack, dtype=t.dtype, device="cuda")
+        tail = buf[offset + t.numel() :]
+        if fill == "random":
+            tail.copy_(torch.randn(tail.shape, device="cuda", dtype=torch.float32).mul_(100))
+        else:
+            tail.fill_(float("nan") if fill == "nan" else 0.0)
+        view = buf[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    backends = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    for name, backend in backends.items():
+        ref = None
+        results = []
+        for offset in (0, 8, 64):
+            for fill in ("zeros", "random", "nan"):
+                for _ in range(repeats):
+                    k = placed(keys, offset, fill).transpose(0, 1)[None]
+                    v = placed(values, offset, fill).transpose(0, 1)[None]
+                    q = placed(query, offset, fill).transpose(0, 1)[None]
+                    mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device="cuda")
+                    with (sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()):
+                        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                    ref = out.clone() if ref is None else ref
+                    results.append((offset, fill, bool(torch.equal(out, ref)), bool(torch.isnan(out).any())))
+        bad = [(o, f) for o, f, same, _ in results if not same]
+        nans = sorted({(o, f) for o, f, _, n in results if n})
+        print(f"sdpa {name:<9} over {context} keys: {len(results) - len(bad)}/{len(results)} runs equal the first; differing (offset, tail): {sorted(set(bad))}; NaN outputs: {nans}")
+
+
 def _child(conn: Any, layers: int, context: int, env: dict[str, str]) -> None:
     os.environ.update(env)
     # As numpy arrays: a tensor would cross as a shared file descriptor that dies with us.
@@ -98,8 +199,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=34820)
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill repeatability checks")
+    parser.add_argument("--sdpa", action="store_true", help="only one decode step's attention, per backend, next to other streams' work")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.layers} layers, context {args.context}")
+    if args.sdpa:
+        sdpa_repeats(args.context)
+        sdpa_surroundings(args.context)
+        return
     for backend in ("default", "efficient", "cudnn"):
         try:
             same = prefill_repeats(args.layers, args.context - 2048, 2048, backend)

@@ -7,11 +7,13 @@ a block side by side), so one block of one layer is contiguous.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvferry.layout import PagedKV
 
@@ -78,6 +80,18 @@ class TinyLlama:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
 
+    def _attention_kernel(self) -> contextlib.AbstractContextManager[None]:
+        """On CUDA, SDPA pinned to the memory-efficient kernel. Torch's default there is
+        cuDNN, which builds a plan per shape (every decode step is a new key length) by
+        heuristics that do not always pick the same engine in every process: identical
+        queries, keys, values and mask then gave attention outputs differing in the last
+        bits between the aggregated worker and a generation worker, enough to flip a
+        near-tied greedy token (docs/benchmarks.md, "Output mismatch"). Both workers of a
+        comparison must run one kernel."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(var + self.cfg.norm_eps)).to(x.dtype) * weight
@@ -121,12 +135,13 @@ class TinyLlama:
             keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             group = cfg.heads // cfg.kv_heads
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                values.repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                attn_mask=causal[None, None],
-            )[0].transpose(0, 1)
+            with self._attention_kernel():
+                attn = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None],
+                    keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                    values.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                    attn_mask=causal[None, None],
+                )[0].transpose(0, 1)
             x = x + attn.reshape(n, -1) @ layer["wo"]
             m = self._rms(x, layer["mlp_norm"])
             x = x + (torch.nn.functional.silu(m @ layer["w_gate"]) * (m @ layer["w_up"])) @ layer["w_down"]
