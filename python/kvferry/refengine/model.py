@@ -80,15 +80,16 @@ class TinyLlama:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
 
-    def _attention_kernel(self) -> contextlib.AbstractContextManager[None]:
-        """On CUDA, SDPA pinned to the memory-efficient kernel. Torch's default there is
-        cuDNN, which builds a plan per shape (every decode step is a new key length) by
-        heuristics that do not always pick the same engine in every process: identical
-        queries, keys, values and mask then gave attention outputs differing in the last
-        bits between the aggregated worker and a generation worker, enough to flip a
-        near-tied greedy token (docs/benchmarks.md, "Output mismatch"). Both workers of a
-        comparison must run one kernel."""
-        if self.device.type != "cuda":
+    def _attention_kernel(self, queries: int) -> contextlib.AbstractContextManager[None]:
+        """A decode step's attention on CUDA is pinned to the memory-efficient kernel.
+        Torch's default there is cuDNN, which plans per shape, and every decode step has a
+        new key length: at 8B geometry identical queries, keys, values and mask gave
+        attention outputs that differed in the last bits between the aggregated worker and
+        the generation workers in 7 of 12 decode steps, enough to flip a near-tied greedy
+        token; pinned, 0 of 12 (docs/benchmarks.md, "Output mismatch"). Prefill keeps
+        torch's choice (2x faster than the pinned kernel at 2k x 34k, and bit-equal across
+        workers in every run: the KV digests)."""
+        if self.device.type != "cuda" or queries != 1:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
 
@@ -135,7 +136,7 @@ class TinyLlama:
             keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
             group = cfg.heads // cfg.kv_heads
-            with self._attention_kernel():
+            with self._attention_kernel(n):
                 attn = torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(0, 1)[None],
                     keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],
