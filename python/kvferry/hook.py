@@ -30,10 +30,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import InvalidArgumentError, UnknownRequestError
+from kvferry.layout import block_id_array
 from kvferry.notice import Notice
 from kvferry.sender import KVSender, as_table
 from kvferry.tiers import Signal
@@ -183,18 +183,8 @@ class TransferHook:
 
 
 def _block_ids(name: str, ids: npt.ArrayLike, blocks: int) -> np.ndarray:
-    """One request's block ids as int64, refusing what ``np.asarray(ids, dtype=np.int64)``
-    would let through silently: floats (truncated), bools (a mask), a 2-d table, too few ids."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    try:
-        array = np.asarray(ids)
-    except ValueError as err:  # a ragged nested list
-        raise InvalidArgumentError(f"invalid {name}: must be a 1-d sequence of block ids ({err})") from None
-    if array.ndim != 1:
-        raise InvalidArgumentError(f"invalid {name}=<{array.ndim}-d array>: must be a 1-d sequence of block ids")
-    if array.size and (array.dtype.kind not in "iu" or not np.can_cast(array.dtype, np.int64)):
-        raise TypeError(f"{name} must hold integer block ids, got dtype {array.dtype}")
+    """One request's block ids as int64 (see `block_id_array`), refusing too few ids too."""
+    array = block_id_array(name, ids)
     if array.size < blocks:
         raise InvalidArgumentError(f"invalid {name}=<{array.size} ids>: must name all {blocks} blocks of the prompt")
-    return array.astype(np.int64)
+    return array

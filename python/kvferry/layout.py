@@ -43,6 +43,23 @@ def _check_int(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
+def block_id_array(name: str, ids: object) -> np.ndarray:
+    """``ids`` as a 1-d int64 array, refusing by name what ``np.asarray(ids, dtype=np.int64)``
+    would let through silently: floats (truncated), bools (a mask), a 2-d table, a ragged
+    list. A tensor is read from wherever it lives."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    try:
+        array = np.asarray(ids)
+    except ValueError as err:  # a ragged nested list
+        raise InvalidArgumentError(f"invalid {name}: must be a 1-d sequence of block ids ({err})") from None
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"invalid {name}=<{array.ndim}-d array>: must be a 1-d sequence of block ids")
+    if array.size and (array.dtype.kind not in "iu" or not np.can_cast(array.dtype, np.int64)):
+        raise TypeError(f"{name} must hold integer block ids, got dtype {array.dtype}")
+    return array.astype(np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class PagedKV:
     """A paged KV pool: ``layers[i]`` has shape ``(*outer, num_blocks, *inner)`` with the block

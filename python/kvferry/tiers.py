@@ -41,7 +41,7 @@ import numpy.typing as npt
 import torch
 
 from kvferry.errors import InvalidArgumentError, TransferError
-from kvferry.layout import LayoutMismatchError, PagedKV
+from kvferry.layout import LayoutMismatchError, PagedKV, block_id_array
 
 __all__ = [
     "Signal",
@@ -229,17 +229,7 @@ def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
 def source_ids(name: str, ids: npt.ArrayLike, device_blocks: int, host_blocks: int) -> np.ndarray:
     """A 1-d int64 array of combined source ids, each in ``[0, device_blocks + host_blocks)``;
     refused by name otherwise (floats, bools, 2-d, out of range)."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    try:
-        array = np.asarray(ids)
-    except ValueError as err:  # a ragged nested list
-        raise InvalidArgumentError(f"invalid {name}: must be a 1-d sequence of block ids ({err})") from None
-    if array.ndim != 1:
-        raise InvalidArgumentError(f"invalid {name}=<{array.ndim}-d array>: must be a 1-d sequence of block ids")
-    if array.size and (array.dtype.kind not in "iu" or not np.can_cast(array.dtype, np.int64)):
-        raise TypeError(f"{name} must hold integer block ids, got dtype {array.dtype}")
-    array = array.astype(np.int64)
+    array = block_id_array(name, ids)
     total = device_blocks + host_blocks
     bad = array[(array < 0) | (array >= total)]
     if bad.size:
