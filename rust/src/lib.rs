@@ -37,7 +37,7 @@ mod py;
 
 pub use book::{RequestSpec, SlicePlan, TransferBook};
 pub use error::{CoreError, Result};
-pub use ledger::{Ledger, MAX_LEDGER_BLOCKS};
+pub use ledger::{Ledger, MAX_LAYER_GROUPS, MAX_LEDGER_BLOCKS};
 pub use pairs::{block_pairs, block_runs, pack_pairs, BlockPairs, BlockRuns, BlockTable};
 pub use plan::{chunk_blocks, early_prefix_blocks, Prompt};
 pub use range::BlockRange;
