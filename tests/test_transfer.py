@@ -668,3 +668,38 @@ def test_hook_after_layer_streams_the_last_chunk_by_layer_group() -> None:
         for a, b in zip(src.layers, dst.layers):
             assert torch.equal(a[ids], b[ids + 40]), rid
     hook.sender.close()
+
+
+def test_cancel_between_layer_groups_fences_a_partly_arrived_request() -> None:
+    """A request cancelled after one of its two layer groups arrived: the sender posts its
+    fence, the receiver fails it (blocks half arrived never count as complete) and can
+    release it at once; a later request with the same id and a new epoch streams whole."""
+    src = random_pool(8)
+    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    receiver = KVReceiver(dst)
+    sender = KVSender(src, InProcessTransport(receiver), layer_groups=2)
+    table = np.arange(4)[None, :]
+    epoch = receiver.expect(1, 16)
+    sender.add(1, 16, epoch=epoch)
+    sent = sender.send_layers([1], [0], [16], 0, table, table + 10)
+    assert [(n.start, n.end, n.group, n.groups) for n in sent] == [(0, 4, 0, 2)]
+    sender.flush(timeout=10)
+    assert not receiver.is_complete(1)
+    sender.cancel(1, timeout=10)
+    assert receiver.fenced(1)
+    with pytest.raises(TransferError, match="revoked"):
+        receiver.wait(1, timeout=1)
+    ledger = receiver.release(1, timeout=1)
+    assert ledger.claimed_blocks == 0 and not ledger.is_complete  # group 0 alone claims nothing whole
+    epoch = receiver.expect(1, 16)
+    sender.add(1, 16, epoch=epoch)
+    for group in (0, 1):
+        sender.send_layers([1], [0], [16], group, table, table + 20)
+    assert sender.send_chunks([1], [0], [16], table, table + 20) == []
+    sender.flush(timeout=10)
+    receiver.wait(1, timeout=10)
+    ids = torch.arange(4)
+    for a, b in zip(src.layers, dst.layers):
+        assert torch.equal(a[ids], b[ids + 20])
+    sender.remove(1)
+    sender.close()
