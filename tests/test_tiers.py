@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import multiprocessing as mp
-import secrets
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -34,7 +32,7 @@ from kvferry.sender import KVSender, as_table
 from kvferry.shm import ShmTransport
 from kvferry.transport import InProcessTransport
 
-from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, _receiver_process, block_tables, check_layer_coverage, drive
+from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, run_with_receiver
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
 HOST_BLOCKS = 64
@@ -157,33 +155,16 @@ def test_hook_takes_host_ids_and_order_after() -> None:
 
 
 def _two_processes(kind: str, make: Callable[[str, bytes, PagedKV, PagedKV], Any], device: str = "cpu", layer_groups: int = 1) -> None:
-    """`test_transfer._two_processes` with a host tier: the receiver process reports the
-    digest of its blocks, compared with the blocks read from both tiers here."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    authkey = secrets.token_bytes(32)
-    proc = ctx.Process(target=_receiver_process, args=(child, authkey, kind), daemon=True)
-    proc.start()
-    try:
-        address = parent.recv()
-        src_table, dst_table = tiered_tables(3)
-        parent.send(dst_table)
+    """`test_transfer.run_with_receiver` with a host tier: the receiver's digest is compared
+    with the blocks read from both tiers here."""
+    tables = tiered_tables(3)
+
+    def connect(address: str, authkey: bytes) -> tuple[KVSender, str]:
         dev, host = pools(4, device)
         sender = KVSender(dev, make(address, authkey, dev, host), host_pool=host, layer_groups=layer_groups)
-        sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
-        sender.flush(timeout=60)
-        assert parent.poll(60), "receiver did not report"
-        status, value, counts = parent.recv()
-        assert status == "ok", value
-        assert value == expected_digest(dev, host, src_table)
-        assert sum(counts) == len(sent)
-        sender.close()
-        parent.send("done")
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
+        return sender, expected_digest(dev, host, tables[0])
+
+    run_with_receiver(kind, tables, connect, layerwise=layer_groups > 1)
 
 
 def test_mixed_tier_prefix_shared_memory_bit_exact() -> None:

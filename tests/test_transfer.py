@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import secrets
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -290,7 +290,11 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         shared.close()
 
 
-def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1) -> None:
+def run_with_receiver(kind: str, tables: tuple[np.ndarray, np.ndarray], connect: Callable[[str, bytes], tuple[KVSender, str]], layerwise: bool) -> None:
+    """Spawns the generation worker `_receiver_process` of ``kind``, connects a sender to it
+    (``connect(address, authkey)`` returns the sender and the digest the receiver's blocks
+    must have), drives ``tables`` through it (`drive`) and checks what arrived: that digest,
+    and every slice announced once."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     authkey = secrets.token_bytes(32)
@@ -298,19 +302,15 @@ def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1
     proc.start()
     try:
         address = parent.recv()
-        src_table, dst_table = block_tables(3)
+        src_table, dst_table = tables
         parent.send(dst_table)
-        with pytest.raises(TransferError, match="cannot reach the receiver"):
-            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0, device)} if kind.startswith("nixl") else {}))
-        src = random_pool(4, device)
-        link = transport(address, authkey=authkey, src=src) if kind.startswith("nixl") else transport(address, authkey=authkey)
-        sender = KVSender(src, link, layer_groups=layer_groups)
-        sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
+        sender, expected = connect(address, authkey)
+        sent = drive(sender, src_table, dst_table, layerwise=layerwise)
         sender.flush(timeout=60)
         assert parent.poll(60), "receiver did not report"
         status, value, counts = parent.recv()
         assert status == "ok", value
-        assert value == digest(src, src_table)
+        assert value == expected
         assert sum(counts) == len(sent)  # every slice announced once, none lost
         sender.close()
         parent.send("done")
@@ -319,6 +319,20 @@ def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1) -> None:
+    tables = block_tables(3)
+    nixl = kind.startswith("nixl")
+
+    def connect(address: str, authkey: bytes) -> tuple[KVSender, str]:
+        with pytest.raises(TransferError, match="cannot reach the receiver"):
+            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0, device)} if nixl else {}))
+        src = random_pool(4, device)
+        link = transport(address, authkey=authkey, src=src) if nixl else transport(address, authkey=authkey)
+        return KVSender(src, link, layer_groups=layer_groups), digest(src, tables[0])
+
+    run_with_receiver(kind, tables, connect, layerwise=layer_groups > 1)
 
 
 # Each cross-process transport also streams the last chunk by layer group (2 groups of 3
