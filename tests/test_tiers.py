@@ -32,7 +32,7 @@ from kvferry.sender import KVSender, as_table
 from kvferry.shm import ShmTransport
 from kvferry.transport import InProcessTransport
 
-from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, run_with_receiver
+from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, nan_pool, run_with_receiver
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
 HOST_BLOCKS = 64
@@ -85,10 +85,6 @@ def received_digest(dst: PagedKV, dst_table: np.ndarray) -> str:
     from test_transfer import digest
 
     return digest(dst, dst_table)
-
-
-def nan_pool(device: str = "cpu") -> PagedKV:
-    return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
 
 
 # --- a mixed-tier prefix, bit exact ---------------------------------------------------------

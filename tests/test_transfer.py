@@ -33,6 +33,11 @@ def random_pool(seed: int, device: str = "cpu") -> PagedKV:
     return PagedKV(tuple(torch.randn(SHAPE, generator=gen).to(device) for _ in range(LAYERS)), TPB)
 
 
+def nan_pool(device: str = "cpu") -> PagedKV:
+    """A destination pool poisoned with NaN: a block no write reached never passes for one."""
+    return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
+
+
 def block_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint random physical blocks per request on each side."""
     rng = np.random.default_rng(seed)
@@ -97,7 +102,7 @@ def test_in_process_random_kv_bit_exact(max_write_blocks: Optional[int]) -> None
     """Also with writes capped below a slice's size: slices are cut across writes, each
     part announced once with its own slice id, and only the very last part marked last."""
     src = random_pool(1)
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    dst = nan_pool()
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
@@ -186,7 +191,7 @@ def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_
     every group of its last blocks arrived, and the KV is bit exact; the chunk's own
     `send_chunks` then sends nothing more."""
     src = random_pool(5)
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    dst = nan_pool()
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
@@ -261,17 +266,17 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         from kvferry.staging import StagingEndpoint
 
         device = "cuda" if kind == "staging-cuda" else "cpu"
-        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB))
+        receiver = KVReceiver(nan_pool(device))
         # A small ring: batches wrap around it and wait for the receiver to free slots.
         endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
     elif kind.startswith("nixl"):
         from kvferry.nixl_link import NixlEndpoint
 
         device = "cuda" if kind == "nixl-cuda" else "cpu"
-        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB))
+        receiver = KVReceiver(nan_pool(device))
         endpoint = NixlEndpoint(receiver, authkey=authkey)
     else:
-        receiver = KVReceiver(PagedKV(tuple(torch.full(SHAPE, float("nan"), device="cuda") for _ in range(LAYERS)), TPB))
+        receiver = KVReceiver(nan_pool("cuda"))
         endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
@@ -411,7 +416,7 @@ def test_cuda_in_process_copies_wait_for_the_forward() -> None:
 @pytest.mark.cuda
 def test_cuda_in_process_random_kv_bit_exact() -> None:
     src = random_pool(1, "cuda")
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan"), device="cuda") for _ in range(LAYERS)), TPB)
+    dst = nan_pool("cuda")
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
@@ -568,7 +573,7 @@ def test_blocks_the_receiver_holds_never_cross() -> None:
     from kvferry._core import BlockRange
 
     src = random_pool(5)
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    dst = nan_pool()
     receiver = KVReceiver(dst)
     sender = KVSender(src, InProcessTransport(receiver))
     src_table, dst_table = block_tables(6)
@@ -658,7 +663,7 @@ def test_hook_after_layer_streams_the_last_chunk_by_layer_group() -> None:
     from kvferry.hook import TransferHook
 
     src = random_pool(7)
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    dst = nan_pool()
     receiver = KVReceiver(dst)
     hook = TransferHook(KVSender(src, InProcessTransport(receiver), layer_groups=2))
     for rid, prompt, blocks in [(1, 14, range(0, 4)), (2, 32, range(10, 18))]:
@@ -689,7 +694,7 @@ def test_cancel_between_layer_groups_fences_a_partly_arrived_request() -> None:
     fence, the receiver fails it (blocks half arrived never count as complete) and can
     release it at once; a later request with the same id and a new epoch streams whole."""
     src = random_pool(8)
-    dst = PagedKV(tuple(torch.full(SHAPE, float("nan")) for _ in range(LAYERS)), TPB)
+    dst = nan_pool()
     receiver = KVReceiver(dst)
     sender = KVSender(src, InProcessTransport(receiver), layer_groups=2)
     table = np.arange(4)[None, :]
