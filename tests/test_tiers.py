@@ -32,7 +32,7 @@ from kvferry.sender import KVSender, as_table
 from kvferry.shm import ShmTransport
 from kvferry.transport import InProcessTransport
 
-from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, nan_pool, run_with_receiver
+from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, in_process_receiver, nan_pool, run_with_receiver
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
 HOST_BLOCKS = 64
@@ -96,12 +96,7 @@ def test_mixed_tier_prefix_in_process_bit_exact(max_write_blocks: Optional[int],
     write is one job over both pools, its notices posted once both parts landed. With layer
     groups, the last chunk streams group by group from both tiers' layer slices."""
     dev, host = pools(1)
-    dst = nan_pool()
-    receiver = KVReceiver(dst)
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    transport = InProcessTransport(receiver)
-    transport.max_write_blocks = max_write_blocks
+    dst, receiver, transport = in_process_receiver(max_write_blocks=max_write_blocks)
     sender = KVSender(dev, transport, host_pool=host, record=True, layer_groups=layer_groups)
     src_table, dst_table = tiered_tables(2)
     sent = drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
@@ -417,11 +412,8 @@ def test_cuda_mixed_tier_prefix_bit_exact(layer_groups: int) -> None:
     """CUDA pools with a pinned host tier: host blocks are read in place (a CUDA view of the
     pinned memory) by the same copy kernel, on the copy stream (also by layer group)."""
     dev, host = pools(20, "cuda")
-    dst = nan_pool("cuda")
-    receiver = KVReceiver(dst)
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, layer_groups=layer_groups)
+    dst, receiver, transport = in_process_receiver("cuda")
+    sender = KVSender(dev, transport, host_pool=host, layer_groups=layer_groups)
     src_table, dst_table = tiered_tables(21)
     drive(sender, src_table, dst_table, layerwise=layer_groups > 1)
     sender.flush(timeout=30)

@@ -38,6 +38,18 @@ def nan_pool(device: str = "cpu") -> PagedKV:
     return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
 
 
+def in_process_receiver(device: str = "cpu", max_write_blocks: Optional[int] = None) -> tuple[PagedKV, KVReceiver, InProcessTransport]:
+    """A NaN-poisoned destination pool, a receiver expecting every request of ``REQUESTS``,
+    and an in-process transport to it (writes capped at ``max_write_blocks``)."""
+    dst = nan_pool(device)
+    receiver = KVReceiver(dst)
+    for rid, prompt, _ in REQUESTS:
+        receiver.expect(rid, prompt)
+    transport = InProcessTransport(receiver)
+    transport.max_write_blocks = max_write_blocks
+    return dst, receiver, transport
+
+
 def block_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint random physical blocks per request on each side."""
     rng = np.random.default_rng(seed)
@@ -102,12 +114,7 @@ def test_in_process_random_kv_bit_exact(max_write_blocks: Optional[int]) -> None
     """Also with writes capped below a slice's size: slices are cut across writes, each
     part announced once with its own slice id, and only the very last part marked last."""
     src = random_pool(1)
-    dst = nan_pool()
-    receiver = KVReceiver(dst)
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    transport = InProcessTransport(receiver)
-    transport.max_write_blocks = max_write_blocks
+    dst, receiver, transport = in_process_receiver(max_write_blocks=max_write_blocks)
     sender = KVSender(src, transport, record=True)
     src_table, dst_table = block_tables(2)
     sent = drive(sender, src_table, dst_table)
@@ -191,12 +198,7 @@ def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_
     every group of its last blocks arrived, and the KV is bit exact; the chunk's own
     `send_chunks` then sends nothing more."""
     src = random_pool(5)
-    dst = nan_pool()
-    receiver = KVReceiver(dst)
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    transport = InProcessTransport(receiver)
-    transport.max_write_blocks = max_write_blocks
+    dst, receiver, transport = in_process_receiver(max_write_blocks=max_write_blocks)
     sender = KVSender(src, transport, record=True, layer_groups=layer_groups)
     src_table, dst_table = block_tables(6)
     sent = drive(sender, src_table, dst_table, layerwise=True)
@@ -416,11 +418,8 @@ def test_cuda_in_process_copies_wait_for_the_forward() -> None:
 @pytest.mark.cuda
 def test_cuda_in_process_random_kv_bit_exact() -> None:
     src = random_pool(1, "cuda")
-    dst = nan_pool("cuda")
-    receiver = KVReceiver(dst)
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    sender = KVSender(src, InProcessTransport(receiver))
+    dst, receiver, transport = in_process_receiver("cuda")
+    sender = KVSender(src, transport)
     src_table, dst_table = block_tables(2)
     drive(sender, src_table, dst_table)
     sender.flush(timeout=30)
