@@ -48,7 +48,7 @@ from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transport import InProcessTransport
+from kvferry.transports.inprocess import InProcessTransport
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-input.md"
 HUGE = 2**64  # past int64: once a raw OverflowError that named nothing

@@ -106,7 +106,7 @@ def generation_worker(conn: Any, authkey: bytes, kind: str) -> None:
     shared = None
     segment = None  # the shared-memory segment a kill would leave behind
     if kind == "shm":
-        from kvferry.shm import SharedPool, ShmEndpoint
+        from kvferry.transports.shm import SharedPool, ShmEndpoint
 
         shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
         assert shared.pool is not None
@@ -114,13 +114,13 @@ def generation_worker(conn: Any, authkey: bytes, kind: str) -> None:
         endpoint: Any = ShmEndpoint(receiver, shared, authkey=authkey)
         segment = shared.descriptor["name"]
     elif kind == "staging":
-        from kvferry.staging import StagingEndpoint
+        from kvferry.transports.staging import StagingEndpoint
 
         receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
         endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
         segment = endpoint.ring.descriptor["name"]
     else:
-        from kvferry.nixl_link import NixlEndpoint
+        from kvferry.transports.nixl import NixlEndpoint
 
         shape = (NUM_BLOCKS, 2, TPB, 16 << 10) if kind == "nixl-big" else SHAPE  # 1 MiB blocks
         receiver = KVReceiver(PagedKV(tuple(torch.zeros(shape) for _ in range(LAYERS)), TPB))
@@ -205,7 +205,7 @@ class Generation:
     def unlink_orphans(self) -> None:
         """A killed worker leaves its segment behind: remove it as its owner would have."""
         if self.segment is not None:
-            from kvferry.shm import _attach_untracked
+            from kvferry.transports.shm import _attach_untracked
 
             try:
                 segment = _attach_untracked(self.segment)
@@ -230,11 +230,11 @@ def context_worker(conn: Any, address: str, authkey: bytes, kind: str) -> None:
     src = PagedKV(tuple(torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)) for _ in range(LAYERS)), TPB)
     engine = GatedEngine()
     if kind == "shm":
-        from kvferry.shm import ShmTransport
+        from kvferry.transports.shm import ShmTransport
 
         transport: Any = ShmTransport(address, authkey=authkey)
     else:
-        from kvferry.nixl_link import NixlTransport
+        from kvferry.transports.nixl import NixlTransport
 
         transport = NixlTransport(address, authkey=authkey, src=src)
     sender = KVSender(src, transport, engine=engine)
@@ -357,8 +357,8 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
     is running: the sender fails every request within its timeout, names them and the
     receiver, releases its book entries and writes, refuses further sends, and closes
     without hanging."""
-    from kvferry.shm import ShmTransport
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.shm import ShmTransport
+    from kvferry.transports.staging import StagingTransport
 
     before = set(threading.enumerate())
     gen = Generation(kind)
@@ -404,7 +404,7 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
 def test_receiver_killed_between_writes_is_found_by_the_next_poll() -> None:
     """Nothing in flight when the receiver dies: the sender's next poll finds the socket
     closed and fails the requests it still holds; send_* refuses from then on."""
-    from kvferry.shm import ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     gen = Generation("shm")
     try:
@@ -432,7 +432,7 @@ def loopback_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_nixl_receiver_killed_fails_the_sender(loopback_ucx: None) -> None:
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     before = set(threading.enumerate())
     gen = Generation("nixl")
@@ -464,7 +464,7 @@ def test_nixl_hung_receiver_is_aborted_at_the_sender_timeout(loopback_ucx: None,
     """A receiver that stops answering (SIGSTOP: its socket stays open, so nothing but the
     clock can tell) over UCX's TCP transport, where a write needs the peer to progress: the
     sender aborts the write at its timeout, fails the requests it carried, releases them."""
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     gen = Generation("nixl-big")
@@ -506,7 +506,7 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
     connection end and fails, at once rather than at their timeout, the requests that
     sender announced or sent notices for; a request it finished stays complete; a request it
     never mentioned is left to its own timeout. The destination blocks are then released."""
-    from kvferry.shm import SharedPool, ShmEndpoint
+    from kvferry.transports.shm import SharedPool, ShmEndpoint
 
     before = set(threading.enumerate())
     shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
@@ -563,7 +563,7 @@ def test_nixl_sender_killed_fails_by_the_receiver_timeout(loopback_ucx: None) ->
     """NIXL's notices do not travel on the socket, so its EOF does not fail requests (it may
     overtake the notifications of finished writes): the receiver's wait times out cleanly,
     the request is released, and nothing is left running."""
-    from kvferry.nixl_link import NixlEndpoint
+    from kvferry.transports.nixl import NixlEndpoint
 
     before = set(threading.enumerate())
     receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
@@ -610,7 +610,7 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
     S arrives bit-exact (its destination blocks were C's in an earlier stage, so a stray
     write of C would show), and both pools get every block back. At the end no kvferry
     thread and no child process is left in either process."""
-    from kvferry.shm import ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     before = set(threading.enumerate())
     gen = Generation("shm")

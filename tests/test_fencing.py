@@ -43,7 +43,7 @@ from kvferry.refengine.model import TinyLlama, new_kv_pool
 from kvferry.refengine.soak import SOAK_MODEL
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
-from kvferry.transport import InProcessTransport
+from kvferry.transports.inprocess import InProcessTransport
 
 from test_faults import (
     LAYERS,
@@ -72,19 +72,19 @@ def fencing_worker(conn: Any, authkey: bytes, kind: str) -> None:
     staging or NIXL); runs the test's commands until ``close``. Every reply is plain data."""
     shared = None
     if kind == "shm":
-        from kvferry.shm import SharedPool, ShmEndpoint
+        from kvferry.transports.shm import SharedPool, ShmEndpoint
 
         shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
         assert shared.pool is not None
         receiver = KVReceiver(shared.pool)
         endpoint: Any = ShmEndpoint(receiver, shared, authkey=authkey)
     elif kind == "staging":
-        from kvferry.staging import StagingEndpoint
+        from kvferry.transports.staging import StagingEndpoint
 
         receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
         endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
     else:
-        from kvferry.nixl_link import NixlEndpoint
+        from kvferry.transports.nixl import NixlEndpoint
 
         receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
         endpoint = NixlEndpoint(receiver, authkey=authkey)
@@ -296,7 +296,7 @@ def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced()
     returns, the lease ends, the fence arrives, the release returns; the copy read intact
     source blocks throughout."""
     remote = Remote("shm")
-    from kvferry.shm import ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     try:
         src, src_blocks = random_pool(3), Blocks(NUM_BLOCKS)
@@ -345,7 +345,7 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
     ended. Then request id 7 is reused for a new request on the same blocks: a late notice
     of the old epoch is discarded (neither counted nor failing the new request), and the
     new request arrives bit-exact."""
-    from kvferry.shm import ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     before = set(threading.enumerate())
     remote = Remote("shm")
@@ -410,7 +410,7 @@ def test_without_the_fence_a_late_one_sided_write_lands_in_the_new_owners_blocks
     Nothing of the old request counts for the new one, but a one-sided write cannot be
     stopped at the receiver: it overwrites the new owner's bytes. That is why `release`
     waits for the fence."""
-    from kvferry.shm import ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     remote = Remote("shm")
     try:
@@ -447,7 +447,7 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
     here is a bare transport that ignores fences and cancellations: the receiver does not
     rely on it."""
     from kvferry.engine import ThreadCopyEngine
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     remote = Remote("staging")
     engine = ThreadCopyEngine()
@@ -502,7 +502,7 @@ def test_nixl_fences_travel_with_the_notifications(loopback_ucx: None) -> None:
     """NIXL: the fence is a notification of its own, posted after the request's writes
     ended; a cancellation from the receiver comes back over the socket; a late notification
     of an old epoch is discarded after the request id was reused."""
-    from kvferry.nixl_link import NixlTransport, _encode
+    from kvferry.transports.nixl import NixlTransport, _encode
 
     remote = Remote("nixl")
     try:
@@ -686,7 +686,7 @@ def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing(
 def test_the_transport_interface_needs_no_optional_methods() -> None:
     """A transport that implements only `post` and `revoke` works: the base class declares
     `peer`, `check_peer`, `announce` and `cancel_requests`, and `Pending.abort` says no."""
-    from kvferry.transport import Transport
+    from kvferry.transports.base import Transport
 
     class Minimal(Transport):
         def __init__(self, receiver: KVReceiver) -> None:
@@ -716,7 +716,7 @@ def test_the_transport_interface_needs_no_optional_methods() -> None:
 def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
     """`KVSender.add` announces the request with its epoch: a sender killed before it sent
     anything fails the request at once (not at its timeout), and fences it."""
-    from kvferry.shm import SharedPool, ShmEndpoint
+    from kvferry.transports.shm import SharedPool, ShmEndpoint
 
     from test_faults import Context
 
@@ -745,10 +745,10 @@ def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
 def test_endpoint_errors_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender that keeps sending refused notices cannot grow the endpoint: it keeps the
     last few errors and counts them all. Stale notices are no errors at all."""
-    import kvferry.local
-    from kvferry.shm import SharedPool, ShmEndpoint, ShmTransport
+    import kvferry.transports.local
+    from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
-    monkeypatch.setattr(kvferry.local, "ERRORS_KEPT", 8)
+    monkeypatch.setattr(kvferry.transports.local, "ERRORS_KEPT", 8)
     shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
     assert shared.pool is not None
     receiver = KVReceiver(shared.pool)

@@ -25,7 +25,7 @@ from kvferry.errors import DuplicateTransferError, InvalidArgumentError, Transfe
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
 
@@ -80,9 +80,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
 
 
 def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvferry.local
+    import kvferry.transports.local
 
-    monkeypatch.setattr(kvferry.local, "HANDSHAKE_SECONDS", 0.2)
+    monkeypatch.setattr(kvferry.transports.local, "HANDSHAKE_SECONDS", 0.2)
     with shm_endpoint() as (_, endpoint, _):
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stalled.connect(endpoint.address)
@@ -117,7 +117,7 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
     """The segment's name carries 128 random bits; the name alone is no protection (any
     local user can list /dev/shm), so the segment must also be the owner's alone (0600), as
     must the directory of the notice socket (0700)."""
-    from kvferry.staging import StagingEndpoint
+    from kvferry.transports.staging import StagingEndpoint
 
     pools = [SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB) for _ in range(8)]
     receiver = KVReceiver(random_pool(0))
@@ -284,7 +284,7 @@ def _closed(transport: ShmTransport) -> bool:
 
 
 def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
-    from kvferry.nixl_link import NOTICE_MAGIC, _decode, _encode
+    from kvferry.transports.nixl import NOTICE_MAGIC, _decode, _encode
 
     assert _decode(_encode([Notice(1, 0, 0, 2, True)])) == [Notice(1, 0, 0, 2, True)]
     for message in (b"junk", NOTICE_MAGIC + b"\1\2\3", NOTICE_MAGIC + bytes(41)):

@@ -29,8 +29,8 @@ from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
-from kvferry.shm import ShmTransport
-from kvferry.transport import InProcessTransport
+from kvferry.transports.shm import ShmTransport
+from kvferry.transports.inprocess import InProcessTransport
 
 from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, in_process_receiver, nan_pool, run_with_receiver
 
@@ -166,7 +166,7 @@ def test_mixed_tier_prefix_shared_memory_bit_exact() -> None:
 def test_mixed_tier_prefix_staging_bit_exact(layer_groups: int) -> None:
     """The staging ring takes each write's blocks in order, whichever tier each comes from
     (a small ring: writes wrap and wait for frees); also layer group by layer group."""
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     _two_processes("staging", lambda address, key, dev, host: StagingTransport(address, authkey=key), layer_groups=layer_groups)
 
@@ -178,11 +178,11 @@ def test_mixed_tier_prefix_nixl_bit_exact(monkeypatch: pytest.MonkeyPatch, split
     (the path of VRAM plus a DRAM host tier), forced here on DRAM; with layer groups, each
     tier's rows of a group's layers."""
     pytest.importorskip("nixl")
-    from kvferry import nixl_link
+    from kvferry.transports import nixl
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    monkeypatch.setattr(nixl_link, "SPLIT_TIERS", split)
-    _two_processes("nixl", lambda address, key, dev, host: nixl_link.NixlTransport(address, authkey=key, src=dev, host_src=host), layer_groups=layer_groups)
+    monkeypatch.setattr(nixl, "SPLIT_TIERS", split)
+    _two_processes("nixl", lambda address, key, dev, host: nixl.NixlTransport(address, authkey=key, src=dev, host_src=host), layer_groups=layer_groups)
 
 
 # --- the tier's own copies racing the send ---------------------------------------------------
@@ -530,7 +530,7 @@ def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor() -> 
 
 @pytest.mark.cuda
 def test_cuda_staging_mixed_tier_prefix_bit_exact() -> None:
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     _two_processes("staging-cuda", lambda address, key, dev, host: StagingTransport(address, authkey=key), "cuda")
 
@@ -540,7 +540,7 @@ def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
     """VRAM device pool and a DRAM host tier: one NIXL transfer per memory type, the notices
     sent after both."""
     pytest.importorskip("nixl")
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     _two_processes("nixl-cuda", lambda address, key, dev, host: NixlTransport(address, authkey=key, src=dev, host_src=host), "cuda")
 
@@ -549,6 +549,6 @@ def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
 def test_cuda_ipc_mixed_tier_prefix_bit_exact() -> None:
     """The receiver's CUDA pool mapped through CUDA IPC: both parts of each write go through
     the copy kernel, the host part read from the pinned tier in place."""
-    from kvferry.local import CudaIpcTransport
+    from kvferry.transports.local import CudaIpcTransport
 
     _two_processes("cuda-ipc", lambda address, key, dev, host: CudaIpcTransport(address, authkey=key), "cuda")

@@ -18,9 +18,9 @@ from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
-from kvferry.local import CudaIpcEndpoint, CudaIpcTransport, LocalEndpoint
-from kvferry.shm import SharedPool, ShmEndpoint, ShmTransport
-from kvferry.transport import InProcessTransport
+from kvferry.transports.local import CudaIpcEndpoint, CudaIpcTransport, LocalEndpoint
+from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transports.inprocess import InProcessTransport
 
 TPB = 4
 LAYERS = 3
@@ -265,14 +265,14 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         receiver = KVReceiver(shared.pool)
         endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
     elif kind.startswith("staging"):
-        from kvferry.staging import StagingEndpoint
+        from kvferry.transports.staging import StagingEndpoint
 
         device = "cuda" if kind == "staging-cuda" else "cpu"
         receiver = KVReceiver(nan_pool(device))
         # A small ring: batches wrap around it and wait for the receiver to free slots.
         endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
     elif kind.startswith("nixl"):
-        from kvferry.nixl_link import NixlEndpoint
+        from kvferry.transports.nixl import NixlEndpoint
 
         device = "cuda" if kind == "nixl-cuda" else "cpu"
         receiver = KVReceiver(nan_pool(device))
@@ -355,7 +355,7 @@ def test_shared_memory_two_processes_bit_exact(layer_groups: int) -> None:
 @LAYERWISE
 def test_pinned_staging_two_processes_bit_exact(layer_groups: int) -> None:
     """The staging protocol with host pools (no pinning on CPU): ring wrap-around and waits."""
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     _two_processes("staging", "cpu", StagingTransport, layer_groups)
 
@@ -363,7 +363,7 @@ def test_pinned_staging_two_processes_bit_exact(layer_groups: int) -> None:
 @pytest.mark.cuda
 @LAYERWISE
 def test_pinned_staging_cuda_two_processes_bit_exact(layer_groups: int) -> None:
-    from kvferry.staging import StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     _two_processes("staging-cuda", "cuda", StagingTransport, layer_groups)
 
@@ -372,7 +372,7 @@ def test_pinned_staging_cuda_two_processes_bit_exact(layer_groups: int) -> None:
 def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch, layer_groups: int) -> None:
     """NIXL with UCX on loopback: DRAM pools in two processes, notices as notifications."""
     pytest.importorskip("nixl")
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # inherited by the spawned receiver
     _two_processes("nixl", "cpu", NixlTransport, layer_groups)
@@ -383,7 +383,7 @@ def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch, layer_gro
 def test_nixl_cuda_two_processes_bit_exact(layer_groups: int) -> None:
     """NIXL between VRAM pools of two processes on one GPU."""
     pytest.importorskip("nixl")
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     _two_processes("nixl-cuda", "cuda", NixlTransport, layer_groups)
 
@@ -507,7 +507,7 @@ def test_cancel_before_anything_was_sent() -> None:
 
 
 def test_nixl_descriptors_and_indices_address_each_block() -> None:
-    from kvferry.nixl_link import block_descriptors, descriptor_indices
+    from kvferry.transports.nixl import block_descriptors, descriptor_indices
 
     pool = PagedKV(tuple(torch.zeros(2, 5, 3, dtype=torch.float16) for _ in range(3)), TPB, block_dim=1)
     desc = block_descriptors(pool)
@@ -527,7 +527,7 @@ def test_nixl_descriptors_and_indices_address_each_block() -> None:
 
 
 def test_nixl_notice_wire_format_round_trips() -> None:
-    from kvferry.nixl_link import _decode, _encode
+    from kvferry.transports.nixl import _decode, _encode
 
     notices = [Notice(7, 0, 0, 21, False), Notice(-3, 4, 21, 32, True)]
     assert _decode(_encode(notices)) == notices
@@ -536,8 +536,8 @@ def test_nixl_notice_wire_format_round_trips() -> None:
 
 
 def test_staging_ring_reserves_contiguous_runs_and_starts_over_when_empty() -> None:
-    from kvferry.staging import StagingTransport
-    from kvferry.transport import TransportFull
+    from kvferry.transports.staging import StagingTransport
+    from kvferry.transports.base import TransportFull
 
     ring = StagingTransport.__new__(StagingTransport)  # the slot arithmetic alone
     ring.capacity, ring._head, ring._used = 10, 0, 0

@@ -14,7 +14,7 @@ from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import KvFerryError
 
 if TYPE_CHECKING:
-    from kvferry.bench_agentic import AgenticConfig
+    from kvferry.bench.agentic import AgenticConfig
 
 # KV bytes per token of a Llama-3-8B-shaped model in bf16: K and V x 8 KV heads x 128 dims
 # x 2 bytes x 32 layers. The default block size of `kvferry plan` is this times tokens/block.
@@ -239,7 +239,7 @@ def _fraction(text: str) -> float:
 
 
 def _cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from kvferry.bench_tiers import TRANSPORTS, TiersConfig, format_tiers, progress_to_stderr, run_tiers
+    from kvferry.bench.tiers import TRANSPORTS, TiersConfig, format_tiers, progress_to_stderr, run_tiers
 
     if _cuda_missing(args.device):
         return 2
@@ -272,7 +272,7 @@ def _cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_fanout(args: argparse.Namespace) -> int:
-    from kvferry.bench_fanout import FanoutConfig, format_fanout, progress_to_stderr, run_fanout
+    from kvferry.bench.fanout import FanoutConfig, format_fanout, progress_to_stderr, run_fanout
 
     refused = _device_refused(args)
     if refused is not None:
@@ -310,7 +310,7 @@ def _write_json(path: Optional[str], result: dict[str, Any]) -> None:
 
 
 def _cmd_bench_agentic(args: argparse.Namespace) -> int:
-    from kvferry.bench_agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
+    from kvferry.bench.agentic import AgenticConfig, draw_timeline, format_agentic, progress_to_stderr, run_agentic
 
     refused = _device_refused(args)
     if refused is not None:
@@ -359,7 +359,7 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from kvferry.bench_copy import TRANSPORTS
+    from kvferry.bench.copy import TRANSPORTS
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     bad = [n for n in names if n not in TRANSPORTS]
@@ -400,7 +400,7 @@ def _agentic_bytes(cfg: AgenticConfig) -> int:
     context and generation KV pools (activations and the reference run come on top)."""
     import torch
 
-    from kvferry.bench_agentic import _pool_blocks
+    from kvferry.bench.agentic import _pool_blocks
 
     m = cfg.model_config()
     per_layer = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
@@ -419,12 +419,12 @@ def _cuda_missing(device: str) -> bool:
 
 
 def _cmd_bench_copy(args: argparse.Namespace) -> int:
-    from kvferry.bench_copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
+    from kvferry.bench.copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
 
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
-    from kvferry.bench_copy import REMOTE_DEVICES
+    from kvferry.bench.copy import REMOTE_DEVICES
 
     for name in args.transport or ():
         if args.device not in REMOTE_DEVICES.get(name, (args.device,)):

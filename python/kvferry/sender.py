@@ -40,7 +40,7 @@ from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutE
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
-from kvferry.transport import Transport, TransportFull, kept
+from kvferry.transports.base import Transport, TransportFull, kept
 
 __all__ = ["KVSender", "TransferRecord"]
 

@@ -27,7 +27,8 @@ from kvferry.receiver import KVReceiver
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 from kvferry.refengine.cache import PrefixCache
 from kvferry.refengine.worker import Worker
-from kvferry.transport import InProcessTransport, Transport
+from kvferry.transports.base import Transport
+from kvferry.transports.inprocess import InProcessTransport
 
 __all__ = ["Allocation", "FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration", "TRANSPORTS"]
 
@@ -197,7 +198,7 @@ class LocalGeneration:
 
 class RemoteGeneration:
     """A generation worker in a spawned process, reached by ``transport`` (shm and staging
-    serve CPU or CUDA pools as noted in kvferry.bench_copy; cuda-ipc needs CUDA)."""
+    serve CPU or CUDA pools as noted in kvferry.bench.copy; cuda-ipc needs CUDA)."""
 
     def __init__(
         self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False, dedup: bool = False
@@ -237,18 +238,18 @@ class RemoteGeneration:
 
 def _open_transport(kind: str, address: str, authkey: bytes, src_pool: Any) -> Transport:
     if kind == "shm":
-        from kvferry.shm import ShmTransport
+        from kvferry.transports.shm import ShmTransport
 
         return ShmTransport(address, authkey=authkey)
     if kind == "cuda-ipc":
-        from kvferry.local import CudaIpcTransport
+        from kvferry.transports.local import CudaIpcTransport
 
         return CudaIpcTransport(address, authkey=authkey)
     if kind == "staging":
-        from kvferry.staging import StagingTransport
+        from kvferry.transports.staging import StagingTransport
 
         return StagingTransport(address, authkey=authkey)
-    from kvferry.nixl_link import NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     return NixlTransport(address, authkey=authkey, src=src_pool)
 
@@ -258,7 +259,7 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
         model = TinyLlama(cfg, device)
         shared = None
         if kind == "shm":
-            from kvferry.shm import SharedPool
+            from kvferry.transports.shm import SharedPool
 
             shape = (num_blocks, 2, tpb, cfg.kv_heads, cfg.head_dim)
             shared = SharedPool.create(num_layers=cfg.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb)
@@ -297,18 +298,18 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
 
 def _endpoint(kind: str, receiver: KVReceiver, shared: Optional[Any], authkey: bytes, num_blocks: int) -> Any:
     if kind == "shm":
-        from kvferry.shm import ShmEndpoint
+        from kvferry.transports.shm import ShmEndpoint
 
         assert shared is not None, "an shm endpoint serves a shared pool"
         return ShmEndpoint(receiver, shared, authkey=authkey)
     if kind == "cuda-ipc":
-        from kvferry.local import CudaIpcEndpoint
+        from kvferry.transports.local import CudaIpcEndpoint
 
         return CudaIpcEndpoint(receiver, authkey=authkey)
     if kind == "staging":
-        from kvferry.staging import StagingEndpoint
+        from kvferry.transports.staging import StagingEndpoint
 
         return StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
-    from kvferry.nixl_link import NixlEndpoint
+    from kvferry.transports.nixl import NixlEndpoint
 
     return NixlEndpoint(receiver, authkey=authkey)

@@ -43,7 +43,8 @@ from kvferry.refengine.cache import BlockAllocator
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
-from kvferry.transport import InProcessTransport, Transport
+from kvferry.transports.base import Transport
+from kvferry.transports.inprocess import InProcessTransport
 
 __all__ = [
     "BlockAudit",
@@ -273,7 +274,7 @@ class Soak:
         self._endpoint: Any = None
         gen_pool = None
         if config.transport == "shm":
-            from kvferry.shm import SharedPool
+            from kvferry.transports.shm import SharedPool
 
             m = config.model
             shape = (config.gen_blocks, 2, tpb, m.kv_heads, m.head_dim)
@@ -285,7 +286,7 @@ class Soak:
         self.receiver = KVReceiver(self.gen.pool)
         self._authkey = secrets.token_bytes(32)
         if self._shared is not None:
-            from kvferry.shm import ShmEndpoint
+            from kvferry.transports.shm import ShmEndpoint
 
             self._endpoint = ShmEndpoint(self.receiver, self._shared, authkey=self._authkey)
         fast = KVSender(self.ctx.pool, self._transport(), engine=ThreadCopyEngine())
@@ -313,7 +314,7 @@ class Soak:
     def _transport(self) -> Transport:
         if self._endpoint is None:
             return InProcessTransport(self.receiver)
-        from kvferry.shm import ShmTransport
+        from kvferry.transports.shm import ShmTransport
 
         return ShmTransport(self._endpoint.address, authkey=self._authkey)
 

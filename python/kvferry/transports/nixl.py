@@ -9,7 +9,7 @@ sender:   NixlTransport  registers its pool, adds the remote agent, prepares bot
 receiver: a thread polls notifications and delivers the notices (and the fences, which
                          the sender posts as notifications of their own, after its writes)
 ```
-Agent metadata is exchanged in-band over the authenticated local socket of kvferry.local
+Agent metadata is exchanged in-band over the authenticated local socket of kvferry.transports.local
 (NIXL's own listener would bind every interface). Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
 progresses.
@@ -41,11 +41,11 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.local import LocalEndpoint, PeerConnection
+from kvferry.transports.local import LocalEndpoint, PeerConnection
 from kvferry.notice import NOTICE_FIELDS, Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
-from kvferry.transport import Transport
+from kvferry.transports.base import Transport
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 

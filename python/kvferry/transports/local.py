@@ -47,7 +47,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
-from kvferry.transport import Transport, kept
+from kvferry.transports.base import Transport, kept
 
 __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTransport", "PeerConnection"]
 

@@ -32,15 +32,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from kvferry.bench_copy import CopyBenchConfig, _RemoteReceiver, make_pool
-from kvferry.benchutil import machine, stderr_progress
+from kvferry.bench.copy import CopyBenchConfig, _RemoteReceiver, make_pool
+from kvferry.bench.util import machine, stderr_progress
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, ThreadCopyEngine
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.tiers import Signal, tiered_source
-from kvferry.transport import InProcessTransport, Transport
+from kvferry.transports.base import Transport
+from kvferry.transports.inprocess import InProcessTransport
 
 __all__ = ["MODES", "TRANSPORTS", "TiersConfig", "format_tiers", "run_tiers"]
 

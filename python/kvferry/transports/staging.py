@@ -5,7 +5,7 @@ sender (CUDA pool)                    shared pinned host ring              recei
 gather blocks, device-to-host  --->   slots [lo, lo+n) of every layer ---> host-to-device, scatter
 on the copy stream                    notice + slots + dst ids (socket)    then deliver; free slots
 ```
-The ring lives in POSIX shared memory (kvferry.shm) and is page-locked in both processes, so
+The ring lives in POSIX shared memory (kvferry.transports.shm) and is page-locked in both processes, so
 both copies run at PCIe speed. Slots are freed in order by the receiver once its
 host-to-device copy finished; a sender that finds the ring full waits (bounded) for frees.
 CPU pools work too (no pinning): that is how CI exercises the protocol.
@@ -29,12 +29,12 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.local import LocalEndpoint, LocalTransport
+from kvferry.transports.local import LocalEndpoint, LocalTransport
 from kvferry.notice import Notice, NoticeTuple
 from kvferry.receiver import KVReceiver
-from kvferry.shm import SharedPool
+from kvferry.transports.shm import SharedPool
 from kvferry.tiers import Signal, Source, source_layers, source_parts
-from kvferry.transport import TransportFull, kept
+from kvferry.transports.base import TransportFull, kept
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.benchutil import machine, percentile, stderr_progress
+from kvferry.bench.util import machine, percentile, stderr_progress
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
 

@@ -19,12 +19,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from kvferry.benchutil import machine, stderr_progress
+from kvferry.bench.util import machine, stderr_progress
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transport import InProcessTransport, Transport
+from kvferry.transports.base import Transport
+from kvferry.transports.inprocess import InProcessTransport
 
 TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "staging", "nixl")
 # Transports whose receiver runs in another process, and the pool devices they serve.
@@ -121,18 +122,18 @@ class _RemoteReceiver:
         """A transport to this receiver from ``src`` (and its host tier ``host_src``, which
         NIXL registers too)."""
         if self.kind == "shm":
-            from kvferry.shm import ShmTransport
+            from kvferry.transports.shm import ShmTransport
 
             return ShmTransport(self.address, authkey=self._authkey)
         if self.kind == "nixl":
-            from kvferry.nixl_link import NixlTransport
+            from kvferry.transports.nixl import NixlTransport
 
             return NixlTransport(self.address, authkey=self._authkey, src=src, host_src=host_src)
         if self.kind == "staging":
-            from kvferry.staging import StagingTransport
+            from kvferry.transports.staging import StagingTransport
 
             return StagingTransport(self.address, authkey=self._authkey)
-        from kvferry.local import CudaIpcTransport
+        from kvferry.transports.local import CudaIpcTransport
 
         return CudaIpcTransport(self.address, authkey=self._authkey)
 
@@ -154,8 +155,8 @@ class _RemoteReceiver:
 
 
 def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
-    from kvferry.local import CudaIpcEndpoint, LocalEndpoint
-    from kvferry.shm import SharedPool, ShmEndpoint
+    from kvferry.transports.local import CudaIpcEndpoint, LocalEndpoint
+    from kvferry.transports.shm import SharedPool, ShmEndpoint
 
     shared = None
     if kind == "shm":
@@ -167,11 +168,11 @@ def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, lay
         cfg = CopyBenchConfig(device=device, layers=layers, block_kib=block_kib)
         receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
         if kind == "nixl":
-            from kvferry.nixl_link import NixlEndpoint
+            from kvferry.transports.nixl import NixlEndpoint
 
             endpoint = NixlEndpoint(receiver, authkey=authkey)
         elif kind == "staging":
-            from kvferry.staging import StagingEndpoint
+            from kvferry.transports.staging import StagingEndpoint
 
             endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
         else:
