@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -193,9 +194,8 @@ def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) ->
 
 def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Both modes move the same bytes over the link; only onboard-then-send moves the host
-    blocks to the device first; both deliver the prefix bit exact, and with the two legs
-    emulated at one rate onboarding costs about half a prefix more (a quarter of the blocks
-    on the host here: about 1.25x)."""
+    blocks to the device first; both deliver the prefix bit exact. The ratio reported is the
+    one of the medians reported (how large it is, a timing, is for docs/benchmarks.md)."""
     import json
 
     out = tmp_path / "tiers.json"
@@ -211,6 +211,9 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     assert (onboard["link_bytes_from_host"], onboard["host_to_device_bytes"]) == (0, 8 * block)
     assert direct["kv_bit_exact"] is True and onboard["kv_bit_exact"] is True
     assert len(direct["kv_ready_ms"]) == len(onboard["kv_ready_ms"]) == 2
-    assert 1.1 < result["ratio"] < 1.6
-    assert "onboard-then-send / direct" in table
+    assert all(t > 0 for t in direct["kv_ready_ms"] + onboard["kv_ready_ms"])
+    assert direct["kv_ready_ms_median"] == statistics.median(direct["kv_ready_ms"])
+    assert onboard["kv_ready_ms_median"] == statistics.median(onboard["kv_ready_ms"])
+    assert result["ratio"] == onboard["kv_ready_ms_median"] / direct["kv_ready_ms_median"]
+    assert f"onboard-then-send / direct: {result['ratio']:.2f}x" in table
 

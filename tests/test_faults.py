@@ -270,6 +270,7 @@ class GatedEngine(ThreadCopyEngine):
         self._open = threading.Event()
         self._open.set()
         self.running = 0
+        self.started = threading.Event()  # set once a copy started (and, held, waits)
 
     def hold(self) -> None:
         self._open.clear()
@@ -285,6 +286,7 @@ class GatedEngine(ThreadCopyEngine):
 
         def gated() -> None:
             self.running += 1
+            self.started.set()
             try:
                 assert gate.wait(timeout=REPLY_SECONDS), "a held copy was never released"
                 work()

@@ -62,6 +62,7 @@ from test_faults import (
     tables,
     until,
 )
+from conftest import FakeClock
 from test_transfer import _GatedEngine
 
 # --- a receiver in its own process -----------------------------------------------------------
@@ -288,7 +289,7 @@ def test_an_aborted_request_keeps_its_reused_blocks_until_the_copy_ends() -> Non
 # --- (b) source blocks: a copy past the sender's timeout --------------------------------------
 
 
-def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced() -> None:
+def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced(sender_clock: FakeClock) -> None:
     """A copy into a receiver in another process outlives the sender's timeout. The sender
     reports it but cannot call a local copy off: the request stays leased (its source
     blocks may not be freed), a cancel raises and keeps it revoked, and the receiver's
@@ -308,8 +309,8 @@ def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced()
         want = digest(src, rows[:2])
         engine.hold()
         sender.send_early([3], tables(rows), tables(dst))
-        assert until(lambda: engine.running == 1)
-        time.sleep(0.1)
+        assert engine.started.wait(SLACK)
+        sender_clock.advance(0.1)  # the copy is held: now past the sender's 0.05 s timeout
         with pytest.raises(TransferTimeoutError, match=r"copies for requests \[3\] still running .* cancel them"):
             sender.poll()
         with pytest.raises(TransferTimeoutError, match="request 3: copies reading its blocks still running"):
@@ -788,18 +789,23 @@ def test_a_cancel_before_any_announce_reaches_the_sender_that_announces_later() 
     assert receiver.release(1, timeout=0).claimed_blocks == 0
 
 
-def test_release_returns_as_soon_as_the_fence_arrives() -> None:
+def test_release_returns_once_the_fence_arrives() -> None:
+    """A release of an unfenced request asks its sender to cancel and waits: another
+    sender's fence does not end the wait, its own sender's does (well before the release's
+    own timeout, which would raise instead)."""
     receiver = KVReceiver(random_pool(0))
     epoch = receiver.expect(1, 16)
     receiver.bind(1, "sender A", epoch)
-    released: list[float] = []
-    thread = threading.Thread(target=lambda: (receiver.release(1, timeout=SLACK), released.append(time.monotonic())))
+    asked = threading.Event()
+    receiver.on_cancel(lambda source, rid, e: asked.set())
+    released: list[Any] = []
+    thread = threading.Thread(target=lambda: released.append(receiver.release(1, timeout=SLACK)))
     thread.start()
-    time.sleep(0.1)
-    assert not released and len(receiver) == 1  # waiting: the blocks are not handed back
+    assert asked.wait(SLACK)  # the release has begun: it asked sender A, and waits for the fence
+    assert not released and len(receiver) == 1  # the blocks are not handed back
     with pytest.raises(TransferError, match="revoked by sender B, but it belongs to sender A"):
         receiver.revoked(1, epoch, "sender B")  # another sender's fence does not count
-    fenced_at = time.monotonic()
+    assert not released and len(receiver) == 1
     assert receiver.revoked(1, epoch, "sender A")
     thread.join(timeout=SLACK)
-    assert released and released[0] - fenced_at < SLACK / 2 and len(receiver) == 0
+    assert released and released[0].claimed_blocks == 0 and len(receiver) == 0

@@ -34,9 +34,12 @@ def test_block_range_equality() -> None:
     assert not (BlockRange(0, 6) != BlockRange(0, 6))
     assert BlockRange(0, 6) != BlockRange(0, 5)
     assert BlockRange(0, 6) != BlockRange(1, 6)
-    # A tuple with the same bounds is a different kind of value.
+    # A tuple with the same bounds is a different kind of value, and None is no range: the
+    # comparison is left to the other operand (NotImplemented), so == is False and != True.
     assert BlockRange(0, 6) != (0, 6)
-    assert BlockRange(0, 6) is not None
+    assert BlockRange(0, 6).__eq__((0, 6)) is NotImplemented
+    assert BlockRange(0, 6).__eq__(None) is NotImplemented and BlockRange(0, 6).__ne__(None) is NotImplemented
+    assert not (BlockRange(0, 6) == None) and BlockRange(0, 6) != None  # noqa: E711
 
 
 def test_block_range_hash_in_sets_and_dicts() -> None:

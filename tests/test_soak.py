@@ -60,6 +60,20 @@ def test_short_soak_over_shared_memory() -> None:
     assert report.kv_checked > 0 and sum(report.cancelled.values()) > 0 and report.receiver_cancels > 0
 
 
+@pytest.mark.parametrize("transport", ["in-process", "shm"])
+def test_every_counted_event_is_forced_not_left_to_timing(transport: str) -> None:
+    """With no random cancellation and no random slow-lane request, every event the soak's
+    report counts still happens, once each (`FORCED_ROLES`): each cancellation stage (one with
+    an early slice out), a sender timeout on a held write and a receiver timeout that the
+    sender hears of before its last notice. None depends on how fast the machine is."""
+    report = _run(SoakConfig(requests=30, seed=5, p_slow=0.0, p_cancel=0.0, transport=transport, rss_every=10))
+    assert report.failures() == []
+    assert dict(report.cancelled) == {stage.value: 1 for stage in CancelAt} | {"sender timeout": 1, "receiver timeout": 1}
+    assert report.cancelled_with_early >= 1
+    assert (report.sender_timeouts, report.receiver_timeouts, report.receiver_cancels) == (1, 1, 1)
+    assert report.completed == 30 - 6 and report.kv_checked == report.completed
+
+
 def test_soak_reports_a_block_the_engine_forgets_to_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """The audit is not vacuous: a generation worker that keeps one block of every 20th
     request it releases shows up as leaked blocks."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -32,6 +31,7 @@ from kvferry.sender import KVSender, as_table
 from kvferry.transports.shm import ShmTransport
 from kvferry.transports.inprocess import InProcessTransport
 
+from conftest import FakeClock
 from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, in_process_receiver, nan_pool, run_with_receiver
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
@@ -112,7 +112,7 @@ def test_mixed_tier_prefix_in_process_bit_exact(max_write_blocks: Optional[int],
     sender.close()
 
 
-def test_hook_takes_host_ids_and_order_after() -> None:
+def test_hook_takes_host_ids_and_order_after(tier_waits: threading.Event) -> None:
     """Through the executor hook: ``src_blocks`` with host ids, the tier's copy declared with
     `TransferHook.order_after`."""
     dev, host = pools(3)
@@ -126,7 +126,7 @@ def test_hook_takes_host_ids_and_order_after() -> None:
     hook.order_after([DEVICE_BLOCKS + 63], written)
     final = [torch.full(HOST_SHAPE[1:], float(layer)) for layer in range(LAYERS)]
     hook.before_forward([7])
-    time.sleep(0.05)
+    assert tier_waits.wait(10)
     assert not receiver.notices(7)  # the early copy waits for the tier
     for layer in range(LAYERS):
         host.layers[layer][63].copy_(final[layer])
@@ -199,8 +199,7 @@ def _signal(kind: str) -> tuple[Any, Callable[[], None]]:
 
 class SlowTierCopy:
     """The tier's copy of one block, run by a thread that starts only when the test releases
-    it and then writes layer by layer with pauses (a torn block, read mid-way, would show),
-    completing ``signal`` at the end."""
+    it and then writes layer by layer, completing ``signal`` at the end."""
 
     def __init__(self, write_layer: Callable[[int], None], complete: Callable[[], None]) -> None:
         self.release = threading.Event()
@@ -213,7 +212,6 @@ class SlowTierCopy:
         assert self.release.wait(10)
         for layer in range(LAYERS):
             self._write_layer(layer)
-            time.sleep(0.005)
         self._complete()
 
 
@@ -228,7 +226,7 @@ def _race_setup(seed: int) -> tuple[PagedKV, PagedKV, KVReceiver, KVSender]:
 
 @pytest.mark.parametrize("signal_kind", ["event", "future"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["order_after", "control"])
-def test_an_offload_racing_the_send_delivers_the_final_bytes(signal_kind: str, ordered: bool) -> None:
+def test_an_offload_racing_the_send_delivers_the_final_bytes(signal_kind: str, ordered: bool, tier_waits: threading.Event) -> None:
     """Host block 7 is being written by an offload (device block 30 -> host block 7) when
     the early send of a prefix that holds it is queued. With `order_after` the copy waits for
     the offload and the receiver gets its final bytes. The control declares nothing: the copy
@@ -244,7 +242,7 @@ def test_an_offload_racing_the_send_delivers_the_final_bytes(signal_kind: str, o
         sender.order_after([DEVICE_BLOCKS + 7], signal)
     sender.send_early([1], src, dst)
     if ordered:
-        time.sleep(0.05)
+        assert tier_waits.wait(10)
         assert sender.poll() == [] and sender.in_flight(1) and sender.leased(1)  # waiting for the tier
     else:
         sender.flush(timeout=10)  # the send completes before the offload even starts
@@ -288,9 +286,11 @@ def test_an_onboard_racing_the_send_delivers_the_onboarded_bytes(ordered: bool) 
     sender.close()
 
 
-def test_only_writes_reading_a_declared_block_wait() -> None:
+def test_only_writes_reading_a_declared_block_wait(tier_waits: threading.Event) -> None:
     """Writes of at most two blocks: the first write (device blocks) lands while the second,
-    which reads the host block being offloaded into, waits for the tier."""
+    which reads the host block being offloaded into, waits for the tier. (The engine runs
+    copies in order: once the second waits, the first has finished, and `poll` has posted
+    it if the announcer had not.)"""
     dev, host, receiver, sender = _race_setup(12)
     receiver.expect(2, 9)
     transport = sender.transport
@@ -299,12 +299,9 @@ def test_only_writes_reading_a_declared_block_wait() -> None:
     written = threading.Event()
     sender.order_after([DEVICE_BLOCKS + 20], written)
     sender.send_early([1, 2], np.array([[1, 2, DEVICE_BLOCKS + 20, 4, 5], [6, 7, 8, 0, 0]]), np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]))
-    deadline = time.monotonic() + 10
-    while not receiver.notices(1) and time.monotonic() < deadline:
-        sender.poll()
-        time.sleep(0.002)
+    assert tier_waits.wait(10)
+    sender.poll()
     assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2)]  # the first write only
-    time.sleep(0.05)
     sender.poll()
     assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2)]
     assert not receiver.notices(2)  # queued behind the waiting write (copies keep their order)
@@ -350,15 +347,16 @@ def test_a_declaration_ends_with_its_signal_and_the_engine_can_close_on_a_stuck_
     sender.send_early([1], np.array([[0, 1, DEVICE_BLOCKS + 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
     engine = sender.engine
     assert isinstance(engine, ThreadCopyEngine)
-    start = time.monotonic()
-    engine.close()
-    assert time.monotonic() - start < 5
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    closing.join(30)  # a bound for a hang only: close fails the waiting copy at once
+    assert not closing.is_alive()
     with pytest.raises(TransferError, match="closed while a copy waited for a tier copy"):
         sender.flush(timeout=5)
     sender.close()
 
 
-def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy() -> None:
+def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy(sender_clock: FakeClock) -> None:
     """The wait for a tier signal counts in the sender's timeout: `poll` raises, `cancel`
     keeps the request leased while the copy has not run, and once the tier is done the copy
     ends, the cancel returns and the request is fenced with none of its notices posted."""
@@ -370,7 +368,7 @@ def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy() -> No
     written = threading.Event()
     sender.order_after([DEVICE_BLOCKS + 3], written)
     sender.send_early([1], np.array([[DEVICE_BLOCKS + 3, 1, 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
-    time.sleep(0.1)
+    sender_clock.advance(0.1)  # the copy waits for `written`: it is past the timeout
     with pytest.raises(TransferError, match=r"requests \[1\] still running"):
         sender.poll()
     with pytest.raises(TransferError, match="request 1: copies reading its blocks still running"):
@@ -498,10 +496,11 @@ def test_cuda_tier_copy_racing_the_send_control(kind: str) -> None:
 
 
 @pytest.mark.cuda
-def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor() -> None:
+def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor(tier_waits: threading.Event) -> None:
     """A host-side offload (a CPU thread writing the pinned host block) signalled by a
     threading.Event: the CUDA engine's launcher enqueues the copy once it is set, and a later
-    write of another request queues behind it; `send_*` never blocks."""
+    write of another request queues behind it; `send_*` never blocks (both return while the
+    offload, which only the test can release, has not even started)."""
     dev, host = pools(24, "cuda")
     receiver = KVReceiver(nan_pool("cuda"))
     receiver.expect(1, 17)
@@ -512,12 +511,10 @@ def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor() -> 
     signal, complete = _signal("event")
     offload = SlowTierCopy(lambda layer: host.layers[layer][7].copy_(dev.layers[layer][30].cpu()), complete)
     sender.order_after([DEVICE_BLOCKS + 7], signal)
-    start = time.monotonic()
     sender.send_early([1], np.array([[3, DEVICE_BLOCKS + 7, 50, 51, 52]]), np.array([[0, 1, 2, 3, 4]]))
     sender.send_early([2], np.array([[60, 61, 0]]), np.array([[10, 11, 12]]))
-    assert time.monotonic() - start < 1.0
-    time.sleep(0.05)
-    assert sender.poll() == []
+    assert tier_waits.wait(30)  # the launcher holds the first copy, the second queues behind it
+    assert sender.poll() == [] and sender.in_flight(1) and sender.in_flight(2)
     offload.release.set()
     sender.flush(timeout=30)
     for layer in range(LAYERS):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import secrets
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -21,6 +22,8 @@ from kvferry.sender import KVSender, as_table
 from kvferry.transports.local import CudaIpcEndpoint, CudaIpcTransport, LocalEndpoint
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.inprocess import InProcessTransport
+
+from conftest import FakeClock
 
 TPB = 4
 LAYERS = 3
@@ -430,16 +433,19 @@ def test_cuda_in_process_random_kv_bit_exact() -> None:
 
 
 class _Gate(Pending):
-    """A copy that finishes when the test says so."""
+    """A copy that finishes when the test says so (its work runs once, on whichever thread
+    asks first: the executor or the sender's announcer)."""
 
     def __init__(self, work: Any) -> None:
         self.work = work
         self.opened = False
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
-        if self.opened and self.work is not None:
-            self.work(), setattr(self, "work", None)
-        return self.opened
+        with self._lock:
+            if self.opened and self.work is not None:
+                self.work(), setattr(self, "work", None)
+            return self.opened
 
     def wait(self, timeout: Any) -> bool:
         return self.done()
@@ -486,17 +492,16 @@ def test_cancel_waits_for_its_copies_and_drops_their_notices() -> None:
     receiver.wait(2, timeout=1)
 
 
-def test_a_copy_past_its_timeout_fails_clearly() -> None:
-    sender, _, engine = _gated_pair()
+def test_a_copy_past_its_timeout_fails_clearly(sender_clock: FakeClock) -> None:
+    sender, receiver, engine = _gated_pair()
     table = np.arange(8).reshape(2, 4)
     sender.send_early([1, 2], table, table)
-    import time
-
-    time.sleep(0.06)
+    sender_clock.advance(0.06)  # the copy is held by its gate: now past the 0.05 s timeout
     with pytest.raises(TransferTimeoutError, match=r"requests \[1, 2\] still running"):
         sender.poll()
     engine.gates[0].opened = True
-    assert len(sender.poll()) == 2
+    sender.flush(timeout=10)
+    assert [len(receiver.notices(rid)) for rid in (1, 2)] == [1, 1]
 
 
 def test_cancel_before_anything_was_sent() -> None:

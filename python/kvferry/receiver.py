@@ -437,7 +437,13 @@ class KVReceiver:
 
     def wait(self, request_id: int, timeout: Optional[float] = None) -> float:
         """Blocks until every expected block of the request arrived; returns the monotonic
-        time it completed. Raises the request's error, or `TransferTimeoutError`."""
+        time it completed. Raises the request's error (a refused notice, a fence or a lost
+        sender before the last block, a cancellation), `TransferError` at once when nothing
+        more can arrive (the request is fenced, so no sender writes it any more, yet blocks
+        are missing), `UnknownRequestError` for a request not expected, and
+        `TransferTimeoutError` after ``timeout`` seconds, saying what the receiver knows:
+        which blocks are missing, whether any sender announced the request, how many notices
+        came."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -448,12 +454,34 @@ class KVReceiver:
                 if expected.ledger.is_complete and self._settle_awaits(request_id, expected):
                     assert expected.arrived_at is not None
                     return max(expected.arrived_at, expected.awaited_at)
+                peer = None if expected.source is None else str(expected.source)
+                if expected.fenced and not expected.ledger.is_complete:
+                    # No sender writes its blocks any more (its connection ended after its
+                    # copies did): nothing can complete it. Recorded, so later waits say so too.
+                    expected.error = TransferError(
+                        f"request {request_id}: fenced with blocks {expected.ledger.missing()} missing: {self._known(expected)}; no sender writes it any more",
+                        request_ids=(request_id,),
+                        peer=peer,
+                    )
+                    continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    missing = expected.ledger.missing()
-                    peer = None if expected.source is None else str(expected.source)
-                    raise TransferTimeoutError(f"request {request_id}: blocks {missing} did not arrive within {timeout} s", request_ids=(request_id,), peer=peer)
+                    missing = expected.ledger.missing() if not expected.ledger.is_complete else [blocks for _, blocks in expected.awaits]
+                    raise TransferTimeoutError(
+                        f"request {request_id} (epoch {expected.epoch}): blocks {missing} did not arrive within {timeout} s; {self._known(expected)}",
+                        request_ids=(request_id,),
+                        peer=peer,
+                    )
                 self._cond.wait(left)
+
+    @staticmethod
+    def _known(expected: _Expected) -> str:
+        """What the receiver knows of a request's senders, for an error message."""
+        who = "no sender announced it" if expected.source is None else f"its sender is {expected.source}"
+        if expected.awaits and expected.ledger.is_complete:
+            owners = sorted({owner for owner, _ in expected.awaits})
+            return f"{who}; its own blocks arrived, it waits for blocks arriving with requests {owners}"
+        return f"{who}; {expected.slices} notices arrived"
 
     def _forget(self, request_id: int) -> None:
         """Drops a request (lock held). Requests awaiting its blocks keep those that arrived;
@@ -473,13 +501,14 @@ class KVReceiver:
         none is left. An owner that failed or was forgotten first fails this request."""
         for owner, blocks in list(expected.awaits):
             theirs = self._requests.get(owner)
-            if theirs is None or theirs.error is not None:
-                why = "was released" if theirs is None else f"failed ({theirs.error})"
+            missing = theirs is not None and any(m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing())
+            if theirs is None or theirs.error is not None or (theirs.fenced and missing):
+                why = "was released" if theirs is None else f"failed ({theirs.error})" if theirs.error is not None else "was fenced without them"
                 expected.error = TransferError(
                     f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did", request_ids=(request_id,)
                 )
                 raise TransferError(f"request {request_id} failed: {expected.error}", request_ids=(request_id,)) from expected.error
-            if not any(m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing()):
+            if not missing:
                 expected.awaits.remove((owner, blocks))
                 expected.awaited_at = max(expected.awaited_at, time.monotonic() if theirs.arrived_at is None else theirs.arrived_at)
         return not expected.awaits

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence, TypedDict
@@ -45,8 +46,10 @@ from kvferry.transports.base import Transport, TransportFull, kept
 __all__ = ["KVSender", "TransferRecord"]
 
 IntArray = npt.ArrayLike
+# How often the announcer looks at a write whose engine cannot wake it on completion (CUDA).
 PROGRESS_SECONDS = 200e-6
-# How often the progress thread asks the transport about its receiver (a syscall each time).
+# How often the announcer asks the transport about its receiver while requests are
+# registered (a syscall each time for a socket transport).
 PEER_CHECK_SECONDS = 5e-3
 # How long losing the receiver waits for local copies still reading source blocks, when the
 # sender has no timeout of its own.
@@ -85,8 +88,9 @@ class TransferRecord:
 
 class KVSender:
     """Owned by the executor thread. ``send_*`` return at once with the notices they will
-    post; ``poll`` posts those whose copies finished; a block can never leave twice, because
-    every slice is claimed in the book first."""
+    post; each is posted once its copy finished (by the announcer thread, or by `poll` with
+    ``progress=False``), in the order the copies were queued; a block can never leave twice,
+    because every slice is claimed in the book first."""
 
     def __init__(
         self,
@@ -97,15 +101,18 @@ class KVSender:
         engine: Optional[CopyEngine] = None,
         timeout: Optional[float] = None,
         record: bool = False,
-        progress: bool = False,
+        progress: bool = True,
         layer_groups: int = 1,
         host_pool: Optional[PagedKV] = None,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
-        ``progress``: a background thread posts each write's notices as soon as it finished,
-        instead of at the executor's next `poll` (it matters where the receiver still has
-        work to do on arrival, as on the staging path). ``layer_groups``: the pool's layers
+        ``progress`` (default on): a background thread, the announcer, posts each write's
+        notices as soon as the write finished, and the fences that follow them, so a copy
+        reaches the receiver without further calls; `poll` stays cheap and may still be
+        called every step (it posts what the announcer has not yet, raises what the announcer
+        found, and times writes out). ``progress=False``: notices are posted only by `poll`, `flush`, `remove`
+        and `cancel`, on the executor's thread. ``layer_groups``: the pool's layers
         split into that many consecutive groups (`PagedKV.group_layers`) that may stream
         separately (`send_layers`).
         ``host_pool``: the engine's host tier, a CPU pool of ``pool``'s block layout (pinned
@@ -149,30 +156,38 @@ class KVSender:
         self._failed: dict[int, tuple[TransferError, Optional[TransferLedger]]] = {}
         self._lost: Optional[TransferError] = None  # the receiver is gone: nothing can be sent
         self._closing = threading.Event()
+        self._wake = threading.Event()  # a write was queued, a request added, or close began
         self._progress: Optional[threading.Thread] = None
         if progress:
-            self._progress = threading.Thread(target=self._progress_loop, name="kvferry-sender-progress", daemon=True)
+            # The thread holds the sender only weakly: a sender dropped without `close` is
+            # collected, and its thread ends (the finalizer wakes it).
+            self._progress = threading.Thread(target=_announcer, args=(weakref.ref(self), self._wake, self._closing), name="kvferry-sender-progress", daemon=True)
+            weakref.finalize(self, self._wake.set)
             self._progress.start()
 
-    def _progress_loop(self) -> None:
-        next_check = 0.0
-        while not self._closing.wait(PROGRESS_SECONDS):
-            try:
-                with self._lock:
-                    if time.monotonic() >= next_check:
-                        # The receiver's cancellations are taken here too, so that a request
-                        # it gave up on gets its fence without waiting for the executor.
-                        next_check = time.monotonic() + PEER_CHECK_SECONDS
-                        self._check_peer()
-                    while self._inflight and self._inflight[0].pending.done():
-                        self._finish(self._inflight.popleft())
-            except TransferError as err:  # its requests are failed already; later writes still post
-                self._defer(err)
-                if self._lost is not None:
-                    return  # nothing can be posted any more
-            except BaseException as err:  # handed to the executor thread at its next call
-                self._defer(err)
-                return
+    def _announce_step(self, next_check: float) -> tuple[bool, Optional[Pending], bool, float]:
+        """One pass of the announcer (`_announcer`): asks the transport about the receiver
+        (at most every ``PEER_CHECK_SECONDS``, while requests are registered or writes
+        queued), posts every finished write at the head of the queue, in order, under the
+        same lock as `poll`. Returns whether to stop, the oldest unfinished write, whether
+        anything is registered or queued, and when to check the receiver next."""
+        try:
+            with self._lock:
+                watching = bool(self._next_slice or self._inflight)
+                if watching and time.monotonic() >= next_check:
+                    # The receiver's cancellations are taken here too, so that a request it
+                    # gave up on gets its fence without waiting for the executor.
+                    next_check = time.monotonic() + PEER_CHECK_SECONDS
+                    self._check_peer()
+                while self._inflight and self._inflight[0].pending.done():
+                    self._finish(self._inflight.popleft())
+                return False, self._inflight[0].pending if self._inflight else None, watching, next_check
+        except TransferError as err:  # its requests are failed already; later writes still post
+            self._defer(err)
+            return self._lost is not None, None, True, next_check  # lost: nothing can be posted
+        except BaseException as err:  # handed to the executor thread at its next call
+            self._defer(err)
+            return True, None, False, next_check
 
     def _defer(self, err: BaseException) -> None:
         if self._deferred_error is None:  # the first one explains the rest
@@ -227,6 +242,7 @@ class KVSender:
                 raise
             self._next_slice[request_id] = 0
             self._epochs[request_id] = int(epoch)
+            self._wake.set()  # the announcer watches for the receiver's cancellations now
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
@@ -355,6 +371,7 @@ class KVSender:
     def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int, layers: Optional[tuple[int, int]]) -> None:
         pending = self._write(src_ids, dst_ids, notices, layers)
         self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
+        self._wake.set()
 
     def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]) -> Pending:
         """Queues a write; a transport out of room gets the oldest writes posted (so its
@@ -391,8 +408,10 @@ class KVSender:
                 raise self._lose_peer(err, unposted=ids) from err
 
     def poll(self) -> list[Notice]:
-        """Posts the notices of every finished copy, oldest first, and returns them. Raises
-        `TransferTimeoutError` when the oldest copy has run past the sender's timeout."""
+        """Posts the notices of every finished copy not posted yet, oldest first, and returns
+        them (with the announcer on, usually none: it posted them already). Raises an error
+        the announcer found (a failed write, the receiver's cancellation, a lost receiver),
+        and `TransferTimeoutError` when the oldest copy has run past the sender's timeout."""
         with self._lock:
             return self._poll()
 
@@ -687,6 +706,7 @@ class KVSender:
         releases the engine and the transport. After the receiver was lost there is nothing
         to post."""
         self._closing.set()
+        self._wake.set()
         if self._progress is not None:
             self._progress.join(timeout=5)
         try:
@@ -717,6 +737,31 @@ class KVSender:
             self._post_fences()
         except TransferError:
             pass  # the receiver is gone: nothing to tell it
+
+
+def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, closing: threading.Event) -> None:
+    """The sender's announcer thread: posts each write's notices as soon as the write
+    finished (`KVSender._announce_step`). It sleeps in the oldest write's `Pending.wait`
+    where the engine wakes it on completion (a CPU copy's future), else looks every
+    ``PROGRESS_SECONDS`` (a CUDA event has no timed wait); with no write queued it sleeps
+    until one is, waking every ``PEER_CHECK_SECONDS`` while requests are registered to take
+    the receiver's cancellations."""
+    next_check = 0.0
+    while not closing.is_set():
+        wake.clear()  # before looking: a write queued after the look sets it again
+        sender = ref()
+        if sender is None:
+            return
+        stop, head, watching, next_check = sender._announce_step(next_check)
+        del sender  # not kept alive while this thread sleeps
+        if stop:
+            return
+        if head is not None and head.wakes_on_done:
+            head.wait(PEER_CHECK_SECONDS)
+        elif head is not None:
+            wake.wait(PROGRESS_SECONDS)
+        else:
+            wake.wait(PEER_CHECK_SECONDS if watching else None)
 
 
 def as_table(rows: list[np.ndarray], width: int) -> np.ndarray:

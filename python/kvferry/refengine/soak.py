@@ -9,14 +9,19 @@ sessions --turn--> admit: prefix lookup, destination blocks, hook.add_request
                    end:   finish (KV compared bit for bit, a few tokens decoded) or cancel
                           -> audit: every block of both pools free, cached or held, once
 cancel at:  before early send | after early send | mid-chunk | after the last chunk
-fast lane:  ThreadCopyEngine, notices posted by poll
-slow lane:  ThreadCopyEngine(link_gbps), progress thread, sender and receiver timeouts
+fast lane:  ThreadCopyEngine, notices posted as copies finish (the sender's announcer)
+slow lane:  ThreadCopyEngine(link_gbps), sender and receiver timeouts
+forced:     each stage once on the fast lane; a receiver timeout before a request's last
+            chunk leaves (fast lane); a slow-lane write held past the sender's timeout
 ```
 Every request holds the epoch its `expect` issued. A cancel from the context side revokes it
 at the sender, whose fence lets `receiver.release` return; a receiver timeout goes the other
 way: `receiver.release` asks the sender (through the transport) to cancel and waits for its
 fence, and only then are the destination blocks reused. Notices that arrive for a request
 the receiver already gave up on are discarded (`SoakReport.late_notices`), never counted.
+
+Whether a timeout happens on its own depends on the machine's load, so every run also forces
+each event its report counts (`FORCED_ROLES`): no count depends on timing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import random
 import secrets
 import sys
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -49,6 +55,8 @@ from kvferry.transports.inprocess import InProcessTransport
 __all__ = [
     "BlockAudit",
     "CancelAt",
+    "FORCED_ROLES",
+    "Forced",
     "MemorySample",
     "Soak",
     "SoakConfig",
@@ -70,6 +78,24 @@ class CancelAt(enum.Enum):
     AFTER_EARLY = "after early send"
     MID_CHUNK = "mid-chunk"
     AFTER_LAST = "after last chunk"
+
+
+class Forced(enum.Enum):
+    """Timeouts the soak makes happen rather than waits to happen."""
+
+    # The slow link holds a request's last write until the executor, its wait past the
+    # sender's timeout, cancels what is in flight.
+    SENDER_TIMEOUT = "sender timeout"
+    # The generation side's deadline passes after the request's last chunk was computed but
+    # before it was sent: its release asks the sender, which still holds it, to cancel.
+    RECEIVER_TIMEOUT = "receiver timeout"
+
+
+# Every run plays each of these at least once, on the first requests that can (an early
+# cancel needs a complete reused block, a mid-chunk one two chunks), so that a report's
+# counts of each stage and of both timeouts never depend on how the machine's timing went;
+# the rest of the mix is drawn at random, and the slow lane's own timeouts come on top.
+FORCED_ROLES: tuple[CancelAt | Forced, ...] = (*CancelAt, *Forced)
 
 
 @dataclass(frozen=True)
@@ -234,6 +260,7 @@ class _Live:
     chunks: list[tuple[int, int]]
     cancel_at: Optional[CancelAt]
     cancel_after: int = 0  # MID_CHUNK: chunks computed when it is cancelled
+    forced: Optional[Forced] = None
     done: int = 0  # chunks computed
     early: bool = False  # an early slice left for it
     first_token: int = 0
@@ -295,7 +322,6 @@ class Soak:
             self._transport(),
             engine=ThreadCopyEngine(config.slow_link_gbps),
             timeout=config.sender_timeout,
-            progress=True,
         )
         self.lanes = (_Lane(TransferHook(fast), slow=False), _Lane(TransferHook(slow), slow=True))
         # A request's context blocks stay referenced while either lane's transfer reads them.
@@ -310,6 +336,8 @@ class Soak:
         self._discards_seen = 0
         self._endpoint_errors_seen = 0
         self._next_id = 0
+        self._owed: list[CancelAt | Forced] = list(FORCED_ROLES)
+        self._gates: list[threading.Event] = []  # the stalled link's held writes
 
     def _transport(self) -> Transport:
         if self._endpoint is None:
@@ -354,13 +382,9 @@ class Soak:
             dst = self.gen.alloc.allocate(-(-len(prompt) // cfg.tokens_per_block))
             epoch = self.receiver.expect(rid, len(prompt))
             lane = self.lanes[rng.random() < cfg.p_slow]
-            lane.hook.add_request(rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst, epoch=epoch)
             chunked = rng.random() < cfg.p_chunked
-            self.report.chunked += chunked
-            self.report.unaligned_reuse += state.reused_len % cfg.tokens_per_block != 0
             size = rng.randint(2, 2 * cfg.tokens_per_block) if chunked else None
             live = _Live(rid, session, lane, prompt, dst, _chunks(state.reused_len, len(prompt), size), None)
-            session.busy = True
             if rng.random() < cfg.p_cancel:
                 # Mid-chunk needs two chunks: those requests get it more often, so that each
                 # stage is drawn about as often as the others.
@@ -369,9 +393,35 @@ class Soak:
                     live.cancel_after = rng.randrange(1, len(live.chunks))
                 else:
                     live.cancel_at = rng.choice([CancelAt.BEFORE_EARLY, CancelAt.AFTER_EARLY, CancelAt.AFTER_LAST])
+            self._take_owed_role(live, state.reused_len)
+            live.lane.hook.add_request(rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst, epoch=epoch)
+            self.report.chunked += chunked or len(live.chunks) > 1
+            self.report.unaligned_reuse += state.reused_len % cfg.tokens_per_block != 0
+            session.busy = True
             self.running.append(live)
             if live.cancel_at is CancelAt.BEFORE_EARLY:
                 self._cancel(live, CancelAt.BEFORE_EARLY.value)
+
+    def _take_owed_role(self, live: _Live, reused_len: int) -> None:
+        """Gives the request the first owed role it can play (`FORCED_ROLES`), on the lane
+        where nothing else can end it first: a cancellation stage or a forced receiver
+        timeout on the fast lane (no timeouts there), a forced sender timeout on the slow
+        lane (the only one with a sender timeout)."""
+        fast, slow = self.lanes
+        for role in self._owed:
+            if role is CancelAt.AFTER_EARLY and reused_len < self.cfg.tokens_per_block:
+                continue  # no complete reused block: nothing leaves early
+            if role is CancelAt.MID_CHUNK:
+                start, end = live.chunks[0][0], live.chunks[-1][1]
+                if end - start < 2:
+                    continue
+                live.chunks = _chunks(start, end, -(-(end - start) // 2))
+                live.cancel_after = 1
+            self._owed.remove(role)
+            live.cancel_at = role if isinstance(role, CancelAt) else None
+            live.forced = role if isinstance(role, Forced) else None
+            live.lane = slow if role is Forced.SENDER_TIMEOUT else fast
+            return
 
     def _step(self) -> None:
         for lane in self.lanes:
@@ -391,10 +441,21 @@ class Soak:
             done[r.rid] = (start, end)
             if end == len(r.prompt):
                 r.first_token = int(logits.argmax())
+        for r in [r for r in self.running if r.forced is Forced.RECEIVER_TIMEOUT and r.done == len(r.chunks)]:
+            self._force_receiver_timeout(r)
+        for r in self.running:
+            if r.forced is Forced.SENDER_TIMEOUT and r.done == len(r.chunks):
+                # The link stalls on the request's last write: it is held until the executor,
+                # past its timeout, gives up on it (`_cancel` opens the gate).
+                gate = threading.Event()
+                self._gates.append(gate)
+                r.lane.hook.order_after(self.ctx.requests[r.rid].blocks, gate)
         for lane in self.lanes:
             ids = [r.rid for r in self.running if r.lane is lane]
             if ids:
                 lane.hook.after_forward(ids, [done[i][0] for i in ids], [done[i][1] for i in ids])
+        if self._gates:
+            self._force_sender_timeout(self.lanes[1])
         for lane in self.lanes:
             self._poll(lane)
         for r in list(self.running):
@@ -406,32 +467,68 @@ class Soak:
                 else:
                     self._complete(r)
 
+    def _force_receiver_timeout(self, r: _Live) -> None:
+        """The generation side's deadline passes while the request's last chunk has been
+        computed but not sent: its wait cannot succeed, so it times out, and the receiver
+        gives up on it while the sender still holds it (a receiver cancellation, for sure)."""
+        try:
+            self.receiver.wait(r.rid, timeout=self.cfg.receiver_timeout)
+            self.report.errors.append(f"request {r.rid}: complete at the receiver before its last chunk was sent")
+        except TransferTimeoutError:
+            self.report.receiver_timeouts += 1
+            self._cancel(r, "receiver timeout", receiver_first=True)
+
+    def _force_sender_timeout(self, lane: _Lane) -> None:
+        """A write of the lane is held (`_gates`): waiting for the lane's copies for as long
+        as the sender's timeout times out for sure, and the executor gives up."""
+        while True:
+            try:
+                lane.hook.sender.flush(timeout=self.cfg.sender_timeout)
+            except TransferTimeoutError:
+                break
+            except TransferError as err:
+                self._receiver_cancelled(err)  # reported first; the flush goes on
+                continue
+            self.report.errors.append("a held write finished before the link was released")
+            break
+        self._on_sender_timeout(lane)
+
+    def _on_sender_timeout(self, lane: _Lane) -> None:
+        # The executor's answer to a stuck link: cancel what is still waiting on it.
+        self.report.sender_timeouts += 1
+        for r in [r for r in self.running if r.lane is lane and lane.hook.sender.in_flight(r.rid)]:
+            self._cancel(r, "sender timeout")
+
     def _poll(self, lane: _Lane) -> None:
         try:
             lane.hook.poll()
         except TransferTimeoutError:
             if not lane.slow:
                 raise
-            # The executor's answer to a stuck link: cancel what is still waiting on it.
-            self.report.sender_timeouts += 1
-            for r in [r for r in self.running if r.lane is lane and lane.hook.sender.in_flight(r.rid)]:
-                self._cancel(r, "sender timeout")
+            self._on_sender_timeout(lane)
         except TransferError as err:
-            # The sender revoked requests because the receiver asked: the receiver's own
-            # timeout path has already acknowledged them (see `_cancel`).
-            if not lane.slow or "cancelled by the" not in str(err) or not set(err.request_ids) <= set(self._receiver_gave_up):
-                raise
-            self.report.receiver_cancels += len(err.request_ids)
+            self._receiver_cancelled(err)
+
+    def _receiver_cancelled(self, err: TransferError) -> None:
+        """The sender's report that it revoked requests because the receiver asked: the
+        receiver's own timeout path has acknowledged them already (`_cancel`); anything else
+        is raised."""
+        if "cancelled by the" not in str(err) or not set(err.request_ids) <= set(self._receiver_gave_up):
+            raise err
 
     def _cancel(self, r: _Live, why: str, *, receiver_first: bool = False) -> None:
         """Ends a request that will not complete. By default the context side cancels
         first (its fence lets the receiver release at once); ``receiver_first``: the
         generation side gives up, and its release waits for the sender to hear of it and
-        post its fence."""
+        post its fence (the sender's announcer takes the receiver's cancellations)."""
         if receiver_first:
             self._check_ledger(r, complete=False)
             self._receiver_gave_up.append(r.rid)
             self.receiver.release(r.rid, timeout=CANCEL_GIVE_UP_SECONDS)
+            # The request may have completed at the sender before the cancellation reached
+            # it (a natural receiver timeout); otherwise the sender failed it for the receiver.
+            failure = r.lane.hook.sender.failures().get(r.rid)
+            self.report.receiver_cancels += failure is not None and "cancelled by the" in str(failure)
         give_up = time.monotonic() + CANCEL_GIVE_UP_SECONDS
         while True:
             try:
@@ -446,7 +543,9 @@ class Soak:
                     self.report.cancel_timeouts += 1
                 if time.monotonic() > give_up:
                     raise
-                time.sleep(self.cfg.cancel_timeout)
+                # The executor gave up on the stalled link: it recovers (held writes run).
+                while self._gates:
+                    self._gates.pop().set()
         if receiver_first:
             self._poll(r.lane)  # the sender's report of the receiver's cancellation, if any
         else:
@@ -576,6 +675,8 @@ class Soak:
         self._audit()
 
     def close(self) -> None:
+        while self._gates:  # a run that stopped on an error may have left the link stalled
+            self._gates.pop().set()
         for lane in self.lanes:
             lane.hook.sender.close()
         if self._endpoint is not None:
