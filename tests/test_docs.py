@@ -1,0 +1,90 @@
+"""The docs run as written. Every python block of README.md runs on its own; the python
+blocks of docs/integration.md run in order, as one session (a walk-through: later blocks use
+the objects earlier ones made). A line ``print(...)  # text`` must print ``text``. A console
+block's ``$ kvferry ...`` lines print exactly the output shown under them, and every
+``make`` target a bash block names exists."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def blocks(doc: str, lang: str) -> list[tuple[int, str]]:
+    """The ``lang`` fenced blocks of ``doc``: (line of the fence, text)."""
+    text = (ROOT / doc).read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in re.finditer(rf"^```{lang}\n(.*?)^```$", text, re.M | re.S)]
+
+
+def expected_prints(code: str) -> list[str]:
+    return [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(") and "#" in line]
+
+
+def run_block(code: str, name: str, namespace: dict[str, Any]) -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, name, "exec"), namespace)  # our own docs, not input from anywhere
+    want = expected_prints(code)
+    if want:
+        assert out.getvalue().splitlines() == want, name
+
+
+README_PYTHON = blocks("README.md", "python")
+
+
+def test_the_docs_have_the_blocks_these_tests_run() -> None:
+    assert len(README_PYTHON) == 2 and len(blocks("docs/integration.md", "python")) >= 10
+    assert len(blocks("README.md", "console")) == 1 and len(blocks("README.md", "bash")) == 1
+
+
+@pytest.mark.parametrize(("line", "code"), README_PYTHON, ids=[f"README.md:{line}" for line, _ in README_PYTHON])
+def test_readme_python_block_runs_on_its_own(line: int, code: str) -> None:
+    run_block(code, f"README.md:{line}", {"__name__": "__readme__"})
+
+
+def test_integration_walkthrough_runs_in_order() -> None:
+    namespace: dict[str, Any] = {"__name__": "__integration__"}
+    try:
+        for line, code in blocks("docs/integration.md", "python"):
+            run_block(code, f"docs/integration.md:{line}", namespace)
+        assert len(namespace["receiver"]) == 0  # every request it expected was released
+    finally:
+        # The walk-through's shared segment: unmapped once no tensor views it any more.
+        shared = namespace.get("shared")
+        namespace.clear()
+        gc.collect()
+        if shared is not None:
+            shared.close()
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/integration.md"])
+def test_console_blocks_show_the_cli_s_real_output(doc: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for line, text in blocks(doc, "console"):
+        commands = re.split(r"^\$ ", text, flags=re.M)[1:]
+        assert commands, f"{doc}:{line}: a console block without a command"
+        for command in commands:
+            argv, _, shown = command.partition("\n")
+            words = shlex.split(argv)
+            assert words[0] == "kvferry", f"{doc}:{line}: {argv}"
+            assert main(words[1:]) == 0
+            assert capsys.readouterr().out == shown, f"{doc}:{line}: {argv}"
+
+
+def test_make_targets_named_in_bash_blocks_exist() -> None:
+    targets = [line.split()[1] for _, text in blocks("README.md", "bash") for line in text.splitlines() if line.startswith("make ")]
+    assert targets == ["demo", "test"]
+    for target in targets:
+        done = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
