@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvferry._core import BlockRange
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -559,16 +560,55 @@ def test_staging_ring_reserves_contiguous_runs_and_starts_over_when_empty() -> N
     assert ring._used == 4 + 2 + 3
 
 
-def test_progress_thread_posts_without_the_executor_polling() -> None:
+def test_by_default_a_finished_copy_reaches_the_receiver_without_further_calls() -> None:
+    """The README's case: send, then wait at the receiver; nobody calls poll or flush. The
+    announcer posts each write's notices in queue order; `poll` alongside it posts nothing
+    twice."""
+    receiver = KVReceiver(random_pool(1))
+    epoch = receiver.expect(1, 16)
+    sender = KVSender(random_pool(0), InProcessTransport(receiver))
+    sender.add(1, 16, reused_len=8, epoch=epoch)
+    table = np.arange(4)[None, :]
+    sender.send_early([1], table, table)
+    sender.send_chunks([1], [8], [16], table, table)
+    receiver.wait(1, timeout=30)
+    assert [(n.slice_id, n.start, n.end) for n in receiver.notices(1)] == [(0, 0, 2), (1, 2, 4)]
+    assert not sender.in_flight(1) and sender.poll() == [] and sender.remove(1).is_complete
+    sender.close()
+
+
+def test_with_progress_off_only_the_executor_posts() -> None:
     receiver = KVReceiver(random_pool(1))
     receiver.expect(1, 16)
-    sender = KVSender(random_pool(0), InProcessTransport(receiver), progress=True)
+    sender = KVSender(random_pool(0), InProcessTransport(receiver), progress=False)
     sender.add(1, 16)
     table = np.arange(4)[None, :]
     sender.send_chunks([1], [0], [16], table, table)
-    receiver.wait(1, timeout=10)  # nobody called poll or flush
-    assert not sender.in_flight(1)
+    with pytest.raises(TransferTimeoutError, match=r"blocks \[BlockRange\(0, 4\)\] did not arrive within 0.01 s; no sender announced it; 0 notices arrived"):
+        receiver.wait(1, timeout=0.01)  # the copy may have landed: its notice waits for a poll
+    posted = sender.flush(timeout=30)
+    assert [(n.start, n.end) for n in posted] == [(0, 4)] and receiver.is_complete(1)
     sender.close()
+
+
+def test_a_wait_that_cannot_finish_says_why_at_once() -> None:
+    """Fenced with blocks missing (its sender's connection ended after its copies did):
+    nothing can arrive, so `wait` raises at once instead of waiting out its timeout; so does
+    a request awaiting blocks of such an owner, and one never expected."""
+    receiver = KVReceiver(random_pool(1))
+    epoch = receiver.expect(1, 16)
+    waiting = receiver.expect(2, 16, awaits=[(1, BlockRange(0, 4))])
+    receiver.bind(1, "sender A", epoch)
+    receiver.deliver(Notice(1, 0, 0, 2, False, epoch), "sender A")
+    assert receiver.fence_source("sender A") == [1]
+    with pytest.raises(TransferError, match="were to arrive with request 1's transfer, which was fenced without them") as err:
+        receiver.wait(2, timeout=None)
+    assert not isinstance(err.value, TransferTimeoutError) and waiting
+    with pytest.raises(TransferError, match=r"request 1: fenced with blocks \[BlockRange\(2, 4\)\] missing: its sender is sender A; 1 notices arrived") as err:
+        receiver.wait(1, timeout=None)
+    assert not isinstance(err.value, TransferTimeoutError)
+    with pytest.raises(UnknownRequestError, match="unknown request_id=3"):
+        receiver.wait(3, timeout=None)
 
 
 def test_blocks_the_receiver_holds_never_cross() -> None:

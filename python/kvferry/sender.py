@@ -146,11 +146,12 @@ class KVSender:
         # once no unfinished copy touches it.
         self._unfenced: dict[int, int] = {}
         self.records: Optional[list[TransferRecord]] = [] if record else None
-        # The executor thread and the progress thread share the queue of writes.
+        # The executor thread and the announcer thread share the queue of writes.
         self._lock = threading.RLock()
-        # An error found where it could not be raised (the progress thread, a cancel that
-        # posted other requests' writes): raised by the executor's next poll or flush.
-        self._deferred_error: Optional[BaseException] = None
+        # Errors found where they could not be raised (the announcer thread, a cancel that
+        # posted other requests' writes): each raised by one of the executor's next polls or
+        # flushes, oldest first.
+        self._deferred: deque[BaseException] = deque()
         # Failed requests not yet acknowledged by remove/cancel, with their ledgers once no
         # copy reads their blocks (until then they stay in the book, revoked).
         self._failed: dict[int, tuple[TransferError, Optional[TransferLedger]]] = {}
@@ -190,13 +191,15 @@ class KVSender:
             return True, None, False, next_check
 
     def _defer(self, err: BaseException) -> None:
-        if self._deferred_error is None:  # the first one explains the rest
-            self._deferred_error = err
+        # Each error is raised once, in the order found (a lost receiver is one error however
+        # many writes it ended, so it is kept once).
+        with self._lock:
+            if all(err is not kept for kept in self._deferred):
+                self._deferred.append(err)
 
     def _raise_deferred_error(self) -> None:
-        if self._deferred_error is not None:
-            err, self._deferred_error = self._deferred_error, None
-            raise err
+        if self._deferred:
+            raise self._deferred.popleft()
 
     def add(
         self,
