@@ -258,7 +258,7 @@ def context_worker(conn: Any, address: str, authkey: bytes, kind: str) -> None:
         elif command == "hold-chunk":  # the copy starts and stays blocked: killed mid-write
             engine.hold()
             sender.send_chunks(*args)
-            conn.send(until(lambda: engine.running > 0, timeout=REPLY_SECONDS))
+            conn.send(engine.wait_running(lambda n: n > 0, timeout=REPLY_SECONDS))
 
 
 class GatedEngine(ThreadCopyEngine):
@@ -271,9 +271,20 @@ class GatedEngine(ThreadCopyEngine):
         self._open.set()
         self.running = 0
         self.started = threading.Event()  # set once a copy started (and, held, waits)
+        self._changed = threading.Condition()
 
     def hold(self) -> None:
         self._open.clear()
+
+    def _count(self, step: int) -> None:
+        with self._changed:
+            self.running += step
+            self._changed.notify_all()
+
+    def wait_running(self, predicate: Callable[[int], bool], timeout: float = SLACK) -> bool:
+        """Waits until ``predicate(running copies)`` holds (woken by each start and end)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self.running), timeout)
 
     def release(self) -> None:
         self._open.set()
@@ -285,13 +296,13 @@ class GatedEngine(ThreadCopyEngine):
         gate = self._open
 
         def gated() -> None:
-            self.running += 1
+            self._count(+1)
             self.started.set()
             try:
                 assert gate.wait(timeout=REPLY_SECONDS), "a held copy was never released"
                 work()
             finally:
-                self.running -= 1
+                self._count(-1)
 
         return super().submit_call(gated, after=after, nbytes=nbytes)
 
@@ -378,7 +389,7 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
         sender.flush(timeout=REPLY_SECONDS)
         engine.hold()
         sender.send_chunks([1, 2], [9, 9], [14, 14], src_t, dst_t)
-        assert until(lambda: engine.running > 0)  # the chunk's copy is under way...
+        assert engine.wait_running(lambda n: n > 0)  # the chunk's copy is under way...
         gen.kill()  # ...when the receiver dies
         engine.release()
 
@@ -634,7 +645,7 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
                 sender.send_chunks(list(ids), [start] * len(ids), [end] * len(ids), src_t[pick], dst_t[pick])
 
             def cancel_while_copying() -> None:
-                assert until(lambda: engine.running > 0)
+                assert engine.wait_running(lambda n: n > 0)
                 with pytest.raises(TransferTimeoutError, match=f"request {c}: copies reading its blocks"):
                     sender.cancel(c, timeout=0.05)  # the copy reads C's blocks: not yet
                 with pytest.raises(ValueError, match=f"\\[{c}\\] were cancelled"):

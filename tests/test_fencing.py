@@ -361,7 +361,7 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         sender.flush(timeout=SLACK)
         engine.hold()
         sender.send_chunks([7], [9], [24], tables(rows), tables(dst))
-        assert until(lambda: engine.running == 1)  # the write is under way
+        assert engine.wait_running(lambda n: n == 1)  # the write is under way
 
         status, waited, message = remote.call("release", 7, 0.3)
         assert status == "TransferTimeoutError" and waited >= 0.3 and "epoch" in message
@@ -375,7 +375,7 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         assert (fenced, complete) == (False, False) and [a[:4] for a in arrived] == [(7, 0, 0, 2)]
 
         engine.release()
-        assert until(lambda: engine.running == 0)
+        assert engine.wait_running(lambda n: n == 0)
         sender.poll()  # the write ended: its notice is dropped, the fence posted
         assert not sender.leased(7)
         assert remote.call("release", 7, SLACK)[0] == "ok"
@@ -421,13 +421,13 @@ def test_without_the_fence_a_late_one_sided_write_lands_in_the_new_owners_blocks
         sender.add(7, 8, epoch=old)
         engine.hold()
         sender.send_chunks([7], [0], [8], tables([0, 1]), tables(dst))
-        assert until(lambda: engine.running == 1)
+        assert engine.wait_running(lambda n: n == 1)
         assert remote.call("release_unfenced", 7) == "ok"  # the bug: no fence awaited
         dst2, new = remote.call("expect", 7, 8)
         assert sorted(dst2) == sorted(dst)
         owner = remote.call("fill", dst2, 42.0)
         engine.release()
-        assert until(lambda: engine.running == 0)
+        assert engine.wait_running(lambda n: n == 0)
         with pytest.raises(TransferError, match="cancelled by the receiver"):
             sender.poll()  # it heard of the cancellation: too late for a write under way
         sender.flush(timeout=SLACK)
