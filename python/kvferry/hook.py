@@ -11,8 +11,9 @@ eligible request of the batch (context-only, not cancelled, first chunk, a compl
 block, pipelined transfer on); ``after_forward`` sends what each finished chunk completed.
 ``after_layer`` (layer-wise streaming, a sender with ``layer_groups > 1``) sends, during the
 last chunk's forward, each layer group's layers of the chunk's blocks as soon as the group's
-last layer wrote its K and V. None of them waits on earlier transfers: copies are queued and
-their notices posted by `poll`.
+last layer wrote its K and V. None of them waits on earlier transfers: copies are queued, and
+each one's notices are posted once it landed (by the sender's announcer thread; with
+``KVSender(progress=False)`` by `poll`).
 
 Leases: a request's source blocks belong to the transfer from `add_request` until `finish`
 or `cancel` returns (`leased` says so); the engine keeps its references to them (so that no
@@ -154,7 +155,10 @@ class TransferHook:
         self.sender.order_after(src_ids, signal)
 
     def poll(self) -> list[Notice]:
-        """Posts the notices of finished copies (call once per scheduler step)."""
+        """Once per scheduler step: raises what went wrong since the last call (a failed
+        write, a copy past the sender's timeout, the receiver's cancellation) and posts the
+        notices of finished copies the announcer has not posted yet (all of them with
+        ``KVSender(progress=False)``). Cheap when there is nothing to do."""
         return self.sender.poll()
 
     def finish(self, request_id: int, timeout: Optional[float] = None) -> None:
