@@ -60,10 +60,12 @@ def turn(t: int, baseline: float, early: float) -> dict:  # type: ignore[type-ar
 
 
 def test_busy_verdict_from_the_modes_prefill_spread() -> None:
-    quiet = busy_verdict([turn(1, 600, 620), turn(2, 610, 590)])
+    quiet = busy_verdict([turn(1, 600, 620), turn(2, 610, 590), turn(3, 600, 1200)])  # one disturbed turn
     assert quiet["busy"] is False and quiet["prefill_spread"] == pytest.approx(610 / 590)
-    busy = busy_verdict([turn(1, 600, 620), turn(2, 600, 600 * BUSY_SPREAD * 1.01)])
-    assert busy["busy"] is True and busy["turn"] == 2
+    assert (quiet["worst_turn"], quiet["worst_spread"]) == (3, pytest.approx(2.0))
+    over = 600 * BUSY_SPREAD * 1.01
+    busy = busy_verdict([turn(1, 600, 620), turn(2, over, 600), turn(3, 600, over)])
+    assert busy["busy"] is True and busy["prefill_spread"] == pytest.approx(over / 600)
 
 
 def test_turns_phrase_counts_the_warm_up() -> None:

@@ -142,7 +142,7 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     # The ideal bound is a bound: no request was ready before it.
     assert all(r["ideal_kv_ready_ms"] <= r["kv_ready_ms"] for r in result["requests"])
     assert len(result["turns"]) == 1 and result["early_over_baseline"] == result["turns"][0]["early_over_baseline"]
-    assert set(result["load"]) == {"busy", "prefill_spread", "turn", "threshold"}
+    assert set(result["load"]) == {"busy", "prefill_spread", "worst_turn", "worst_spread", "threshold"}
 
 
 @pytest.mark.parametrize("flag, groups", [(["--layerwise"], 3), (["--layerwise", "2"], 2)], ids=["per-layer", "G2"])

@@ -15,6 +15,7 @@ enqueues the job (and every later one, to keep the order) once they completed.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -103,11 +104,12 @@ class ThreadCopyEngine(CopyEngine):
     bytes over that rate, one after another as on a real link. A NIC moves bytes by DMA,
     without the host's compute cores, so the emulated link must not take them from the
     prefill either: a pool-to-pool copy is done in slices of about `LINK_SLICE_BYTES`, each
-    by numpy on this one thread (a plain memcpy, no torch thread team) and then paced, so the
-    link holds at most a fraction of one core (its rate over the memcpy's) and only while it
-    carries bytes. torch's parallel copy in its place spawned a second OpenMP team that
-    contended with the forward's for the same cores: on a loaded 2-core machine the early
-    mode's prefill took twice baseline's.
+    by numpy on this one thread (a plain memcpy, no torch thread team) and then paced; and the
+    thread runs at the lowest scheduling priority (nice 19, where the OS allows it), so its
+    memcpy takes only cycles the forward leaves idle. torch's parallel copy in its place
+    spawned a second OpenMP team that contended with the forward's for the same cores: on a
+    loaded 2-core machine the early mode's prefill took twice baseline's. A link starved of
+    spare cycles arrives late, which the copy's recorded interval shows.
 
     ```
     link time:  |slice 0|sleep ...|slice 1|sleep ...|slice 2|sleep|   finishes at
@@ -119,7 +121,9 @@ class ThreadCopyEngine(CopyEngine):
         if link_gbps is not None and link_gbps <= 0:
             raise ValueError(f"invalid link_gbps={link_gbps}: must be > 0")
         self.link_gbps = link_gbps
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-copy")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvferry-copy", initializer=_lowest_priority if link_gbps is not None else None
+        )
         self._closing = threading.Event()
 
     def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()) -> Pending:
@@ -148,6 +152,14 @@ class ThreadCopyEngine(CopyEngine):
     def close(self) -> None:
         self._closing.set()  # a job still waiting for a tier signal fails instead of running
         self._pool.shutdown(wait=True)
+
+
+def _lowest_priority() -> None:
+    """Lowers the calling thread (a Linux thread is its own scheduling entity) to nice 19."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or a sandbox that refuses: pacing still holds
+        pass
 
 
 # One slice of an emulated link's copy: small enough that the pacing is smooth (a slice is
