@@ -496,7 +496,9 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
             fontsize=9,
         )
     axes[-1, 0].set_xlabel(f"ms since turn {last}'s requests were admitted")
-    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
+    order = ["prefill", "early transfer", "chunk transfer", "layer transfer", "KV ready", "decode starts"]
+    names = [n for n in order if n in handles]
+    fig.legend([handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.81, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
