@@ -136,3 +136,11 @@ def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvferry {kvferry.__version__}"
+
+
+def test_plan_needs_no_torch() -> None:
+    """The planner and `kvferry plan` run on numpy alone."""
+    argv = ["plan", "--tokens-per-block", "4", "--prompt", "32", "--reused", "12"]
+    proc = _python(BLOCK.format(module="torch") + f"from kvferry.cli import main; sys.exit(main({argv!r}))")
+    assert proc.returncode == 0, proc.stderr
+    assert "exact-once: 8 of 8 needed blocks sent" in proc.stdout
