@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -139,6 +140,10 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     assert all(r["reused_len"] >= 160 - 40 for r in early) and len(early) == 2
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "outputs match aggregated: True" in table
+    # The ideal bound is a bound: no request was ready before it.
+    assert all(r["ideal_kv_ready_ms"] <= r["kv_ready_ms"] for r in result["requests"])
+    assert len(result["turns"]) == 1 and result["early_over_baseline"] == result["turns"][0]["early_over_baseline"]
+    assert set(result["load"]) == {"busy", "prefill_spread", "worst_turn", "worst_spread", "threshold"}
 
 
 @pytest.mark.parametrize("flag, groups", [(["--layerwise"], 3), (["--layerwise", "2"], 2)], ids=["per-layer", "G2"])
@@ -217,3 +222,52 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     assert result["ratio"] == onboard["kv_ready_ms_median"] / direct["kv_ready_ms_median"]
     assert f"onboard-then-send / direct: {result['ratio']:.2f}x" in table
 
+
+
+def _options(parser: argparse.ArgumentParser, path: str = "kvferry") -> list[tuple[str, argparse.Action, argparse.ArgumentParser]]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _options(sub, f"{path} {name}")
+        elif action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            found.append((f"{path} {action.option_strings[-1]}", action, parser))
+    return found
+
+
+def test_every_option_has_help_showing_its_default() -> None:
+    from kvferry.cli import build_parser
+
+    options = _options(build_parser())
+    assert len(options) > 40
+    for name, action, parser in options:
+        assert action.help, f"{name} has no help text"
+        shown = parser._get_formatter()._expand_help(action)
+        assert "default" in shown or "required" in shown, f"{name}: {shown!r} shows no default"
+
+
+def test_help_renders_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "agentic", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--sessions N concurrent conversations" in out and "(default: 3)" in out
+    assert "--aware also run early transfer" in out and "(default: off)" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "copy", "--help"])
+    assert "(default: 8,64,1024,4096)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "agentic", "--sessions", "2", "--turns", "2", "--cached", "64", "--new", "16", "--output", "2", "--tokens-per-block", "16",
+            "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ffn", "32", "--vocab", "64", "--png", ""]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    phrase = "2 sessions x 3 turns (1 warm-up + 2 measured)"
+    assert phrase in out.splitlines()[0] and phrase in err
+    assert "baseline turn 0 (warm-up)" in err and "early turn 2 of 2" in err and "turn 3" not in err
+    header = next(line for line in out.splitlines() if line.startswith("mode "))
+    assert "prefill ms" in header and "KV-ready ms" in header and "early MiB" in header
+    rows = [line for line in out.splitlines() if line.startswith(("baseline ", "early "))]
+    assert len(rows) == 2 * 2 * 2 and not any(field.endswith("m") for row in rows for field in row.split()[5:])
+    assert "early/baseline KV-ready" in out and "median over 2 measured turns" in out
+    assert ("WARNING: the machine was too busy" in out) != ("load: the modes' prefill of each turn agreed" in out)

@@ -7,10 +7,13 @@ crosses exactly once.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 from kvferry.errors import (
     DuplicateTransferError,
     InvalidArgumentError,
     KvFerryError,
+    MissingDependencyError,
     UnknownRequestError,
 )
 from kvferry._core import (
@@ -28,7 +31,21 @@ from kvferry._core import (
     select_early,
 )
 
+
+def _version() -> str:
+    """The installed distribution's version (maturin takes it from rust/Cargo.toml); a source
+    tree that was never installed reports ``0+unknown``, a valid PEP 440 version that sorts
+    before every release."""
+    try:
+        return _metadata.version("kvferry")
+    except _metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
+
 __all__ = [
+    "__version__",
     "MAX_LEDGER_BLOCKS",
     "BlockPairs",
     "BlockRange",
@@ -36,6 +53,7 @@ __all__ = [
     "DuplicateTransferError",
     "InvalidArgumentError",
     "KvFerryError",
+    "MissingDependencyError",
     "SlicePlan",
     "TransferBook",
     "TransferLedger",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 import triton
 import triton.language as tl

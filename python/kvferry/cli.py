@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
+from kvferry._optional import require
 from kvferry.errors import KvFerryError
 
 if TYPE_CHECKING:
@@ -21,8 +22,31 @@ if TYPE_CHECKING:
 LLAMA8B_BYTES_PER_TOKEN = 2 * 8 * 128 * 2 * 32
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default: the value argparse holds (a list joined
+    with commas, a flag as off), unless the help already says it in words ("default: ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text or action.required:
+            return text
+        default = action.default
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif isinstance(default, (tuple, list)):
+            shown = ",".join(map(str, default))
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments give one line on stderr and exit code 2 (argparse prints usage too)."""
+    """Bad arguments give one line on stderr and exit code 2 (argparse prints usage too).
+    Help lists every option's default (`_Help`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -143,17 +167,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvferry import __version__
+
     parser = _Parser(prog="kvferry", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the transfer plan of one request")
-    plan.add_argument("--tokens-per-block", type=_positive, required=True, metavar="N")
-    plan.add_argument("--prompt", type=_positive, required=True, metavar="TOKENS", help="prompt length")
+    plan.add_argument("--tokens-per-block", type=_positive, required=True, metavar="N", help="tokens per KV block (required)")
+    plan.add_argument("--prompt", type=_positive, required=True, metavar="TOKENS", help="prompt length (required)")
     plan.add_argument("--reused", type=_non_negative, default=0, metavar="TOKENS", help="reused prefix length")
     plan.add_argument(
         "--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)"
     )
     plan.add_argument("--no-early", action="store_true", help="send the prefix with the first chunk instead")
-    plan.add_argument("--window", type=_positive, default=None, metavar="TOKENS", help="sliding attention window")
+    plan.add_argument("--window", type=_positive, default=None, metavar="TOKENS", help="sliding attention window (default: full attention)")
     plan.add_argument(
         "--block-bytes",
         type=_positive,
@@ -165,68 +192,69 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
-    copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
     copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (CPU), cuda-ipc and staging (CUDA), nixl; default: all but nixl on CUDA")
-    copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (default 8,64,1024,4096)")
-    copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
-    copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 64 on cpu, 128 on cuda)")
+    copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (a comma-separated list)")
+    copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
+    copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 64 on cpu, 128 on cuda)")
     copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
-    copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)")
     copy.set_defaults(func=_cmd_bench_copy)
 
     agentic = bench.add_parser("agentic", help="early versus baseline transfer on an agentic multi-turn workload (the main job)")
-    agentic.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    agentic.add_argument("--sessions", type=_positive, default=3, metavar="N")
-    agentic.add_argument("--turns", type=_positive, default=2, metavar="N", help="measured turns (after one warm-up turn)")
+    agentic.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live")
+    agentic.add_argument("--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (one request each per turn, prefilled as one batch)")
+    agentic.add_argument("--turns", type=_positive, default=4, metavar="N", help="measured turns, after one warm-up turn that fills the prefix cache; the ratio is their median")
     agentic.add_argument("--cached", type=_positive, default=3072, metavar="TOKENS", help="conversation length before the first measured turn")
     agentic.add_argument("--new", type=_positive, default=256, metavar="TOKENS", help="new tokens per turn")
     agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
-    agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N")
+    agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N", help="tokens per KV block")
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
     agentic.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
                          help="how the generation worker is reached; any but in-process runs it in another process")
-    agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
-    agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N")
-    agentic.add_argument("--vocab", type=_positive, default=512, metavar="N")
-    agentic.add_argument("--layers", type=_positive, default=8, metavar="N")
-    agentic.add_argument("--hidden", type=_positive, default=512, metavar="N")
-    agentic.add_argument("--heads", type=_positive, default=8, metavar="N")
-    agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N")
-    agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N")
+    agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)")
+    agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N", help="the model's MLP width")
+    agentic.add_argument("--vocab", type=_positive, default=512, metavar="N", help="the model's vocabulary size")
+    agentic.add_argument("--layers", type=_positive, default=8, metavar="N", help="the model's layers")
+    agentic.add_argument("--hidden", type=_positive, default=512, metavar="N", help="the model's hidden size")
+    agentic.add_argument("--heads", type=_positive, default=8, metavar="N", help="attention heads (a multiple of --kv-heads)")
+    agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N", help="KV heads (grouped-query attention)")
+    agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N", help="dimensions per head (even)")
     agentic.add_argument("--aware", action="store_true", help="also run early transfer with receiver prefix awareness (held blocks never cross)")
     # A bare --layerwise (const 0) means one group per layer; resolved against --layers below.
     agentic.add_argument("--layerwise", nargs="?", type=_positive, const=0, default=None, metavar="GROUPS",
-                         help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: one per layer)")
+                         help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: not run; a bare --layerwise: one group per layer)")
     agentic.add_argument("--check-kv", action="store_true", help="hash every transferred block on both workers and report differing blocks (slow)")
-    agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
-    agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
+    agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
+    agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
     agentic.set_defaults(func=_cmd_bench_agentic)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
-    fanout.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    fanout.add_argument("--requests", type=_positive, default=8, metavar="N", help="concurrent requests (default %(default)s)")
-    fanout.add_argument("--prefix", type=_positive, default=8192, metavar="TOKENS", help="shared prefix (default %(default)s)")
-    fanout.add_argument("--suffix", type=_positive, default=32, metavar="TOKENS", help="each request's own tokens (default %(default)s)")
-    fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS")
-    fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N")
-    fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size (default %(default)s)")
-    fanout.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process")
+    fanout.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live")
+    fanout.add_argument("--requests", type=_positive, default=8, metavar="N", help="concurrent requests")
+    fanout.add_argument("--prefix", type=_positive, default=8192, metavar="TOKENS", help="shared prefix")
+    fanout.add_argument("--suffix", type=_positive, default=32, metavar="TOKENS", help="each request's own tokens")
+    fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS", help="output tokens per request")
+    fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N", help="tokens per KV block")
+    fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size")
+    fanout.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
+                        help="how the generation worker is reached; any but in-process runs it in another process")
     fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
-    fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     fanout.set_defaults(func=_cmd_bench_fanout)
 
     tiers = bench.add_parser("tiers", help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send")
-    tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the device tier and the receiver's pool live")
     tiers.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default=None,
                        help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process")
-    tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix (default %(default)s)")
-    tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier (default %(default)s)")
-    tiers.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
-    tiers.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 32 on cpu, 128 on cuda)")
+    tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix")
+    tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier")
+    tiers.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
+    tiers.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 32 on cpu, 128 on cuda)")
     tiers.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     tiers.add_argument("--host-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU: emulated host-to-device rate of the onboarding (0: raw copies)")
     tiers.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions of each mode, after one warm-up; the median is reported")
-    tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     tiers.set_defaults(func=_cmd_bench_tiers)
     return parser
 
@@ -347,8 +375,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         aware=args.aware,
         layer_groups=layer_groups,
     )
-    if _too_big(args.device, _agentic_bytes(cfg), "the model and its two KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
+    if _too_big(args.device, _agentic_bytes(cfg), "the model and its KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
         return 2
+    if args.png:  # checked before the run, not after it
+        require("matplotlib", "the timeline PNG (--png; --png '' skips it)")
     result = run_agentic(cfg, progress=progress_to_stderr)
     print(format_agentic(result))
     _write_json(args.json, result)
@@ -397,7 +427,8 @@ def _too_big(device: str, need: int, what: str, options: str) -> bool:
 
 def _agentic_bytes(cfg: AgenticConfig) -> int:
     """A lower bound of what `kvferry bench agentic` allocates: one model's weights and the
-    context and generation KV pools (activations and the reference run come on top)."""
+    context and generation KV pools of every mode (activations and the reference run come on
+    top)."""
     import torch
 
     from kvferry.bench.agentic import _pool_blocks
@@ -405,7 +436,9 @@ def _agentic_bytes(cfg: AgenticConfig) -> int:
     m = cfg.model_config()
     per_layer = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
     weights = (2 * m.vocab * m.hidden + m.layers * per_layer) * torch.empty((), dtype=m.dtype).element_size()
-    return weights + 2 * _pool_blocks(cfg) * cfg.tokens_per_block * m.kv_bytes_per_token
+    # Every mode's engine lives through the run (the modes take turns): a context and a
+    # generation pool each.
+    return weights + 2 * len(cfg.modes) * _pool_blocks(cfg) * cfg.tokens_per_block * m.kv_bytes_per_token
 
 
 def _cuda_missing(device: str) -> bool:

@@ -8,6 +8,7 @@ one scatter per layer (index_copy_ on uint8 is about 5x slower than on int64).
 from __future__ import annotations
 
 import numpy as np
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry._core import pack_pairs

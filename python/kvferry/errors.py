@@ -15,6 +15,7 @@ __all__ = [
     "UnknownRequestError",
     "TransferError",
     "TransferTimeoutError",
+    "MissingDependencyError",
 ]
 
 
@@ -53,3 +54,9 @@ class TransferError(KvFerryError):
 
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its deadline."""
+
+
+class MissingDependencyError(KvFerryError, ImportError):
+    """An optional dependency is not installed. The message is one line that names the
+    extra which brings it (``pip install 'kvferry[torch]'``); ``name`` is the missing module,
+    as on any ``ImportError``."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 import numpy as np
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.errors import InvalidArgumentError, KvFerryError

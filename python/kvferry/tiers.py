@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.errors import InvalidArgumentError, TransferError

@@ -40,7 +40,7 @@ __all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
 class AgenticConfig:
     device: str = "cpu"
     sessions: int = 3
-    turns: int = 2  # measured turns, after one warm-up turn that fills the prefix cache
+    turns: int = 4  # measured turns, after one warm-up turn that fills the prefix cache
     cached_tokens: int = 3072  # the conversation before the first measured turn
     new_tokens: int = 256
     output_tokens: int = 8
@@ -118,7 +118,8 @@ def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[
             outputs[turn.request_id] = got[turn.request_id]
             convs[s] += got[turn.request_id].outputs
         all_turns.append(turns)
-        advance(f"reference turn {len(all_turns) - 1}")
+        t = len(all_turns) - 1
+        advance(f"reference turn {t}" + (" (warm-up)" if t == 0 else f" of {cfg.turns}"))
     return all_turns, outputs
 
 
@@ -152,6 +153,41 @@ def duplicate_blocks(notices: list[Notice], layers: int) -> int:
     return len(twice)
 
 
+def _units(rec: TransferRecord, layers: int, request_id: Optional[int] = None) -> int:
+    """(block, layer) units a record carries, of one request or of all."""
+    return sum((n.end - n.start) * len(_layer_units(n, layers)) for n in rec.notices if request_id is None or n.request_id == request_id)
+
+
+def ideal_bound(request_id: int, records: list[TransferRecord], layers: int, admitted: float) -> float:
+    """The earliest the request's KV could have been ready (monotonic seconds), from this
+    run's own measurements: its copies run one after another on one link (the copy engine's
+    thread or stream), none starts before it was submitted (the prefix before the first
+    forward, each chunk's blocks after the forward that wrote them, a layer group's slices
+    after its last layer), and each takes at least the request's share of the time its copy
+    took in this run. So for every submission time ``s`` the request's copies submitted at
+    ``s`` or later cannot all have landed before ``s`` + their shares:
+
+    ```
+    link:    |--- prefix (shares of the batch's early copy) ---|     |- chunk share -|
+    bound:   max over s of  s + sum of the shares submitted at s or later
+             s = early submit -------------------------------------> s = after the forward
+    ```
+
+    Achieved KV-ready is at or after the request's last copy finished, which on a serial link
+    is at or after every such sum: the bound never exceeds what the run achieved. (A request
+    with nothing to send is bounded by its admission, ``admitted``.)"""
+    shares = sorted(
+        (rec.submitted, (rec.finished - rec.started) * _units(rec, layers, request_id) / max(1, _units(rec, layers)))
+        for rec in records
+        if _units(rec, layers, request_id)
+    )
+    bound, rest = admitted, sum(share for _, share in shares)
+    for submitted, share in shares:
+        bound = max(bound, submitted + rest)
+        rest -= share
+    return bound
+
+
 def _figures(
     mode: str, turn: int, results: dict[int, TurnResult], records: list[TransferRecord], layers: int
 ) -> tuple[list[RequestFigures], float, float]:
@@ -173,12 +209,6 @@ def _figures(
         tail = [rec for rec in mine if rec.kind in ("chunk", "layer") and rec.finished > r.step_done]
         prefix_s = sum(rec.finished - rec.started for rec in early)
         tail_s = (max(rec.finished for rec in tail) - r.step_done) if tail else 0.0
-        # The ideal bound: the copies that can only start once the forward ended (whole
-        # blocks after it, the last layer group's slices) follow prefill; the prefix and the
-        # other groups' slices could all hide under it.
-        last_group = [rec for rec in layer if any(n.request_id == rid and n.group == n.groups - 1 for n in rec.notices)]
-        after_copy_s = sum(rec.finished - rec.started for rec in tail if rec.kind == "chunk") + sum(rec.finished - rec.started for rec in last_group)
-        overlappable_s = prefix_s + sum(rec.finished - rec.started for rec in layer if all(rec is not x for x in last_group))
         # Prefill as the decode side sees it: until the batch forward holding the last chunk ended.
         prefill_s = r.step_done - r.prefill_start
         per_block = lambda rec: rec.nbytes / max(1, sum(n.end - n.start for n in rec.notices))  # noqa: E731
@@ -191,7 +221,7 @@ def _figures(
                 tail_transfer_ms=tail_s * 1e3,
                 kv_ready_ms=(r.kv_ready - r.admitted) * 1e3,
                 ttft_gen_ms=(r.first_token_at_gen - r.admitted) * 1e3 if r.first_token_at_gen else float("nan"),
-                ideal_kv_ready_ms=((r.prefill_start - r.admitted) + max(prefill_s, overlappable_s) + after_copy_s) * 1e3,
+                ideal_kv_ready_ms=(ideal_bound(rid, mine, layers, r.admitted) - r.admitted) * 1e3,
                 early_bytes=own_bytes(early),
                 after_bytes=own_bytes([rec for rec in mine if rec.kind == "chunk"]),
                 layer_bytes=own_bytes(layer),
@@ -209,6 +239,35 @@ def _figures(
     return figures, hidden, during_total
 
 
+# Identical prefill work (one turn's batch, in every mode) that took more than this much longer
+# in one mode than in another: the machine was busy with something else, unevenly.
+BUSY_SPREAD = 1.25
+
+
+def busy_verdict(per_turn: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the run's own measurements say the machine was too busy for its figures to
+    mean anything: every mode computes the same prefill in a turn, so on a machine with
+    nothing else running their prefill times agree within a few percent. The verdict takes
+    each turn's spread (its slowest mode's prefill over its fastest's) and their median over
+    the turns, as the headline ratio is a median over turns: one disturbed turn does not
+    spoil the run, a median spread above `BUSY_SPREAD` does."""
+    spreads = [max(v) / min(v) for v in ([x for x in p["prefill_ms"].values() if x > 0] for p in per_turn) if v]
+    spread = statistics.median(spreads) if spreads else 1.0
+    worst = max(range(len(spreads)), key=spreads.__getitem__) if spreads else None
+    return {
+        "busy": spread > BUSY_SPREAD,
+        "prefill_spread": spread,
+        "worst_turn": per_turn[worst]["turn"] if worst is not None else None,
+        "worst_spread": spreads[worst] if worst is not None else 1.0,
+        "threshold": BUSY_SPREAD,
+    }
+
+
+def emulated_link(cfg: AgenticConfig) -> bool:
+    """Whether the run emulates a link (CPU pools over the in-process or shm transport)."""
+    return cfg.link_gbps is not None and cfg.device == "cpu" and cfg.transport in ("in-process", "shm")
+
+
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     batches = (1 + len(cfg.modes)) * (cfg.turns + 1)  # turn batches: reference, then each mode
     done = 0
@@ -220,7 +279,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         filled = width * done // batches
         progress(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{batches} {what}")
 
-    progress(f"reference: aggregated serving of {cfg.sessions} sessions x {cfg.turns + 1} turns")
+    progress(f"reference: aggregated serving of {turns_phrase(asdict(cfg))}, then {', '.join(cfg.modes)} taking turns")
     turns, reference = _conversations(cfg, advance)
     model = TinyLlama(cfg.model_config(), cfg.device)
     per_request: list[RequestFigures] = []
@@ -229,8 +288,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     divergences: list[dict[str, Any]] = []
     modes = cfg.modes
     hidden = {mode: [0.0, 0.0] for mode in modes}
-    for mode in modes:
-        engine = Disaggregated(
+    engines = {
+        mode: Disaggregated(
             model,
             num_blocks=_pool_blocks(cfg),
             tokens_per_block=cfg.tokens_per_block,
@@ -239,33 +298,50 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             aware=mode == "aware",
             layer_groups=cfg.layer_groups if mode == "layerwise" else None,
             transport=cfg.transport,
-            link_gbps=cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None,
+            link_gbps=cfg.link_gbps if emulated_link(cfg) else None,
             record=True,
         )
-        records = engine.hook.sender.records
-        assert records is not None
+        for mode in modes
+    }
+    per_turn: list[dict[str, Any]] = []
+    try:
         for t, batch in enumerate(turns):
-            records.clear()
-            results = engine.run(batch, check_kv=cfg.check_kv)
-            advance(f"{mode} turn {t}" + (" (warm-up)" if t == 0 else ""))
-            for turn in batch:
-                ref = reference[turn.request_id]
-                got, want = results[turn.request_id].outputs, ref.outputs
-                kv_mismatch_blocks += results[turn.request_id].kv_mismatch_blocks
-                if cfg.check_kv:  # the context worker's prefill against the aggregated one's
-                    prefill_mismatch_blocks += sum(a != b for a, b in zip(results[turn.request_id].digests, ref.digests))
-                    reuse_mismatches += results[turn.request_id].reused_len != ref.reused_len
-                if got != want:
-                    outputs_match = False
-                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
-            if t == 0:
-                continue
-            figures, hid, total = _figures(mode, t, results, list(records), cfg.layers)
-            per_request += figures
-            hidden[mode][0] += hid
-            hidden[mode][1] += total
-        engine.close()
+            # The modes take turns, in an order that alternates from turn to turn: a machine
+            # that grows busy for a while slows each mode alike instead of the one running then.
+            spans: dict[str, float] = {}
+            kv_ready: dict[str, float] = {}
+            for mode in modes if t % 2 == 0 else modes[::-1]:
+                engine = engines[mode]
+                records = engine.hook.sender.records
+                assert records is not None
+                records.clear()
+                results = engine.run(batch, check_kv=cfg.check_kv)
+                advance(f"{mode} turn {t}" + (" (warm-up)" if t == 0 else f" of {cfg.turns}"))
+                for turn in batch:
+                    ref = reference[turn.request_id]
+                    got, want = results[turn.request_id].outputs, ref.outputs
+                    kv_mismatch_blocks += results[turn.request_id].kv_mismatch_blocks
+                    if cfg.check_kv:  # the context worker's prefill against the aggregated one's
+                        prefill_mismatch_blocks += sum(a != b for a, b in zip(results[turn.request_id].digests, ref.digests))
+                        reuse_mismatches += results[turn.request_id].reused_len != ref.reused_len
+                    if got != want:
+                        outputs_match = False
+                        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                        divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
+                if t == 0:
+                    continue
+                figures, hid, total = _figures(mode, t, results, list(records), cfg.layers)
+                per_request += figures
+                hidden[mode][0] += hid
+                hidden[mode][1] += total
+                # The batch's prefill: the same computation in every mode.
+                spans[mode] = (max(r.step_done for r in results.values()) - min(r.prefill_start for r in results.values())) * 1e3
+                kv_ready[mode] = statistics.median(f.kv_ready_ms for f in figures)
+            if t:
+                per_turn.append({"turn": t, "prefill_ms": spans, "kv_ready_ms_p50": kv_ready, "early_over_baseline": kv_ready["early"] / kv_ready["baseline"]})
+    finally:
+        for engine in engines.values():
+            engine.close()
 
     def fraction(mode: str) -> float:
         return hidden[mode][0] / hidden[mode][1] if hidden[mode][1] else 0.0
@@ -285,6 +361,10 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "reuse_mismatches": reuse_mismatches if cfg.check_kv else None,
         "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
         "hidden_fraction": fraction("early"),
+        "turns": per_turn,
+        # The headline: the median over measured turns of each turn's median KV-ready ratio.
+        "early_over_baseline": statistics.median(p["early_over_baseline"] for p in per_turn),
+        "load": busy_verdict(per_turn),
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:
@@ -303,29 +383,41 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     return result
 
 
+MIB = 1 << 20
+
+
+def turns_phrase(cfg: dict[str, Any]) -> str:
+    """How many sessions and turns run, the warm-up included: the header and progress agree."""
+    return f"{cfg['sessions']} sessions x {cfg['turns'] + 1} turns (1 warm-up + {cfg['turns']} measured)"
+
+
 def format_agentic(result: dict[str, Any]) -> str:
     cfg = result["config"]
+    modes = [m for m in ("baseline", "early", "aware", "layerwise") if m in result]
+    link = f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""
     lines = [
-        f"{result['machine']}, {result['date']}: {cfg['sessions']} sessions x {cfg['turns']} turns, "
+        f"{result['machine']}, {result['date']}: {turns_phrase(cfg)}, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
-        f"tpb {cfg['tokens_per_block']}, transport {cfg['transport']}"
-        + (f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""),
-        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9} {'layer MB':>9}",
+        f"{cfg['tokens_per_block']} tokens/block, transport {cfg['transport']}{link}",
+        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill ms':>10} {'prefix ms':>9} {'tail ms':>8} {'KV-ready ms':>11} "
+        f"{'ideal ms':>8} {'TTFT@gen ms':>11} {'early MiB':>9} {'after MiB':>9} {'layer MiB':>9}",
     ]
-    for f in result["requests"]:
+    for f in sorted(result["requests"], key=lambda f: (modes.index(f["mode"]), f["turn"], f["request_id"])):
         lines.append(
             f"{f['mode']:<9} {f['turn']:>4} {f['request_id']:>4} {f['prompt_len']:>7} {f['reused_len']:>7} "
-            f"{f['prefill_ms']:>7.1f}m {f['prefix_transfer_ms']:>7.1f}m {f['tail_transfer_ms']:>6.1f}m {f['kv_ready_ms']:>8.1f}m "
-            f"{f['ideal_kv_ready_ms']:>6.1f}m {f['ttft_gen_ms']:>8.1f}m {f['early_bytes'] / 1e6:>9.1f} {f['after_bytes'] / 1e6:>9.1f} {f['layer_bytes'] / 1e6:>9.1f}"
+            f"{f['prefill_ms']:>10.1f} {f['prefix_transfer_ms']:>9.1f} {f['tail_transfer_ms']:>8.1f} {f['kv_ready_ms']:>11.1f} "
+            f"{f['ideal_kv_ready_ms']:>8.1f} {f['ttft_gen_ms']:>11.1f} {f['early_bytes'] / MIB:>9.1f} {f['after_bytes'] / MIB:>9.1f} {f['layer_bytes'] / MIB:>9.1f}"
         )
     b, e, i = result["baseline"], result["early"], result["ideal"]
+    per_turn = ", ".join(f"{p['early_over_baseline']:.2f}" for p in result["turns"])
     lines += [
         "",
         f"KV-ready p50/p90 ms: baseline {b['kv_ready_ms_p50']:.1f}/{b['kv_ready_ms_p90']:.1f}, "
-        f"early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, ideal {i['kv_ready_ms_p50']:.1f}/{i['kv_ready_ms_p90']:.1f} "
-        f"(early/baseline {e['kv_ready_ms_p50'] / b['kv_ready_ms_p50']:.2f}, early/ideal {e['kv_ready_ms_p50'] / i['kv_ready_ms_p50']:.2f})",
+        f"early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, early's ideal bound {i['kv_ready_ms_p50']:.1f}/{i['kv_ready_ms_p90']:.1f} "
+        f"(early/ideal {e['kv_ready_ms_p50'] / i['kv_ready_ms_p50']:.2f})",
+        f"early/baseline KV-ready {result['early_over_baseline']:.2f}: the median over {len(result['turns'])} measured turns ({per_turn})",
         f"TTFT at the generation worker p50 ms: baseline {b['ttft_gen_ms_p50']:.1f}, early {e['ttft_gen_ms_p50']:.1f}",
-        f"bytes sent early {e['early_bytes'] / 1e6:.1f} MB, after prefill {e['after_bytes'] / 1e6:.1f} MB (baseline: all {b['after_bytes'] / 1e6:.1f} MB after)",
+        f"sent early {e['early_bytes'] / MIB:.1f} MiB, after prefill {e['after_bytes'] / MIB:.1f} MiB (baseline: all {b['after_bytes'] / MIB:.1f} MiB after)",
         f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
     ]
     if "aware" in result:
@@ -333,7 +425,7 @@ def format_agentic(result: dict[str, Any]) -> str:
         lines.insert(
             -1,
             f"with receiver prefix awareness: KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms, "
-            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / 1e6:.1f} MB early + {w['after_bytes'] / 1e6:.1f} MB after prefill",
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / MIB:.1f} MiB early + {w['after_bytes'] / MIB:.1f} MiB after prefill",
         )
     if "layerwise" in result:
         w = result["layerwise"]
@@ -341,10 +433,10 @@ def format_agentic(result: dict[str, Any]) -> str:
             -1,
             f"layer-wise ({w['layer_groups']} layer groups): KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms "
             f"(early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, layer-wise/early {w['kv_ready_ms_p50'] / e['kv_ready_ms_p50']:.2f}), "
-            f"its ideal {w['ideal_kv_ready_ms_p50']:.1f}/{w['ideal_kv_ready_ms_p90']:.1f}; post-prefill tail p50/p90 "
+            f"its ideal bound {w['ideal_kv_ready_ms_p50']:.1f}/{w['ideal_kv_ready_ms_p90']:.1f}; post-prefill tail p50/p90 "
             f"{w['tail_transfer_ms_p50']:.1f}/{w['tail_transfer_ms_p90']:.1f} ms (early {e['tail_transfer_ms_p50']:.1f}/{e['tail_transfer_ms_p90']:.1f}); "
-            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms; sent {w['early_bytes'] / 1e6:.1f} MB early + {w['layer_bytes'] / 1e6:.1f} MB in layer slices "
-            f"+ {w['after_bytes'] / 1e6:.1f} MB after the forward; hidden fraction {w['hidden_fraction']:.2f}",
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms; sent {w['early_bytes'] / MIB:.1f} MiB early + {w['layer_bytes'] / MIB:.1f} MiB in layer slices "
+            f"+ {w['after_bytes'] / MIB:.1f} MiB after the forward; hidden fraction {w['hidden_fraction']:.2f}",
         )
     if result.get("kv_mismatch_blocks") is not None:
         lines.append(
@@ -354,38 +446,60 @@ def format_agentic(result: dict[str, Any]) -> str:
         )
     for d in result.get("output_divergences", []):
         lines.append(f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}")
+    load = result["load"]
+    if load["busy"]:
+        lines.append(
+            f"WARNING: the machine was too busy for these figures to mean anything: each turn's prefill, the same computation "
+            f"in every mode, took a median {load['prefill_spread']:.2f}x longer in one mode than in another (up to "
+            f"{load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x something else took the cores); rerun on an idle machine"
+        )
+    else:
+        lines.append(
+            f"load: the modes' prefill of a turn, the same computation, agreed within a median {load['prefill_spread']:.2f}x "
+            f"(worst {load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x the figures would not mean anything)"
+        )
     return "\n".join(lines)
 
 
 def draw_timeline(result: dict[str, Any], path: str) -> None:
-    """Per request of the last turn: prefill, transfers and decode start; baseline above
-    early (above layer-wise, when it ran), one time axis."""
-    import matplotlib
+    """Per request of the last measured turn: prefill, transfers and decode start; baseline
+    above early (above layer-wise, when it ran), one time axis; the legend sits right of the
+    panels, clear of the bars."""
+    from kvferry._optional import require
 
+    matplotlib = require("matplotlib", "the timeline PNG (--png)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     last = max(f["turn"] for f in result["requests"])
     modes = [m for m in ("baseline", "early", "layerwise") if m in result]
-    fig, axes = plt.subplots(len(modes), 1, figsize=(10, 2.75 * len(modes)), sharex=True)
-    for ax, mode in zip(axes, modes):
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 2.75 * len(modes)), sharex=True, squeeze=False)
+    handles: dict[str, Any] = {}
+    for ax, mode in zip(axes[:, 0], modes):
         rows = [f for f in result["requests"] if f["mode"] == mode and f["turn"] == last]
         for y, f in enumerate(rows):
             bars = f["bars"]
             p0, p1 = bars["prefill"]
-            ax.broken_barh([(p0, p1 - p0)], (y - 0.35, 0.3), color="#4c72b0", label="prefill" if y == 0 else None)
+            handles["prefill"] = ax.broken_barh([(p0, p1 - p0)], (y - 0.35, 0.3), color="#4c72b0")
             for kind, color in (("early", "#dd8452"), ("chunk", "#55a868"), ("layer", "#8172b3")):
                 spans = [(a, max(b - a, 0.05)) for a, b in bars.get(kind, ())]
                 if spans:
-                    ax.broken_barh(spans, (y + 0.05, 0.3), color=color, label=f"{kind} transfer" if y == 0 else None)
-            ax.plot([bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, label="KV ready" if y == 0 else None)
-            ax.plot([bars["decode"]], [y], marker=">", color="#c44e52", label="decode starts" if y == 0 else None)
+                    handles[f"{kind} transfer"] = ax.broken_barh(spans, (y + 0.05, 0.3), color=color)
+            (handles["KV ready"],) = ax.plot([bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, linestyle="none")
+            (handles["decode starts"],) = ax.plot([bars["decode"]], [y], marker=">", color="#c44e52", linestyle="none")
         ax.set_yticks(range(len(rows)), [f"req {f['request_id']}" for f in rows])
+        ax.set_ylim(-0.6, len(rows) - 0.4)
         m = result[mode]
-        ax.set_title(f"{mode}: KV-ready p50 {m['kv_ready_ms_p50']:.1f} ms, post-prefill tail p50 {m['tail_transfer_ms_p50']:.1f} ms")
-        ax.legend(loc="lower right", fontsize=7)
-    axes[-1].set_xlabel("ms since the turn's requests were admitted")
-    fig.tight_layout()
+        ax.set_title(
+            f"{mode}, turn {last} of {result['config']['turns']} measured: KV-ready p50 {m['kv_ready_ms_p50']:.1f} ms, "
+            f"post-prefill tail p50 {m['tail_transfer_ms_p50']:.1f} ms (p50s over all measured turns)",
+            fontsize=9,
+        )
+    axes[-1, 0].set_xlabel(f"ms since turn {last}'s requests were admitted")
+    order = ["prefill", "early transfer", "chunk transfer", "layer transfer", "KV ready", "decode starts"]
+    names = [n for n in order if n in handles]
+    fig.legend([handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.81, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

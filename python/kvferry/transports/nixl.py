@@ -60,6 +60,9 @@ def _agent(role: str) -> Any:
     until the agent is destroyed, which happens only when the last object holding it goes:
     so every holder here drops it as soon as it is done, rather than leave that to the
     garbage collector."""
+    from kvferry._optional import require
+
+    require("nixl")
     from nixl._api import nixl_agent, nixl_agent_config
 
     config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])

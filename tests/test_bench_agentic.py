@@ -1,0 +1,72 @@
+"""The main job's figures: the ideal bound, the busy-machine verdict, the header."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.bench.agentic import BUSY_SPREAD, busy_verdict, ideal_bound, turns_phrase
+from kvferry.notice import Notice
+from kvferry.sender import TransferRecord
+
+
+def rec(kind: str, notices: list[Notice], submitted: float, started: float, finished: float) -> TransferRecord:
+    return TransferRecord(kind, tuple(notices), 0, submitted, started, finished)
+
+
+def test_ideal_bound_of_a_batch_shares_the_early_copy() -> None:
+    """Three requests' prefixes leave in one early copy of 3 s (one second each by blocks);
+    request 2's turn leaves after its forward, submitted at 5 s, and takes 0.5 s. Its bound:
+    max(admitted + 1 + 0.5, 5 + 0.5) = 5.5, not the 3 s of the whole early copy added to its
+    own late prefill start (the old bound, which exceeded what runs achieved)."""
+    early = rec("early", [Notice(1, 0, 0, 10, False), Notice(2, 0, 0, 10, False), Notice(3, 0, 0, 10, False)], 0.0, 0.0, 3.0)
+    chunk = rec("chunk", [Notice(2, 1, 10, 12, True)], 5.0, 5.0, 5.5)
+    assert ideal_bound(2, [early, chunk], layers=4, admitted=0.0) == pytest.approx(5.5)
+    # With a quick forward the link is what binds: 1 s of prefix share, then 0.5 s of chunk.
+    quick = rec("chunk", [Notice(2, 1, 10, 12, True)], 0.2, 3.0, 3.5)
+    assert ideal_bound(2, [early, quick], layers=4, admitted=0.0) == pytest.approx(1.5)
+
+
+def test_ideal_bound_weighs_layer_slices_by_their_layers() -> None:
+    """A layer-group slice of 2 of 4 layers is half a block's worth of the record."""
+    both = rec("layer", [Notice(1, 1, 0, 4, False, group=0, groups=2), Notice(2, 1, 0, 4, False, group=0, groups=2)], 1.0, 1.0, 2.0)
+    whole = rec("chunk", [Notice(2, 2, 4, 6, True)], 4.0, 4.0, 4.2)
+    assert ideal_bound(1, [both], layers=4, admitted=0.0) == pytest.approx(1.5)
+    assert ideal_bound(2, [both, whole], layers=4, admitted=0.0) == pytest.approx(4.2)
+
+
+def test_ideal_bound_never_exceeds_a_serial_schedule_end() -> None:
+    """Any serial schedule of the request's copies (each starting at or after its submission)
+    ends at or after the bound."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        t, records = 0.0, []
+        for i in range(rng.randrange(1, 6)):
+            submitted = t + rng.random()
+            started = max(submitted, t) + rng.random() * 0.1
+            t = started + rng.random()
+            others = [Notice(9, i, 0, rng.randrange(1, 5), False)] if rng.random() < 0.5 else []
+            records.append(rec("chunk", [Notice(1, i, 0, rng.randrange(1, 5), False), *others], submitted, started, t))
+        assert ideal_bound(1, records, layers=2, admitted=0.0) <= t + 1e-9
+
+
+def test_ideal_bound_of_nothing_sent_is_admission() -> None:
+    assert ideal_bound(1, [], layers=2, admitted=3.0) == 3.0
+
+
+def turn(t: int, baseline: float, early: float) -> dict:  # type: ignore[type-arg]
+    return {"turn": t, "prefill_ms": {"baseline": baseline, "early": early}}
+
+
+def test_busy_verdict_from_the_modes_prefill_spread() -> None:
+    quiet = busy_verdict([turn(1, 600, 620), turn(2, 610, 590), turn(3, 600, 1200)])  # one disturbed turn
+    assert quiet["busy"] is False and quiet["prefill_spread"] == pytest.approx(610 / 590)
+    assert (quiet["worst_turn"], quiet["worst_spread"]) == (3, pytest.approx(2.0))
+    over = 600 * BUSY_SPREAD * 1.01
+    busy = busy_verdict([turn(1, 600, 620), turn(2, over, 600), turn(3, 600, over)])
+    assert busy["busy"] is True and busy["prefill_spread"] == pytest.approx(over / 600)
+
+
+def test_turns_phrase_counts_the_warm_up() -> None:
+    assert turns_phrase({"sessions": 3, "turns": 4}) == "3 sessions x 5 turns (1 warm-up + 4 measured)"
