@@ -310,7 +310,10 @@ class Channel:
         self._send_lock = threading.Lock()
 
     def send(self, kind: str, value: Any) -> None:
-        data = frame(kind, value)
+        self.send_frame(frame(kind, value))
+
+    def send_frame(self, data: bytes) -> None:
+        """An encoded frame, whole: frames from several threads never interleave."""
         with self._send_lock:
             self.sock.sendall(data)
 
