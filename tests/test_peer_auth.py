@@ -14,10 +14,9 @@ import socket
 import stat
 import tempfile
 import threading
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +24,9 @@ from kvferry.errors import DuplicateTransferError, InvalidArgumentError, Transfe
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
+from kvferry.transports import wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transports.wire import AuthenticationError
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
 
@@ -33,29 +34,46 @@ from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_po
 SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
 
 
+def _path(address: str) -> str:
+    assert address.startswith("unix://"), address
+    return address[len("unix://") :]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
     """Against a generation worker in its own process: a client that connects and stalls
     in the handshake, a client with a wrong key, and a raw client that shows nothing but the
-    challenge and a failure ever reaches a peer without the key (no hello, so no segment
-    name or IPC handle); meanwhile the right key is served end to end."""
+    endpoint's challenge and an end of connection ever reaches a peer without the key (no
+    proof from the endpoint, no hello, so no segment name or IPC handle); meanwhile the
+    right key is served end to end."""
     gen = Generation("shm")
     stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        stalled.connect(gen.address)  # never answers the challenge, stays connected
-        with pytest.raises(TransferError, match="cannot reach the receiver"):
+        stalled.connect(_path(gen.address))  # never answers the challenge, stays connected
+        with pytest.raises(TransferError, match="cannot reach the receiver.*it refused our key"):
             ShmTransport(gen.address, authkey=secrets.token_bytes(32))
 
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        raw.connect(gen.address)
-        conn = Connection(raw.detach())
-        assert conn.poll(SLACK)
-        challenge = conn.recv_bytes(256)
-        assert challenge.startswith(b"#CHALLENGE#") and gen.segment.encode() not in challenge
-        conn.send_bytes(b"\0" * 16)  # a wrong digest
-        assert conn.recv_bytes(256) == b"#FAILURE#"
-        with pytest.raises(EOFError):  # closed without another byte: the hello never left
-            conn.recv_bytes()
-        conn.close()
+        raw.connect(_path(gen.address))
+        raw.settimeout(SLACK)
+        challenge = _recv_exact(raw, wire.HEADER.size + 1 + wire.NONCE_BYTES)
+        magic, version, kind, length = wire.HEADER.unpack(challenge[: wire.HEADER.size])
+        assert (magic, version, kind, length) == (wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 + wire.NONCE_BYTES)
+        assert challenge[wire.HEADER.size] == wire.ROLE_ENDPOINT and gen.segment.encode() not in challenge
+        mine = secrets.token_bytes(wire.NONCE_BYTES)
+        raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 33) + bytes([wire.ROLE_SENDER]) + mine)
+        raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.PROOF, 32) + b"\0" * 32)  # a wrong proof
+        assert _recv_exact(raw, 1) == b""  # closed without another byte: no proof, no hello
+        raw.close()
 
         src = random_pool(3)
         sender = KVSender(src, ShmTransport(gen.address, authkey=gen.authkey))
@@ -71,7 +89,7 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         sender.close()
 
         # Both wrong keys were recorded (the stalled peer too, should its bound have passed).
-        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "digest received was wrong" in e]
+        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "proof is wrong" in e]
         assert len(refused) == 2 and all("refused" in e for e in refused), refused
         assert gen.close() == []  # the stalled peer's thread ended with the endpoint
     finally:
@@ -83,34 +101,56 @@ def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.Monk
     import kvferry.transports.local
 
     monkeypatch.setattr(kvferry.transports.local, "HANDSHAKE_SECONDS", 0.2)
-    with shm_endpoint() as (_, endpoint, _):
+    with shm_endpoint() as (receiver, endpoint, _):
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        stalled.connect(endpoint.address)
+        stalled.connect(_path(endpoint.address))
         assert until(lambda: len(endpoint.errors) == 1)
-        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused" in str(endpoint.errors[0])
+        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused: no complete handshake within 0.2 s" in str(endpoint.errors[0])
         assert until(lambda: "kvferry-notices" not in {t.name for t in threading.enumerate()})
+        assert _recv_exact(stalled, 4096)[: len(wire.MAGIC)] == wire.MAGIC  # its challenge, then EOF
+        assert len(receiver) == 0 and receiver.refused_count == 0
         stalled.close()
 
 
 def test_the_sender_refuses_a_receiver_without_the_key() -> None:
-    """Mutual: a listener that cannot answer the sender's challenge gets no connection, and
-    nothing it sent is unpickled."""
+    """Mutual: a listener that cannot prove it holds the key gets no connection (the sender
+    raises before reading a hello), and nothing it sent is decoded past the handshake."""
     with tempfile.TemporaryDirectory() as tmp:
         address = os.path.join(tmp, "fake.sock")
-        listener = Listener(address, family="AF_UNIX", authkey=secrets.token_bytes(32))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        outcome: list[BaseException] = []
 
         def serve() -> None:
+            conn, _ = listener.accept()
             try:
-                listener.accept()
-            except (AuthenticationError, OSError, EOFError):
-                pass
+                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK)
+            except wire.AuthenticationError as err:
+                outcome.append(err)  # the sender's proof does not match this key
+            finally:
+                conn.close()
 
         thread = threading.Thread(target=serve)
         thread.start()
         with pytest.raises(TransferError, match="cannot reach the receiver"):
-            ShmTransport(address, authkey=secrets.token_bytes(32))
+            ShmTransport(f"unix://{address}", authkey=secrets.token_bytes(32))
         thread.join(timeout=SLACK)
         listener.close()
+        assert len(outcome) == 1 and "proof is wrong" in str(outcome[0])
+
+
+def test_a_short_key_is_refused() -> None:
+    with shm_endpoint() as (_, endpoint, _):
+        with pytest.raises(InvalidArgumentError, match="invalid authkey: 31 bytes, need at least 32"):
+            ShmTransport(endpoint.address, authkey=b"k" * 31)
+    shared = SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB)
+    try:
+        assert shared.pool is not None
+        with pytest.raises(InvalidArgumentError, match="invalid authkey: 16 bytes"):
+            ShmEndpoint(KVReceiver(shared.pool), shared, authkey=b"k" * 16)
+    finally:
+        shared.close()
 
 
 def test_segment_names_are_unguessable_and_segments_private() -> None:
@@ -130,7 +170,7 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
         for name in names:
             mode = os.stat(f"/dev/shm/{name}").st_mode
             assert stat.S_IMODE(mode) == 0o600, (name, oct(mode))
-        directory = os.path.dirname(staging.address)
+        directory = os.path.dirname(_path(staging.address))
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert re.fullmatch(r"kvferry-\w{8,}", os.path.basename(directory))
     finally:
@@ -180,8 +220,10 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
         (Notice(1, 0, 4, 8, True), InvalidArgumentError, 1),  # past block 6
         (Notice(3, 0, 2, 2, False), InvalidArgumentError, 3),  # no blocks
         (Notice(4, 0, -1, 1, False), InvalidArgumentError, 4),
-        (Notice(5, 0, 0, 2**70, True), InvalidArgumentError, 5),
     ]
+    # A value no frame can carry never leaves the sender (nothing of it reaches request 5).
+    with pytest.raises(InvalidArgumentError, match=r"invalid end=1180591620717411303424: must be in \[-2\*\*63, 2\*\*63\)"):
+        rogue.post([Notice(5, 0, 0, 2**70, True)])
     rogue.post([Notice(2, 0, 0, 2, False)])  # accepted...
     rogue.post([Notice(2, 1, 1, 3, False)])  # ...then blocks 1-2: block 1 arrived already
     for notice, _, _ in bad:
@@ -197,29 +239,31 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
     assert len(endpoint.errors) == len(refused)  # the endpoint records them too
 
     arrived = {}
-    for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start"), (5, "invalid end")]:
+    for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start")]:
         with pytest.raises(TransferError, match=f"request {rid} failed: .*{kind}") as info:
             receiver.wait(rid, timeout=SLACK)  # fails now, not at a timeout
         assert info.value.request_ids == (rid,)
         arrived[rid] = receiver.notices(rid)
-    with pytest.raises(TransferTimeoutError):  # 7 was never named: untouched
-        receiver.wait(7, timeout=0.05)
+    for rid in (5, 7):  # never named: untouched
+        with pytest.raises(TransferTimeoutError):
+            receiver.wait(rid, timeout=0.05)
     # The rogue is still connected and could still write: a failed request's blocks are not
     # handed back until it is fenced (here by the rogue's connection ending).
     with pytest.raises(TransferTimeoutError, match="request 1 .*no fence"):
         receiver.release(1, timeout=0.05)
     rogue.close()
-    for rid in (1, 2, 3, 4, 5):
+    for rid in (1, 2, 3, 4):
         ledger = receiver.release(rid, timeout=SLACK)
         if rid == 2:  # only the first, good notice counts
             assert arrived[rid] == [Notice(2, 0, 0, 2, False)] and ledger.claimed_blocks == 2
         else:
             assert arrived[rid] == [] and ledger.claimed_blocks == 0
     receiver.release(6)  # complete: fenced
-    # No sender ever named 7, so nothing fences it; the test never handed its blocks out.
-    with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
-        receiver.release(7, timeout=0.05)
-    receiver.release_unfenced(7)
+    # No sender ever named 5 or 7, so nothing fences them; the test never handed their blocks out.
+    for rid in (5, 7):
+        with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
+            receiver.release(rid, timeout=0.05)
+        receiver.release_unfenced(rid)
     assert len(receiver) == 0
 
 
@@ -252,26 +296,32 @@ def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver
     receiver.release(7)
 
 
-def test_a_malformed_message_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
-    """A message that breaks the protocol (a notice that is not six integers, an unknown
-    control message) ends that sender's connection and fails the requests it owned; other
-    senders are served on."""
+def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """A frame that breaks the protocol (a body that does not decode, a frame of a kind a
+    sender never sends, a version this side does not speak) ends that sender's connection
+    with a goodbye saying why, and fails the requests it owned; other senders are served on."""
     receiver, endpoint, authkey = rig
-    for rid in (1, 2, 3):
+    for rid in (1, 2, 3, 4):
         receiver.expect(rid, 8)
     good = ShmTransport(endpoint.address, authkey=authkey)
-    for rid, message in [(1, [("one", 0, 0, 1, False)]), (2, {"kind": "shutdown"})]:
+    frames = [
+        (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
+        (2, wire.frame("freed", 3), "a freed frame, which a sender does not send"),
+        (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
+    ]
+    for rid, raw, why in frames:
         rogue = ShmTransport(endpoint.address, authkey=authkey)
         rogue.announce([(rid, 0)])
-        rogue._send(message)  # noqa: SLF001  (a hostile peer writes what it likes)
-        with pytest.raises(TransferError, match=f"request {rid} failed: .*went away"):
+        rogue._conn._channel.sock.sendall(raw)  # noqa: SLF001  (a hostile peer writes what it likes)
+        with pytest.raises(TransferError, match=f"request {rid} failed: .*went away.*{why}"):
             receiver.wait(rid, timeout=SLACK)
-        assert until(lambda: _closed(rogue))  # the endpoint hung up on it
+        assert until(lambda: _closed(rogue))  # the endpoint hung up on it, saying why
+        with pytest.raises(TransferError, match=f"it closed the connection: disconnected: .*{why}"):
+            rogue.check_peer()
         rogue.close()
-    assert any("malformed message" in str(e) for e in endpoint.errors)
-    assert any("invalid control message kind='shutdown'" in str(e) for e in endpoint.errors)
-    good.post([Notice(3, 0, 0, 2, True)])
-    assert receiver.wait(3, timeout=SLACK)
+        assert isinstance(endpoint.errors[-1], wire.ProtocolError) and re.search(why, str(endpoint.errors[-1]))
+    good.post([Notice(4, 0, 0, 2, True)])
+    assert receiver.wait(4, timeout=SLACK)
     good.close()
 
 
@@ -284,9 +334,11 @@ def _closed(transport: ShmTransport) -> bool:
 
 
 def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
-    from kvferry.transports.nixl import NOTICE_MAGIC, _decode, _encode
+    from kvferry.transports.nixl import _decode_notification, _encode, _encode_revoke
 
-    assert _decode(_encode([Notice(1, 0, 0, 2, True)])) == [Notice(1, 0, 0, 2, True)]
-    for message in (b"junk", NOTICE_MAGIC + b"\1\2\3", NOTICE_MAGIC + bytes(41)):
+    kind, (notices, dst) = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
+    assert kind == "notices" and notices == [Notice(1, 0, 0, 2, True)] and dst.tolist() == [4, 9]
+    assert _decode_notification(_encode_revoke(3, 2)) == ("revoke", (3, 2))
+    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.frame("freed", 1)):
         with pytest.raises(TransferError):
-            _decode(message)
+            _decode_notification(message)
