@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import KvFerryError
+from kvferry.transports import registry
 
 if TYPE_CHECKING:
     from kvferry.bench.agentic import AgenticConfig
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (CPU), cuda-ipc and staging (CUDA), nixl; default: all but nixl on CUDA")
+    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help=f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they serve; default: all but nixl on CUDA")
     copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (default 8,64,1024,4096)")
     copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
     copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 64 on cpu, 128 on cuda)")
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
     agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N")
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
-    agentic.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
+    agentic.add_argument("--transport", choices=registry.names(), default="in-process",
                          help="how the generation worker is reached; any but in-process runs it in another process")
     agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N")
@@ -210,14 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS")
     fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N")
     fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size (default %(default)s)")
-    fanout.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process")
+    fanout.add_argument("--transport", choices=registry.names(), default="in-process")
     fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     fanout.set_defaults(func=_cmd_bench_fanout)
 
     tiers = bench.add_parser("tiers", help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send")
     tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    tiers.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default=None,
+    tiers.add_argument("--transport", choices=registry.names(), default=None,
                        help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process")
     tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix (default %(default)s)")
     tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier (default %(default)s)")
@@ -239,14 +240,13 @@ def _fraction(text: str) -> float:
 
 
 def _cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from kvferry.bench.tiers import TRANSPORTS, TiersConfig, format_tiers, progress_to_stderr, run_tiers
+    from kvferry.bench.tiers import TiersConfig, format_tiers, progress_to_stderr, run_tiers
 
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
     transport = args.transport or ("staging" if on_gpu else "in-process")
-    if args.device not in TRANSPORTS[transport]:
-        return _refuse(f"--transport {transport} serves {' and '.join(TRANSPORTS[transport])} pools, not --device {args.device}")
+    registry.check(transport, device=args.device)
     cfg = TiersConfig(
         device=args.device,
         blocks=args.blocks,
@@ -298,8 +298,7 @@ def _device_refused(args: argparse.Namespace) -> Optional[int]:
     """The exit status for a ``--device``/``--transport`` pair this machine cannot run."""
     if _cuda_missing(args.device):
         return 2
-    if args.transport == "cuda-ipc" and args.device != "cuda":
-        return _refuse(f"--transport cuda-ipc needs --device cuda, got --device {args.device}")
+    registry.check(args.transport, device=args.device)
     return None
 
 
@@ -359,12 +358,12 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from kvferry.bench.copy import TRANSPORTS
+    from kvferry.bench.copy import names as bench_names
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in TRANSPORTS]
+    bad = [n for n in names if n not in bench_names()]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown transport {bad or text!r}: choose from {', '.join(TRANSPORTS)}")
+        raise argparse.ArgumentTypeError(f"unknown transport {bad or text!r}: choose from {', '.join(bench_names())}")
     return names
 
 
@@ -424,12 +423,12 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
-    from kvferry.bench.copy import REMOTE_DEVICES
+    from kvferry.bench.copy import COPIES, default_transports
 
     for name in args.transport or ():
-        if args.device not in REMOTE_DEVICES.get(name, (args.device,)):
-            return _refuse(f"--transport {name} serves {' and '.join(REMOTE_DEVICES[name])} pools, not --device {args.device}")
-    transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc", "staging") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))
+        if name not in COPIES:
+            registry.check(name, device=args.device)
+    transports = args.transport or default_transports(args.device)
     cfg = CopyBenchConfig(
         device=args.device,
         transports=transports,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.bench.util import machine, percentile, stderr_progress
+from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.notice import Notice
@@ -46,7 +46,7 @@ class AgenticConfig:
     output_tokens: int = 8
     tokens_per_block: int = 32
     chunk_size: Optional[int] = None
-    transport: str = "in-process"  # or shm, staging, nixl (CPU); cuda-ipc, staging (CUDA)
+    transport: str = "in-process"  # any of kvferry.transports.registry.names(device=device)
     # CPU pools: an emulated link rate (None: raw copies). 0.5 GB/s gives the CPU run the
     # proportions of a GPU node (prefix transfer about a third of the batch prefill).
     link_gbps: Optional[float] = 0.5
@@ -239,7 +239,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             aware=mode == "aware",
             layer_groups=cfg.layer_groups if mode == "layerwise" else None,
             transport=cfg.transport,
-            link_gbps=cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None,
+            link_gbps=cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None,
             record=True,
         )
         records = engine.hook.sender.records
@@ -309,7 +309,7 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: {cfg['sessions']} sessions x {cfg['turns']} turns, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
         f"tpb {cfg['tokens_per_block']}, transport {cfg['transport']}"
-        + (f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""),
+        + (f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and emulated_link(cfg["device"], cfg["transport"]) else ""),
         f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill':>8} {'prefix':>8} {'tail':>7} {'KV-ready':>9} {'ideal':>7} {'TTFT@gen':>9} {'early MB':>9} {'after MB':>9} {'layer MB':>9}",
     ]
     for f in result["requests"]:

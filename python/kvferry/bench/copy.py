@@ -13,7 +13,7 @@ import multiprocessing as mp
 import secrets
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -24,12 +24,11 @@ from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
+from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from kvferry.transports.inprocess import InProcessTransport
 
-TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "staging", "nixl")
-# Transports whose receiver runs in another process, and the pool devices they serve.
-REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "staging": ("cuda",), "nixl": ("cpu", "cuda")}
+# Bare copies measured next to the transports (which the registry lists).
+COPIES = ("torch", "copy")
 # The staging path crosses PCIe twice: its ceiling is a pinned host<->device copy.
 HOST_LINK = ("staging",)
 
@@ -37,7 +36,7 @@ HOST_LINK = ("staging",)
 @dataclass(frozen=True)
 class CopyBenchConfig:
     device: str = "cpu"
-    transports: tuple[str, ...] = ("torch", "copy", "in-process", "shm")
+    transports: tuple[str, ...] = field(default_factory=lambda: default_transports("cpu"))
     blocks: tuple[int, ...] = (8, 64, 1024, 4096)
     layers: int = 8
     block_kib: int = 64
@@ -105,9 +104,18 @@ def make_pool(cfg: CopyBenchConfig, num_blocks: int, *, fill: bool, device: Opti
     return PagedKV(tuple(layers), tokens_per_block=16)
 
 
+def names() -> tuple[str, ...]:
+    """What ``--transport`` may name: the bare copies, then every transport."""
+    return COPIES + registry.names()
+
+
+def default_transports(device: str) -> tuple[str, ...]:
+    """The bare copies and every transport serving ``device`` pools, but NIXL on CUDA."""
+    return COPIES + tuple(n for n in registry.names(device=device) if not (device == "cuda" and n == "nixl"))
+
+
 class _RemoteReceiver:
-    """A receiver in a child process: its pool in shared memory (``shm``) or on the GPU,
-    shared through CUDA IPC (``cuda-ipc``)."""
+    """A receiver in a child process, served by transport ``kind`` (`registry.serve`)."""
 
     def __init__(self, kind: str, cfg: CopyBenchConfig, num_blocks: int) -> None:
         ctx = mp.get_context("spawn")
@@ -116,26 +124,15 @@ class _RemoteReceiver:
         self._authkey = secrets.token_bytes(32)
         self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
         self._proc.start()
-        self.address = self._conn.recv()
+        reply = self._conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        self.url: str = reply
 
     def transport(self, src: PagedKV, host_src: Optional[PagedKV] = None) -> Transport:
         """A transport to this receiver from ``src`` (and its host tier ``host_src``, which
         NIXL registers too)."""
-        if self.kind == "shm":
-            from kvferry.transports.shm import ShmTransport
-
-            return ShmTransport(self.address, authkey=self._authkey)
-        if self.kind == "nixl":
-            from kvferry.transports.nixl import NixlTransport
-
-            return NixlTransport(self.address, authkey=self._authkey, src=src, host_src=host_src)
-        if self.kind == "staging":
-            from kvferry.transports.staging import StagingTransport
-
-            return StagingTransport(self.address, authkey=self._authkey)
-        from kvferry.transports.local import CudaIpcTransport
-
-        return CudaIpcTransport(self.address, authkey=self._authkey)
+        return registry.connect(self.url, authkey=self._authkey, src=src, host_src=host_src)
 
     def expect(self, request_id: int, prompt_len: int) -> None:
         self._call("expect", request_id, prompt_len)
@@ -155,29 +152,15 @@ class _RemoteReceiver:
 
 
 def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
-    from kvferry.transports.local import CudaIpcEndpoint, LocalEndpoint
-    from kvferry.transports.shm import SharedPool, ShmEndpoint
-
-    shared = None
-    if kind == "shm":
-        shared = SharedPool.create(num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16)
-        assert shared.pool is not None
-        receiver = KVReceiver(shared.pool)
-        endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    else:
-        cfg = CopyBenchConfig(device=device, layers=layers, block_kib=block_kib)
-        receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
-        if kind == "nixl":
-            from kvferry.transports.nixl import NixlEndpoint
-
-            endpoint = NixlEndpoint(receiver, authkey=authkey)
-        elif kind == "staging":
-            from kvferry.transports.staging import StagingEndpoint
-
-            endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
-        else:
-            endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
-    conn.send(endpoint.address)
+    try:
+        # make_pool's geometry, zeroed (in shared memory where the transport maps it).
+        pool = registry.receiver_pool(kind, num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device)
+        receiver = KVReceiver(pool.pool)
+        served = registry.serve(kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {}))
+    except Exception as err:  # reported to the parent, which raises it
+        conn.send(err)
+        return
+    conn.send(served.url)
     while True:
         op, request_id, prompt_len = conn.recv()
         if op == "stop":
@@ -191,10 +174,9 @@ def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, lay
             conn.send("ok")
         except Exception as err:  # reported to the parent, which raises it
             conn.send(repr(err))
-    endpoint.close()
+    served.close()
     receiver = None  # type: ignore[assignment]
-    if shared is not None:
-        shared.close()
+    pool.close()
 
 
 def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], object], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
@@ -231,9 +213,9 @@ def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, e
 
 
 def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    unknown = set(cfg.transports) - set(TRANSPORTS)
+    unknown = set(cfg.transports) - set(names())
     if unknown:
-        raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(TRANSPORTS)}")
+        raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(names())}")
     pool_blocks = max(cfg.blocks) + 64
     block_bytes = cfg.block_kib * 1024
     progress(f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}")
@@ -247,7 +229,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     rng = np.random.default_rng(cfg.seed)
     for name in cfg.transports:
         progress(f"{name}: {', '.join(map(str, cfg.blocks))} blocks")
-        if name in ("torch", "copy"):
+        if name in COPIES:
             dst = make_pool(cfg, pool_blocks, fill=False)
             fn = copy_blocks_torch if name == "torch" else copy_blocks
             for n in cfg.blocks:
@@ -256,18 +238,17 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 payload = n * block_bytes * cfg.layers
                 rows.append(Row(name, n, payload, seconds, payload / seconds / 1e9, payload / seconds / 1e9 / ceiling))
             del dst
-        elif name == "in-process":
+        elif cfg.device not in registry.spec(name).devices:
+            progress(f"{name}: not for {cfg.device} pools, skipped")
+        elif not registry.spec(name).has_endpoint:  # the receiver in this process
             receiver = KVReceiver(make_pool(cfg, pool_blocks, fill=False))
 
             def arrived(request_id: int) -> None:
                 receiver.wait(request_id, timeout=120)
                 receiver.release(request_id)
 
-            rows += _sender_rows(cfg, name, src, InProcessTransport(receiver), receiver.expect, arrived, pool_blocks, ceiling)
+            rows += _sender_rows(cfg, name, src, registry.connect(name, receiver=receiver), receiver.expect, arrived, pool_blocks, ceiling)
         else:  # a receiver in another process
-            if cfg.device not in REMOTE_DEVICES[name]:
-                progress(f"{name}: not for {cfg.device} pools here, skipped")
-                continue
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
                 limit = host_link if name in HOST_LINK and host_link else ceiling

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["machine", "percentile", "stderr_progress"]
+__all__ = ["emulated_link", "machine", "percentile", "stderr_progress"]
 
 
 def machine(device: str) -> str:
@@ -21,6 +21,15 @@ def machine(device: str) -> str:
     except OSError:
         model = "unknown CPU"
     return f"{model}, {os.cpu_count()} cores"
+
+
+def emulated_link(device: str, transport: str) -> bool:
+    """Whether a bench emulates the link (`ThreadCopyEngine(link_gbps)`): on CPU pools, for a
+    transport whose copies the sender's engine makes (the registry's ``direct_copy``); the
+    others move their bytes through their own agent or ring, at their own speed."""
+    from kvferry.transports import registry
+
+    return device == "cpu" and registry.spec(transport).direct_copy
 
 
 def percentile(values: list[float], q: float) -> float:
