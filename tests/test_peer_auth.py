@@ -14,8 +14,6 @@ import socket
 import stat
 import tempfile
 import threading
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
 from typing import Iterator
 
 import pytest
@@ -25,7 +23,9 @@ from kvferry.errors import DuplicateTransferError, InvalidArgumentError, Transfe
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
+from kvferry.transports import wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transports.wire import AuthenticationError
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
 
@@ -33,29 +33,46 @@ from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_po
 SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
 
 
+def _path(address: str) -> str:
+    assert address.startswith("unix://"), address
+    return address[len("unix://") :]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
     """Against a generation worker in its own process: a client that connects and stalls
     in the handshake, a client with a wrong key, and a raw client that shows nothing but the
-    challenge and a failure ever reaches a peer without the key (no hello, so no segment
-    name or IPC handle); meanwhile the right key is served end to end."""
+    endpoint's challenge and an end of connection ever reaches a peer without the key (no
+    proof from the endpoint, no hello, so no segment name or IPC handle); meanwhile the
+    right key is served end to end."""
     gen = Generation("shm")
     stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        stalled.connect(gen.address)  # never answers the challenge, stays connected
-        with pytest.raises(TransferError, match="cannot reach the receiver"):
+        stalled.connect(_path(gen.address))  # never answers the challenge, stays connected
+        with pytest.raises(TransferError, match="cannot reach the receiver.*it refused our key"):
             ShmTransport(gen.address, authkey=secrets.token_bytes(32))
 
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        raw.connect(gen.address)
-        conn = Connection(raw.detach())
-        assert conn.poll(SLACK)
-        challenge = conn.recv_bytes(256)
-        assert challenge.startswith(b"#CHALLENGE#") and gen.segment.encode() not in challenge
-        conn.send_bytes(b"\0" * 16)  # a wrong digest
-        assert conn.recv_bytes(256) == b"#FAILURE#"
-        with pytest.raises(EOFError):  # closed without another byte: the hello never left
-            conn.recv_bytes()
-        conn.close()
+        raw.connect(_path(gen.address))
+        raw.settimeout(SLACK)
+        challenge = _recv_exact(raw, wire.HEADER.size + 1 + wire.NONCE_BYTES)
+        magic, version, kind, length = wire.HEADER.unpack(challenge[: wire.HEADER.size])
+        assert (magic, version, kind, length) == (wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 + wire.NONCE_BYTES)
+        assert challenge[wire.HEADER.size] == wire.ROLE_ENDPOINT and gen.segment.encode() not in challenge
+        mine = secrets.token_bytes(wire.NONCE_BYTES)
+        raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 33) + bytes([wire.ROLE_SENDER]) + mine)
+        raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.PROOF, 32) + b"\0" * 32)  # a wrong proof
+        assert _recv_exact(raw, 1) == b""  # closed without another byte: no proof, no hello
+        raw.close()
 
         src = random_pool(3)
         sender = KVSender(src, ShmTransport(gen.address, authkey=gen.authkey))
@@ -71,7 +88,7 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         sender.close()
 
         # Both wrong keys were recorded (the stalled peer too, should its bound have passed).
-        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "digest received was wrong" in e]
+        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "proof is wrong" in e]
         assert len(refused) == 2 and all("refused" in e for e in refused), refused
         assert gen.close() == []  # the stalled peer's thread ended with the endpoint
     finally:
@@ -83,34 +100,56 @@ def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.Monk
     import kvferry.transports.local
 
     monkeypatch.setattr(kvferry.transports.local, "HANDSHAKE_SECONDS", 0.2)
-    with shm_endpoint() as (_, endpoint, _):
+    with shm_endpoint() as (receiver, endpoint, _):
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        stalled.connect(endpoint.address)
+        stalled.connect(_path(endpoint.address))
         assert until(lambda: len(endpoint.errors) == 1)
-        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused" in str(endpoint.errors[0])
+        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused: no complete handshake within 0.2 s" in str(endpoint.errors[0])
         assert until(lambda: "kvferry-notices" not in {t.name for t in threading.enumerate()})
+        assert _recv_exact(stalled, 4096)[: len(wire.MAGIC)] == wire.MAGIC  # its challenge, then EOF
+        assert len(receiver) == 0 and receiver.refused_count == 0
         stalled.close()
 
 
 def test_the_sender_refuses_a_receiver_without_the_key() -> None:
-    """Mutual: a listener that cannot answer the sender's challenge gets no connection, and
-    nothing it sent is unpickled."""
+    """Mutual: a listener that cannot prove it holds the key gets no connection (the sender
+    raises before reading a hello), and nothing it sent is decoded past the handshake."""
     with tempfile.TemporaryDirectory() as tmp:
         address = os.path.join(tmp, "fake.sock")
-        listener = Listener(address, family="AF_UNIX", authkey=secrets.token_bytes(32))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        outcome: list[BaseException] = []
 
         def serve() -> None:
+            conn, _ = listener.accept()
             try:
-                listener.accept()
-            except (AuthenticationError, OSError, EOFError):
-                pass
+                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK)
+            except wire.AuthenticationError as err:
+                outcome.append(err)  # the sender's proof does not match this key
+            finally:
+                conn.close()
 
         thread = threading.Thread(target=serve)
         thread.start()
         with pytest.raises(TransferError, match="cannot reach the receiver"):
-            ShmTransport(address, authkey=secrets.token_bytes(32))
+            ShmTransport(f"unix://{address}", authkey=secrets.token_bytes(32))
         thread.join(timeout=SLACK)
         listener.close()
+        assert len(outcome) == 1 and "proof is wrong" in str(outcome[0])
+
+
+def test_a_short_key_is_refused() -> None:
+    with shm_endpoint() as (_, endpoint, _):
+        with pytest.raises(InvalidArgumentError, match="invalid authkey: 31 bytes, need at least 32"):
+            ShmTransport(endpoint.address, authkey=b"k" * 31)
+    shared = SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB)
+    try:
+        assert shared.pool is not None
+        with pytest.raises(InvalidArgumentError, match="invalid authkey: 16 bytes"):
+            ShmEndpoint(KVReceiver(shared.pool), shared, authkey=b"k" * 16)
+    finally:
+        shared.close()
 
 
 def test_segment_names_are_unguessable_and_segments_private() -> None:
@@ -130,7 +169,7 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
         for name in names:
             mode = os.stat(f"/dev/shm/{name}").st_mode
             assert stat.S_IMODE(mode) == 0o600, (name, oct(mode))
-        directory = os.path.dirname(staging.address)
+        directory = os.path.dirname(_path(staging.address))
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert re.fullmatch(r"kvferry-\w{8,}", os.path.basename(directory))
     finally:

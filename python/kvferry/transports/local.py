@@ -33,11 +33,8 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import struct
-import tempfile
 import threading
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from collections import deque
 from typing import AbstractSet, Any, Callable, Hashable, Optional, Sequence
 
@@ -48,38 +45,18 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transports.base import Transport, kept
+from kvferry.transports import wire
+from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
 
 __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTransport", "PeerConnection"]
 
-MIN_AUTHKEY_BYTES = 16
-# A peer that connects but does not complete the challenge in this time is dropped: it must
-# not hold a thread (or, before the handshake moved off the accept loop, every other sender).
-HANDSHAKE_SECONDS = 10.0
+# A peer that connects but does not complete the handshake in this time is dropped (the
+# endpoints' and transports' ``handshake_timeout`` default): it must not hold a thread.
+HANDSHAKE_SECONDS = DEFAULT_HANDSHAKE_SECONDS
 JOIN_SECONDS = 5.0
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
 # misbehaving sender cannot grow the endpoint without bound.
 ERRORS_KEPT = 1024
-
-
-def _socket_of(conn: Connection) -> socket.socket:
-    """A second handle on the connection's socket, for what `Connection` does not offer
-    (peer credentials, timeouts, shutdown, a peek). It shares the socket, not a copy."""
-    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
-
-
-def _peer_pid(sock: socket.socket) -> Optional[int]:
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (AttributeError, OSError):  # not Linux
-        return None
-    return int(struct.unpack("3i", creds)[0])
-
-
-def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """A blocking read on the socket gives up after ``seconds`` (0: never). Set on the socket,
-    so it applies to the `Connection` sharing it too."""
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 class _Peer:
@@ -87,11 +64,12 @@ class _Peer:
 
     _numbers = itertools.count(1)
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.sock = _socket_of(conn)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.conn: Optional[Connection] = None  # once authenticated
         self.number = next(self._numbers)
-        self.pid = _peer_pid(self.sock)
+        self.pid = wire.peer_pid(sock)
+        self.where = wire.peer_name(sock)
         self.thread: Optional[threading.Thread] = None
         # What the receiver records as the requests' sender: this connection, unless the
         # transport names itself otherwise (a NIXL agent, whose notifications bypass it).
@@ -101,10 +79,11 @@ class _Peer:
         self._send_lock = threading.Lock()
 
     def __str__(self) -> str:
-        return f"sender #{self.number} (pid {self.pid})"
+        return f"sender #{self.number} ({self.where})"
 
     def send(self, message: Any) -> None:
         with self._send_lock:
+            assert self.conn is not None, "sent to a peer that is not authenticated"
             self.conn.send(message)
 
     def shutdown(self) -> None:
@@ -115,26 +94,42 @@ class _Peer:
             pass
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
         self.sock.close()
 
 
 class LocalEndpoint:
     """The receiver's side: authenticates each sender, sends it ``hello``, then delivers its
     notices to the receiver, one thread per connection. ``errors`` records what was refused
-    (failed handshakes, refused notices, broken messages)."""
+    (failed handshakes, refused notices, broken messages).
 
-    def __init__(self, receiver: KVReceiver, hello: dict[str, Any], *, authkey: bytes) -> None:
-        if len(authkey) < MIN_AUTHKEY_BYTES:
-            raise InvalidArgumentError(f"invalid authkey: {len(authkey)} bytes, need at least {MIN_AUTHKEY_BYTES}")
+    ``address``: where to listen, ``unix://`` (a fresh socket in a private directory: the
+    default), ``unix:///path`` or ``tcp://host:port`` (port 0: any free port; a wildcard
+    host needs ``advertise``, the host peers reach this one by). The ``address`` attribute
+    is the URL senders connect to. ``handshake_timeout``: seconds a peer has to complete
+    the handshake (kvferry.transports.wire) before it is dropped."""
+
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        hello: dict[str, Any],
+        *,
+        authkey: bytes,
+        address: str = "unix://",
+        advertise: Optional[str] = None,
+        handshake_timeout: Optional[float] = None,
+    ) -> None:
+        self._authkey = wire.check_authkey(authkey)
+        where = wire.parse_address(address)
+        self._handshake_timeout = wire.check_timeout(HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout)
         self.receiver = receiver
         self._hello = hello
-        self._authkey = authkey
-        self._dir = tempfile.mkdtemp(prefix="kvferry-")  # 0700: other users cannot connect
-        self.address = os.path.join(self._dir, "notices.sock")
-        # No authkey here: the challenge runs on the connection's own thread, so a peer that
-        # stalls in it cannot keep the accept loop from serving the others.
-        self._listener = Listener(self.address, family="AF_UNIX", backlog=16)
+        # The handshake runs on the connection's own thread, so a peer that stalls in it
+        # cannot keep the accept loop from serving the others.
+        self._listener, bound, self._dir = wire.listen(where, advertise=advertise)
+        self._bound = bound
+        self.address = bound.url()
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._peers: set[_Peer] = set()
@@ -166,16 +161,17 @@ class LocalEndpoint:
     def _serve(self) -> None:
         while True:
             try:
-                conn = self._listener.accept()
+                sock, _ = self._listener.accept()
             except OSError as err:
                 if self._closing.is_set():
                     return
                 self._record(err)
                 continue
             if self._closing.is_set():
-                conn.close()
+                sock.close()
                 return
-            peer = _Peer(conn)
+            wire.tune(sock)
+            peer = _Peer(sock)
             peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
             with self._lock:
                 self._peers.add(peer)
@@ -183,24 +179,25 @@ class LocalEndpoint:
 
     def _authenticate(self, peer: _Peer) -> bool:
         try:
-            _set_recv_timeout(peer.sock, HANDSHAKE_SECONDS)
-            deliver_challenge(peer.conn, self._authkey)
-            answer_challenge(peer.conn, self._authkey)
-            _set_recv_timeout(peer.sock, 0)
-        except Exception as err:  # a wrong key, a stall, garbage: refused before any unpickling
+            wire.handshake(peer.sock, self._authkey, wire.ROLE_ENDPOINT, self._handshake_timeout)
+        except AuthenticationError as err:  # a wrong key, a stall, garbage: refused, nothing changed
             if not self._closing.is_set():
-                self._record(AuthenticationError(f"{peer}: refused: {err!r}"))
+                self._record(AuthenticationError(f"{peer}: refused: {err}"))
             return False
+        peer.conn = Connection(os.dup(peer.sock.fileno()))
         return True
 
     def _pump(self, peer: _Peer) -> None:
         self._local.peer = peer
         reason = "its connection closed"
+        authenticated = False
         try:
             if not self._authenticate(peer):
                 return
+            authenticated = True
             peer.send(self._hello)
             while True:
+                assert peer.conn is not None
                 message = peer.conn.recv()
                 if isinstance(message, dict):
                     self.control(peer, message)
@@ -218,7 +215,8 @@ class LocalEndpoint:
             with self._lock:
                 self._peers.discard(peer)
             peer.close()
-            self.lost(peer, reason)
+            if authenticated:  # a refused peer owned nothing and changed nothing
+                self.lost(peer, reason)
 
     def lost(self, peer: Any, reason: str) -> None:
         """A sender's connection ended: its unfinished requests can get no more notices.
@@ -245,7 +243,7 @@ class LocalEndpoint:
         else:
             raise InvalidArgumentError(f"invalid control message kind={kind!r}: expected 'announce' or 'revoke'")
 
-    def handle(self, conn: Connection, message: Any) -> None:
+    def handle(self, conn: Any, message: Any) -> None:
         """One message from a sender: here, a batch of notice tuples."""
         self.deliver(self.notices(message))
 
@@ -276,13 +274,17 @@ class LocalEndpoint:
         closed"); every thread of the endpoint has ended when this returns."""
         self._closing.set()
         self._unsubscribe()
-        try:  # wake the accept() call
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
-                wake.connect(self.address)
+        try:  # wakes the accept() call (Linux)
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._thread.join(timeout=JOIN_SECONDS)
         self._listener.close()
+        if self._bound.scheme == "unix":
+            try:
+                os.unlink(self._bound.path)
+            except OSError:
+                pass
         with self._lock:
             peers = list(self._peers)
         for peer in peers:
@@ -290,10 +292,11 @@ class LocalEndpoint:
         for peer in peers:
             if peer.thread is not None:
                 peer.thread.join(timeout=JOIN_SECONDS)
-        try:
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        if self._dir is not None:
+            try:
+                os.rmdir(self._dir)
+            except OSError:
+                pass
 
 
 class PeerConnection:
@@ -305,13 +308,21 @@ class PeerConnection:
     ``cancels`` until `take_cancels`) and transport replies (the staging ring's frees, kept
     in ``replies`` for their reader). `read_waiting` sorts whatever has arrived."""
 
-    def __init__(self, address: str, authkey: bytes) -> None:
+    def __init__(self, address: str, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
+        key = wire.check_authkey(authkey)
+        where = wire.parse_address(address)
+        timeout = wire.check_timeout(HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout)
         try:
-            self._conn = Client(address, family="AF_UNIX", authkey=authkey)
-        except (OSError, EOFError, AuthenticationError) as err:
+            self._sock = wire.connect(where, timeout)
+        except OSError as err:
             raise TransferError(f"cannot reach the receiver at {address}: {err!r}", peer=address) from err
-        self._sock = _socket_of(self._conn)
-        self.peer = f"receiver at {address} (pid {_peer_pid(self._sock)})"
+        try:
+            wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout)
+        except AuthenticationError as err:
+            self._sock.close()
+            raise TransferError(f"cannot reach the receiver at {address}: {err}", peer=address) from err
+        self._conn = Connection(os.dup(self._sock.fileno()))
+        self.peer = f"receiver at {where.url()} ({wire.peer_name(self._sock)})"
         self.lost: Optional[TransferError] = None
         self.cancels: list[tuple[int, int]] = []
         self.replies: deque[Any] = deque()
@@ -388,8 +399,15 @@ class LocalTransport(Transport):
     """The sender's side: connects with the key, opens the receiver's pool from its hello,
     posts notices. ``open_pool(hello)`` returns the pool and a function that releases it."""
 
-    def __init__(self, address: str, *, authkey: bytes, open_pool: Callable[[dict[str, Any]], tuple[PagedKV, Callable[[], None]]]) -> None:
-        self._conn = PeerConnection(address, authkey)
+    def __init__(
+        self,
+        address: str,
+        *,
+        authkey: bytes,
+        open_pool: Callable[[dict[str, Any]], tuple[PagedKV, Callable[[], None]]],
+        handshake_timeout: Optional[float] = None,
+    ) -> None:
+        self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
         self.dst, self._release = open_pool(self._conn.hello)
 
@@ -430,10 +448,10 @@ class CudaIpcEndpoint(LocalEndpoint):
     the host, write straight into it with the fused copy kernel. The handles travel only in
     the hello, that is only to a peer that proved it holds the key."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes) -> None:
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
         if receiver.pool.device.type != "cuda":
             raise InvalidArgumentError(f"invalid receiver: its pool is on {receiver.pool.device}, CUDA IPC needs a CUDA pool")
-        super().__init__(receiver, _pool_hello(receiver.pool), authkey=authkey)
+        super().__init__(receiver, _pool_hello(receiver.pool), authkey=authkey, **options)
 
 
 def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
@@ -441,5 +459,5 @@ def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
 
 
 class CudaIpcTransport(LocalTransport):
-    def __init__(self, address: str, *, authkey: bytes) -> None:
-        super().__init__(address, authkey=authkey, open_pool=_open_ipc_pool)
+    def __init__(self, address: str, *, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
+        super().__init__(address, authkey=authkey, open_pool=_open_ipc_pool, handshake_timeout=handshake_timeout)

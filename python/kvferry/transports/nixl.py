@@ -121,7 +121,7 @@ class NixlEndpoint(LocalEndpoint):
     """The receiver's side: registers the pool with a NIXL agent, hands its metadata and block
     descriptors to senders that present the key, and delivers notices from notifications."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes) -> None:
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
         pool = receiver.pool
         self.agent = _agent("rx")
         self._registered = self.agent.register_memory(list(pool.layers))
@@ -134,7 +134,7 @@ class NixlEndpoint(LocalEndpoint):
             "mem_type": _mem_type(pool),
         }
         self._stop = threading.Event()
-        super().__init__(receiver, hello, authkey=authkey)
+        super().__init__(receiver, hello, authkey=authkey, **options)
         self._poller = threading.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
         self._poller.start()
 
@@ -333,14 +333,14 @@ class NixlTransport(Transport):
     if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
     and the receiver's."""
 
-    def __init__(self, address: str, *, authkey: bytes, src: PagedKV, host_src: Optional[PagedKV] = None) -> None:
+    def __init__(self, address: str, *, authkey: bytes, src: PagedKV, host_src: Optional[PagedKV] = None, handshake_timeout: Optional[float] = None) -> None:
         if host_src is not None:
             if not isinstance(host_src, PagedKV):
                 raise TypeError(f"host_src must be a PagedKV, got {type(host_src).__name__}")
             if host_src.device.type != "cpu":
                 raise InvalidArgumentError(f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)")
         # The socket stays open for its EOF: the cheapest sign that the receiver died.
-        self._conn = PeerConnection(address, authkey)
+        self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
         hello = self._conn.hello
         self._geometry = hello["geometry"]

@@ -101,8 +101,8 @@ class SharedPool:
 class ShmEndpoint(LocalEndpoint):
     """Serves a shared pool's descriptor; see `LocalEndpoint`."""
 
-    def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes) -> None:
-        super().__init__(receiver, {"pool": shared.descriptor}, authkey=authkey)
+    def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes, **options: Any) -> None:
+        super().__init__(receiver, {"pool": shared.descriptor}, authkey=authkey, **options)
 
 
 def _open_shared(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
@@ -114,5 +114,5 @@ def _open_shared(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
 class ShmTransport(LocalTransport):
     """Maps the receiver's shared pool; see `LocalTransport`."""
 
-    def __init__(self, address: str, *, authkey: bytes) -> None:
-        super().__init__(address, authkey=authkey, open_pool=_open_shared)
+    def __init__(self, address: str, *, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
+        super().__init__(address, authkey=authkey, open_pool=_open_shared, handshake_timeout=handshake_timeout)

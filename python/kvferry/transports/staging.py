@@ -69,7 +69,7 @@ class StagingEndpoint(LocalEndpoint):
     """The receiver's side: owns the ring, moves each arriving batch from it into the pool,
     then delivers the batch's notices and frees its slots."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int) -> None:
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int, **options: Any) -> None:
         if capacity_blocks <= 0:
             raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks}: must be > 0")
         pool = receiver.pool
@@ -84,7 +84,7 @@ class StagingEndpoint(LocalEndpoint):
         assert self.ring.pool is not None
         self._unpin = _pin(self.ring.pool)
         self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks, "num_blocks": pool.num_blocks}, authkey=authkey)
+        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks, "num_blocks": pool.num_blocks}, authkey=authkey, **options)
 
     def handle(self, conn: Connection, message: Any) -> None:
         """``(notices, lo, freed, picked, dst_ids)``: ring slots from ``lo`` hold a batch of
@@ -141,11 +141,11 @@ class StagingTransport(LocalTransport):
     engine's stream, then posts notices with their slots. A full ring raises
     `TransportFull`; the sender then posts finished writes and waits for frees."""
 
-    def __init__(self, address: str, *, authkey: bytes, write_bytes: Optional[int] = None) -> None:
+    def __init__(self, address: str, *, authkey: bytes, write_bytes: Optional[int] = None, handshake_timeout: Optional[float] = None) -> None:
         if write_bytes is not None and write_bytes <= 0:
             raise InvalidArgumentError(f"invalid write_bytes={write_bytes}: must be > 0")
         self._write_bytes = write_bytes
-        super().__init__(address, authkey=authkey, open_pool=self._open)
+        super().__init__(address, authkey=authkey, open_pool=self._open, handshake_timeout=handshake_timeout)
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
 

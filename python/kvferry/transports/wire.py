@@ -1,0 +1,318 @@
+"""The control channel of the cross-process transports: addresses, the handshake, frames.
+
+Addresses are URLs. ``unix:///path`` is a socket on this host (``unix://`` alone: a fresh
+socket in a new 0700 directory, the default); ``tcp://host:port`` reaches across hosts, with
+IPv6 hosts in brackets (``tcp://[::1]:7000``). An endpoint binds loopback unless told
+otherwise, and port 0 picks a free port; the address it advertises carries the port it got.
+A wildcard bind (``tcp://0.0.0.0:port``, ``tcp://[::]:port``) advertises no host of its
+own: the caller names the one its peers reach it by (``advertise="10.0.0.5"``).
+
+The handshake proves, both ways, that the peer holds the session's key (at least 32 bytes),
+before the endpoint sends anything about its pool and before either side decodes anything
+but the handshake's own fixed-size frames:
+
+```
+endpoint                                          sender
+CHALLENGE (role endpoint, nonce_e) ------------->
+          <------------------------------------- CHALLENGE (role sender, nonce_s)
+          <------------------------------------- PROOF HMAC-SHA256(key, label|sender|nonce_e|nonce_s)
+checks it; only then:
+PROOF HMAC-SHA256(key, label|endpoint|nonce_s|nonce_e) -->  checks it
+HELLO (how to reach the pool) ------------------>
+```
+Nonces are 32 fresh random bytes per side and connection, so no proof can be replayed; the
+role inside each MAC means a proof cannot be reflected back to the side that made it, and
+the endpoint proves itself only to a sender that proved itself first. The whole handshake
+must finish within ``handshake_timeout`` seconds or the connection is closed, having
+changed nothing. After it, every message is a frame of the Rust codec (kvferry._core,
+rust/src/wire.rs): nothing from the wire is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from kvferry.errors import InvalidArgumentError, KvFerryError
+
+__all__ = [
+    "DEFAULT_HANDSHAKE_SECONDS",
+    "MIN_AUTHKEY_BYTES",
+    "Address",
+    "AuthenticationError",
+    "check_authkey",
+    "check_timeout",
+    "connect",
+    "handshake",
+    "listen",
+    "parse_address",
+]
+
+MIN_AUTHKEY_BYTES = 32
+# How long a peer may take over the whole handshake before the connection is dropped.
+DEFAULT_HANDSHAKE_SECONDS = 10.0
+NONCE_BYTES = 32
+MAC_LABEL = b"kvferry-auth-v1"
+ROLE_ENDPOINT = 1
+ROLE_SENDER = 2
+
+
+class AuthenticationError(KvFerryError):
+    """The peer did not prove it holds the session's key (a wrong key, garbage, a stall,
+    or a frame that is not the handshake's)."""
+
+
+def check_authkey(authkey: object, name: str = "authkey") -> bytes:
+    """The key as bytes; refuses anything shorter than ``MIN_AUTHKEY_BYTES``."""
+    if not isinstance(authkey, (bytes, bytearray)):
+        raise TypeError(f"{name} must be bytes, got {type(authkey).__name__}")
+    if len(authkey) < MIN_AUTHKEY_BYTES:
+        raise InvalidArgumentError(f"invalid {name}: {len(authkey)} bytes, need at least {MIN_AUTHKEY_BYTES} (secrets.token_bytes(32))")
+    return bytes(authkey)
+
+
+def check_timeout(seconds: object, name: str = "handshake_timeout") -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise InvalidArgumentError(f"invalid {name}={seconds!r}: must be a finite number of seconds > 0")
+    return float(seconds)
+
+
+@dataclass(frozen=True)
+class Address:
+    """A parsed endpoint address: ``scheme`` "unix" (``path``; empty: a fresh private
+    socket) or "tcp" (``host``, ``port``)."""
+
+    scheme: str
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @property
+    def family(self) -> int:
+        if self.scheme == "unix":
+            return socket.AF_UNIX
+        return socket.AF_INET6 if ":" in self.host else socket.AF_INET
+
+    @property
+    def wildcard(self) -> bool:
+        return self.scheme == "tcp" and self.host in ("0.0.0.0", "::")
+
+    def url(self) -> str:
+        if self.scheme == "unix":
+            return f"unix://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.url()
+
+
+def parse_address(text: object, name: str = "address") -> Address:
+    """Parses ``unix:///path`` or ``tcp://host:port`` (``tcp://[v6]:port``)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str URL (unix:///path or tcp://host:port), got {type(text).__name__}")
+    if text.startswith("unix://"):
+        path = text[len("unix://") :]
+        if path and not path.startswith("/"):
+            raise InvalidArgumentError(f"invalid {name}={text!r}: a unix address takes an absolute path (unix:///run/kvferry.sock)")
+        if "\0" in path:
+            raise InvalidArgumentError(f"invalid {name}={text!r}: NUL in the path")
+        return Address("unix", path=path)
+    if text.startswith("tcp://"):
+        rest = text[len("tcp://") :]
+        if rest.startswith("["):
+            host, sep, tail = rest[1:].partition("]")
+            if not sep or not tail.startswith(":"):
+                raise InvalidArgumentError(f"invalid {name}={text!r}: an IPv6 address is written tcp://[::1]:port")
+            port_text = tail[1:]
+            try:
+                if ipaddress.ip_address(host).version != 6:
+                    raise ValueError(host)
+            except ValueError:
+                raise InvalidArgumentError(f"invalid {name}={text!r}: {host!r} inside brackets is not an IPv6 address") from None
+        else:
+            host, sep, port_text = rest.rpartition(":")
+            if not sep or not host or ":" in host:
+                raise InvalidArgumentError(f"invalid {name}={text!r}: expected tcp://host:port (IPv6 in brackets: tcp://[::1]:port)")
+        if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+            raise InvalidArgumentError(f"invalid {name}={text!r}: the port must be a number in [0, 65535]")
+        if "/" in host or not host:
+            raise InvalidArgumentError(f"invalid {name}={text!r}: no host")
+        return Address("tcp", host=host, port=int(port_text))
+    raise InvalidArgumentError(f"invalid {name}={text!r}: expected unix:///path or tcp://host:port")
+
+
+def listen(address: Address, *, advertise: Optional[str] = None, backlog: int = 64) -> tuple[socket.socket, Address, Optional[str]]:
+    """A listening socket for ``address``; returns it, the address peers are to use (the
+    bound port, the advertised host), and for ``unix://`` the private directory it made (the
+    caller removes it)."""
+    directory = None
+    if address.scheme == "unix":
+        if advertise is not None:
+            raise InvalidArgumentError(f"invalid advertise={advertise!r}: only for a tcp:// address")
+        if not address.path:
+            directory = tempfile.mkdtemp(prefix="kvferry-")  # 0700: other users cannot connect
+            address = Address("unix", path=os.path.join(directory, "notices.sock"))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(address.path)
+            sock.listen(backlog)
+        except OSError:
+            sock.close()
+            if directory is not None:
+                os.rmdir(directory)
+            raise
+        return sock, address, directory
+    if advertise is not None:
+        if not isinstance(advertise, str) or not advertise or any(c in advertise for c in "/[] "):
+            raise InvalidArgumentError(f"invalid advertise={advertise!r}: a host name or IP address peers reach this endpoint by")
+    elif address.wildcard:
+        raise InvalidArgumentError(
+            f"invalid address={address.url()!r}: a wildcard bind needs advertise= (the host name or IP address peers reach this endpoint by)"
+        )
+    sock = socket.socket(address.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if address.family == socket.AF_INET6 and address.host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # [::] takes IPv4 too
+        sock.bind((address.host, address.port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    host = advertise if advertise is not None else address.host
+    if advertise is not None and ":" in advertise:
+        try:
+            ipaddress.IPv6Address(advertise)
+        except ValueError:
+            sock.close()
+            raise InvalidArgumentError(f"invalid advertise={advertise!r}: not a host name or IP address") from None
+    return sock, Address("tcp", host=host, port=port), None
+
+
+def connect(address: Address, timeout: float) -> socket.socket:
+    """A connected stream socket (TCP without Nagle: frames are small and latency-bound)."""
+    if address.scheme == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address.path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((address.host, address.port), timeout=timeout)
+    tune(sock)
+    return sock
+
+
+def tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def peer_pid(sock: socket.socket) -> Optional[int]:
+    """The peer's pid on a Unix socket (Linux), else ``None``."""
+    if sock.family != socket.AF_UNIX:
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):  # not Linux
+        return None
+    return int(struct.unpack("3i", creds)[0])
+
+
+def peer_name(sock: socket.socket) -> str:
+    """How logs name the other end: its pid on a Unix socket, its address over TCP."""
+    if sock.family == socket.AF_UNIX:
+        return f"pid {peer_pid(sock)}"
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "tcp peer"
+    return f"tcp {Address('tcp', host=host, port=port).url()[6:]}"
+
+
+def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
+    return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
+
+
+# The frame header (rust/src/wire.rs has the authoritative description): magic, version,
+# type, body length; little-endian.
+MAGIC = b"KVFW"
+VERSION = 1
+HEADER = struct.Struct("<4sHHI")
+CHALLENGE, PROOF = 1, 2
+# Before the peer is authenticated, no frame may be longer than the handshake's own.
+HANDSHAKE_LIMIT = 1 + NONCE_BYTES
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("handshake deadline")
+        sock.settimeout(left)
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise EOFError("the peer closed the connection")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _handshake_frame(sock: socket.socket, kind: int, size: int, deadline: float) -> bytes:
+    magic, version, got, length = HEADER.unpack(_recv_exact(sock, HEADER.size, deadline))
+    if magic != MAGIC:
+        raise AuthenticationError(f"not a kvferry peer: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise AuthenticationError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    if got != kind or length != size:
+        raise AuthenticationError(f"unexpected frame type {got} of {length} bytes during the handshake (expected type {kind} of {size})")
+    return _recv_exact(sock, size, deadline)
+
+
+def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> None:
+    """Runs the mutual handshake (module doc) as ``role`` within ``timeout`` seconds;
+    raises `AuthenticationError` (the caller closes the socket) on any failure."""
+    deadline = time.monotonic() + timeout
+    mine = secrets.token_bytes(NONCE_BYTES)
+    peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
+    proved = False
+    try:
+        sock.sendall(HEADER.pack(MAGIC, VERSION, CHALLENGE, 1 + NONCE_BYTES) + bytes([role]) + mine)
+        body = _handshake_frame(sock, CHALLENGE, 1 + NONCE_BYTES, deadline)
+        if body[0] != peer_role:
+            raise AuthenticationError(f"the peer claims role {body[0]}, expected {peer_role} (a reflected challenge?)")
+        theirs = body[1:]
+        if role == ROLE_SENDER:
+            sock.sendall(HEADER.pack(MAGIC, VERSION, PROOF, 32) + _mac(key, role, theirs, mine))
+            proved = True
+        proof = _handshake_frame(sock, PROOF, 32, deadline)
+        if not hmac.compare_digest(proof, _mac(key, peer_role, mine, theirs)):
+            raise AuthenticationError("the peer's proof is wrong: it does not hold this session's key")
+        if role == ROLE_ENDPOINT:
+            sock.sendall(HEADER.pack(MAGIC, VERSION, PROOF, 32) + _mac(key, role, theirs, mine))
+    except AuthenticationError:
+        raise
+    except socket.timeout:
+        raise AuthenticationError(f"no complete handshake within {timeout} s") from None
+    except EOFError:
+        if proved:
+            raise AuthenticationError("the peer closed the connection after our proof: it refused our key (not this session's?)") from None
+        raise AuthenticationError("the peer closed the connection during the handshake") from None
+    except OSError as err:
+        raise AuthenticationError(f"handshake failed: {err!r}") from None
+    finally:
+        sock.settimeout(None)
