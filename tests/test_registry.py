@@ -72,7 +72,7 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
         registry.serve("in-process", receiver, authkey=secrets.token_bytes(32))
     with pytest.raises(InvalidArgumentError, match=r"invalid shared=None: the shm endpoint serves the receiver's pool from shared memory"):
         registry.serve("shm", receiver, authkey=secrets.token_bytes(32))
-    with pytest.raises(InvalidArgumentError, match=r"invalid option ring=3: the staging endpoint takes no such option"):
+    with pytest.raises(InvalidArgumentError, match=r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, capacity_blocks"):
         registry.serve("staging", receiver, authkey=secrets.token_bytes(32), ring=3)
     with pytest.raises(InvalidArgumentError, match=r"invalid url='in-process\+unix:///x': the in-process transport takes no address"):
         registry.connect("in-process+unix:///x", receiver=receiver)
@@ -82,8 +82,45 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
         registry.connect("shm+unix:///nowhere")
     with pytest.raises(InvalidArgumentError, match=r"invalid src=None: a NIXL transport registers the sender's pool"):
         registry.connect("nixl+unix:///nowhere", authkey=secrets.token_bytes(32))
-    with pytest.raises(InvalidArgumentError, match=r"invalid option write_bytes=8: the shm transport takes no such option"):
+    with pytest.raises(InvalidArgumentError, match=r"invalid option write_bytes=8: the shm transport takes handshake_timeout"):
         registry.connect("shm+unix:///nowhere", authkey=secrets.token_bytes(32), write_bytes=8)
+
+
+def test_a_tcp_address_off_loopback_is_refused_for_a_one_host_transport() -> None:
+    receiver = KVReceiver(nan_pool())
+    key = secrets.token_bytes(32)
+    for name in ("shm", "staging"):
+        with pytest.raises(InvalidArgumentError, match=rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback reaches across hosts, and {name} runs only on one host; across hosts choose from nixl"):
+            registry.connect(f"{name}+tcp://10.9.8.1:5000", authkey=key)
+    with pytest.raises(InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0' for transport 'staging'"):
+        registry.serve("staging", receiver, authkey=key, address="tcp://0.0.0.0:0")
+    with pytest.raises(InvalidArgumentError, match=r"invalid url='ftp://x': expected unix:///path or tcp://host:port"):
+        registry.connect("shm+ftp://x", authkey=key)
+
+
+def test_a_one_host_transport_over_loopback_tcp_is_bit_exact() -> None:
+    """The control address is the endpoint's choice: staging over tcp://127.0.0.1."""
+    pool = registry.receiver_pool("staging", num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    receiver = KVReceiver(pool.pool)
+    key = secrets.token_bytes(32)
+    served = registry.serve("staging", receiver, authkey=key, address="tcp://127.0.0.1:0")
+    try:
+        assert served.url.startswith("staging+tcp://127.0.0.1:") and not served.url.endswith(":0")
+        for rid, prompt, _ in REQUESTS:
+            receiver.expect(rid, prompt)
+        src = random_pool(9)
+        src_table, dst_table = block_tables(10)
+        sender = KVSender(src, registry.connect(served.url, authkey=key, handshake_timeout=5.0), progress=True)
+        drive(sender, src_table, dst_table)
+        sender.flush(timeout=60)
+        for rid, _, _ in REQUESTS:
+            receiver.wait(rid, timeout=60)
+        assert digest(receiver.pool, dst_table) == digest(src, src_table)
+        sender.close()
+    finally:
+        served.close()
+        receiver = None  # type: ignore[assignment]
+        pool.close()
 
 
 def test_in_process_from_the_registry_is_bit_exact() -> None:

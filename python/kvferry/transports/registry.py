@@ -6,6 +6,8 @@ receiver process                                    sender process
 pool = receiver_pool("shm", ...)   (shared memory where the transport needs it)
 served = serve("shm", receiver, authkey=k, shared=pool.shared)
 served.url  "shm+unix:///tmp/kvferry-.../notices.sock"  --->  connect(url, authkey=k, src=...)
+served = serve("nixl", receiver, authkey=k, address="tcp://10.0.0.1:0")
+served.url  "nixl+tcp://10.0.0.1:41234"                   --->  (from another host)
 ```
 A URL is ``<transport>+<control address>``: the transport names how bytes move, the address
 where the receiver takes notices. The in-process transport has no endpoint: the sender is
@@ -20,6 +22,7 @@ capabilities exists.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -179,61 +182,87 @@ class Served:
 
 
 def _url_of(name: str, address: str) -> str:
-    # Today's endpoints listen on a Unix socket and report its path.
-    return f"{name}+unix://{address}" if address.startswith("/") else f"{name}+{address}"
+    return f"{name}+{address}"
 
 
-def _control(address: str) -> str:
-    """The control address as the transports' constructors take it."""
-    if address.startswith("unix://"):
-        return address.removeprefix("unix://")
-    if address.startswith("/"):
-        return address
-    raise InvalidArgumentError(f"invalid address={address!r}: a Unix socket, as unix:///path (tcp:// needs the TCP control plane)")
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may name another host
+        return False
 
 
-def _no_options(name: str, options: dict[str, Any], side: str) -> None:
-    if options:
-        raise InvalidArgumentError(f"invalid option {sorted(options)[0]}={options[sorted(options)[0]]!r}: the {name} {side} takes no such option")
+def _check_reach(name: str, address: str, argument: str, shown: Optional[str] = None) -> None:
+    """A ``tcp://`` address off loopback may join two hosts: refused for a transport that
+    runs only on one (its pool is mapped, not sent: shared memory, CUDA IPC, a host ring)."""
+    from kvferry.transports import wire
+
+    shown = address if shown is None else shown
+    where = wire.parse_address(address, argument)
+    s = _SPECS[name]
+    if where.scheme == "tcp" and not _loopback(where.host) and s.reach < Reach.NETWORK:
+        raise InvalidArgumentError(
+            f"invalid {argument}={shown!r} for transport {name!r}: a tcp:// address off loopback reaches across hosts, "
+            f"and {name} runs only {s.reach.words}; across hosts choose from {', '.join(names(reach=Reach.NETWORK))}"
+        )
+
+
+# What every endpoint and every transport with one takes (kvferry.transports.local): where
+# to listen (``address``: unix://, unix:///path, tcp://host:port), the host peers reach a
+# wildcard bind by (``advertise``), and how long a peer has for the handshake.
+ENDPOINT_OPTIONS = ("address", "advertise", "handshake_timeout")
+TRANSPORT_OPTIONS = ("handshake_timeout",)
+
+
+def _options(name: str, options: dict[str, Any], side: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """``options`` with every key in ``allowed``; else `InvalidArgumentError` naming the first other."""
+    for key in sorted(options):
+        if key not in allowed:
+            raise InvalidArgumentError(f"invalid option {key}={options[key]!r}: the {name} {side} takes {', '.join(allowed) or 'no options'}")
+    return options
 
 
 def _serve_shm(receiver: KVReceiver, authkey: bytes, shared: Any = None, **options: Any) -> Any:
     from kvferry.transports.shm import ShmEndpoint
 
-    _no_options("shm", options, "endpoint")
     if shared is None or shared.pool is not receiver.pool:
         raise InvalidArgumentError(f"invalid shared={shared!r}: the shm endpoint serves the receiver's pool from shared memory; make it with receiver_pool('shm', ...) and pass its .shared")
-    return ShmEndpoint(receiver, shared, authkey=authkey)
+    return ShmEndpoint(receiver, shared, authkey=authkey, **_options("shm", options, "endpoint", ENDPOINT_OPTIONS + ("shared",)))
 
 
 def _serve_cuda_ipc(receiver: KVReceiver, authkey: bytes, **options: Any) -> Any:
     from kvferry.transports.local import CudaIpcEndpoint
 
-    _no_options("cuda-ipc", options, "endpoint")
-    return CudaIpcEndpoint(receiver, authkey=authkey)
+    return CudaIpcEndpoint(receiver, authkey=authkey, **_options("cuda-ipc", options, "endpoint", ENDPOINT_OPTIONS))
 
 
 def _serve_staging(receiver: KVReceiver, authkey: bytes, capacity_blocks: Optional[int] = None, **options: Any) -> Any:
     from kvferry.transports.staging import StagingEndpoint
 
-    _no_options("staging", options, "endpoint")
-    return StagingEndpoint(receiver, authkey=authkey, capacity_blocks=receiver.pool.num_blocks if capacity_blocks is None else capacity_blocks)
+    capacity = receiver.pool.num_blocks if capacity_blocks is None else capacity_blocks
+    return StagingEndpoint(receiver, authkey=authkey, capacity_blocks=capacity, **_options("staging", options, "endpoint", ENDPOINT_OPTIONS + ("capacity_blocks",)))
 
 
 def _serve_nixl(receiver: KVReceiver, authkey: bytes, **options: Any) -> Any:
     from kvferry.transports.nixl import NixlEndpoint
 
-    _no_options("nixl", options, "endpoint")
-    return NixlEndpoint(receiver, authkey=authkey)
+    return NixlEndpoint(receiver, authkey=authkey, **_options("nixl", options, "endpoint", ENDPOINT_OPTIONS))
 
 
 def serve(name: str, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> Served:
-    """The endpoint of transport ``name`` serving ``receiver``. Options: ``shared`` (shm:
-    the `SharedPool` holding the receiver's pool), ``capacity_blocks`` (staging: ring size,
-    default the pool's size)."""
+    """The endpoint of transport ``name`` serving ``receiver``. Options: ``address`` (where
+    to listen: ``unix://``, the default, a fresh private socket; ``unix:///path``;
+    ``tcp://host:port``, port 0 for any, off loopback only for a transport that runs across
+    hosts), ``advertise`` (the host a wildcard bind is reached by), ``handshake_timeout``;
+    ``shared`` (shm: the `SharedPool` holding the receiver's pool), ``capacity_blocks``
+    (staging: ring size, default the pool's size)."""
     s = check(name, device=receiver.pool.device.type, device_argument="receiver.pool.device")
     if not s.has_endpoint:
         raise InvalidArgumentError(f"invalid transport={name!r} for serve: {name} has no endpoint; hand the sender the receiver itself, connect({name!r}, receiver=...)")
+    if "address" in options:
+        _check_reach(name, options["address"], "address")
     assert s._serve is not None
     endpoint = s._serve(receiver, authkey, **options)
     return Served(name, endpoint, _url_of(name, endpoint.address))
@@ -251,11 +280,13 @@ def connect(
     """The sender's transport to the receiver at ``url`` (``"<transport>+<address>"`` from
     `Served.url`), or to ``receiver`` itself for ``"in-process"``. ``src`` and ``host_src``
     are the sender's pool and host tier (NIXL registers them; the others read any pool).
-    Options: ``write_bytes`` (staging: the most bytes one write carries)."""
+    Options: ``handshake_timeout`` (seconds for the handshake), ``write_bytes`` (staging:
+    the most bytes one write carries). A ``tcp://`` address off loopback is refused for a
+    transport that runs only on one host."""
     name, address = parse_url(url)
     s = spec(name)
     if not s.has_endpoint:
-        _no_options(name, options, "transport")
+        _options(name, options, "transport", ())
         if receiver is None or address is not None:
             raise InvalidArgumentError(f"invalid url={url!r}: the in-process transport takes no address; pass receiver=")
         from kvferry.transports.inprocess import InProcessTransport
@@ -267,38 +298,35 @@ def connect(
         raise InvalidArgumentError(f"invalid receiver={receiver!r}: {name} reaches its receiver at {address}, not in this process")
     if authkey is None:
         raise InvalidArgumentError(f"invalid authkey=None: {name} authenticates both sides with the session key")
+    _check_reach(name, address, "url", url)
     assert s._connect is not None
-    return s._connect(_control(address), authkey, src, host_src, **options)
+    return s._connect(address, authkey, src, host_src, **options)
 
 
 def _connect_shm(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
     from kvferry.transports.shm import ShmTransport
 
-    _no_options("shm", options, "transport")
-    return ShmTransport(address, authkey=authkey)
+    return ShmTransport(address, authkey=authkey, **_options("shm", options, "transport", TRANSPORT_OPTIONS))
 
 
 def _connect_cuda_ipc(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
     from kvferry.transports.local import CudaIpcTransport
 
-    _no_options("cuda-ipc", options, "transport")
-    return CudaIpcTransport(address, authkey=authkey)
+    return CudaIpcTransport(address, authkey=authkey, **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS))
 
 
 def _connect_staging(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], write_bytes: Optional[int] = None, **options: Any) -> Transport:
     from kvferry.transports.staging import StagingTransport
 
-    _no_options("staging", options, "transport")
-    return StagingTransport(address, authkey=authkey, write_bytes=write_bytes)
+    return StagingTransport(address, authkey=authkey, write_bytes=write_bytes, **_options("staging", options, "transport", TRANSPORT_OPTIONS))
 
 
 def _connect_nixl(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
     from kvferry.transports.nixl import NixlTransport
 
-    _no_options("nixl", options, "transport")
     if src is None:
         raise InvalidArgumentError("invalid src=None: a NIXL transport registers the sender's pool; pass src=")
-    return NixlTransport(address, authkey=authkey, src=src, host_src=host_src)
+    return NixlTransport(address, authkey=authkey, src=src, host_src=host_src, **_options("nixl", options, "transport", TRANSPORT_OPTIONS))
 
 
 # The table: every transport, where it runs, its builders. The one place that lists them.
