@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default 8 on cpu, 32 on cuda)")
     copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default 64 on cpu, 128 on cuda)")
     copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
+    _placement_flags(copy)
     copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     copy.set_defaults(func=_cmd_bench_copy)
 
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
     agentic.add_argument("--transport", choices=registry.names(), default="in-process",
                          help="how the generation worker is reached; any but in-process runs it in another process")
+    _placement_flags(agentic)
     agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N")
     agentic.add_argument("--vocab", type=_positive, default=512, metavar="N")
@@ -230,6 +232,30 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     tiers.set_defaults(func=_cmd_bench_tiers)
     return parser
+
+
+def _placement_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a receiver in another process runs: a second host on one machine."""
+    parser.add_argument("--listen", default="unix://", metavar="URL", help="where the receiver's endpoint listens: unix:// (default) or tcp://HOST:PORT (port 0: any)")
+    parser.add_argument("--receiver-netns", default=None, metavar="NAME", help="run the receiver process in this network namespace (ip netns), standing for a second host")
+
+
+def _across_hosts(args: argparse.Namespace) -> bool:
+    """Whether ``--listen``/``--receiver-netns`` put the receiver on another host: another
+    namespace, or a tcp:// address off loopback (refused with anything but tcp://)."""
+    from kvferry.transports.wire import parse_address
+
+    where = parse_address(args.listen, "--listen")
+    if args.receiver_netns is not None and where.scheme != "tcp":
+        raise ValueError(f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://")
+    return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in ("127.0.0.1", "::1", "localhost"))
+
+
+def _check_reach(names: Sequence[str]) -> None:
+    """Refuses a transport with an endpoint that cannot run across hosts (registry.check)."""
+    for name in names:
+        if name in registry.names() and registry.spec(name).has_endpoint:
+            registry.check(name, reach=registry.Reach.NETWORK, argument="--transport")
 
 
 def _fraction(text: str) -> float:
@@ -314,6 +340,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
     refused = _device_refused(args)
     if refused is not None:
         return refused
+    if _across_hosts(args):
+        if not registry.spec(args.transport).has_endpoint:
+            return _refuse(f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint")
+        _check_reach([args.transport])
     if args.heads % args.kv_heads:
         print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
         return 2
@@ -345,6 +375,8 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         check_kv=args.check_kv,
         aware=args.aware,
         layer_groups=layer_groups,
+        listen=args.listen,
+        receiver_netns=args.receiver_netns,
     )
     if _too_big(args.device, _agentic_bytes(cfg), "the model and its two KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
         return 2
@@ -429,7 +461,13 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         if name not in COPIES:
             registry.check(name, device=args.device)
     transports = args.transport or default_transports(args.device)
+    if _across_hosts(args):
+        if args.transport is None:  # the defaults that reach another host
+            transports = tuple(n for n in transports if n not in registry.names() or not registry.spec(n).has_endpoint or registry.spec(n).reach >= registry.Reach.NETWORK)
+        _check_reach(transports)
     cfg = CopyBenchConfig(
+        listen=args.listen,
+        receiver_netns=args.receiver_netns,
         device=args.device,
         transports=transports,
         blocks=args.blocks,

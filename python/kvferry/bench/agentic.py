@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress
+from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.notice import Notice
@@ -68,6 +68,10 @@ class AgenticConfig:
     # Also run "layerwise": early transfer plus layer-wise streaming of the last prefill
     # chunk, with this many groups of consecutive layers (1 to layers); None: not run.
     layer_groups: Optional[int] = None
+    # Where the generation worker's endpoint listens and the network namespace it runs in
+    # (None: this one): a second host on one machine (see kvferry.bench.copy).
+    listen: str = "unix://"
+    receiver_netns: Optional[str] = None
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -209,6 +213,15 @@ def _figures(
     return figures, hidden, during_total
 
 
+def _tcp_link(cfg: AgenticConfig) -> Optional[float]:
+    """The same-run ceiling of a tcp:// link to the generation worker: a raw TCP stream."""
+    if not cfg.listen.startswith("tcp://"):
+        return None
+    from kvferry.transports.wire import parse_address
+
+    return tcp_stream_gbps(parse_address(cfg.listen, "listen").host, 256 << 20, netns=cfg.receiver_netns)
+
+
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     batches = (1 + len(cfg.modes)) * (cfg.turns + 1)  # turn batches: reference, then each mode
     done = 0
@@ -241,6 +254,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             transport=cfg.transport,
             link_gbps=cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None,
             record=True,
+            listen=cfg.listen,
+            netns=cfg.receiver_netns,
         )
         records = engine.hook.sender.records
         assert records is not None
@@ -285,6 +300,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "reuse_mismatches": reuse_mismatches if cfg.check_kv else None,
         "duplicate_blocks": sum(f.duplicate_blocks for f in per_request),
         "hidden_fraction": fraction("early"),
+        "tcp_link_gbps": _tcp_link(cfg),
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:
@@ -328,6 +344,8 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"bytes sent early {e['early_bytes'] / 1e6:.1f} MB, after prefill {e['after_bytes'] / 1e6:.1f} MB (baseline: all {b['after_bytes'] / 1e6:.1f} MB after)",
         f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
     ]
+    if result.get("tcp_link_gbps"):
+        lines.append(f"link: one raw TCP stream to the generation worker {result['tcp_link_gbps']:.3f} GB/s (same run)")
     if "aware" in result:
         w = result["aware"]
         lines.insert(

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from kvferry.bench.util import machine, stderr_progress
+from kvferry.bench.util import enter_netns, machine, stderr_progress, tcp_stream_gbps
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
@@ -42,6 +42,19 @@ class CopyBenchConfig:
     block_kib: int = 64
     reps: int = 5
     seed: int = 0
+    # Where a receiver in another process listens (`registry.serve`'s ``address``) and the
+    # network namespace it runs in (None: this one): a second host on one machine.
+    listen: str = "unix://"
+    receiver_netns: Optional[str] = None
+
+    def tcp_host(self) -> Optional[str]:
+        """The receiver's host when it listens on tcp:// (then a raw TCP stream to it is the
+        link's ceiling), else None."""
+        if not self.listen.startswith("tcp://"):
+            return None
+        from kvferry.transports.wire import parse_address
+
+        return parse_address(self.listen, "listen").host
 
 
 @dataclass
@@ -122,7 +135,9 @@ class _RemoteReceiver:
         self.kind = kind
         self._conn, child = ctx.Pipe()
         self._authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
+        self._proc = ctx.Process(
+            target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib, cfg.listen, cfg.receiver_netns), daemon=True
+        )
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
@@ -151,12 +166,15 @@ class _RemoteReceiver:
         self._proc.join(timeout=30)
 
 
-def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
+def _remote_receiver_main(
+    conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int, listen: str = "unix://", netns: Optional[str] = None
+) -> None:
     try:
+        enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
         # make_pool's geometry, zeroed (in shared memory where the transport maps it).
         pool = registry.receiver_pool(kind, num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device)
         receiver = KVReceiver(pool.pool)
-        served = registry.serve(kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {}))
+        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return
@@ -224,6 +242,11 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
         progress("ceiling of the host link: one pinned host-to-device copy of 1 GiB")
         host_link = pinned_link_gbps(1 << 30, cfg.reps)
+    tcp_link = None
+    host = cfg.tcp_host()
+    if host is not None:
+        progress(f"ceiling of the link: a raw TCP stream of 256 MiB to {host}" + (f" (namespace {cfg.receiver_netns})" if cfg.receiver_netns else ""))
+        tcp_link = tcp_stream_gbps(host, 256 << 20, netns=cfg.receiver_netns, reps=cfg.reps)
     src = make_pool(cfg, pool_blocks, fill=True)
     rows: list[Row] = []
     rng = np.random.default_rng(cfg.seed)
@@ -251,7 +274,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         else:  # a receiver in another process
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
-                limit = host_link if name in HOST_LINK and host_link else ceiling
+                limit = tcp_link or (host_link if name in HOST_LINK and host_link else ceiling)
                 rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, limit)
             finally:
                 remote.close()
@@ -261,6 +284,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "ceiling_gbps": ceiling,
         "host_link_gbps": host_link,
+        "tcp_link_gbps": tcp_link,
         "rows": [asdict(r) for r in rows],
     }
 
@@ -270,6 +294,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous copy, bytes copied per second)",
         f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
     ]
+    if result.get("tcp_link_gbps"):
+        lines.insert(1, f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of every transport to another process here)")
     if result.get("host_link_gbps"):
         lines.insert(1, f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})")
     for r in result["rows"]:

@@ -199,14 +199,27 @@ class RemoteGeneration:
     `kvferry.transports.registry` with an endpoint that serves ``device`` pools."""
 
     def __init__(
-        self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False, dedup: bool = False
+        self,
+        cfg: ModelConfig,
+        *,
+        device: str,
+        num_blocks: int,
+        tokens_per_block: int,
+        transport: str,
+        src_pool: Any = None,
+        aware: bool = False,
+        dedup: bool = False,
+        listen: str = "unix://",
+        netns: Optional[str] = None,
     ) -> None:
+        """``listen``: where its endpoint listens (`registry.serve`'s ``address``); ``netns``:
+        the network namespace the process runs in (a second host on one machine; None: this one)."""
         if not registry.check(transport, device=device).has_endpoint:
             raise ValueError(f"invalid transport={transport!r}: the generation worker runs in another process; choose from {', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup), daemon=True)
+        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup, listen, netns), daemon=True)
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
@@ -234,15 +247,21 @@ class RemoteGeneration:
             self._proc.kill()
 
 
-def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool) -> None:
+def _generation_main(
+    conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool, listen: str = "unix://", netns: Optional[str] = None
+) -> None:
     try:
+        if netns is not None:  # first: the endpoint's sockets and NIXL's threads then live there
+            from kvferry.bench.util import enter_netns
+
+            enter_netns(netns)
         model = TinyLlama(cfg, device)
         # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
         shape = (num_blocks, 2, tpb, cfg.kv_heads, cfg.head_dim)
         pool = registry.receiver_pool(kind, num_layers=cfg.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device)
         worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool.pool)
         receiver = KVReceiver(worker.pool)
-        served = registry.serve(kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {}))
+        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return

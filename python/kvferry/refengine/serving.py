@@ -108,8 +108,11 @@ class Disaggregated:
         aware: bool = False,
         dedup: bool = False,
         layer_groups: Optional[int] = None,
+        listen: str = "unix://",
+        netns: Optional[str] = None,
     ) -> None:
-        """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
+        """``listen`` and ``netns`` place a generation worker in another process (see
+        `RemoteGeneration`). ``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
         turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
         and advertises those it still holds, which then never cross); ``dedup`` turns on
@@ -129,7 +132,7 @@ class Disaggregated:
             self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware, dedup=dedup)
         else:
             self.generation = RemoteGeneration(
-                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup
+                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup, listen=listen, netns=netns
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
