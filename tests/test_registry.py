@@ -229,3 +229,19 @@ def test_no_module_but_the_registry_keeps_a_table_of_transport_names() -> None:
     sources = [*ROOT.joinpath("python", "kvferry").rglob("*.py"), *ROOT.joinpath("benches", "python").rglob("*.py")]
     tables = [t for p in sources if p.name != "registry.py" for t in _name_tables(p)]
     assert not tables, "transport names listed outside kvferry.transports.registry:\n" + "\n".join(tables)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["copy", "--transport", "shm", "--listen", "tcp://10.9.8.2:0"], "invalid --transport='shm' across hosts: shm runs only on one host; across hosts choose from nixl"),
+        (["agentic", "--transport", "staging", "--receiver-netns", "x", "--listen", "tcp://10.9.8.2:0"], "invalid --transport='staging' across hosts"),
+        (["agentic", "--transport", "in-process", "--listen", "tcp://10.9.8.2:0"], "--transport in-process keeps the generation worker in this process"),
+        (["copy", "--transport", "nixl", "--receiver-netns", "x"], "invalid --listen='unix://' with --receiver-netns x: another namespace is reached over tcp://"),
+    ],
+)
+def test_cli_refuses_a_placement_the_transport_cannot_run_in(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    from kvferry.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert needle in capsys.readouterr().err
