@@ -9,8 +9,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # cargo-fuzz, pinned and installed under target/ (cargo install skips it when it is there).
 CARGO_FUZZ_VERSION := 0.13.2
 CARGO_FUZZ := target/tools/bin/cargo-fuzz
-# Seconds of fuzzing in all: half to the batch API (the larger state space), a quarter each to
-# the planner and to the receiver-side ledger.
+# Seconds of fuzzing in all: two fifths to the batch API (the larger state space), a fifth each
+# to the planner, the receiver-side ledger and the wire codec's decoder.
 FUZZ_SECONDS ?= 60
 # `-s none`: AddressSanitizer needs nightly's -Zsanitizer and adds little to a core that forbids
 # `unsafe`; without it the build takes only stable flags (sancov passes, --cfg fuzzing).
@@ -65,15 +65,17 @@ fmt: ## format the Rust code
 $(CARGO_FUZZ):
 	cargo install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION) --root target/tools
 
-fuzz: $(CARGO_FUZZ) ## fuzz the batch API, the planner and the ledger for FUZZ_SECONDS in all (default 60; docs/fuzzing.md)
-	mkdir -p target/fuzz-corpus/book target/fuzz-corpus/planner target/fuzz-corpus/ledger
-	book=$$(( $(FUZZ_SECONDS) / 2 )); planner=$$(( $(FUZZ_SECONDS) / 4 )); ledger=$$(( $(FUZZ_SECONDS) - book - planner )); \
+fuzz: $(CARGO_FUZZ) ## fuzz the batch API, the planner, the ledger and the wire decoder for FUZZ_SECONDS in all (default 60; docs/fuzzing.md)
+	mkdir -p target/fuzz-corpus/book target/fuzz-corpus/planner target/fuzz-corpus/ledger target/fuzz-corpus/wire
+	book=$$(( $(FUZZ_SECONDS) * 2 / 5 )); planner=$$(( $(FUZZ_SECONDS) / 5 )); ledger=$$(( $(FUZZ_SECONDS) / 5 )); wire=$$(( $(FUZZ_SECONDS) - book - planner - ledger )); \
 	$(FUZZ) book target/fuzz-corpus/book rust/fuzz/corpus/book -- \
 		$(FUZZ_OPTS) -max_total_time=$$(( book > 0 ? book : 1 )) && \
 	$(FUZZ) planner target/fuzz-corpus/planner rust/fuzz/corpus/planner -- \
 		$(FUZZ_OPTS) -max_total_time=$$(( planner > 0 ? planner : 1 )) && \
 	$(FUZZ) ledger target/fuzz-corpus/ledger rust/fuzz/corpus/ledger -- \
-		$(FUZZ_OPTS) -max_total_time=$$(( ledger > 0 ? ledger : 1 ))
+		$(FUZZ_OPTS) -max_total_time=$$(( ledger > 0 ? ledger : 1 )) && \
+	$(FUZZ) wire target/fuzz-corpus/wire rust/fuzz/corpus/wire -- \
+		$(FUZZ_OPTS) -max_total_time=$$(( wire > 0 ? wire : 1 ))
 
 bench: bench-rust bench-python ## run every benchmark
 

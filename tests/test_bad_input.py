@@ -40,18 +40,21 @@ from kvferry import (
     early_prefix_blocks,
     select_early,
 )
-from kvferry._core import pack_pairs
+from kvferry._core import pack_pairs, wire_decode, wire_encode
 from kvferry.cli import main
 from kvferry.copy import copy_blocks
 from kvferry.hook import TransferHook
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
-from kvferry.receiver import KVReceiver
+from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.sender import KVSender
 from kvferry.transports.inprocess import InProcessTransport
+from kvferry.transports.shm import ShmTransport
+from kvferry.transports.staging import StagingEndpoint
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-input.md"
 HUGE = 2**64  # past int64: once a raw OverflowError that named nothing
+KEY = bytes(range(32))  # a well-formed session key, for rows about other arguments
 CUDA = torch.cuda.is_available()
 
 
@@ -233,6 +236,16 @@ def new_receiver() -> KVReceiver:
 
 def receiver_state(receiver: KVReceiver) -> object:
     return len(receiver), receiver.is_complete(1), receiver.notices(1), receiver.fenced(1)
+
+
+def new_leased_receiver() -> KVReceiver:
+    receiver = KVReceiver(pool(6))
+    receiver.expect(2, 8, dst_blocks=[3, 4])
+    return receiver
+
+
+def leased_state(receiver: KVReceiver) -> object:
+    return len(receiver), receiver.is_complete(2), receiver.notices(2), receiver.fenced(2)
 
 
 def new_hook() -> tuple[TransferHook, KVSender, KVReceiver]:
@@ -486,6 +499,32 @@ ROWS: list[Row] = [
     Row("receiver-cancel-unknown", "KVReceiver.cancel", "unknown request id", lambda r: r.cancel(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     Row("receiver-fenced-unknown", "KVReceiver.fenced", "unknown request id", lambda r: r.fenced(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
     Row("receiver-notices-unknown", "KVReceiver.notices", "unknown request id", lambda r: r.notices(99), UnknownRequestError, "unknown request_id=99", new_receiver, receiver_state),
+    Row("receiver-expect-dst-short", "KVReceiver.expect", "dst_blocks=[3] for a 2-block request", lambda r: r.expect(2, 8, dst_blocks=[3]), InvalidArgumentError, "invalid dst_blocks: 1 ids, the request has 2 blocks", new_receiver, receiver_state),
+    Row("receiver-expect-dst-twice", "KVReceiver.expect", "dst_blocks=[3, 3]", lambda r: r.expect(2, 8, dst_blocks=[3, 3]), InvalidArgumentError, "invalid dst_blocks: a destination block appears twice", new_receiver, receiver_state),
+    Row("receiver-expect-dst-outside", "KVReceiver.expect", "dst_blocks=[3, 99] (a 6-block pool)", lambda r: r.expect(2, 8, dst_blocks=[3, 99]), InvalidArgumentError, "invalid dst_blocks: block 99 is outside the pool's [0, 6)", new_receiver, receiver_state),
+    Row("receiver-expect-dst-float", "KVReceiver.expect", "dst_blocks=[3.0, 4.0]", lambda r: r.expect(2, 8, dst_blocks=[3.0, 4.0]), InvalidArgumentError, "invalid dst_blocks: a 1-d array of integer block ids", new_receiver, receiver_state),
+    Row("receiver-deliver-lease", "KVReceiver.deliver", "a sender's notice whose write used blocks [3, 5], lease [3, 4]", lambda r: r.deliver(Notice(2, 0, 0, 2, True), "sender", dst_ids=np.array([3, 5])), LeaseError, "invalid dst_ids for request 2", new_leased_receiver, leased_state),
+    Row("receiver-deliver-lease-unnamed", "KVReceiver.deliver", "a sender's notice naming no blocks, lease [3, 4]", lambda r: r.deliver(Notice(2, 0, 0, 2, True), "sender"), LeaseError, "names no destination blocks, and the lease holds [3, 4]", new_leased_receiver, leased_state),
+    # -- endpoints, transports and the wire --------------------------------------------------
+    Row("transport-authkey-short", "ShmTransport(address, authkey=...)", "a 31-byte key", lambda _: ShmTransport("unix:///nonexistent.sock", authkey=b"k" * 31), InvalidArgumentError, "invalid authkey: 31 bytes, need at least 32"),
+    Row("transport-authkey-str", "ShmTransport(address, authkey=...)", "authkey='secret'", lambda _: ShmTransport("unix:///nonexistent.sock", authkey="s" * 32), TypeError, "authkey must be bytes, got str"),  # type: ignore[arg-type]
+    Row("transport-address-path", "ShmTransport(address, ...)", "a bare path, no scheme", lambda _: ShmTransport("/tmp/x.sock", authkey=KEY), InvalidArgumentError, "invalid address='/tmp/x.sock': expected unix:///path or tcp://host:port"),
+    Row("transport-address-port", "ShmTransport(address, ...)", "tcp://h:70000", lambda _: ShmTransport("tcp://h:70000", authkey=KEY), InvalidArgumentError, "invalid address='tcp://h:70000': the port must be a number in [0, 65535]"),
+    Row("transport-address-v6", "ShmTransport(address, ...)", "tcp://::1:5 (IPv6 without brackets)", lambda _: ShmTransport("tcp://::1:5", authkey=KEY), InvalidArgumentError, "IPv6 in brackets: tcp://[::1]:port"),
+    Row("transport-handshake-timeout", "ShmTransport(..., handshake_timeout=...)", "handshake_timeout=0", lambda _: ShmTransport("unix:///nonexistent.sock", authkey=KEY, handshake_timeout=0), InvalidArgumentError, "invalid handshake_timeout=0: must be a finite number of seconds > 0"),
+    Row("endpoint-authkey-short", "StagingEndpoint(receiver, authkey=...) (any endpoint)", "a 16-byte key", lambda r: StagingEndpoint(r, authkey=b"k" * 16, capacity_blocks=4), InvalidArgumentError, "invalid authkey: 16 bytes, need at least 32", new_receiver, receiver_state),
+    Row("endpoint-wildcard", "StagingEndpoint(..., address=...)", "tcp://0.0.0.0:0 without advertise", lambda r: StagingEndpoint(r, authkey=KEY, capacity_blocks=4, address="tcp://0.0.0.0:0"), InvalidArgumentError, "a wildcard bind needs advertise=", new_receiver, receiver_state),
+    Row("endpoint-advertise-unix", "StagingEndpoint(..., advertise=...)", "advertise= with a unix:// address", lambda r: StagingEndpoint(r, authkey=KEY, capacity_blocks=4, advertise="10.0.0.5"), InvalidArgumentError, "invalid advertise='10.0.0.5': only for a tcp:// address", new_receiver, receiver_state),
+    Row("endpoint-advertise-bad", "StagingEndpoint(..., advertise=...)", "advertise='a b'", lambda r: StagingEndpoint(r, authkey=KEY, capacity_blocks=4, address="tcp://127.0.0.1:0", advertise="a b"), InvalidArgumentError, "invalid advertise='a b'", new_receiver, receiver_state),
+    Row("wire-encode-kind", "_core.wire_encode", "kind='pickle'", lambda _: wire_encode("pickle", b""), InvalidArgumentError, 'invalid kind="pickle": not a frame type'),
+    Row("wire-encode-huge", "_core.wire_encode", "a notice with end=2**70", lambda _: wire_encode("notices", ([(1, 0, 0, 2**70, True, 0, 0, 1)], None)), InvalidArgumentError, "invalid end=1180591620717411303424"),
+    Row("wire-encode-dst-count", "_core.wire_encode", "one destination id for a 2-block notice", lambda _: wire_encode("notices", ([(1, 0, 0, 2, True, 0, 0, 1)], np.array([5]))), InvalidArgumentError, "invalid dst_ids=<1 ids>: must be one id per block the notices cover"),
+    Row("wire-encode-name", "_core.wire_encode", "agent name with a slash", lambda _: wire_encode("agent", "a/b"), InvalidArgumentError, 'invalid agent_name="a/b"'),
+    Row("wire-decode-magic", "_core.wire_decode", "a pickle", lambda _: wire_decode(b"\x80\x04\x95" + bytes(20), 1 << 20), InvalidArgumentError, "invalid frame: bad magic"),
+    Row("wire-decode-version", "_core.wire_decode", "version 2", lambda _: wire_decode(b"KVFW\x02\x00\x04\x00" + bytes(4), 1 << 20), InvalidArgumentError, "invalid frame: unsupported wire version 2 (this side speaks 1)"),
+    Row("wire-decode-type", "_core.wire_decode", "frame type 99", lambda _: wire_decode(b"KVFW\x01\x00\x63\x00" + bytes(4), 1 << 20), InvalidArgumentError, "invalid frame: unknown frame type 99"),
+    Row("wire-decode-limit", "_core.wire_decode", "a body past the connection's limit", lambda _: wire_decode(b"KVFW\x01\x00\x04\x00\x00\x01\x00\x00" + bytes(256), 33), InvalidArgumentError, "invalid frame: frame of 256 bytes exceeds the limit of 33"),
+    Row("wire-decode-count", "_core.wire_decode", "a count of 2**32-1 notices in 4 bytes", lambda _: wire_decode(b"KVFW\x01\x00\x04\x00\x04\x00\x00\x00\xff\xff\xff\xff", 1 << 20), InvalidArgumentError, "invalid frame: invalid notices=<4294967295 items>"),
     # -- TransferHook --------------------------------------------------------------------------
     Row("hook-add-epoch", "TransferHook.add_request", "epoch=-1", lambda c: c[0].add_request(2, 16, reused_len=8, src_blocks=[4, 5, 6, 7], dst_blocks=[0, 1, 2, 3], epoch=-1), InvalidArgumentError, "invalid epoch=-1", new_hook, hook_state),
     Row("hook-add-prompt", "TransferHook.add_request", "prompt_len=0", lambda c: c[0].add_request(2, 0, reused_len=0, src_blocks=[0], dst_blocks=[0]), InvalidArgumentError, "invalid prompt_len=0", new_hook, hook_state),

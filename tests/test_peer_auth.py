@@ -16,6 +16,7 @@ import tempfile
 import threading
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,8 +220,10 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
         (Notice(1, 0, 4, 8, True), InvalidArgumentError, 1),  # past block 6
         (Notice(3, 0, 2, 2, False), InvalidArgumentError, 3),  # no blocks
         (Notice(4, 0, -1, 1, False), InvalidArgumentError, 4),
-        (Notice(5, 0, 0, 2**70, True), InvalidArgumentError, 5),
     ]
+    # A value no frame can carry never leaves the sender (nothing of it reaches request 5).
+    with pytest.raises(InvalidArgumentError, match=r"invalid end=1180591620717411303424: must be in \[-2\*\*63, 2\*\*63\)"):
+        rogue.post([Notice(5, 0, 0, 2**70, True)])
     rogue.post([Notice(2, 0, 0, 2, False)])  # accepted...
     rogue.post([Notice(2, 1, 1, 3, False)])  # ...then blocks 1-2: block 1 arrived already
     for notice, _, _ in bad:
@@ -236,29 +239,31 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
     assert len(endpoint.errors) == len(refused)  # the endpoint records them too
 
     arrived = {}
-    for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start"), (5, "invalid end")]:
+    for rid, kind in [(1, "invalid range"), (2, "already claimed"), (3, "no blocks"), (4, "invalid start")]:
         with pytest.raises(TransferError, match=f"request {rid} failed: .*{kind}") as info:
             receiver.wait(rid, timeout=SLACK)  # fails now, not at a timeout
         assert info.value.request_ids == (rid,)
         arrived[rid] = receiver.notices(rid)
-    with pytest.raises(TransferTimeoutError):  # 7 was never named: untouched
-        receiver.wait(7, timeout=0.05)
+    for rid in (5, 7):  # never named: untouched
+        with pytest.raises(TransferTimeoutError):
+            receiver.wait(rid, timeout=0.05)
     # The rogue is still connected and could still write: a failed request's blocks are not
     # handed back until it is fenced (here by the rogue's connection ending).
     with pytest.raises(TransferTimeoutError, match="request 1 .*no fence"):
         receiver.release(1, timeout=0.05)
     rogue.close()
-    for rid in (1, 2, 3, 4, 5):
+    for rid in (1, 2, 3, 4):
         ledger = receiver.release(rid, timeout=SLACK)
         if rid == 2:  # only the first, good notice counts
             assert arrived[rid] == [Notice(2, 0, 0, 2, False)] and ledger.claimed_blocks == 2
         else:
             assert arrived[rid] == [] and ledger.claimed_blocks == 0
     receiver.release(6)  # complete: fenced
-    # No sender ever named 7, so nothing fences it; the test never handed its blocks out.
-    with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
-        receiver.release(7, timeout=0.05)
-    receiver.release_unfenced(7)
+    # No sender ever named 5 or 7, so nothing fences them; the test never handed their blocks out.
+    for rid in (5, 7):
+        with pytest.raises(TransferTimeoutError, match="no sender has announced it"):
+            receiver.release(rid, timeout=0.05)
+        receiver.release_unfenced(rid)
     assert len(receiver) == 0
 
 
@@ -291,26 +296,32 @@ def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver
     receiver.release(7)
 
 
-def test_a_malformed_message_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
-    """A message that breaks the protocol (a notice that is not six integers, an unknown
-    control message) ends that sender's connection and fails the requests it owned; other
-    senders are served on."""
+def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """A frame that breaks the protocol (a body that does not decode, a frame of a kind a
+    sender never sends, a version this side does not speak) ends that sender's connection
+    with a goodbye saying why, and fails the requests it owned; other senders are served on."""
     receiver, endpoint, authkey = rig
-    for rid in (1, 2, 3):
+    for rid in (1, 2, 3, 4):
         receiver.expect(rid, 8)
     good = ShmTransport(endpoint.address, authkey=authkey)
-    for rid, message in [(1, [("one", 0, 0, 1, False)]), (2, {"kind": "shutdown"})]:
+    frames = [
+        (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
+        (2, wire.frame("freed", 3), "a freed frame, which a sender does not send"),
+        (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
+    ]
+    for rid, raw, why in frames:
         rogue = ShmTransport(endpoint.address, authkey=authkey)
         rogue.announce([(rid, 0)])
-        rogue._send(message)  # noqa: SLF001  (a hostile peer writes what it likes)
-        with pytest.raises(TransferError, match=f"request {rid} failed: .*went away"):
+        rogue._conn._channel.sock.sendall(raw)  # noqa: SLF001  (a hostile peer writes what it likes)
+        with pytest.raises(TransferError, match=f"request {rid} failed: .*went away.*{why}"):
             receiver.wait(rid, timeout=SLACK)
-        assert until(lambda: _closed(rogue))  # the endpoint hung up on it
+        assert until(lambda: _closed(rogue))  # the endpoint hung up on it, saying why
+        with pytest.raises(TransferError, match=f"it closed the connection: disconnected: .*{why}"):
+            rogue.check_peer()
         rogue.close()
-    assert any("malformed message" in str(e) for e in endpoint.errors)
-    assert any("invalid control message kind='shutdown'" in str(e) for e in endpoint.errors)
-    good.post([Notice(3, 0, 0, 2, True)])
-    assert receiver.wait(3, timeout=SLACK)
+        assert isinstance(endpoint.errors[-1], wire.ProtocolError) and re.search(why, str(endpoint.errors[-1]))
+    good.post([Notice(4, 0, 0, 2, True)])
+    assert receiver.wait(4, timeout=SLACK)
     good.close()
 
 
@@ -323,9 +334,11 @@ def _closed(transport: ShmTransport) -> bool:
 
 
 def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
-    from kvferry.transports.nixl import NOTICE_MAGIC, _decode, _encode
+    from kvferry.transports.nixl import _decode_notification, _encode, _encode_revoke
 
-    assert _decode(_encode([Notice(1, 0, 0, 2, True)])) == [Notice(1, 0, 0, 2, True)]
-    for message in (b"junk", NOTICE_MAGIC + b"\1\2\3", NOTICE_MAGIC + bytes(41)):
+    kind, (notices, dst) = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
+    assert kind == "notices" and notices == [Notice(1, 0, 0, 2, True)] and dst.tolist() == [4, 9]
+    assert _decode_notification(_encode_revoke(3, 2)) == ("revoke", (3, 2))
+    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.frame("freed", 1)):
         with pytest.raises(TransferError):
-            _decode(message)
+            _decode_notification(message)

@@ -4,22 +4,25 @@ the frame codec's refusals at a live endpoint."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
+import pickle
 import re
 import secrets
 import socket
+import struct
 from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from kvferry.errors import InvalidArgumentError
+from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.notice import Notice
-from kvferry.receiver import KVReceiver
+from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
-from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool
+from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
 
 
 def _ipv6_loopback() -> bool:
@@ -127,3 +130,225 @@ def test_bad_handshake_timeout_is_refused() -> None:
         with pytest.raises(InvalidArgumentError, match="invalid handshake_timeout="):
             with shm_rig(handshake_timeout=bad):
                 pass
+
+
+# --- nothing from the wire is executed ---------------------------------------------------------
+
+
+class _Touch:
+    """Unpickling this creates ``path``: the proof that a pickle was executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def _closed_with(transport: ShmTransport, pattern: str) -> bool:
+    def closed() -> bool:
+        try:
+            transport.check_peer()
+        except TransferError as err:
+            assert re.search(pattern, str(err)), str(err)
+            return True
+        return False
+
+    return until(closed)
+
+
+def _serves(receiver: KVReceiver, endpoint: ShmEndpoint, authkey: bytes, rid: int) -> None:
+    """A good sender is served end to end after whatever came before."""
+    good = ShmTransport(endpoint.address, authkey=authkey)
+    receiver.expect(rid, 8)
+    good.post([Notice(rid, 0, 0, 2, True)])
+    receiver.wait(rid, timeout=SLACK)
+    good.close()
+    receiver.release(rid)
+
+
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
+def test_a_pickle_on_the_wire_executes_nothing(tmp_path: pathlib.Path, listen: str) -> None:
+    """A pickle that would create a file when unpickled, sent at the port before the
+    handshake (as multiprocessing would frame it) and by an authenticated sender inside a
+    notices frame and bare: nothing is created, each connection is closed with a clear error
+    (a goodbye for the authenticated one), and the endpoint serves a good sender after."""
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Touch(str(marker)))
+    pickle.loads(payload)  # the payload works: unpickling it does create the file
+    assert marker.exists()
+    marker.unlink()
+
+    with shm_rig(listen) as (receiver, endpoint, authkey):
+        address = wire.parse_address(endpoint.address)
+        with wire.connect(address, SLACK) as raw:
+            raw.sendall(struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing
+            raw.settimeout(SLACK)
+            assert until(lambda: endpoint.error_count == 1)
+        assert "refused: not a kvferry handshake: invalid frame: bad magic" in str(endpoint.errors[-1])
+
+        receiver.expect(1, 8)
+        for raw_frame, why in [
+            (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, len(payload)) + payload, "invalid frame"),
+            (struct.pack("!i", len(payload)) + payload, "bad magic"),
+        ]:
+            rogue = ShmTransport(endpoint.address, authkey=authkey)
+            rogue.announce([(1, 0)])
+            rogue._conn._channel.sock.sendall(raw_frame)  # noqa: SLF001  (a hostile key-holder)
+            assert _closed_with(rogue, f"it closed the connection: disconnected: .*{why}")
+            rogue.close()
+            assert isinstance(endpoint.errors[-1], wire.ProtocolError)
+        with pytest.raises(TransferError, match="went away.*broke the protocol"):
+            receiver.wait(1, timeout=SLACK)
+        receiver.release(1, timeout=SLACK)
+        _serves(receiver, endpoint, authkey, 2)
+    assert not marker.exists()
+
+
+def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
+    """Random bytes, an HTTP request, a header announcing a huge frame and a proof before
+    any challenge: each refused in the handshake (recorded, nothing else changed)."""
+    with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+        address = wire.parse_address(endpoint.address)
+        garbage = [
+            (secrets.token_bytes(4096), "bad magic"),
+            (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
+            (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30), "exceeds the limit of 33"),
+            (wire.frame("proof", bytes(32)), "a proof frame during the handshake, expected a challenge"),
+        ]
+        for n, (data, why) in enumerate(garbage, start=1):
+            with wire.connect(address, SLACK) as raw:
+                raw.sendall(data)
+                assert until(lambda: endpoint.error_count == n)
+            assert isinstance(endpoint.errors[-1], wire.AuthenticationError) and why in str(endpoint.errors[-1]), str(endpoint.errors[-1])
+        assert len(receiver) == 0 and receiver.refused_count == 0
+        _serves(receiver, endpoint, authkey, 1)
+
+
+def test_a_slow_handshake_is_dropped_within_its_timeout() -> None:
+    """A peer that sends its challenge one byte at a time, never finishing: dropped once the
+    whole handshake's timeout passed (each byte does not restart it)."""
+    with shm_rig("tcp://127.0.0.1:0", handshake_timeout=0.5) as (receiver, endpoint, authkey):
+        address = wire.parse_address(endpoint.address)
+        with wire.connect(address, SLACK) as raw:
+            challenge = wire.frame("challenge", (wire.ROLE_SENDER, secrets.token_bytes(32)))
+            sent = 0
+            for byte in challenge[:-1]:  # 44 bytes at least 0.05 s apart: over 2 s in all
+                if endpoint.error_count:
+                    break
+                try:
+                    raw.sendall(bytes([byte]))
+                except OSError:
+                    break
+                sent += 1
+                until(lambda: endpoint.error_count > 0, timeout=0.05)  # paces the bytes
+            assert until(lambda: endpoint.error_count == 1)
+            assert sent < len(challenge) - 1  # dropped while bytes were still trickling in
+        assert "no complete handshake within 0.5 s" in str(endpoint.errors[-1])
+        _serves(receiver, endpoint, authkey, 1)
+
+
+# --- leases: the receiver knows each request's blocks ---------------------------------------------
+
+
+def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> None:
+    """Shared memory: a sender whose write names destination blocks other than the lease's
+    gets its notice refused (nothing counts, the request fails), its connection closed with
+    a goodbye; a write into the lease's blocks over another connection completes."""
+    from kvferry.engine import ThreadCopyEngine
+
+    engine = ThreadCopyEngine()
+    try:
+        with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+            src = random_pool(3)
+            e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
+            rogue = ShmTransport(endpoint.address, authkey=authkey)
+            notice = Notice(1, 0, 0, 2, True, e1)
+            pending = rogue.write(engine, src, np.array([0, 1]), np.array([10, 12]), [notice])  # 12: another request's
+            assert pending.wait(SLACK) and pending.error() is None
+            rogue.post([notice])
+            assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
+            with pytest.raises(TransferError, match=r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the lease holds \[10, 11\]"):
+                receiver.wait(1, timeout=SLACK)
+            refusal = receiver.refused()[-1]
+            assert isinstance(refusal.error, LeaseError) and refusal.notice == notice
+            rogue.close()
+            assert receiver.release(1, timeout=SLACK).claimed_blocks == 0
+
+            e2 = receiver.expect(2, 8, dst_blocks=[20, 21])
+            good = ShmTransport(endpoint.address, authkey=authkey)
+            notice = Notice(2, 0, 0, 2, True, e2)
+            assert good.write(engine, src, np.array([0, 1]), np.array([20, 21]), [notice]).wait(SLACK)
+            good.post([notice])
+            receiver.wait(2, timeout=SLACK)
+            for a, b in zip(src.layers, receiver.pool.layers):
+                assert torch.equal(a[:2], b[[20, 21]])
+            # A notice that names no blocks at all (a post without its write) is refused too.
+            e3 = receiver.expect(3, 8, dst_blocks=[30, 31])
+            good.post([Notice(3, 0, 0, 2, True, e3)])
+            with pytest.raises(TransferError, match="request 3 failed: .*names no destination blocks, and the lease holds \\[30, 31\\]"):
+                receiver.wait(3, timeout=SLACK)
+            good.close()
+            receiver.release(2)
+            receiver.release(3, timeout=SLACK)
+    finally:
+        engine.close()
+
+
+def test_staging_copies_nothing_outside_the_lease() -> None:
+    """Staging: the receiver copies from the ring itself, so a batch naming blocks outside
+    its request's lease is refused before the copy: the pool's blocks keep their bytes."""
+    from kvferry.engine import ThreadCopyEngine
+    from kvferry.layout import PagedKV
+    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+
+    engine = ThreadCopyEngine()
+    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, address="tcp://127.0.0.1:0")
+    try:
+        src = random_pool(5)
+        e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
+        rogue = StagingTransport(endpoint.address, authkey=authkey)
+        notice = Notice(1, 0, 0, 2, True, e1)
+        assert rogue.write(engine, src, np.array([0, 1]), np.array([4, 6]), [notice]).wait(SLACK)
+        rogue.post([notice])
+        assert _closed_with(rogue, "wrote outside a request's lease")
+        with pytest.raises(TransferError, match="request 1 failed: invalid dst_ids"):
+            receiver.wait(1, timeout=SLACK)
+        for layer in receiver.pool.layers:
+            assert not layer[[4, 5, 6]].any()  # not one byte of the batch landed
+        rogue.close()
+        receiver.release(1, timeout=SLACK)
+
+        e2 = receiver.expect(2, 8, dst_blocks=[6, 7])
+        good = StagingTransport(endpoint.address, authkey=authkey)
+        notice = Notice(2, 0, 0, 2, True, e2)
+        assert good.write(engine, src, np.array([0, 1]), np.array([6, 7]), [notice]).wait(SLACK)
+        good.post([notice])
+        receiver.wait(2, timeout=SLACK)
+        for a, b in zip(src.layers, receiver.pool.layers):
+            assert torch.equal(a[:2], b[[6, 7]])
+        good.close()
+        receiver.release(2)
+    finally:
+        endpoint.close()
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "dst_blocks, why",
+    [
+        ([1], "1 ids, the request has 2 blocks"),
+        ([1, 1], "a destination block appears twice"),
+        ([1, 999], "block 999 is outside the pool's"),
+        ([-1, 2], "block -1 is outside the pool's"),
+        ([[1, 2]], "a 1-d array of integer block ids"),
+        ([1.0, 2.0], "a 1-d array of integer block ids"),
+    ],
+)
+def test_bad_lease_blocks_are_refused_by_name(dst_blocks: object, why: str) -> None:
+    receiver = KVReceiver(random_pool(0))
+    with pytest.raises(InvalidArgumentError, match=f"invalid dst_blocks: .*{re.escape(why)}"):
+        receiver.expect(1, 8, dst_blocks=dst_blocks)  # type: ignore[arg-type]
+    assert len(receiver) == 0

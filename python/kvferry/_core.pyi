@@ -1,5 +1,5 @@
 # Hand-written stub of the compiled module; checked by `python -m mypy.stubtest kvferry._core`.
-from typing import Optional, Sequence, Union, final
+from typing import Any, Optional, Sequence, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -17,15 +17,26 @@ __all__ = [
     "SlicePlan",
     "TransferBook",
     "TransferLedger",
+    "WIRE_HEADER_BYTES",
+    "WIRE_MAX_FRAME_BYTES",
+    "WIRE_MAX_IDS",
+    "WIRE_VERSION",
     "block_pairs",
     "block_runs",
     "chunk_blocks",
     "early_prefix_blocks",
     "pack_pairs",
     "select_early",
+    "wire_decode",
+    "wire_encode",
+    "wire_header",
 ]
 
 MAX_LEDGER_BLOCKS: int
+WIRE_VERSION: int
+WIRE_HEADER_BYTES: int
+WIRE_MAX_FRAME_BYTES: int
+WIRE_MAX_IDS: int
 
 @final
 class BlockRange:
@@ -204,3 +215,7 @@ def select_early(
 def block_pairs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockPairs: ...
 def block_runs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockRuns: ...
 def pack_pairs(src_ids: _IntLike, dst_ids: _IntLike, src_blocks: int, dst_blocks: int) -> npt.NDArray[np.int64]: ...
+# The frame codec (rust/src/wire.rs): (kind, value), the same shape both ways.
+def wire_header(header: bytes, limit: int) -> tuple[str, int]: ...
+def wire_decode(frame: bytes, limit: int) -> tuple[str, Any]: ...
+def wire_encode(kind: str, value: Any) -> bytes: ...

@@ -34,12 +34,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Sequence
 
+import numpy as np
+
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
-__all__ = ["CancelHandler", "Discard", "KVReceiver", "Refusal"]
+__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "Refusal"]
 
 # Refused and discarded messages kept for inspection; a sender that keeps sending bad or late
 # ones cannot grow the receiver without bound (``refused_count`` / ``discarded_count`` still
@@ -52,6 +54,11 @@ RELEASE_SECONDS = 30.0
 # Called (outside the receiver's lock) when the receiver gives up on a request:
 # ``(source, request_id, epoch)``; an endpoint passes it on to that sender.
 CancelHandler = Callable[[Optional[Hashable], int, int], None]
+
+
+class LeaseError(InvalidArgumentError):
+    """A notice names destination blocks other than those its request's lease holds
+    (`KVReceiver.expect(..., dst_blocks=...)`): refused whole before it counts."""
 
 
 @dataclass
@@ -71,6 +78,9 @@ class _Expected:
     # blocks), dropped once they have arrived there.
     awaits: list[tuple[int, BlockRange]] = field(default_factory=list)
     awaited_at: float = 0.0  # when the last awaited block arrived
+    # The destination block of each of the request's blocks (the lease's blocks), when the
+    # engine said which: a write naming others is refused.
+    dst_blocks: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,7 @@ class KVReceiver:
         window: Optional[int] = None,
         held: Sequence[BlockRange] = (),
         awaits: Sequence[tuple[int, BlockRange]] = (),
+        dst_blocks: Optional[Sequence[int] | np.ndarray] = None,
     ) -> int:
         """Registers a request before its first notice and returns its epoch, which the
         engine passes to the context side with the destination blocks (`KVSender.add`).
@@ -131,8 +142,14 @@ class KVReceiver:
         be sent. ``awaits`` lists ``(owner, blocks)``: blocks of this request that arrive
         with request ``owner``'s transfer into the same destination blocks (in-flight dedup);
         they are never sent for this request either, and it completes only once they arrived
-        there (it fails if ``owner`` fails or is released first)."""
+        there (it fails if ``owner`` fails or is released first). ``dst_blocks``: the
+        destination block of each of the request's blocks, in order (the blocks the engine
+        gave it). With them the lease records its blocks, and a notice over a transport that
+        names the blocks its write used (every cross-process one) is refused unless they are
+        exactly the lease's (`LeaseError`): a sender cannot make blocks of another request
+        count, and the staging receiver copies nothing outside the lease."""
         ledger = TransferLedger(self.pool.tokens_per_block, prompt_len, window=window)
+        lease = None if dst_blocks is None else self._lease_blocks(dst_blocks, ledger.num_blocks)
         for blocks in [*held, *(blocks for _, blocks in awaits)]:
             ledger.claim(blocks)
         with self._cond:
@@ -143,7 +160,7 @@ class KVReceiver:
                     raise InvalidArgumentError(f"invalid awaits: owner request_id={owner} is not another expected request")
             epoch = self._next_epoch
             self._next_epoch += 1
-            expected = _Expected(ledger, epoch, awaits=list(awaits))
+            expected = _Expected(ledger, epoch, awaits=list(awaits), dst_blocks=lease)
             for owner, _ in awaits:
                 self._dependents.setdefault(owner, set()).add(request_id)
             if ledger.is_complete:  # everything was held: nothing will arrive
@@ -151,6 +168,46 @@ class KVReceiver:
                 expected.fenced = True
             self._requests[request_id] = expected
             return epoch
+
+    def _lease_blocks(self, dst_blocks: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
+        try:
+            ids = np.asarray(dst_blocks)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(f"invalid dst_blocks: not an array of block ids ({err})") from None
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"invalid dst_blocks: a 1-d array of integer block ids, got shape {ids.shape} of {ids.dtype}")
+        ids = ids.astype(np.int64)
+        if len(ids) != num_blocks:
+            raise InvalidArgumentError(f"invalid dst_blocks: {len(ids)} ids, the request has {num_blocks} blocks")
+        outside = ids[(ids < 0) | (ids >= self.pool.num_blocks)]
+        if outside.size:
+            raise InvalidArgumentError(f"invalid dst_blocks: block {int(outside[0])} is outside the pool's [0, {self.pool.num_blocks})")
+        if len(np.unique(ids)) != len(ids):
+            raise InvalidArgumentError("invalid dst_blocks: a destination block appears twice")
+        return ids
+
+    @staticmethod
+    def _lease_mismatch(expected: _Expected, notice: Notice, dst_ids: Optional[np.ndarray], source: Optional[Hashable]) -> Optional[str]:
+        """Why the blocks a notice's write used are not its lease's, or ``None`` (also when
+        the lease records no blocks, or the notice's range is for the ledger to refuse)."""
+        lease = expected.dst_blocks
+        if lease is None or (dst_ids is None and source is None) or not 0 <= notice.start < notice.end <= len(lease):
+            return None
+        want = lease[notice.start : notice.end]
+        if dst_ids is None:
+            return f"names no destination blocks, and the lease holds {want.tolist()}"
+        got = np.asarray(dst_ids, dtype=np.int64)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            return f"wrote destination blocks {got.tolist()[:16]}, the lease holds {want.tolist()[:16]} for blocks [{notice.start}, {notice.end})"
+        return None
+
+    def lease_admits(self, notice: Notice, dst_ids: np.ndarray) -> bool:
+        """Whether the destination blocks ``dst_ids`` are the lease's for the notice's blocks
+        (a lease without recorded blocks admits any); changes nothing. The staging receiver
+        asks this before it copies a notice's blocks from the ring."""
+        with self._cond:
+            expected = self._requests.get(notice.request_id)
+            return expected is None or self._lease_mismatch(expected, notice, dst_ids, None) is None
 
     def epoch(self, request_id: int) -> int:
         """The request's current epoch."""
@@ -200,13 +257,16 @@ class KVReceiver:
             )
         return None
 
-    def deliver(self, notice: Notice, source: Optional[Hashable] = None) -> bool:
+    def deliver(self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None) -> bool:
         """Records a notice; returns whether the request is now complete. A stale notice (an
         old epoch, a request cancelled here or revoked by its sender) is discarded: kept in
         `discarded`, nothing else changes. A notice for an unknown request, for no blocks or
         blocks outside the prompt, for blocks that already arrived, for an epoch never issued
         or from a sender other than the one the request belongs to is refused (raised, and
-        kept in `refused`); a refused notice for a known request fails it."""
+        kept in `refused`); a refused notice for a known request fails it. ``dst_ids``: the
+        destination blocks the notice's write used; a notice from a ``source`` (a
+        cross-process sender) for a request whose lease records its blocks must name exactly
+        those, or it is refused (`LeaseError`)."""
         with self._cond:
             expected = self._requests.get(notice.request_id)
             try:
@@ -215,7 +275,7 @@ class KVReceiver:
                 raise self._refuse(notice, source, expected, err) from None
             if reason is None:
                 assert expected is not None
-                return self._claim(expected, notice, source)
+                return self._claim(expected, notice, source, dst_ids)
             self._discard(Discard("notice", notice.request_id, notice.epoch, reason, _name(source), notice))
             # A notice of the current epoch for a request cancelled before any sender had
             # announced it: that sender is the one to ask (a stale epoch binds nothing).
@@ -225,9 +285,13 @@ class KVReceiver:
             self._ask_cancel(notice.request_id, expected)
         return False
 
-    def _claim(self, expected: _Expected, notice: Notice, source: Optional[Hashable]) -> bool:
+    def _claim(self, expected: _Expected, notice: Notice, source: Optional[Hashable], dst_ids: Optional[np.ndarray] = None) -> bool:
         if source is not None and expected.source is None:
-            expected.source = source
+            expected.source = source  # bound even if refused below: it may have written
+        mismatch = self._lease_mismatch(expected, notice, dst_ids, source)
+        if mismatch is not None:
+            err = LeaseError(f"invalid dst_ids for request {notice.request_id}: notice {notice} {mismatch}")
+            raise self._refuse(notice, source, expected, err) from None
         try:
             blocks = _blocks_of(notice)
             if notice.whole:

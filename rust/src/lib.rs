@@ -31,6 +31,7 @@ pub mod pairs;
 pub mod plan;
 pub mod range;
 pub mod select;
+pub mod wire;
 
 #[cfg(feature = "python")]
 mod py;

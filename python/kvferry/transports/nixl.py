@@ -9,8 +9,10 @@ sender:   NixlTransport  registers its pool, adds the remote agent, prepares bot
 receiver: a thread polls notifications and delivers the notices (and the fences, which
                          the sender posts as notifications of their own, after its writes)
 ```
-Agent metadata is exchanged in-band over the authenticated local socket of kvferry.transports.local
-(NIXL's own listener would bind every interface). Needs the `nixl` package
+Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
+channel of kvferry.transports.local, a Unix socket or TCP (NIXL's own listener would bind
+every interface), with the pool's layer addresses: the sender builds the block descriptors
+itself (`block_descriptors`). Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
 progresses.
 
@@ -22,10 +24,13 @@ apart from it, and its EOF may overtake those of writes that completed. So the r
 a NIXL request by its wait's timeout only; the EOF only fences the agent's requests (a dead
 process writes nothing more), so that they can be released at once.
 
-Wire: a notification is ``NOTICE_MAGIC`` and eight int64 per notice (`Notice.as_tuple`), or
-``REVOKE_MAGIC`` and one ``(request_id, epoch)`` int64 pair: a fence. The sender names its
-agent on the socket first (``{"kind": "agent"}``), so that the receiver can tie the agent's
-requests to the connection (announces, cancellations back, its end).
+Wire: a notification is one frame of the core's codec (kvferry.transports.wire): a
+``notices`` frame with the destination ids the write used (checked against each request's
+lease before a notice counts), or a ``revoke`` frame, a fence. The sender names its agent on
+the control channel first (an ``agent`` frame), so that the receiver can tie the agent's
+requests to the connection (announces, cancellations back, its end). A notification that
+does not decode, or names blocks outside a lease, is refused and ends that agent's control
+connection.
 """
 
 from __future__ import annotations
@@ -41,17 +46,16 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.transports.local import LocalEndpoint, PeerConnection
-from kvferry.notice import NOTICE_FIELDS, Notice
+from kvferry import _core
+from kvferry.transports import wire
+from kvferry.transports.local import LocalEndpoint, PeerConnection, pool_hello
+from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
 from kvferry.transports.base import Transport
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
-# "kvf1" carried five values per notice, without the epoch.
-NOTICE_MAGIC = b"kvf3"
-REVOKE_MAGIC = b"kvr2"
 POLL_SECONDS = 100e-6
 
 
@@ -73,12 +77,16 @@ def _mem_type(pool: PagedKV) -> str:
 def block_descriptors(pool: PagedKV) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer, segment, block), in that
     order: row ``(layer * segments + segment) * num_blocks + block``."""
-    seg = pool.segment_bytes
-    bases = np.array([t.data_ptr() for t in pool.layers], dtype=np.uint64)
-    segment_offsets = np.arange(pool.segments, dtype=np.uint64) * np.uint64(pool.num_blocks * seg)
-    block_offsets = np.arange(pool.num_blocks, dtype=np.uint64) * np.uint64(seg)
-    addresses = (bases[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
-    device = pool.device.index or 0
+    return layer_descriptors([t.data_ptr() for t in pool.layers], pool.segments, pool.segment_bytes, pool.num_blocks, pool.device.index or 0)
+
+
+def layer_descriptors(bases: Sequence[int], segments: int, segment_bytes: int, num_blocks: int, device: int) -> np.ndarray:
+    """`block_descriptors` of a pool known by its layers' addresses (a remote one)."""
+    seg = segment_bytes
+    base = np.array(bases, dtype=np.uint64)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(num_blocks * seg)
+    block_offsets = np.arange(num_blocks, dtype=np.uint64) * np.uint64(seg)
+    addresses = (base[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
     return np.stack([addresses, np.full_like(addresses, seg), np.full_like(addresses, device)], axis=1)
 
 
@@ -91,30 +99,37 @@ def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, 
     return rows.ravel().astype(np.int32)
 
 
-def _encode(notices: Sequence[Notice]) -> bytes:
-    return NOTICE_MAGIC + np.array([n.as_tuple() for n in notices], dtype=np.int64).reshape(-1, NOTICE_FIELDS).tobytes()
+def _encode(notices: Sequence[Notice], dst_ids: Optional[np.ndarray] = None) -> bytes:
+    """A write's notification: its notices and the destination ids it wrote, in order
+    (``None``: names none, which a request whose lease records its blocks refuses)."""
+    return wire.frame("notices", ([n.as_tuple() for n in notices], dst_ids))
 
 
 def _encode_revoke(request_id: int, epoch: int) -> bytes:
-    return REVOKE_MAGIC + np.array([request_id, epoch], dtype=np.int64).tobytes()
+    return wire.frame("revoke", (int(request_id), int(epoch)))
 
 
 def _decode(message: bytes) -> list[Notice]:
-    if not message.startswith(NOTICE_MAGIC):
-        raise TransferError(f"not a kvferry notification: {message[:16]!r}")
-    body = message[len(NOTICE_MAGIC) :]
-    if len(body) % (NOTICE_FIELDS * 8):
-        raise TransferError(f"malformed kvferry notification: {len(body)} bytes after the magic, not a multiple of {NOTICE_FIELDS * 8}")
-    rows = np.frombuffer(body, dtype=np.int64).reshape(-1, NOTICE_FIELDS)
-    return [Notice.from_tuple(tuple(int(v) for v in row)) for row in rows]  # type: ignore[arg-type]
+    """The notices of a write's notification (`ProtocolError` for anything else)."""
+    kind, value = _decode_notification(message)
+    if kind != "notices":
+        raise wire.ProtocolError(f"not a kvferry notification of notices: a {kind} frame")
+    return list(value[0])
 
 
-def _decode_revoke(message: bytes) -> tuple[int, int]:
-    body = message[len(REVOKE_MAGIC) :]
-    if len(body) != 16:
-        raise TransferError(f"malformed kvferry fence: {len(body)} bytes after the magic, not 16")
-    request_id, epoch = np.frombuffer(body, dtype=np.int64).tolist()
-    return int(request_id), int(epoch)
+def _decode_notification(message: bytes) -> tuple[str, Any]:
+    """A notification as ``("notices", (notices, dst_ids))`` or ``("revoke", (id, epoch))``;
+    anything else raises `ProtocolError`."""
+    try:
+        kind, value = _core.wire_decode(message, wire.MAX_FRAME_BYTES)
+    except InvalidArgumentError as err:
+        raise wire.ProtocolError(f"not a kvferry notification: {err}") from None
+    if kind == "notices":
+        notices, dst_ids = value
+        return kind, ([Notice(*v) for v in notices], dst_ids)
+    if kind == "revoke":
+        return kind, value
+    raise wire.ProtocolError(f"a {kind} frame as a NIXL notification: only notices and fences travel there")
 
 
 class NixlEndpoint(LocalEndpoint):
@@ -125,14 +140,15 @@ class NixlEndpoint(LocalEndpoint):
         pool = receiver.pool
         self.agent = _agent("rx")
         self._registered = self.agent.register_memory(list(pool.layers))
-        hello = {
-            "agent_metadata": self.agent.get_agent_metadata(),
-            "agent_name": self.agent.name,
-            "geometry": pool.geometry(),
-            "num_blocks": pool.num_blocks,
-            "descriptors": block_descriptors(pool),
-            "mem_type": _mem_type(pool),
-        }
+        hello = pool_hello(
+            pool,
+            "nixl",
+            agent_name=self.agent.name,
+            agent_metadata=bytes(self.agent.get_agent_metadata()),
+            mem_type=_mem_type(pool),
+            device=pool.device.index or 0,
+            bases=[t.data_ptr() for t in pool.layers],
+        )
         self._stop = threading.Event()
         super().__init__(receiver, hello, authkey=authkey, **options)
         self._poller = threading.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
@@ -150,21 +166,37 @@ class NixlEndpoint(LocalEndpoint):
                 source = _agent_source(agent)
                 for message in messages:
                     try:
-                        if message.startswith(REVOKE_MAGIC):
-                            self.receiver.revoked(*_decode_revoke(message), source)
-                            continue
-                        for notice in _decode(message):
-                            self.receiver.deliver(notice, source)
+                        kind, value = _decode_notification(bytes(message))
+                        if kind == "revoke":
+                            self.receiver.revoked(value[0], value[1], source)
+                        else:
+                            self.deliver(value[0], source, dst_ids=value[1])
+                    except wire.ProtocolError as err:  # a bad frame or a write outside a lease
+                        self._record(err)
+                        self._drop(source, err)
                     except KvFerryError as err:  # recorded on the request; its wait raises
                         self._record(err)
 
-    def control(self, peer: Any, message: dict[str, Any]) -> None:
-        """``{"kind": "agent", "name": ...}``: the NIXL agent this connection writes with;
-        its requests are the agent's (the notifications name it). Else see `LocalEndpoint`."""
-        if message.get("kind") == "agent":
-            peer.source = _agent_source(str(message["name"]))
-            return
-        super().control(peer, message)
+    def _drop(self, source: str, err: BaseException) -> None:
+        """Ends the control connection of the agent that sent a notification breaking the
+        protocol (its end fences what it owned); nothing more of it is trusted."""
+        with self._lock:
+            peers = [p for p in self._peers if p.source == source]
+        for peer in peers:
+            if peer.channel is not None:
+                peer.channel.goodbye(f"disconnected: {err}")
+            peer.shutdown()
+
+    def dispatch(self, peer: Any, kind: str, value: Any) -> None:
+        """An ``agent`` frame names the NIXL agent this connection writes with; its requests
+        are the agent's (the notifications name it). Notices never come this way (they ride
+        the writes). Else see `LocalEndpoint`."""
+        if kind == "agent":
+            peer.source = _agent_source(value)
+        elif kind == "notices":
+            raise wire.ProtocolError(f"{peer}: notices on the control channel; a NIXL sender sends them as notifications", peer=str(peer))
+        else:
+            super().dispatch(peer, kind, value)
 
     def lost(self, peer: Any, reason: str) -> None:
         """Fails nothing (see the module doc: the receiver's timeout decides), but fences
@@ -343,6 +375,9 @@ class NixlTransport(Transport):
         self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
         hello = self._conn.hello
+        if hello["kind"] != "nixl":
+            self._conn.close()
+            raise TransferError(f"the {self.peer} serves a {hello['kind']} pool, not a NIXL agent", peer=self.peer)
         self._geometry = hello["geometry"]
         src.check_compatible(self._geometry)
         if host_src is not None:
@@ -351,7 +386,7 @@ class NixlTransport(Transport):
         self._src = src
         self._host_src = host_src
         self.agent = _agent("tx")
-        self._conn.send({"kind": "agent", "name": self.agent.name})  # before any announce
+        self._conn.send("agent", self.agent.name)  # before any announce
         self._registered = [self.agent.register_memory(list(src.layers))]
         if host_src is not None:
             self._registered.append(self.agent.register_memory(list(host_src.layers)))
@@ -368,7 +403,8 @@ class NixlTransport(Transport):
         self._host_side = None
         if host_src is not None and self._split:
             self._host_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src))
-        self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], hello["descriptors"], hello["mem_type"])
+        remote = layer_descriptors(hello["bases"], int(self._geometry["segments"]), int(self._geometry["segment_bytes"]), self._remote_blocks, hello["device"])
+        self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
     @property
     def num_blocks(self) -> int:
@@ -420,7 +456,7 @@ class NixlTransport(Transport):
             entry[2].append(descriptor_indices(part.dst_ids, layers, segments, self._remote_blocks))
         sides = [(local, np.concatenate(rows), np.concatenate(remote)) for local, rows, remote in lists.values()]
         notify = None
-        message = _encode(notices)
+        message = _encode(notices, d)
         if len(sides) > 1:  # several transfers: the notices follow once all are done
             notify, message = (self._remote_name, message), b""
         handles = []
@@ -446,7 +482,7 @@ class NixlTransport(Transport):
     def announce(self, requests: Sequence[tuple[int, int]]) -> None:
         """On the socket: binds the requests to this sender's agent before their first
         notification."""
-        self._conn.send({"kind": "announce", "requests": [(int(r), int(e)) for r, e in requests]})
+        self._conn.send("announce", [(int(r), int(e)) for r, e in requests])
 
     def revoke(self, request_id: int, epoch: int) -> None:
         """A notification of its own, on the path of the writes' notifications: the sender

@@ -17,7 +17,8 @@ import torch
 
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
-from kvferry.transports.local import LocalEndpoint, LocalTransport
+from kvferry.errors import TransferError
+from kvferry.transports.local import LocalEndpoint, LocalTransport, pool_hello
 from kvferry.receiver import KVReceiver
 
 __all__ = ["SharedPool", "ShmEndpoint", "ShmTransport"]
@@ -102,12 +103,19 @@ class ShmEndpoint(LocalEndpoint):
     """Serves a shared pool's descriptor; see `LocalEndpoint`."""
 
     def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes, **options: Any) -> None:
-        super().__init__(receiver, {"pool": shared.descriptor}, authkey=authkey, **options)
+        super().__init__(receiver, pool_hello(receiver.pool, "shm", segment=shared.descriptor), authkey=authkey, **options)
 
 
 def _open_shared(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
-    shared = SharedPool.attach(hello["pool"])
+    if hello["kind"] != "shm":
+        raise TransferError(f"the receiver serves a {hello['kind']} pool, not a shared-memory one")
+    shared = SharedPool.attach(hello["segment"])
     assert shared.pool is not None
+    try:
+        shared.pool.check_compatible(hello["geometry"])
+    except BaseException:
+        shared.close()
+        raise
     return shared.pool, shared.close
 
 

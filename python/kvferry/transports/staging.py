@@ -19,7 +19,6 @@ the sender knew when it posted them.
 from __future__ import annotations
 
 import contextlib
-from multiprocessing.connection import Connection
 from typing import AbstractSet, Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -29,7 +28,8 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.transports.local import LocalEndpoint, LocalTransport
+from kvferry.transports import wire
+from kvferry.transports.local import LocalEndpoint, LocalTransport, pool_hello
 from kvferry.notice import Notice, NoticeTuple
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool
@@ -84,24 +84,42 @@ class StagingEndpoint(LocalEndpoint):
         assert self.ring.pool is not None
         self._unpin = _pin(self.ring.pool)
         self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        super().__init__(receiver, {"ring": self.ring.descriptor, "geometry": geometry, "capacity": capacity_blocks, "num_blocks": pool.num_blocks}, authkey=authkey, **options)
+        self.capacity = capacity_blocks
+        hello = pool_hello(pool, "staging", segment=self.ring.descriptor, capacity=capacity_blocks)
+        try:
+            super().__init__(receiver, hello, authkey=authkey, **options)
+        except BaseException:
+            self._unpin()
+            self.ring.close()
+            raise
 
-    def handle(self, conn: Connection, message: Any) -> None:
-        """``(notices, lo, freed, picked, dst_ids)``: ring slots from ``lo`` hold a batch of
-        ``len(dst_ids)`` blocks (or more, of which those at ``picked`` go), the blocks of
-        ``notices`` in order; ``freed`` slots are returned to the sender afterwards. Blocks
-        of a notice the receiver does not admit are skipped."""
-        wire, lo, freed, picked, dst_ids = message
-        notices = self.notices(wire)
-        dst_ids = np.asarray(dst_ids, dtype=np.int64)
-        picked = None if picked is None else np.asarray(picked, dtype=np.int64)
+    def dispatch(self, peer: Any, kind: str, value: Any) -> None:
+        if kind == "staged":
+            self.stage(*value)
+        else:
+            super().dispatch(peer, kind, value)
+
+    def stage(self, wire_notices: list[Any], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray) -> None:
+        """Ring slots from ``lo`` hold a batch of ``len(dst_ids)`` blocks (or more, of which
+        those at ``picked`` go), the blocks of ``notices`` in order; ``freed`` slots are
+        returned to the sender afterwards. The codec checked the counts (one destination id
+        per block the notices cover, ``picked`` increasing); here every slot and id is
+        checked against the ring and the pool before anything is copied. Blocks of a notice
+        the receiver does not admit, or whose destination ids are not its lease's, are
+        skipped (the latter is then refused and ends the connection)."""
+        notices = self.notices(wire_notices)
         lengths = np.array([n.end - n.start for n in notices], dtype=np.int64)
-        if int(lengths.sum()) != len(dst_ids) or (picked is not None and len(picked) != len(dst_ids)):
-            raise InvalidArgumentError(f"invalid staging batch: notices cover {int(lengths.sum())} blocks, {len(dst_ids)} destination ids, picked {None if picked is None else len(picked)}")
         n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
+        if lo + n > self.capacity or freed > self.capacity:
+            raise wire.ProtocolError(f"invalid staging batch: slots [{lo}, {lo + n}) and {freed} freed in a ring of {self.capacity}")
+        if len(dst_ids) and int(dst_ids.max()) >= self.receiver.pool.num_blocks:
+            raise wire.ProtocolError(f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's {self.receiver.pool.num_blocks}")
         source = self.current_source()
-        admitted = [self.receiver.admits(notice, source) for notice in notices]
-        if not all(admitted):  # stale or refused: their ring slots are not applied
+        named = dst_ids  # what the sender said it wrote, for the receiver's lease check
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        leased = [self.receiver.lease_admits(notice, dst_ids[bounds[i] : bounds[i + 1]]) for i, notice in enumerate(notices)]
+        admitted = [ok and self.receiver.admits(notice, source) for ok, notice in zip(leased, notices)]
+        if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
             dst_ids = dst_ids[keep]
@@ -122,13 +140,13 @@ class StagingEndpoint(LocalEndpoint):
                     layer.index_copy_(1, ids, batch if pick is None else batch.index_select(1, pick))
             if self._stream is not None:
                 self._stream.synchronize()
-        self.deliver(notices)
+        self.deliver(notices, source, dst_ids=named)
         self._reply(freed)  # these slots are free again
 
-    def _reply(self, message: Any) -> None:
+    def _reply(self, freed: int) -> None:
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
-        peer.send(message)
+        peer.send("freed", int(freed))
 
     def close(self) -> None:
         super().close()
@@ -150,7 +168,9 @@ class StagingTransport(LocalTransport):
         self._pending: list[tuple[int, np.ndarray, int]] = []
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
-        ring = SharedPool.attach(hello["ring"])
+        if hello["kind"] != "staging":
+            raise TransferError(f"the receiver serves a {hello['kind']} pool, not a staging ring")
+        ring = SharedPool.attach(hello["segment"])
         assert ring.pool is not None
         self._geometry = hello["geometry"]
         self.capacity = int(hello["capacity"])
@@ -252,18 +272,18 @@ class StagingTransport(LocalTransport):
         lo, d, freed = self._pending.pop(0)
         keep = kept(batch, revoked)
         if len(keep) == len(batch):
-            self._send((self._as_tuples(keep), lo, freed, None, d))
+            self._send("staged", (self._as_tuples(keep), lo, freed, None, d))
         else:
             # Only the kept requests' blocks leave the ring; a cancelled request's
             # destination blocks may already belong to someone else.
             lengths = np.array([n.end - n.start for n in batch])
             mask = np.repeat([n.request_id not in revoked for n in batch], lengths)
-            self._send((self._as_tuples(keep), lo, freed, np.flatnonzero(mask), d[mask]))
+            self._send("staged", (self._as_tuples(keep), lo, freed, np.flatnonzero(mask), d[mask]))
         self._collect_frees()
 
     def abandon(self, batch: Sequence[Notice]) -> None:
         lo, d, freed = self._pending.pop(0)
-        self._send(([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
+        self._send("staged", ([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
 
     @staticmethod
     def _as_tuples(notices: Sequence[Notice]) -> list[NoticeTuple]:
@@ -272,4 +292,4 @@ class StagingTransport(LocalTransport):
     def _collect_frees(self) -> None:
         self._conn.read_waiting()  # without waiting; cancellations are kept for check_peer
         while self._conn.replies:
-            self._used -= int(self._conn.replies.popleft())
+            self._used -= self._conn.replies.popleft()

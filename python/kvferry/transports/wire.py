@@ -35,26 +35,32 @@ import hmac
 import ipaddress
 import os
 import secrets
+import select
 import socket
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from kvferry.errors import InvalidArgumentError, KvFerryError
+from kvferry import _core
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 
 __all__ = [
     "DEFAULT_HANDSHAKE_SECONDS",
     "MIN_AUTHKEY_BYTES",
     "Address",
     "AuthenticationError",
+    "Channel",
+    "ProtocolError",
     "check_authkey",
     "check_timeout",
     "connect",
     "handshake",
     "listen",
     "parse_address",
+    "recv_frame",
 ]
 
 MIN_AUTHKEY_BYTES = 32
@@ -243,28 +249,32 @@ def peer_name(sock: socket.socket) -> str:
     return f"tcp {Address('tcp', host=host, port=port).url()[6:]}"
 
 
-def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
-    return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
-
-
-# The frame header (rust/src/wire.rs has the authoritative description): magic, version,
-# type, body length; little-endian.
+# The frame header (rust/src/wire.rs describes every frame): magic, version, type, body
+# length, little-endian. Here only to build frames by hand in tests; the codec is the core's.
 MAGIC = b"KVFW"
-VERSION = 1
+VERSION = _core.WIRE_VERSION
 HEADER = struct.Struct("<4sHHI")
-CHALLENGE, PROOF = 1, 2
-# Before the peer is authenticated, no frame may be longer than the handshake's own.
+CHALLENGE, PROOF, HELLO, NOTICES = 1, 2, 3, 4
+# The largest frame body either side accepts once the peer is authenticated, and before:
+# nothing longer than the handshake's own frames (a role and a nonce).
+MAX_FRAME_BYTES = _core.WIRE_MAX_FRAME_BYTES
 HANDSHAKE_LIMIT = 1 + NONCE_BYTES
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+class ProtocolError(TransferError):
+    """A peer sent a frame that breaks the protocol (malformed, of an unknown version or
+    type, or one this side does not take): the connection is closed."""
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     chunks, got = [], 0
     while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("handshake deadline")
-        sock.settimeout(left)
-        chunk = sock.recv(n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("handshake deadline")
+            sock.settimeout(left)
+        chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
             raise EOFError("the peer closed the connection")
         chunks.append(chunk)
@@ -272,15 +282,66 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _handshake_frame(sock: socket.socket, kind: int, size: int, deadline: float) -> bytes:
-    magic, version, got, length = HEADER.unpack(_recv_exact(sock, HEADER.size, deadline))
-    if magic != MAGIC:
-        raise AuthenticationError(f"not a kvferry peer: magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise AuthenticationError(f"unsupported wire version {version} (this side speaks {VERSION})")
-    if got != kind or length != size:
-        raise AuthenticationError(f"unexpected frame type {got} of {length} bytes during the handshake (expected type {kind} of {size})")
-    return _recv_exact(sock, size, deadline)
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None) -> tuple[str, Any]:
+    """Reads one frame: the header first, checked (magic, version, type, length within
+    ``limit``) before a byte of the body is read; then the body, decoded and validated by
+    the core. Raises `ProtocolError` for a bad frame, ``EOFError`` at the end."""
+    header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
+    try:
+        _, length = _core.wire_header(header, limit)
+        body = _recv_exact(sock, length, deadline) if length else b""
+        return _core.wire_decode(header + body, limit)
+    except InvalidArgumentError as err:
+        raise ProtocolError(str(err)) from None
+
+
+def frame(kind: str, value: Any) -> bytes:
+    """One encoded frame (InvalidArgumentError for a value the codec would refuse)."""
+    return bytes(_core.wire_encode(kind, value))
+
+
+class Channel:
+    """Frames over one connected socket, after the handshake. `send` may be called from
+    any thread; `recv` and `poll` from one reader."""
+
+    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.limit = limit
+        self._send_lock = threading.Lock()
+
+    def send(self, kind: str, value: Any) -> None:
+        data = frame(kind, value)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def recv(self) -> tuple[str, Any]:
+        return recv_frame(self.sock, self.limit)
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        """Whether a frame (or the end of the connection) is waiting."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        return bool(ready)
+
+    def goodbye(self, reason: str) -> None:
+        """Tells the peer why the connection is closing (best effort: it may be gone)."""
+        try:
+            self.send("goodbye", reason[:1000])
+        except (OSError, KvFerryError):
+            pass
+
+
+def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
+    return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
+
+
+def _expect(sock: socket.socket, kind: str, deadline: float) -> Any:
+    try:
+        got, value = recv_frame(sock, HANDSHAKE_LIMIT, deadline)
+    except ProtocolError as err:
+        raise AuthenticationError(f"not a kvferry handshake: {err}") from None
+    if got != kind:
+        raise AuthenticationError(f"a {got} frame during the handshake, expected a {kind}")
+    return value
 
 
 def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> None:
@@ -291,19 +352,18 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> Non
     peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
     proved = False
     try:
-        sock.sendall(HEADER.pack(MAGIC, VERSION, CHALLENGE, 1 + NONCE_BYTES) + bytes([role]) + mine)
-        body = _handshake_frame(sock, CHALLENGE, 1 + NONCE_BYTES, deadline)
-        if body[0] != peer_role:
-            raise AuthenticationError(f"the peer claims role {body[0]}, expected {peer_role} (a reflected challenge?)")
-        theirs = body[1:]
+        sock.sendall(frame("challenge", (role, mine)))
+        got_role, theirs = _expect(sock, "challenge", deadline)
+        if got_role != peer_role:
+            raise AuthenticationError(f"the peer claims role {got_role}, expected {peer_role} (a reflected challenge?)")
         if role == ROLE_SENDER:
-            sock.sendall(HEADER.pack(MAGIC, VERSION, PROOF, 32) + _mac(key, role, theirs, mine))
+            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
             proved = True
-        proof = _handshake_frame(sock, PROOF, 32, deadline)
+        proof = _expect(sock, "proof", deadline)
         if not hmac.compare_digest(proof, _mac(key, peer_role, mine, theirs)):
             raise AuthenticationError("the peer's proof is wrong: it does not hold this session's key")
         if role == ROLE_ENDPOINT:
-            sock.sendall(HEADER.pack(MAGIC, VERSION, PROOF, 32) + _mac(key, role, theirs, mine))
+            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
     except AuthenticationError:
         raise
     except socket.timeout:

@@ -11,6 +11,7 @@ mod ledger;
 mod pairs;
 mod planner;
 mod range;
+mod wire;
 
 /// `kvferry._core`: the compiled planner. Import it through `kvferry`.
 #[pymodule]
@@ -29,5 +30,12 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pairs::block_runs, m)?)?;
     m.add_function(wrap_pyfunction!(pairs::pack_pairs, m)?)?;
     m.add("MAX_LEDGER_BLOCKS", crate::MAX_LEDGER_BLOCKS)?;
+    m.add_function(wrap_pyfunction!(wire::wire_header, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_encode, m)?)?;
+    m.add("WIRE_VERSION", crate::wire::VERSION)?;
+    m.add("WIRE_HEADER_BYTES", crate::wire::HEADER_BYTES)?;
+    m.add("WIRE_MAX_FRAME_BYTES", crate::wire::MAX_FRAME_BYTES)?;
+    m.add("WIRE_MAX_IDS", crate::wire::MAX_IDS)?;
     Ok(())
 }
