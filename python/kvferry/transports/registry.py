@@ -130,7 +130,9 @@ def parse_url(url: str) -> tuple[str, Optional[str]]:
     if not isinstance(url, str):
         raise InvalidArgumentError(f"invalid url={url!r}: must be a transport name or '<transport>+<address>'")
     head, plus, address = url.partition("+")
-    spec(head, argument="url" if plus else "transport")
+    if plus and head not in _SPECS:
+        raise InvalidArgumentError(f"invalid url={url!r}: unknown transport {head!r}; choose from {', '.join(_SPECS)}")
+    spec(head)
     if plus and not address:
         raise InvalidArgumentError(f"invalid url={url!r}: no address after '{head}+'")
     return head, (address if plus else None)
