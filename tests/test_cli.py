@@ -94,7 +94,8 @@ def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tm
     result = json.loads(out.read_text())
     assert result["ceiling_gbps"] > 0
     got = {(r["transport"], r["blocks"]) for r in result["rows"]}
-    assert got == {(t, n) for t in ("torch", "copy", "in-process", "shm", "nixl") for n in (2, 5)}
+    # The bare copies and every transport serving CPU pools (kvferry.transports.registry).
+    assert got == {(t, n) for t in ("torch", "copy", "in-process", "shm", "staging", "nixl") for n in (2, 5)}
     for row in result["rows"]:
         assert row["payload_bytes"] == row["blocks"] * 2 * 4 * 1024
         assert row["gbps"] > 0 and "of ceiling" in table

@@ -2,7 +2,7 @@
 prefix reuse, chunking, cancellations, timeouts), audited after every request; the driver is
 kvferry.refengine.soak. Not part of CI (tests/test_soak.py runs a short variant):
 
-    python benches/python/soak.py [--requests 10000] [--seed 0] [--transport in-process|shm] [--json PATH]
+    python benches/python/soak.py [--requests 10000] [--seed 0] [--transport NAME (kvferry.transports.registry, CPU)] [--json PATH]
 
 Exits 1 when an invariant fails: a leaked or doubly owned block, a block delivered twice,
 KV that differs between the workers, an error, or resident memory growing by 5% or more
@@ -20,6 +20,7 @@ import time
 import torch
 
 from kvferry.refengine.soak import Soak, SoakConfig, SoakReport
+from kvferry.transports import registry
 
 MAX_RSS_GROWTH = 0.05
 
@@ -73,7 +74,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--transport", choices=("in-process", "shm"), default="in-process")
+    parser.add_argument("--transport", choices=registry.names(device="cpu"), default="in-process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (one: the model is tiny)")
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args()

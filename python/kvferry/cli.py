@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from kvferry._core import BlockRange, TransferLedger
 from kvferry._optional import require
 from kvferry.errors import KvFerryError
+from kvferry.transports import registry
 
 if TYPE_CHECKING:
     from kvferry.bench.agentic import AgenticConfig
@@ -193,11 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
-    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help="torch, copy, in-process, shm (CPU), cuda-ipc and staging (CUDA), nixl; default: all but nixl on CUDA")
+    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help=f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they serve; default: all but nixl on CUDA")
     copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (a comma-separated list)")
     copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
     copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 64 on cpu, 128 on cuda)")
     copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
+    _placement_flags(copy)
     copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)")
     copy.set_defaults(func=_cmd_bench_copy)
 
@@ -210,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
     agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N", help="tokens per KV block")
     agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
-    agentic.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
+    agentic.add_argument("--transport", choices=registry.names(), default="in-process",
                          help="how the generation worker is reached; any but in-process runs it in another process")
+    _placement_flags(agentic)
     agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)")
     agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N", help="the model's MLP width")
     agentic.add_argument("--vocab", type=_positive, default=512, metavar="N", help="the model's vocabulary size")
@@ -237,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS", help="output tokens per request")
     fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N", help="tokens per KV block")
     fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size")
-    fanout.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default="in-process",
+    fanout.add_argument("--transport", choices=registry.names(), default="in-process",
                         help="how the generation worker is reached; any but in-process runs it in another process")
     fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
     fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
@@ -245,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiers = bench.add_parser("tiers", help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send")
     tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the device tier and the receiver's pool live")
-    tiers.add_argument("--transport", choices=("in-process", "shm", "cuda-ipc", "staging", "nixl"), default=None,
+    tiers.add_argument("--transport", choices=registry.names(), default=None,
                        help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process")
     tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix")
     tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier")
@@ -259,6 +262,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _placement_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a receiver in another process runs: a second host on one machine."""
+    parser.add_argument("--listen", default="unix://", metavar="URL", help="where the receiver's endpoint listens: unix:// (default) or tcp://HOST:PORT (port 0: any)")
+    parser.add_argument("--receiver-netns", default=None, metavar="NAME", help="run the receiver process in this network namespace (ip netns), standing for a second host (default: none, the sender's own)")
+
+
+def _across_hosts(args: argparse.Namespace) -> bool:
+    """Whether ``--listen``/``--receiver-netns`` put the receiver on another host: another
+    namespace, or a tcp:// address off loopback (refused with anything but tcp://)."""
+    from kvferry.transports.wire import parse_address
+
+    where = parse_address(args.listen, "--listen")
+    if args.receiver_netns is not None and where.scheme != "tcp":
+        raise ValueError(f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://")
+    return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in ("127.0.0.1", "::1", "localhost"))
+
+
+def _check_reach(names: Sequence[str]) -> None:
+    """Refuses a transport with an endpoint that cannot run across hosts (registry.check)."""
+    for name in names:
+        if name in registry.names() and registry.spec(name).has_endpoint:
+            registry.check(name, reach=registry.Reach.NETWORK, argument="--transport")
+
+
 def _fraction(text: str) -> float:
     value = _rate(text)
     if value > 1:
@@ -267,14 +294,13 @@ def _fraction(text: str) -> float:
 
 
 def _cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from kvferry.bench.tiers import TRANSPORTS, TiersConfig, format_tiers, progress_to_stderr, run_tiers
+    from kvferry.bench.tiers import TiersConfig, format_tiers, progress_to_stderr, run_tiers
 
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
     transport = args.transport or ("staging" if on_gpu else "in-process")
-    if args.device not in TRANSPORTS[transport]:
-        return _refuse(f"--transport {transport} serves {' and '.join(TRANSPORTS[transport])} pools, not --device {args.device}")
+    registry.check(transport, device=args.device)
     cfg = TiersConfig(
         device=args.device,
         blocks=args.blocks,
@@ -326,8 +352,7 @@ def _device_refused(args: argparse.Namespace) -> Optional[int]:
     """The exit status for a ``--device``/``--transport`` pair this machine cannot run."""
     if _cuda_missing(args.device):
         return 2
-    if args.transport == "cuda-ipc" and args.device != "cuda":
-        return _refuse(f"--transport cuda-ipc needs --device cuda, got --device {args.device}")
+    registry.check(args.transport, device=args.device)
     return None
 
 
@@ -343,6 +368,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
     refused = _device_refused(args)
     if refused is not None:
         return refused
+    if _across_hosts(args):
+        if not registry.spec(args.transport).has_endpoint:
+            return _refuse(f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint")
+        _check_reach([args.transport])
     if args.heads % args.kv_heads:
         print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
         return 2
@@ -374,6 +403,8 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         check_kv=args.check_kv,
         aware=args.aware,
         layer_groups=layer_groups,
+        listen=args.listen,
+        receiver_netns=args.receiver_netns,
     )
     if _too_big(args.device, _agentic_bytes(cfg), "the model and its KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
         return 2
@@ -389,12 +420,12 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from kvferry.bench.copy import TRANSPORTS
+    from kvferry.bench.copy import names as bench_names
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in TRANSPORTS]
+    bad = [n for n in names if n not in bench_names()]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown transport {bad or text!r}: choose from {', '.join(TRANSPORTS)}")
+        raise argparse.ArgumentTypeError(f"unknown transport {bad or text!r}: choose from {', '.join(bench_names())}")
     return names
 
 
@@ -457,13 +488,19 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     if _cuda_missing(args.device):
         return 2
     on_gpu = args.device == "cuda"
-    from kvferry.bench.copy import REMOTE_DEVICES
+    from kvferry.bench.copy import COPIES, default_transports
 
     for name in args.transport or ():
-        if args.device not in REMOTE_DEVICES.get(name, (args.device,)):
-            return _refuse(f"--transport {name} serves {' and '.join(REMOTE_DEVICES[name])} pools, not --device {args.device}")
-    transports = args.transport or (("torch", "copy", "in-process", "cuda-ipc", "staging") if on_gpu else ("torch", "copy", "in-process", "shm", "nixl"))
+        if name not in COPIES:
+            registry.check(name, device=args.device)
+    transports = args.transport or default_transports(args.device)
+    if _across_hosts(args):
+        if args.transport is None:  # the defaults that reach another host
+            transports = tuple(n for n in transports if n not in registry.names() or not registry.spec(n).has_endpoint or registry.spec(n).reach >= registry.Reach.NETWORK)
+        _check_reach(transports)
     cfg = CopyBenchConfig(
+        listen=args.listen,
+        receiver_netns=args.receiver_netns,
         device=args.device,
         transports=transports,
         blocks=args.blocks,

@@ -27,7 +27,7 @@ hook about the tier's own copies (onboards, offloads) still writing blocks a sen
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -39,13 +39,18 @@ from kvferry.notice import Notice
 from kvferry.sender import KVSender, as_table
 from kvferry.tiers import Signal
 
+if TYPE_CHECKING:
+    from kvferry.peers import MultiPeerSender
+
 __all__ = ["TransferHook"]
 
 
 class TransferHook:
     """Owned by the executor thread, next to the engine's scheduler."""
 
-    def __init__(self, sender: KVSender) -> None:
+    def __init__(self, sender: Union[KVSender, "MultiPeerSender"]) -> None:
+        """``sender``: a `KVSender` (one receiver) or a `kvferry.peers.MultiPeerSender`
+        (several: each request names its peer in `add_request`)."""
         self.sender = sender
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._prompt_len: dict[int, int] = {}
@@ -65,18 +70,25 @@ class TransferHook:
         context_only: bool = True,
         held: Sequence[BlockRange] = (),
         epoch: int = 0,
+        peer: Optional[Hashable] = None,
     ) -> None:
         """A request admitted on the context worker, with its source blocks and the
         destination blocks the generation worker allocated for it (one id per block of the
         prompt, in order; for ``held`` blocks, those it already holds) under ``epoch``, the
         lease its `KVReceiver.expect` returned. A source id at or past the device pool's
         ``num_blocks`` names a host-tier block (see `KVSender`). Nothing is registered if any
-        argument is refused."""
+        argument is refused. ``peer``: the generation worker it goes to, with a
+        `MultiPeerSender` (required there; refused with a `KVSender`)."""
         # A throwaway ledger refuses a bad prompt with the book's own messages and gives the
         # block count, before the sender learns of the request.
         blocks = TransferLedger(self.sender.pool.tokens_per_block, prompt_len, reused_len=reused_len, window=window).num_blocks
         rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
-        self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
+        if isinstance(self.sender, KVSender):
+            if peer is not None:
+                raise InvalidArgumentError(f"invalid peer={peer!r}: this hook's KVSender has one receiver; a MultiPeerSender routes by peer")
+            self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
+        else:
+            self.sender.add(request_id, prompt_len, peer=peer, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
         self._blocks[request_id] = rows
         self._prompt_len[request_id] = int(prompt_len)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.bench.util import machine, percentile, stderr_progress
+from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.notice import Notice
@@ -46,7 +46,7 @@ class AgenticConfig:
     output_tokens: int = 8
     tokens_per_block: int = 32
     chunk_size: Optional[int] = None
-    transport: str = "in-process"  # or shm, staging, nixl (CPU); cuda-ipc, staging (CUDA)
+    transport: str = "in-process"  # any of kvferry.transports.registry.names(device=device)
     # CPU pools: an emulated link rate (None: raw copies). 0.5 GB/s gives the CPU run the
     # proportions of a GPU node (prefix transfer about a third of the batch prefill).
     link_gbps: Optional[float] = 0.5
@@ -68,6 +68,10 @@ class AgenticConfig:
     # Also run "layerwise": early transfer plus layer-wise streaming of the last prefill
     # chunk, with this many groups of consecutive layers (1 to layers); None: not run.
     layer_groups: Optional[int] = None
+    # Where the generation worker's endpoint listens and the network namespace it runs in
+    # (None: this one): a second host on one machine (see kvferry.bench.copy).
+    listen: str = "unix://"
+    receiver_netns: Optional[str] = None
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -263,9 +267,13 @@ def busy_verdict(per_turn: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def emulated_link(cfg: AgenticConfig) -> bool:
-    """Whether the run emulates a link (CPU pools over the in-process or shm transport)."""
-    return cfg.link_gbps is not None and cfg.device == "cpu" and cfg.transport in ("in-process", "shm")
+def _tcp_link(cfg: AgenticConfig) -> Optional[float]:
+    """The same-run ceiling of a tcp:// link to the generation worker: a raw TCP stream."""
+    if not cfg.listen.startswith("tcp://"):
+        return None
+    from kvferry.transports.wire import parse_address
+
+    return tcp_stream_gbps(parse_address(cfg.listen, "listen").host, 256 << 20, netns=cfg.receiver_netns)
 
 
 def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
@@ -298,8 +306,10 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
             aware=mode == "aware",
             layer_groups=cfg.layer_groups if mode == "layerwise" else None,
             transport=cfg.transport,
-            link_gbps=cfg.link_gbps if emulated_link(cfg) else None,
+            link_gbps=cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None,
             record=True,
+            listen=cfg.listen,
+            netns=cfg.receiver_netns,
         )
         for mode in modes
     }
@@ -365,6 +375,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         # The headline: the median over measured turns of each turn's median KV-ready ratio.
         "early_over_baseline": statistics.median(p["early_over_baseline"] for p in per_turn),
         "load": busy_verdict(per_turn),
+        "tcp_link_gbps": _tcp_link(cfg),
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:
@@ -394,7 +405,7 @@ def turns_phrase(cfg: dict[str, Any]) -> str:
 def format_agentic(result: dict[str, Any]) -> str:
     cfg = result["config"]
     modes = [m for m in ("baseline", "early", "aware", "layerwise") if m in result]
-    link = f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and cfg["device"] == "cpu" and cfg["transport"] in ("in-process", "shm") else ""
+    link = f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and emulated_link(cfg["device"], cfg["transport"]) else ""
     lines = [
         f"{result['machine']}, {result['date']}: {turns_phrase(cfg)}, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
@@ -420,6 +431,8 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"sent early {e['early_bytes'] / MIB:.1f} MiB, after prefill {e['after_bytes'] / MIB:.1f} MiB (baseline: all {b['after_bytes'] / MIB:.1f} MiB after)",
         f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
     ]
+    if result.get("tcp_link_gbps"):
+        lines.append(f"link: one raw TCP stream to the generation worker {result['tcp_link_gbps']:.3f} GB/s (same run)")
     if "aware" in result:
         w = result["aware"]
         lines.insert(

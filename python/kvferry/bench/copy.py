@@ -13,23 +13,22 @@ import multiprocessing as mp
 import secrets
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from kvferry.bench.util import machine, stderr_progress
+from kvferry.bench.util import enter_netns, machine, stderr_progress, tcp_stream_gbps
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
+from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from kvferry.transports.inprocess import InProcessTransport
 
-TRANSPORTS = ("torch", "copy", "in-process", "shm", "cuda-ipc", "staging", "nixl")
-# Transports whose receiver runs in another process, and the pool devices they serve.
-REMOTE_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "staging": ("cuda",), "nixl": ("cpu", "cuda")}
+# Bare copies measured next to the transports (which the registry lists).
+COPIES = ("torch", "copy")
 # The staging path crosses PCIe twice: its ceiling is a pinned host<->device copy.
 HOST_LINK = ("staging",)
 
@@ -37,12 +36,25 @@ HOST_LINK = ("staging",)
 @dataclass(frozen=True)
 class CopyBenchConfig:
     device: str = "cpu"
-    transports: tuple[str, ...] = ("torch", "copy", "in-process", "shm")
+    transports: tuple[str, ...] = field(default_factory=lambda: default_transports("cpu"))
     blocks: tuple[int, ...] = (8, 64, 1024, 4096)
     layers: int = 8
     block_kib: int = 64
     reps: int = 5
     seed: int = 0
+    # Where a receiver in another process listens (`registry.serve`'s ``address``) and the
+    # network namespace it runs in (None: this one): a second host on one machine.
+    listen: str = "unix://"
+    receiver_netns: Optional[str] = None
+
+    def tcp_host(self) -> Optional[str]:
+        """The receiver's host when it listens on tcp:// (then a raw TCP stream to it is the
+        link's ceiling), else None."""
+        if not self.listen.startswith("tcp://"):
+            return None
+        from kvferry.transports.wire import parse_address
+
+        return parse_address(self.listen, "listen").host
 
 
 @dataclass
@@ -105,37 +117,37 @@ def make_pool(cfg: CopyBenchConfig, num_blocks: int, *, fill: bool, device: Opti
     return PagedKV(tuple(layers), tokens_per_block=16)
 
 
+def names() -> tuple[str, ...]:
+    """What ``--transport`` may name: the bare copies, then every transport."""
+    return COPIES + registry.names()
+
+
+def default_transports(device: str) -> tuple[str, ...]:
+    """The bare copies and every transport serving ``device`` pools, but NIXL on CUDA."""
+    return COPIES + tuple(n for n in registry.names(device=device) if not (device == "cuda" and n == "nixl"))
+
+
 class _RemoteReceiver:
-    """A receiver in a child process: its pool in shared memory (``shm``) or on the GPU,
-    shared through CUDA IPC (``cuda-ipc``)."""
+    """A receiver in a child process, served by transport ``kind`` (`registry.serve`)."""
 
     def __init__(self, kind: str, cfg: CopyBenchConfig, num_blocks: int) -> None:
         ctx = mp.get_context("spawn")
         self.kind = kind
         self._conn, child = ctx.Pipe()
         self._authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib), daemon=True)
+        self._proc = ctx.Process(
+            target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib, cfg.listen, cfg.receiver_netns), daemon=True
+        )
         self._proc.start()
-        self.address = self._conn.recv()
+        reply = self._conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        self.url: str = reply
 
     def transport(self, src: PagedKV, host_src: Optional[PagedKV] = None) -> Transport:
         """A transport to this receiver from ``src`` (and its host tier ``host_src``, which
         NIXL registers too)."""
-        if self.kind == "shm":
-            from kvferry.transports.shm import ShmTransport
-
-            return ShmTransport(self.address, authkey=self._authkey)
-        if self.kind == "nixl":
-            from kvferry.transports.nixl import NixlTransport
-
-            return NixlTransport(self.address, authkey=self._authkey, src=src, host_src=host_src)
-        if self.kind == "staging":
-            from kvferry.transports.staging import StagingTransport
-
-            return StagingTransport(self.address, authkey=self._authkey)
-        from kvferry.transports.local import CudaIpcTransport
-
-        return CudaIpcTransport(self.address, authkey=self._authkey)
+        return registry.connect(self.url, authkey=self._authkey, src=src, host_src=host_src)
 
     def expect(self, request_id: int, prompt_len: int) -> None:
         self._call("expect", request_id, prompt_len)
@@ -154,30 +166,19 @@ class _RemoteReceiver:
         self._proc.join(timeout=30)
 
 
-def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int) -> None:
-    from kvferry.transports.local import CudaIpcEndpoint, LocalEndpoint
-    from kvferry.transports.shm import SharedPool, ShmEndpoint
-
-    shared = None
-    if kind == "shm":
-        shared = SharedPool.create(num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16)
-        assert shared.pool is not None
-        receiver = KVReceiver(shared.pool)
-        endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    else:
-        cfg = CopyBenchConfig(device=device, layers=layers, block_kib=block_kib)
-        receiver = KVReceiver(make_pool(cfg, num_blocks, fill=False))
-        if kind == "nixl":
-            from kvferry.transports.nixl import NixlEndpoint
-
-            endpoint = NixlEndpoint(receiver, authkey=authkey)
-        elif kind == "staging":
-            from kvferry.transports.staging import StagingEndpoint
-
-            endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
-        else:
-            endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
-    conn.send(endpoint.address)
+def _remote_receiver_main(
+    conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int, listen: str = "unix://", netns: Optional[str] = None
+) -> None:
+    try:
+        enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
+        # make_pool's geometry, zeroed (in shared memory where the transport maps it).
+        pool = registry.receiver_pool(kind, num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device)
+        receiver = KVReceiver(pool.pool)
+        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
+    except Exception as err:  # reported to the parent, which raises it
+        conn.send(err)
+        return
+    conn.send(served.url)
     while True:
         op, request_id, prompt_len = conn.recv()
         if op == "stop":
@@ -191,10 +192,9 @@ def _remote_receiver_main(conn: Any, kind: str, device: str, authkey: bytes, lay
             conn.send("ok")
         except Exception as err:  # reported to the parent, which raises it
             conn.send(repr(err))
-    endpoint.close()
+    served.close()
     receiver = None  # type: ignore[assignment]
-    if shared is not None:
-        shared.close()
+    pool.close()
 
 
 def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], object], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
@@ -231,9 +231,9 @@ def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, e
 
 
 def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    unknown = set(cfg.transports) - set(TRANSPORTS)
+    unknown = set(cfg.transports) - set(names())
     if unknown:
-        raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(TRANSPORTS)}")
+        raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(names())}")
     pool_blocks = max(cfg.blocks) + 64
     block_bytes = cfg.block_kib * 1024
     progress(f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}")
@@ -242,12 +242,17 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
         progress("ceiling of the host link: one pinned host-to-device copy of 1 GiB")
         host_link = pinned_link_gbps(1 << 30, cfg.reps)
+    tcp_link = None
+    host = cfg.tcp_host()
+    if host is not None:
+        progress(f"ceiling of the link: a raw TCP stream of 256 MiB to {host}" + (f" (namespace {cfg.receiver_netns})" if cfg.receiver_netns else ""))
+        tcp_link = tcp_stream_gbps(host, 256 << 20, netns=cfg.receiver_netns, reps=cfg.reps)
     src = make_pool(cfg, pool_blocks, fill=True)
     rows: list[Row] = []
     rng = np.random.default_rng(cfg.seed)
     for name in cfg.transports:
         progress(f"{name}: {', '.join(map(str, cfg.blocks))} blocks")
-        if name in ("torch", "copy"):
+        if name in COPIES:
             dst = make_pool(cfg, pool_blocks, fill=False)
             fn = copy_blocks_torch if name == "torch" else copy_blocks
             for n in cfg.blocks:
@@ -256,21 +261,20 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 payload = n * block_bytes * cfg.layers
                 rows.append(Row(name, n, payload, seconds, payload / seconds / 1e9, payload / seconds / 1e9 / ceiling))
             del dst
-        elif name == "in-process":
+        elif cfg.device not in registry.spec(name).devices:
+            progress(f"{name}: not for {cfg.device} pools, skipped")
+        elif not registry.spec(name).has_endpoint:  # the receiver in this process
             receiver = KVReceiver(make_pool(cfg, pool_blocks, fill=False))
 
             def arrived(request_id: int) -> None:
                 receiver.wait(request_id, timeout=120)
                 receiver.release(request_id)
 
-            rows += _sender_rows(cfg, name, src, InProcessTransport(receiver), receiver.expect, arrived, pool_blocks, ceiling)
+            rows += _sender_rows(cfg, name, src, registry.connect(name, receiver=receiver), receiver.expect, arrived, pool_blocks, ceiling)
         else:  # a receiver in another process
-            if cfg.device not in REMOTE_DEVICES[name]:
-                progress(f"{name}: not for {cfg.device} pools here, skipped")
-                continue
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
-                limit = host_link if name in HOST_LINK and host_link else ceiling
+                limit = tcp_link or (host_link if name in HOST_LINK and host_link else ceiling)
                 rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, limit)
             finally:
                 remote.close()
@@ -280,6 +284,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "ceiling_gbps": ceiling,
         "host_link_gbps": host_link,
+        "tcp_link_gbps": tcp_link,
         "rows": [asdict(r) for r in rows],
     }
 
@@ -289,6 +294,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous copy, bytes copied per second)",
         f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
     ]
+    if result.get("tcp_link_gbps"):
+        lines.insert(1, f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of every transport to another process here)")
     if result.get("host_link_gbps"):
         lines.insert(1, f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})")
     for r in result["rows"]:

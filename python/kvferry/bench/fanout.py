@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.bench.util import machine, percentile, stderr_progress
+from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
 
@@ -69,7 +69,7 @@ def run_fanout(cfg: FanoutConfig, progress: Callable[[str], None] = lambda s: No
     blocks = _pool_blocks(cfg)
     progress(f"reference: aggregated serving of {cfg.requests} requests sharing a {cfg.prefix_tokens}-token prefix")
     reference = Aggregated(model, num_blocks=blocks, tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size).run(turns)
-    emulated = cfg.link_gbps if cfg.device == "cpu" and cfg.transport in ("in-process", "shm") else None
+    emulated = cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": machine(cfg.device),

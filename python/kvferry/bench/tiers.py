@@ -33,22 +33,19 @@ import numpy as np
 import torch
 
 from kvferry.bench.copy import CopyBenchConfig, _RemoteReceiver, make_pool
-from kvferry.bench.util import machine, stderr_progress
+from kvferry.bench.util import emulated_link, machine, stderr_progress
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, ThreadCopyEngine
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.tiers import Signal, tiered_source
+from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from kvferry.transports.inprocess import InProcessTransport
 
-__all__ = ["MODES", "TRANSPORTS", "TiersConfig", "format_tiers", "run_tiers"]
+__all__ = ["MODES", "TiersConfig", "format_tiers", "run_tiers"]
 
 MODES = ("direct", "onboard_then_send")
-# Transports, and the pool devices each serves here.
-TRANSPORTS = {"in-process": ("cpu", "cuda"), "shm": ("cpu",), "cuda-ipc": ("cuda",), "staging": ("cpu", "cuda"), "nixl": ("cpu", "cuda")}
-EMULATED = ("in-process", "shm")  # CPU transports whose link is emulated
 
 
 @dataclass(frozen=True)
@@ -121,8 +118,7 @@ def _digest(blocks: list[torch.Tensor]) -> str:
 
 
 def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    if cfg.device not in TRANSPORTS.get(cfg.transport, ()):
-        raise ValueError(f"invalid transport={cfg.transport!r} for --device {cfg.device}: choose from {', '.join(t for t, d in TRANSPORTS.items() if cfg.device in d)}")
+    spec = registry.check(cfg.transport, device=cfg.device)
     if not 0 <= cfg.host_fraction <= 1:
         raise ValueError(f"invalid host_fraction={cfg.host_fraction}: must be in [0, 1]")
     n, h = cfg.blocks, cfg.host_blocks
@@ -135,13 +131,13 @@ def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None
     if cfg.device == "cuda":
         host_pool = PagedKV(tuple(t.pin_memory() for t in host_pool.layers), host_pool.tokens_per_block)
     block_bytes = device_pool.block_bytes * device_pool.num_layers
-    emulated = cfg.device == "cpu" and cfg.transport in EMULATED
+    emulated = emulated_link(cfg.device, cfg.transport)
     engine: Optional[CopyEngine] = ThreadCopyEngine(cfg.link_gbps) if emulated and cfg.link_gbps else None
     receiver: Optional[KVReceiver] = None
     remote: Optional[_RemoteReceiver] = None
-    if cfg.transport == "in-process":
+    if not spec.has_endpoint:
         receiver = KVReceiver(make_pool(pool_cfg, n + 1, fill=False))
-        transport: Transport = InProcessTransport(receiver)
+        transport: Transport = registry.connect(cfg.transport, receiver=receiver)
     else:
         remote = _RemoteReceiver(cfg.transport, pool_cfg, n + 1)
         transport = remote.transport(device_pool, host_src=host_pool)  # NIXL registers both

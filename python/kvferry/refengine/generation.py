@@ -24,15 +24,13 @@ from typing import Any, Optional, Sequence
 
 from kvferry._core import BlockRange
 from kvferry.receiver import KVReceiver
-from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
+from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.cache import PrefixCache
 from kvferry.refengine.worker import Worker
+from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from kvferry.transports.inprocess import InProcessTransport
 
-__all__ = ["Allocation", "FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration", "TRANSPORTS"]
-
-TRANSPORTS = ("in-process", "shm", "cuda-ipc", "staging", "nixl")
+__all__ = ["Allocation", "FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration"]
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ class LocalGeneration:
         self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=aware)
         self.inflight = InflightBlocks() if dedup else None
         self.receiver = KVReceiver(self.worker.pool)
-        self.transport: Transport = InProcessTransport(self.receiver)
+        self.transport: Transport = registry.connect("in-process", receiver=self.receiver)
         self._blocks: dict[int, list[int]] = {}
 
     def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
@@ -197,23 +195,36 @@ class LocalGeneration:
 
 
 class RemoteGeneration:
-    """A generation worker in a spawned process, reached by ``transport`` (shm and staging
-    serve CPU or CUDA pools as noted in kvferry.bench.copy; cuda-ipc needs CUDA)."""
+    """A generation worker in a spawned process, reached by ``transport``: any name of
+    `kvferry.transports.registry` with an endpoint that serves ``device`` pools."""
 
     def __init__(
-        self, cfg: ModelConfig, *, device: str, num_blocks: int, tokens_per_block: int, transport: str, src_pool: Any = None, aware: bool = False, dedup: bool = False
+        self,
+        cfg: ModelConfig,
+        *,
+        device: str,
+        num_blocks: int,
+        tokens_per_block: int,
+        transport: str,
+        src_pool: Any = None,
+        aware: bool = False,
+        dedup: bool = False,
+        listen: str = "unix://",
+        netns: Optional[str] = None,
     ) -> None:
-        if transport not in TRANSPORTS[1:]:
-            raise ValueError(f"invalid transport={transport!r}: choose from {', '.join(TRANSPORTS[1:])}")
+        """``listen``: where its endpoint listens (`registry.serve`'s ``address``); ``netns``:
+        the network namespace the process runs in (a second host on one machine; None: this one)."""
+        if not registry.check(transport, device=device).has_endpoint:
+            raise ValueError(f"invalid transport={transport!r}: the generation worker runs in another process; choose from {', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup), daemon=True)
+        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup, listen, netns), daemon=True)
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
             raise reply
-        self.transport = _open_transport(transport, reply, authkey, src_pool)
+        self.transport = registry.connect(reply, authkey=authkey, src=src_pool)
 
     def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
         return self._call(("allocate", request_id, tuple(prompt)))
@@ -236,43 +247,25 @@ class RemoteGeneration:
             self._proc.kill()
 
 
-def _open_transport(kind: str, address: str, authkey: bytes, src_pool: Any) -> Transport:
-    if kind == "shm":
-        from kvferry.transports.shm import ShmTransport
-
-        return ShmTransport(address, authkey=authkey)
-    if kind == "cuda-ipc":
-        from kvferry.transports.local import CudaIpcTransport
-
-        return CudaIpcTransport(address, authkey=authkey)
-    if kind == "staging":
-        from kvferry.transports.staging import StagingTransport
-
-        return StagingTransport(address, authkey=authkey)
-    from kvferry.transports.nixl import NixlTransport
-
-    return NixlTransport(address, authkey=authkey, src=src_pool)
-
-
-def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool) -> None:
+def _generation_main(
+    conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool, listen: str = "unix://", netns: Optional[str] = None
+) -> None:
     try:
-        model = TinyLlama(cfg, device)
-        shared = None
-        if kind == "shm":
-            from kvferry.transports.shm import SharedPool
+        if netns is not None:  # first: the endpoint's sockets and NIXL's threads then live there
+            from kvferry.bench.util import enter_netns
 
-            shape = (num_blocks, 2, tpb, cfg.kv_heads, cfg.head_dim)
-            shared = SharedPool.create(num_layers=cfg.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb)
-            pool = shared.pool
-        else:
-            pool = new_kv_pool(cfg, num_blocks, tpb, device)
-        worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool)
+            enter_netns(netns)
+        model = TinyLlama(cfg, device)
+        # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
+        shape = (num_blocks, 2, tpb, cfg.kv_heads, cfg.head_dim)
+        pool = registry.receiver_pool(kind, num_layers=cfg.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device)
+        worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool.pool)
         receiver = KVReceiver(worker.pool)
-        endpoint = _endpoint(kind, receiver, shared, authkey, num_blocks)
+        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return
-    conn.send(endpoint.address)
+    conn.send(served.url)
     blocks: dict[int, list[int]] = {}
     inflight = InflightBlocks() if dedup else None
     while True:
@@ -290,26 +283,6 @@ def _generation_main(conn: Any, cfg: ModelConfig, device: str, num_blocks: int, 
                 conn.send(_finish(worker, receiver, blocks, items, digests, inflight))
         except Exception as err:  # reported to the parent, which raises it
             conn.send(err)
-    endpoint.close()
-    del worker, receiver, pool
-    if shared is not None:
-        shared.close()
-
-
-def _endpoint(kind: str, receiver: KVReceiver, shared: Optional[Any], authkey: bytes, num_blocks: int) -> Any:
-    if kind == "shm":
-        from kvferry.transports.shm import ShmEndpoint
-
-        assert shared is not None, "an shm endpoint serves a shared pool"
-        return ShmEndpoint(receiver, shared, authkey=authkey)
-    if kind == "cuda-ipc":
-        from kvferry.transports.local import CudaIpcEndpoint
-
-        return CudaIpcEndpoint(receiver, authkey=authkey)
-    if kind == "staging":
-        from kvferry.transports.staging import StagingEndpoint
-
-        return StagingEndpoint(receiver, authkey=authkey, capacity_blocks=num_blocks)
-    from kvferry.transports.nixl import NixlEndpoint
-
-    return NixlEndpoint(receiver, authkey=authkey)
+    served.close()
+    del worker, receiver
+    pool.close()

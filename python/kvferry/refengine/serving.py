@@ -22,6 +22,7 @@ from kvferry.refengine.generation import FinishItem, LocalGeneration, RemoteGene
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
+from kvferry.transports import registry
 
 __all__ = ["Aggregated", "Disaggregated", "Turn", "TurnResult"]
 
@@ -89,7 +90,8 @@ class Aggregated:
 
 class Disaggregated:
     """A context worker driven through the executor hook, and a generation worker in this
-    process (default) or another one (``transport``: shm, cuda-ipc, staging, nixl)."""
+    process (default, ``transport="in-process"``) or another one (``transport``: any other
+    name of `kvferry.transports.registry` serving the model's device)."""
 
     def __init__(
         self,
@@ -106,8 +108,11 @@ class Disaggregated:
         aware: bool = False,
         dedup: bool = False,
         layer_groups: Optional[int] = None,
+        listen: str = "unix://",
+        netns: Optional[str] = None,
     ) -> None:
-        """``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
+        """``listen`` and ``netns`` place a generation worker in another process (see
+        `RemoteGeneration`). ``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
         turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
         and advertises those it still holds, which then never cross); ``dedup`` turns on
@@ -121,12 +126,13 @@ class Disaggregated:
             raise ValueError(f"invalid layer_groups={layer_groups}: must be None or 1 to the model's {model.cfg.layers} layers")
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.generation: LocalGeneration | RemoteGeneration
-        if transport == "in-process":
+        device = "cuda" if model.device.type == "cuda" else "cpu"
+        remote = registry.check(transport, device=device).has_endpoint
+        if not remote:
             self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware, dedup=dedup)
         else:
-            device = "cuda" if model.device.type == "cuda" else "cpu"
             self.generation = RemoteGeneration(
-                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup
+                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup, listen=listen, netns=netns
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
@@ -139,7 +145,7 @@ class Disaggregated:
             pipelined=early,
             engine=engine,
             record=record,
-            progress=transport != "in-process",
+            progress=remote,
             layer_groups=layer_groups or 1,
         )
         self.hook = TransferHook(sender)

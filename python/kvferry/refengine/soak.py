@@ -49,8 +49,8 @@ from kvferry.refengine.cache import BlockAllocator
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
+from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from kvferry.transports.inprocess import InProcessTransport
 
 __all__ = [
     "BlockAudit",
@@ -124,7 +124,7 @@ class SoakConfig:
     sender_timeout: float = 0.01
     receiver_timeout: float = 0.01
     cancel_timeout: float = 0.005
-    transport: str = "in-process"  # or "shm": the generation pool in a shared segment
+    transport: str = "in-process"  # any of kvferry.transports.registry.names(device="cpu")
     rss_every: int = 1000
 
 
@@ -297,25 +297,20 @@ class Soak:
         model = TinyLlama(config.model)
         tpb = config.tokens_per_block
         self.ctx = Worker(model, num_blocks=config.ctx_blocks, tokens_per_block=tpb)
-        self._shared: Any = None
-        self._endpoint: Any = None
-        gen_pool = None
-        if config.transport == "shm":
-            from kvferry.transports.shm import SharedPool
-
-            m = config.model
-            shape = (config.gen_blocks, 2, tpb, m.kv_heads, m.head_dim)
-            self._shared = SharedPool.create(num_layers=m.layers, shape=shape, dtype=m.dtype, tokens_per_block=tpb)
-            gen_pool = self._shared.pool
-        elif config.transport != "in-process":
-            raise ValueError(f"invalid transport={config.transport!r}: choose in-process or shm")
-        self.gen = Worker(model, num_blocks=config.gen_blocks, tokens_per_block=tpb, prefix_cache=False, pool=gen_pool)
+        m = config.model
+        # Both workers in this process; the generation pool as the transport serves it (in a
+        # shared segment for shm) and, for any but in-process, an endpoint in front of it.
+        self._pool = registry.receiver_pool(
+            config.transport, num_layers=m.layers, shape=(config.gen_blocks, 2, tpb, m.kv_heads, m.head_dim), dtype=m.dtype, tokens_per_block=tpb
+        )
+        self.gen = Worker(model, num_blocks=config.gen_blocks, tokens_per_block=tpb, prefix_cache=False, pool=self._pool.pool)
         self.receiver = KVReceiver(self.gen.pool)
         self._authkey = secrets.token_bytes(32)
-        if self._shared is not None:
-            from kvferry.transports.shm import ShmEndpoint
-
-            self._endpoint = ShmEndpoint(self.receiver, self._shared, authkey=self._authkey)
+        self._endpoint: Any = None
+        self._url = config.transport
+        if registry.spec(config.transport).has_endpoint:
+            served = registry.serve(config.transport, self.receiver, authkey=self._authkey, **({"shared": self._pool.shared} if self._pool.shared is not None else {}))
+            self._endpoint, self._url = served.endpoint, served.url
         fast = KVSender(self.ctx.pool, self._transport(), engine=ThreadCopyEngine())
         slow = KVSender(
             self.ctx.pool,
@@ -341,10 +336,8 @@ class Soak:
 
     def _transport(self) -> Transport:
         if self._endpoint is None:
-            return InProcessTransport(self.receiver)
-        from kvferry.transports.shm import ShmTransport
-
-        return ShmTransport(self._endpoint.address, authkey=self._authkey)
+            return registry.connect(self._url, receiver=self.receiver)
+        return registry.connect(self._url, authkey=self._authkey, src=self.ctx.pool)
 
     def run(self) -> SoakReport:
         started = time.monotonic()
@@ -643,6 +636,7 @@ class Soak:
         been evicted every block of both pools is free."""
         for lane in self.lanes:
             sender = lane.hook.sender
+            assert isinstance(sender, KVSender)  # the soak's lanes have one receiver each
             sender.flush()
             # White-box: the sender's own tables are private, but a request they keep is a leak.
             kept = {
@@ -681,7 +675,6 @@ class Soak:
             lane.hook.sender.close()
         if self._endpoint is not None:
             self._endpoint.close()
-        if self._shared is not None:
-            # The segment can be unmapped only once no tensor views it.
-            del self.gen, self.receiver
-            self._shared.close()
+        # A shared segment can be unmapped only once no tensor views it.
+        del self.gen, self.receiver
+        self._pool.close()
