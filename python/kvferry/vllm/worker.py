@@ -423,6 +423,9 @@ class WorkerSide:
         at once: the staging endpoint applies a write only for a request it still admits, so
         a late write of a released request never reaches vLLM's blocks."""
         assert self.receiver is not None and self.rendezvous is not None
+        if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
+            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
         try:
             self.receiver.release(st.spec.kv_id, 0)
         except TransferTimeoutError:
