@@ -249,6 +249,49 @@ def test_decode_aborted_after_the_transfer(engines: Any) -> None:
     no_blocks_used(prefill, decode)
 
 
+@needs_vllm
+def test_decode_request_times_out_without_its_prefill_half(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    recv = {"kvferry": {"op": "recv", "transfer": uuid.uuid4().hex, "timeout_s": 1.0}}
+    out = decode.run([("d-lonely", prompt_of(80, 16), OUT, recv)])["outputs"]["d-lonely"]
+    assert out["finish_reason"] == "error"  # after its own 1 s bound, no prefill half came
+    no_blocks_used(decode)
+
+
+@needs_vllm
+def test_dead_prefill_server_fails_the_decode_request(engines: Any, model: str) -> None:
+    _, decode, plain, hello = engines
+    doomed = Engine(model, "kv_producer", max_num_batched_tokens=64)
+    pair = Pair(doomed, decode, hello)
+    prompt, transfer = prompt_of(200, 17), uuid.uuid4().hex
+    try:
+        assert decode.run([("d-orphan", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-orphan", "waiting_for_blocks"))["stopped_at"]
+        assert doomed.run([("p-orphan", prompt, 1, pair.send_params(transfer))], until=("p-orphan", "mid_prefill"))["stopped_at"]
+    finally:
+        doomed.process.kill()  # mid-transfer: its staging connection ends with it
+        doomed.process.join(30)
+    assert decode.run([])["outputs"]["d-orphan"]["finish_reason"] == "error"
+    no_blocks_used(decode)
+
+
+@needs_vllm
+def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -> None:
+    prefill, decode, plain, hello = engines
+    doomed = Engine(model, "kv_consumer")
+    try:
+        theirs = doomed.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        pair = Pair(prefill, doomed, theirs)
+        prompt, transfer = prompt_of(200, 18), uuid.uuid4().hex
+        assert doomed.run([("d-dies", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-dies", "waiting_for_blocks"))["stopped_at"]
+        assert prefill.run([("p-alone", prompt, 1, pair.send_params(transfer))], until=("p-alone", "mid_prefill"))["stopped_at"]
+    finally:
+        doomed.process.kill()
+        doomed.process.join(30)
+    assert prefill.run([])["outputs"]["p-alone"]["finish_reason"] == "length"  # its own token still comes
+    no_blocks_used(prefill)
+    still_serves(Pair(prefill, decode, hello), plain, 6)  # a new sender for the live decode engine
+
+
 # -- bad kv_transfer_params -----------------------------------------------------------------
 
 BAD_DECODE = [
@@ -300,3 +343,80 @@ def test_halves_with_different_prompts_fail_both(engines: Any) -> None:
     got = pair.turn("mismatch", prompt_of(100, 40), prefill_prompt=prompt_of(100, 41))
     assert got["prefill"]["finish_reason"] == "error" and got["decode"]["finish_reason"] == "error", got
     no_blocks_used(prefill, decode)
+
+
+# -- registration and metrics (no engine) ---------------------------------------------------
+
+
+@needs_vllm
+def test_register_by_name_is_idempotent() -> None:
+    import kvferry.vllm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    kvferry.vllm.register()
+    kvferry.vllm.register()  # vLLM's factory raises on a duplicate name: this must not
+    assert KVConnectorFactory.get_connector_class_by_name("KvferryConnector") is kvferry.vllm.KvferryConnector
+
+
+@needs_vllm
+def test_stats_aggregate_and_reach_prometheus() -> None:
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvferry.vllm.connector import KvferryConnector
+    from kvferry.vllm.stats import Tally
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KvferryConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    tally = Tally()
+    tally.add("early_bytes", 4096)
+    tally.add("held_blocks", 3)
+    tally.observe("hidden_fraction", 0.75)
+    first = KvferryConnector.build_kv_connector_stats(tally.take())
+    assert tally.take() == {"counts": {}, "observed": {}}  # taken once
+    tally.add("early_bytes", 1024)
+    tally.add("duplicates_refused", 0)  # a zero is not an observation
+    tally.observe("hidden_fraction", 0.25)
+    both = first.aggregate(KvferryConnector.build_kv_connector_stats(tally.take()))
+    assert both.reduce() == {"early_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
+    assert KvferryConnector.build_kv_connector_stats({}).is_empty()
+    prom.observe(both.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvferry_early_bytes_total{engine="0"} 5120.0' in text
+    assert 'vllm:kvferry_held_blocks_total{engine="0"} 3.0' in text
+    assert 'vllm:kvferry_hidden_fraction_count{engine="0"} 2.0' in text
+    for name in ("chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total", "transfer_seconds_count"):
+        assert f"vllm:kvferry_{name}" in text
+
+
+def test_extra_config_and_params_are_checked_by_name() -> None:
+    from kvferry.errors import InvalidArgumentError
+
+    try:
+        from kvferry.vllm.config import ConnectorConfig, parse_params
+    except ImportError:
+        pytest.skip("kvferry.vllm needs vLLM")
+    assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    assert ConnectorConfig.from_extra({"layer_groups": 2, "early": False}).layer_groups == 2
+    for extra, named in [
+        ({"layer_group": 2}, "layer_group"),
+        ({"early": "no"}, "early"),
+        ({"layer_groups": 0}, "layer_groups"),
+        ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s"),
+        ({"transport": "nixl"}, "transport"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            ConnectorConfig.from_extra(extra)
+    assert parse_params(None) is None and parse_params({"other": 1}) is None
+    assert parse_params({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": 5}}).timeout_s == 5.0
+    for params, named in [
+        ({"kvferry": {"op": "send", "transfer": "t", "peer": "/p", "authkey": "00" * 8}}, "authkey"),
+        ({"kvferry": {"op": "send", "transfer": "t", "authkey": "00" * 16}}, "peer"),
+        ({"kvferry": {"op": "recv", "transfer": ""}}, "transfer"),
+        ({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": True}}, "timeout_s"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            parse_params(params)

@@ -64,7 +64,7 @@ class KvferryStats(KVConnectorStats):
         self.data.setdefault("observed", {})
 
     def reset(self) -> None:
-        self.data = {"counts": {}, "observed": {}}
+        self.data: dict[str, Any] = {"counts": {}, "observed": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KvferryStats:
         counts, observed = self.data["counts"], self.data["observed"]

@@ -370,7 +370,7 @@ class WorkerSide:
     def _settle_recvs(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving, failed = set(), set()
         for rid, reason in self._fail_next.items():
-            logger.error("kvferry: decode request %s failed: %s", rid, reason)
+            logger.error("kvferry: request %s failed: %s", rid, reason)
             recving.add(rid)
             failed.add(rid)
         self._fail_next.clear()
