@@ -51,6 +51,9 @@ class TinyLlama:
     vocab: int = VOCAB
     max_positions: int = 8192
     seed: int = 0
+    # Wide enough that greedy decoding wanders over the vocabulary with clear top-1 margins
+    # (the default 0.02 repeats one token, which would make output comparisons vacuous).
+    init_range: float = 0.3
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim * 4 * self.layers
@@ -80,6 +83,7 @@ def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
+        initializer_range=spec.init_range,
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -111,6 +115,67 @@ def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
     (tmp / "done").write_text(key)
     tmp.rename(path)
     return path
+
+
+@dataclass
+class Answer:
+    """One completion as the client saw it."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float  # request sent to first token (streaming) or to the whole answer
+    total_s: float
+    status: int
+    body: Any  # the JSON answer, or the list of SSE events of a stream
+    finish_reason: Optional[str] = None
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice["text"] or "")
+    part = choice.get("delta") or choice.get("message") or {}
+    return str(part.get("content") or "")
+
+
+def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str, str]] = None, timeout_s: float = 600.0) -> Answer:
+    """POSTs an OpenAI request (``body["stream"]`` picks the mode) with ``return_token_ids``
+    on; a non-200 answer comes back with its status and JSON body, not raised."""
+    body = dict(body, return_token_ids=True)
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    t0 = time.perf_counter()
+    try:
+        r = urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as err:
+        raw = err.read().decode(errors="replace")
+        with contextlib.suppress(ValueError):
+            raw = json.loads(raw)
+        return Answer([], "", 0.0, time.perf_counter() - t0, err.code, raw)
+    with r:
+        if not body.get("stream"):
+            answer = json.loads(r.read())
+            t = time.perf_counter() - t0
+            choice = answer["choices"][0]
+            return Answer(list(choice.get("token_ids") or []), _choice_text(choice), t, t, r.status, answer, choice.get("finish_reason"))
+        ids: list[int] = []
+        text, events, ttft, finish = "", [], 0.0, None
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            events.append(event)
+            for choice in event.get("choices") or ():
+                got = list(choice.get("token_ids") or [])
+                if got and not ids:
+                    ttft = time.perf_counter() - t0
+                ids += got
+                text += _choice_text(choice)
+                finish = choice.get("finish_reason") or finish
+        return Answer(ids, text, ttft, time.perf_counter() - t0, r.status, events, finish)
 
 
 def free_port() -> int:
@@ -283,6 +348,8 @@ def wait_ready(servers: Sequence[Server], timeout_s: float = 240.0) -> None:
 class Testbed:
     """A prefill and a decode server (one or more each) with the given kv-transfer-configs, and
     optionally the proxy. Use as a context manager; :meth:`close` stops everything."""
+
+    __test__ = False  # not a pytest test class despite the name
 
     model: Path
     workdir: Path
