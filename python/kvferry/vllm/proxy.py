@@ -47,6 +47,8 @@ from aiohttp import web
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SESSION_HEADER = "X-Session-Id"
+# The key of kvferry's parameters in kv_transfer_params (docs/vllm.md).
+PARAMS_KEY = "kvferry"
 # Seconds a server that failed to answer is passed over for new sessions.
 DOWN_S = 10.0
 # Sessions remembered for stickiness (least recently used forgotten first).
@@ -73,20 +75,19 @@ class UpstreamError(Exception):
 
 
 class Flow:
-    """How one KV connector wants the two legs: what the prefill server gets, what the decode
-    server gets from the prefill answer, and how prepared KV is let go of when the client left
-    between the two legs."""
+    """How one KV connector wants the two legs of a request. :meth:`serve` runs one client
+    request through an :class:`Exchange` (which picks servers, fails over and writes to the
+    client) and returns the client's response; an :class:`UpstreamError` it raises reaches the
+    client as an error."""
 
     name = ""
 
-    def prefill_body(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def decode_body(self, body: dict[str, Any], prefill_answer: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
         raise NotImplementedError
 
 
 def _one_token(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's request: the same prompt, one token, not streamed."""
     out = copy.deepcopy(body)
     out["stream"] = False
     out.pop("stream_options", None)
@@ -98,14 +99,14 @@ def _one_token(body: dict[str, Any]) -> dict[str, Any]:
 
 class NixlFlow(Flow):
     """vLLM's NixlConnector: the prefill server computes the prompt and one token, keeps the KV
-    (``do_remote_decode``) and answers where it is; the decode server READs it and tells the
-    prefill server to free it."""
+    (``do_remote_decode``) and answers where it is; then the decode server READs it and tells
+    the prefill server to free it."""
 
     name = "nixl"
 
-    def prefill_body(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        out = _one_token(body)
-        out["kv_transfer_params"] = {
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        first = _one_token(ex.body)
+        first["kv_transfer_params"] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
@@ -113,18 +114,86 @@ class NixlFlow(Flow):
             "remote_host": None,
             "remote_port": None,
         }
-        return out
-
-    def decode_body(self, body: dict[str, Any], prefill_answer: dict[str, Any], request_id: str) -> dict[str, Any]:
-        params = prefill_answer.get("kv_transfer_params")
+        answer = await ex.prefill(first)
+        params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            raise UpstreamError("prefill", "", 502, "answer has no kv_transfer_params (is it running NixlConnector as kv_producer?)")
-        out = copy.deepcopy(body)
-        out["kv_transfer_params"] = params
-        return out
+            raise UpstreamError("prefill", ex.prefill_url, 502, "answer has no kv_transfer_params (is it running NixlConnector as kv_producer?)")
+        # Any decode server can read the KV the prefill server holds, so a refused connection
+        # fails over to the next one.
+        return await ex.decode(dict(copy.deepcopy(ex.body), kv_transfer_params=params), failover=True)
 
 
-FLOWS: dict[str, type[Flow]] = {NixlFlow.name: NixlFlow}
+class KvferryFlow(Flow):
+    """kvferry's KvferryConnector (docs/vllm.md, "The per-request protocol"): the decode server
+    says once where its endpoint listens (``hello``); then the decode request (``recv``) and the
+    prefill request (``send`` to that endpoint) go out together, so the prefill server pushes the
+    reused prefix while it computes the rest of the prompt."""
+
+    name = "kvferry"
+
+    def __init__(self) -> None:
+        # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
+        # through it fails, so a restarted server (new engine, new key) is asked again.
+        self.peers: dict[str, dict[str, Any]] = {}
+
+    async def _peer(self, ex: Exchange) -> dict[str, Any]:
+        while True:
+            server = ex.decode_server
+            known = self.peers.get(server.url)
+            if known is not None:
+                return known
+            hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
+            if "model" in ex.body:
+                hello["model"] = ex.body["model"]
+            try:
+                answer = await ex.post_json("decode", server, "/v1/completions", hello, retry=True)
+            except _Refused as refused:
+                ex.failover_decode(refused.cause)  # raises when no decode server is left
+                continue
+            info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
+            if not isinstance(info, dict) or info.get("role") not in ("kv_consumer", "kv_both") or not info.get("peer"):
+                raise UpstreamError("decode", server.url, 502, f"hello answered {info!r}: is it running KvferryConnector as kv_consumer?")
+            self.peers[server.url] = info
+            return info
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        peer = await self._peer(ex)
+        server = ex.decode_server
+        transfer = uuid.uuid4().hex
+        send = _one_token(ex.body)
+        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"], "authkey": peer["authkey"]}}
+        recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
+        prefill = asyncio.ensure_future(ex.prefill(send))
+        decode = asyncio.ensure_future(ex.decode(recv, failover=False))
+        ok = False
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None and not decode.done() and ex.out is None:
+                # The decode request would wait out its transfer timeout for blocks that will
+                # not come: give it up and report the prefill server's failure.
+                raise prefill.exception()  # type: ignore[misc]
+            response = await decode
+            # The decode server had every block, so the prefill answer is there or nearly.
+            try:
+                answer = await prefill
+            except UpstreamError:
+                return response  # the client has its answer; the peer is asked again next time
+            error = ((answer.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("error")
+            ok = response.status == 200 and error is None
+            return response
+        finally:
+            if not ok:
+                self.peers.pop(server.url, None)
+            pending = [t for t in (prefill, decode) if not t.done()]
+            for t in pending:
+                t.cancel()  # closes that leg's connection: vLLM aborts its half
+            await asyncio.gather(*pending, return_exceptions=True)
+            for t in (prefill, decode):
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: a failure already reported is not logged twice
+
+
+FLOWS: dict[str, type[Flow]] = {NixlFlow.name: NixlFlow, KvferryFlow.name: KvferryFlow}
 
 
 @dataclass
@@ -268,62 +337,82 @@ class Proxy:
             return _error(400, f"request body is not JSON: {err}")
         if not isinstance(body, dict):
             return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
-        path = request.path
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        decode = self.router.decode(session_of(request.headers, body))
-        prefill_body = self.flow.prefill_body(body, rid)
+        ex = Exchange(self, request, body)
+        try:
+            return await self.flow.serve(ex)
+        except UpstreamError as err:
+            if ex.out is None:
+                return web.json_response(err.body(), status=err.status)
+            # The stream has started: its last event says what went wrong.
+            with contextlib.suppress(Exception):
+                await ex.out.write(f"data: {json.dumps(err.body())}\n\n".encode())
+                await ex.out.write_eof()
+            return ex.out
+
+
+class Exchange:
+    """One client request on its way through a flow: its servers, the failover rules, and the
+    client's response once streaming has begun (``out``)."""
+
+    def __init__(self, proxy: Proxy, request: web.Request, body: dict[str, Any]) -> None:
+        self.proxy, self.request, self.body, self.path = proxy, request, body, request.path
+        self.session = session_of(request.headers, body)
+        self.decode_server = proxy.router.decode(self.session)
+        self.prefill_url = ""
+        self.out: Optional[web.StreamResponse] = None
+        self._tried_decodes: list[str] = []
+
+    async def post_json(self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False) -> dict[str, Any]:
+        return await self.proxy._post_json(leg, server, path, body, retry)
+
+    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The prefill leg on the least loaded prefill server; one that refuses the connection
+        never saw the request, so the next live one takes it."""
         tried: list[str] = []
         while True:
-            prefill = self.router.prefill()
+            server = self.proxy.router.prefill()
+            self.prefill_url = server.url
             try:
-                answer = await self._post_json("prefill", prefill, path, prefill_body, retry=True)
-                break
-            except UpstreamError as err:
-                return web.json_response(err.body(), status=err.status)
+                return await self.post_json("prefill", server, self.path, body, retry=True)
             except _Refused as refused:
-                # Never reached that prefill server: another one may take the request.
-                tried.append(prefill.url)
-                if not [s for s in self.router.prefills if s.url not in tried and s.up(time.monotonic())]:
-                    err = UpstreamError("prefill", prefill.url, 502, f"unreachable: {refused.cause}")
-                    return web.json_response(err.body(), status=err.status)
-        try:
-            decode_body = self.flow.decode_body(body, answer, rid)
-        except UpstreamError as err:
-            err = UpstreamError("prefill", prefill.url, 502, str(err).split(": ", 1)[-1])
-            return web.json_response(err.body(), status=err.status)
-        # A decode server that refuses the connection never saw the request: the next live one
-        # takes it (the prepared KV is still on the prefill server, waiting for a reader).
-        tried = []
+                tried.append(server.url)
+                if not [s for s in self.proxy.router.prefills if s.url not in tried and s.up(time.monotonic())]:
+                    raise UpstreamError("prefill", server.url, 502, f"unreachable: {refused.cause}") from None
+
+    def failover_decode(self, cause: str) -> None:
+        """Moves the session to another live decode server, or raises when none is left."""
+        self._tried_decodes.append(self.decode_server.url)
+        now = time.monotonic()
+        if not [s for s in self.proxy.router.decodes if s.url not in self._tried_decodes and s.up(now)]:
+            also = f" (also tried {', '.join(self._tried_decodes[:-1])})" if len(self._tried_decodes) > 1 else ""
+            raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {cause}{also}")
+        self.decode_server = self.proxy.router.decode(self.session)
+
+    async def decode(self, body: dict[str, Any], failover: bool) -> web.StreamResponse:
+        """The decode leg, whose answer goes to the client (streamed as it comes)."""
         while True:
             try:
-                return await self._decode(request, decode, path, decode_body)
+                return await self._decode_once(body)
             except _Refused as refused:
-                tried.append(decode.url)
-                now = time.monotonic()
-                others = [s for s in self.router.decodes if s.url not in tried and s.up(now)]
-                if not others:
-                    err = UpstreamError("decode", decode.url, 502, f"unreachable: {refused.cause}" + (f" (also tried {', '.join(tried[:-1])})" if len(tried) > 1 else ""))
-                    return web.json_response(err.body(), status=err.status)
-                decode = self.router.decode(session_of(request.headers, body))
+                if not failover:
+                    raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {refused.cause}") from None
+                self.failover_decode(refused.cause)
 
-    async def _decode(self, request: web.Request, decode: Upstream, path: str, body: dict[str, Any]) -> web.StreamResponse:
+    async def _decode_once(self, body: dict[str, Any]) -> web.StreamResponse:
+        server = self.decode_server
         if not body.get("stream"):
-            try:
-                data = await self._post_json("decode", decode, path, body, retry=True)
-            except UpstreamError as err:
-                return web.json_response(err.body(), status=err.status)
-            return web.json_response(data)
-        assert self.client is not None
-        decode.in_flight += 1
-        out: Optional[web.StreamResponse] = None
+            return web.json_response(await self.post_json("decode", server, self.path, body, retry=True))
+        client = self.proxy.client
+        assert client is not None
+        server.in_flight += 1
         try:
-            async with self.client.post(decode.url + path, json=body) as r:
+            async with client.post(server.url + self.path, json=body) as r:
                 if r.status != 200:
                     text = await r.text()
-                    err = UpstreamError("decode", decode.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
-                    return web.json_response(err.body(), status=err.status)
+                    raise UpstreamError("decode", server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
                 out = web.StreamResponse(headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
-                await out.prepare(request)
+                await out.prepare(self.request)
+                self.out = out
                 async for chunk in r.content.iter_any():
                     # A client that has gone raises here (or cancels this task): leaving the
                     # `async with` closes the upstream connection and vLLM aborts the request.
@@ -331,20 +420,15 @@ class Proxy:
                 await out.write_eof()
                 return out
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
-            if request.transport is None or request.transport.is_closing():
+            transport = self.request.transport
+            if transport is None or transport.is_closing():
                 raise  # the client went away: nothing to tell it
-            decode.down_until = time.monotonic() + DOWN_S
-            if out is None and isinstance(err, aiohttp.ClientConnectorError):
+            server.down_until = time.monotonic() + DOWN_S
+            if self.out is None and isinstance(err, aiohttp.ClientConnectorError):
                 raise _Refused(f"{type(err).__name__}: {err}") from err
-            failure = UpstreamError("decode", decode.url, 502, f"unreachable: {type(err).__name__}: {err}")
-            if out is None:
-                return web.json_response(failure.body(), status=failure.status)
-            with contextlib.suppress(Exception):
-                await out.write(f"data: {json.dumps(failure.body())}\n\n".encode())
-                await out.write_eof()
-            return out
+            raise UpstreamError("decode", server.url, 502, f"unreachable: {type(err).__name__}: {err}") from err
         finally:
-            decode.in_flight -= 1
+            server.in_flight -= 1
 
 
 async def start(proxy: Proxy, host: str, port: int) -> web.AppRunner:
