@@ -1,1 +1,29 @@
-"""vLLM integration: the KV connector (kvferry.vllm.connector), the P/D proxy (kvferry.vllm.proxy) and the test/bench harness (kvferry.vllm.testbed)."""
+"""kvferry inside vLLM: `KvferryConnector`, a V1 KV connector (docs/vllm.md).
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvferryConnector",
+"kv_connector_module_path": "kvferry.vllm", "kv_role": "kv_producer"}'`` (``kv_consumer`` on
+the decode server), or by name once the ``vllm.general_plugins`` entry point registered it.
+"""
+
+from __future__ import annotations
+
+try:
+    import vllm  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised without vLLM installed
+    raise ImportError(f"kvferry.vllm needs vLLM: pip install 'kvferry[vllm]' ({err})") from None
+
+from kvferry.vllm.connector import KvferryConnector
+
+__all__ = ["KvferryConnector", "register"]
+
+CONNECTOR_NAME = "KvferryConnector"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the connector by name. vLLM's
+    factory raises on a duplicate name, and plugins load once per process and again in
+    each worker, so a name already taken is left as it is."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvferry.vllm.connector", "KvferryConnector")
