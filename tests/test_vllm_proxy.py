@@ -1,4 +1,5 @@
-"""kvferry proxy in front of real vLLM servers (prefill + decode, vLLM's NixlConnector), checked
+"""kvferry proxy in front of real vLLM servers (a prefill and a decode server, with vLLM's
+NixlConnector and with kvferry's KvferryConnector), checked
 against a plain single server: greedy outputs token for token over multi-turn sessions
 (completions and chat, streaming and not), the decode server's prefix cache on the next turn,
 a client that leaves mid-stream, and dead upstreams. Routing rules run against stub upstreams.
@@ -28,7 +29,7 @@ from aiohttp import web  # noqa: E402
 
 from kvferry.vllm import testbed  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
-from kvferry.vllm.testbed import Answer, Testbed, call, nixl_config  # noqa: E402
+from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -39,17 +40,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[testbed.Server, Testbed]]:
-    """A plain server (the reference) and a NixlConnector prefill/decode pair behind the proxy,
-    started together."""
-    work = tmp_path_factory.mktemp("vllm")
-    plain = testbed.start_server("plain", model, work)
-    try:
-        with Testbed(model, work, nixl_config("kv_producer"), nixl_config("kv_consumer"), proxy_connector="nixl") as bed:
-            testbed.wait_ready([plain])
-            yield plain, bed
-    finally:
-        plain.stop()
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[testbed.Server]:
+    """A plain server (no connector): the reference. Started here, waited for by ``servers`` so
+    that it comes up together with the first pair."""
+    server = testbed.start_server("plain", model, tmp_path_factory.mktemp("plain"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=sorted(testbed.CONNECTORS))
+def servers(request: pytest.FixtureRequest, plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[testbed.Server, Testbed]]:
+    """The plain server and a prefill/decode pair of one connector behind the proxy (one pair
+    at a time: each connector's tests run together)."""
+    prefill_config, decode_config = testbed.CONNECTORS[request.param]
+    with Testbed(model, tmp_path_factory.mktemp(request.param), prefill_config, decode_config, proxy_connector=request.param) as bed:
+        testbed.wait_ready([plain])
+        yield plain, bed
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -93,7 +99,7 @@ def _wait_until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completions", "chat"])
-def test_nixl_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed], path: str, stream: bool) -> None:
+def test_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed], path: str, stream: bool) -> None:
     plain, bed = servers
     seed = (10 if path == COMPLETIONS else 20) + int(stream)
     want = _conversation(plain.url, path, stream, seed)
@@ -107,7 +113,7 @@ def test_nixl_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed]
     _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks after the session")
 
 
-def test_nixl_next_turn_hits_decode_prefix_cache(servers: tuple[testbed.Server, Testbed]) -> None:
+def test_next_turn_hits_decode_prefix_cache(servers: tuple[testbed.Server, Testbed]) -> None:
     """The session's second turn reaches the same decode server, which then pulls only the
     tokens past its own prefix-cache hit (the decode-warm case)."""
     _, bed = servers
@@ -131,7 +137,7 @@ def _counter(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_nixl_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Testbed]) -> None:
+def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Testbed]) -> None:
     _, bed = servers
     decode = bed.decodes[0]
     # vLLM counts finished requests by reason but not aborted ones: an abort shows as the
@@ -169,7 +175,7 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
     body = {"model": "tiny", "prompt": _tokens(random.Random(11), 90), "max_tokens": 6, "temperature": 0}
     want = call(plain.url, COMPLETIONS, body)
     dead = _dead_url()
-    lone = ProxyThread([dead], [bed.decodes[0].url])
+    lone = ProxyThread([dead], [bed.decodes[0].url], connector=bed.proxy_connector or "")
     lone.start()
     try:
         for stream in (False, True):
@@ -182,7 +188,7 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
     finally:
         lone.stop()
     # With a live server next to each dead one, every request is served, whatever the order.
-    mixed = ProxyThread([dead, bed.prefills[0].url], [_dead_url(), bed.decodes[0].url])
+    mixed = ProxyThread([dead, bed.prefills[0].url], [_dead_url(), bed.decodes[0].url], connector=bed.proxy_connector or "")
     mixed.start()
     try:
         for i in range(3):
@@ -198,17 +204,22 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
 
 
 class _Stub:
-    """An upstream that answers like a vLLM server of the given role and records requests."""
+    """An upstream that answers like a vLLM server of the given role and records requests.
+    kvferry's protocol: answers ``hello``; with ``hang_recv`` a ``recv`` request waits (for
+    blocks that never come) until its connection closes; with ``fail_after`` a prefill
+    request fails once that stub has seen a request."""
 
-    def __init__(self, role: str, cut_stream: bool = False) -> None:
-        self.role, self.cut_stream = role, cut_stream
+    def __init__(self, role: str, cut_stream: bool = False, hang_recv: bool = False, fail_after: _Stub | None = None) -> None:
+        self.role, self.cut_stream, self.hang_recv, self.fail_after = role, cut_stream, hang_recv, fail_after
         self.seen: list[dict[str, Any]] = []
+        self.closed = threading.Event()  # a hanging request's connection was closed
+        self.got = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
-        self._runner = web.AppRunner(app)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
         asyncio.run_coroutine_threadsafe(self._runner.setup(), self._loop).result(10)
         self.port = testbed.free_port()
         asyncio.run_coroutine_threadsafe(web.TCPSite(self._runner, "127.0.0.1", self.port).start(), self._loop).result(10)
@@ -216,8 +227,23 @@ class _Stub:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        op = ((body.get("kv_transfer_params") or {}).get("kvferry") or {}).get("op")
+        if op == "hello":
+            return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {
+                "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "authkey": "ab" * 16, "engine": "e1"}}})  # fmt: skip
         self.seen.append(body)
+        self.got.set()
+        if op == "recv" and self.hang_recv:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.closed.set()
+        if self.fail_after is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.fail_after.got.wait, 30)
+            return web.json_response({"error": {"message": "engine dead"}}, status=500)
         choice = {"index": 0, "text": self.role, "token_ids": [1], "finish_reason": "length"}
+        if op == "send":
+            return web.json_response({"choices": [choice], "kv_transfer_params": {"kvferry": {"op": "send", "transfer": body["kv_transfer_params"]["kvferry"]["transfer"]}}})
         if self.role == "prefill":
             return web.json_response({"choices": [choice], "kv_transfer_params": {"remote_engine_id": self.url}})
         if not body.get("stream"):
@@ -322,3 +348,42 @@ def test_bad_requests_and_arguments(stubs: tuple[list[_Stub], list[_Stub]]) -> N
         assert prefills[0].seen == []
     finally:
         proxy.stop()
+
+
+def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], list[_Stub]]) -> None:
+    prefills, decodes = stubs
+    proxy = ProxyThread([prefills[0].url], [decodes[0].url], connector="kvferry")
+    proxy.start()
+    try:
+        for i, stream in enumerate((False, True, False)):
+            a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [i + 1] * 40, "max_tokens": 4, "stream": stream})
+            assert a.status == 200 and a.token_ids == [1]
+        assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
+        sends = [b["kv_transfer_params"]["kvferry"] for b in prefills[0].seen]
+        recvs = [b["kv_transfer_params"]["kvferry"] for b in decodes[0].seen]
+        assert [r["op"] for r in recvs] == ["recv"] * 3 and [s["op"] for s in sends] == ["send"] * 3
+        assert [s["transfer"] for s in sends] == [r["transfer"] for r in recvs]
+        assert len({r["transfer"] for r in recvs}) == 3
+        assert all(s["peer"] == f"/tmp/peer-{decodes[0].port}" and s["authkey"] == "ab" * 16 for s in sends)
+        assert all(b["max_tokens"] == 1 and b["stream"] is False for b in prefills[0].seen)
+        assert [b["prompt"] for b in prefills[0].seen] == [b["prompt"] for b in decodes[0].seen]
+    finally:
+        proxy.stop()
+
+
+def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
+    decode = _Stub("decode", hang_recv=True)
+    prefill = _Stub("prefill", fail_after=decode)  # fails once the decode leg is waiting
+    proxy = ProxyThread([prefill.url], [decode.url], connector="kvferry")
+    proxy.start()
+    try:
+        a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [3] * 40, "max_tokens": 4, "stream": True})
+        assert a.status == 502 and a.body["error"]["server"] == prefill.url
+        assert "engine dead" in a.body["error"]["message"]
+        assert decode.closed.wait(30)  # the decode leg's connection was closed: vLLM aborts it
+        _wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+        assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # asked again next time
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()

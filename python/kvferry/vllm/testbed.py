@@ -220,6 +220,22 @@ def nixl_config(role: str, lease_s: int = 600) -> dict[str, Any]:
     }
 
 
+def kvferry_config(role: str, **extra: Any) -> dict[str, Any]:
+    """kvferry's KvferryConnector (docs/vllm.md); ``extra`` goes to kv_connector_extra_config
+    (early, layer_groups, ...)."""
+    config: dict[str, Any] = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role}
+    if extra:
+        config["kv_connector_extra_config"] = dict(extra)
+    return config
+
+
+# Per connector (the proxy's --connector name): the prefill and decode servers' configs.
+CONNECTORS = {
+    "nixl": (nixl_config("kv_producer"), nixl_config("kv_consumer")),
+    "kvferry": (kvferry_config("kv_producer"), kvferry_config("kv_consumer")),
+}
+
+
 class ServerError(RuntimeError):
     """A server did not come up (its log tail is in the message) or answered out of contract."""
 
@@ -274,6 +290,15 @@ def _gauge(text: str, name: str) -> Optional[float]:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (a test run
+    killed before its teardown must not leave engines behind). Linux only; elsewhere a no-op."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -315,7 +340,9 @@ def start_server(
     full_env.update(env or {})
     log = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+        )
     finally:
         log.close()
     return Server(name, f"http://127.0.0.1:{port}", proc, log_path, side)
