@@ -294,8 +294,9 @@ def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -
 
 # -- bad kv_transfer_params -----------------------------------------------------------------
 
+# (kv_transfer_params that are not an object never reach a connector: the OpenAI server's
+# schema types the field as an object, and vLLM's own request processing reads it as one.)
 BAD_DECODE = [
-    "not an object",
     {"kvferry": "recv"},
     {"kvferry": {"op": "bogus"}},
     {"kvferry": {"op": "recv"}},  # no transfer id
@@ -420,3 +421,50 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=named):
             parse_params(params)
+
+
+# -- real servers behind the proxy: kvferry's figures on /metrics ---------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    import re
+
+    found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@needs_vllm
+def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
+    import time
+
+    from kvferry.vllm import testbed
+
+    tiny = testbed.build_tiny_llama(tmp_path / "model")
+    prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
+    with testbed.Testbed(tiny, tmp_path / "bed", prefill_config, decode_config, proxy_connector="kvferry") as bed:
+        rng = random.Random(5)
+        system = [rng.randrange(3, 500) for _ in range(96)]
+        # The prefill server alone sees the system prompt first (decode-cold for the pair).
+        assert testbed.call(bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}).status == 200
+        prompt = system + [rng.randrange(3, 500) for _ in range(50)]
+        for _ in range(2):
+            answer = testbed.call(bed.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert answer.status == 200 and len(answer.token_ids) == 8, answer.body
+            prompt = prompt + answer.token_ids + [rng.randrange(3, 500) for _ in range(40)]
+        # vLLM publishes connector stats with the engine's next stats record: wait for them
+        # (bounded), not for a fixed time.
+        deadline = time.monotonic() + 60
+        while True:
+            p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
+            if _metric(p_text, "vllm:kvferry_transfers_total") >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
+        assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
+        assert _metric(p_text, "vllm:kvferry_chunk_bytes_total") > 0
+        assert _metric(p_text, "vllm:kvferry_held_blocks_total") > 0  # turn 2: the decode server held turn 1
+        assert _metric(p_text, "vllm:kvferry_hidden_fraction_count") == 2
+        assert _metric(d_text, "vllm:kvferry_recv_seconds_count") == 2
+        assert "vllm:kvferry_duplicates_refused_total" in d_text and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+        for server in bed.servers():
+            assert server.kv_blocks()[0] == 0, server.name

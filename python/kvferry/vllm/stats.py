@@ -4,6 +4,7 @@ them into counters and histograms named ``vllm:kvferry_*``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -56,6 +57,7 @@ class Tally:
         return data
 
 
+@dataclass
 class KvferryStats(KVConnectorStats):
     """``data``: ``{"counts": {name: int}, "observed": {name: [float]}}``."""
 
