@@ -439,7 +439,8 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
 
     from kvferry.vllm import testbed
 
-    tiny = testbed.build_tiny_llama(tmp_path / "model")
+    tiny = testbed.build_tiny_llama(tmp_path)
+    (tmp_path / "bed").mkdir()
     prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
     with testbed.Testbed(tiny, tmp_path / "bed", prefill_config, decode_config, proxy_connector="kvferry") as bed:
         rng = random.Random(5)
@@ -468,3 +469,72 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         assert "vllm:kvferry_duplicates_refused_total" in d_text and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
         for server in bed.servers():
             assert server.kv_blocks()[0] == 0, server.name
+
+
+# -- the rendezvous and the destination check (no engine) -----------------------------------
+
+
+@needs_vllm
+def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> None:
+    import threading
+
+    from kvferry.errors import TransferError
+    from kvferry.vllm import rendezvous
+
+    key = os.urandom(32)
+    server = rendezvous.Rendezvous(key, str(tmp_path))
+    try:
+        got: dict[str, Any] = {}
+        waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60)))
+        waiting.start()  # asks before the decode side published: it waits for it
+        server.publish("T", {"request_id": 1})
+        waiting.join(60)
+        assert got == {"request_id": 1}
+        with pytest.raises(TransferError, match="already taken"):
+            rendezvous.lookup(server.address, key, "T", 0)
+        with pytest.raises(TransferError, match="already expected"):
+            server.publish("T", {"request_id": 2})
+        server.withdraw("T", "its blocks arrived")
+        with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
+            rendezvous.lookup(server.address, key, "T", 0)
+        with pytest.raises(TransferError, match="cannot reach"):
+            rendezvous.lookup(server.address, os.urandom(32), "U", 0)  # a wrong key
+        rendezvous.abandon(server.address, key, "V", "prefill aborted")  # before its publish
+        server.publish("V", {"request_id": 3})
+        assert server.abandoned("V") == "prefill aborted"
+        with pytest.raises(TransferError, match="abandoned"):
+            rendezvous.lookup(server.address, key, "V", 0)
+        assert server.withdraw_untaken("V", "given up") and not server.withdraw_untaken("V", "again")
+        with pytest.raises(TransferError, match="no decode request expected it"):
+            rendezvous.lookup(server.address, key, "W", 0)
+    finally:
+        server.close()
+
+
+@needs_vllm
+def test_destination_is_checked_against_the_request() -> None:
+    from types import SimpleNamespace
+
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm.config import prompt_digest
+    from kvferry.vllm.scheduler import _check_destination
+
+    prompt = list(range(1, 71))  # 3 blocks of 32
+    request = SimpleNamespace(num_prompt_tokens=70, prompt_token_ids=prompt)
+    good = {"prompt_len": 70, "digest": prompt_digest(prompt), "block_size": 32, "dst_blocks": [4, 5, 6], "held_blocks": 1, "request_id": 9, "epoch": 1, "staging": "/s"}
+    assert _check_destination(dict(good), request, 32)["dst_blocks"] == [4, 5, 6]
+    for change, named in [
+        ({"digest": prompt_digest(prompt[:-1] + [0])}, "another prompt"),
+        ({"prompt_len": 71}, "another prompt"),
+        ({"block_size": 16}, "block_size"),
+        ({"dst_blocks": [4, 5]}, "dst_blocks"),
+        ({"dst_blocks": [4, -5, 6]}, r"dst_blocks\[1\]"),
+        ({"dst_blocks": [4, 2**40, 6]}, r"dst_blocks\[1\]"),
+        ({"dst_blocks": [4, True, 6]}, r"dst_blocks\[1\]"),
+        ({"held_blocks": 3}, "held_blocks"),
+        ({"epoch": 0}, "epoch"),
+        ({"request_id": -1}, "request_id"),
+        ({"staging": None}, "staging"),
+    ]:
+        with pytest.raises(KvFerryError, match=named):
+            _check_destination({**good, **change}, request, 32)
