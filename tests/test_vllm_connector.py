@@ -46,7 +46,7 @@ def test_import_without_vllm_names_the_extra() -> None:
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     if not HAVE_VLLM:
         pytest.skip("vLLM not importable")
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), layers=LAYERS, hidden=128, heads=4, kv_heads=KV_HEADS)
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

@@ -13,35 +13,16 @@ import multiprocessing
 import os
 from typing import Any, Optional
 
-VOCAB = 512
 BLOCK = 32
 
 
-def build_tiny_llama(path: str, *, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> str:
-    """A random fp32 Llama (head_dim 32) and a byte-level BPE tokenizer, saved for vLLM."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def build_tiny_llama(path: str) -> str:
+    """The testbed's random fp32 Llama (4 layers, 2 KV heads of 32) and its tokenizer."""
+    from pathlib import Path
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=4096,
-        torch_dtype="float32",
-        initializer_range=0.2,  # varied greedy outputs (the default gives near-flat logits)
-    )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["kvferry moves kv blocks early " * 20], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    return path
+    from kvferry.vllm import testbed
+
+    return str(testbed.build_tiny_llama(Path(path)))
 
 
 def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any]) -> None:

@@ -79,7 +79,7 @@ class Rendezvous:
         """Makes ``transfer``'s destination available to one lookup. Raises `TransferError`
         when the id is live already (two decode requests named the same transfer)."""
         with self._cond:
-            if transfer in self._published:
+            if transfer in self._published or transfer in self._taken:
                 raise TransferError(f"transfer {transfer!r} is already expected by another decode request")
             self._gone.pop(transfer, None)
             self._published[transfer] = destination
