@@ -60,6 +60,9 @@ class KvferryMetadata(KVConnectorMetadata):
     # Requests the scheduler refused (bad kvferry parameters, no destination): the worker
     # reports them as failed loads, which fails them in vLLM's terms.
     fails: list[tuple[str, str]] = field(default_factory=list)
+    # Prefill requests vLLM preempted this step (their blocks are freed and may be
+    # overwritten by this step's forward): their transfers are given up first.
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -140,6 +140,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
         meta, self._meta = self._meta, KvferryMetadata()
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._sending and self._sending[rid].emitted:
+                meta.preempted.append(rid)
         scheduled = scheduler_output.num_scheduled_tokens
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs

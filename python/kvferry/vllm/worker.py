@@ -148,6 +148,8 @@ class WorkerSide:
     # -- per step ------------------------------------------------------------------------
 
     def bind(self, meta: KvferryMetadata) -> None:
+        for rid in meta.preempted:
+            self._preempted(rid)
         for spec in meta.recvs:
             self._expect(spec)
         for rid, reason in meta.fails:
@@ -246,6 +248,23 @@ class WorkerSide:
                 rendezvous.abandon(spec.peer, spec.authkey, spec.transfer, st.error)
             except KvFerryError as why:
                 logger.warning("kvferry: %s", why)
+
+    def _preempted(self, rid: str) -> None:
+        """vLLM preempted a prefill request: its blocks are free and this step's forward may
+        overwrite them. Its transfer is given up (the decode side is told and fails it), and
+        this waits, before the forward, until no copy reads those blocks any more."""
+        st = self._send.get(rid)
+        if st is None or not st.added or st.peer is None or st.error is not None:
+            return
+        st.error = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
+        logger.error("kvferry: prefill request %s (transfer %s): %s", rid, st.spec.transfer, st.error)
+        try:
+            st.peer.hook.cancel(st.kv_id, timeout=self.config.fence_timeout_s)
+        except TransferTimeoutError as err:
+            # Its decode request is revoked: the staging endpoint will not apply those writes.
+            logger.error("kvferry: %s", err)
+        except UnknownRequestError:
+            pass
 
     def _call(self, st: _Send, fn: Callable[..., Any], *args: Any) -> None:
         if st.error is not None:
