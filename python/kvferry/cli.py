@@ -191,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(func=_cmd_plan)
 
+    proxy = sub.add_parser("proxy", help="OpenAI-compatible front for prefill/decode vLLM servers (docs/vllm.md)")
+    proxy.add_argument("--prefill", type=_urls, required=True, metavar="URL[,URL...]", help="prefill servers")
+    proxy.add_argument("--decode", type=_urls, required=True, metavar="URL[,URL...]", help="decode servers")
+    proxy.add_argument("--connector", choices=("nixl", "kvferry"), default="kvferry",
+                       help="the servers' KV connector: kvferry's KvferryConnector or vLLM's NixlConnector (default %(default)s)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s, loopback only)")
+    proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
+    proxy.set_defaults(func=_cmd_proxy)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
@@ -231,6 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
     agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
     agentic.set_defaults(func=_cmd_bench_agentic)
+
+    vllm = bench.add_parser("vllm", help="the agentic workload through real vLLM prefill/decode servers: NixlConnector and KvferryConnector side by side")
+    vllm.add_argument("--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (default: %(default)s)")
+    vllm.add_argument("--turns", type=_positive, default=2, metavar="N", help="measured turns, after one warm-up turn (default: %(default)s)")
+    vllm.add_argument("--cached", type=_positive, default=2048, metavar="TOKENS", help="conversation length before the first measured turn (default: %(default)s)")
+    vllm.add_argument("--new", type=_positive, default=128, metavar="TOKENS", help="new tokens per turn (default: %(default)s)")
+    vllm.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn (default: %(default)s)")
+    vllm.add_argument("--layers", type=_positive, default=8, metavar="N", help="the tiny model's layers (default: %(default)s)")
+    vllm.add_argument("--hidden", type=_positive, default=256, metavar="N", help="the tiny model's hidden size (default: %(default)s)")
+    vllm.add_argument("--heads", type=_positive, default=4, metavar="N", help="attention heads (default: %(default)s)")
+    vllm.add_argument("--kv-heads", type=_positive, default=2, metavar="N", help="KV heads (default: %(default)s)")
+    vllm.add_argument("--head-dim", type=int, choices=(32, 64), default=64, help="32 or 64, what vLLM's CPU attention kernel takes (default: %(default)s)")
+    vllm.add_argument("--layer-groups", type=_positive, default=4, metavar="G", help="layer groups of the kvferry-layers configuration (default: %(default)s)")
+    vllm.add_argument("--chunk", type=_positive, default=512, metavar="TOKENS", help="max_num_batched_tokens: the prefill chunk (default %(default)s)")
+    vllm.add_argument("--configs", type=_vllm_configs, default=None, metavar="A,B", help="configurations to run (default: all)")
+    vllm.add_argument("--workdir", default=None, metavar="DIR", help="model and server logs (default: a fresh temp dir)")
+    vllm.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
+    vllm.add_argument("--png", default="vllm-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
+    vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
     fanout.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live")
@@ -284,6 +312,81 @@ def _check_reach(names: Sequence[str]) -> None:
     for name in names:
         if name in registry.names() and registry.spec(name).has_endpoint:
             registry.check(name, reach=registry.Reach.NETWORK, argument="--transport")
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if not urls or bad:
+        raise argparse.ArgumentTypeError(f"expected http:// URLs separated by commas, got {text!r}")
+    return urls
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
+    return value
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    try:
+        from kvferry.vllm.proxy import serve
+    except ImportError as err:
+        print(f"kvferry proxy: error: {err} (the proxy runs in vLLM's venv: make setup-vllm)", file=sys.stderr)
+        return 2
+    print(f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}", file=sys.stderr)
+    serve(args.prefill, args.decode, host=args.host, port=args.port, connector=args.connector)
+    return 0
+
+
+def _vllm_configs(text: str) -> tuple[str, ...]:
+    from kvferry.bench.vllm import CONFIGS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in CONFIGS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown configuration {bad or text!r}: choose from {', '.join(CONFIGS)}")
+    return names
+
+
+def _cmd_bench_vllm(args: argparse.Namespace) -> int:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        return _refuse(f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli")
+    from kvferry.bench.vllm import CONFIGS, VllmBenchConfig, draw_timeline, format_vllm_bench, progress_to_stderr, run_vllm_bench, write_json
+
+    if args.heads % args.kv_heads:
+        return _refuse(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.layer_groups > args.layers:
+        return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {args.layers}")
+    if args.new > args.cached:
+        return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
+    cfg = VllmBenchConfig(
+        sessions=args.sessions,
+        turns=args.turns,
+        cached_tokens=args.cached,
+        new_tokens=args.new,
+        output_tokens=args.output,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        layer_groups=args.layer_groups,
+        max_num_batched_tokens=args.chunk,
+        configs=args.configs or CONFIGS,
+        workdir=args.workdir,
+    )
+    result = run_vllm_bench(cfg, progress=progress_to_stderr)
+    print(format_vllm_bench(result))
+    if args.json:
+        write_json(result, args.json)
+    if args.png:
+        draw_timeline(result, args.png)
+        print(f"timeline: {args.png}")
+    return 0
 
 
 def _fraction(text: str) -> float:

@@ -92,6 +92,21 @@ class TransferHook:
         self._blocks[request_id] = rows
         self._prompt_len[request_id] = int(prompt_len)
 
+    def update_src_blocks(self, request_id: int, src_blocks: npt.ArrayLike) -> None:
+        """The request's source block table so far, for an engine that allocates a prompt's
+        blocks chunk by chunk (vLLM): ``src_blocks`` names its first blocks in order; the
+        rest stay -1 until a later call names them (a send never plans a block before the
+        chunk that writes it, so it never reads a -1)."""
+        if request_id not in self._blocks:
+            self._raise_unknown(int(request_id))
+        src, dst = self._blocks[request_id]
+        ids = block_id_array("src_blocks", src_blocks)
+        if ids.size > src.size:
+            raise InvalidArgumentError(f"invalid src_blocks=<{ids.size} ids>: the prompt has {src.size} blocks")
+        row = np.full(src.size, -1, dtype=np.int64)
+        row[: ids.size] = ids
+        self._blocks[request_id] = (row, dst)
+
     def _known(self, request_ids: Sequence[int]) -> list[int]:
         """The batch's ids, each one a request of this hook; refused before anything is sent."""
         ids = list(request_ids)

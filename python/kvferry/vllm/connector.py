@@ -1,0 +1,134 @@
+"""`KvferryConnector`: kvferry as a vLLM V1 KV connector. vLLM builds it twice, once per
+role: the scheduler half (kvferry.vllm.scheduler) decides per request, the worker half
+(kvferry.vllm.worker) moves the blocks. docs/vllm.md has the protocol and the flow."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvferry.errors import InvalidArgumentError
+from kvferry.vllm.config import ConnectorConfig
+from kvferry.vllm.metadata import Handshake, KvferryMetadata
+from kvferry.vllm.scheduler import SchedulerSide
+from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
+from kvferry.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["KvferryConnector"]
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Optional[KVCacheConfig] = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+        if tp != 1:
+            raise InvalidArgumentError(f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline parallel size 1)")
+        kv_role = str(transfer.kv_role)
+        block_size = vllm_config.cache_config.block_size
+        self._sched: Optional[SchedulerSide] = None
+        self._worker: Optional[WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, kv_cache_manager_getter=lambda: self._kv_cache_manager)
+        else:
+            assert kv_cache_config is not None
+            self._worker = WorkerSide(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, role=kv_role)
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, extract_layer_index)
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        return None if self._worker is None else self._worker.handshake()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(connector_metadata, KvferryMetadata)
+        self._worker.bind(connector_metadata)  # the early sends leave here, before the forward
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # nothing to start: the prefill side pushes, the decode side only checks arrivals
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # a decode request is scheduled only once all its blocks arrived
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.after_forward()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> Optional[KvferryStats]:
+        if self._worker is None:
+            return None
+        stats = KvferryStats(self._worker.tally.take())
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self._sched is not None
+        for value in metadata.values():
+            if isinstance(value, Handshake):
+                self._sched.handshake = value
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # -- stats ---------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> KvferryStats:
+        return KvferryStats(data=dict(data) if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

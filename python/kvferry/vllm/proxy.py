@@ -1,0 +1,485 @@
+"""``kvferry proxy``: an OpenAI-compatible front for a prefill/decode (P/D) pair of vLLM servers.
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request (streaming or not) goes through one
+prefill server and one decode server, and the client gets the decode server's answer. How the
+two legs are wired is one small :class:`Flow` per KV connector (:data:`FLOWS`):
+
+```
+client --> proxy --(prefill leg: flow.prefill_body)--> prefill server
+               \\--(decode leg: flow.decode_body(prefill answer))--> decode server --> client
+```
+
+Routing: the prefill server with the fewest requests in flight; the decode server is sticky per
+session (its prefix cache then serves the next turn). A session is, in order: the
+``X-Session-Id`` header, the request's ``user`` field, else a hash of the start of the prompt
+(the first 64 prompt tokens, 256 prompt characters, or the first two chat messages), so turns of
+one conversation land together even when the client names no session. A new session goes to the
+decode server with the fewest requests in flight.
+
+Failures: an upstream that cannot be reached or answers an error gives the client a 502 (or the
+upstream's own 4xx) naming the server, or, once a stream has started, a final SSE ``error``
+event; the server is skipped for new sessions for ``DOWN_S`` seconds and the proxy keeps
+serving. A decode server that refuses the connection never saw the request, so the next live
+decode server takes it (the prepared KV waits on the prefill server for whichever reads it). A
+client that disconnects cancels the leg in flight: the proxy closes that upstream connection and
+vLLM aborts the request; a decode server aborted before it read the KV tells the prefill server
+to free it (NixlConnector does), so nothing stays allocated. What is left to the connector's
+lease: KV prepared for a decode server that died before reading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import copy
+import hashlib
+import itertools
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import aiohttp
+from aiohttp import web
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+SESSION_HEADER = "X-Session-Id"
+# The key of kvferry's parameters in kv_transfer_params (docs/vllm.md).
+PARAMS_KEY = "kvferry"
+# Seconds a server that failed to answer is passed over for new sessions.
+DOWN_S = 10.0
+# Sessions remembered for stickiness (least recently used forgotten first).
+MAX_SESSIONS = 65536
+
+
+class _Refused(Exception):
+    """The decode server refused the connection: it never saw the request."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class UpstreamError(Exception):
+    """One leg failed: which server, the status to give the client and a message."""
+
+    def __init__(self, leg: str, url: str, status: int, message: str) -> None:
+        super().__init__(f"{leg} server {url}: {message}")
+        self.leg, self.url, self.status = leg, url, status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": "upstream_error", "code": self.status, "server": self.url}}
+
+
+class Flow:
+    """How one KV connector wants the two legs of a request. :meth:`serve` runs one client
+    request through an :class:`Exchange` (which picks servers, fails over and writes to the
+    client) and returns the client's response; an :class:`UpstreamError` it raises reaches the
+    client as an error."""
+
+    name = ""
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+def _one_token(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's request: the same prompt, one token, not streamed."""
+    out = copy.deepcopy(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+class NixlFlow(Flow):
+    """vLLM's NixlConnector: the prefill server computes the prompt and one token, keeps the KV
+    (``do_remote_decode``) and answers where it is; then the decode server READs it and tells
+    the prefill server to free it."""
+
+    name = "nixl"
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        first = _one_token(ex.body)
+        first["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        answer = await ex.prefill(first)
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise UpstreamError("prefill", ex.prefill_url, 502, "answer has no kv_transfer_params (is it running NixlConnector as kv_producer?)")
+        # Any decode server can read the KV the prefill server holds, so a refused connection
+        # fails over to the next one.
+        return await ex.decode(dict(copy.deepcopy(ex.body), kv_transfer_params=params), failover=True)
+
+
+class KvferryFlow(Flow):
+    """kvferry's KvferryConnector (docs/vllm.md, "The per-request protocol"): the decode server
+    says once where its endpoint listens (``hello``); then the decode request (``recv``) and the
+    prefill request (``send`` to that endpoint) go out together, so the prefill server pushes the
+    reused prefix while it computes the rest of the prompt."""
+
+    name = "kvferry"
+
+    def __init__(self) -> None:
+        # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
+        # through it fails, so a restarted server (new engine, new key) is asked again.
+        self.peers: dict[str, dict[str, Any]] = {}
+
+    async def _peer(self, ex: Exchange) -> dict[str, Any]:
+        while True:
+            server = ex.decode_server
+            known = self.peers.get(server.url)
+            if known is not None:
+                return known
+            hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
+            if "model" in ex.body:
+                hello["model"] = ex.body["model"]
+            try:
+                answer = await ex.post_json("decode", server, "/v1/completions", hello, retry=True)
+            except _Refused as refused:
+                ex.failover_decode(refused.cause)  # raises when no decode server is left
+                continue
+            info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
+            if not isinstance(info, dict) or info.get("role") not in ("kv_consumer", "kv_both") or not info.get("peer"):
+                raise UpstreamError("decode", server.url, 502, f"hello answered {info!r}: is it running KvferryConnector as kv_consumer?")
+            self.peers[server.url] = info
+            return info
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        peer = await self._peer(ex)
+        server = ex.decode_server
+        transfer = uuid.uuid4().hex
+        send = _one_token(ex.body)
+        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"], "authkey": peer["authkey"]}}
+        recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
+        prefill = asyncio.ensure_future(ex.prefill(send))
+        decode = asyncio.ensure_future(ex.decode(recv, failover=False))
+        ok = False
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None and not decode.done() and ex.out is None:
+                # The decode request would wait out its transfer timeout for blocks that will
+                # not come: give it up and report the prefill server's failure.
+                raise prefill.exception()  # type: ignore[misc]
+            response = await decode
+            # The decode server had every block, so the prefill answer is there or nearly.
+            try:
+                answer = await prefill
+            except UpstreamError:
+                return response  # the client has its answer; the peer is asked again next time
+            error = ((answer.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("error")
+            ok = response.status == 200 and error is None
+            return response
+        finally:
+            if not ok:
+                self.peers.pop(server.url, None)
+            pending = [t for t in (prefill, decode) if not t.done()]
+            for t in pending:
+                t.cancel()  # closes that leg's connection: vLLM aborts its half
+            await asyncio.gather(*pending, return_exceptions=True)
+            for t in (prefill, decode):
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: a failure already reported is not logged twice
+
+
+FLOWS: dict[str, type[Flow]] = {NixlFlow.name: NixlFlow, KvferryFlow.name: KvferryFlow}
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+    down_until: float = 0.0
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+@dataclass
+class Router:
+    """Least-loaded prefill choice and sticky decode choice per session."""
+
+    prefills: list[Upstream]
+    decodes: list[Upstream]
+    sessions: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
+    _rr: itertools.count[int] = field(default_factory=itertools.count)
+
+    def _least(self, servers: list[Upstream]) -> Upstream:
+        now = time.monotonic()
+        live = [s for s in servers if s.up(now)] or servers
+        turn = next(self._rr)
+        # Ties go round-robin, so equal servers share new work.
+        return min(live, key=lambda s: (s.in_flight, (servers.index(s) - turn) % len(servers)))
+
+    def prefill(self) -> Upstream:
+        return self._least(self.prefills)
+
+    def decode(self, session: str) -> Upstream:
+        index = self.sessions.get(session)
+        if index is not None and self.decodes[index].up(time.monotonic()):
+            self.sessions.move_to_end(session)
+            return self.decodes[index]
+        chosen = self._least(self.decodes)
+        self.sessions[session] = self.decodes.index(chosen)
+        self.sessions.move_to_end(session)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        return chosen
+
+
+def session_of(headers: Any, body: dict[str, Any]) -> str:
+    """The session a request belongs to (see the module docstring for the order)."""
+    named = headers.get(SESSION_HEADER)
+    if named:
+        return f"h:{named}"
+    if isinstance(body.get("user"), str) and body["user"]:
+        return f"u:{body['user']}"
+    if "messages" in body:
+        start: Any = body["messages"][:2] if isinstance(body["messages"], list) else body["messages"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        start = prompt[:64] if isinstance(prompt, list) else str(prompt)[:256]
+    return "p:" + hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class Proxy:
+    """The aiohttp application and its upstream client session."""
+
+    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", timeout_s: float = 3600.0) -> None:
+        if not prefills:
+            raise ValueError(f"prefills must name at least one server, got {list(prefills)!r}")
+        if not decodes:
+            raise ValueError(f"decodes must name at least one server, got {list(decodes)!r}")
+        if connector not in FLOWS:
+            raise ValueError(f"connector must be one of {sorted(FLOWS)}, got {connector!r}")
+        for url in (*prefills, *decodes):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URLs must start with http:// or https://, got {url!r}")
+        self.flow = FLOWS[connector]()
+        self.router = Router([Upstream(u.rstrip("/")) for u in prefills], [Upstream(u.rstrip("/")) for u in decodes])
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.client: Optional[aiohttp.ClientSession] = None
+        self.app = web.Application()
+        for path in ENDPOINTS:
+            self.app.router.add_post(path, self.handle)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.on_startup.append(self._open)
+        self.app.on_cleanup.append(self._close)
+
+    async def _open(self, app: web.Application) -> None:
+        self.client = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def _close(self, app: web.Application) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "connector": self.flow.name})
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            answer = await self._post_json("decode", self.router.decodes[0], "/v1/models", None)
+        except UpstreamError as err:
+            return web.json_response(err.body(), status=err.status)
+        return web.json_response(answer)
+
+    async def _post_json(self, leg: str, server: Upstream, path: str, body: Optional[dict[str, Any]], retry: bool = False) -> dict[str, Any]:
+        """One non-streaming call; a transport failure marks the server down. ``retry``: a
+        refused connection raises _Refused (the caller tries another server)."""
+        assert self.client is not None
+        server.in_flight += 1
+        try:
+            if body is None:
+                ctx = self.client.get(server.url + path)
+            else:
+                ctx = self.client.post(server.url + path, json=body)
+            async with ctx as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise UpstreamError(leg, server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
+                try:
+                    data = json.loads(text)
+                except ValueError:
+                    raise UpstreamError(leg, server.url, 502, f"answer is not JSON: {text[:200]!r}") from None
+                if not isinstance(data, dict):
+                    raise UpstreamError(leg, server.url, 502, f"answer is not a JSON object: {text[:200]!r}")
+                return data
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+            server.down_until = time.monotonic() + DOWN_S
+            if retry and isinstance(err, aiohttp.ClientConnectorError):
+                raise _Refused(f"{type(err).__name__}: {err}") from err
+            raise UpstreamError(leg, server.url, 502, f"unreachable: {type(err).__name__}: {err}") from err
+        finally:
+            server.in_flight -= 1
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as err:
+            return _error(400, f"request body is not JSON: {err}")
+        if not isinstance(body, dict):
+            return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+        ex = Exchange(self, request, body)
+        try:
+            return await self.flow.serve(ex)
+        except UpstreamError as err:
+            if ex.out is None:
+                return web.json_response(err.body(), status=err.status)
+            # The stream has started: its last event says what went wrong.
+            with contextlib.suppress(Exception):
+                await ex.out.write(f"data: {json.dumps(err.body())}\n\n".encode())
+                await ex.out.write_eof()
+            return ex.out
+
+
+class Exchange:
+    """One client request on its way through a flow: its servers, the failover rules, and the
+    client's response once streaming has begun (``out``)."""
+
+    def __init__(self, proxy: Proxy, request: web.Request, body: dict[str, Any]) -> None:
+        self.proxy, self.request, self.body, self.path = proxy, request, body, request.path
+        self.session = session_of(request.headers, body)
+        self.decode_server = proxy.router.decode(self.session)
+        self.prefill_url = ""
+        self.out: Optional[web.StreamResponse] = None
+        self._tried_decodes: list[str] = []
+
+    async def post_json(self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False) -> dict[str, Any]:
+        return await self.proxy._post_json(leg, server, path, body, retry)
+
+    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The prefill leg on the least loaded prefill server; one that refuses the connection
+        never saw the request, so the next live one takes it."""
+        tried: list[str] = []
+        while True:
+            server = self.proxy.router.prefill()
+            self.prefill_url = server.url
+            try:
+                return await self.post_json("prefill", server, self.path, body, retry=True)
+            except _Refused as refused:
+                tried.append(server.url)
+                if not [s for s in self.proxy.router.prefills if s.url not in tried and s.up(time.monotonic())]:
+                    raise UpstreamError("prefill", server.url, 502, f"unreachable: {refused.cause}") from None
+
+    def failover_decode(self, cause: str) -> None:
+        """Moves the session to another live decode server, or raises when none is left."""
+        self._tried_decodes.append(self.decode_server.url)
+        now = time.monotonic()
+        if not [s for s in self.proxy.router.decodes if s.url not in self._tried_decodes and s.up(now)]:
+            also = f" (also tried {', '.join(self._tried_decodes[:-1])})" if len(self._tried_decodes) > 1 else ""
+            raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {cause}{also}")
+        self.decode_server = self.proxy.router.decode(self.session)
+
+    async def decode(self, body: dict[str, Any], failover: bool) -> web.StreamResponse:
+        """The decode leg, whose answer goes to the client (streamed as it comes)."""
+        while True:
+            try:
+                return await self._decode_once(body)
+            except _Refused as refused:
+                if not failover:
+                    raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {refused.cause}") from None
+                self.failover_decode(refused.cause)
+
+    async def _decode_once(self, body: dict[str, Any]) -> web.StreamResponse:
+        server = self.decode_server
+        if not body.get("stream"):
+            return web.json_response(await self.post_json("decode", server, self.path, body, retry=True))
+        client = self.proxy.client
+        assert client is not None
+        server.in_flight += 1
+        try:
+            async with client.post(server.url + self.path, json=body) as r:
+                if r.status != 200:
+                    text = await r.text()
+                    raise UpstreamError("decode", server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
+                out = web.StreamResponse(headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                await out.prepare(self.request)
+                self.out = out
+                async for chunk in r.content.iter_any():
+                    # A client that has gone raises here (or cancels this task): leaving the
+                    # `async with` closes the upstream connection and vLLM aborts the request.
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+            transport = self.request.transport
+            if transport is None or transport.is_closing():
+                raise  # the client went away: nothing to tell it
+            server.down_until = time.monotonic() + DOWN_S
+            if self.out is None and isinstance(err, aiohttp.ClientConnectorError):
+                raise _Refused(f"{type(err).__name__}: {err}") from err
+            raise UpstreamError("decode", server.url, 502, f"unreachable: {type(err).__name__}: {err}") from err
+        finally:
+            server.in_flight -= 1
+
+
+async def start(proxy: Proxy, host: str, port: int) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the
+    # upstream connection in flight (and vLLM aborts that request).
+    runner = web.AppRunner(proxy.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def serve(prefills: Sequence[str], decodes: Sequence[str], host: str = "127.0.0.1", port: int = 8000, connector: str = "nixl") -> None:
+    """Runs the proxy until interrupted."""
+    proxy = Proxy(prefills, decodes, connector)
+
+    async def main() -> None:
+        runner = await start(proxy, host, port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+
+
+class ProxyThread:
+    """The proxy on a free loopback port in a thread of this process (tests and benches)."""
+
+    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", host: str = "127.0.0.1") -> None:
+        self.proxy = Proxy(prefills, decodes, connector)
+        self.host = host
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvferry-proxy", daemon=True)
+        self._runner: Optional[web.AppRunner] = None
+
+    def start(self) -> None:
+        self._thread.start()
+        self._runner = asyncio.run_coroutine_threadsafe(start(self.proxy, self.host, 0), self._loop).result(30)
+        sockets = [s for site in self._runner.sites for s in (site._server.sockets if site._server else ())]  # type: ignore[attr-defined]
+        port = sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+
+    def in_flight(self) -> int:
+        r = self.proxy.router
+        return sum(s.in_flight for s in r.prefills + r.decodes)
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+            self._runner = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)

@@ -1,0 +1,248 @@
+"""The scheduler half of `KvferryConnector`: decides, per request, what the worker half does.
+
+```
+decode request (op recv), prompt L, own prefix hit h (block aligned):
+  get_num_new_matched_tokens -> (L - h, async)    blocks [0, h/tpb) held, the rest arrive
+  update_state_after_alloc   -> RecvSpec(kv id, its block table, held) to the worker, which
+                                expects it and publishes the destination under T
+prefill request (op send), own prefix hit r:
+  get_num_new_matched_tokens -> None (wait) until the destination of T is looked up, then (0, sync)
+  build_connector_meta       -> SendSpec once (reused_len r), then a Chunk per scheduled step
+  request_finished           -> delay the free until the worker reports finished_sending
+```
+A request whose parameters are refused is turned into a failed load: it asks to load its
+remaining tokens asynchronously, the worker reports that load failed, and vLLM finishes it
+with an error (``kv_load_failure_policy`` "fail", the default) and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvferry.errors import KvFerryError, TransferError
+from kvferry.vllm import rendezvous
+from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
+from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
+
+logger = logging.getLogger("kvferry.vllm")
+
+MAX_KV_ID = 2**62
+
+
+@dataclass
+class _Lookup:
+    """A prefill request's destination lookup, run on its own thread."""
+
+    done: threading.Event
+    destination: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class _Sending:
+    spec: SendSpec
+    emitted: bool = False  # the worker knows it (its SendSpec left in a step's metadata)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, kv_cache_manager_getter: Any) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.role = role  # "kv_producer", "kv_consumer", "kv_both"
+        self._manager = kv_cache_manager_getter
+        self.handshake: Optional[Handshake] = None
+        # kvferry request ids: a random namespace per process in the high bits, so an id
+        # never means two requests to a decode server's receiver across restarts.
+        self._kv_ids = itertools.count((secrets.randbits(29) + 1) << 32)
+        self._refused: dict[str, str] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._sending: dict[str, _Sending] = {}
+        self._receiving: dict[str, str] = {}  # req_id -> transfer
+        self._meta = KvferryMetadata()
+
+    # -- vLLM calls --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        rid = request.request_id
+        remaining = request.num_tokens - num_computed_tokens
+        if rid in self._refused:
+            return 1, True
+        try:
+            params = parse_params(getattr(request, "kv_transfer_params", None))
+            if params is None or params.op == "hello":
+                return 0, False
+            if params.op == "recv":
+                if self.role == "kv_producer":
+                    raise KvFerryError("op 'recv' on a kv_producer server: send decode requests to a kv_consumer (or kv_both) server")
+                return remaining, True
+            if self.role == "kv_consumer":
+                raise KvFerryError("op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server")
+            return self._destination(request, params, num_computed_tokens)
+        except KvFerryError as err:
+            return self._refuse(rid, str(err)), True
+
+    def _refuse(self, rid: str, reason: str) -> int:
+        self._refused[rid] = reason
+        logger.error("kvferry: request %s refused: %s", rid, reason)
+        return 1  # a one-token load that the worker reports failed; see the module doc
+
+    def _destination(self, request: Any, params: RequestParams, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        rid = request.request_id
+        if rid in self._sending:
+            return 0, False
+        found = self._lookups.get(rid)
+        if found is None:
+            found = self._lookups[rid] = _Lookup(threading.Event())
+            assert params.peer is not None and params.authkey is not None and params.transfer is not None
+            args = (found, params.peer, params.authkey, params.transfer, self.config.destination_timeout_s)
+            threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
+        if not found.done.is_set():
+            return None, False  # vLLM asks again next step; the request waits for its destination
+        del self._lookups[rid]
+        if found.error is not None:
+            raise TransferError(f"no destination for transfer {params.transfer!r}: {found.error}")
+        assert found.destination is not None
+        try:
+            destination = _check_destination(found.destination, request, self.block_size)
+        except KvFerryError as err:
+            _tell_abandon(params, f"prefill request refused the destination: {err}")
+            raise
+        timeout = params.timeout_s or self.config.transfer_timeout_s
+        spec = SendSpec(rid, params.transfer or "", request.num_prompt_tokens, num_computed_tokens, params.peer or "", params.authkey or b"", destination, timeout)
+        self._sending[rid] = _Sending(spec)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0:
+            return
+        if rid in self._refused:
+            self._meta.fails.append((rid, self._refused[rid]))
+            return
+        params = parse_params(request.kv_transfer_params)  # checked in get_num_new_matched_tokens
+        assert params is not None and params.op == "recv" and params.transfer is not None
+        (table,) = self._manager().get_block_ids(rid)
+        prompt_len = request.num_prompt_tokens
+        held = (prompt_len - num_external_tokens) // self.block_size
+        kv_id = next(self._kv_ids)
+        assert kv_id < MAX_KV_ID
+        timeout = params.timeout_s or self.config.transfer_timeout_s
+        self._meta.recvs.append(
+            RecvSpec(rid, kv_id, params.transfer, prompt_len, list(table[: math.ceil(prompt_len / self.block_size)]), held, prompt_digest(request.prompt_token_ids), timeout)
+        )
+        self._receiving[rid] = params.transfer
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
+        meta, self._meta = self._meta, KvferryMetadata()
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._sending and self._sending[rid].emitted:
+                meta.preempted.append(rid)
+        scheduled = scheduler_output.num_scheduled_tokens
+        starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, start in starts.items():
+            sending = self._sending.get(rid)
+            if sending is None or rid not in scheduled:
+                continue
+            spec = sending.spec
+            if not sending.emitted:
+                sending.emitted = True
+                # The first chunk starts where the prefix-cache hit ends (block aligned).
+                spec.reused_len = start
+                meta.sends.append(spec)
+            end = min(start + scheduled[rid], spec.prompt_len)
+            if start < end:
+                (table,) = self._manager().get_block_ids(rid)
+                meta.chunks.append(Chunk(rid, start, end, list(table)))
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        refused = self._refused.pop(rid, None)
+        if refused is not None:
+            return False, {"kvferry": {"error": refused}}
+        try:
+            params = parse_params(getattr(request, "kv_transfer_params", None))
+        except KvFerryError:
+            params = None
+        if params is not None and params.op == "hello":
+            return False, {"kvferry": self._hello()}
+        self._receiving.pop(rid, None)  # its blocks: vLLM delays their free while it waits for them
+        lookup = self._lookups.pop(rid, None)
+        sending = self._sending.pop(rid, None)
+        if params is None or params.op != "send":
+            return False, None
+        answer = {"op": "send", "transfer": params.transfer}
+        if sending is not None and sending.emitted:
+            return True, {"kvferry": answer}  # freed once the worker reports finished_sending
+        # Never scheduled: nothing was sent; the decode side must not wait for it.
+        if lookup is not None or sending is not None:
+            reason = f"prefill request {rid} ended before its first chunk"
+            threading.Thread(target=_tell_abandon, args=(params, reason), daemon=True).start()
+            answer["error"] = reason
+        return False, {"kvferry": answer}
+
+    def _hello(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {"op": "hello", "role": self.role}
+        if self.handshake is not None:
+            hello.update(peer=self.handshake.peer, authkey=self.handshake.authkey_hex, engine=self.handshake.engine)
+        return hello
+
+    def has_pending(self) -> bool:
+        return bool(self._lookups)
+
+
+def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float) -> None:
+    try:
+        found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s)
+    except KvFerryError as err:
+        found.error = str(err)
+    except Exception as err:  # a malformed answer: the request fails, the server goes on
+        found.error = repr(err)
+    finally:
+        found.done.set()
+
+
+def _tell_abandon(params: RequestParams, reason: str) -> None:
+    try:
+        assert params.peer is not None and params.authkey is not None and params.transfer is not None
+        rendezvous.abandon(params.peer, params.authkey, params.transfer, reason)
+    except KvFerryError as err:
+        logger.warning("kvferry: %s", err)
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+        raise KvFerryError(f"invalid destination {name}={value!r}: must be an integer in [{lo}, {hi})")
+    return value
+
+
+def _check_destination(destination: dict[str, Any], request: Any, block_size: int) -> dict[str, Any]:
+    """The decode side's published destination, checked against this request: the same
+    prompt, one destination block per prompt block, sane ids."""
+    prompt_len = request.num_prompt_tokens
+    blocks = math.ceil(prompt_len / block_size)
+    if destination.get("prompt_len") != prompt_len or destination.get("digest") != prompt_digest(request.prompt_token_ids):
+        raise KvFerryError(
+            f"the decode request of this transfer has another prompt ({destination.get('prompt_len')!r} tokens there, {prompt_len} here, or other token ids)"
+        )
+    if destination.get("block_size") != block_size:
+        raise KvFerryError(f"the decode server's block_size is {destination.get('block_size')!r}, this server's is {block_size}")
+    dst = destination.get("dst_blocks")
+    if not isinstance(dst, list) or len(dst) != blocks:
+        raise KvFerryError(f"invalid destination dst_blocks: must list the {blocks} blocks of the prompt")
+    for i, b in enumerate(dst):
+        _int(f"dst_blocks[{i}]", b, 0, 2**31)
+    _int("held_blocks", destination.get("held_blocks"), 0, blocks)
+    _int("request_id", destination.get("request_id"), 0, MAX_KV_ID)
+    _int("epoch", destination.get("epoch"), 1, 2**63)
+    if not isinstance(destination.get("staging"), str):
+        raise KvFerryError(f"invalid destination staging={destination.get('staging')!r}: must be an address")
+    return destination

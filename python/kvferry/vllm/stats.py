@@ -1,0 +1,112 @@
+"""kvferry's figures on each server's Prometheus ``/metrics``: the worker half tallies them
+(`Tally`), vLLM ships them to its logger as `KvferryStats`, and `KvferryPromMetrics` turns
+them into counters and histograms named ``vllm:kvferry_*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+__all__ = ["COUNTERS", "HISTOGRAMS", "KvferryPromMetrics", "KvferryStats", "Tally"]
+
+# name -> help; each becomes the counter vllm:kvferry_<name>_total.
+COUNTERS = {
+    "early_bytes": "Bytes sent before the forward of the request's first chunk (its prefix-cache hit).",
+    "chunk_bytes": "Bytes sent after the forward of the chunk that computed them.",
+    "layer_bytes": "Bytes sent layer group by layer group during the last chunk's forward.",
+    "held_blocks": "Prompt blocks not sent because the decode server's prefix cache held them.",
+    "duplicates_refused": "Notices the decode side refused because their blocks had already arrived.",
+    "transfers": "Transfers whose every block landed (prefill side).",
+    "failed_transfers": "Transfers released before every block landed (prefill side).",
+}
+# name -> (help, buckets); each becomes the histogram vllm:kvferry_<name>.
+HISTOGRAMS = {
+    "transfer_seconds": ("Seconds from a request's first write to its last landing (prefill side).", (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)),
+    "hidden_fraction": ("Per request: the fraction of its bytes that landed before its last forward ended.", (0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)),
+    "recv_seconds": ("Seconds from a decode request's blocks being expected to their arrival.", (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)),
+}
+
+
+class Tally:
+    """Counters and observations since the last `take`."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.observed: dict[str, list[float]] = {}
+        # Since the start, never taken: what a test or a debugger reads in the process.
+        self.totals: dict[str, int] = {}
+        self.all_observed: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: int) -> None:
+        assert name in COUNTERS, name
+        if value:
+            self.counts[name] = self.counts.get(name, 0) + int(value)
+            self.totals[name] = self.totals.get(name, 0) + int(value)
+
+    def observe(self, name: str, value: float) -> None:
+        assert name in HISTOGRAMS, name
+        self.observed.setdefault(name, []).append(float(value))
+        self.all_observed.setdefault(name, []).append(float(value))
+
+    def take(self) -> dict[str, Any]:
+        data = {"counts": self.counts, "observed": self.observed}
+        self.counts, self.observed = {}, {}
+        return data
+
+
+@dataclass
+class KvferryStats(KVConnectorStats):
+    """``data``: ``{"counts": {name: int}, "observed": {name: [float]}}``."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counts", {})
+        self.data.setdefault("observed", {})
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {"counts": {}, "observed": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KvferryStats:
+        counts, observed = self.data["counts"], self.data["observed"]
+        for name, value in other.data.get("counts", {}).items():
+            counts[name] = counts.get(name, 0) + value
+        for name, values in other.data.get("observed", {}).items():
+            observed.setdefault(name, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data["counts"])
+        for name, values in self.data["observed"].items():
+            if values:
+                out[f"{name}_mean"] = round(sum(values) / len(values), 6)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["counts"] and not any(self.data["observed"].values())
+
+
+class KvferryPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(self._counter_cls(name=f"vllm:kvferry_{name}", documentation=doc, labelnames=labelnames), per_engine_labelvalues)
+            for name, doc in COUNTERS.items()
+        }
+        self.histograms = {
+            name: create_metric_per_engine(
+                self._histogram_cls(name=f"vllm:kvferry_{name}", documentation=doc, buckets=list(buckets), labelnames=labelnames), per_engine_labelvalues
+            )
+            for name, (doc, buckets) in HISTOGRAMS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get("counts", {}).items():
+            if name in self.counters:
+                self.counters[name][engine_idx].inc(value)
+        for name, values in transfer_stats_data.get("observed", {}).items():
+            if name in self.histograms:
+                for value in values:
+                    self.histograms[name][engine_idx].observe(value)
+

@@ -1,0 +1,476 @@
+"""A prefill and a decode vLLM server on one box, and the kvferry proxy in front: what the vLLM
+tests and ``kvferry bench vllm`` share.
+
+Nothing here reaches a model hub: :func:`build_tiny_llama` writes a small random Llama and a
+byte-level BPE tokenizer trained in-process. :class:`Testbed` starts the servers as
+subprocesses on free loopback ports, waits for their ``/health`` (bounded; the server's log is
+in the error), starts the proxy, reads used KV blocks from ``/metrics`` for leak checks and tears
+everything down, also on failure.
+
+Run as ``python -m kvferry.vllm.testbed serve CORES -- API_SERVER_ARGS...`` it is the launcher of
+one server: it pins the process to CORES and turns off vLLM's NIXL worker pin (which puts every
+engine's compute thread on the last core of each NUMA node, so two engines on one box would
+share one core), then runs vLLM's OpenAI server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+# Token ids of a tiny model's prompts stay below this (random weights emit any id of the
+# vocabulary, so prompts are token ids, not text).
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """Geometry of the random test model (fp32). head_dim 32 or 64: the CPU attention kernel
+    refuses 16."""
+
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    ffn: int = 256
+    vocab: int = VOCAB
+    max_positions: int = 8192
+    seed: int = 0
+    # Wide enough that greedy decoding wanders over the vocabulary with clear top-1 margins
+    # (the default 0.02 repeats one token, which would make output comparisons vacuous).
+    init_range: float = 0.3
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * 4 * self.layers
+
+
+def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
+    """Writes (once per geometry: the folder name is a hash of it) a random LlamaForCausalLM and
+    a PreTrainedTokenizerFast under ``root``; returns the model folder."""
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(root) / f"tiny-llama-{key}"
+    if (path / "done").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=spec.init_range,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [f"turn {i}: the agent reads tool output {i * 7} and answers the user." for i in range(2000)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    # A chat template lets /v1/chat/completions run; the model is random, so any will do.
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(tmp)
+    if path.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp)
+        return path
+    (tmp / "done").write_text(key)
+    tmp.rename(path)
+    return path
+
+
+@dataclass
+class Answer:
+    """One completion as the client saw it."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float  # request sent to first token (streaming) or to the whole answer
+    total_s: float
+    status: int
+    body: Any  # the JSON answer, or the list of SSE events of a stream
+    finish_reason: Optional[str] = None
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice["text"] or "")
+    part = choice.get("delta") or choice.get("message") or {}
+    return str(part.get("content") or "")
+
+
+def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str, str]] = None, timeout_s: float = 600.0) -> Answer:
+    """POSTs an OpenAI request (``body["stream"]`` picks the mode) with ``return_token_ids``
+    on; a non-200 answer comes back with its status and JSON body, not raised."""
+    body = dict(body, return_token_ids=True)
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    t0 = time.perf_counter()
+    try:
+        r = urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as err:
+        raw = err.read().decode(errors="replace")
+        with contextlib.suppress(ValueError):
+            raw = json.loads(raw)
+        return Answer([], "", 0.0, time.perf_counter() - t0, err.code, raw)
+    with r:
+        if not body.get("stream"):
+            answer = json.loads(r.read())
+            t = time.perf_counter() - t0
+            choice = answer["choices"][0]
+            return Answer(list(choice.get("token_ids") or []), _choice_text(choice), t, t, r.status, answer, choice.get("finish_reason"))
+        ids: list[int] = []
+        text, events, ttft, finish = "", [], 0.0, None
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            events.append(event)
+            for choice in event.get("choices") or ():
+                got = list(choice.get("token_ids") or [])
+                if got and not ids:
+                    ttft = time.perf_counter() - t0
+                ids += got
+                text += _choice_text(choice)
+                finish = choice.get("finish_reason") or finish
+        return Answer(ids, text, ttft, time.perf_counter() - t0, r.status, events, finish)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine flags every server of a run shares (docs/vllm.md explains each)."""
+
+    block_size: int = 32
+    kv_cache_memory_bytes: int = 64 << 20
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 8192
+    max_num_seqs: int = 8
+    prefix_caching: bool = True
+
+    def args(self) -> list[str]:
+        out = [
+            "--dtype", "float32", "--enforce-eager", "--seed", "0",
+            "--block-size", str(self.block_size),
+            "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--enable-chunked-prefill",
+        ]  # fmt: skip
+        out.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        return out
+
+
+def nixl_config(role: str, lease_s: int = 600) -> dict[str, Any]:
+    """vLLM's own NixlConnector on CPU: host buffers, roles producer (prefill) / consumer (decode);
+    a long KV lease since CPU prefill of long prompts outlasts the 30 s default."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+    }
+
+
+def kvferry_config(role: str, **extra: Any) -> dict[str, Any]:
+    """kvferry's KvferryConnector (docs/vllm.md); ``extra`` goes to kv_connector_extra_config
+    (early, layer_groups, ...)."""
+    config: dict[str, Any] = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role}
+    if extra:
+        config["kv_connector_extra_config"] = dict(extra)
+    return config
+
+
+# Per connector (the proxy's --connector name): the prefill and decode servers' configs.
+CONNECTORS = {
+    "nixl": (nixl_config("kv_producer"), nixl_config("kv_consumer")),
+    "kvferry": (kvferry_config("kv_producer"), kvferry_config("kv_consumer")),
+}
+
+
+class ServerError(RuntimeError):
+    """A server did not come up (its log tail is in the message) or answered out of contract."""
+
+
+@dataclass
+class Server:
+    """One vLLM OpenAI server subprocess."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    side_channel_port: int
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as err:
+            return f"(log unreadable: {err})"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return str(r.read().decode())
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(used, total) KV blocks, from vllm:kv_cache_usage_perc and cache_config_info. Blocks
+        that only hold prefix-cache entries count as free, as in vLLM's block pool."""
+        text = self.metrics()
+        usage = _gauge(text, "vllm:kv_cache_usage_perc")
+        m = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+        if usage is None or m is None:
+            raise ServerError(f"{self.name}: /metrics has no kv_cache_usage_perc or num_gpu_blocks")
+        total = int(m.group(1))
+        return round(usage * total), total
+
+
+def _gauge(text: str, name: str) -> Optional[float]:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (a test run
+    killed before its teardown must not leave engines behind). Linux only; elsewhere a no-op."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def start_server(
+    name: str,
+    model: Path,
+    workdir: Path,
+    *,
+    kv_transfer_config: Optional[dict[str, Any]] = None,
+    engine: EngineSettings = EngineSettings(),
+    cores: Sequence[int] = (),
+    env: Optional[dict[str, str]] = None,
+    python: str = sys.executable,
+) -> Server:
+    """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free loopback
+    port; returns at once (call :func:`wait_ready`)."""
+    port, side = free_port(), free_port()
+    log_path = workdir / f"{name}.log"
+    args = [
+        python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-", "--",
+        "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        *engine.args(),
+    ]  # fmt: skip
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    full_env = dict(os.environ)
+    full_env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # scheduler and worker in one process: up in seconds
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",  # the launcher pins the whole process instead
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        OMP_NUM_THREADS=str(max(1, len(cores))),
+    )
+    full_env.update(env or {})
+    log = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+    finally:
+        log.close()
+    return Server(name, f"http://127.0.0.1:{port}", proc, log_path, side)
+
+
+def wait_ready(servers: Sequence[Server], timeout_s: float = 240.0) -> None:
+    """Polls each server's /health until it answers 200; a server that exits or stays down past
+    ``timeout_s`` raises ServerError with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            code = s.proc.poll()
+            if code is not None:
+                raise ServerError(f"{s.name} exited with status {code} before it was ready; log {s.log_path}:\n{s.log_tail()}")
+            try:
+                with urllib.request.urlopen(s.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(s)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+        if pending and time.monotonic() > deadline:
+            s = pending[0]
+            raise ServerError(f"{s.name} not ready after {timeout_s:.0f} s; log {s.log_path}:\n{s.log_tail()}")
+        if pending:
+            time.sleep(0.25)  # polling interval of a readiness probe, not synchronisation of a test
+
+
+@dataclass
+class Testbed:
+    """A prefill and a decode server (one or more each) with the given kv-transfer-configs, and
+    optionally the proxy. Use as a context manager; :meth:`close` stops everything."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+    model: Path
+    workdir: Path
+    prefill_config: Optional[dict[str, Any]]
+    decode_config: Optional[dict[str, Any]]
+    prefill_count: int = 1
+    decode_count: int = 1
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    proxy_connector: Optional[str] = "nixl"
+    env: dict[str, str] = field(default_factory=dict)
+    prefills: list[Server] = field(default_factory=list)
+    decodes: list[Server] = field(default_factory=list)
+    proxy: Optional[Any] = None
+
+    def __enter__(self) -> Testbed:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cores = _cores()
+        n = self.prefill_count + self.decode_count
+        # One core each where the box has them; otherwise they share what there is.
+        assign = [[cores[i % len(cores)]] if len(cores) >= n else cores for i in range(n)]
+        for i in range(self.prefill_count):
+            self.prefills.append(
+                start_server(f"prefill{i}", self.model, self.workdir, kv_transfer_config=self.prefill_config,
+                             engine=self.engine, cores=assign[i], env=self.env)
+            )  # fmt: skip
+        for i in range(self.decode_count):
+            self.decodes.append(
+                start_server(f"decode{i}", self.model, self.workdir, kv_transfer_config=self.decode_config,
+                             engine=self.engine, cores=assign[self.prefill_count + i], env=self.env)
+            )  # fmt: skip
+        wait_ready(self.prefills + self.decodes)
+        if self.proxy_connector is not None:
+            from kvferry.vllm.proxy import ProxyThread
+
+            self.proxy = ProxyThread(
+                [s.url for s in self.prefills], [s.url for s in self.decodes], connector=self.proxy_connector
+            )
+            self.proxy.start()
+
+    @property
+    def url(self) -> str:
+        """The proxy's base URL."""
+        if self.proxy is None:
+            raise ServerError("this testbed runs no proxy")
+        return str(self.proxy.url)
+
+    def servers(self) -> list[Server]:
+        return self.prefills + self.decodes
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        for s in self.servers():
+            s.stop()
+
+
+@contextlib.contextmanager
+def single_server(model: Path, workdir: Path, engine: EngineSettings = EngineSettings()) -> Iterator[Server]:
+    """One plain server (no connector): the reference the disaggregated outputs must equal."""
+    s = start_server("plain", model, workdir, engine=engine, cores=_cores()[:1])
+    try:
+        wait_ready([s])
+        yield s
+    finally:
+        s.stop()
+
+
+def _serve(argv: list[str]) -> None:
+    cores_arg, rest = argv[0], argv[2:] if len(argv) > 1 and argv[1] == "--" else argv[1:]
+    if cores_arg != "-":
+        os.sched_setaffinity(0, [int(c) for c in cores_arg.split(",")])
+    # vLLM's NIXL worker pins the calling thread to the last core of each NUMA node
+    # (discover_numa_topology); with two engines on one box that is the same core for both.
+    from vllm.platforms import cpu
+
+    cpu.CpuPlatform.discover_numa_topology = classmethod(lambda cls: [])  # type: ignore[method-assign,assignment]
+    import runpy
+
+    sys.argv = ["vllm.entrypoints.openai.api_server", *rest]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m kvferry.vllm.testbed serve CORES|- -- API_SERVER_ARGS...")
+    _serve(sys.argv[2:])

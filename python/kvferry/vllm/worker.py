@@ -1,0 +1,469 @@
+"""The worker half of `KvferryConnector`: kvferry's sender (prefill) and receiver (decode)
+over vLLM's KV tensors.
+
+```
+prefill step:  bind_connector_metadata: add new sends (TransferHook.add_request), then
+                 TransferHook.before_forward for each first chunk  (the early send)
+               forward: save_kv_layer -> TransferHook.after_layer on the last chunk (layer groups)
+               wait_for_save: TransferHook.after_forward for each chunk, poll
+               get_transfer_results: a finished request whose writes all landed -> finished_sending
+decode step:   bind_connector_metadata: KVReceiver.expect each new request, publish its destination
+               get_transfer_results: every block arrived -> finished_recving; failed, aborted,
+                 timed out or abandoned -> cancelled, released once fenced -> finished_recving
+                 (+ failed_recving unless it was aborted)
+```
+Every kvferry call is made per request: one request's failure (its peer gone, a refused
+write) fails that request and leaves the others' sends running.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from kvferry._core import BlockRange
+from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.hook import TransferHook
+from kvferry.layout import PagedKV
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender
+from kvferry.transports.staging import StagingEndpoint, StagingTransport
+from kvferry.vllm import rendezvous
+from kvferry.vllm.config import ConnectorConfig
+from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
+from kvferry.vllm.stats import Tally
+
+logger = logging.getLogger("kvferry.vllm")
+
+
+@dataclass
+class _Peer:
+    """One decode server this prefill worker sends to: one sender (one receiver per sender)."""
+
+    address: str
+    authkey: bytes
+    sender: KVSender
+    hook: TransferHook
+    lost: bool = False
+
+
+@dataclass
+class _Send:
+    spec: SendSpec
+    kv_id: int
+    peer: Optional[_Peer]
+    blocks: int
+    added: bool = False
+    early_done: bool = False
+    finishing: bool = False
+    error: Optional[str] = None
+    forward_done: Optional[float] = None  # when the last chunk's forward ended
+    writes: list[tuple[str, float, float, int]] = field(default_factory=list)  # kind, submitted, finished, bytes
+
+
+@dataclass
+class _Recv:
+    spec: RecvSpec
+    started: float
+    deadline: float
+    giving_up: Optional[str] = None
+    aborted: bool = False
+    fence_deadline: float = 0.0
+
+
+def _writable(t: torch.Tensor) -> torch.Tensor:
+    """vLLM allocates its KV cache under ``torch.inference_mode``; kvferry's copy threads run
+    outside it, where an in-place write into an inference tensor is refused. On the CPU the
+    same memory is taken as a plain tensor (no copy)."""
+    if not t.is_inference():
+        return t
+    if t.device.type != "cpu":
+        raise KvFerryError(f"kvferry: KV cache on {t.device} is an inference tensor; this version handles CPU caches")
+    return torch.from_numpy(t.numpy())
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, *, block_size: int, num_blocks: int, role: str) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.role = role
+        self.engine = secrets.token_hex(8)
+        self.pool: Optional[PagedKV] = None
+        self.layer_of: dict[str, int] = {}
+        self.tally = Tally()
+        # decode
+        self.receiver: Optional[KVReceiver] = None
+        self.endpoint: Optional[StagingEndpoint] = None
+        self.rendezvous: Optional[rendezvous.Rendezvous] = None
+        self.authkey = b""
+        self._recv: dict[str, _Recv] = {}
+        self._fail_next: dict[str, str] = {}
+        self._refused_seen = 0
+        # prefill
+        self._peers: dict[str, _Peer] = {}
+        self._dead: list[_Peer] = []
+        self._send: dict[str, _Send] = {}
+        self._chunks: list[Chunk] = []
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
+        names = sorted(kv_caches, key=layer_index)
+        tensors = tuple(_writable(kv_caches[n]) for n in names)
+        shape = tuple(tensors[0].shape)
+        # CPU: (blocks, heads, block_size, 2 * head_dim); CUDA: (2, blocks, ...).
+        block_dim = 0 if shape[0] == self.num_blocks else 1
+        if shape[block_dim] != self.num_blocks:
+            raise KvFerryError(f"kvferry: KV cache tensors of shape {shape} have no dimension of {self.num_blocks} blocks")
+        self.pool = PagedKV(tensors, self.block_size, block_dim)
+        self.layer_of = {n: i for i, n in enumerate(names)}
+        if self.config.layer_groups > self.pool.num_layers:
+            raise KvFerryError(f"invalid kv_connector_extra_config layer_groups={self.config.layer_groups}: the model has {self.pool.num_layers} layers")
+        if self.role in ("kv_consumer", "kv_both"):
+            with torch.inference_mode(False):  # the ring is written by kvferry's own threads
+                self._start_decode_side()
+
+    def _start_decode_side(self) -> None:
+        assert self.pool is not None
+        self.authkey = self.config.authkey()
+        self.receiver = KVReceiver(self.pool)
+        ring = max(2, self.config.staging_bytes // (self.pool.block_bytes * self.pool.num_layers))
+        self.endpoint = StagingEndpoint(self.receiver, authkey=self.authkey, capacity_blocks=ring)
+        self.rendezvous = rendezvous.Rendezvous(self.authkey, self.config.rendezvous_dir)
+        logger.info("kvferry: decode endpoint %s (staging %s, %d ring blocks)", self.rendezvous.address, self.endpoint.address, ring)
+
+    def handshake(self) -> Optional[Handshake]:
+        if self.rendezvous is None:
+            return None
+        return Handshake(self.engine, self.rendezvous.address, self.authkey.hex())
+
+    # -- per step ------------------------------------------------------------------------
+
+    def bind(self, meta: KvferryMetadata) -> None:
+        for rid in meta.preempted:
+            self._preempted(rid)
+        for spec in meta.recvs:
+            self._expect(spec)
+        for rid, reason in meta.fails:
+            self._fail_next[rid] = reason
+        for send in meta.sends:
+            self._add_send(send)
+        self._chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].added]
+        for c in self._chunks:
+            st = self._send[c.req_id]
+            peer = st.peer
+            assert peer is not None
+            self._call(st, peer.hook.update_src_blocks, st.kv_id, c.src_blocks[: st.blocks])
+            if not st.early_done:
+                st.early_done = True
+                self._call(st, peer.hook.before_forward, [st.kv_id])
+
+    def save_layer(self, layer_name: str) -> None:
+        if self.config.layer_groups == 1 or not self._chunks:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        for c in self._chunks:
+            st = self._send[c.req_id]
+            if c.end == st.spec.prompt_len and st.peer is not None:
+                self._call(st, st.peer.hook.after_layer, [st.kv_id], [c.start], [c.end], layer)
+
+    def after_forward(self) -> None:
+        for c in self._chunks:
+            st = self._send[c.req_id]
+            assert st.peer is not None
+            self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
+            if c.end == st.spec.prompt_len:
+                st.forward_done = time.monotonic()
+        self._chunks = []
+        self._poll_peers()
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) of this step."""
+        sending: set[str] = set()
+        for rid in finished_req_ids:
+            if rid in self._send:
+                self._send[rid].finishing = True
+        self._poll_peers()
+        for rid, st in list(self._send.items()):
+            if st.finishing and self._settle_send(st):
+                del self._send[rid]
+                sending.add(rid)
+        self._drop_dead_peers()
+        recving, failed = self._settle_recvs(finished_req_ids)
+        return sending, recving, failed
+
+    # -- prefill -------------------------------------------------------------------------
+
+    def _peer(self, address: str, authkey: bytes) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None and not peer.lost:
+            return peer
+        assert self.pool is not None
+        with torch.inference_mode(False):  # its ring view is written by the copy thread
+            transport = StagingTransport(address, authkey=authkey)
+        sender = KVSender(
+            self.pool,
+            transport,
+            pipelined=self.config.early,
+            timeout=self.config.transfer_timeout_s,
+            record=True,
+            progress=True,
+            layer_groups=self.config.layer_groups,
+        )
+        peer = self._peers[address] = _Peer(address, authkey, sender, TransferHook(sender))
+        return peer
+
+    def _add_send(self, spec: SendSpec) -> None:
+        dest = spec.destination
+        st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
+        self._send[spec.req_id] = st
+        try:
+            st.peer = self._peer(str(dest["staging"]), spec.authkey)
+            held = [BlockRange(0, int(dest["held_blocks"]))] if dest["held_blocks"] else []
+            st.peer.hook.add_request(
+                st.kv_id,
+                spec.prompt_len,
+                reused_len=spec.reused_len,
+                src_blocks=np.full(st.blocks, -1, dtype=np.int64),
+                dst_blocks=dest["dst_blocks"],
+                held=held,
+                epoch=int(dest["epoch"]),
+            )
+            st.added = True
+            self.tally.add("held_blocks", int(dest["held_blocks"]))
+        except KvFerryError as err:
+            st.error = f"cannot send to the decode server: {err}"
+            logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, st.error)
+            try:
+                rendezvous.abandon(spec.peer, spec.authkey, spec.transfer, st.error)
+            except KvFerryError as why:
+                logger.warning("kvferry: %s", why)
+
+    def _preempted(self, rid: str) -> None:
+        """vLLM preempted a prefill request: its blocks are free and this step's forward may
+        overwrite them. Its transfer is given up (the decode side is told and fails it), and
+        this waits, before the forward, until no copy reads those blocks any more."""
+        st = self._send.get(rid)
+        if st is None or not st.added or st.peer is None or st.error is not None:
+            return
+        st.error = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
+        logger.error("kvferry: prefill request %s (transfer %s): %s", rid, st.spec.transfer, st.error)
+        try:
+            st.peer.hook.cancel(st.kv_id, timeout=self.config.fence_timeout_s)
+        except TransferTimeoutError as err:
+            # Its decode request is revoked: the staging endpoint will not apply those writes.
+            logger.error("kvferry: %s", err)
+        except UnknownRequestError:
+            pass
+
+    def _call(self, st: _Send, fn: Callable[..., Any], *args: Any) -> None:
+        if st.error is not None:
+            return
+        try:
+            fn(*args)
+        except KvFerryError as err:
+            st.error = str(err)
+            logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
+
+    def _poll_peers(self) -> None:
+        by_kv = {(id(st.peer), st.kv_id): st for st in self._send.values() if st.peer is not None}
+        for peer in [*self._peers.values(), *self._dead]:
+            try:
+                peer.hook.poll()
+            except TransferError as err:
+                for kv in err.request_ids or ():
+                    st = by_kv.get((id(peer), kv))
+                    if st is not None and st.error is None:
+                        st.error = str(err)
+                        logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
+            try:
+                peer.sender.transport.check_peer()
+            except TransferError as err:
+                if not peer.lost:
+                    peer.lost = True
+                    logger.error("kvferry: %s", err)
+            records = peer.sender.records
+            if records:
+                n = len(records)
+                batch, records[:n] = records[:n], []
+                for rec in batch:
+                    for notice in rec.notices:
+                        st = by_kv.get((id(peer), notice.request_id))
+                        if st is None:
+                            continue
+                        assert self.pool is not None
+                        lo, hi = (0, self.pool.num_layers) if notice.groups == 1 else self.pool.group_layers(notice.group, notice.groups)
+                        nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
+                        st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
+                        self.tally.add({"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes)
+        for address, peer in list(self._peers.items()):
+            if peer.lost:
+                self._dead.append(self._peers.pop(address))
+
+    def _settle_send(self, st: _Send) -> bool:
+        """A finished prefill request: True once no write reads its blocks any more (vLLM
+        may then free them)."""
+        if not st.added or st.peer is None:
+            return True
+        hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
+        if st.error is None and kv in sender.failures():
+            st.error = str(sender.failures()[kv])
+        if st.error is None and not sender.book.is_complete(kv):
+            st.error = "the prefill request ended before all its blocks were sent (aborted)"
+        if st.error is not None:
+            try:
+                hook.cancel(kv, timeout=0.0)
+            except TransferTimeoutError:
+                return False  # a copy still reads its blocks: next step
+            except UnknownRequestError:
+                pass
+            self.tally.add("failed_transfers", 1)
+            logger.warning("kvferry: prefill request %s (transfer %s) released without completing: %s", st.spec.req_id, st.spec.transfer, st.error)
+            return True
+        if sender.in_flight(kv):
+            return False
+        hook.finish(kv)
+        self._observe(st)
+        return True
+
+    def _observe(self, st: _Send) -> None:
+        if not st.writes:
+            return
+        total = sum(b for *_, b in st.writes)
+        end = st.forward_done if st.forward_done is not None else max(f for _, _, f, _ in st.writes)
+        hidden = sum(b for _, _, f, b in st.writes if f <= end)
+        self.tally.observe("transfer_seconds", max(f for _, _, f, _ in st.writes) - min(s for _, s, _, _ in st.writes))
+        self.tally.observe("hidden_fraction", hidden / total if total else 1.0)
+        self.tally.add("transfers", 1)
+
+    def _drop_dead_peers(self) -> None:
+        live = {id(st.peer) for st in self._send.values()}
+        for peer in list(self._dead):
+            if id(peer) not in live:
+                self._dead.remove(peer)
+                try:
+                    peer.sender.close()
+                except Exception as err:  # the receiver is gone: nothing to tell it
+                    logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
+
+    # -- decode --------------------------------------------------------------------------
+
+    def _expect(self, spec: RecvSpec) -> None:
+        assert self.receiver is not None and self.rendezvous is not None and self.endpoint is not None
+        now = time.monotonic()
+        try:
+            held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
+            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held)
+        except KvFerryError as err:
+            self._fail_next[spec.req_id] = f"cannot expect its blocks: {err}"
+            return
+        destination = {
+            "request_id": spec.kv_id,
+            "epoch": epoch,
+            "prompt_len": spec.prompt_len,
+            "digest": spec.digest,
+            "block_size": self.block_size,
+            "dst_blocks": spec.dst_blocks,
+            "held_blocks": spec.held_blocks,
+            "staging": self.endpoint.address,
+            "engine": self.engine,
+        }
+        try:
+            self.rendezvous.publish(spec.transfer, destination)
+        except TransferError as err:
+            self.receiver.release_unfenced(spec.kv_id)  # never handed out: nothing writes it
+            self._fail_next[spec.req_id] = str(err)
+            return
+        self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
+
+    def _settle_recvs(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        recving, failed = set(), set()
+        for rid, reason in self._fail_next.items():
+            logger.error("kvferry: request %s failed: %s", rid, reason)
+            recving.add(rid)
+            failed.add(rid)
+        self._fail_next.clear()
+        if self.receiver is None or self.rendezvous is None:
+            return recving, failed
+        refused = self.receiver.refused_count
+        self.tally.add("duplicates_refused", refused - self._refused_seen)
+        self._refused_seen = refused
+        now = time.monotonic()
+        for rid, st in list(self._recv.items()):
+            kv = st.spec.kv_id
+            if st.giving_up is None:
+                if rid in finished_req_ids:
+                    self._give_up(st, "the decode request was aborted", now, aborted=True)
+                elif (why := self.rendezvous.abandoned(st.spec.transfer)) is not None:
+                    self._give_up(st, f"the prefill side gave up: {why}", now)
+                elif now > st.deadline:
+                    self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
+                else:
+                    try:
+                        self.receiver.wait(kv, 0)
+                    except TransferTimeoutError:
+                        continue  # still arriving
+                    except TransferError as err:
+                        self._give_up(st, str(err), now)
+                    else:
+                        self.receiver.release(kv, 0)
+                        self.rendezvous.withdraw(st.spec.transfer, "its blocks arrived")
+                        self.tally.observe("recv_seconds", now - st.started)
+                        del self._recv[rid]
+                        recving.add(rid)
+                        continue
+            if not self._release(st, now):
+                continue
+            del self._recv[rid]
+            recving.add(rid)
+            if not st.aborted:
+                failed.add(rid)
+                logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
+        return recving, failed
+
+    def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
+        assert self.receiver is not None
+        st.giving_up, st.aborted = reason, aborted
+        st.fence_deadline = now + self.config.fence_timeout_s
+        self.receiver.cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
+
+    def _release(self, st: _Recv, now: float) -> bool:
+        """Releases a request given up on once its sender fenced it; past the fence timeout,
+        at once: the staging endpoint applies a write only for a request it still admits, so
+        a late write of a released request never reaches vLLM's blocks."""
+        assert self.receiver is not None and self.rendezvous is not None
+        if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
+            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
+        try:
+            self.receiver.release(st.spec.kv_id, 0)
+        except TransferTimeoutError:
+            if now < st.fence_deadline:
+                return False
+            logger.warning("kvferry: decode request %s: no fence from its sender within %s s; released", st.spec.req_id, self.config.fence_timeout_s)
+            self.receiver.release_unfenced(st.spec.kv_id)
+        self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
+        return True
+
+    def close(self) -> None:
+        for peer in [*self._peers.values(), *self._dead]:
+            try:
+                peer.sender.close()
+            except Exception as err:
+                logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
+        self._peers.clear()
+        self._dead.clear()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()

@@ -1,0 +1,162 @@
+"""Real vLLM engines for tests/test_vllm_connector.py: a tiny random Llama, and engines that
+each run in their own process (vLLM keeps its KV connector in process-wide state), driven
+through vLLM's Python API (LLMEngine) over a pipe.
+
+Each engine process steps only while a command runs, so the test decides what happens
+between steps: an abort lands at a named point of a request's life, never after a delay.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from typing import Any, Optional
+
+BLOCK = 32
+
+
+def build_tiny_llama(path: str) -> str:
+    """The testbed's random fp32 Llama (4 layers, 2 KV heads of 32) and its tokenizer."""
+    from pathlib import Path
+
+    from kvferry.vllm import testbed
+
+    return str(testbed.build_tiny_llama(Path(path)))
+
+
+def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any]) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm import EngineArgs, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    kw = dict(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=2048,
+        seed=0,
+    )
+    kw.update(engine_kw)
+    if kv_config is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_config)
+    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+
+    def internal(rid: str) -> Any:
+        for req in sched.requests.values():
+            # vLLM makes its internal id from the caller's: "<id>-<8 hex digits>".
+            if req.request_id == rid or req.request_id.rsplit("-", 1)[0] == rid:
+                return req
+        return None
+
+    def point(rid: str) -> Optional[str]:
+        """Where request ``rid`` is: the named points aborts are forced at."""
+        req = internal(rid)
+        if req is None:
+            return None
+        side = sched.connector._sched if sched.connector is not None else None
+        if side is not None and req.request_id in side._lookups:
+            return "waiting_for_destination"
+        status = req.status.name
+        if status == "WAITING_FOR_REMOTE_KVS":
+            return "waiting_for_blocks"
+        if status == "RUNNING" and 0 < req.num_computed_tokens < req.num_prompt_tokens:
+            return "mid_prefill"
+        if status == "RUNNING" and req.num_output_tokens > 0:
+            return "decoding"
+        return status.lower()
+
+    def run(requests: list[tuple], abort: Optional[tuple[str, str]], until: Optional[tuple[str, str]]) -> dict[str, Any]:
+        for rid, prompt, max_tokens, params in requests:
+            extra = {"kv_transfer_params": params} if params is not None else None
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+        outs: dict[str, Any] = {}
+        while engine.has_unfinished_requests() or sched.has_requests():
+            if until is not None and point(until[0]) == until[1]:
+                return {"outputs": outs, "stopped_at": until}
+            if abort is not None and point(abort[0]) == abort[1]:
+                engine.abort_request([abort[0]])
+                # vLLM emits no output for a request aborted by its caller: record it here.
+                outs[abort[0]] = {"tokens": [], "finish_reason": "abort", "kv_transfer_params": None}
+                abort = None
+            for out in engine.step():
+                if out.finished:
+                    o = out.outputs[0]
+                    outs[out.request_id] = {"tokens": list(o.token_ids), "finish_reason": o.finish_reason, "kv_transfer_params": out.kv_transfer_params}
+        return {"outputs": outs}
+
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "run":
+                reply: Any = run(*arg)
+            elif cmd == "usage":
+                reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
+            elif cmd == "totals":
+                worker = get_kv_transfer_group()._worker if has_kv_transfer_group() else None
+                reply = {} if worker is None else {"counts": dict(worker.tally.totals), "observed": {k: list(v) for k, v in worker.tally.all_observed.items()}}
+            elif cmd == "stop":
+                conn.send("bye")
+                return
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+        except Exception as err:  # shown to the test, the engine keeps running
+            import traceback
+
+            reply = {"error": f"{err!r}\n{traceback.format_exc()}"}
+        conn.send(reply)
+
+
+class Engine:
+    """One engine in its own process. `start` sends a command; `result` waits for its reply."""
+
+    def __init__(self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, **engine_kw: Any) -> None:
+        kv = None
+        if role is not None:
+            kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw), daemon=True)
+        self.process.start()
+
+    def start(self, cmd: str, *arg: Any) -> None:
+        self.conn.send((cmd, arg))
+
+    def result(self, timeout: float = 300.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"engine process {self.process.pid} did not answer within {timeout} s")
+        reply = self.conn.recv()
+        if isinstance(reply, dict) and "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def call(self, cmd: str, *arg: Any) -> Any:
+        self.start(cmd, *arg)
+        return self.result()
+
+    def run(self, requests: list[tuple], abort: Optional[tuple[str, str]] = None, until: Optional[tuple[str, str]] = None) -> dict[str, Any]:
+        return self.call("run", requests, abort, until)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop", ()))
+            self.conn.poll(30)
+        except OSError:
+            pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
