@@ -317,6 +317,7 @@ def start_server(
     """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free loopback
     port; returns at once (call :func:`wait_ready`)."""
     port, side = free_port(), free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     args = [
         python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-", "--",
