@@ -277,7 +277,10 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
     try:
         def owner(body: dict[str, Any], headers: dict[str, str]) -> int:
             counts = [len(d.seen) for d in decodes]
-            assert call(proxy.url, COMPLETIONS, body, headers=headers).status == 200
+            a = call(proxy.url, COMPLETIONS, body, headers=headers)
+            assert a.status == 200
+            # Server-Timing: the decode leg went out after the prefill leg ended.
+            assert 0 < a.timing["prefill"] <= a.timing["decode-start"]
             moved = [i for i, d in enumerate(decodes) if len(d.seen) > counts[i]]
             assert len(moved) == 1
             return moved[0]
@@ -358,6 +361,7 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
         for i, stream in enumerate((False, True, False)):
             a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [i + 1] * 40, "max_tokens": 4, "stream": stream})
             assert a.status == 200 and a.token_ids == [1]
+            assert a.timing["decode-start"] > 0
         assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
         sends = [b["kv_transfer_params"]["kvferry"] for b in prefills[0].seen]
         recvs = [b["kv_transfer_params"]["kvferry"] for b in decodes[0].seen]
