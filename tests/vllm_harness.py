@@ -72,7 +72,8 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
 
     def internal(rid: str) -> Any:
         for req in sched.requests.values():
-            if getattr(req, "external_req_id", req.request_id) == rid or req.request_id == rid:
+            # vLLM makes its internal id from the caller's: "<id>-<8 hex digits>".
+            if req.request_id == rid or req.request_id.rsplit("-", 1)[0] == rid:
                 return req
         return None
 
@@ -104,6 +105,8 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 return {"outputs": outs, "stopped_at": until}
             if abort is not None and point(abort[0]) == abort[1]:
                 engine.abort_request([abort[0]])
+                # vLLM emits no output for a request aborted by its caller: record it here.
+                outs[abort[0]] = {"tokens": [], "finish_reason": "abort", "kv_transfer_params": None}
                 abort = None
             for out in engine.step():
                 if out.finished:

@@ -12,9 +12,19 @@ try:
 except ImportError as err:  # pragma: no cover - exercised without vLLM installed
     raise ImportError(f"kvferry.vllm needs vLLM: pip install 'kvferry[vllm]' ({err})") from None
 
-from kvferry.vllm.connector import KvferryConnector
+from typing import Any
 
 __all__ = ["KvferryConnector", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: vLLM loads the plugin entry point (`register`) early in every process, before it
+    # is ready for a connector module to import its kv_transfer internals.
+    if name == "KvferryConnector":
+        from kvferry.vllm.connector import KvferryConnector
+
+        return KvferryConnector
+    raise AttributeError(f"module 'kvferry.vllm' has no attribute {name!r}")
 
 CONNECTOR_NAME = "KvferryConnector"
 

@@ -96,6 +96,15 @@ class Rendezvous:
                 self._gone.popitem(last=False)
             self._cond.notify_all()
 
+    def withdraw_untaken(self, transfer: str, reason: str) -> bool:
+        """Withdraws ``transfer`` if no lookup took its destination yet; returns whether it
+        did (then no sender ever learnt its blocks, so none can write them)."""
+        with self._cond:  # an RLock: withdraw takes it again, so no lookup slips in between
+            if transfer in self._taken or transfer not in self._published:
+                return False
+            self.withdraw(transfer, reason)
+            return True
+
     def abandoned(self, transfer: str) -> Optional[str]:
         """Why the prefill side gave ``transfer`` up, or ``None``."""
         with self._cond:
@@ -148,6 +157,8 @@ class Rendezvous:
         deadline = time.monotonic() + float(wait)
         with self._cond:
             while True:
+                if transfer in self._abandoned:
+                    return {"error": f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}"}
                 if transfer in self._taken:
                     return {"error": f"transfer {transfer!r} was already taken by another prefill request"}
                 if transfer in self._published:

@@ -4,6 +4,7 @@ them into counters and histograms named ``vllm:kvferry_*``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -56,6 +57,7 @@ class Tally:
         return data
 
 
+@dataclass
 class KvferryStats(KVConnectorStats):
     """``data``: ``{"counts": {name: int}, "observed": {name: [float]}}``."""
 
@@ -64,7 +66,7 @@ class KvferryStats(KVConnectorStats):
         self.data.setdefault("observed", {})
 
     def reset(self) -> None:
-        self.data = {"counts": {}, "observed": {}}
+        self.data: dict[str, Any] = {"counts": {}, "observed": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KvferryStats:
         counts, observed = self.data["counts"], self.data["observed"]

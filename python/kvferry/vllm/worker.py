@@ -370,7 +370,7 @@ class WorkerSide:
     def _settle_recvs(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving, failed = set(), set()
         for rid, reason in self._fail_next.items():
-            logger.error("kvferry: decode request %s failed: %s", rid, reason)
+            logger.error("kvferry: request %s failed: %s", rid, reason)
             recving.add(rid)
             failed.add(rid)
         self._fail_next.clear()
@@ -423,6 +423,9 @@ class WorkerSide:
         at once: the staging endpoint applies a write only for a request it still admits, so
         a late write of a released request never reaches vLLM's blocks."""
         assert self.receiver is not None and self.rendezvous is not None
+        if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
+            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
         try:
             self.receiver.release(st.spec.kv_id, 0)
         except TransferTimeoutError:

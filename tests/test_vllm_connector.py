@@ -1,0 +1,470 @@
+"""KvferryConnector inside real vLLM engines (tests/vllm_harness.py): a prefill engine
+(kv_producer) pushes into a decode engine (kv_consumer), each in its own process, and the
+decode engine's greedy output must equal a plain engine's, token for token.
+
+Run in the vLLM venv (docs/vllm.md, "Tests"):
+    PYTHONPATH=python /work/venv-vllm/bin/python -m pytest tests/test_vllm_connector.py -q
+Without vLLM the engine tests skip; the import test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+import uuid
+from typing import Any, Optional
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_harness import BLOCK, Engine, build_tiny_llama  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
+BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
+OUT = 6  # tokens decoded per turn
+
+
+def test_import_without_vllm_names_the_extra() -> None:
+    code = "import sys; sys.modules['vllm'] = None; import kvferry.vllm"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"), *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: kvferry.vllm needs vLLM: pip install 'kvferry[vllm]'"), run.stderr
+
+
+# -- engines -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if not HAVE_VLLM:
+        pytest.skip("vLLM not importable")
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), layers=LAYERS, hidden=128, heads=4, kv_heads=KV_HEADS)
+
+
+@pytest.fixture(scope="module")
+def engines(model: str) -> Any:
+    # A small token budget forces chunked prefill on the prefill engine.
+    prefill = Engine(model, "kv_producer", {"transfer_timeout_s": 60.0, "destination_timeout_s": 60.0}, max_num_batched_tokens=64)
+    decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
+    plain = Engine(model, None)
+    try:
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["role"] == "kv_consumer" and hello["peer"] and len(bytes.fromhex(hello["authkey"])) >= 16
+        yield prefill, decode, plain, hello
+    finally:
+        for engine in (prefill, decode, plain):
+            engine.close()
+
+
+class Pair:
+    """The test plays the proxy: the decode half and the prefill half of each request."""
+
+    def __init__(self, prefill: Engine, decode: Engine, hello: dict[str, Any]) -> None:
+        self.prefill, self.decode, self.hello = prefill, decode, hello
+
+    def send_params(self, transfer: str, **over: Any) -> dict[str, Any]:
+        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], "authkey": self.hello["authkey"], **over}}
+
+    def turn(self, rid: str, prompt: list[int], out: int = OUT, prefill_prompt: Optional[list[int]] = None) -> dict[str, Any]:
+        transfer = uuid.uuid4().hex
+        self.decode.start("run", [(f"d-{rid}", prompt, out, {"kvferry": {"op": "recv", "transfer": transfer}})], None, None)
+        p = self.prefill.run([(f"p-{rid}", prefill_prompt or prompt, 1, self.send_params(transfer))])["outputs"][f"p-{rid}"]
+        d = self.decode.result()["outputs"][f"d-{rid}"]
+        return {"prefill": p, "decode": d}
+
+
+def no_blocks_used(*engines: Engine) -> None:
+    for engine in engines:
+        usage = engine.call("usage")
+        assert usage == {"used": 0, "requests": 0}, usage
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    b, a = before.get("counts", {}), after.get("counts", {})
+    return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def sessions(pair: Pair, plain: Engine, system: list[int], turns: int = 3, tag: str = "") -> int:
+    """Two multi-turn sessions sharing a system prompt; each turn's prompt is the last prompt,
+    its output and new tokens. Every decode output must equal the plain engine's. Returns
+    the prompt blocks of every request (for the exact-once count)."""
+    rng = random.Random(7)
+    total = 0
+    for s in range(2):
+        prompt = system + [rng.randrange(1, 500) for _ in range(45 + 20 * s)]
+        for t in range(turns):
+            got = pair.turn(f"{tag}s{s}t{t}", prompt)
+            want = plain.run([(f"r{tag}{s}{t}", prompt, OUT, None)])["outputs"][f"r{tag}{s}{t}"]["tokens"]
+            assert got["decode"]["finish_reason"] == "length", got
+            assert got["decode"]["tokens"] == want, (s, t, got, want)
+            total += blocks(len(prompt))
+            prompt = prompt + got["decode"]["tokens"] + [rng.randrange(1, 500) for _ in range(30)]
+    return total
+
+
+def warm_prefill(prefill: Engine, system: list[int]) -> None:
+    """A plain request on the prefill engine only: its prefix cache now holds the system
+    prompt, the decode engine's does not (the decode-cold case early transfer is for)."""
+    prefill.run([(f"warm-{uuid.uuid4().hex[:6]}", system, 1, None)])
+
+
+# -- output equality, exact once, no leaks --------------------------------------------------
+
+
+@needs_vllm
+def test_sessions_equal_a_single_engine(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    system = [random.Random(1).randrange(1, 500) for _ in range(100)]
+    warm_prefill(prefill, system)
+    p0, d0 = prefill.call("totals"), decode.call("totals")
+    prompt_blocks = sessions(pair, plain, system)
+    p, d = delta(p0, prefill.call("totals")), delta(d0, decode.call("totals"))
+    assert p.get("early_bytes", 0) > 0, p  # the system prompt's blocks left before the forward
+    assert p.get("chunk_bytes", 0) > 0, p
+    assert p.get("held_blocks", 0) > 0, p  # later turns: the decode engine held the earlier prompt
+    assert d.get("duplicates_refused", 0) == 0, d
+    assert p.get("failed_transfers", 0) == 0 and p["transfers"] == 6, p
+    # Exact once: every prompt block was either held by the decode engine or sent, once.
+    sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+    assert sent == (prompt_blocks - p["held_blocks"]) * BLOCK_BYTES, (p, prompt_blocks)
+    no_blocks_used(prefill, decode)
+
+
+@needs_vllm
+@pytest.mark.parametrize("extra", [{"early": False}, {"layer_groups": 2}], ids=["early-off", "layer-groups"])
+def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any]) -> None:
+    _, decode, plain, hello = engines
+    prefill = Engine(model, "kv_producer", extra, max_num_batched_tokens=64)
+    try:
+        pair = Pair(prefill, decode, hello)
+        # A system prompt of its own: the decode engine must not hold it from another test.
+        system = [random.Random(str(extra)).randrange(1, 500) for _ in range(100)]
+        warm_prefill(prefill, system)
+        d0 = decode.call("totals")
+        prompt_blocks = sessions(pair, plain, system, turns=2, tag=str(extra))
+        p, d = prefill.call("totals")["counts"], delta(d0, decode.call("totals"))
+        sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+        assert sent == (prompt_blocks - p.get("held_blocks", 0)) * BLOCK_BYTES, (p, prompt_blocks)
+        assert d.get("duplicates_refused", 0) == 0
+        if extra.get("early") is False:
+            assert p.get("early_bytes", 0) == 0, p  # the control: nothing before the forward
+        else:
+            assert p.get("early_bytes", 0) > 0 and p.get("layer_bytes", 0) > 0, p
+        no_blocks_used(prefill, decode)
+    finally:
+        prefill.close()
+
+
+# -- aborts ---------------------------------------------------------------------------------
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def still_serves(pair: Pair, plain: Engine, seed: int) -> None:
+    prompt = prompt_of(90, seed)
+    got = pair.turn(f"after{seed}", prompt)
+    assert got["decode"]["tokens"] == plain.run([(f"rafter{seed}", prompt, OUT, None)])["outputs"][f"rafter{seed}"]["tokens"]
+
+
+@needs_vllm
+def test_prefill_aborted_while_waiting_for_its_destination(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, transfer = prompt_of(150, 11), uuid.uuid4().hex
+    # The decode half is not sent yet: the prefill request waits, and is aborted there.
+    p = prefill.run([("p-before", prompt, 1, pair.send_params(transfer))], abort=("p-before", "waiting_for_destination"))
+    assert p["outputs"]["p-before"]["finish_reason"] == "abort"
+    d = decode.run([("d-before", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})])
+    assert d["outputs"]["d-before"]["finish_reason"] == "error"  # the prefill side abandoned it
+    no_blocks_used(prefill, decode)
+    still_serves(pair, plain, 1)
+
+
+@needs_vllm
+def test_decode_aborted_before_the_prefill_arrives(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, transfer = prompt_of(150, 12), uuid.uuid4().hex
+    d = decode.run([("d-gone", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], abort=("d-gone", "waiting_for_blocks"))
+    assert d["outputs"]["d-gone"]["finish_reason"] == "abort"
+    p = prefill.run([("p-gone", prompt, 1, pair.send_params(transfer))])
+    assert p["outputs"]["p-gone"]["finish_reason"] == "error"  # its destination ended
+    no_blocks_used(prefill, decode)
+    still_serves(pair, plain, 2)
+
+
+@needs_vllm
+def test_prefill_aborted_mid_transfer(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, transfer = prompt_of(200, 13), uuid.uuid4().hex  # 4 chunks of 64 tokens
+    decode.start("run", [("d-mid", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], None, None)
+    p = prefill.run([("p-mid", prompt, 1, pair.send_params(transfer))], abort=("p-mid", "mid_prefill"))
+    assert p["outputs"]["p-mid"]["finish_reason"] == "abort"
+    assert decode.result()["outputs"]["d-mid"]["finish_reason"] == "error"  # revoked by its sender
+    no_blocks_used(prefill, decode)
+    still_serves(pair, plain, 3)
+
+
+@needs_vllm
+def test_decode_aborted_mid_transfer(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, transfer = prompt_of(200, 14), uuid.uuid4().hex
+    recv = {"kvferry": {"op": "recv", "transfer": transfer}}
+    assert decode.run([("d-mid2", prompt, OUT, recv)], until=("d-mid2", "waiting_for_blocks"))["stopped_at"]
+    # The prefill engine runs its first chunk (and its sends), then stops between steps.
+    assert prefill.run([("p-mid2", prompt, 1, pair.send_params(transfer))], until=("p-mid2", "mid_prefill"))["stopped_at"]
+    decode.start("run", [], ("d-mid2", "waiting_for_blocks"), None)  # aborted right away
+    prefill.run([])
+    assert decode.result()["outputs"]["d-mid2"]["finish_reason"] == "abort"
+    no_blocks_used(prefill, decode)
+    still_serves(pair, plain, 4)
+
+
+@needs_vllm
+def test_decode_aborted_after_the_transfer(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, transfer = prompt_of(120, 15), uuid.uuid4().hex
+    decode.start("run", [("d-after", prompt, 50, {"kvferry": {"op": "recv", "transfer": transfer}})], ("d-after", "decoding"), None)
+    assert prefill.run([("p-after", prompt, 1, pair.send_params(transfer))])["outputs"]["p-after"]["finish_reason"] == "length"
+    assert decode.result()["outputs"]["d-after"]["finish_reason"] == "abort"
+    no_blocks_used(prefill, decode)
+
+
+@needs_vllm
+def test_decode_request_times_out_without_its_prefill_half(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    recv = {"kvferry": {"op": "recv", "transfer": uuid.uuid4().hex, "timeout_s": 1.0}}
+    out = decode.run([("d-lonely", prompt_of(80, 16), OUT, recv)])["outputs"]["d-lonely"]
+    assert out["finish_reason"] == "error"  # after its own 1 s bound, no prefill half came
+    no_blocks_used(decode)
+
+
+@needs_vllm
+def test_dead_prefill_server_fails_the_decode_request(engines: Any, model: str) -> None:
+    _, decode, plain, hello = engines
+    doomed = Engine(model, "kv_producer", max_num_batched_tokens=64)
+    pair = Pair(doomed, decode, hello)
+    prompt, transfer = prompt_of(200, 17), uuid.uuid4().hex
+    try:
+        assert decode.run([("d-orphan", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-orphan", "waiting_for_blocks"))["stopped_at"]
+        assert doomed.run([("p-orphan", prompt, 1, pair.send_params(transfer))], until=("p-orphan", "mid_prefill"))["stopped_at"]
+    finally:
+        doomed.process.kill()  # mid-transfer: its staging connection ends with it
+        doomed.process.join(30)
+    assert decode.run([])["outputs"]["d-orphan"]["finish_reason"] == "error"
+    no_blocks_used(decode)
+
+
+@needs_vllm
+def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -> None:
+    prefill, decode, plain, hello = engines
+    doomed = Engine(model, "kv_consumer")
+    try:
+        theirs = doomed.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        pair = Pair(prefill, doomed, theirs)
+        prompt, transfer = prompt_of(200, 18), uuid.uuid4().hex
+        assert doomed.run([("d-dies", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-dies", "waiting_for_blocks"))["stopped_at"]
+        assert prefill.run([("p-alone", prompt, 1, pair.send_params(transfer))], until=("p-alone", "mid_prefill"))["stopped_at"]
+    finally:
+        doomed.process.kill()
+        doomed.process.join(30)
+    assert prefill.run([])["outputs"]["p-alone"]["finish_reason"] == "length"  # its own token still comes
+    no_blocks_used(prefill)
+    still_serves(Pair(prefill, decode, hello), plain, 6)  # a new sender for the live decode engine
+
+
+# -- bad kv_transfer_params -----------------------------------------------------------------
+
+# (kv_transfer_params that are not an object never reach a connector: the OpenAI server's
+# schema types the field as an object, and vLLM's own request processing reads it as one.)
+BAD_DECODE = [
+    {"kvferry": "recv"},
+    {"kvferry": {"op": "bogus"}},
+    {"kvferry": {"op": "recv"}},  # no transfer id
+    {"kvferry": {"op": "recv", "transfer": 7}},
+    {"kvferry": {"op": "recv", "transfer": "t", "timeout_s": -1}},
+    {"kvferry": {"op": "recv", "transfer": "t", "extra": 1}},
+    {"kvferry": {"op": "send", "transfer": "t", "peer": "/x", "authkey": "00" * 16}},  # send on a consumer
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("params", BAD_DECODE, ids=[str(i) for i in range(len(BAD_DECODE))])
+def test_bad_params_fail_only_their_request_on_the_decode_engine(engines: Any, params: Any) -> None:
+    prefill, decode, plain, hello = engines
+    good = prompt_of(40, 21)
+    out = decode.run([("bad", prompt_of(70, 20), OUT, params), ("good", good, OUT, None)])["outputs"]
+    assert out["bad"]["finish_reason"] == "error"
+    assert out["good"]["tokens"] == plain.run([("rgood", good, OUT, None)])["outputs"]["rgood"]["tokens"]
+    no_blocks_used(decode)
+
+
+@needs_vllm
+def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, tmp_path: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    bad = [
+        {"kvferry": {"op": "send", "transfer": "t1", "peer": str(tmp_path / "nobody.sock"), "authkey": hello["authkey"]}},  # unknown peer
+        {"kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}},  # wrong key
+        {"kvferry": {"op": "send", "transfer": "t3", "peer": hello["peer"], "authkey": "zz"}},
+        {"kvferry": {"op": "send", "transfer": "t4", "peer": 5, "authkey": hello["authkey"]}},
+        {"kvferry": {"op": "recv", "transfer": "t5"}},  # recv on a producer
+    ]
+    requests = [(f"bad{i}", prompt_of(70, 30 + i), 1, params) for i, params in enumerate(bad)]
+    out = prefill.run(requests + [("good", prompt_of(40, 21), 1, None)])["outputs"]
+    assert all(out[f"bad{i}"]["finish_reason"] == "error" for i in range(len(bad))), out
+    assert out["good"]["finish_reason"] == "length"
+    no_blocks_used(prefill)
+    still_serves(pair, plain, 5)
+
+
+@needs_vllm
+def test_halves_with_different_prompts_fail_both(engines: Any) -> None:
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    got = pair.turn("mismatch", prompt_of(100, 40), prefill_prompt=prompt_of(100, 41))
+    assert got["prefill"]["finish_reason"] == "error" and got["decode"]["finish_reason"] == "error", got
+    no_blocks_used(prefill, decode)
+
+
+# -- registration and metrics (no engine) ---------------------------------------------------
+
+
+@needs_vllm
+def test_register_by_name_is_idempotent() -> None:
+    import kvferry.vllm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    kvferry.vllm.register()
+    kvferry.vllm.register()  # vLLM's factory raises on a duplicate name: this must not
+    assert KVConnectorFactory.get_connector_class_by_name("KvferryConnector") is kvferry.vllm.KvferryConnector
+
+
+@needs_vllm
+def test_stats_aggregate_and_reach_prometheus() -> None:
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvferry.vllm.connector import KvferryConnector
+    from kvferry.vllm.stats import Tally
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KvferryConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    tally = Tally()
+    tally.add("early_bytes", 4096)
+    tally.add("held_blocks", 3)
+    tally.observe("hidden_fraction", 0.75)
+    first = KvferryConnector.build_kv_connector_stats(tally.take())
+    assert tally.take() == {"counts": {}, "observed": {}}  # taken once
+    tally.add("early_bytes", 1024)
+    tally.add("duplicates_refused", 0)  # a zero is not an observation
+    tally.observe("hidden_fraction", 0.25)
+    both = first.aggregate(KvferryConnector.build_kv_connector_stats(tally.take()))
+    assert both.reduce() == {"early_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
+    assert KvferryConnector.build_kv_connector_stats({}).is_empty()
+    prom.observe(both.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvferry_early_bytes_total{engine="0"} 5120.0' in text
+    assert 'vllm:kvferry_held_blocks_total{engine="0"} 3.0' in text
+    assert 'vllm:kvferry_hidden_fraction_count{engine="0"} 2.0' in text
+    for name in ("chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total", "transfer_seconds_count"):
+        assert f"vllm:kvferry_{name}" in text
+
+
+def test_extra_config_and_params_are_checked_by_name() -> None:
+    from kvferry.errors import InvalidArgumentError
+
+    try:
+        from kvferry.vllm.config import ConnectorConfig, parse_params
+    except ImportError:
+        pytest.skip("kvferry.vllm needs vLLM")
+    assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    assert ConnectorConfig.from_extra({"layer_groups": 2, "early": False}).layer_groups == 2
+    for extra, named in [
+        ({"layer_group": 2}, "layer_group"),
+        ({"early": "no"}, "early"),
+        ({"layer_groups": 0}, "layer_groups"),
+        ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s"),
+        ({"transport": "nixl"}, "transport"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            ConnectorConfig.from_extra(extra)
+    assert parse_params(None) is None and parse_params({"other": 1}) is None
+    assert parse_params({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": 5}}).timeout_s == 5.0
+    for params, named in [
+        ({"kvferry": {"op": "send", "transfer": "t", "peer": "/p", "authkey": "00" * 8}}, "authkey"),
+        ({"kvferry": {"op": "send", "transfer": "t", "authkey": "00" * 16}}, "peer"),
+        ({"kvferry": {"op": "recv", "transfer": ""}}, "transfer"),
+        ({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": True}}, "timeout_s"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            parse_params(params)
+
+
+# -- real servers behind the proxy: kvferry's figures on /metrics ---------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    import re
+
+    found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+@needs_vllm
+def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
+    import time
+
+    from kvferry.vllm import testbed
+
+    tiny = testbed.build_tiny_llama(tmp_path / "model")
+    prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
+    with testbed.Testbed(tiny, tmp_path / "bed", prefill_config, decode_config, proxy_connector="kvferry") as bed:
+        rng = random.Random(5)
+        system = [rng.randrange(3, 500) for _ in range(96)]
+        # The prefill server alone sees the system prompt first (decode-cold for the pair).
+        assert testbed.call(bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}).status == 200
+        prompt = system + [rng.randrange(3, 500) for _ in range(50)]
+        for _ in range(2):
+            answer = testbed.call(bed.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert answer.status == 200 and len(answer.token_ids) == 8, answer.body
+            prompt = prompt + answer.token_ids + [rng.randrange(3, 500) for _ in range(40)]
+        # vLLM publishes connector stats with the engine's next stats record: wait for them
+        # (bounded), not for a fixed time.
+        deadline = time.monotonic() + 60
+        while True:
+            p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
+            if _metric(p_text, "vllm:kvferry_transfers_total") >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
+        assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
+        assert _metric(p_text, "vllm:kvferry_chunk_bytes_total") > 0
+        assert _metric(p_text, "vllm:kvferry_held_blocks_total") > 0  # turn 2: the decode server held turn 1
+        assert _metric(p_text, "vllm:kvferry_hidden_fraction_count") == 2
+        assert _metric(d_text, "vllm:kvferry_recv_seconds_count") == 2
+        assert "vllm:kvferry_duplicates_refused_total" in d_text and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+        for server in bed.servers():
+            assert server.kv_blocks()[0] == 0, server.name
