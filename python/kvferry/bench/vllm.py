@@ -267,6 +267,11 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         prefill_config, decode_config = conf.server_configs()
         progress(f"{conf.name}: starting a prefill and a decode server ({conf.note})")
         with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine, proxy_connector=conf.connector, env=env) as bed:
+            # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
+            # first-transfer setup (NIXL's handshake) stay out of the figures.
+            warm = testbed.call(bed.url, "/v1/completions", _body([5] * 100, 2, stream=False))
+            if warm.status != 200:
+                raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
             figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
             leaks = [s.kv_blocks()[0] for s in bed.servers()]
         result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, **figures, "kv_blocks_left": leaks}
