@@ -141,7 +141,10 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     _, bed = servers
     decode = bed.decodes[0]
     # vLLM counts finished requests by reason but not aborted ones: an abort shows as the
-    # running gauge going to zero with no request finished.
+    # running gauge going to zero with no request finished. A first request makes the proxy's
+    # one-off requests (kvferry's hello) happen before the count is taken; vLLM records a
+    # request's stats before its answer leaves.
+    assert call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 2, "temperature": 0}).status == 200
     finished = _counter(decode.metrics(), "vllm:request_success_total")
     host, port = bed.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -277,7 +280,10 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
     try:
         def owner(body: dict[str, Any], headers: dict[str, str]) -> int:
             counts = [len(d.seen) for d in decodes]
-            assert call(proxy.url, COMPLETIONS, body, headers=headers).status == 200
+            a = call(proxy.url, COMPLETIONS, body, headers=headers)
+            assert a.status == 200
+            # Server-Timing: the decode leg went out after the prefill leg ended.
+            assert 0 < a.timing["prefill"] <= a.timing["decode-start"]
             moved = [i for i, d in enumerate(decodes) if len(d.seen) > counts[i]]
             assert len(moved) == 1
             return moved[0]
@@ -358,6 +364,7 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
         for i, stream in enumerate((False, True, False)):
             a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [i + 1] * 40, "max_tokens": 4, "stream": stream})
             assert a.status == 200 and a.token_ids == [1]
+            assert a.timing["decode-start"] > 0
         assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
         sends = [b["kv_transfer_params"]["kvferry"] for b in prefills[0].seen]
         recvs = [b["kv_transfer_params"]["kvferry"] for b in decodes[0].seen]
@@ -387,3 +394,24 @@ def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
         proxy.stop()
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["proxy", "--prefill", "localhost:1", "--decode", "http://a", "--port", "8000"], "expected http:// URLs"),
+        (["proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "70000"], "must be in [1, 65535]"),
+        (["proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "1", "--connector", "x"], "invalid choice"),
+        (["proxy", "--prefill", "http://a", "--decode", "http://b"], "--port"),
+        (["bench", "vllm", "--configs", "nixl,bogus"], "unknown configuration ['bogus']"),
+        (["bench", "vllm", "--layer-groups", "9", "--layers", "8"], "--layer-groups 9 must be <= --layers 8"),
+    ],
+)
+def test_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    from kvferry.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -16,6 +16,9 @@ session (its prefix cache then serves the next turn). A session is, in order: th
 one conversation land together even when the client names no session. A new session goes to the
 decode server with the fewest requests in flight.
 
+Every answer carries a ``Server-Timing`` header: ``decode-start`` (and ``prefill``, where the
+flow waits for the prefill leg first), in ms since the request arrived.
+
 Failures: an upstream that cannot be reached or answers an error gives the client a 502 (or the
 upstream's own 4xx) naming the server, or, once a stream has started, a final SSE ``error``
 event; the server is skipped for new sessions for ``DOWN_S`` seconds and the proxy keeps
@@ -361,6 +364,16 @@ class Exchange:
         self.prefill_url = ""
         self.out: Optional[web.StreamResponse] = None
         self._tried_decodes: list[str] = []
+        self._t0 = time.perf_counter()
+        self.timing: dict[str, float] = {}  # ms since the request arrived, per milestone
+
+    def mark(self, name: str) -> None:
+        self.timing[name] = 1e3 * (time.perf_counter() - self._t0)
+
+    def server_timing(self) -> str:
+        """The ``Server-Timing`` header of the client's answer: when the prefill leg ended
+        (``prefill``) and the decode leg was sent (``decode-start``), in ms since arrival."""
+        return ", ".join(f"{name};dur={ms:.3f}" for name, ms in self.timing.items())
 
     async def post_json(self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False) -> dict[str, Any]:
         return await self.proxy._post_json(leg, server, path, body, retry)
@@ -373,7 +386,9 @@ class Exchange:
             server = self.proxy.router.prefill()
             self.prefill_url = server.url
             try:
-                return await self.post_json("prefill", server, self.path, body, retry=True)
+                answer = await self.post_json("prefill", server, self.path, body, retry=True)
+                self.mark("prefill")
+                return answer
             except _Refused as refused:
                 tried.append(server.url)
                 if not [s for s in self.proxy.router.prefills if s.url not in tried and s.up(time.monotonic())]:
@@ -400,8 +415,10 @@ class Exchange:
 
     async def _decode_once(self, body: dict[str, Any]) -> web.StreamResponse:
         server = self.decode_server
+        self.mark("decode-start")
         if not body.get("stream"):
-            return web.json_response(await self.post_json("decode", server, self.path, body, retry=True))
+            answer = await self.post_json("decode", server, self.path, body, retry=True)
+            return web.json_response(answer, headers={"Server-Timing": self.server_timing()})
         client = self.proxy.client
         assert client is not None
         server.in_flight += 1
@@ -410,7 +427,9 @@ class Exchange:
                 if r.status != 200:
                     text = await r.text()
                     raise UpstreamError("decode", server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
-                out = web.StreamResponse(headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+                out = web.StreamResponse(
+                    headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache", "Server-Timing": self.server_timing()}
+                )
                 await out.prepare(self.request)
                 self.out = out
                 async for chunk in r.content.iter_any():

@@ -128,6 +128,16 @@ class Answer:
     status: int
     body: Any  # the JSON answer, or the list of SSE events of a stream
     finish_reason: Optional[str] = None
+    timing: dict[str, float] = field(default_factory=dict)  # the proxy's Server-Timing, ms
+
+
+def _server_timing(header: Optional[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";dur=")
+        with contextlib.suppress(ValueError):
+            out[name] = float(rest)
+    return out
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
@@ -156,7 +166,8 @@ def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str,
             answer = json.loads(r.read())
             t = time.perf_counter() - t0
             choice = answer["choices"][0]
-            return Answer(list(choice.get("token_ids") or []), _choice_text(choice), t, t, r.status, answer, choice.get("finish_reason"))
+            timing = _server_timing(r.headers.get("Server-Timing"))
+            return Answer(list(choice.get("token_ids") or []), _choice_text(choice), t, t, r.status, answer, choice.get("finish_reason"), timing)
         ids: list[int] = []
         text, events, ttft, finish = "", [], 0.0, None
         for line in r:
@@ -175,7 +186,7 @@ def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str,
                 ids += got
                 text += _choice_text(choice)
                 finish = choice.get("finish_reason") or finish
-        return Answer(ids, text, ttft, time.perf_counter() - t0, r.status, events, finish)
+        return Answer(ids, text, ttft, time.perf_counter() - t0, r.status, events, finish, _server_timing(r.headers.get("Server-Timing")))
 
 
 def free_port() -> int:
@@ -317,6 +328,7 @@ def start_server(
     """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free loopback
     port; returns at once (call :func:`wait_ready`)."""
     port, side = free_port(), free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     args = [
         python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-", "--",
