@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     proxy = sub.add_parser("proxy", help="OpenAI-compatible front for prefill/decode vLLM servers (docs/vllm.md)")
-    proxy.add_argument("--prefill", type=_urls, required=True, metavar="URL[,URL...]", help="prefill servers")
-    proxy.add_argument("--decode", type=_urls, required=True, metavar="URL[,URL...]", help="decode servers")
+    proxy.add_argument("--prefill", type=_urls, required=True, metavar="URL[,URL...]", help="prefill servers (required)")
+    proxy.add_argument("--decode", type=_urls, required=True, metavar="URL[,URL...]", help="decode servers (required)")
     proxy.add_argument("--connector", choices=("nixl", "kvferry"), default="kvferry",
                        help="the servers' KV connector: kvferry's KvferryConnector or vLLM's NixlConnector (default %(default)s)")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s, loopback only)")

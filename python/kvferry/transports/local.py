@@ -42,6 +42,7 @@ from collections import deque
 from typing import AbstractSet, Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.engine import CopyEngine, Pending

@@ -13,6 +13,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable, Optional, Sequence
 
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.errors import InvalidArgumentError

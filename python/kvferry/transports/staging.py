@@ -22,6 +22,7 @@ import contextlib
 from typing import AbstractSet, Any, Callable, Optional, Sequence
 
 import numpy as np
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.copy import packed_ids
