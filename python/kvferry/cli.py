@@ -403,7 +403,7 @@ def _cmd_bench_tiers(args: argparse.Namespace) -> int:
         return 2
     on_gpu = args.device == "cuda"
     transport = args.transport or ("staging" if on_gpu else "in-process")
-    registry.check(transport, device=args.device)
+    registry.check(transport, device=args.device, argument="--transport", device_argument="--device")
     cfg = TiersConfig(
         device=args.device,
         blocks=args.blocks,
@@ -455,7 +455,7 @@ def _device_refused(args: argparse.Namespace) -> Optional[int]:
     """The exit status for a ``--device``/``--transport`` pair this machine cannot run."""
     if _cuda_missing(args.device):
         return 2
-    registry.check(args.transport, device=args.device)
+    registry.check(args.transport, device=args.device, argument="--transport", device_argument="--device")
     return None
 
 
@@ -595,7 +595,7 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
 
     for name in args.transport or ():
         if name not in COPIES:
-            registry.check(name, device=args.device)
+            registry.check(name, device=args.device, argument="--transport", device_argument="--device")
     transports = args.transport or default_transports(args.device)
     if _across_hosts(args):
         if args.transport is None:  # the defaults that reach another host
