@@ -320,7 +320,8 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
         rogue = StagingTransport(endpoint.address, authkey=authkey)
         notice = Notice(1, 0, 0, 2, True, e1)
         assert rogue.write(engine, src, np.array([0, 1]), np.array([4, 6]), [notice]).wait(SLACK)
-        rogue.post([notice])
+        with contextlib.suppress(TransferError):  # post reads the frees after sending: the goodbye may be there already
+            rogue.post([notice])
         assert _closed_with(rogue, "wrote outside a request's lease")
         with pytest.raises(TransferError, match="request 1 failed: invalid dst_ids"):
             receiver.wait(1, timeout=SLACK)
