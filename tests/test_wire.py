@@ -109,7 +109,7 @@ def test_a_wildcard_bind_advertises_the_host_it_is_told() -> None:
         ("tcp://[::1]5", "written tcp://"),
         ("tcp://h:70000", r"port must be a number in \[0, 65535\]"),
         ("tcp://h:-1", "port must be a number"),
-        ("tcp://:5", "expected tcp://host:port"),
+        ("tcp://h:5/x", "the port must be a number"),
         ("http://h:5", "expected unix:///path or tcp://host:port"),
     ],
 )
@@ -123,6 +123,14 @@ def test_bad_addresses_are_refused_by_name(text: str, why: str) -> None:
 def test_address_round_trips() -> None:
     for text in ("unix:///run/k.sock", "tcp://10.0.0.5:7000", "tcp://[fe80::1]:0", "tcp://node-3.example:443"):
         assert wire.parse_address(text).url() == text
+    assert wire.parse_address("tcp://:7000").url() == "tcp://127.0.0.1:7000"  # no host: loopback
+
+
+def test_a_tcp_endpoint_without_a_host_binds_loopback() -> None:
+    with shm_rig("tcp://:0") as (_, endpoint, _):
+        address = wire.parse_address(endpoint.address)
+        assert address.host == "127.0.0.1" and address.port > 0
+        assert endpoint._listener.getsockname()[0] == "127.0.0.1"  # noqa: SLF001
 
 
 def test_bad_handshake_timeout_is_refused() -> None:

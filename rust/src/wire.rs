@@ -579,6 +579,7 @@ fn validate(frame: &Frame) -> Result<()> {
             }
         }
         Frame::Agent(name) => check_name("agent_name", name)?,
+        Frame::Goodbye(reason) => bound("reason", reason.len(), MAX_REASON_BYTES)?,
         _ => {}
     }
     Ok(())
@@ -1126,6 +1127,26 @@ mod tests {
             encode(&frame),
             Err(WireError::Field {
                 field: "dst_ids",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_encoder_refuses_what_the_decoder_would() {
+        let long = Frame::Goodbye("x".repeat(MAX_REASON_BYTES + 1));
+        assert!(matches!(
+            encode(&long),
+            Err(WireError::Field {
+                field: "reason",
+                ..
+            })
+        ));
+        let many = Frame::Announce(vec![(0, 0); MAX_LEASES + 1]);
+        assert!(matches!(
+            encode(&many),
+            Err(WireError::Field {
+                field: "leases",
                 ..
             })
         ));

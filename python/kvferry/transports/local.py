@@ -367,7 +367,7 @@ class PeerConnection:
             raise self.lost
         data = wire.frame(kind, value)
         try:
-            self._channel.sock.sendall(data)
+            self._channel.send_frame(data)
         except OSError as err:
             raise self._lose(err) from err
 
@@ -522,7 +522,7 @@ def _share_layer(layer: torch.Tensor) -> dict[str, Any]:
         "storage_offset": int(offset),
         "ref_counter_handle": bytes(counter),
         "ref_counter_offset": int(counter_offset),
-        "event_handle": bytes(event or b""),
+        "event_handle": bytes(event),
         "event_sync_required": bool(event_sync),
         "shape": list(layer.shape),
         "stride": list(layer.stride()),
@@ -550,7 +550,7 @@ def _open_layer(fields: dict[str, Any]) -> torch.Tensor:
         False,
         fields["ref_counter_handle"],
         fields["ref_counter_offset"],
-        fields["event_handle"] or None,
+        fields["event_handle"],
         fields["event_sync_required"],
     )
 

@@ -3,7 +3,8 @@
 Addresses are URLs. ``unix:///path`` is a socket on this host (``unix://`` alone: a fresh
 socket in a new 0700 directory, the default); ``tcp://host:port`` reaches across hosts, with
 IPv6 hosts in brackets (``tcp://[::1]:7000``). An endpoint binds loopback unless told
-otherwise, and port 0 picks a free port; the address it advertises carries the port it got.
+otherwise (``tcp://:0`` is ``tcp://127.0.0.1:0``), and port 0 picks a free port; the address
+it advertises carries the port it got.
 A wildcard bind (``tcp://0.0.0.0:port``, ``tcp://[::]:port``) advertises no host of its
 own: the caller names the one its peers reach it by (``advertise="10.0.0.5"``).
 
@@ -147,12 +148,13 @@ def parse_address(text: object, name: str = "address") -> Address:
                 raise InvalidArgumentError(f"invalid {name}={text!r}: {host!r} inside brackets is not an IPv6 address") from None
         else:
             host, sep, port_text = rest.rpartition(":")
-            if not sep or not host or ":" in host:
+            if not sep or ":" in host:
                 raise InvalidArgumentError(f"invalid {name}={text!r}: expected tcp://host:port (IPv6 in brackets: tcp://[::1]:port)")
+            host = host or "127.0.0.1"  # tcp://:port: loopback, as an endpoint binds unless told otherwise
         if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
             raise InvalidArgumentError(f"invalid {name}={text!r}: the port must be a number in [0, 65535]")
         if "/" in host or not host:
-            raise InvalidArgumentError(f"invalid {name}={text!r}: no host")
+            raise InvalidArgumentError(f"invalid {name}={text!r}: expected tcp://host:port, no path")
         return Address("tcp", host=host, port=int(port_text))
     raise InvalidArgumentError(f"invalid {name}={text!r}: expected unix:///path or tcp://host:port")
 
@@ -310,7 +312,10 @@ class Channel:
         self._send_lock = threading.Lock()
 
     def send(self, kind: str, value: Any) -> None:
-        data = frame(kind, value)
+        self.send_frame(frame(kind, value))
+
+    def send_frame(self, data: bytes) -> None:
+        """An encoded frame, whole: frames from several threads never interleave."""
         with self._send_lock:
             self.sock.sendall(data)
 
@@ -325,7 +330,7 @@ class Channel:
     def goodbye(self, reason: str) -> None:
         """Tells the peer why the connection is closing (best effort: it may be gone)."""
         try:
-            self.send("goodbye", reason[:1000])
+            self.send("goodbye", reason.encode()[:1000].decode(errors="ignore"))  # the codec's bound is 1024 bytes
         except (OSError, KvFerryError):
             pass
 

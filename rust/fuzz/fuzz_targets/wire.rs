@@ -15,8 +15,14 @@ fn check(bytes: &[u8]) {
     let _ = decode_header(bytes, MAX_FRAME_BYTES);
     if let Ok(frame) = decode(bytes, MAX_FRAME_BYTES) {
         let again = encode(&frame).expect("a decoded frame encodes");
-        assert_eq!(again, bytes, "a decoded frame does not encode back to its bytes");
-        assert!(decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err(), "a truncated frame decoded");
+        assert_eq!(
+            again, bytes,
+            "a decoded frame does not encode back to its bytes"
+        );
+        assert!(
+            decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err(),
+            "a truncated frame decoded"
+        );
     }
 }
 
