@@ -259,3 +259,53 @@ def test_bad_peer_arguments_are_refused_by_name() -> None:
     with pytest.raises(InvalidArgumentError, match=r"invalid peer='a': this hook's KVSender has one receiver"):
         TransferHook(single).add_request(1, 8, reused_len=0, src_blocks=[0, 1], dst_blocks=[0, 1], peer="a")
     single.close()
+
+
+def _shm_receiver_process(conn: Any, authkey: bytes, requests: list[tuple[int, int]]) -> None:
+    """A generation worker in its own process (killed by the test)."""
+    pool = registry.receiver_pool("shm", num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    receiver = KVReceiver(pool.pool)
+    served = registry.serve("shm", receiver, authkey=authkey, shared=pool.shared)
+    for rid, prompt in requests:
+        receiver.expect(rid, prompt)
+    conn.send(served.url)
+    conn.recv()  # never comes: the test kills this process
+
+
+def test_a_killed_peer_process_fails_only_its_own_requests() -> None:
+    import multiprocessing as mp
+
+    peers = _Peers(names=("a", "c"), shm=("c",))
+    requests = [r for r in REQUESTS if r[3] in ("a", "b", "c")]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_shm_receiver_process, args=(child, peers.authkey, [(r, p) for r, p, _, peer in requests if peer == "b"]), daemon=True)
+    proc.start()
+    src_pool = random_pool(61)
+    try:
+        peers.transports["b"] = registry.connect(parent.recv(), authkey=peers.authkey)
+        sender = MultiPeerSender(src_pool, peers.transports)
+        _expect_all(peers, [r for r in requests if r[3] != "b"])
+        for rid, prompt, reused, peer in requests:
+            sender.add(rid, prompt, reused_len=reused, peer=peer)
+        src, dst = _tables(62, requests)
+        ids = np.array([r for r, *_ in requests])
+        sender.send_early(ids, src, dst)
+        sender.flush(timeout=60)
+        proc.kill()  # peer "b"'s process dies; join reaps it, so its socket is closed
+        proc.join(timeout=30)
+        b_ids = sorted(r for r, *_, p in requests if p == "b")
+        with pytest.raises(TransferError) as lost:
+            sender.send_chunks(ids, np.array([r[2] for r in requests]), np.array([r[1] for r in requests]), src, dst)
+        assert sorted(lost.value.request_ids) == b_ids
+        sender.flush(timeout=60)
+        rows = [i for i, r in enumerate(requests) if r[3] != "b"]
+        _check_arrived(peers, src_pool, [requests[i] for i in rows], src[rows], dst[rows])
+        for rid, *_ in requests:
+            sender.remove(rid)
+            assert not sender.leased(rid)
+        sender.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        peers.close()
