@@ -39,6 +39,7 @@ SHAPE = (NUM_BLOCKS, 2, TPB, 16)  # 2 x 4 tokens x 16 floats per block and layer
 # proves "at once rather than at the timeout" compares against a much longer timeout.
 SLACK = 20.0
 REPLY_SECONDS = 60.0
+HANG_SECONDS = 900.0  # a bound for a hung worker, not a timing expectation
 LONG_TIMEOUT = 30.0
 
 
@@ -75,6 +76,17 @@ def digest(pool: PagedKV, blocks: Iterable[int]) -> str:
 
 def kvferry_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvferry"))
+
+
+def reply_from(conn: Any, proc: Any, who: str) -> Any:
+    """A worker process's next reply, waited for as long as the process lives: on a loaded
+    machine a spawned worker that imports torch may take minutes to answer its first call.
+    ``HANG_SECONDS`` only stops a hung test."""
+    deadline = time.monotonic() + HANG_SECONDS
+    while not conn.poll(1.0):
+        assert proc.is_alive(), f"the {who} exited (code {proc.exitcode}) without answering"
+        assert time.monotonic() < deadline, f"the {who} did not answer within {HANG_SECONDS} s"
+    return conn.recv()
 
 
 def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
@@ -181,8 +193,7 @@ class Generation:
         _, self.address, self.segment, self.pid = self.recv()
 
     def recv(self) -> Any:
-        assert self._conn.poll(REPLY_SECONDS), "the generation worker did not answer"
-        return self._conn.recv()
+        return reply_from(self._conn, self.proc, "generation worker")
 
     def call(self, *message: Any) -> Any:
         self._conn.send(message)
@@ -318,8 +329,7 @@ class Context:
         _, self.pid = self.recv()
 
     def recv(self) -> Any:
-        assert self._conn.poll(REPLY_SECONDS), "the context worker did not answer"
-        return self._conn.recv()
+        return reply_from(self._conn, self.proc, "context worker")
 
     def call(self, *message: Any) -> Any:
         self._conn.send(message)

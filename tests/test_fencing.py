@@ -59,6 +59,7 @@ from test_faults import (
     kvferry_threads,
     no_new_threads,
     random_pool,
+    reply_from,
     tables,
     until,
 )
@@ -167,8 +168,7 @@ class Remote:
         self.address, self.pid = self._recv()
 
     def _recv(self) -> Any:
-        assert self._conn.poll(REPLY_SECONDS), "the receiver process did not answer"
-        return self._conn.recv()
+        return reply_from(self._conn, self.proc, "receiver process")
 
     def call(self, *message: Any) -> Any:
         self._conn.send(message)

@@ -532,7 +532,7 @@ class KVReceiver:
                 if left is not None and left <= 0:
                     missing = expected.ledger.missing() if not expected.ledger.is_complete else [blocks for _, blocks in expected.awaits]
                     raise TransferTimeoutError(
-                        f"request {request_id} (epoch {expected.epoch}): blocks {missing} did not arrive within {timeout} s; {self._known(expected)}",
+                        f"request {request_id}: blocks {missing} did not arrive within {timeout} s; {self._known(expected)} (epoch {expected.epoch})",
                         request_ids=(request_id,),
                         peer=peer,
                     )
