@@ -597,7 +597,7 @@ ROWS: list[Row] = [
     Row("cli-agentic-link-text", "kvferry bench agentic", "--link-gbps fast", lambda _: cli("bench", "agentic", "--link-gbps", "fast"), CliExit, "argument --link-gbps: expected a number, got 'fast'"),
     Row("cli-agentic-heads", "kvferry bench agentic", "--heads not a multiple of --kv-heads", lambda _: cli("bench", "agentic", "--heads", "6", "--kv-heads", "4"), CliExit, "--heads 6 must be a multiple of --kv-heads 4"),
     Row("cli-agentic-head-dim-odd", "kvferry bench agentic", "--head-dim 3", lambda _: cli("bench", "agentic", "--head-dim", "3"), CliExit, "--head-dim 3 must be even"),
-    Row("cli-agentic-hidden-huge", "kvferry bench agentic", "--hidden 10**9 (more than memory)", lambda _: cli("bench", "agentic", "--hidden", str(10**9)), CliExit, "the model and its two KV pools need at least"),
+    Row("cli-agentic-hidden-huge", "kvferry bench agentic", "--hidden 10**9 (more than memory)", lambda _: cli("bench", "agentic", "--hidden", str(10**9)), CliExit, "the model and its KV pools need at least"),
     Row("cli-agentic-transport", "kvferry bench agentic", "--transport carrier-pigeon", lambda _: cli("bench", "agentic", "--transport", "carrier-pigeon"), CliExit, "argument --transport: invalid choice: 'carrier-pigeon'"),
     Row("cli-agentic-transport-device", "kvferry bench agentic", "--transport cuda-ipc --device cpu", lambda _: cli("bench", "agentic", "--transport", "cuda-ipc"), CliExit, "invalid --transport='cuda-ipc' for --device='cpu'"),
     Row("cli-agentic-device", "kvferry bench agentic", "--device tpu", lambda _: cli("bench", "agentic", "--device", "tpu"), CliExit, "argument --device: invalid choice: 'tpu'"),
