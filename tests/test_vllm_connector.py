@@ -168,6 +168,23 @@ def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any])
         prefill.close()
 
 
+@needs_vllm
+def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
+    _, _, plain, _ = engines
+    both = Engine(model, "kv_both", max_num_batched_tokens=64)
+    try:
+        hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["role"] == "kv_both"
+        prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
+        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "authkey": hello["authkey"]}}
+        out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])["outputs"]
+        assert out["d"]["tokens"] == plain.run([("rboth", prompt, OUT, None)])["outputs"]["rboth"]["tokens"]
+        assert both.call("totals")["counts"]["transfers"] == 1
+        no_blocks_used(both)
+    finally:
+        both.close()
+
+
 # -- aborts ---------------------------------------------------------------------------------
 
 
