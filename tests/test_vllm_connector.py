@@ -555,3 +555,46 @@ def test_destination_is_checked_against_the_request() -> None:
     ]:
         with pytest.raises(KvFerryError, match=named):
             _check_destination({**good, **change}, request, 32)
+
+
+# -- TransferHook.update_src_blocks (what the connector adds to the hook; no vLLM) ----------
+
+
+def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
+    import numpy as np
+    import torch
+
+    from kvferry import BlockRange, InvalidArgumentError, UnknownRequestError
+    from kvferry.hook import TransferHook
+    from kvferry.layout import PagedKV
+    from kvferry.receiver import KVReceiver
+    from kvferry.sender import KVSender
+    from kvferry.transports.inprocess import InProcessTransport
+
+    tpb, shape = 4, (16, 2, 4, 8)  # 16 blocks of 4 tokens
+    src = PagedKV(tuple(torch.randn(shape) for _ in range(2)), tpb)
+    dst = PagedKV(tuple(torch.full(shape, float("nan")) for _ in range(2)), tpb)
+    receiver = KVReceiver(dst)
+    epoch = receiver.expect(1, 14, held=[BlockRange(0, 1)])  # 4 blocks, the first held
+    hook = TransferHook(KVSender(src, InProcessTransport(receiver)))
+    # Reused prefix of 8 tokens (blocks 0, 1); the engine allocated only those so far.
+    table, dests = [9, 3, 12, 5], [0, 7, 2, 11]
+    hook.add_request(1, 14, reused_len=8, src_blocks=[9, 3, -1, -1], dst_blocks=dests, held=[BlockRange(0, 1)], epoch=epoch)
+    assert [n.start for n in hook.before_forward([1])] == [1]  # block 1 early; block 0 held
+    hook.update_src_blocks(1, table[:3])  # the first chunk [8, 12) allocated block 2
+    hook.after_forward([1], [8], [12])
+    hook.update_src_blocks(1, table)  # the last chunk [12, 14): the partial block 3
+    hook.after_forward([1], [12], [14])
+    hook.finish(1)
+    receiver.wait(1, timeout=10)
+    for s, d in zip(table[1:], dests[1:]):
+        for a, b in zip(src.layers, dst.layers):
+            assert torch.equal(a[s], b[d])
+    assert torch.isnan(dst.layers[0][dests[0]]).all()  # held: never written
+    with pytest.raises(UnknownRequestError, match="request_id=1"):
+        hook.update_src_blocks(1, table)
+    hook.add_request(2, 8, reused_len=0, src_blocks=np.full(2, -1), dst_blocks=[4, 6])
+    with pytest.raises(InvalidArgumentError, match="src_blocks=<3 ids>"):
+        hook.update_src_blocks(2, [1, 2, 3])
+    with pytest.raises(TypeError, match="src_blocks"):
+        hook.update_src_blocks(2, [1.5])
