@@ -8,7 +8,6 @@ between steps: an abort lands at a named point of a request's life, never after 
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from typing import Any, Optional
@@ -156,7 +155,3 @@ class Engine:
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)

@@ -100,7 +100,7 @@ class SchedulerSide:
         if found is None:
             found = self._lookups[rid] = _Lookup(threading.Event())
             assert params.peer is not None and params.authkey is not None and params.transfer is not None
-            args = (found, params.peer, params.authkey, params.transfer, self.config.destination_timeout_s)
+            args = (found, params.peer, params.authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s)
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
             return None, False  # vLLM asks again next step; the request waits for its destination
