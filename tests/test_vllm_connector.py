@@ -377,6 +377,21 @@ def test_register_by_name_is_idempotent() -> None:
 
 
 @needs_vllm
+def test_entry_point_names_the_register_function() -> None:
+    import importlib
+    import tomllib
+
+    import kvferry.vllm
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["kvferry"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is kvferry.vllm.register
+    assert any(dep.startswith("vllm") for dep in project["optional-dependencies"]["vllm"])
+
+
+@needs_vllm
 def test_stats_aggregate_and_reach_prometheus() -> None:
     import functools
     from types import SimpleNamespace
