@@ -185,6 +185,29 @@ def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
         both.close()
 
 
+@needs_vllm
+def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) -> None:
+    prefill, decode, plain, hello = engines
+    other = Engine(model, "kv_producer", max_num_batched_tokens=64)
+    try:
+        before = set(decode.call("totals")["endpoints"])
+        prompts = {p: [random.Random(p).randrange(1, 500) for _ in range(170)] for p in ("one", "two")}
+        transfers = {p: uuid.uuid4().hex for p in prompts}
+        decode.start("run", [(f"d-{p}", prompts[p], OUT, {"kvferry": {"op": "recv", "transfer": transfers[p]}}) for p in prompts], None, None)
+        for engine, p in ((prefill, "one"), (other, "two")):  # both prefill at once
+            engine.start("run", [(f"p-{p}", prompts[p], 1, Pair(engine, decode, hello).send_params(transfers[p]))], None, None)
+        for engine in (prefill, other):
+            engine.result()
+        out = decode.result()["outputs"]
+        for p in prompts:
+            assert out[f"d-{p}"]["tokens"] == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
+        # Each prefill engine writes a staging ring of its own: a ring has one writer.
+        assert len(set(decode.call("totals")["endpoints"]) - before) <= 1 and len(decode.call("totals")["endpoints"]) >= 2
+        no_blocks_used(prefill, other, decode)
+    finally:
+        other.close()
+
+
 # -- aborts ---------------------------------------------------------------------------------
 
 
@@ -514,31 +537,31 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> Non
     from kvferry.vllm import rendezvous
 
     key = os.urandom(32)
-    server = rendezvous.Rendezvous(key, str(tmp_path))
+    server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path))
     try:
         got: dict[str, Any] = {}
-        waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60)))
+        waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60, "P1")))
         waiting.start()  # asks before the decode side published: it waits for it
         server.publish("T", {"request_id": 1})
         waiting.join(60)
-        assert got == {"request_id": 1}
+        assert got == {"request_id": 1, "staging": "/staging/P1"}  # that prefill engine's own ring
         with pytest.raises(TransferError, match="already taken"):
-            rendezvous.lookup(server.address, key, "T", 0)
+            rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="already expected"):
             server.publish("T", {"request_id": 2})
         server.withdraw("T", "its blocks arrived")
         with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
-            rendezvous.lookup(server.address, key, "T", 0)
+            rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="cannot reach"):
-            rendezvous.lookup(server.address, os.urandom(32), "U", 0)  # a wrong key
+            rendezvous.lookup(server.address, os.urandom(32), "U", 0, "P1")  # a wrong key
         rendezvous.abandon(server.address, key, "V", "prefill aborted")  # before its publish
         server.publish("V", {"request_id": 3})
         assert server.abandoned("V") == "prefill aborted"
         with pytest.raises(TransferError, match="abandoned"):
-            rendezvous.lookup(server.address, key, "V", 0)
+            rendezvous.lookup(server.address, key, "V", 0, "P1")
         assert server.withdraw_untaken("V", "given up") and not server.withdraw_untaken("V", "again")
         with pytest.raises(TransferError, match="no decode request expected it"):
-            rendezvous.lookup(server.address, key, "W", 0)
+            rendezvous.lookup(server.address, key, "W", 0, "P1")
     finally:
         server.close()
 

@@ -103,7 +103,11 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
             elif cmd == "totals":
                 worker = get_kv_transfer_group()._worker if has_kv_transfer_group() else None
-                reply = {} if worker is None else {"counts": dict(worker.tally.totals), "observed": {k: list(v) for k, v in worker.tally.all_observed.items()}}
+                reply = {} if worker is None else {
+                    "counts": dict(worker.tally.totals),
+                    "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
+                    "endpoints": sorted(worker.endpoints),
+                }
             elif cmd == "stop":
                 conn.send("bye")
                 return
