@@ -168,6 +168,46 @@ def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any])
         prefill.close()
 
 
+@needs_vllm
+def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
+    _, _, plain, _ = engines
+    both = Engine(model, "kv_both", max_num_batched_tokens=64)
+    try:
+        hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["role"] == "kv_both"
+        prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
+        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "authkey": hello["authkey"]}}
+        out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])["outputs"]
+        assert out["d"]["tokens"] == plain.run([("rboth", prompt, OUT, None)])["outputs"]["rboth"]["tokens"]
+        assert both.call("totals")["counts"]["transfers"] == 1
+        no_blocks_used(both)
+    finally:
+        both.close()
+
+
+@needs_vllm
+def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) -> None:
+    prefill, decode, plain, hello = engines
+    other = Engine(model, "kv_producer", max_num_batched_tokens=64)
+    try:
+        before = set(decode.call("totals")["endpoints"])
+        prompts = {p: [random.Random(p).randrange(1, 500) for _ in range(170)] for p in ("one", "two")}
+        transfers = {p: uuid.uuid4().hex for p in prompts}
+        decode.start("run", [(f"d-{p}", prompts[p], OUT, {"kvferry": {"op": "recv", "transfer": transfers[p]}}) for p in prompts], None, None)
+        for engine, p in ((prefill, "one"), (other, "two")):  # both prefill at once
+            engine.start("run", [(f"p-{p}", prompts[p], 1, Pair(engine, decode, hello).send_params(transfers[p]))], None, None)
+        for engine in (prefill, other):
+            engine.result()
+        out = decode.result()["outputs"]
+        for p in prompts:
+            assert out[f"d-{p}"]["tokens"] == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
+        # Each prefill engine writes a staging ring of its own: a ring has one writer.
+        assert len(set(decode.call("totals")["endpoints"]) - before) <= 1 and len(decode.call("totals")["endpoints"]) >= 2
+        no_blocks_used(prefill, other, decode)
+    finally:
+        other.close()
+
+
 # -- aborts ---------------------------------------------------------------------------------
 
 
@@ -360,6 +400,21 @@ def test_register_by_name_is_idempotent() -> None:
 
 
 @needs_vllm
+def test_entry_point_names_the_register_function() -> None:
+    import importlib
+    import tomllib
+
+    import kvferry.vllm
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["kvferry"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is kvferry.vllm.register
+    assert any(dep.startswith("vllm") for dep in project["optional-dependencies"]["vllm"])
+
+
+@needs_vllm
 def test_stats_aggregate_and_reach_prometheus() -> None:
     import functools
     from types import SimpleNamespace
@@ -482,31 +537,31 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> Non
     from kvferry.vllm import rendezvous
 
     key = os.urandom(32)
-    server = rendezvous.Rendezvous(key, str(tmp_path))
+    server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path))
     try:
         got: dict[str, Any] = {}
-        waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60)))
+        waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60, "P1")))
         waiting.start()  # asks before the decode side published: it waits for it
         server.publish("T", {"request_id": 1})
         waiting.join(60)
-        assert got == {"request_id": 1}
+        assert got == {"request_id": 1, "staging": "/staging/P1"}  # that prefill engine's own ring
         with pytest.raises(TransferError, match="already taken"):
-            rendezvous.lookup(server.address, key, "T", 0)
+            rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="already expected"):
             server.publish("T", {"request_id": 2})
         server.withdraw("T", "its blocks arrived")
         with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
-            rendezvous.lookup(server.address, key, "T", 0)
+            rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="cannot reach"):
-            rendezvous.lookup(server.address, os.urandom(32), "U", 0)  # a wrong key
+            rendezvous.lookup(server.address, os.urandom(32), "U", 0, "P1")  # a wrong key
         rendezvous.abandon(server.address, key, "V", "prefill aborted")  # before its publish
         server.publish("V", {"request_id": 3})
         assert server.abandoned("V") == "prefill aborted"
         with pytest.raises(TransferError, match="abandoned"):
-            rendezvous.lookup(server.address, key, "V", 0)
+            rendezvous.lookup(server.address, key, "V", 0, "P1")
         assert server.withdraw_untaken("V", "given up") and not server.withdraw_untaken("V", "again")
         with pytest.raises(TransferError, match="no decode request expected it"):
-            rendezvous.lookup(server.address, key, "W", 0)
+            rendezvous.lookup(server.address, key, "W", 0, "P1")
     finally:
         server.close()
 
@@ -538,3 +593,46 @@ def test_destination_is_checked_against_the_request() -> None:
     ]:
         with pytest.raises(KvFerryError, match=named):
             _check_destination({**good, **change}, request, 32)
+
+
+# -- TransferHook.update_src_blocks (what the connector adds to the hook; no vLLM) ----------
+
+
+def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
+    import numpy as np
+    import torch
+
+    from kvferry import BlockRange, InvalidArgumentError, UnknownRequestError
+    from kvferry.hook import TransferHook
+    from kvferry.layout import PagedKV
+    from kvferry.receiver import KVReceiver
+    from kvferry.sender import KVSender
+    from kvferry.transports.inprocess import InProcessTransport
+
+    tpb, shape = 4, (16, 2, 4, 8)  # 16 blocks of 4 tokens
+    src = PagedKV(tuple(torch.randn(shape) for _ in range(2)), tpb)
+    dst = PagedKV(tuple(torch.full(shape, float("nan")) for _ in range(2)), tpb)
+    receiver = KVReceiver(dst)
+    epoch = receiver.expect(1, 14, held=[BlockRange(0, 1)])  # 4 blocks, the first held
+    hook = TransferHook(KVSender(src, InProcessTransport(receiver)))
+    # Reused prefix of 8 tokens (blocks 0, 1); the engine allocated only those so far.
+    table, dests = [9, 3, 12, 5], [0, 7, 2, 11]
+    hook.add_request(1, 14, reused_len=8, src_blocks=[9, 3, -1, -1], dst_blocks=dests, held=[BlockRange(0, 1)], epoch=epoch)
+    assert [n.start for n in hook.before_forward([1])] == [1]  # block 1 early; block 0 held
+    hook.update_src_blocks(1, table[:3])  # the first chunk [8, 12) allocated block 2
+    hook.after_forward([1], [8], [12])
+    hook.update_src_blocks(1, table)  # the last chunk [12, 14): the partial block 3
+    hook.after_forward([1], [12], [14])
+    hook.finish(1)
+    receiver.wait(1, timeout=10)
+    for s, d in zip(table[1:], dests[1:]):
+        for a, b in zip(src.layers, dst.layers):
+            assert torch.equal(a[s], b[d])
+    assert torch.isnan(dst.layers[0][dests[0]]).all()  # held: never written
+    with pytest.raises(UnknownRequestError, match="request_id=1"):
+        hook.update_src_blocks(1, table)
+    hook.add_request(2, 8, reused_len=0, src_blocks=np.full(2, -1), dst_blocks=[4, 6])
+    with pytest.raises(InvalidArgumentError, match="src_blocks=<3 ids>"):
+        hook.update_src_blocks(2, [1, 2, 3])
+    with pytest.raises(TypeError, match="src_blocks"):
+        hook.update_src_blocks(2, [1.5])

@@ -8,7 +8,6 @@ between steps: an abort lands at a named point of a request's life, never after 
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from typing import Any, Optional
@@ -104,7 +103,11 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
             elif cmd == "totals":
                 worker = get_kv_transfer_group()._worker if has_kv_transfer_group() else None
-                reply = {} if worker is None else {"counts": dict(worker.tally.totals), "observed": {k: list(v) for k, v in worker.tally.all_observed.items()}}
+                reply = {} if worker is None else {
+                    "counts": dict(worker.tally.totals),
+                    "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
+                    "endpoints": sorted(worker.endpoints),
+                }
             elif cmd == "stop":
                 conn.send("bye")
                 return
@@ -156,7 +159,3 @@ class Engine:
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)

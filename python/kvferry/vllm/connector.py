@@ -44,7 +44,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, kv_cache_manager_getter=lambda: self._kv_cache_manager)
+            engine_id = str(transfer.engine_id)
+            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, engine_id=engine_id, kv_cache_manager_getter=lambda: self._kv_cache_manager)
         else:
             assert kv_cache_config is not None
             self._worker = WorkerSide(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, role=kv_role)

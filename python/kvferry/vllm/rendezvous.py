@@ -4,15 +4,17 @@
 decode worker (Rendezvous)                         prefill scheduler / worker (lookup, abandon)
 publish(T, destination)  <- the decode request's blocks are allocated and expected
             <-- challenge / response (authkey), both ways --
-            <-- {"op": "lookup", "transfer": T, "wait_s": w}
-            --> {"ok": destination}   once T is published (or {"error": ...})
+            <-- {"op": "lookup", "transfer": T, "wait_s": w, "sender": S}
+            --> {"ok": destination}   once T is published (or {"error": ...}), with the
+                                      address of sender S's own staging endpoint
             <-- {"op": "abandon", "transfer": T, "reason": r}  the prefill side gave up
             --> {"ok": true}
 ```
 Frames are JSON in `multiprocessing.connection`'s length-prefixed byte messages, sent only
 after both sides proved they hold the key: nothing from the socket is ever unpickled. A
 transfer id is handed to one lookup only (a second prefill request naming it is refused), so
-no decode block is written by two senders.
+no decode block is written by two senders. Each prefill engine ``S`` (its vLLM engine id) gets
+a staging endpoint of its own: a staging ring has one writer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kvferry.errors import TransferError
 
@@ -61,8 +63,11 @@ class Rendezvous:
     """Owned by the decode worker: publishes each expected transfer's destination and
     collects the transfers prefill sides abandoned."""
 
-    def __init__(self, authkey: bytes, directory: Optional[str] = None) -> None:
+    def __init__(self, authkey: bytes, endpoint_for: Callable[[str], str], directory: Optional[str] = None) -> None:
+        """``endpoint_for(sender)``: the address of that prefill engine's staging endpoint
+        (made on its first lookup)."""
         self._authkey = authkey
+        self._endpoint_for = endpoint_for
         self._dir = tempfile.mkdtemp(prefix="kvferry-vllm-", dir=directory)  # 0700
         self.address = os.path.join(self._dir, "rendezvous.sock")
         self._listener = Listener(self.address, family="AF_UNIX", backlog=64)
@@ -154,6 +159,13 @@ class Rendezvous:
         wait = message.get("wait_s")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
             return {"error": f"invalid wait_s={wait!r}: must be in [0, 3600]"}
+        sender = message.get("sender")
+        if not isinstance(sender, str) or not 0 < len(sender) <= 128:
+            return {"error": f"invalid sender={sender!r}: must be the prefill engine's id"}
+        try:
+            staging = self._endpoint_for(sender)
+        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
+            return {"error": f"no staging endpoint for prefill engine {sender!r}: {err}"}
         deadline = time.monotonic() + float(wait)
         with self._cond:
             while True:
@@ -163,7 +175,7 @@ class Rendezvous:
                     return {"error": f"transfer {transfer!r} was already taken by another prefill request"}
                 if transfer in self._published:
                     self._taken.add(transfer)
-                    return {"ok": self._published.pop(transfer)}
+                    return {"ok": dict(self._published.pop(transfer), staging=staging)}
                 if transfer in self._gone:
                     return {"error": f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}"}
                 left = deadline - time.monotonic()
@@ -195,12 +207,12 @@ def _connect(address: str, authkey: bytes) -> Connection:
         raise TransferError(f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address) from err
 
 
-def lookup(address: str, authkey: bytes, transfer: str, wait_s: float) -> dict[str, Any]:
+def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> dict[str, Any]:
     """Blocks until the decode server published ``transfer``'s destination (at most
     ``wait_s``); returns it, or raises `TransferError` with the decode side's reason."""
     conn = _connect(address, authkey)
     try:
-        _send(conn, {"op": "lookup", "transfer": transfer, "wait_s": wait_s})
+        _send(conn, {"op": "lookup", "transfer": transfer, "wait_s": wait_s, "sender": sender})
         if not conn.poll(wait_s + HANDSHAKE_SECONDS):
             raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address)
         answer = _recv(conn)

@@ -51,8 +51,9 @@ class _Sending:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, kv_cache_manager_getter: Any) -> None:
+    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, engine_id: str, kv_cache_manager_getter: Any) -> None:
         self.config = config
+        self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
         self.block_size = block_size
         self.role = role  # "kv_producer", "kv_consumer", "kv_both"
         self._manager = kv_cache_manager_getter
@@ -100,7 +101,7 @@ class SchedulerSide:
         if found is None:
             found = self._lookups[rid] = _Lookup(threading.Event())
             assert params.peer is not None and params.authkey is not None and params.transfer is not None
-            args = (found, params.peer, params.authkey, params.transfer, self.config.destination_timeout_s)
+            args = (found, params.peer, params.authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
             return None, False  # vLLM asks again next step; the request waits for its destination
@@ -199,9 +200,9 @@ class SchedulerSide:
         return bool(self._lookups)
 
 
-def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float) -> None:
+def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> None:
     try:
-        found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s)
+        found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s, sender)
     except KvFerryError as err:
         found.error = str(err)
     except Exception as err:  # a malformed answer: the request fails, the server goes on

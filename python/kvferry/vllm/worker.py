@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -41,6 +42,10 @@ from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, S
 from kvferry.vllm.stats import Tally
 
 logger = logging.getLogger("kvferry.vllm")
+
+# Staging endpoints a decode worker makes, one per prefill engine (each holds a ring of
+# ``staging_bytes``): a bound on what lookups can make it allocate.
+MAX_PREFILL_ENGINES = 64
 
 
 @dataclass
@@ -101,7 +106,10 @@ class WorkerSide:
         self.tally = Tally()
         # decode
         self.receiver: Optional[KVReceiver] = None
-        self.endpoint: Optional[StagingEndpoint] = None
+        # One staging endpoint (one ring, one writer) per prefill engine, made on its first lookup.
+        self.endpoints: dict[str, StagingEndpoint] = {}
+        self._endpoints_lock = threading.Lock()
+        self._ring_blocks = 0
         self.rendezvous: Optional[rendezvous.Rendezvous] = None
         self.authkey = b""
         self._recv: dict[str, _Recv] = {}
@@ -135,10 +143,21 @@ class WorkerSide:
         assert self.pool is not None
         self.authkey = self.config.authkey()
         self.receiver = KVReceiver(self.pool)
-        ring = max(2, self.config.staging_bytes // (self.pool.block_bytes * self.pool.num_layers))
-        self.endpoint = StagingEndpoint(self.receiver, authkey=self.authkey, capacity_blocks=ring)
-        self.rendezvous = rendezvous.Rendezvous(self.authkey, self.config.rendezvous_dir)
-        logger.info("kvferry: decode endpoint %s (staging %s, %d ring blocks)", self.rendezvous.address, self.endpoint.address, ring)
+        self._ring_blocks = max(2, self.config.staging_bytes // (self.pool.block_bytes * self.pool.num_layers))
+        self.rendezvous = rendezvous.Rendezvous(self.authkey, self._endpoint_for, self.config.rendezvous_dir)
+        logger.info("kvferry: decode endpoint %s (a staging ring of %d blocks per prefill engine)", self.rendezvous.address, self._ring_blocks)
+
+    def _endpoint_for(self, sender: str) -> str:
+        """The staging endpoint of prefill engine ``sender`` (called on the rendezvous thread)."""
+        with self._endpoints_lock:
+            endpoint = self.endpoints.get(sender)
+            if endpoint is None:
+                if len(self.endpoints) >= MAX_PREFILL_ENGINES:
+                    raise KvFerryError(f"already {len(self.endpoints)} prefill engines, the most this decode server serves")
+                assert self.receiver is not None
+                endpoint = self.endpoints[sender] = StagingEndpoint(self.receiver, authkey=self.authkey, capacity_blocks=self._ring_blocks)
+                logger.info("kvferry: staging endpoint %s for prefill engine %s", endpoint.address, sender)
+            return endpoint.address
 
     def handshake(self) -> Optional[Handshake]:
         if self.rendezvous is None:
@@ -359,7 +378,7 @@ class WorkerSide:
     # -- decode --------------------------------------------------------------------------
 
     def _expect(self, spec: RecvSpec) -> None:
-        assert self.receiver is not None and self.rendezvous is not None and self.endpoint is not None
+        assert self.receiver is not None and self.rendezvous is not None
         now = time.monotonic()
         try:
             held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
@@ -375,7 +394,6 @@ class WorkerSide:
             "block_size": self.block_size,
             "dst_blocks": spec.dst_blocks,
             "held_blocks": spec.held_blocks,
-            "staging": self.endpoint.address,
             "engine": self.engine,
         }
         try:
@@ -463,7 +481,7 @@ class WorkerSide:
                 logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
         self._peers.clear()
         self._dead.clear()
-        if self.endpoint is not None:
-            self.endpoint.close()
+        for endpoint in self.endpoints.values():
+            endpoint.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
