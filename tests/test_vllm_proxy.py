@@ -215,6 +215,7 @@ class _Stub:
     def __init__(self, role: str, cut_stream: bool = False, hang_recv: bool = False, fail_after: _Stub | None = None) -> None:
         self.role, self.cut_stream, self.hang_recv, self.fail_after = role, cut_stream, hang_recv, fail_after
         self.seen: list[dict[str, Any]] = []
+        self.hellos = 0
         self.closed = threading.Event()  # a hanging request's connection was closed
         self.got = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -232,6 +233,7 @@ class _Stub:
         body = await request.json()
         op = ((body.get("kv_transfer_params") or {}).get("kvferry") or {}).get("op")
         if op == "hello":
+            self.hellos += 1
             return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {
                 "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "authkey": "ab" * 16, "engine": "e1"}}})  # fmt: skip
         self.seen.append(body)
@@ -361,16 +363,18 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
     proxy = ProxyThread([prefills[0].url], [decodes[0].url], connector="kvferry")
     proxy.start()
     try:
-        for i, stream in enumerate((False, True, False)):
+        for i, stream in enumerate((False, True, True, False)):
             a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [i + 1] * 40, "max_tokens": 4, "stream": stream})
             assert a.status == 200 and a.token_ids == [1]
             assert a.timing["decode-start"] > 0
+        # Discovered once: a streamed answer's client closing at the end does not drop it.
+        assert decodes[0].hellos == 1
         assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
         sends = [b["kv_transfer_params"]["kvferry"] for b in prefills[0].seen]
         recvs = [b["kv_transfer_params"]["kvferry"] for b in decodes[0].seen]
-        assert [r["op"] for r in recvs] == ["recv"] * 3 and [s["op"] for s in sends] == ["send"] * 3
+        assert [r["op"] for r in recvs] == ["recv"] * 4 and [s["op"] for s in sends] == ["send"] * 4
         assert [s["transfer"] for s in sends] == [r["transfer"] for r in recvs]
-        assert len({r["transfer"] for r in recvs}) == 3
+        assert len({r["transfer"] for r in recvs}) == 4
         assert all(s["peer"] == f"/tmp/peer-{decodes[0].port}" and s["authkey"] == "ab" * 16 for s in sends)
         assert all(b["max_tokens"] == 1 and b["stream"] is False for b in prefills[0].seen)
         assert [b["prompt"] for b in prefills[0].seen] == [b["prompt"] for b in decodes[0].seen]

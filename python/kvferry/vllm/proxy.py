@@ -36,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -138,6 +139,7 @@ class KvferryFlow(Flow):
         # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
         # through it fails, so a restarted server (new engine, new key) is asked again.
         self.peers: dict[str, dict[str, Any]] = {}
+        self._background: set[asyncio.Future[dict[str, Any]]] = set()  # prefill legs ending after their answer
 
     async def _peer(self, ex: Exchange) -> dict[str, Any]:
         while True:
@@ -168,7 +170,6 @@ class KvferryFlow(Flow):
         recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
         prefill = asyncio.ensure_future(ex.prefill(send))
         decode = asyncio.ensure_future(ex.decode(recv, failover=False))
-        ok = False
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not decode.done() and ex.out is None:
@@ -176,24 +177,35 @@ class KvferryFlow(Flow):
                 # not come: give it up and report the prefill server's failure.
                 raise prefill.exception()  # type: ignore[misc]
             response = await decode
-            # The decode server had every block, so the prefill answer is there or nearly.
-            try:
-                answer = await prefill
-            except UpstreamError:
-                return response  # the client has its answer; the peer is asked again next time
-            error = ((answer.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("error")
-            ok = response.status == 200 and error is None
-            return response
-        finally:
-            if not ok:
-                self.peers.pop(server.url, None)
+        except BaseException:
+            # Failed, or the client left: both halves are aborted (closing a leg's connection
+            # makes vLLM abort it; the connectors then free both sides).
+            self.peers.pop(server.url, None)
             pending = [t for t in (prefill, decode) if not t.done()]
             for t in pending:
-                t.cancel()  # closes that leg's connection: vLLM aborts its half
+                t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             for t in (prefill, decode):
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved: a failure already reported is not logged twice
+            raise
+        if response.status != 200:
+            self.peers.pop(server.url, None)
+        # The decode server had every block, so the prefill leg is ending on its own; its
+        # answer only says whether the peer must be asked again. It is not awaited here: the
+        # client, having its whole answer, may close the connection, which cancels this handler.
+        self._background.add(prefill)
+        prefill.add_done_callback(functools.partial(self._prefill_done, url=server.url))
+        return response
+
+    def _prefill_done(self, task: asyncio.Future[dict[str, Any]], url: str) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.peers.pop(url, None)
+            return
+        info = (task.result().get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}
+        if info.get("error") is not None:
+            self.peers.pop(url, None)
 
 
 FLOWS: dict[str, type[Flow]] = {NixlFlow.name: NixlFlow, KvferryFlow.name: KvferryFlow}
