@@ -359,6 +359,9 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         sender.add(7, 24, reused_len=9, epoch=old)
         sender.send_early([7], tables(rows), tables(dst))
         sender.flush(timeout=SLACK)
+        # The notice crosses the socket on its own: it must have been taken in before the
+        # receiver gives up below (the release comes down another pipe, and could overtake it).
+        assert until(lambda: len(remote.call("request", 7)[2]) == 1)
         engine.hold()
         sender.send_chunks([7], [9], [24], tables(rows), tables(dst))
         assert engine.wait_running(lambda n: n == 1)  # the write is under way
@@ -509,7 +512,9 @@ def test_nixl_fences_travel_with_the_notifications(loopback_ucx: None) -> None:
     try:
         src = random_pool(4)
         transport = NixlTransport(remote.address, authkey=remote.authkey, src=src)
-        sender = KVSender(src, transport, timeout=30)
+        # progress=False: the receiver's cancellation below is heard at the executor's next
+        # poll, not by the announcer, so the first release times out for sure.
+        sender = KVSender(src, transport, timeout=30, progress=False)
         # Cancelled by the sender after its early slice landed: the fence lets the receiver
         # release at once, while the sender is still connected.
         dst, old = remote.call("expect", 1, 24)

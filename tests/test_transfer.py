@@ -591,21 +591,23 @@ def test_with_progress_off_only_the_executor_posts() -> None:
     sender.close()
 
 
-def test_a_wait_that_cannot_finish_says_why_at_once() -> None:
-    """Fenced with blocks missing (its sender's connection ended after its copies did):
-    nothing can arrive, so `wait` raises at once instead of waiting out its timeout; so does
-    a request awaiting blocks of such an owner, and one never expected."""
+def test_a_wait_that_cannot_finish_says_why() -> None:
+    """A request whose sender revoked it, or one awaiting blocks of a failed owner, fails its
+    wait at once; one never expected is unknown; a wait that times out names what the
+    receiver knows (its sender, the notices that came, the epoch)."""
     receiver = KVReceiver(random_pool(1))
     epoch = receiver.expect(1, 16)
-    waiting = receiver.expect(2, 16, awaits=[(1, BlockRange(0, 4))])
+    receiver.expect(2, 16, awaits=[(1, BlockRange(0, 4))])
     receiver.bind(1, "sender A", epoch)
     receiver.deliver(Notice(1, 0, 0, 2, False, epoch), "sender A")
-    assert receiver.fence_source("sender A") == [1]
-    with pytest.raises(TransferError, match="were to arrive with request 1's transfer, which was fenced without them") as err:
-        receiver.wait(2, timeout=None)
-    assert not isinstance(err.value, TransferTimeoutError) and waiting
-    with pytest.raises(TransferError, match=r"request 1: fenced with blocks \[BlockRange\(2, 4\)\] missing: its sender is sender A; 1 notices arrived") as err:
+    with pytest.raises(TransferTimeoutError, match=r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 notices arrived \(epoch 1\)"):
+        receiver.wait(1, timeout=0.01)
+    assert receiver.revoked(1, epoch, "sender A")
+    with pytest.raises(TransferError, match="request 1: revoked by sender A before all its blocks arrived") as err:
         receiver.wait(1, timeout=None)
+    assert not isinstance(err.value, TransferTimeoutError)
+    with pytest.raises(TransferError, match="were to arrive with request 1's transfer, which failed") as err:
+        receiver.wait(2, timeout=None)
     assert not isinstance(err.value, TransferTimeoutError)
     with pytest.raises(UnknownRequestError, match="unknown request_id=3"):
         receiver.wait(3, timeout=None)

@@ -501,10 +501,9 @@ class KVReceiver:
 
     def wait(self, request_id: int, timeout: Optional[float] = None) -> float:
         """Blocks until every expected block of the request arrived; returns the monotonic
-        time it completed. Raises the request's error (a refused notice, a fence or a lost
-        sender before the last block, a cancellation), `TransferError` at once when nothing
-        more can arrive (the request is fenced, so no sender writes it any more, yet blocks
-        are missing), `UnknownRequestError` for a request not expected, and
+        time it completed. Raises at once the request's error (a refused notice, its sender's fence or
+        the loss of its sender before the last block, a cancellation, an awaited owner that
+        failed or was released), `UnknownRequestError` for a request not expected, and
         `TransferTimeoutError` after ``timeout`` seconds, saying what the receiver knows:
         which blocks are missing, whether any sender announced the request, how many notices
         came."""
@@ -519,15 +518,8 @@ class KVReceiver:
                     assert expected.arrived_at is not None
                     return max(expected.arrived_at, expected.awaited_at)
                 peer = None if expected.source is None else str(expected.source)
-                if expected.fenced and not expected.ledger.is_complete:
-                    # No sender writes its blocks any more (its connection ended after its
-                    # copies did): nothing can complete it. Recorded, so later waits say so too.
-                    expected.error = TransferError(
-                        f"request {request_id}: fenced with blocks {expected.ledger.missing()} missing: {self._known(expected)}; no sender writes it any more",
-                        request_ids=(request_id,),
-                        peer=peer,
-                    )
-                    continue
+                # A request fenced by its sender's end (not revoked) still waits: a NIXL
+                # notification of a write that finished may arrive after the socket's EOF.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     missing = expected.ledger.missing() if not expected.ledger.is_complete else [blocks for _, blocks in expected.awaits]
@@ -566,8 +558,8 @@ class KVReceiver:
         for owner, blocks in list(expected.awaits):
             theirs = self._requests.get(owner)
             missing = theirs is not None and any(m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing())
-            if theirs is None or theirs.error is not None or (theirs.fenced and missing):
-                why = "was released" if theirs is None else f"failed ({theirs.error})" if theirs.error is not None else "was fenced without them"
+            if theirs is None or theirs.error is not None:
+                why = "was released" if theirs is None else f"failed ({theirs.error})"
                 expected.error = TransferError(
                     f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did", request_ids=(request_id,)
                 )
