@@ -178,6 +178,11 @@ class KvferryFlow(Flow):
                 raise prefill.exception()  # type: ignore[misc]
             response = await decode
         except BaseException:
+            if decode.done() and not decode.cancelled() and decode.exception() is None:
+                # The whole answer went out and the client closed its connection before this
+                # handler resumed (which cancels it): nothing failed.
+                self._watch(prefill, server.url)
+                raise
             # Failed, or the client left: both halves are aborted (closing a leg's connection
             # makes vLLM abort it; the connectors then free both sides).
             self.peers.pop(server.url, None)
@@ -194,9 +199,12 @@ class KvferryFlow(Flow):
         # The decode server had every block, so the prefill leg is ending on its own; its
         # answer only says whether the peer must be asked again. It is not awaited here: the
         # client, having its whole answer, may close the connection, which cancels this handler.
-        self._background.add(prefill)
-        prefill.add_done_callback(functools.partial(self._prefill_done, url=server.url))
+        self._watch(prefill, server.url)
         return response
+
+    def _watch(self, prefill: asyncio.Future[dict[str, Any]], url: str) -> None:
+        self._background.add(prefill)
+        prefill.add_done_callback(functools.partial(self._prefill_done, url=url))
 
     def _prefill_done(self, task: asyncio.Future[dict[str, Any]], url: str) -> None:
         self._background.discard(task)
