@@ -139,6 +139,7 @@ class KvferryFlow(Flow):
         # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
         # through it fails, so a restarted server (new engine, new key) is asked again.
         self.peers: dict[str, dict[str, Any]] = {}
+        self.hellos = 0  # hello requests sent (a figure for benches: should stay one per decode server)
         self._background: set[asyncio.Future[dict[str, Any]]] = set()  # prefill legs ending after their answer
 
     async def _peer(self, ex: Exchange) -> dict[str, Any]:
@@ -150,6 +151,7 @@ class KvferryFlow(Flow):
             hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
             if "model" in ex.body:
                 hello["model"] = ex.body["model"]
+            self.hellos += 1
             try:
                 answer = await ex.post_json("decode", server, "/v1/completions", hello, retry=True)
             except _Refused as refused:
