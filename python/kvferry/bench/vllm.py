@@ -275,7 +275,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
                 raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
             figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
             leaks = [s.kv_blocks()[0] for s in bed.servers()]
-            hellos = getattr(bed.proxy.proxy.flow, "hellos", None)
+            hellos = getattr(bed.proxy.proxy.flow, "hellos", None) if bed.proxy is not None else None
         result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, **figures, "kv_blocks_left": leaks, "hellos": hellos}
     return result
 
