@@ -139,6 +139,7 @@ class KvferryFlow(Flow):
         # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
         # through it fails, so a restarted server (new engine, new key) is asked again.
         self.peers: dict[str, dict[str, Any]] = {}
+        self.hellos = 0  # hello requests sent (a figure for benches: should stay one per decode server)
         self._background: set[asyncio.Future[dict[str, Any]]] = set()  # prefill legs ending after their answer
 
     async def _peer(self, ex: Exchange) -> dict[str, Any]:
@@ -150,6 +151,7 @@ class KvferryFlow(Flow):
             hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
             if "model" in ex.body:
                 hello["model"] = ex.body["model"]
+            self.hellos += 1
             try:
                 answer = await ex.post_json("decode", server, "/v1/completions", hello, retry=True)
             except _Refused as refused:
@@ -178,6 +180,11 @@ class KvferryFlow(Flow):
                 raise prefill.exception()  # type: ignore[misc]
             response = await decode
         except BaseException:
+            if decode.done() and not decode.cancelled() and decode.exception() is None:
+                # The whole answer went out and the client closed its connection before this
+                # handler resumed (which cancels it): nothing failed.
+                self._watch(prefill, server.url)
+                raise
             # Failed, or the client left: both halves are aborted (closing a leg's connection
             # makes vLLM abort it; the connectors then free both sides).
             self.peers.pop(server.url, None)
@@ -194,9 +201,12 @@ class KvferryFlow(Flow):
         # The decode server had every block, so the prefill leg is ending on its own; its
         # answer only says whether the peer must be asked again. It is not awaited here: the
         # client, having its whole answer, may close the connection, which cancels this handler.
-        self._background.add(prefill)
-        prefill.add_done_callback(functools.partial(self._prefill_done, url=server.url))
+        self._watch(prefill, server.url)
         return response
+
+    def _watch(self, prefill: asyncio.Future[dict[str, Any]], url: str) -> None:
+        self._background.add(prefill)
+        prefill.add_done_callback(functools.partial(self._prefill_done, url=url))
 
     def _prefill_done(self, task: asyncio.Future[dict[str, Any]], url: str) -> None:
         self._background.discard(task)
