@@ -633,9 +633,10 @@ def test_rows_are_unique_and_cover_the_public_names() -> None:
     ids = [row.id for row in ROWS]
     assert len(ids) == len(set(ids))
     entries = " ".join(row.entry for row in ROWS)
-    # Every public callable has rows (the exception classes and MAX_LEDGER_BLOCKS take no input;
-    # BlockPairs and BlockRuns only come out of calls, like SlicePlan).
-    for name in set(kvferry.__all__) - {"MAX_LEDGER_BLOCKS", "BlockPairs", "BlockRuns", "KvFerryError", "InvalidArgumentError", "DuplicateTransferError", "UnknownRequestError"}:
+    # Every public callable has rows (the exception classes, MAX_LEDGER_BLOCKS and __version__
+    # take no input; BlockPairs and BlockRuns only come out of calls, like SlicePlan).
+    no_input = {"MAX_LEDGER_BLOCKS", "__version__", "BlockPairs", "BlockRuns", "KvFerryError", "InvalidArgumentError", "DuplicateTransferError", "UnknownRequestError", "MissingDependencyError"}
+    for name in set(kvferry.__all__) - no_input:
         assert name in entries, name
     for name in ("copy_blocks", "PagedKV(", "check_compatible", "KVSender", "KVReceiver", "TransferHook", "kvferry plan", "kvferry bench copy", "kvferry bench agentic", "kvferry bench tiers", "KVSender.order_after"):
         assert name in entries, name

@@ -55,12 +55,14 @@ def test_invalid_argument_message_names_argument_and_value() -> None:
 def test_public_names() -> None:
     expected = {
         "MAX_LEDGER_BLOCKS",
+        "__version__",
         "BlockPairs",
         "BlockRange",
         "BlockRuns",
         "DuplicateTransferError",
         "InvalidArgumentError",
         "KvFerryError",
+        "MissingDependencyError",
         "SlicePlan",
         "TransferBook",
         "TransferLedger",
