@@ -207,6 +207,44 @@ def test_concurrent_kvsenders_through_one_endpoint_bit_exact(staging: Any, sende
                 proc.proc.kill()
 
 
+def test_batches_posted_before_the_sender_closed_all_land() -> None:
+    """A sender posts two staged batches and closes its transport before the endpoint
+    handled the first (held at a gate): replying with the first batch's frees then finds
+    the sender's end closed, and the second batch must still be applied (it was posted
+    before the close), not lost with the connection."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated(StagingEndpoint):
+        def stage(self, *args: Any) -> None:
+            assert gate.wait(SLACK), "the gate was never opened"
+            super().stage(*args)
+
+    receiver = KVReceiver(nan_pool())
+    authkey = secrets.token_bytes(32)
+    endpoint = Gated(receiver, authkey=authkey, capacity_blocks=CAPACITY)
+    proc = Sender(mp.get_context("spawn"), endpoint.address, authkey, seed=40)
+    try:
+        rows = [(1, np.arange(3), np.arange(3) + 30), (2, np.arange(3) + 3, np.arange(3) + 40)]
+        for rid, src_ids, dst_ids in rows:
+            epoch = receiver.expect(rid, 3 * TPB, dst_blocks=dst_ids)
+            assert proc.call("written", "write", rid, epoch, src_ids, dst_ids)
+        for _ in rows:
+            proc.call("posted", "post")
+        proc.close()  # the sender's end is closed before the endpoint takes the first batch
+        gate.set()
+        for rid, src_ids, dst_ids in rows:
+            receiver.wait(rid, timeout=SLACK)
+            _check_bit_exact(receiver, rid, proc.seed, src_ids, dst_ids)
+    finally:
+        gate.set()
+        if proc.proc.is_alive():
+            proc.proc.kill()
+        endpoint.close()
+    assert not os.path.exists(f"/dev/shm/{proc.ring_name}")
+
+
 def test_a_killed_sender_leaves_no_ring_and_the_others_are_served(staging: Any) -> None:
     """A sender killed with a write staged and not posted: its connection's end removes its
     ring (gone from /dev/shm by the time its request fails), the other sender's staged write

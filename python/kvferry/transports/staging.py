@@ -274,7 +274,13 @@ class StagingEndpoint(LocalEndpoint):
     def _reply(self, freed: int) -> None:
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
-        peer.send("freed", int(freed))
+        try:
+            peer.send("freed", int(freed))
+        except OSError:
+            # The sender closed its end after posting (KVSender.close after a flush): it
+            # needs no frees, and the batches it posted before closing are still read and
+            # applied here; the end of the stream then ends the connection.
+            pass
 
     def close(self) -> None:
         """Stops serving (`LocalEndpoint.close`), then removes the rings of connections
