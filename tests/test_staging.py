@@ -34,15 +34,19 @@ BLOCKS = 6  # blocks per request
 CAPACITY = 8  # ring slots: one request's write fits, two do not
 
 
-def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any) -> None:
+def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any, device: str) -> None:
     """A sender at the transport level: ``write`` stages one request's blocks (copy
     finished, notice not posted), ``post`` posts it, ``drive`` runs requests through a
     `KVSender`. Replies are plain data."""
     from kvferry.engine import ThreadCopyEngine
     from kvferry.sender import KVSender
 
-    src = random_pool(seed)
-    engine = ThreadCopyEngine()
+    src = random_pool(seed, device)
+    engine: Any = ThreadCopyEngine()
+    if device == "cuda":
+        from kvferry.engine import CudaCopyEngine
+
+        engine = CudaCopyEngine(torch.device("cuda"))
     transport = StagingTransport(address, authkey=authkey)
     conn.send(("ready", transport.ring_name))
     staged: list[Notice] = []
@@ -60,7 +64,7 @@ def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any)
             conn.send(("posted", None))
         elif command == "drive":
             (requests,) = args  # (rid, epoch, prompt, src row, dst row) each
-            sender = KVSender(src, transport, timeout=SLACK)
+            sender = KVSender(src, transport, engine=engine, timeout=SLACK)
             for rid, epoch, prompt, _, _ in requests:
                 sender.add(rid, prompt, epoch=epoch)
             conn.send(("added", None))
@@ -88,10 +92,10 @@ def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any)
 class Sender:
     """The test's handle on one sender process."""
 
-    def __init__(self, ctx: Any, address: str, authkey: bytes, seed: int, go: Any = None) -> None:
+    def __init__(self, ctx: Any, address: str, authkey: bytes, seed: int, go: Any = None, device: str = "cpu") -> None:
         self.seed = seed
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_sender_process, args=(child, address, authkey, seed, go), daemon=True)
+        self.proc = ctx.Process(target=_sender_process, args=(child, address, authkey, seed, go, device), daemon=True)
         self.proc.start()
         self.ring_name = self.expect("ready")
 
@@ -115,9 +119,16 @@ class Sender:
         self.proc.join(timeout=SLACK)
 
 
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
 @pytest.fixture
-def staging() -> Iterator[tuple[KVReceiver, StagingEndpoint, bytes, Any]]:
-    receiver = KVReceiver(nan_pool())
+def staging(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, StagingEndpoint, bytes, Any]]:
+    """A receiver over a NaN-poisoned pool on the test's ``device`` parameter (CPU when it
+    has none), its staging endpoint, the key, the spawn context."""
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device", "cpu") if callspec is not None else "cpu"
+    receiver = KVReceiver(nan_pool(device))
     authkey = secrets.token_bytes(32)
     endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY)
     try:
@@ -127,7 +138,7 @@ def staging() -> Iterator[tuple[KVReceiver, StagingEndpoint, bytes, Any]]:
 
 
 def _blocks(pool: PagedKV, ids: np.ndarray) -> list[torch.Tensor]:
-    return [layer[torch.from_numpy(ids)] for layer in pool.layers]
+    return [layer[torch.from_numpy(ids).to(layer.device)].cpu() for layer in pool.layers]
 
 
 def _check_bit_exact(receiver: KVReceiver, rid: int, seed: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
@@ -138,14 +149,15 @@ def _check_bit_exact(receiver: KVReceiver, rid: int, seed: int, src_ids: np.ndar
     assert len(receiver.notices(rid)) == 1
 
 
+@DEVICES
 @pytest.mark.parametrize("senders", [2, 3])
-def test_senders_staging_before_any_posts_land_every_block_bit_exact(staging: Any, senders: int) -> None:
+def test_senders_staging_before_any_posts_land_every_block_bit_exact(staging: Any, senders: int, device: str) -> None:
     """Every sender stages a write (its device-to-host copy finished) before any of them
     posts, then they post in reverse order. Sharing one ring, each sender's first write
     took slots [0, 6), so every request but the last staged got the last one's bytes
     (fails on the single-ring endpoint); with a ring per connection each lands exact."""
     receiver, endpoint, authkey, ctx = staging
-    procs = [Sender(ctx, endpoint.address, authkey, seed=10 + i) for i in range(senders)]
+    procs = [Sender(ctx, endpoint.address, authkey, seed=10 + i, device=device) for i in range(senders)]
     try:
         rows = []
         for i, proc in enumerate(procs):
@@ -169,14 +181,15 @@ def test_senders_staging_before_any_posts_land_every_block_bit_exact(staging: An
                 proc.proc.kill()
 
 
+@DEVICES
 @pytest.mark.parametrize("senders", [2, 3])
-def test_concurrent_kvsenders_through_one_endpoint_bit_exact(staging: Any, senders: int) -> None:
+def test_concurrent_kvsenders_through_one_endpoint_bit_exact(staging: Any, senders: int, device: str) -> None:
     """Several `KVSender`s, started together, each streams two requests of 12 blocks in
     two-block chunks through its 8-slot ring (wrap-arounds and waits for frees) while the
     others do: every block arrives bit exact, every notice once."""
     receiver, endpoint, authkey, ctx = staging
     go = ctx.Event()
-    procs = [Sender(ctx, endpoint.address, authkey, seed=20 + i, go=go) for i in range(senders)]
+    procs = [Sender(ctx, endpoint.address, authkey, seed=20 + i, go=go, device=device) for i in range(senders)]
     dst_perm, expected = np.random.default_rng(5).permutation(SHAPE[0]), []  # distinct destinations, interleaved
     try:
         for i, proc in enumerate(procs):
