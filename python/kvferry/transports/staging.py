@@ -90,10 +90,14 @@ class _Ring:
         try:
             assert self.shared.pool is not None
             self._unpin = _pin(self.shared.pool)
+            try:
+                self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+            except BaseException:
+                self._unpin()
+                raise
         except BaseException:
             self.shared.close()
             raise
-        self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.capacity = capacity
 
     @property
@@ -103,12 +107,14 @@ class _Ring:
     def close(self) -> None:
         """Waits for copies still reading the ring (a batch that failed half way), then
         unpins, unmaps and unlinks it. A sender still mapping it keeps its own mapping."""
-        if self.stream is not None:
-            self.stream.synchronize()
         try:
-            self._unpin()
+            if self.stream is not None:
+                self.stream.synchronize()
         finally:
-            self.shared.close()
+            try:
+                self._unpin()
+            finally:
+                self.shared.close()
 
 
 class _Refused(EOFError):
