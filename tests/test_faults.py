@@ -130,7 +130,8 @@ def generation_worker(conn: Any, authkey: bytes, kind: str) -> None:
 
         receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
         endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
-        segment = endpoint.ring.descriptor["name"]
+        # Each sender's ring is created when it connects: the test adds their names
+        # (`StagingTransport.ring_name`) to `Generation.segments`.
     else:
         from kvferry.transports.nixl import NixlEndpoint
 
@@ -190,7 +191,8 @@ class Generation:
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=generation_worker, args=(child, self.authkey, kind), daemon=True)
         self.proc.start()
-        _, self.address, self.segment, self.pid = self.recv()
+        _, self.address, segment, self.pid = self.recv()
+        self.segments: list[str] = [] if segment is None else [segment]  # a kill leaves these behind
 
     def recv(self) -> Any:
         return reply_from(self._conn, self.proc, "generation worker")
@@ -214,14 +216,14 @@ class Generation:
             self.unlink_orphans()
 
     def unlink_orphans(self) -> None:
-        """A killed worker leaves its segment behind: remove it as its owner would have."""
-        if self.segment is not None:
-            from kvferry.transports.shm import _attach_untracked
+        """A killed worker leaves its segments behind: remove them as their owner would have."""
+        from kvferry.transports.shm import _attach_untracked
 
+        for name in self.segments:
             try:
-                segment = _attach_untracked(self.segment)
+                segment = _attach_untracked(name)
             except FileNotFoundError:
-                return
+                continue
             segment.close()
             segment.unlink()
 
@@ -390,6 +392,8 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
         engine = GatedEngine()
         timeout = 5.0
         transport = (ShmTransport if kind == "shm" else StagingTransport)(gen.address, authkey=gen.authkey)
+        if isinstance(transport, StagingTransport):
+            gen.segments.append(transport.ring_name)
         sender = KVSender(src, transport, engine=engine, timeout=timeout, progress=progress)
         rows = {rid: (src_blocks.take(6), gen.call("expect", rid, 24)) for rid in (1, 2)}
         for rid in rows:

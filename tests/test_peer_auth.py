@@ -68,7 +68,7 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         challenge = _recv_exact(raw, wire.HEADER.size + 1 + wire.NONCE_BYTES)
         magic, version, kind, length = wire.HEADER.unpack(challenge[: wire.HEADER.size])
         assert (magic, version, kind, length) == (wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 + wire.NONCE_BYTES)
-        assert challenge[wire.HEADER.size] == wire.ROLE_ENDPOINT and gen.segment.encode() not in challenge
+        assert challenge[wire.HEADER.size] == wire.ROLE_ENDPOINT and gen.segments[0].encode() not in challenge
         mine = secrets.token_bytes(wire.NONCE_BYTES)
         raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 33) + bytes([wire.ROLE_SENDER]) + mine)
         raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.PROOF, 32) + b"\0" * 32)  # a wrong proof
@@ -161,9 +161,14 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
 
     pools = [SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB) for _ in range(8)]
     receiver = KVReceiver(random_pool(0))
-    staging = StagingEndpoint(receiver, authkey=secrets.token_bytes(32), capacity_blocks=4)
+    from kvferry.transports.staging import StagingTransport
+
+    authkey = secrets.token_bytes(32)
+    staging = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=4)
+    senders = [StagingTransport(staging.address, authkey=authkey) for _ in range(2)]  # a ring each
     try:
-        names = [p.descriptor["name"] for p in pools] + [staging.ring.descriptor["name"]]
+        names = [p.descriptor["name"] for p in pools] + [s.ring_name for s in senders]
+        assert sorted(staging.ring_names()) == sorted(s.ring_name for s in senders)
         assert all(SEGMENT_NAME.fullmatch(n) for n in names), names
         assert len(set(names)) == len(names)
         assert len({n[8:16] for n in names}) == len(names)  # no shared prefix: not a counter
@@ -174,6 +179,8 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert re.fullmatch(r"kvferry-\w{8,}", os.path.basename(directory))
     finally:
+        for s in senders:
+            s.close()
         staging.close()
         for p in pools:
             p.close()

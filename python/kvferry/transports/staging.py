@@ -5,10 +5,18 @@ sender (CUDA pool)                    shared pinned host ring              recei
 gather blocks, device-to-host  --->   slots [lo, lo+n) of every layer ---> host-to-device, scatter
 on the copy stream                    notice + slots + dst ids (socket)    then deliver; free slots
 ```
-The ring lives in POSIX shared memory (kvferry.transports.shm) and is page-locked in both processes, so
-both copies run at PCIe speed. Slots are freed in order by the receiver once its
-host-to-device copy finished; a sender that finds the ring full waits (bounded) for frees.
-CPU pools work too (no pinning): that is how CI exercises the protocol.
+Every connected sender has a ring of its own: the endpoint creates it when the sender's
+handshake succeeds, names it (128 random bits) in that sender's hello only, and removes it
+when the connection ends; the sender's slot accounting is then the whole truth about its
+ring, and two senders can never write the same slots. A ring lives in POSIX shared memory
+(kvferry.transports.shm) and is page-locked in both processes, so both copies run at PCIe
+speed. Slots are freed in order by the receiver once its host-to-device copy finished; a
+sender that finds its ring full waits (bounded) for frees. CPU pools work too (no
+pinning): that is how CI exercises the protocol.
+
+The cost is memory per connection: ``capacity_blocks`` blocks of every layer for each
+connected sender (``StagingEndpoint.ring_bytes``), so ``max_senders`` bounds how many are
+served at once and one more is refused by name.
 
 Here the receiver applies every write itself, so it also checks each one: the blocks of a
 notice the receiver would not take (a stale epoch, a request cancelled here or revoked by
@@ -19,7 +27,8 @@ the sender knew when it posted them.
 from __future__ import annotations
 
 import contextlib
-from typing import AbstractSet, Any, Callable, Optional, Sequence
+import threading
+from typing import AbstractSet, Any, Callable, NoReturn, Optional, Sequence
 
 import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
@@ -66,53 +75,177 @@ def _staging_shape(geometry: dict[str, Any], capacity: int) -> tuple[int, int, i
     return (int(geometry["segments"]), capacity, int(geometry["segment_bytes"]))
 
 
-class StagingEndpoint(LocalEndpoint):
-    """The receiver's side: owns the ring, moves each arriving batch from it into the pool,
-    then delivers the batch's notices and frees its slots."""
+class _Ring:
+    """One connection's staging ring: a shared-memory segment of ``capacity`` block slots
+    (a fresh 128-bit name), page-locked on a CUDA host, and the stream its host-to-device
+    copies run on. Only its connection's thread copies from it."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int, **options: Any) -> None:
-        if capacity_blocks <= 0:
-            raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks}: must be > 0")
-        pool = receiver.pool
-        geometry = pool.geometry()
-        self.ring = SharedPool.create(
+    def __init__(self, pool: PagedKV, capacity: int) -> None:
+        self.shared = SharedPool.create(
             num_layers=pool.num_layers,
-            shape=_staging_shape(geometry, capacity_blocks),
+            shape=_staging_shape(pool.geometry(), capacity),
             dtype=torch.uint8,
             tokens_per_block=pool.tokens_per_block,
             block_dim=1,
         )
-        assert self.ring.pool is not None
-        self._unpin = _pin(self.ring.pool)
-        self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        self.capacity = capacity_blocks
-        hello = pool_hello(pool, "staging", segment=self.ring.descriptor, capacity=capacity_blocks)
         try:
-            super().__init__(receiver, hello, authkey=authkey, **options)
+            assert self.shared.pool is not None
+            self._unpin = _pin(self.shared.pool)
+            try:
+                self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+            except BaseException:
+                self._unpin()
+                raise
         except BaseException:
-            self._unpin()
-            self.ring.close()
+            self.shared.close()
             raise
+        self.capacity = capacity
+
+    @property
+    def name(self) -> str:
+        return str(self.shared.descriptor["name"])
+
+    def close(self) -> None:
+        """Waits for copies still reading the ring (a batch that failed half way), then
+        unpins, unmaps and unlinks it. A sender still mapping it keeps its own mapping."""
+        try:
+            if self.stream is not None:
+                self.stream.synchronize()
+        finally:
+            try:
+                self._unpin()
+            finally:
+                self.shared.close()
+
+
+class _Refused(EOFError):
+    """Ends a connection the endpoint turned away after its goodbye (not a protocol error)."""
+
+
+# How many senders one staging endpoint serves at once unless told otherwise: each holds its
+# own ring of ``capacity_blocks`` blocks (see `StagingEndpoint`).
+DEFAULT_MAX_SENDERS = 16
+
+
+class StagingEndpoint(LocalEndpoint):
+    """The receiver's side: gives every authenticated sender its own ring, moves each
+    arriving batch from that sender's ring into the pool, then delivers the batch's notices
+    and frees its slots.
+
+    A ring is created when a sender's handshake succeeds (its descriptor goes in that
+    sender's hello only) and is unlinked when its connection ends, by the connection's own
+    thread, after every batch it posted was applied or dropped: no two senders ever share
+    slots, and a sender that dies leaves no segment behind. Memory: each connected sender
+    costs ``capacity_blocks`` x the pool's block bytes (every layer) of shared memory, page-
+    locked on a CUDA host. ``max_senders`` bounds the connections served at once (default
+    `DEFAULT_MAX_SENDERS`); one more is refused after its handshake with a goodbye naming
+    the bound, and changes nothing."""
+
+    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int, max_senders: int = DEFAULT_MAX_SENDERS, **options: Any) -> None:
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
+            raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks!r}: must be an int > 0")
+        if isinstance(max_senders, bool) or not isinstance(max_senders, int) or max_senders <= 0:
+            raise InvalidArgumentError(f"invalid max_senders={max_senders!r}: must be an int > 0")
+        pool = self._pool = receiver.pool
+        self.capacity = capacity_blocks
+        self.max_senders = max_senders
+        self.ring_bytes = pool.num_layers * pool.segments * pool.segment_bytes * capacity_blocks  # per connected sender
+        self._rings: dict[Any, _Ring] = {}  # by connection
+        self._opening = 0  # rings being created (they count against max_senders)
+        self._rings_lock = threading.Lock()
+        self._rings_closed = False
+        # The hello is checked by the codec here, with a stand-in ring name, so a pool the
+        # codec cannot describe is refused now rather than at the first connection.
+        wire.frame("hello", self._hello_fields({"name": "kvferry-" + "0" * 32, "num_layers": pool.num_layers, "shape": list(_staging_shape(pool.geometry(), capacity_blocks)), "dtype": str(torch.uint8), "tokens_per_block": pool.tokens_per_block, "block_dim": 1}))
+        super().__init__(receiver, self._open_ring, authkey=authkey, **options)
+
+    def _hello_fields(self, segment: dict[str, Any]) -> dict[str, Any]:
+        return pool_hello(self._pool, "staging", segment=segment, capacity=self.capacity)
+
+    def _open_ring(self) -> dict[str, Any]:
+        """The hello of the connection whose thread runs this: creates its ring."""
+        peer = getattr(self._local, "peer", None)
+        assert peer is not None, "called off a connection thread"
+        with self._rings_lock:
+            if self._rings_closed:
+                raise _Refused("the endpoint is closing")
+            if len(self._rings) + self._opening >= self.max_senders:
+                refusal = f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders), each with its own ring of {self.capacity} blocks ({self.ring_bytes} bytes)"
+                full = True
+            else:
+                self._opening += 1
+                full = False
+        if full:
+            self._refuse(peer, refusal)
+        try:
+            ring = _Ring(self._pool, self.capacity)
+        except Exception as err:  # no memory for it (shared memory, page-locking): this peer only
+            with self._rings_lock:
+                self._opening -= 1
+            self._refuse(peer, f"refused: the receiver could not create a staging ring of {self.ring_bytes} bytes for it: {err!r}")
+        except BaseException:
+            with self._rings_lock:
+                self._opening -= 1
+            raise
+        with self._rings_lock:
+            self._opening -= 1
+            closed = self._rings_closed
+            if not closed:
+                self._rings[peer] = ring
+        if closed:
+            ring.close()
+            raise _Refused("the endpoint is closing")
+        return self._hello_fields(ring.shared.descriptor)
+
+    def _refuse(self, peer: Any, reason: str) -> NoReturn:
+        """Turns an authenticated peer away before its hello: recorded, said in a goodbye
+        (the sender's constructor raises it), and its connection ends owning nothing."""
+        self._record(TransferError(f"{peer}: {reason}", peer=str(peer)))
+        if peer.channel is not None:
+            peer.channel.goodbye(reason)
+        raise _Refused(reason)
+
+    def ring_names(self) -> list[str]:
+        """The shared-memory names of the rings of the senders connected now."""
+        with self._rings_lock:
+            return [ring.name for ring in self._rings.values()]
+
+    def _close_ring(self, peer: Any) -> None:
+        with self._rings_lock:
+            ring = self._rings.pop(peer, None)
+        if ring is not None:
+            ring.close()
+
+    def lost(self, peer: Any, reason: str) -> None:
+        """The connection's thread has returned from its last batch: nothing reads its ring
+        any more, so the ring goes first, then the sender's requests fail (`LocalEndpoint`)."""
+        try:
+            self._close_ring(peer)
+        finally:
+            super().lost(peer, reason)
 
     def dispatch(self, peer: Any, kind: str, value: Any) -> None:
         if kind == "staged":
-            self.stage(*value)
+            with self._rings_lock:
+                ring = self._rings.get(peer)
+            assert ring is not None, "a staged batch on a connection without its ring"
+            self.stage(ring, *value)
         else:
             super().dispatch(peer, kind, value)
 
-    def stage(self, wire_notices: list[Any], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray) -> None:
-        """Ring slots from ``lo`` hold a batch of ``len(dst_ids)`` blocks (or more, of which
-        those at ``picked`` go), the blocks of ``notices`` in order; ``freed`` slots are
-        returned to the sender afterwards. The codec checked the counts (one destination id
-        per block the notices cover, ``picked`` increasing); here every slot and id is
-        checked against the ring and the pool before anything is copied. Blocks of a notice
-        the receiver does not admit, or whose destination ids are not its lease's, are
-        skipped (the latter is then refused and ends the connection)."""
+    def stage(self, staging: _Ring, wire_notices: list[Any], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray) -> None:
+        """Slots of the sender's own ring from ``lo`` hold a batch of ``len(dst_ids)`` blocks
+        (or more, of which those at ``picked`` go), the blocks of ``notices`` in order;
+        ``freed`` slots are returned to the sender afterwards. The codec checked the counts
+        (one destination id per block the notices cover, ``picked`` increasing); here every
+        slot and id is checked against the ring and the pool before anything is copied.
+        Blocks of a notice the receiver does not admit, or whose destination ids are not its
+        lease's, are skipped (the latter is then refused and ends the connection)."""
         notices = self.notices(wire_notices)
         lengths = np.array([n.end - n.start for n in notices], dtype=np.int64)
         n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
-        if lo + n > self.capacity or freed > self.capacity:
-            raise wire.ProtocolError(f"invalid staging batch: slots [{lo}, {lo + n}) and {freed} freed in a ring of {self.capacity}")
+        if lo + n > staging.capacity or freed > staging.capacity:
+            raise wire.ProtocolError(f"invalid staging batch: slots [{lo}, {lo + n}) and {freed} freed in a ring of {staging.capacity}")
         if len(dst_ids) and int(dst_ids.max()) >= self.receiver.pool.num_blocks:
             raise wire.ProtocolError(f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's {self.receiver.pool.num_blocks}")
         source = self.current_source()
@@ -124,7 +257,7 @@ class StagingEndpoint(LocalEndpoint):
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
             dst_ids = dst_ids[keep]
-        ring, pool = self.ring.pool, self.receiver.pool
+        ring, pool = staging.shared.pool, self.receiver.pool
         assert ring is not None
         groups = {(n.group, n.groups) for n in notices}
         if len(groups) > 1:
@@ -133,26 +266,39 @@ class StagingEndpoint(LocalEndpoint):
             layers = pool.group_layers(notices[0].group, notices[0].groups)
             ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
         if len(dst_ids):
+            stream = staging.stream
             ids = torch.from_numpy(np.asarray(dst_ids, dtype=np.int64)).to(pool.device)
             pick = None if picked is None else torch.from_numpy(np.asarray(picked, dtype=np.int64)).to(pool.device)
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for staged, layer in zip(ring.layers, pool.segment_views(torch.uint8)):
                     batch = staged[:, lo : lo + n].to(pool.device, non_blocking=True)
                     layer.index_copy_(1, ids, batch if pick is None else batch.index_select(1, pick))
-            if self._stream is not None:
-                self._stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
         self.deliver(notices, source, dst_ids=named)
         self._reply(freed)  # these slots are free again
 
     def _reply(self, freed: int) -> None:
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
-        peer.send("freed", int(freed))
+        try:
+            peer.send("freed", int(freed))
+        except OSError:
+            # The sender closed its end after posting (KVSender.close after a flush): it
+            # needs no frees, and the batches it posted before closing are still read and
+            # applied here; the end of the stream then ends the connection.
+            pass
 
     def close(self) -> None:
+        """Stops serving (`LocalEndpoint.close`), then removes the rings of connections
+        whose threads ended; a thread that outlived the join removes its own on its way out."""
+        with self._rings_lock:
+            self._rings_closed = True  # no ring is created from here on
         super().close()
-        self._unpin()
-        self.ring.close()
+        with self._rings_lock:
+            done = [peer for peer in self._rings if peer.thread is None or not peer.thread.is_alive()]
+        for peer in done:
+            self._close_ring(peer)
 
 
 class StagingTransport(LocalTransport):
@@ -173,6 +319,7 @@ class StagingTransport(LocalTransport):
             raise TransferError(f"the receiver serves a {hello['kind']} pool, not a staging ring")
         ring = SharedPool.attach(hello["segment"])
         assert ring.pool is not None
+        self.ring_name = str(hello["segment"]["name"])  # this connection's own ring
         self._geometry = hello["geometry"]
         self.capacity = int(hello["capacity"])
         self._remote_blocks = int(hello["num_blocks"])

@@ -1,0 +1,340 @@
+"""The staging endpoint with several senders: each connection has a ring of its own.
+
+The receiver (a `StagingEndpoint` over a NaN-poisoned CPU pool) lives in the test process;
+every sender is a spawned process driven by commands over a pipe, so the test forces the
+order of their writes and posts (no sleeps). What is checked: two or three senders whose
+writes are all staged before any is posted land every block bit exact, exactly once (one
+shared ring gave them the same slots: the last write won); concurrent `KVSender`s through
+one endpoint; a sender killed with a staged write leaves no segment in /dev/shm and the
+endpoint serves the others on; ``max_senders`` refuses one more by name.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.errors import InvalidArgumentError, TransferError
+from kvferry.layout import PagedKV
+from kvferry.notice import Notice
+from kvferry.receiver import KVReceiver
+from kvferry.transports.staging import StagingEndpoint, StagingTransport
+
+from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
+
+SLACK = 30.0
+BLOCKS = 6  # blocks per request
+CAPACITY = 8  # ring slots: one request's write fits, two do not
+
+
+def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any, device: str) -> None:
+    """A sender at the transport level: ``write`` stages one request's blocks (copy
+    finished, notice not posted), ``post`` posts it, ``drive`` runs requests through a
+    `KVSender`. Replies are plain data."""
+    from kvferry.engine import ThreadCopyEngine
+    from kvferry.sender import KVSender
+
+    src = random_pool(seed, device)
+    engine: Any = ThreadCopyEngine()
+    if device == "cuda":
+        from kvferry.engine import CudaCopyEngine
+
+        engine = CudaCopyEngine(torch.device("cuda"))
+    transport = StagingTransport(address, authkey=authkey)
+    conn.send(("ready", transport.ring_name))
+    staged: list[Notice] = []
+    while True:
+        command, *args = conn.recv()
+        if command == "write":
+            rid, epoch, src_ids, dst_ids = args
+            notice = Notice(rid, 0, 0, len(dst_ids), True, epoch)
+            transport.announce([(rid, epoch)])
+            done = transport.write(engine, src, np.asarray(src_ids), np.asarray(dst_ids), [notice]).wait(SLACK)
+            staged.append(notice)
+            conn.send(("written", bool(done)))
+        elif command == "post":
+            transport.post([staged.pop(0)])
+            conn.send(("posted", None))
+        elif command == "drive":
+            (requests,) = args  # (rid, epoch, prompt, src row, dst row) each
+            sender = KVSender(src, transport, engine=engine, timeout=SLACK)
+            for rid, epoch, prompt, _, _ in requests:
+                sender.add(rid, prompt, epoch=epoch)
+            conn.send(("added", None))
+            go.wait(SLACK)  # every sender starts its sends together
+            src_t = np.array([r[3] for r in requests])
+            dst_t = np.array([r[4] for r in requests])
+            ids = np.array([r[0] for r in requests])
+            prompt = requests[0][2]
+            for start in range(0, prompt, 2 * TPB):  # chunks of two blocks: many staged batches
+                end = min(start + 2 * TPB, prompt)
+                sender.send_chunks(ids, np.full(len(ids), start), np.full(len(ids), end), src_t, dst_t)
+                sender.poll()
+            sender.flush(timeout=SLACK)
+            sender.close()
+            engine.close()
+            conn.send(("driven", None))
+            return
+        elif command == "close":
+            transport.close()
+            engine.close()
+            conn.send(("closed", None))
+            return
+
+
+class Sender:
+    """The test's handle on one sender process."""
+
+    def __init__(self, ctx: Any, address: str, authkey: bytes, seed: int, go: Any = None, device: str = "cpu") -> None:
+        self.seed = seed
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_sender_process, args=(child, address, authkey, seed, go, device), daemon=True)
+        self.proc.start()
+        self.ring_name = self.expect("ready")
+
+    def expect(self, what: str) -> Any:
+        assert self._conn.poll(SLACK), f"sender {self.seed} did not answer ({what})"
+        kind, value = self._conn.recv()
+        assert kind == what, (kind, value)
+        return value
+
+    def call(self, reply: str, *message: Any) -> Any:
+        self._conn.send(message)
+        return self.expect(reply)
+
+    def close(self) -> None:
+        self.call("closed", "close")
+        self.proc.join(timeout=SLACK)
+        assert self.proc.exitcode == 0
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.proc.join(timeout=SLACK)
+
+
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
+@pytest.fixture
+def staging(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, StagingEndpoint, bytes, Any]]:
+    """A receiver over a NaN-poisoned pool on the test's ``device`` parameter (CPU when it
+    has none), its staging endpoint, the key, the spawn context."""
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device", "cpu") if callspec is not None else "cpu"
+    receiver = KVReceiver(nan_pool(device))
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY)
+    try:
+        yield receiver, endpoint, authkey, mp.get_context("spawn")
+    finally:
+        endpoint.close()
+
+
+def _blocks(pool: PagedKV, ids: np.ndarray) -> list[torch.Tensor]:
+    return [layer[torch.from_numpy(ids).to(layer.device)].cpu() for layer in pool.layers]
+
+
+def _check_bit_exact(receiver: KVReceiver, rid: int, seed: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """Every block of the request holds its sender's bytes (NaN-poisoned blocks differ from
+    any bytes a write could leave); its one notice arrived once."""
+    for got, want in zip(_blocks(receiver.pool, dst_ids), _blocks(random_pool(seed), src_ids)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"request {rid}: blocks differ from sender {seed}'s"
+    assert len(receiver.notices(rid)) == 1
+
+
+@DEVICES
+@pytest.mark.parametrize("senders", [2, 3])
+def test_senders_staging_before_any_posts_land_every_block_bit_exact(staging: Any, senders: int, device: str) -> None:
+    """Every sender stages a write (its device-to-host copy finished) before any of them
+    posts, then they post in reverse order. Sharing one ring, each sender's first write
+    took slots [0, 6), so every request but the last staged got the last one's bytes
+    (fails on the single-ring endpoint); with a ring per connection each lands exact."""
+    receiver, endpoint, authkey, ctx = staging
+    procs = [Sender(ctx, endpoint.address, authkey, seed=10 + i, device=device) for i in range(senders)]
+    try:
+        rows = []
+        for i, proc in enumerate(procs):
+            rid = 100 + i
+            dst_ids = np.arange(BLOCKS) + i * BLOCKS + 3  # distinct destination blocks
+            src_ids = np.arange(BLOCKS) + 2 * i  # and differing sources
+            epoch = receiver.expect(rid, BLOCKS * TPB, dst_blocks=dst_ids)
+            assert proc.call("written", "write", rid, epoch, src_ids, dst_ids)
+            rows.append((rid, proc, src_ids, dst_ids))
+        for _, proc, _, _ in reversed(rows):
+            proc.call("posted", "post")
+        for rid, proc, src_ids, dst_ids in rows:
+            receiver.wait(rid, timeout=SLACK)
+            _check_bit_exact(receiver, rid, proc.seed, src_ids, dst_ids)
+            assert receiver.release(rid).is_complete
+        for proc in procs:
+            proc.close()
+    finally:
+        for proc in procs:
+            if proc.proc.is_alive():
+                proc.proc.kill()
+
+
+@DEVICES
+@pytest.mark.parametrize("senders", [2, 3])
+def test_concurrent_kvsenders_through_one_endpoint_bit_exact(staging: Any, senders: int, device: str) -> None:
+    """Several `KVSender`s, started together, each streams two requests of 12 blocks in
+    two-block chunks through its 8-slot ring (wrap-arounds and waits for frees) while the
+    others do: every block arrives bit exact, every notice once."""
+    receiver, endpoint, authkey, ctx = staging
+    go = ctx.Event()
+    procs = [Sender(ctx, endpoint.address, authkey, seed=20 + i, go=go, device=device) for i in range(senders)]
+    dst_perm, expected = np.random.default_rng(5).permutation(SHAPE[0]), []  # distinct destinations, interleaved
+    try:
+        for i, proc in enumerate(procs):
+            requests = []
+            for k in range(2):
+                rid, j = 200 + 10 * i + k, 2 * i + k
+                dst, src = dst_perm[12 * j : 12 * j + 12], np.arange(12 * k, 12 * k + 12) + i
+                requests.append((rid, receiver.expect(rid, 12 * TPB, dst_blocks=dst), 12 * TPB, src, dst))
+                expected.append((rid, proc.seed, src, dst))
+            proc.call("added", "drive", requests)
+        go.set()
+        for proc in procs:
+            proc.expect("driven")
+            proc.proc.join(timeout=SLACK)
+            assert proc.proc.exitcode == 0
+        for rid, seed, src, dst in expected:
+            receiver.wait(rid, timeout=SLACK)
+            for got, want in zip(_blocks(receiver.pool, dst), _blocks(random_pool(seed), src)):
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"request {rid}"
+            notices = receiver.notices(rid)
+            covered = np.zeros(12, dtype=np.int64)
+            for n in notices:
+                covered[n.start : n.end] += 1
+            assert (covered == 1).all(), (rid, covered.tolist())  # every block exactly once
+    finally:
+        for proc in procs:
+            if proc.proc.is_alive():
+                proc.proc.kill()
+
+
+def test_batches_posted_before_the_sender_closed_all_land() -> None:
+    """A sender posts two staged batches and closes its transport before the endpoint
+    handled the first (held at a gate): replying with the first batch's frees then finds
+    the sender's end closed, and the second batch must still be applied (it was posted
+    before the close), not lost with the connection."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated(StagingEndpoint):
+        def stage(self, *args: Any) -> None:
+            assert gate.wait(SLACK), "the gate was never opened"
+            super().stage(*args)
+
+    receiver = KVReceiver(nan_pool())
+    authkey = secrets.token_bytes(32)
+    endpoint = Gated(receiver, authkey=authkey, capacity_blocks=CAPACITY)
+    proc = Sender(mp.get_context("spawn"), endpoint.address, authkey, seed=40)
+    try:
+        rows = [(1, np.arange(3), np.arange(3) + 30), (2, np.arange(3) + 3, np.arange(3) + 40)]
+        for rid, src_ids, dst_ids in rows:
+            epoch = receiver.expect(rid, 3 * TPB, dst_blocks=dst_ids)
+            assert proc.call("written", "write", rid, epoch, src_ids, dst_ids)
+        for _ in rows:
+            proc.call("posted", "post")
+        proc.close()  # the sender's end is closed before the endpoint takes the first batch
+        gate.set()
+        for rid, src_ids, dst_ids in rows:
+            receiver.wait(rid, timeout=SLACK)
+            _check_bit_exact(receiver, rid, proc.seed, src_ids, dst_ids)
+    finally:
+        gate.set()
+        if proc.proc.is_alive():
+            proc.proc.kill()
+        endpoint.close()
+    assert not os.path.exists(f"/dev/shm/{proc.ring_name}")
+
+
+def test_a_killed_sender_leaves_no_ring_and_the_others_are_served(staging: Any) -> None:
+    """A sender killed with a write staged and not posted: its connection's end removes its
+    ring (gone from /dev/shm by the time its request fails), the other sender's staged write
+    still lands exact, and a sender connecting afterwards gets a fresh ring and is served."""
+    receiver, endpoint, authkey, ctx = staging
+    doomed, survivor = Sender(ctx, endpoint.address, authkey, seed=30), Sender(ctx, endpoint.address, authkey, seed=31)
+    late = None
+    try:
+        assert doomed.ring_name != survivor.ring_name
+        assert sorted(endpoint.ring_names()) == sorted([doomed.ring_name, survivor.ring_name])
+        assert os.path.exists(f"/dev/shm/{doomed.ring_name}")
+        e1 = receiver.expect(1, BLOCKS * TPB, dst_blocks=np.arange(BLOCKS))
+        e2 = receiver.expect(2, BLOCKS * TPB, dst_blocks=np.arange(BLOCKS) + 10)
+        assert doomed.call("written", "write", 1, e1, np.arange(BLOCKS), np.arange(BLOCKS))
+        assert survivor.call("written", "write", 2, e2, np.arange(BLOCKS), np.arange(BLOCKS) + 10)
+        doomed.kill()
+        with pytest.raises(TransferError, match="went away"):
+            receiver.wait(1, timeout=SLACK)  # the ring is removed before the requests fail
+        assert not os.path.exists(f"/dev/shm/{doomed.ring_name}")
+        assert endpoint.ring_names() == [survivor.ring_name]
+        receiver.release(1, timeout=SLACK)  # fenced by the connection's end: released at once
+        for layer in receiver.pool.layers:
+            assert torch.isnan(layer[:BLOCKS]).all()  # nothing of the dead sender's batch landed
+        survivor.call("posted", "post")
+        receiver.wait(2, timeout=SLACK)
+        _check_bit_exact(receiver, 2, survivor.seed, np.arange(BLOCKS), np.arange(BLOCKS) + 10)
+
+        late = Sender(ctx, endpoint.address, authkey, seed=32)
+        assert late.ring_name not in (doomed.ring_name, survivor.ring_name)
+        e3 = receiver.expect(3, BLOCKS * TPB, dst_blocks=np.arange(BLOCKS) + 20)
+        assert late.call("written", "write", 3, e3, np.arange(BLOCKS) + 1, np.arange(BLOCKS) + 20)
+        late.call("posted", "post")
+        receiver.wait(3, timeout=SLACK)
+        _check_bit_exact(receiver, 3, late.seed, np.arange(BLOCKS) + 1, np.arange(BLOCKS) + 20)
+        survivor.close()
+        late.close()
+    finally:
+        for proc in (doomed, survivor, late):
+            if proc is not None and proc.proc.is_alive():
+                proc.proc.kill()
+    names = [doomed.ring_name, survivor.ring_name, late.ring_name]
+    endpoint.close()  # joins the connection threads: every ring is gone
+    assert endpoint.ring_names() == []
+    assert [n for n in names if os.path.exists(f"/dev/shm/{n}")] == []
+
+
+def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
+    """With ``max_senders=2`` a third sender is refused after its handshake, by a goodbye
+    naming the bound and the ring's cost (recorded at the endpoint); it creates no ring.
+    Once a connected sender's connection ended, a new one is served."""
+    receiver = KVReceiver(nan_pool())
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY, max_senders=2)
+    try:
+        assert endpoint.ring_bytes == CAPACITY * LAYERS * receiver.pool.block_bytes
+        first, second = StagingTransport(endpoint.address, authkey=authkey), StagingTransport(endpoint.address, authkey=authkey)
+        with pytest.raises(TransferError, match=f"refused the connection: refused: this staging endpoint serves at most 2 senders at once \\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)"):
+            StagingTransport(endpoint.address, authkey=authkey)
+        assert any("at most 2 senders" in str(e) for e in endpoint.errors)
+        assert sorted(endpoint.ring_names()) == sorted([first.ring_name, second.ring_name])
+        e = receiver.expect(7, TPB)
+        first.announce([(7, e)])
+        first.close()
+        with pytest.raises(TransferError, match="went away"):
+            receiver.wait(7, timeout=SLACK)  # its connection ended: its ring is gone, its place free
+        assert endpoint.ring_names() == [second.ring_name]
+        third = StagingTransport(endpoint.address, authkey=authkey)
+        assert sorted(endpoint.ring_names()) == sorted([second.ring_name, third.ring_name])
+        second.close()
+        third.close()
+    finally:
+        endpoint.close()
+    assert endpoint.ring_names() == []
+
+
+@pytest.mark.parametrize(("option", "value"), [("capacity_blocks", 0), ("capacity_blocks", 2.5), ("max_senders", 0), ("max_senders", True)])
+def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> None:
+    options: dict[str, Any] = {"capacity_blocks": 4, option: value}
+    with pytest.raises(InvalidArgumentError, match=f"invalid {option}={value!r}: must be an int > 0"):
+        StagingEndpoint(KVReceiver(nan_pool()), authkey=secrets.token_bytes(32), **options)
