@@ -120,7 +120,8 @@ def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Seq
         blocks[i] = next(fresh)
     held = [(0, len(shared))] if shared else []
     awaits = [(owner, BlockRange(s, e)) for owner, idx in borrowed.items() for s, e in _runs(idx)]
-    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held], awaits=awaits)
+    # The lease names the request's blocks: a notice whose write used others is refused.
+    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held], awaits=awaits, dst_blocks=[int(b) for b in blocks if b is not None])
     if inflight is not None:
         inflight.add(request_id, [(hashes[i], blocks[i]) for i in fresh_at if i < len(hashes)])  # type: ignore[misc]
     never_sent = sorted(held + [(r.start, r.end) for _, r in awaits])

@@ -373,7 +373,7 @@ class Soak:
             self._next_id += 1
             state = self.ctx.admit(rid, prompt)
             dst = self.gen.alloc.allocate(-(-len(prompt) // cfg.tokens_per_block))
-            epoch = self.receiver.expect(rid, len(prompt))
+            epoch = self.receiver.expect(rid, len(prompt), dst_blocks=dst)
             lane = self.lanes[rng.random() < cfg.p_slow]
             chunked = rng.random() < cfg.p_chunked
             size = rng.randint(2, 2 * cfg.tokens_per_block) if chunked else None
