@@ -107,6 +107,7 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                     "counts": dict(worker.tally.totals),
                     "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
                     "endpoints": sorted(worker.endpoints),
+                    "endpoint_urls": sorted(served.url for served in worker.endpoints.values()),
                 }
             elif cmd == "stop":
                 conn.send("bye")
