@@ -210,6 +210,45 @@ def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: st
 
 
 @needs_vllm
+def test_nixl_across_two_network_namespaces(engines: Any, model: str, tmp_path: Any) -> None:
+    """A prefill engine in one network namespace feeds a decode engine in another over the
+    veth between them: the control plane on tcp:// (the decode side binds the wildcard and
+    advertises its veth address), the bytes over NIXL with UCX_TLS=tcp, the key from the same
+    authkey_file on both "hosts"."""
+    import netns
+
+    why = netns.unavailable()
+    if why is not None or importlib.util.find_spec("nixl") is None:
+        pytest.skip(why or "nixl not importable")
+    _, _, plain, _ = engines
+    key = tmp_path / "shared.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    hosts = netns.TwoHosts()
+    prefill = decode = None
+    try:
+        env = {"UCX_TLS": "tcp"}
+        decode = Engine(
+            model, "kv_consumer", {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)}, netns=hosts.b.namespace, env=env
+        )
+        prefill = Engine(model, "kv_producer", {"transport": "nixl", "authkey_file": str(key)}, netns=hosts.a.namespace, env=env, max_num_batched_tokens=64)
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["peer"].startswith(f"tcp://{hosts.b.ip}:"), hello
+        veth_before = hosts.tx_bytes(hosts.a)
+        prompt = prompt_of(150, 71)
+        got = Pair(prefill, decode, hello).turn("netns", prompt)
+        assert got["decode"]["tokens"] == plain.run([("rnetns", prompt, OUT, None)])["outputs"]["rnetns"]["tokens"], got
+        # The KV bytes crossed the veth (UCX over TCP), not a shared path of the machine.
+        assert hosts.tx_bytes(hosts.a) - veth_before >= blocks(len(prompt)) * BLOCK_BYTES
+        no_blocks_used(prefill, decode)
+    finally:
+        for engine in (prefill, decode):
+            if engine is not None:
+                engine.close()
+        hosts.close()
+
+
+@needs_vllm
 def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
     _, _, plain, _ = engines
     both = Engine(model, "kv_both", max_num_batched_tokens=64)

@@ -24,7 +24,24 @@ def build_tiny_llama(path: str) -> str:
     return str(testbed.build_tiny_llama(Path(path)))
 
 
-def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any]) -> None:
+def _enter_netns(name: str) -> None:
+    """Moves this (still single-threaded) process into network namespace ``name``
+    (tests/netns.py made it): every thread it starts later is in it too."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        os.close(fd)
+
+
+def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any], netns: Optional[str] = None, env: Optional[dict[str, str]] = None) -> None:
+    if netns is not None:
+        _enter_netns(netns)
+    os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm import EngineArgs, SamplingParams
@@ -124,13 +141,17 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
 class Engine:
     """One engine in its own process. `start` sends a command; `result` waits for its reply."""
 
-    def __init__(self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, **engine_kw: Any) -> None:
+    def __init__(
+        self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, *, netns: Optional[str] = None, env: Optional[dict[str, str]] = None, **engine_kw: Any
+    ) -> None:
+        """``netns``: run the engine inside that network namespace (tests/netns.py);
+        ``env``: variables set in its process before vLLM loads."""
         kv = None
         if role is not None:
             kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw, netns, env), daemon=True)
         self.process.start()
 
     def start(self, cmd: str, *arg: Any) -> None:
