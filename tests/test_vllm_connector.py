@@ -812,3 +812,55 @@ def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
         hook.update_src_blocks(2, [1, 2, 3])
     with pytest.raises(TypeError, match="src_blocks"):
         hook.update_src_blocks(2, [1.5])
+
+
+@needs_vllm
+@pytest.mark.parametrize("transport", ["staging", "nixl"])
+def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
+    """Past ``fence_timeout_s`` without the sender's fence: staging releases (its endpoint
+    drops late writes); nixl keeps the blocks while the sender is still connected (its
+    writes are one-sided) and releases once that connection ended."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvferry.errors import TransferTimeoutError
+    from kvferry.transports.registry import Served
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import RecvSpec
+    from kvferry.vllm.worker import WorkerSide, _Recv
+
+    class Receiver:
+        released_unfenced: list[int] = []
+
+        def release(self, kv: int, timeout: float) -> None:
+            raise TransferTimeoutError("not fenced")
+
+        def release_unfenced(self, kv: int) -> None:
+            self.released_unfenced.append(kv)
+
+    class Rendezvous:
+        withdrawn: list[str] = []
+
+        def withdraw_untaken(self, transfer: str, reason: str) -> bool:
+            return False  # a prefill engine took it: it may write
+
+        def taker(self, transfer: str) -> str:
+            return "P"
+
+        def withdraw(self, transfer: str, reason: str) -> None:
+            self.withdrawn.append(transfer)
+
+    side = WorkerSide(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, role="kv_consumer", authkey=b"k" * 32)
+    side.receiver, side.rendezvous = Receiver(), Rendezvous()  # type: ignore[assignment]
+    connection = SimpleNamespace(channel=object())
+    endpoint = SimpleNamespace(_lock=threading.Lock(), _peers=[connection])
+    side.endpoints["P"] = Served(transport, endpoint, f"{transport}+tcp://127.0.0.1:1")
+    st = _Recv(RecvSpec("r", 7, "T", 64, [0, 1], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
+    assert side._release(st, now=1.0) is False  # before the fence timeout: both wait
+    if transport == "staging":
+        assert side._release(st, now=6.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]
+        return
+    assert side._release(st, now=6.0) is False and side._release(st, now=600.0) is False  # kept
+    assert side.receiver.released_unfenced == [] and side.rendezvous.withdrawn == []  # type: ignore[attr-defined]
+    endpoint._peers.clear()  # the sender's connection ended
+    assert side._release(st, now=601.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]
