@@ -227,11 +227,13 @@ def test_nixl_across_two_network_namespaces(engines: Any, model: str, tmp_path: 
     hosts = netns.TwoHosts()
     prefill = decode = None
     try:
-        env = {"UCX_TLS": "tcp"}
+        def env(side: Any) -> dict[str, str]:  # UCX over TCP on that side's veth end only
+            return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": side.device}
+
         decode = Engine(
-            model, "kv_consumer", {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)}, netns=hosts.b.namespace, env=env
+            model, "kv_consumer", {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)}, netns=hosts.b.namespace, env=env(hosts.b)
         )
-        prefill = Engine(model, "kv_producer", {"transport": "nixl", "authkey_file": str(key)}, netns=hosts.a.namespace, env=env, max_num_batched_tokens=64)
+        prefill = Engine(model, "kv_producer", {"transport": "nixl", "authkey_file": str(key)}, netns=hosts.a.namespace, env=env(hosts.a), max_num_batched_tokens=64)
         hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
         assert hello["peer"].startswith(f"tcp://{hosts.b.ip}:"), hello
         veth_before = hosts.tx_bytes(hosts.a)
@@ -738,6 +740,14 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
             rendezvous.lookup(server.address, key, "W", 0, "P1")
     finally:
         server.close()
+    broken = rendezvous.Rendezvous(key, lambda sender: (_ for _ in ()).throw(RuntimeError("no room")), str(tmp_path), listen=listen)
+    try:
+        broken.publish("X", {"request_id": 4})
+        with pytest.raises(TransferError, match="no endpoint for prefill engine 'P1': no room"):
+            rendezvous.lookup(broken.address, key, "X", 0, "P1")
+        assert "no room" in (broken.abandoned("X") or "")  # its decode request fails at once
+    finally:
+        broken.close()
 
 
 @needs_vllm

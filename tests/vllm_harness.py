@@ -36,6 +36,15 @@ def _enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
     finally:
         os.close(fd)
+    # As `ip netns exec` does: a mount namespace of its own with /sys remounted, so that
+    # /sys/class/net (where UCX finds its devices) shows this namespace's interfaces.
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare of the mount namespace failed")
+    if libc.mount(b"none", b"/", None, 0x40000 | 0x4000, None) != 0:  # MS_SLAVE | MS_REC: nothing leaks out
+        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
+    libc.umount2(b"/sys", 2)  # MNT_DETACH
+    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mounting /sys in the network namespace failed")
 
 
 def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any], netns: Optional[str] = None, env: Optional[dict[str, str]] = None) -> None:

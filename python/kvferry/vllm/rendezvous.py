@@ -199,7 +199,10 @@ class Rendezvous:
         try:
             endpoint = self._endpoint_for(sender)
         except Exception as err:  # no room for another endpoint: this lookup fails, not the server
-            return {"error": f"no endpoint for prefill engine {sender!r}: {err}"}
+            reason = f"no endpoint for prefill engine {sender!r}: {err}"
+            with self._cond:  # nothing can reach its blocks: its decode request fails now, not at its timeout
+                self._abandoned[transfer] = reason
+            return {"error": reason}
         deadline = time.monotonic() + float(wait)
         with self._cond:
             while True:
