@@ -43,10 +43,22 @@ def test_import_without_vllm_names_the_extra() -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not HAVE_VLLM:
         pytest.skip("vLLM not importable")
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    # The engines (spawned: they inherit this environment) find the per-user default key
+    # file here, with no setting: the first to start makes it, the others re-use it.
+    runtime = tmp_path_factory.mktemp("runtime")
+    os.chmod(runtime, 0o700)
+    saved = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +69,7 @@ def engines(model: str) -> Any:
     plain = Engine(model, None)
     try:
         hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
-        assert hello["role"] == "kv_consumer" and hello["peer"] and len(bytes.fromhex(hello["authkey"])) >= 16
+        assert hello["role"] == "kv_consumer" and hello["peer"] and set(hello) == {"op", "role", "peer", "engine"}, hello
         yield prefill, decode, plain, hello
     finally:
         for engine in (prefill, decode, plain):
@@ -71,7 +83,7 @@ class Pair:
         self.prefill, self.decode, self.hello = prefill, decode, hello
 
     def send_params(self, transfer: str, **over: Any) -> dict[str, Any]:
-        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], "authkey": self.hello["authkey"], **over}}
+        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], **over}}
 
     def turn(self, rid: str, prompt: list[int], out: int = OUT, prefill_prompt: Optional[list[int]] = None) -> dict[str, Any]:
         transfer = uuid.uuid4().hex
@@ -169,6 +181,76 @@ def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any])
 
 
 @needs_vllm
+@pytest.mark.parametrize("transport", ["staging", "nixl"])
+def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: str) -> None:
+    """The decode side listens on tcp:// (loopback here; across hosts the same settings with
+    a routable host), the bytes move by ``transport``: outputs equal a plain engine's and
+    every block crosses once."""
+    if transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl not importable")
+    _, _, plain, _ = engines
+    prefill = Engine(model, "kv_producer", {"transport": transport}, max_num_batched_tokens=64)
+    decode = Engine(model, "kv_consumer", {"transport": transport, "listen": "tcp://127.0.0.1:0"})
+    try:
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["peer"].startswith("tcp://127.0.0.1:"), hello
+        pair = Pair(prefill, decode, hello)
+        prompt = prompt_of(150, 70)
+        before = prefill.call("totals")
+        got = pair.turn(f"tcp-{transport}", prompt)
+        assert got["decode"]["tokens"] == plain.run([(f"rtcp-{transport}", prompt, OUT, None)])["outputs"][f"rtcp-{transport}"]["tokens"]
+        sent = delta(before, prefill.call("totals"))
+        assert sent.get("early_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0) == blocks(len(prompt)) * BLOCK_BYTES, sent
+        urls = decode.call("totals")["endpoint_urls"]
+        assert len(urls) == 1 and urls[0].startswith(f"{transport}+tcp://127.0.0.1:"), urls
+        no_blocks_used(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@needs_vllm
+def test_nixl_across_two_network_namespaces(engines: Any, model: str, tmp_path: Any) -> None:
+    """A prefill engine in one network namespace feeds a decode engine in another over the
+    veth between them: the control plane on tcp:// (the decode side binds the wildcard and
+    advertises its veth address), the bytes over NIXL with UCX_TLS=tcp, the key from the same
+    authkey_file on both "hosts"."""
+    import netns
+
+    why = netns.unavailable()
+    if why is not None or importlib.util.find_spec("nixl") is None:
+        pytest.skip(why or "nixl not importable")
+    _, _, plain, _ = engines
+    key = tmp_path / "shared.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    hosts = netns.TwoHosts()
+    prefill = decode = None
+    try:
+        def env(side: Any) -> dict[str, str]:  # UCX over TCP on that side's veth end only
+            return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": side.device}
+
+        decode = Engine(
+            model, "kv_consumer", {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)}, netns=hosts.b.namespace, env=env(hosts.b)
+        )
+        prefill = Engine(model, "kv_producer", {"transport": "nixl", "authkey_file": str(key)}, netns=hosts.a.namespace, env=env(hosts.a), max_num_batched_tokens=64)
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        assert hello["peer"].startswith(f"tcp://{hosts.b.ip}:"), hello
+        veth_before = hosts.tx_bytes(hosts.a)
+        prompt = prompt_of(150, 71)
+        got = Pair(prefill, decode, hello).turn("netns", prompt)
+        assert got["decode"]["tokens"] == plain.run([("rnetns", prompt, OUT, None)])["outputs"]["rnetns"]["tokens"], got
+        # The KV bytes crossed the veth (UCX over TCP), not a shared path of the machine.
+        assert hosts.tx_bytes(hosts.a) - veth_before >= blocks(len(prompt)) * BLOCK_BYTES
+        no_blocks_used(prefill, decode)
+    finally:
+        for engine in (prefill, decode):
+            if engine is not None:
+                engine.close()
+        hosts.close()
+
+
+@needs_vllm
 def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
     _, _, plain, _ = engines
     both = Engine(model, "kv_both", max_num_batched_tokens=64)
@@ -176,7 +258,7 @@ def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
         hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
         assert hello["role"] == "kv_both"
         prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
-        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "authkey": hello["authkey"]}}
+        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"]}}
         out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])["outputs"]
         assert out["d"]["tokens"] == plain.run([("rboth", prompt, OUT, None)])["outputs"]["rboth"]["tokens"]
         assert both.call("totals")["counts"]["transfers"] == 1
@@ -201,8 +283,10 @@ def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) ->
         out = decode.result()["outputs"]
         for p in prompts:
             assert out[f"d-{p}"]["tokens"] == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
-        # Each prefill engine writes a staging ring of its own: a ring has one writer.
-        assert len(set(decode.call("totals")["endpoints"]) - before) <= 1 and len(decode.call("totals")["endpoints"]) >= 2
+        # Each prefill engine writes a staging ring of its own (a ring has one writer): the new
+        # engine made one; the shared one made one too unless an earlier test had made it.
+        after = set(decode.call("totals")["endpoints"])
+        assert before <= after and 1 <= len(after - before) <= 2 and len(after) >= 2, (before, after)
         no_blocks_used(prefill, other, decode)
     finally:
         other.close()
@@ -332,6 +416,89 @@ def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -
     still_serves(Pair(prefill, decode, hello), plain, 6)  # a new sender for the live decode engine
 
 
+# -- the key --------------------------------------------------------------------------------
+
+
+def _holds_key(value: Any, key: bytes) -> bool:
+    import json
+
+    text = json.dumps(value).lower()
+    return "authkey" in text or key.hex() in text or key.decode("latin-1") in json.dumps(value, ensure_ascii=False)
+
+
+@needs_vllm
+def test_hello_and_served_answers_carry_no_key(engines: Any) -> None:
+    from kvferry.vllm.config import default_authkey_path, load_authkey
+
+    prefill, decode, plain, hello = engines
+    key = load_authkey()  # the default file the engines made and share (no setting)
+    assert os.path.dirname(default_authkey_path()) == os.path.join(os.environ["XDG_RUNTIME_DIR"], "kvferry")
+    prompt = prompt_of(100, 60)
+    got = Pair(prefill, decode, hello).turn("nokey", prompt)
+    assert got["decode"]["finish_reason"] == "length" and got["prefill"]["finish_reason"] == "length", got
+    answers = [hello, got["prefill"]["kv_transfer_params"], got["decode"]["kv_transfer_params"]]
+    assert got["prefill"]["kv_transfer_params"] == {"kvferry": {"op": "send", "transfer": got["prefill"]["kv_transfer_params"]["kvferry"]["transfer"]}}
+    assert not any(_holds_key(a, key) for a in answers), answers
+
+
+@needs_vllm
+def test_prefill_with_another_key_fails_its_request_and_keeps_serving(engines: Any, model: str, tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    prefill, decode, plain, hello = engines
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32))
+    other.chmod(0o600)
+    stranger = Engine(model, "kv_producer", {"authkey_file": str(other)}, max_num_batched_tokens=64)
+    try:
+        out = stranger.run([("p-stranger", prompt_of(70, 61), 1, Pair(stranger, decode, hello).send_params(uuid.uuid4().hex)), ("good", prompt_of(40, 62), 1, None)])["outputs"]
+        assert out["p-stranger"]["finish_reason"] == "error", out
+        # vLLM gives a failed request no kv_transfer_params: the reason is in the engine's log.
+        log = capfd.readouterr().err
+        assert f"authentication failed with the decode server's rendezvous at {hello['peer']!r}: the two servers hold different keys" in log, log[-3000:]
+        assert out["good"]["finish_reason"] == "length"
+        no_blocks_used(stranger, decode)
+    finally:
+        stranger.close()
+    still_serves(Pair(prefill, decode, hello), plain, 63)  # the decode server serves its own key-holders
+
+
+@needs_vllm
+def test_key_files_refused_naming_the_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.vllm.config import ConnectorConfig, default_authkey_path, load_authkey
+
+    good = tmp_path / "good.key"
+    good.write_bytes(b"k" * 32)
+    good.chmod(0o600)
+    assert ConnectorConfig.from_extra({"authkey_file": str(good)}).authkey() == b"k" * 32
+    short = tmp_path / "short.key"
+    short.write_bytes(b"k" * 31)
+    short.chmod(0o600)
+    with pytest.raises(InvalidArgumentError, match=rf"{short}.*31 bytes, need at least 32"):
+        ConnectorConfig.from_extra({"authkey_file": str(short)}).authkey()
+    for mode in (0o640, 0o604):
+        good.chmod(mode)
+        with pytest.raises(InvalidArgumentError, match=rf"{good}.*mode {mode:04o} lets group or others in"):
+            load_authkey(str(good))
+    good.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(good, 12345, -1)
+        with pytest.raises(InvalidArgumentError, match=rf"{good}.*owned by uid 12345, not by this user"):
+            load_authkey(str(good))
+    with pytest.raises(InvalidArgumentError, match=rf"{tmp_path / 'missing.key'}.*cannot open it"):
+        load_authkey(str(tmp_path / "missing.key"))
+    # The default: made once (0700 directory, 0600 file, 32 random bytes), re-used after.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    path = default_authkey_path()
+    assert path == str(tmp_path / "run" / "kvferry" / "authkey")
+    first = load_authkey()
+    assert len(first) == 32 and load_authkey() == first
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert os.listdir(os.path.dirname(path)) == ["authkey"]  # no temporary file left
+    os.chmod(os.path.dirname(path), 0o755)
+    with pytest.raises(InvalidArgumentError, match=rf"authkey directory {os.path.dirname(path)!r}.*mode 0755"):
+        load_authkey()
+
+
 # -- bad kv_transfer_params -----------------------------------------------------------------
 
 # (kv_transfer_params that are not an object never reach a connector: the OpenAI server's
@@ -343,7 +510,7 @@ BAD_DECODE = [
     {"kvferry": {"op": "recv", "transfer": 7}},
     {"kvferry": {"op": "recv", "transfer": "t", "timeout_s": -1}},
     {"kvferry": {"op": "recv", "transfer": "t", "extra": 1}},
-    {"kvferry": {"op": "send", "transfer": "t", "peer": "/x", "authkey": "00" * 16}},  # send on a consumer
+    {"kvferry": {"op": "send", "transfer": "t", "peer": "/x"}},  # send on a consumer
 ]
 
 
@@ -363,10 +530,10 @@ def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, 
     prefill, decode, plain, hello = engines
     pair = Pair(prefill, decode, hello)
     bad = [
-        {"kvferry": {"op": "send", "transfer": "t1", "peer": str(tmp_path / "nobody.sock"), "authkey": hello["authkey"]}},  # unknown peer
-        {"kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}},  # wrong key
-        {"kvferry": {"op": "send", "transfer": "t3", "peer": hello["peer"], "authkey": "zz"}},
-        {"kvferry": {"op": "send", "transfer": "t4", "peer": 5, "authkey": hello["authkey"]}},
+        {"kvferry": {"op": "send", "transfer": "t1", "peer": str(tmp_path / "nobody.sock")}},  # unknown peer
+        {"kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}},  # a key in a request: refused
+        {"kvferry": {"op": "send", "transfer": "t3", "peer": ""}},
+        {"kvferry": {"op": "send", "transfer": "t4", "peer": 5}},
         {"kvferry": {"op": "recv", "transfer": "t5"}},  # recv on a producer
     ]
     requests = [(f"bad{i}", prompt_of(70, 30 + i), 1, params) for i, params in enumerate(bad)]
@@ -462,15 +629,19 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
         ({"early": "no"}, "early"),
         ({"layer_groups": 0}, "layer_groups"),
         ({"transfer_timeout_s": float("nan")}, "transfer_timeout_s"),
-        ({"transport": "nixl"}, "transport"),
+        ({"transport": "shm"}, "transport='shm'"),
+        ({"listen": "tcp://0.0.0.0:0"}, "wildcard bind needs advertise"),
+        ({"listen": "unix://", "advertise": "10.0.0.1"}, "advertise"),
+        ({"listen": "tcp://10.0.0.1:0"}, "staging runs only on one host"),
+        ({"listen": "http://x"}, "listen"),
     ]:
         with pytest.raises(InvalidArgumentError, match=named):
             ConnectorConfig.from_extra(extra)
     assert parse_params(None) is None and parse_params({"other": 1}) is None
     assert parse_params({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": 5}}).timeout_s == 5.0
     for params, named in [
-        ({"kvferry": {"op": "send", "transfer": "t", "peer": "/p", "authkey": "00" * 8}}, "authkey"),
-        ({"kvferry": {"op": "send", "transfer": "t", "authkey": "00" * 16}}, "peer"),
+        ({"kvferry": {"op": "send", "transfer": "t", "peer": "/p", "authkey": "00" * 32}}, "never travels"),
+        ({"kvferry": {"op": "send", "transfer": "t"}}, "peer"),
         ({"kvferry": {"op": "recv", "transfer": ""}}, "transfer"),
         ({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": True}}, "timeout_s"),
     ]:
@@ -530,21 +701,26 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
 
 
 @needs_vllm
-def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> None:
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
+def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen: str) -> None:
     import threading
 
-    from kvferry.errors import TransferError
+    from kvferry.errors import InvalidArgumentError, TransferError
     from kvferry.vllm import rendezvous
 
     key = os.urandom(32)
-    server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="wildcard bind needs advertise="):
+        rendezvous.Rendezvous(key, lambda sender: "", listen="tcp://0.0.0.0:0")
+    server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path), listen=listen)
+    assert server.address.startswith(listen[:6]) and not server.address.endswith(":0")
     try:
         got: dict[str, Any] = {}
         waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60, "P1")))
         waiting.start()  # asks before the decode side published: it waits for it
         server.publish("T", {"request_id": 1})
         waiting.join(60)
-        assert got == {"request_id": 1, "staging": "/staging/P1"}  # that prefill engine's own ring
+        assert got == {"request_id": 1, "endpoint": "/staging/P1"}  # that prefill engine's own endpoint
+        assert server.taker("T") == "P1"
         with pytest.raises(TransferError, match="already taken"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="already expected"):
@@ -552,8 +728,10 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> Non
         server.withdraw("T", "its blocks arrived")
         with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
-        with pytest.raises(TransferError, match="cannot reach"):
+        with pytest.raises(TransferError, match="authentication failed with the decode server's rendezvous.*different keys"):
             rendezvous.lookup(server.address, os.urandom(32), "U", 0, "P1")  # a wrong key
+        with pytest.raises(TransferError, match="cannot reach"):
+            rendezvous.lookup("/bare/path.sock", key, "U", 0, "P1")  # not a unix:// or tcp:// URL
         rendezvous.abandon(server.address, key, "V", "prefill aborted")  # before its publish
         server.publish("V", {"request_id": 3})
         assert server.abandoned("V") == "prefill aborted"
@@ -564,6 +742,14 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any) -> Non
             rendezvous.lookup(server.address, key, "W", 0, "P1")
     finally:
         server.close()
+    broken = rendezvous.Rendezvous(key, lambda sender: (_ for _ in ()).throw(RuntimeError("no room")), str(tmp_path), listen=listen)
+    try:
+        broken.publish("X", {"request_id": 4})
+        with pytest.raises(TransferError, match="no endpoint for prefill engine 'P1': no room"):
+            rendezvous.lookup(broken.address, key, "X", 0, "P1")
+        assert "no room" in (broken.abandoned("X") or "")  # its decode request fails at once
+    finally:
+        broken.close()
 
 
 @needs_vllm
@@ -576,7 +762,7 @@ def test_destination_is_checked_against_the_request() -> None:
 
     prompt = list(range(1, 71))  # 3 blocks of 32
     request = SimpleNamespace(num_prompt_tokens=70, prompt_token_ids=prompt)
-    good = {"prompt_len": 70, "digest": prompt_digest(prompt), "block_size": 32, "dst_blocks": [4, 5, 6], "held_blocks": 1, "request_id": 9, "epoch": 1, "staging": "/s"}
+    good = {"prompt_len": 70, "digest": prompt_digest(prompt), "block_size": 32, "dst_blocks": [4, 5, 6], "held_blocks": 1, "request_id": 9, "epoch": 1, "endpoint": "staging+unix:///s"}
     assert _check_destination(dict(good), request, 32)["dst_blocks"] == [4, 5, 6]
     for change, named in [
         ({"digest": prompt_digest(prompt[:-1] + [0])}, "another prompt"),
@@ -589,7 +775,9 @@ def test_destination_is_checked_against_the_request() -> None:
         ({"held_blocks": 3}, "held_blocks"),
         ({"epoch": 0}, "epoch"),
         ({"request_id": -1}, "request_id"),
-        ({"staging": None}, "staging"),
+        ({"endpoint": None}, "endpoint"),
+        ({"endpoint": "nixl+tcp://10.0.0.1:5"}, "is for transport 'nixl'"),
+        ({"endpoint": "bogus+unix:///s"}, "bogus"),
     ]:
         with pytest.raises(KvFerryError, match=named):
             _check_destination({**good, **change}, request, 32)
@@ -636,3 +824,55 @@ def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
         hook.update_src_blocks(2, [1, 2, 3])
     with pytest.raises(TypeError, match="src_blocks"):
         hook.update_src_blocks(2, [1.5])
+
+
+@needs_vllm
+@pytest.mark.parametrize("transport", ["staging", "nixl"])
+def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
+    """Past ``fence_timeout_s`` without the sender's fence: staging releases (its endpoint
+    drops late writes); nixl keeps the blocks while the sender is still connected (its
+    writes are one-sided) and releases once that connection ended."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvferry.errors import TransferTimeoutError
+    from kvferry.transports.registry import Served
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import RecvSpec
+    from kvferry.vllm.worker import WorkerSide, _Recv
+
+    class Receiver:
+        released_unfenced: list[int] = []
+
+        def release(self, kv: int, timeout: float) -> None:
+            raise TransferTimeoutError("not fenced")
+
+        def release_unfenced(self, kv: int) -> None:
+            self.released_unfenced.append(kv)
+
+    class Rendezvous:
+        withdrawn: list[str] = []
+
+        def withdraw_untaken(self, transfer: str, reason: str) -> bool:
+            return False  # a prefill engine took it: it may write
+
+        def taker(self, transfer: str) -> str:
+            return "P"
+
+        def withdraw(self, transfer: str, reason: str) -> None:
+            self.withdrawn.append(transfer)
+
+    side = WorkerSide(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, role="kv_consumer", authkey=b"k" * 32)
+    side.receiver, side.rendezvous = Receiver(), Rendezvous()  # type: ignore[assignment]
+    connection = SimpleNamespace(channel=object())
+    endpoint = SimpleNamespace(_lock=threading.Lock(), _peers=[connection])
+    side.endpoints["P"] = Served(transport, endpoint, f"{transport}+tcp://127.0.0.1:1")
+    st = _Recv(RecvSpec("r", 7, "T", 64, [0, 1], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
+    assert side._release(st, now=1.0) is False  # before the fence timeout: both wait
+    if transport == "staging":
+        assert side._release(st, now=6.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]
+        return
+    assert side._release(st, now=6.0) is False and side._release(st, now=600.0) is False  # kept
+    assert side.receiver.released_unfenced == [] and side.rendezvous.withdrawn == []  # type: ignore[attr-defined]
+    endpoint._peers.clear()  # the sender's connection ended
+    assert side._release(st, now=601.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]

@@ -24,7 +24,33 @@ def build_tiny_llama(path: str) -> str:
     return str(testbed.build_tiny_llama(Path(path)))
 
 
-def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any]) -> None:
+def _enter_netns(name: str) -> None:
+    """Moves this (still single-threaded) process into network namespace ``name``
+    (tests/netns.py made it): every thread it starts later is in it too."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        os.close(fd)
+    # As `ip netns exec` does: a mount namespace of its own with /sys remounted, so that
+    # /sys/class/net (where UCX finds its devices) shows this namespace's interfaces.
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare of the mount namespace failed")
+    if libc.mount(b"none", b"/", None, 0x40000 | 0x4000, None) != 0:  # MS_SLAVE | MS_REC: nothing leaks out
+        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
+    libc.umount2(b"/sys", 2)  # MNT_DETACH
+    if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mounting /sys in the network namespace failed")
+
+
+def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any], netns: Optional[str] = None, env: Optional[dict[str, str]] = None) -> None:
+    if netns is not None:
+        _enter_netns(netns)
+    os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm import EngineArgs, SamplingParams
@@ -107,6 +133,7 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                     "counts": dict(worker.tally.totals),
                     "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
                     "endpoints": sorted(worker.endpoints),
+                    "endpoint_urls": sorted(served.url for served in worker.endpoints.values()),
                 }
             elif cmd == "stop":
                 conn.send("bye")
@@ -123,13 +150,17 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
 class Engine:
     """One engine in its own process. `start` sends a command; `result` waits for its reply."""
 
-    def __init__(self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, **engine_kw: Any) -> None:
+    def __init__(
+        self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, *, netns: Optional[str] = None, env: Optional[dict[str, str]] = None, **engine_kw: Any
+    ) -> None:
+        """``netns``: run the engine inside that network namespace (tests/netns.py);
+        ``env``: variables set in its process before vLLM loads."""
         kv = None
         if role is not None:
             kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw, netns, env), daemon=True)
         self.process.start()
 
     def start(self, cmd: str, *arg: Any) -> None:

@@ -9,15 +9,22 @@ import hashlib
 import math
 import os
 import secrets
+import stat
+import tempfile
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
 from kvferry.errors import InvalidArgumentError
 
-__all__ = ["ConnectorConfig", "RequestParams", "prompt_digest", "parse_params"]
+__all__ = ["ConnectorConfig", "RequestParams", "default_authkey_path", "load_authkey", "prompt_digest", "parse_params"]
 
 PARAMS_KEY = "kvferry"
+MIN_KEY_BYTES = 32  # the project's rule for every kvferry key (docs/security.md)
+MAX_KEY_BYTES = 4096
 OPS = ("hello", "recv", "send")
+# How blocks move (kvferry.transports.registry builds both sides): staging writes plain CPU
+# tensors on one host; nixl writes them one-sided, across hosts.
+TRANSPORTS = ("staging", "nixl")
 
 
 @dataclass(frozen=True)
@@ -31,8 +38,10 @@ class ConnectorConfig:
     destination_timeout_s: float = 60.0  # a prefill request waits at most this for its destination
     fence_timeout_s: float = 10.0  # after giving up, how long the decode side waits for the fence
     staging_bytes: int = 64 << 20  # the staging ring's size
-    authkey_file: Optional[str] = None  # a file holding the endpoints' key (else: random per process)
+    authkey_file: Optional[str] = None  # a file holding the endpoints' key (else: the per-user default file)
     rendezvous_dir: Optional[str] = None  # where the decode side's sockets live (else: a fresh 0700 dir)
+    listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
+    advertise: Optional[str] = None  # the host a wildcard tcp:// bind is reached by
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -46,7 +55,7 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = getattr(cls, name)
-            if name in ("authkey_file", "rendezvous_dir", "transport"):
+            if name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif isinstance(default, bool):
@@ -61,20 +70,103 @@ class ConnectorConfig:
                 value = float(value)
             values[name] = value
         config = cls(**values)
-        if config.transport != "staging":
-            raise InvalidArgumentError(f"invalid kv_connector_extra_config transport={config.transport!r}: this version supports 'staging' (same host)")
+        if config.transport not in TRANSPORTS:
+            raise InvalidArgumentError(f"invalid kv_connector_extra_config transport={config.transport!r}: choose from {', '.join(TRANSPORTS)}")
+        from kvferry.transports import registry, wire
+
+        where = wire.parse_address(config.listen, "kv_connector_extra_config listen")
+        if where.scheme == "unix" and config.advertise is not None:
+            raise InvalidArgumentError(f"invalid kv_connector_extra_config advertise={config.advertise!r}: only for a tcp:// listen address")
+        if where.scheme == "tcp" and where.wildcard and config.advertise is None:
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config listen={config.listen!r}: a wildcard bind needs advertise (the host name or IP address prefill servers reach it by)"
+            )
+        if where.scheme == "tcp" and not _loopback(where.host):  # reaches other hosts: only a transport that does
+            registry.check(config.transport, reach=registry.Reach.NETWORK, argument="kv_connector_extra_config transport")
         return config
 
     def authkey(self) -> bytes:
-        """The key both endpoints of a decode server require: read from ``authkey_file``, or
-        random for this process (it then travels to the proxy in the ``hello`` answer)."""
-        if self.authkey_file is None:
-            return secrets.token_bytes(32)
-        with open(os.path.expanduser(self.authkey_file), "rb") as f:
-            key = f.read().strip()
-        if len(key) < 16:
-            raise InvalidArgumentError(f"invalid authkey_file={self.authkey_file!r}: holds {len(key)} bytes, need at least 16")
-        return key
+        """The key of kvferry's control channel (rendezvous and endpoints): from
+        ``authkey_file``, else from the per-user default file (made on first use). The key
+        never travels in a request or an answer; both servers read it from here."""
+        return load_authkey(self.authkey_file)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_authkey_path() -> str:
+    """``$XDG_RUNTIME_DIR/kvferry/authkey`` when that directory is set, else
+    ``~/.cache/kvferry/authkey``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = runtime if runtime and os.path.isabs(runtime) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvferry", "authkey")
+
+
+def _private(st: os.stat_result, what: str, path: str) -> None:
+    if st.st_uid != os.geteuid():
+        raise InvalidArgumentError(f"invalid {what} {path!r}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others in; it must be readable by its owner only (chmod {'700' if what.endswith('directory') else '600'})"
+        )
+
+
+def _make_default_key(path: str) -> None:
+    """Creates ``path`` (0600, 32 random bytes) atomically in its 0700 directory: the first
+    server to start makes it, the next re-uses it; a reader never sees a partial file."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _private(os.stat(directory), "authkey directory", directory)
+    if os.path.exists(path):
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".authkey-", dir=directory)  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(MIN_KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if another server made it first: then its key is used
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def load_authkey(authkey_file: Optional[str] = None) -> bytes:
+    """Reads the control channel's key: the whole content of ``authkey_file`` (at least 32
+    bytes), or of the per-user default file (`default_authkey_path`), created on first use.
+    Refuses, naming the path, a file that group or others can read, one this user does not
+    own, and a key shorter than 32 bytes."""
+    if authkey_file is None:
+        path = default_authkey_path()
+        _make_default_key(path)
+        what = "default authkey file"
+    else:
+        path = os.path.expanduser(authkey_file)
+        what = "kv_connector_extra_config authkey_file"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise InvalidArgumentError(f"invalid {what} {path!r}: cannot open it: {err.strerror}") from err
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"invalid {what} {path!r}: not a regular file")
+        _private(st, what, path)
+        key = f.read(MAX_KEY_BYTES + 1)
+    if len(key) < MIN_KEY_BYTES:
+        raise InvalidArgumentError(f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > FILE)")
+    if len(key) > MAX_KEY_BYTES:
+        raise InvalidArgumentError(f"invalid {what} {path!r}: holds more than {MAX_KEY_BYTES} bytes; a key is 32 to {MAX_KEY_BYTES} bytes")
+    return key
 
 
 @dataclass(frozen=True)
@@ -84,7 +176,6 @@ class RequestParams:
     op: str
     transfer: Optional[str] = None
     peer: Optional[str] = None
-    authkey: Optional[bytes] = None
     timeout_s: Optional[float] = None
 
 
@@ -100,9 +191,13 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     ours = params[PARAMS_KEY]
     if not isinstance(ours, Mapping):
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry={ours!r}: must be an object")
-    unknown = sorted(set(ours) - {"op", "transfer", "peer", "authkey", "timeout_s"})
+    if "authkey" in ours:
+        raise InvalidArgumentError(
+            "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read it from kv_connector_extra_config.authkey_file (or the per-user default file)"
+        )
+    unknown = sorted(set(ours) - {"op", "transfer", "peer", "timeout_s"})
     if unknown:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, authkey, timeout_s")
+        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, timeout_s")
     op = ours.get("op")
     if op not in OPS:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.op={op!r}: must be one of {list(OPS)}")
@@ -116,16 +211,10 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")
     if op == "recv":
         return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
-    peer, key = ours.get("peer"), ours.get("authkey")
-    if not isinstance(peer, str) or not peer:
+    peer = ours.get("peer")
+    if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer")
-    try:
-        authkey = bytes.fromhex(key) if isinstance(key, str) else None
-    except ValueError:
-        authkey = None
-    if authkey is None or len(authkey) < 16:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.authkey={key!r}: must be the hex key from the decode server's hello answer")
-    return RequestParams("send", transfer, peer, authkey, None if timeout is None else float(timeout))
+    return RequestParams("send", transfer, peer, None if timeout is None else float(timeout))
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

@@ -36,6 +36,9 @@ class KvferryConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        # Read here, at startup, by both halves: a missing, too-open or too-short key file
+        # stops the server naming the path (docs/vllm.md, "The key").
+        authkey = self.config.authkey()
         tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
         if tp != 1:
             raise InvalidArgumentError(f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline parallel size 1)")
@@ -45,10 +48,10 @@ class KvferryConnector(KVConnectorBase_V1):
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
             engine_id = str(transfer.engine_id)
-            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, engine_id=engine_id, kv_cache_manager_getter=lambda: self._kv_cache_manager)
+            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, engine_id=engine_id, kv_cache_manager_getter=lambda: self._kv_cache_manager, authkey=authkey)
         else:
             assert kv_cache_config is not None
-            self._worker = WorkerSide(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, role=kv_role)
+            self._worker = WorkerSide(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, role=kv_role, authkey=authkey)
 
     # -- worker side ---------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ class SendSpec:
     prompt_len: int
     reused_len: int
     peer: str
-    authkey: bytes
     destination: dict[str, Any]
     timeout_s: float
 
@@ -71,4 +70,3 @@ class Handshake(KVConnectorHandshakeMetadata):
 
     engine: str
     peer: str
-    authkey_hex: str

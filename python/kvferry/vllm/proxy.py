@@ -136,8 +136,9 @@ class KvferryFlow(Flow):
     name = "kvferry"
 
     def __init__(self) -> None:
-        # Decode server URL -> its hello answer (peer, authkey, engine). Dropped when a request
-        # through it fails, so a restarted server (new engine, new key) is asked again.
+        # Decode server URL -> its hello answer (peer, engine). Dropped when a request through
+        # it fails, so a restarted server (new engine, new address) is asked again. The key is
+        # not here: both servers read it from their own key file, it never crosses HTTP.
         self.peers: dict[str, dict[str, Any]] = {}
         self.hellos = 0  # hello requests sent (a figure for benches: should stay one per decode server)
         self._background: set[asyncio.Future[dict[str, Any]]] = set()  # prefill legs ending after their answer
@@ -168,7 +169,7 @@ class KvferryFlow(Flow):
         server = ex.decode_server
         transfer = uuid.uuid4().hex
         send = _one_token(ex.body)
-        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"], "authkey": peer["authkey"]}}
+        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"]}}
         recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
         prefill = asyncio.ensure_future(ex.prefill(send))
         decode = asyncio.ensure_future(ex.decode(recv, failover=False))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvferry.errors import KvFerryError, TransferError
+from kvferry.transports import registry
 from kvferry.vllm import rendezvous
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
@@ -51,8 +52,9 @@ class _Sending:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, engine_id: str, kv_cache_manager_getter: Any) -> None:
+    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, engine_id: str, kv_cache_manager_getter: Any, authkey: bytes) -> None:
         self.config = config
+        self._authkey = authkey  # read at startup (config.load_authkey); never in a request or answer
         self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
         self.block_size = block_size
         self.role = role  # "kv_producer", "kv_consumer", "kv_both"
@@ -100,8 +102,8 @@ class SchedulerSide:
         found = self._lookups.get(rid)
         if found is None:
             found = self._lookups[rid] = _Lookup(threading.Event())
-            assert params.peer is not None and params.authkey is not None and params.transfer is not None
-            args = (found, params.peer, params.authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
+            assert params.peer is not None and params.transfer is not None
+            args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
             return None, False  # vLLM asks again next step; the request waits for its destination
@@ -110,12 +112,12 @@ class SchedulerSide:
             raise TransferError(f"no destination for transfer {params.transfer!r}: {found.error}")
         assert found.destination is not None
         try:
-            destination = _check_destination(found.destination, request, self.block_size)
+            destination = _check_destination(found.destination, request, self.block_size, self.config.transport)
         except KvFerryError as err:
-            _tell_abandon(params, f"prefill request refused the destination: {err}")
+            _tell_abandon(params, self._authkey, f"prefill request refused the destination: {err}")
             raise
         timeout = params.timeout_s or self.config.transfer_timeout_s
-        spec = SendSpec(rid, params.transfer or "", request.num_prompt_tokens, num_computed_tokens, params.peer or "", params.authkey or b"", destination, timeout)
+        spec = SendSpec(rid, params.transfer or "", request.num_prompt_tokens, num_computed_tokens, params.peer or "", destination, timeout)
         self._sending[rid] = _Sending(spec)
         return 0, False
 
@@ -186,14 +188,14 @@ class SchedulerSide:
         # Never scheduled: nothing was sent; the decode side must not wait for it.
         if lookup is not None or sending is not None:
             reason = f"prefill request {rid} ended before its first chunk"
-            threading.Thread(target=_tell_abandon, args=(params, reason), daemon=True).start()
+            threading.Thread(target=_tell_abandon, args=(params, self._authkey, reason), daemon=True).start()
             answer["error"] = reason
         return False, {"kvferry": answer}
 
     def _hello(self) -> dict[str, Any]:
         hello: dict[str, Any] = {"op": "hello", "role": self.role}
         if self.handshake is not None:
-            hello.update(peer=self.handshake.peer, authkey=self.handshake.authkey_hex, engine=self.handshake.engine)
+            hello.update(peer=self.handshake.peer, engine=self.handshake.engine)  # never the key
         return hello
 
     def has_pending(self) -> bool:
@@ -211,10 +213,10 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
         found.done.set()
 
 
-def _tell_abandon(params: RequestParams, reason: str) -> None:
+def _tell_abandon(params: RequestParams, authkey: bytes, reason: str) -> None:
     try:
-        assert params.peer is not None and params.authkey is not None and params.transfer is not None
-        rendezvous.abandon(params.peer, params.authkey, params.transfer, reason)
+        assert params.peer is not None and params.transfer is not None
+        rendezvous.abandon(params.peer, authkey, params.transfer, reason)
     except KvFerryError as err:
         logger.warning("kvferry: %s", err)
 
@@ -225,7 +227,7 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def _check_destination(destination: dict[str, Any], request: Any, block_size: int) -> dict[str, Any]:
+def _check_destination(destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging") -> dict[str, Any]:
     """The decode side's published destination, checked against this request: the same
     prompt, one destination block per prompt block, sane ids."""
     prompt_len = request.num_prompt_tokens
@@ -244,6 +246,10 @@ def _check_destination(destination: dict[str, Any], request: Any, block_size: in
     _int("held_blocks", destination.get("held_blocks"), 0, blocks)
     _int("request_id", destination.get("request_id"), 0, MAX_KV_ID)
     _int("epoch", destination.get("epoch"), 1, 2**63)
-    if not isinstance(destination.get("staging"), str):
-        raise KvFerryError(f"invalid destination staging={destination.get('staging')!r}: must be an address")
+    endpoint = destination.get("endpoint")
+    if not isinstance(endpoint, str):
+        raise KvFerryError(f"invalid destination endpoint={endpoint!r}: must be a '<transport>+<address>' URL")
+    theirs, _ = registry.parse_url(endpoint)
+    if theirs != transport:
+        raise KvFerryError(f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's kv_connector_extra_config transport is {transport!r}")
     return destination

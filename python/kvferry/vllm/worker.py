@@ -35,7 +35,7 @@ from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transports.staging import StagingEndpoint, StagingTransport
+from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
@@ -43,7 +43,7 @@ from kvferry.vllm.stats import Tally
 
 logger = logging.getLogger("kvferry.vllm")
 
-# Staging endpoints a decode worker makes, one per prefill engine (each holds a ring of
+# Endpoints a decode worker makes, one per prefill engine (a staging one holds a ring of
 # ``staging_bytes``): a bound on what lookups can make it allocate.
 MAX_PREFILL_ENGINES = 64
 
@@ -53,7 +53,6 @@ class _Peer:
     """One decode server this prefill worker sends to: one sender (one receiver per sender)."""
 
     address: str
-    authkey: bytes
     sender: KVSender
     hook: TransferHook
     lost: bool = False
@@ -81,6 +80,7 @@ class _Recv:
     giving_up: Optional[str] = None
     aborted: bool = False
     fence_deadline: float = 0.0
+    kept_logged: bool = False  # nixl: logged once that its blocks are kept past the fence timeout
 
 
 def _writable(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,11 @@ def _writable(t: torch.Tensor) -> torch.Tensor:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, *, block_size: int, num_blocks: int, role: str) -> None:
+    def __init__(self, config: ConnectorConfig, *, block_size: int, num_blocks: int, role: str, authkey: bytes) -> None:
         self.config = config
+        # The control channel's key, read at startup (config.load_authkey): the same file on
+        # both servers; it never travels in a request, an answer, a log line or a metric.
+        self.authkey = authkey
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.role = role
@@ -106,12 +109,11 @@ class WorkerSide:
         self.tally = Tally()
         # decode
         self.receiver: Optional[KVReceiver] = None
-        # One staging endpoint (one ring, one writer) per prefill engine, made on its first lookup.
-        self.endpoints: dict[str, StagingEndpoint] = {}
+        # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
+        self.endpoints: dict[str, registry.Served] = {}
         self._endpoints_lock = threading.Lock()
         self._ring_blocks = 0
         self.rendezvous: Optional[rendezvous.Rendezvous] = None
-        self.authkey = b""
         self._recv: dict[str, _Recv] = {}
         self._fail_next: dict[str, str] = {}
         self._refused_seen = 0
@@ -141,28 +143,42 @@ class WorkerSide:
 
     def _start_decode_side(self) -> None:
         assert self.pool is not None
-        self.authkey = self.config.authkey()
         self.receiver = KVReceiver(self.pool)
         self._ring_blocks = max(2, self.config.staging_bytes // (self.pool.block_bytes * self.pool.num_layers))
-        self.rendezvous = rendezvous.Rendezvous(self.authkey, self._endpoint_for, self.config.rendezvous_dir)
-        logger.info("kvferry: decode endpoint %s (a staging ring of %d blocks per prefill engine)", self.rendezvous.address, self._ring_blocks)
+        self.rendezvous = rendezvous.Rendezvous(self.authkey, self._endpoint_for, self.config.rendezvous_dir, listen=self.config.listen, advertise=self.config.advertise)
+        logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
+
+    def _endpoint_options(self) -> dict[str, Any]:
+        """Where an endpoint listens: ``unix://`` beside the rendezvous, or on the
+        rendezvous's tcp:// host with a port of its own."""
+        where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
+        options: dict[str, Any] = {}
+        if where.scheme == "tcp":
+            options["address"] = wire.Address("tcp", host=where.host).url()  # port 0: any
+            if self.config.advertise is not None:
+                options["advertise"] = self.config.advertise
+        if self.config.transport == "staging":
+            options["capacity_blocks"] = self._ring_blocks
+        return options
 
     def _endpoint_for(self, sender: str) -> str:
-        """The staging endpoint of prefill engine ``sender`` (called on the rendezvous thread)."""
+        """The URL of prefill engine ``sender``'s endpoint (called on the rendezvous thread)."""
         with self._endpoints_lock:
             endpoint = self.endpoints.get(sender)
             if endpoint is None:
                 if len(self.endpoints) >= MAX_PREFILL_ENGINES:
                     raise KvFerryError(f"already {len(self.endpoints)} prefill engines, the most this decode server serves")
                 assert self.receiver is not None
-                endpoint = self.endpoints[sender] = StagingEndpoint(self.receiver, authkey=self.authkey, capacity_blocks=self._ring_blocks)
-                logger.info("kvferry: staging endpoint %s for prefill engine %s", endpoint.address, sender)
-            return endpoint.address
+                with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
+                    endpoint = registry.serve(self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options())
+                self.endpoints[sender] = endpoint
+                logger.info("kvferry: endpoint %s for prefill engine %s", endpoint.url, sender)
+            return endpoint.url
 
     def handshake(self) -> Optional[Handshake]:
         if self.rendezvous is None:
             return None
-        return Handshake(self.engine, self.rendezvous.address, self.authkey.hex())
+        return Handshake(self.engine, self.rendezvous.address)
 
     # -- per step ------------------------------------------------------------------------
 
@@ -223,13 +239,13 @@ class WorkerSide:
 
     # -- prefill -------------------------------------------------------------------------
 
-    def _peer(self, address: str, authkey: bytes) -> _Peer:
+    def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None and not peer.lost:
             return peer
         assert self.pool is not None
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport = StagingTransport(address, authkey=authkey)
+            transport = registry.connect(address, authkey=self.authkey, src=self.pool)
         sender = KVSender(
             self.pool,
             transport,
@@ -239,7 +255,7 @@ class WorkerSide:
             progress=True,
             layer_groups=self.config.layer_groups,
         )
-        peer = self._peers[address] = _Peer(address, authkey, sender, TransferHook(sender))
+        peer = self._peers[address] = _Peer(address, sender, TransferHook(sender))
         return peer
 
     def _add_send(self, spec: SendSpec) -> None:
@@ -247,7 +263,7 @@ class WorkerSide:
         st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
         self._send[spec.req_id] = st
         try:
-            st.peer = self._peer(str(dest["staging"]), spec.authkey)
+            st.peer = self._peer(str(dest["endpoint"]))
             held = [BlockRange(0, int(dest["held_blocks"]))] if dest["held_blocks"] else []
             st.peer.hook.add_request(
                 st.kv_id,
@@ -264,7 +280,7 @@ class WorkerSide:
             st.error = f"cannot send to the decode server: {err}"
             logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, st.error)
             try:
-                rendezvous.abandon(spec.peer, spec.authkey, spec.transfer, st.error)
+                rendezvous.abandon(spec.peer, self.authkey, spec.transfer, st.error)
             except KvFerryError as why:
                 logger.warning("kvferry: %s", why)
 
@@ -455,10 +471,24 @@ class WorkerSide:
         st.fence_deadline = now + self.config.fence_timeout_s
         self.receiver.cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
 
+    def _sender_connected(self, transfer: str) -> bool:
+        """Whether the prefill engine that took ``transfer`` still has a connection to its
+        endpoint here (one endpoint per prefill engine, so its connection is that engine's)."""
+        sender = self.rendezvous.taker(transfer) if self.rendezvous is not None else None
+        served = self.endpoints.get(sender) if sender is not None else None
+        if served is None:
+            return False
+        endpoint = served.endpoint
+        with endpoint._lock:  # kvferry.transports.local.LocalEndpoint: its authenticated peers
+            return any(p.channel is not None for p in endpoint._peers)
+
     def _release(self, st: _Recv, now: float) -> bool:
-        """Releases a request given up on once its sender fenced it; past the fence timeout,
-        at once: the staging endpoint applies a write only for a request it still admits, so
-        a late write of a released request never reaches vLLM's blocks."""
+        """Releases a request given up on once its sender fenced it. Past the fence timeout:
+        staging releases at once (its endpoint applies a write only for a request it still
+        admits, so a late write of a released request never reaches vLLM's blocks); nixl
+        writes are one-sided and nothing here can stop a late one, so its blocks stay
+        allocated (the request stays unreported, vLLM keeps them) until the fence comes or
+        the sender's connection ends."""
         assert self.receiver is not None and self.rendezvous is not None
         if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
             self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
@@ -467,6 +497,14 @@ class WorkerSide:
             self.receiver.release(st.spec.kv_id, 0)
         except TransferTimeoutError:
             if now < st.fence_deadline:
+                return False
+            if self.config.transport == "nixl" and self._sender_connected(st.spec.transfer):
+                if not st.kept_logged:
+                    st.kept_logged = True
+                    logger.error(
+                        "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks stay allocated until the fence or the sender's connection ends (NIXL writes are one-sided)",
+                        st.spec.req_id, st.spec.transfer, self.config.fence_timeout_s,
+                    )  # fmt: skip
                 return False
             logger.warning("kvferry: decode request %s: no fence from its sender within %s s; released", st.spec.req_id, self.config.fence_timeout_s)
             self.receiver.release_unfenced(st.spec.kv_id)
