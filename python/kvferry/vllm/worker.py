@@ -398,7 +398,9 @@ class WorkerSide:
         now = time.monotonic()
         try:
             held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
-            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held)
+            # The lease names the request's blocks: a notice whose write used others is refused.
+            blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
+            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
         except KvFerryError as err:
             self._fail_next[spec.req_id] = f"cannot expect its blocks: {err}"
             return
