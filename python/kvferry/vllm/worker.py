@@ -327,23 +327,29 @@ class WorkerSide:
                 if not peer.lost:
                     peer.lost = True
                     logger.error("kvferry: %s", err)
-            records = peer.sender.records
-            if records:
-                n = len(records)
-                batch, records[:n] = records[:n], []
-                for rec in batch:
-                    for notice in rec.notices:
-                        st = by_kv.get((id(peer), notice.request_id))
-                        if st is None:
-                            continue
-                        assert self.pool is not None
-                        lo, hi = (0, self.pool.num_layers) if notice.groups == 1 else self.pool.group_layers(notice.group, notice.groups)
-                        nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
-                        st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
-                        self.tally.add({"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes)
+            self._take_records(peer, by_kv)
         for address, peer in list(self._peers.items()):
             if peer.lost:
                 self._dead.append(self._peers.pop(address))
+
+    def _take_records(self, peer: _Peer, by_kv: dict[tuple[int, int], _Send]) -> None:
+        """Tallies the records of the peer's posted writes (the sender's announcer appends
+        them from its own thread, so a settle takes them again before it reports)."""
+        records = peer.sender.records
+        if not records:
+            return
+        n = len(records)
+        batch, records[:n] = records[:n], []
+        for rec in batch:
+            for notice in rec.notices:
+                st = by_kv.get((id(peer), notice.request_id))
+                if st is None:
+                    continue
+                assert self.pool is not None
+                lo, hi = (0, self.pool.num_layers) if notice.groups == 1 else self.pool.group_layers(notice.group, notice.groups)
+                nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
+                st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
+                self.tally.add({"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes)
 
     def _settle_send(self, st: _Send) -> bool:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
@@ -367,6 +373,9 @@ class WorkerSide:
             return True
         if sender.in_flight(kv):
             return False
+        # Its last write was posted after this step's poll took the records: take them now,
+        # or its bytes would be missing from the tally and its hidden fraction.
+        self._take_records(st.peer, {(id(p.peer), p.kv_id): p for p in self._send.values() if p.peer is not None})
         hook.finish(kv)
         self._observe(st)
         return True
