@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
 from kvferry.errors import InvalidArgumentError
+from kvferry.transports import registry
 
 __all__ = ["ConnectorConfig", "RequestParams", "default_authkey_path", "load_authkey", "prompt_digest", "parse_params"]
 
@@ -22,9 +23,10 @@ PARAMS_KEY = "kvferry"
 MIN_KEY_BYTES = 32  # the project's rule for every kvferry key (docs/security.md)
 MAX_KEY_BYTES = 4096
 OPS = ("hello", "recv", "send")
-# How blocks move (kvferry.transports.registry builds both sides): staging writes plain CPU
-# tensors on one host; nixl writes them one-sided, across hosts.
-TRANSPORTS = ("staging", "nixl")
+# How blocks move (kvferry.transports.registry builds both sides): the registry's transports
+# that write vLLM's plain CPU KV tensors from another process, so no shared pool (staging on
+# one host, nixl across hosts too).
+TRANSPORTS = tuple(n for n in registry.names(device="cpu", reach=registry.Reach.HOST) if registry.spec(n).has_endpoint and not registry.spec(n).shared_pool)
 
 
 @dataclass(frozen=True)
