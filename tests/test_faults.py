@@ -90,6 +90,8 @@ def reply_from(conn: Any, proc: Any, who: str) -> Any:
 
 
 def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
+    """Waits for a condition the library reaches on another thread with no event a test can
+    wait on (a NIXL notification taken in by UCX's progress): ``timeout`` only bounds a hang."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -98,15 +100,26 @@ def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
     return True
 
 
+def threads_ended(name: str, timeout: float = SLACK) -> bool:
+    """Joins every live thread called ``name``; False if one is still running after ``timeout``
+    (a bound on a hang, not an expectation of speed)."""
+    deadline = time.monotonic() + timeout
+    for t in [t for t in threading.enumerate() if t.name == name]:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return all(t.name != name for t in threading.enumerate())
+
+
 def no_new_threads(before: set[threading.Thread]) -> list[str]:
     """The kvferry threads started since ``before`` that are still alive after a bounded wait
     (threads being joined by a close may take a moment to be gone)."""
 
-    def new() -> list[str]:
-        return sorted(t.name for t in threading.enumerate() if t not in before and t.name.startswith("kvferry"))
+    def new() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in before and t.name.startswith("kvferry")]
 
-    until(lambda: not new(), timeout=10)
-    return new()
+    deadline = time.monotonic() + SLACK
+    for t in new():
+        t.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in new())
 
 
 # --- the generation worker (receiver) -------------------------------------------------------
@@ -362,7 +375,10 @@ def random_pool(seed: int) -> PagedKV:
 
 
 def expect_failed_soon(call: Callable[[], Any], bound: float) -> tuple[TransferError, float]:
-    """Calls ``call`` until it raises `TransferError` (at most ``bound`` seconds)."""
+    """Calls ``call`` until it raises `TransferError` (at most ``bound`` seconds). The failure
+    is one the sender finds by its own clock (a write past its timeout, the receiver's socket
+    looked at every PEER_CHECK_SECONDS), so there is no event to wait on: ``bound`` only stops
+    a test whose failure never comes."""
     start = time.monotonic()
     while True:
         try:
@@ -575,7 +591,7 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
         dst_blocks.give(dst[3])
         assert len(receiver) == 0 and dst_blocks.free == NUM_BLOCKS
         # The dead sender's connection thread is gone without the endpoint closing.
-        assert until(lambda: "kvferry-notices" not in kvferry_threads())
+        assert threads_ended("kvferry-notices")
         assert list(endpoint.errors) == []
     finally:
         ctx.cleanup()
@@ -616,7 +632,7 @@ def test_nixl_sender_killed_fails_by_the_receiver_timeout(loopback_ucx: None) ->
         receiver.release(1)
         receiver.release(2)
         assert len(receiver) == 0
-        assert until(lambda: "kvferry-notices" not in kvferry_threads())
+        assert threads_ended("kvferry-notices")
     finally:
         ctx.cleanup()
         endpoint.close()
