@@ -172,8 +172,11 @@ class KVSender:
         queued), posts every finished write at the head of the queue, in order, under the
         same lock as `poll`. Returns whether to stop, the oldest unfinished write, whether
         anything is registered or queued, and when to check the receiver next."""
-        try:
-            with self._lock:
+        # The error is queued under the same hold of the lock that found it: a flush on the
+        # executor thread that took the lock in between would find neither the write nor its
+        # error, and return as if the write had landed.
+        with self._lock:
+            try:
                 watching = bool(self._next_slice or self._inflight)
                 if watching and time.monotonic() >= next_check:
                     # The receiver's cancellations are taken here too, so that a request it
@@ -183,12 +186,12 @@ class KVSender:
                 while self._inflight and self._inflight[0].pending.done():
                     self._finish(self._inflight.popleft())
                 return False, self._inflight[0].pending if self._inflight else None, watching, next_check
-        except TransferError as err:  # its requests are failed already; later writes still post
-            self._defer(err)
-            return self._lost is not None, None, True, next_check  # lost: nothing can be posted
-        except BaseException as err:  # handed to the executor thread at its next call
-            self._defer(err)
-            return True, None, False, next_check
+            except TransferError as err:  # its requests are failed already; later writes still post
+                self._defer(err)
+                return self._lost is not None, None, True, next_check  # lost: nothing can be posted
+            except BaseException as err:  # handed to the executor thread at its next call
+                self._defer(err)
+                return True, None, False, next_check
 
     def _defer(self, err: BaseException) -> None:
         # Each error is raised once, in the order found (a lost receiver is one error however
