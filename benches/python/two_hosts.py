@@ -1,8 +1,10 @@
 """NIXL across two hosts on one machine: `kvferry bench copy` and `kvferry bench agentic` with
 the sender in one network namespace and the receiver in another, joined by a veth pair
-shaped with tc (tests/netns.py makes them; needs root and iproute2).
+shaped with tc (tests/netns.py makes them; needs root and iproute2); and `kvferry bench vllm`
+with the decode server in the other namespace (`--benches vllm`, run with vLLM's venv).
 
     sudo .venv/bin/python benches/python/two_hosts.py [--rate-mbit 2000] [--out DIR] [--reps 5]
+    sudo .venv-vllm/bin/python benches/python/two_hosts.py --benches vllm --rate-mbit 600 [--vllm-args "..."]
 
 Both sides run with ``UCX_TLS=tcp`` on the veth (UCX's defaults would see one node and move
 the bytes by cross-memory attach). Each bench also measures the same run's ceiling: one raw
@@ -29,8 +31,13 @@ def main() -> int:
     parser.add_argument("--rate-mbit", type=float, default=2000.0, help="tc rate of each end of the veth (Mbit/s)")
     parser.add_argument("--out", default="two-hosts", help="directory for the JSON and tables")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--skip-agentic", action="store_true")
+    parser.add_argument("--benches", default="copy,agentic", help="which of copy, agentic, vllm to run (default: %(default)s)")
+    parser.add_argument("--vllm-args", default="", help="more arguments for kvferry bench vllm (default: none)")
     args = parser.parse_args()
+    chosen = [b.strip() for b in args.benches.split(",") if b.strip()]
+    bad = [b for b in chosen if b not in ("copy", "agentic", "vllm")]
+    if bad or not chosen:
+        parser.error(f"invalid --benches={args.benches!r}: choose from copy, agentic, vllm")
     reason = unavailable()
     if reason is not None:
         print(f"two_hosts: {reason}", file=sys.stderr)
@@ -44,9 +51,10 @@ def main() -> int:
         runs = {
             "copy": ["bench", "copy", "--blocks", "64,1024", "--reps", str(args.reps), *place],
             "agentic": ["bench", "agentic", "--png", str(out / "agentic-timeline.png"), *place],
-        }
-        if args.skip_agentic:
-            del runs["agentic"]
+            "vllm": ["bench", "vllm", "--decode-netns", hosts.b.namespace, "--decode-host", hosts.b.ip, "--prefill-host", hosts.a.ip,
+                     "--png", str(out / "vllm-timeline.png"), *args.vllm_args.split()],
+        }  # fmt: skip
+        runs = {name: argv for name, argv in runs.items() if name in chosen}
         for name, argv in runs.items():
             json_path = out / f"{name}.json"
             cmd = hosts.command(hosts.a, [sys.executable, "-m", "kvferry.cli", *argv, "--json", str(json_path)])

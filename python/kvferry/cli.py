@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--workdir", default=None, metavar="DIR", help="model and server logs (default: a fresh temp dir)")
     vllm.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     vllm.add_argument("--png", default="vllm-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
+    vllm.add_argument("--decode-netns", default=None, metavar="NAME", help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)")
+    vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
+    vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
@@ -363,6 +366,11 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {args.layers}")
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
+    loopback = ("127.0.0.1", "::1", "localhost")
+    if args.decode_netns is not None and (args.decode_host in loopback or args.prefill_host in loopback):
+        return _refuse(f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})")
+    if args.decode_netns is None and args.decode_host not in loopback:
+        return _refuse(f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this host's loopback")
     cfg = VllmBenchConfig(
         sessions=args.sessions,
         turns=args.turns,
@@ -378,6 +386,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.chunk,
         configs=args.configs or CONFIGS,
         workdir=args.workdir,
+        decode_netns=args.decode_netns,
+        decode_host=args.decode_host,
+        prefill_host=args.prefill_host,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
     print(format_vllm_bench(result))

@@ -3,9 +3,20 @@ decode server behind ``kvferry proxy``), once per KV-connector configuration, in
 
 Configurations (:data:`CONFIGS`): vLLM's NixlConnector; KvferryConnector with early send off
 (the baseline: every block leaves after the forward that computed it); early send; early send
-with layer groups. KvferryConnector never sends blocks the decode server's prefix cache holds
-(decode-side awareness is built in, with no switch to turn it off), so "early + decode-side
-awareness" is the early configuration itself; the table says so instead of repeating a row.
+with decode-side awareness; early send with awareness and layer groups. Decode-side awareness
+is the decode server's prefix cache: with it, blocks the decode server holds never cross
+(KvferryConnector counts them as held); without it (``--no-enable-prefix-caching`` on the
+decode server, as the reference engine's ``aware=False``) the decode server holds nothing and
+every block crosses. NixlConnector always runs with it (it too skips what the decode server
+holds).
+
+Placement: by default every server on this host's loopback (KvferryConnector over
+``staging``). Across two hosts (``decode_netns``: the decode server in that network
+namespace, reached at ``decode_host``; this process, the proxy and the prefill server at
+``prefill_host`` in its own): KvferryConnector's control plane on tcp:// and its bytes over
+NIXL, and NixlConnector's side channel on the servers' addresses; UCX's settings
+(``UCX_TLS=tcp``, ``UCX_NET_DEVICES``) come from the environment. benches/python/two_hosts.py
+makes the namespaces, shapes the veth and runs this inside one of them.
 
 Two cases, each with its own figures (/work/shared/notes/vllm-on-cpu.md, "fair side-by-side"):
 - ``decode-warm``: a session's next turn lands on the decode server that served the last one
@@ -32,7 +43,7 @@ import random
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -47,21 +58,29 @@ class Configuration:
     connector: str  # the proxy's flow
     extra: dict[str, Any] = field(default_factory=dict)  # KvferryConnector's kv_connector_extra_config
     note: str = ""
+    aware: bool = True  # decode-side awareness: the decode server keeps a prefix cache
 
-    def server_configs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def server_configs(self, cross_host: Optional[str] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The prefill and decode servers' kv-transfer-configs; ``cross_host``: the decode
+        server's address on another host (KvferryConnector then listens there on tcp:// and
+        moves the bytes over NIXL)."""
         from kvferry.vllm.testbed import kvferry_config, nixl_config
 
         if self.connector == "nixl":
             return nixl_config("kv_producer"), nixl_config("kv_consumer")
-        return kvferry_config("kv_producer", **self.extra), kvferry_config("kv_consumer")
+        if cross_host is None:
+            return kvferry_config("kv_producer", **self.extra), kvferry_config("kv_consumer")
+        host = f"[{cross_host}]" if ":" in cross_host else cross_host
+        return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config("kv_consumer", transport="nixl", listen=f"tcp://{host}:0")
 
 
 def configurations(layer_groups: int) -> list[Configuration]:
     return [
-        Configuration("nixl", "nixl", note="vLLM's NixlConnector: decode READs after the prefill"),
-        Configuration("kvferry-baseline", "kvferry", {"early": False}, "early send off"),
-        Configuration("kvferry-early", "kvferry", {"early": True}, "early send (+ decode-side awareness, always on)"),
-        Configuration("kvferry-layers", "kvferry", {"early": True, "layer_groups": layer_groups}, f"early send + {layer_groups} layer groups"),
+        Configuration("nixl", "nixl", note="vLLM's NixlConnector: decode READs after the prefill (skips what the decode server holds)"),
+        Configuration("kvferry-baseline", "kvferry", {"early": False}, "early send off, no decode-side awareness", aware=False),
+        Configuration("kvferry-early", "kvferry", {"early": True}, "early send, no decode-side awareness", aware=False),
+        Configuration("kvferry-aware", "kvferry", {"early": True}, "early send + decode-side awareness"),
+        Configuration("kvferry-layers", "kvferry", {"early": True, "layer_groups": layer_groups}, f"early send + awareness + {layer_groups} layer groups"),
     ]
 
 
@@ -85,6 +104,9 @@ class VllmBenchConfig:
     kv_cache_memory_bytes: int = 256 << 20
     configs: tuple[str, ...] = CONFIGS
     workdir: Optional[str] = None
+    decode_netns: Optional[str] = None  # the decode server's network namespace (another host)
+    decode_host: str = "127.0.0.1"  # its address there
+    prefill_host: str = "127.0.0.1"  # the prefill server's address (this process's namespace)
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -116,7 +138,22 @@ METRICS = {
 
 def _read(bed: Any, connector: str) -> dict[str, float]:
     texts = {"prefill": bed.prefills[0].metrics(), "decode": bed.decodes[0].metrics()}
-    return {k: _metric_sum(texts[side], name) for k, (side, name) in METRICS[connector].items()}
+    out = {k: _metric_sum(texts[side], name) for k, (side, name) in METRICS[connector].items()}
+    out["wire_tx"] = float(_wire_tx_bytes())
+    return out
+
+
+def _wire_tx_bytes() -> int:
+    """Bytes this network namespace sent on its interfaces other than loopback (/proc/net/dev):
+    across two hosts, everything the prefill side sent over the veth (KV and HTTP); on one
+    host, whatever else the machine sent (not a figure of the bench)."""
+    total = 0
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, fields = line.partition(":")
+            if name.strip() != "lo":
+                total += int(fields.split()[8])
+    return total
 
 
 QUEUE_SUM, QUEUE_COUNT = "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count"
@@ -230,6 +267,7 @@ def _run_case(cfg: VllmBenchConfig, conf: Configuration, bed: Any, case: str, sc
         "early_bytes_per_turn": delta.get("early_bytes", 0) / n,
         "held_blocks_per_turn": delta.get("held_blocks", 0) / n if "held_blocks" in delta else None,
         "duplicates": delta.get("duplicates"),
+        "wire_tx_bytes_per_turn": delta["wire_tx"] / n,
         "outputs_equal": equal,
         "turns": rows,
     }
@@ -262,12 +300,19 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         "kv_bytes_per_token": spec.kv_bytes_per_token(),
         "configs": {},
     }
+    cross = cfg.decode_netns is not None
+    result["placement"] = (
+        f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy at {cfg.prefill_host}" if cross else "one host, loopback"
+    )
     for conf in configurations(cfg.layer_groups):
         if conf.name not in cfg.configs:
             continue
-        prefill_config, decode_config = conf.server_configs()
+        prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
         progress(f"{conf.name}: starting a prefill and a decode server ({conf.note})")
-        with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine, proxy_connector=conf.connector, env=env) as bed:
+        decode_engine = replace(engine, prefix_caching=conf.aware)
+        with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine, proxy_connector=conf.connector, env=env,
+                             prefill_host=cfg.prefill_host, decode_host=cfg.decode_host, decode_netns=cfg.decode_netns,
+                             decode_engine=decode_engine) as bed:  # fmt: skip
             # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
             # first-transfer setup (NIXL's handshake) stay out of the figures.
             warm = testbed.call(bed.url, "/v1/completions", _body([5] * 100, 2, stream=False))
@@ -276,39 +321,47 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
             leaks = [s.kv_blocks()[0] for s in bed.servers()]
             hellos = getattr(bed.proxy.proxy.flow, "hellos", None) if bed.proxy is not None else None
-        result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, **figures, "kv_blocks_left": leaks, "hellos": hellos}
+        result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, "aware": conf.aware, **figures, "kv_blocks_left": leaks, "hellos": hellos}
     return result
 
 
 def format_vllm_bench(result: dict[str, Any]) -> str:
     cfg = result["config"]
+    cross = cfg.get("decode_netns") is not None
     lines = [
         f"kvferry bench vllm: {cfg['sessions']} sessions x {cfg['turns']} measured turns, {cfg['cached_tokens']} cached + "
         f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['layers']} layers, hidden {cfg['hidden']} "
         f"({result['kv_bytes_per_token']} KV bytes/token); {result['machine']}, {result['date']}",
+        f"placement: {result.get('placement', 'one host, loopback')}",
     ]
     base = {case: result["configs"].get("kvferry-baseline", {}).get(case) for case in CASES}
+    nixl = {case: result["configs"].get("nixl", {}).get(case) for case in CASES}
     for case in CASES:
         lines.append("")
         lines.append(f"[{case}]")
-        header = (f"{'configuration':<18} {'TTFT p50':>9} {'p90':>8} {'vs base':>8} {'KV-ready p50':>12} {'p90':>8} "
-                  f"{'link/turn':>10} {'early/turn':>10} {'held/turn':>9} {'equal':>6}")  # fmt: skip
+        header = (f"{'configuration':<18} {'TTFT p50':>9} {'p90':>8} {'vs base':>8} {'vs nixl':>8} {'KV-ready p50':>12} {'p90':>8} "
+                  f"{'link/turn':>10} {'early/turn':>10} {'held/turn':>9}" + (f" {'veth/turn':>10}" if cross else "") + f" {'equal':>6}")  # fmt: skip
         lines.append(header)
         lines.append("-" * len(header))
         for name, c in result["configs"].items():
             f = c[case]
             ratio = f"{base[case]['ttft_ms_p50'] / f['ttft_ms_p50']:.2f}x" if base[case] else "-"
+            vs_nixl = f"{f['ttft_ms_p50'] / nixl[case]['ttft_ms_p50']:.2f}" if nixl[case] else "-"
             held = "-" if f["held_blocks_per_turn"] is None else f"{f['held_blocks_per_turn']:.0f}"
+            wire = f" {f['wire_tx_bytes_per_turn'] / 2**20:>6.2f} MiB" if cross else ""
             lines.append(
-                f"{name:<18} {f['ttft_ms_p50']:>6.0f} ms {f['ttft_ms_p90']:>5.0f} ms {ratio:>8} {f['kv_ready_ms_p50']:>9.0f} ms {f['kv_ready_ms_p90']:>5.0f} ms "
-                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB {held:>9} {str(f['outputs_equal']):>6}"
+                f"{name:<18} {f['ttft_ms_p50']:>6.0f} ms {f['ttft_ms_p90']:>5.0f} ms {ratio:>8} {vs_nixl:>8} {f['kv_ready_ms_p50']:>9.0f} ms {f['kv_ready_ms_p90']:>5.0f} ms "
+                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB {held:>9}{wire} {str(f['outputs_equal']):>6}"
             )
     lines.append("")
-    lines.append("TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's (higher is faster).")
+    lines.append("TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's (higher is faster);")
+    lines.append("vs nixl: this one's TTFT p50 over NixlConnector's (lower is faster).")
     lines.append("KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start + the decode server's queue time).")
     lines.append("link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: blocks not sent, the decode server had them.")
+    if cross:
+        lines.append("veth: bytes the prefill side's namespace sent on the veth per turn (KV and HTTP), from /proc/net/dev.")
     lines.append("equal: every output equals the plain single server's, token for token.")
-    lines.append("kvferry-early includes decode-side awareness (KvferryConnector has no switch to turn it off).")
+    lines.append("Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and kvferry-early, on in the other rows.")
     left = {n: c["kv_blocks_left"] for n, c in result["configs"].items() if any(c["kv_blocks_left"])}
     lines.append(f"KV blocks left allocated after each run: {left or 'none'}")
     return "\n".join(lines)

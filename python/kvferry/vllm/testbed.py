@@ -324,17 +324,23 @@ def start_server(
     cores: Sequence[int] = (),
     env: Optional[dict[str, str]] = None,
     python: str = sys.executable,
+    host: str = "127.0.0.1",
+    netns: Optional[str] = None,
 ) -> Server:
-    """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free loopback
-    port; returns at once (call :func:`wait_ready`)."""
+    """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free port of
+    ``host`` (loopback by default; NIXL's side channel listens there too); returns at once
+    (call :func:`wait_ready`). ``netns``: run it inside that network namespace (``ip netns
+    exec``, root), standing for another host; ``host`` is then its address there."""
     port, side = free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     args = [
         python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-", "--",
-        "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model), "--served-model-name", "tiny", "--host", host, "--port", str(port),
         *engine.args(),
     ]  # fmt: skip
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     full_env = dict(os.environ)
@@ -342,7 +348,7 @@ def start_server(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # scheduler and worker in one process: up in seconds
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST=host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
         VLLM_CPU_OMP_THREADS_BIND="nobind",  # the launcher pins the whole process instead
         VLLM_NO_USAGE_STATS="1",
@@ -357,7 +363,11 @@ def start_server(
         )
     finally:
         log.close()
-    return Server(name, f"http://127.0.0.1:{port}", proc, log_path, side)
+    return Server(name, f"http://{_url_host(host)}:{port}", proc, log_path, side)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def wait_ready(servers: Sequence[Server], timeout_s: float = 240.0) -> None:
@@ -399,6 +409,13 @@ class Testbed:
     engine: EngineSettings = field(default_factory=EngineSettings)
     proxy_connector: Optional[str] = "nixl"
     env: dict[str, str] = field(default_factory=dict)
+    # Where the servers run: by default all on this host's loopback. Across two hosts: the
+    # prefill servers on ``prefill_host`` here, the decode servers in network namespace
+    # ``decode_netns`` on ``decode_host`` (the proxy runs here and reaches both).
+    prefill_host: str = "127.0.0.1"
+    decode_host: str = "127.0.0.1"
+    decode_netns: Optional[str] = None
+    decode_engine: Optional[EngineSettings] = None  # the decode servers' own settings (default: engine)
     prefills: list[Server] = field(default_factory=list)
     decodes: list[Server] = field(default_factory=list)
     proxy: Optional[Any] = None
@@ -422,12 +439,13 @@ class Testbed:
         for i in range(self.prefill_count):
             self.prefills.append(
                 start_server(f"prefill{i}", self.model, self.workdir, kv_transfer_config=self.prefill_config,
-                             engine=self.engine, cores=assign[i], env=self.env)
+                             engine=self.engine, cores=assign[i], env=self.env, host=self.prefill_host)
             )  # fmt: skip
         for i in range(self.decode_count):
             self.decodes.append(
                 start_server(f"decode{i}", self.model, self.workdir, kv_transfer_config=self.decode_config,
-                             engine=self.engine, cores=assign[self.prefill_count + i], env=self.env)
+                             engine=self.decode_engine or self.engine, cores=assign[self.prefill_count + i], env=self.env,
+                             host=self.decode_host, netns=self.decode_netns)
             )  # fmt: skip
         wait_ready(self.prefills + self.decodes)
         if self.proxy_connector is not None:
