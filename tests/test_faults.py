@@ -116,9 +116,11 @@ def no_new_threads(before: set[threading.Thread]) -> list[str]:
     def new() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t not in before and t.name.startswith("kvferry")]
 
+    # A thread may start after a look (a connection accepted late), so look again after joining.
     deadline = time.monotonic() + SLACK
-    for t in new():
-        t.join(max(0.0, deadline - time.monotonic()))
+    while (alive := new()) and time.monotonic() < deadline:
+        for t in alive:
+            t.join(max(0.0, deadline - time.monotonic()))
     return sorted(t.name for t in new())
 
 
