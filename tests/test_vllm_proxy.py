@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import random
 import re
 import socket
+import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +31,9 @@ from aiohttp import web  # noqa: E402
 from kvferry.vllm import testbed  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_harness import wait_until  # noqa: E402
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -88,15 +92,6 @@ def _used(bed: Testbed) -> list[int]:
     return [s.kv_blocks()[0] for s in bed.servers()]
 
 
-def _wait_until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
-    """Waits for a condition the servers report (bounded: a failure names the condition)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completions", "chat"])
 def test_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed], path: str, stream: bool) -> None:
@@ -113,7 +108,7 @@ def test_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed], pat
         assert g.text == w.text, f"turn {turn}"
     # Random weights still give varied tokens: the comparison is not between constant streams.
     assert len({t for a in want for t in a.token_ids}) > 6
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks after the session")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks after the session")
 
 
 def test_next_turn_hits_decode_prefix_cache(servers: tuple[testbed.Server, Testbed]) -> None:
@@ -164,10 +159,10 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     assert decode.kv_blocks()[0] > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    _wait_until(lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request")
+    wait_until(lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request")
     assert _counter(decode.metrics(), "vllm:request_success_total") == finished  # aborted, not run to the end
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
-    _wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
     # And the proxy still serves.
     assert call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).status == 200
 
@@ -228,10 +223,10 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
             assert error["message"].startswith(f"prefill server {prefill.url}: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "), error
             assert f"cannot reach the decode server's rendezvous at {nobody!r}" in error["message"], error
             assert _status(prefill.url, transfer)["state"] == "failed"
-        _wait_until(lambda: lost.in_flight() == 0, "the proxy to have no upstream call in flight")
+        wait_until(lambda: lost.in_flight() == 0, "the proxy to have no upstream call in flight")
     finally:
         lost.stop()
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
     # And the pair still serves through its own proxy.
     assert call(bed.url, COMPLETIONS, body).status == 200
 
@@ -256,7 +251,7 @@ def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) ->
     ]:
         a = call(decode.url, COMPLETIONS, {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": params}})
         assert a.status == 500, a.body
-        _wait_until(lambda: named in decode.log_tail(200000), f"the decode server's log to name {named!r}")
+        wait_until(lambda: named in decode.log_tail(200000), f"the decode server's log to name {named!r}")
     assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
 
 
@@ -291,7 +286,7 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
             assert a.token_ids == want.token_ids
     finally:
         mixed.stop()
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
 
 
 # ---- routing rules against stub upstreams (no engine) ---------------------------------------
@@ -501,7 +496,7 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
             assert a.timing["decode-start"] > 0
             prompt = prompt + a.token_ids + [turn + 2] * 30
         # Discovered once: a streamed answer's client closing at the end does not drop it.
-        _wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+        wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
         assert decodes[0].hellos == 1
         assert proxy.proxy.flow.hellos == 1  # type: ignore[attr-defined]
         assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
@@ -531,7 +526,7 @@ def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
         # Its status was asked (its answer, an error again, is named too).
         assert a.body["error"]["transfer"] == prefill.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
         assert decode.closed.wait(30)  # the decode leg's connection was closed: vLLM aborts it
-        _wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+        wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
         assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # asked again next time
     finally:
         proxy.stop()

@@ -27,7 +27,13 @@ decode server takes it (the prepared KV waits on the prefill server for whicheve
 client that disconnects cancels the leg in flight: the proxy closes that upstream connection and
 vLLM aborts the request; a decode server aborted before it read the KV tells the prefill server
 to free it (NixlConnector does), so nothing stays allocated. What is left to the connector's
-lease: KV prepared for a decode server that died before reading it.
+lease: KV prepared for a decode server that died before reading it. With KvferryConnector, a
+leg whose server answers an error (vLLM says only "Internal server error" for a request it
+finished with finish_reason "error") makes the proxy ask that server the transfer's
+``status``, and the client's error names the reason (docs/vllm.md, "Status").
+
+A stream is whole at its ``data: [DONE]`` event: the proxy returns there, so a client that
+closes right after it (before the server ends its stream) is a served request, not a failure.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ PARAMS_KEY = "kvferry"
 DOWN_S = 10.0
 # Sessions remembered for stickiness (least recently used forgotten first).
 MAX_SESSIONS = 65536
+# A stream's bytes held while looking for the end of an event (vLLM's events are far
+# smaller): past this the bytes go through as they are.
+MAX_EVENT_BYTES = 1 << 20
 
 
 class _Refused(Exception):
@@ -69,8 +78,8 @@ class _Refused(Exception):
 
 class UpstreamError(Exception):
     """One leg failed: which server, the status to give the client and a message;
-    ``upstream_status``: the HTTP status the server answered (``None``: no answer, or an
-    error event in a stream); ``transfer``: the kvferry transfer it concerns, if any."""
+    ``upstream_status``: the HTTP status the server answered, or the code of a stream's error
+    event (``None``: no answer); ``transfer``: the kvferry transfer it concerns, if any."""
 
     def __init__(self, leg: str, url: str, status: int, message: str, upstream_status: Optional[int] = None, transfer: Optional[str] = None) -> None:
         super().__init__(f"{leg} server {url}: {message}")
@@ -583,6 +592,9 @@ class Exchange:
                             with contextlib.suppress(ConnectionError):
                                 await out.write_eof()
                             return out
+                    if len(pending) > MAX_EVENT_BYTES:
+                        await out.write(pending)
+                        pending = b""
                 if pending:
                     await out.write(pending)
                 await out.write_eof()
