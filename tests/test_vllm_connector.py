@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import re
 import subprocess
 import sys
 import uuid
@@ -23,7 +24,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, build_tiny_llama  # noqa: E402
+from vllm_harness import BLOCK, Engine, build_tiny_llama, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -511,6 +512,9 @@ BAD_DECODE = [
     {"kvferry": {"op": "recv", "transfer": "t", "timeout_s": -1}},
     {"kvferry": {"op": "recv", "transfer": "t", "extra": 1}},
     {"kvferry": {"op": "send", "transfer": "t", "peer": "/x"}},  # send on a consumer
+    {"kvferry": {"op": "status"}},  # no transfer id
+    {"kvferry": {"op": "status", "transfer": 7}},
+    {"kvferry": {"op": "status", "transfer": "t", "timeout_s": 1}},  # status takes op and transfer only
 ]
 
 
@@ -542,6 +546,75 @@ def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, 
     assert out["good"]["finish_reason"] == "length"
     no_blocks_used(prefill)
     still_serves(pair, plain, 5)
+
+
+def status_of(engine: Engine, transfer: str) -> dict[str, Any]:
+    rid = f"status-{uuid.uuid4().hex[:8]}"
+    out = engine.run([(rid, [0], 1, {"kvferry": {"op": "status", "transfer": transfer}})])["outputs"][rid]
+    assert out["finish_reason"] == "length", out
+    return dict(out["kv_transfer_params"]["kvferry"])
+
+
+@needs_vllm
+def test_status_tells_how_each_side_ended(engines: Any) -> None:
+    """The one-token ``status`` op: a served transfer is ``done`` on both engines; one whose
+    prefill request was aborted before its first chunk is ``failed`` on both, with the reason
+    each side logged; an id never seen is ``unknown``. Nothing is computed or moved for it."""
+    prefill, decode, plain, hello = engines
+    pair = Pair(prefill, decode, hello)
+    prompt, served = prompt_of(100, 50), uuid.uuid4().hex
+    decode.start("run", [("d-served", prompt, OUT, {"kvferry": {"op": "recv", "transfer": served}})], None, None)
+    assert prefill.run([("p-served", prompt, 1, pair.send_params(served))])["outputs"]["p-served"]["finish_reason"] == "length"
+    assert decode.result()["outputs"]["d-served"]["finish_reason"] == "length"
+    assert status_of(decode, served) == {"op": "status", "transfer": served, "state": "done"}
+    assert status_of(prefill, served) == {"op": "status", "transfer": served, "state": "done"}
+    gone = uuid.uuid4().hex
+    prefill.run([("p-quit", prompt_of(150, 51), 1, pair.send_params(gone))], abort=("p-quit", "waiting_for_destination"))
+    d = decode.run([("d-quit", prompt_of(150, 51), OUT, {"kvferry": {"op": "recv", "transfer": gone}})])
+    assert d["outputs"]["d-quit"]["finish_reason"] == "error"
+    theirs = status_of(prefill, gone)
+    assert theirs["state"] == "failed" and re.fullmatch(r"prefill request p-quit\S* ended before its first chunk", theirs["error"]), theirs
+    assert status_of(decode, gone) == {"op": "status", "transfer": gone, "state": "failed", "error": f"the prefill side gave up: {theirs['error']}"}
+    assert status_of(decode, "never-seen") == {"op": "status", "transfer": "never-seen", "state": "unknown"}
+    no_blocks_used(prefill, decode)
+
+
+@needs_vllm
+def test_status_answers_from_a_bounded_record() -> None:
+    """The scheduler half without an engine: a transfer a request holds is ``active``; a
+    refused request's transfer is ``failed`` with the refusal; a later success does not hide
+    a failure of the same id; only the newest MAX_OUTCOMES are kept."""
+    from types import SimpleNamespace
+
+    from kvferry.vllm import scheduler
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import Outcome
+
+    manager = SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9],))
+    side = scheduler.SchedulerSide(ConnectorConfig(), block_size=BLOCK, role="kv_consumer", engine_id="e", kv_cache_manager_getter=lambda: manager, authkey=b"k" * 32)
+
+    def request(rid: str, ours: dict[str, Any], n: int = 70) -> Any:
+        return SimpleNamespace(request_id=rid, num_tokens=n, num_prompt_tokens=n, prompt_token_ids=list(range(n)), kv_transfer_params={"kvferry": ours})
+
+    def status(transfer: str) -> dict[str, Any]:
+        delay, answer = side.request_finished(request("st", {"op": "status", "transfer": transfer}, 1), [])
+        assert delay is False and answer is not None
+        return dict(answer["kvferry"])
+
+    recv = request("d1", {"op": "recv", "transfer": "live"})
+    assert side.get_num_new_matched_tokens(recv, 0) == (70, True)
+    side.update_state_after_alloc(recv, None, 70)
+    assert status("live") == {"op": "status", "transfer": "live", "state": "active"}
+    assert side.get_num_new_matched_tokens(request("s1", {"op": "status", "transfer": "live"}, 1), 0) == (0, False)  # computes nothing
+    bad = request("d2", {"op": "send", "transfer": "wrong-side", "peer": "/p"})
+    assert side.get_num_new_matched_tokens(bad, 0) == (1, True)
+    assert status("wrong-side") == {"op": "status", "transfer": "wrong-side", "state": "failed",
+                                    "error": "request refused: op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server"}  # fmt: skip
+    side.record([Outcome("wrong-side", "done")])
+    assert status("wrong-side")["state"] == "failed"
+    side.record([Outcome(f"t{i}", "done") for i in range(scheduler.MAX_OUTCOMES)])
+    assert status("wrong-side")["state"] == "unknown" and status("t0")["state"] == "done"  # the oldest forgotten first
+    assert status(f"t{scheduler.MAX_OUTCOMES - 1}")["state"] == "done"
 
 
 @needs_vllm
@@ -619,7 +692,7 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
     from kvferry.errors import InvalidArgumentError
 
     try:
-        from kvferry.vllm.config import ConnectorConfig, parse_params
+        from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params
     except ImportError:
         pytest.skip("kvferry.vllm needs vLLM")
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
@@ -639,7 +712,10 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
             ConnectorConfig.from_extra(extra)
     assert parse_params(None) is None and parse_params({"other": 1}) is None
     assert parse_params({"kvferry": {"op": "recv", "transfer": "t", "timeout_s": 5}}).timeout_s == 5.0
+    assert parse_params({"kvferry": {"op": "status", "transfer": "t"}}) == RequestParams("status", "t")
     for params, named in [
+        ({"kvferry": {"op": "status"}}, r"transfer=None"),
+        ({"kvferry": {"op": "status", "transfer": "t", "peer": "/p"}}, r"keys \['peer'\] for op 'status'"),
         ({"kvferry": {"op": "send", "transfer": "t", "peer": "/p", "authkey": "00" * 32}}, "never travels"),
         ({"kvferry": {"op": "send", "transfer": "t"}}, "peer"),
         ({"kvferry": {"op": "recv", "transfer": ""}}, "transfer"),
@@ -653,16 +729,12 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
 
 
 def _metric(text: str, name: str) -> float:
-    import re
-
     found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
     return sum(float(v) for v in found)
 
 
 @needs_vllm
 def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
-    import time
-
     from kvferry.vllm import testbed
 
     tiny = testbed.build_tiny_llama(tmp_path)
@@ -680,12 +752,8 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
             prompt = prompt + answer.token_ids + [rng.randrange(3, 500) for _ in range(40)]
         # vLLM publishes connector stats with the engine's next stats record: wait for them
         # (bounded), not for a fixed time.
-        deadline = time.monotonic() + 60
-        while True:
-            p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
-            if _metric(p_text, "vllm:kvferry_transfers_total") >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        wait_until(lambda: _metric(bed.prefills[0].metrics(), "vllm:kvferry_transfers_total") >= 2, "the prefill server's stats of both transfers")
+        p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
         assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
         assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
         assert _metric(p_text, "vllm:kvferry_chunk_bytes_total") > 0

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import random
 import re
 import socket
+import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +31,9 @@ from aiohttp import web  # noqa: E402
 from kvferry.vllm import testbed  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_harness import wait_until  # noqa: E402
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -88,29 +92,23 @@ def _used(bed: Testbed) -> list[int]:
     return [s.kv_blocks()[0] for s in bed.servers()]
 
 
-def _wait_until(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
-    """Waits for a condition the servers report (bounded: a failure names the condition)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completions", "chat"])
 def test_outputs_equal_plain_server(servers: tuple[testbed.Server, Testbed], path: str, stream: bool) -> None:
     plain, bed = servers
     seed = (10 if path == COMPLETIONS else 20) + int(stream)
     want = _conversation(plain.url, path, stream, seed)
+    hellos = getattr(bed.proxy.proxy.flow, "hellos", 0)
     got = _conversation(bed.url, path, stream, seed, headers={SESSION_HEADER: f"s{seed}"})
+    if bed.proxy_connector == "kvferry":
+        assert bed.proxy.proxy.flow.hellos == max(hellos, 1)  # served turns never make it ask again
     for turn, (w, g) in enumerate(zip(want, got)):
         assert len(w.token_ids) == 12, w.body
         assert g.token_ids == w.token_ids, f"turn {turn}"
         assert g.text == w.text, f"turn {turn}"
     # Random weights still give varied tokens: the comparison is not between constant streams.
     assert len({t for a in want for t in a.token_ids}) > 6
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks after the session")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks after the session")
 
 
 def test_next_turn_hits_decode_prefix_cache(servers: tuple[testbed.Server, Testbed]) -> None:
@@ -161,12 +159,100 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     assert decode.kv_blocks()[0] > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    _wait_until(lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request")
+    wait_until(lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request")
     assert _counter(decode.metrics(), "vllm:request_success_total") == finished  # aborted, not run to the end
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
-    _wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
     # And the proxy still serves.
     assert call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).status == 200
+
+
+def _error_of(a: Answer) -> dict[str, Any]:
+    """The error the client got: a whole answer's JSON error (HTTP 502), or a stream's last
+    event before [DONE] (HTTP 200: the stream had started)."""
+    if a.status == 200:
+        assert isinstance(a.body, list) and a.body and "error" in a.body[-1], a.body
+        return dict(a.body[-1]["error"])
+    assert a.status == 502, (a.status, a.body)
+    return dict(a.body["error"])
+
+
+def _kvferry_only(bed: Testbed) -> None:
+    if bed.proxy_connector != "kvferry":
+        pytest.skip("KvferryConnector's status op")
+
+
+def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server, Testbed], tmp_path: Path) -> None:
+    """Real servers: a transfer that fails on the decode side (its prefill side gives up) and
+    one that fails on the prefill side (the decode peer it is given is unreachable); the
+    client's error names the server, the transfer and the reason."""
+    _, bed = servers
+    _kvferry_only(bed)
+    prefill, decode = bed.prefills[0], bed.decodes[0]
+    body = {"model": "tiny", "prompt": _tokens(random.Random(12), 100), "max_tokens": 4, "temperature": 0}
+    # The decode side: a prefill server that gives the transfer up at once (it tells the
+    # decode server's rendezvous, as a prefill request aborted before its first chunk does).
+    quitter = _Stub("prefill", abandon="the stub prefill server gave up")
+    proxy = ProxyThread([quitter.url], [decode.url], connector="kvferry")
+    proxy.start()
+    try:
+        for stream in (False, True):
+            a = call(proxy.url, COMPLETIONS, dict(body, stream=stream))
+            assert a.status == (200 if stream else 502), a.body
+            error = _error_of(a)
+            transfer = quitter.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
+            assert error["server"] == decode.url and error["transfer"] == transfer
+            assert error["message"].startswith(f"decode server {decode.url}: transfer {transfer} failed: the prefill side gave up: the stub prefill server gave up"), error
+    finally:
+        proxy.stop()
+        quitter.stop()
+    # The decode server answers status itself: the failure, an unknown id, bad input refused.
+    assert _status(decode.url, transfer) == {"op": "status", "transfer": transfer, "state": "failed", "error": "the prefill side gave up: the stub prefill server gave up"}
+    assert _status(decode.url, "never-seen") == {"op": "status", "transfer": "never-seen", "state": "unknown"}
+    # The prefill side: the decode peer it is sent to is unreachable.
+    nobody = f"unix://{tmp_path / 'nobody.sock'}"
+    lost = ProxyThread([prefill.url], [decode.url], connector="kvferry")
+    lost.start()
+    try:
+        for stream in (False, True):
+            # What the proxy knows of the decode server (its hello answer) names a dead address.
+            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "engine": "gone"}  # type: ignore[attr-defined]
+            error = _error_of(call(lost.url, COMPLETIONS, dict(body, stream=stream)))
+            transfer = error["transfer"]
+            assert error["server"] == prefill.url, error
+            assert error["message"].startswith(f"prefill server {prefill.url}: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "), error
+            assert f"cannot reach the decode server's rendezvous at {nobody!r}" in error["message"], error
+            assert _status(prefill.url, transfer)["state"] == "failed"
+        wait_until(lambda: lost.in_flight() == 0, "the proxy to have no upstream call in flight")
+    finally:
+        lost.stop()
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    # And the pair still serves through its own proxy.
+    assert call(bed.url, COMPLETIONS, body).status == 200
+
+
+def _status(url: str, transfer: Any) -> dict[str, Any]:
+    a = call(url, COMPLETIONS, {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer}}})
+    assert a.status == 200, a.body
+    return dict(a.body["kv_transfer_params"]["kvferry"])
+
+
+def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) -> None:
+    """A status request whose parameters are wrong fails like any refused kvferry request
+    (vLLM's error answer, a log line naming the field and value); the server goes on."""
+    _, bed = servers
+    _kvferry_only(bed)
+    decode = bed.decodes[0]
+    for params, named in [
+        ({"op": "status"}, "invalid kv_transfer_params.kvferry.transfer=None"),
+        ({"op": "status", "transfer": 7}, "invalid kv_transfer_params.kvferry.transfer=7"),
+        ({"op": "status", "transfer": ""}, "invalid kv_transfer_params.kvferry.transfer=''"),
+        ({"op": "status", "transfer": "t", "peer": "/x"}, "invalid kv_transfer_params.kvferry keys ['peer'] for op 'status'"),
+    ]:
+        a = call(decode.url, COMPLETIONS, {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": params}})
+        assert a.status == 500, a.body
+        wait_until(lambda: named in decode.log_tail(200000), f"the decode server's log to name {named!r}")
+    assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
 
 
 def _dead_url() -> str:
@@ -200,7 +286,7 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
             assert a.token_ids == want.token_ids
     finally:
         mixed.stop()
-    _wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
 
 
 # ---- routing rules against stub upstreams (no engine) ---------------------------------------
@@ -208,14 +294,24 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
 
 class _Stub:
     """An upstream that answers like a vLLM server of the given role and records requests.
-    kvferry's protocol: answers ``hello``; with ``hang_recv`` a ``recv`` request waits (for
-    blocks that never come) until its connection closes; with ``fail_after`` a prefill
-    request fails once that stub has seen a request."""
+    kvferry's protocol: answers ``hello`` and ``status`` (from ``outcomes``: transfer -> its
+    status answer, else ``unknown``); with ``hang_recv`` a ``recv`` request waits (for blocks
+    that never come) until its connection closes; with ``fail_recv`` a ``recv`` request ends
+    as vLLM ends one it finished with finish_reason "error" (HTTP 500, or a stream's error
+    event) and its transfer's status says ``fail_recv``; with ``fail_after`` a prefill
+    request fails once that stub has seen a request; with ``linger`` a stream stays open
+    after its ``[DONE]`` until the connection closes (vLLM ends its stream a moment later)."""
 
-    def __init__(self, role: str, cut_stream: bool = False, hang_recv: bool = False, fail_after: _Stub | None = None) -> None:
+    def __init__(self, role: str, cut_stream: bool = False, hang_recv: bool = False, fail_after: _Stub | None = None,
+                 fail_recv: str | None = None, linger: bool = False, abandon: str | None = None) -> None:  # fmt: skip
         self.role, self.cut_stream, self.hang_recv, self.fail_after = role, cut_stream, hang_recv, fail_after
+        self.fail_recv, self.linger = fail_recv, linger
+        self.remember = True  # fail_recv: the status answer knows the failed transfer
+        self.abandon = abandon
         self.seen: list[dict[str, Any]] = []
         self.hellos = 0
+        self.outcomes: dict[str, dict[str, Any]] = {}
+        self.status_asked: list[str] = []
         self.closed = threading.Event()  # a hanging request's connection was closed
         self.got = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -236,8 +332,31 @@ class _Stub:
             self.hellos += 1
             return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {
                 "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "engine": "e1"}}})  # fmt: skip
+        if op == "status":
+            transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
+            self.status_asked.append(transfer)
+            known = self.outcomes.get(transfer, {"state": "unknown"})
+            return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer, **known}}})
         self.seen.append(body)
         self.got.set()
+        if op == "recv" and self.fail_recv is not None:
+            if self.remember:
+                self.outcomes[body["kv_transfer_params"]["kvferry"]["transfer"]] = {"state": "failed", "error": self.fail_recv}
+            vllm_error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+            if not body.get("stream"):
+                return web.json_response(vllm_error, status=500)
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(f"data: {json.dumps(vllm_error)}\n\ndata: [DONE]\n\n".encode())
+            return out
+        if op == "send" and self.abandon is not None:
+            from kvferry.vllm import rendezvous
+            from kvferry.vllm.config import load_authkey
+
+            ours = body["kv_transfer_params"]["kvferry"]
+            await asyncio.get_running_loop().run_in_executor(None, rendezvous.abandon, ours["peer"], load_authkey(), ours["transfer"], self.abandon)
+            answer = {"op": "send", "transfer": ours["transfer"], "error": self.abandon}
+            return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": [1], "finish_reason": "length"}], "kv_transfer_params": {"kvferry": answer}})
         if op == "recv" and self.hang_recv:
             try:
                 await asyncio.Event().wait()
@@ -260,6 +379,8 @@ class _Stub:
             request.transport.close()  # the decode server dies mid-stream
             return out
         await out.write(b"data: [DONE]\n\n")
+        if self.linger:
+            await asyncio.Event().wait()  # until the connection closes (which cancels this handler)
         return out
 
     def stop(self) -> None:
@@ -360,21 +481,32 @@ def test_bad_requests_and_arguments(stubs: tuple[list[_Stub], list[_Stub]]) -> N
 
 def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], list[_Stub]]) -> None:
     prefills, decodes = stubs
+    # As vLLM does, the decode server ends each stream only after its [DONE] (here: never), so
+    # the client, which stops reading at [DONE] and closes, leaves while the proxy's decode
+    # leg is still open (as `kvferry bench vllm`'s streamed multi-turn sessions did).
+    decodes[0].linger = True
     proxy = ProxyThread([prefills[0].url], [decodes[0].url], connector="kvferry")
     proxy.start()
     try:
-        for i, stream in enumerate((False, True, True, False)):
-            a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [i + 1] * 40, "max_tokens": 4, "stream": stream})
+        prompt = [1] * 40
+        streams = (False, True, True, True, False, True)
+        for turn, stream in enumerate(streams):
+            a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream}, headers={SESSION_HEADER: "agent"})
             assert a.status == 200 and a.token_ids == [1]
             assert a.timing["decode-start"] > 0
+            prompt = prompt + a.token_ids + [turn + 2] * 30
         # Discovered once: a streamed answer's client closing at the end does not drop it.
+        wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
         assert decodes[0].hellos == 1
+        assert proxy.proxy.flow.hellos == 1  # type: ignore[attr-defined]
         assert list(proxy.proxy.flow.peers) == [decodes[0].url]  # type: ignore[attr-defined]
+        assert decodes[0].status_asked == []  # nothing failed: no status question
+        n = len(streams)
         sends = [b["kv_transfer_params"]["kvferry"] for b in prefills[0].seen]
         recvs = [b["kv_transfer_params"]["kvferry"] for b in decodes[0].seen]
-        assert [r["op"] for r in recvs] == ["recv"] * 4 and [s["op"] for s in sends] == ["send"] * 4
+        assert [r["op"] for r in recvs] == ["recv"] * n and [s["op"] for s in sends] == ["send"] * n
         assert [s["transfer"] for s in sends] == [r["transfer"] for r in recvs]
-        assert len({r["transfer"] for r in recvs}) == 4
+        assert len({r["transfer"] for r in recvs}) == n
         assert all(s == {"op": "send", "transfer": s["transfer"], "peer": f"/tmp/peer-{decodes[0].port}"} for s in sends)  # no key
         assert all(b["max_tokens"] == 1 and b["stream"] is False for b in prefills[0].seen)
         assert [b["prompt"] for b in prefills[0].seen] == [b["prompt"] for b in decodes[0].seen]
@@ -391,9 +523,42 @@ def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
         a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [3] * 40, "max_tokens": 4, "stream": True})
         assert a.status == 502 and a.body["error"]["server"] == prefill.url
         assert "engine dead" in a.body["error"]["message"]
+        # Its status was asked (its answer, an error again, is named too).
+        assert a.body["error"]["transfer"] == prefill.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
         assert decode.closed.wait(30)  # the decode leg's connection was closed: vLLM aborts it
-        _wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
+        wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
         assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # asked again next time
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_kvferry_flow_failed_transfer_names_its_reason(stream: bool) -> None:
+    """A decode server that finishes the request with an error (vLLM: HTTP 500 "Internal
+    server error", or a stream's error event) is asked for the transfer's status; the client
+    gets the reason (whole: a 502 JSON error; stream: the error event before [DONE])."""
+    prefill, decode = _Stub("prefill"), _Stub("decode", fail_recv="its blocks did not all arrive within 2.0 s")
+    proxy = ProxyThread([prefill.url], [decode.url], connector="kvferry")
+    proxy.start()
+    try:
+        a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [3] * 40, "max_tokens": 4, "stream": stream})
+        (transfer,) = [b["kv_transfer_params"]["kvferry"]["transfer"] for b in decode.seen]
+        assert decode.status_asked == [transfer]
+        assert a.status == (200 if stream else 502)
+        error = _error_of(a)
+        assert error["server"] == decode.url and error["transfer"] == transfer and error["code"] == 502
+        assert error["message"] == f"decode server {decode.url}: transfer {transfer} failed: its blocks did not all arrive within 2.0 s"
+        assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # a failure: asked again next time
+        # A server that no longer knows the transfer: the client still learns which one failed.
+        decode.remember = False
+        a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 4, "stream": stream})
+        transfer = decode.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
+        message = _error_of(a)["message"]
+        assert message.startswith(f"decode server {decode.url}: ") and "Internal server error" in message, message
+        assert message.endswith(f"(transfer {transfer}: the server reports it 'unknown')"), message
+        assert decode.hellos == 2  # rediscovered after the first failure
     finally:
         proxy.stop()
         prefill.stop()

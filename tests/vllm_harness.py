@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 BLOCK = 32
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
+    """Waits for a condition the servers or engines report (a metric, a gauge, a log line):
+    polls it, bounded; a timeout names the condition."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)  # the polling interval, not a synchronisation: the predicate decides
 
 
 def build_tiny_llama(path: str) -> str:

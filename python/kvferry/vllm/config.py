@@ -22,7 +22,7 @@ __all__ = ["ConnectorConfig", "RequestParams", "default_authkey_path", "load_aut
 PARAMS_KEY = "kvferry"
 MIN_KEY_BYTES = 32  # the project's rule for every kvferry key (docs/security.md)
 MAX_KEY_BYTES = 4096
-OPS = ("hello", "recv", "send")
+OPS = ("hello", "recv", "send", "status")
 # How blocks move (kvferry.transports.registry builds both sides): the registry's transports
 # that write vLLM's plain CPU KV tensors from another process, so no shared pool (staging on
 # one host, nixl across hosts too).
@@ -208,6 +208,11 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     transfer = ours.get("transfer")
     if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 characters")
+    if op == "status":
+        extra = sorted(set(ours) - {"op", "transfer"})
+        if extra:
+            raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {extra} for op 'status': it takes op and transfer only")
+        return RequestParams("status", transfer)
     timeout = ours.get("timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout))):
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")

@@ -13,12 +13,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvferry.errors import InvalidArgumentError
 from kvferry.vllm.config import ConnectorConfig
-from kvferry.vllm.metadata import Handshake, KvferryMetadata
+from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
 from kvferry.vllm.scheduler import SchedulerSide
 from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
 from kvferry.vllm.worker import WorkerSide
@@ -90,6 +91,10 @@ class KvferryConnector(KVConnectorBase_V1):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        assert self._worker is not None
+        return self._worker.outcomes()  # how this step's transfers ended, for `status`
+
     def get_kv_connector_stats(self) -> Optional[KvferryStats]:
         if self._worker is None:
             return None
@@ -119,6 +124,12 @@ class KvferryConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvferryWorkerMeta):
+            self._sched.record(meta.outcomes)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         assert self._sched is not None

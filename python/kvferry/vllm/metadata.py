@@ -1,15 +1,15 @@
-"""What the scheduler half of the connector tells its worker half each step, and what the
-worker half tells the scheduler half once (the handshake). Plain picklable data: vLLM ships
-it from the scheduler process to the workers."""
+"""What the scheduler half of the connector tells its worker half each step, what the worker
+half tells the scheduler half once (the handshake) and each step (how transfers ended). Plain
+picklable data: vLLM ships it between the scheduler process and the workers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
-__all__ = ["Chunk", "Handshake", "KvferryMetadata", "RecvSpec", "SendSpec"]
+__all__ = ["Chunk", "Handshake", "KvferryMetadata", "KvferryWorkerMeta", "Outcome", "RecvSpec", "SendSpec"]
 
 
 @dataclass
@@ -70,3 +70,27 @@ class Handshake(KVConnectorHandshakeMetadata):
 
     engine: str
     peer: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one side of a transfer ended on this server: ``state`` is ``"done"`` (every block
+    arrived / every write landed), ``"failed"`` or ``"aborted"``; ``error`` says why for the
+    last two. The scheduler half keeps the recent ones for the ``status`` op."""
+
+    transfer: str
+    state: str
+    error: Optional[str] = None
+
+
+@dataclass
+class KvferryWorkerMeta(KVConnectorWorkerMetadata):
+    """The transfers the worker half settled this step (vLLM reports a failed load by request
+    id only, and drops the connector's answer of a request it finishes with an error, so the
+    reasons come back this way)."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvferryWorkerMeta)
+        return KvferryWorkerMeta(self.outcomes + other.outcomes)

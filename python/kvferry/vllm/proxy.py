@@ -27,7 +27,13 @@ decode server takes it (the prepared KV waits on the prefill server for whicheve
 client that disconnects cancels the leg in flight: the proxy closes that upstream connection and
 vLLM aborts the request; a decode server aborted before it read the KV tells the prefill server
 to free it (NixlConnector does), so nothing stays allocated. What is left to the connector's
-lease: KV prepared for a decode server that died before reading it.
+lease: KV prepared for a decode server that died before reading it. With KvferryConnector, a
+leg whose server answers an error (vLLM says only "Internal server error" for a request it
+finished with finish_reason "error") makes the proxy ask that server the transfer's
+``status``, and the client's error names the reason (docs/vllm.md, "Status").
+
+A stream is whole at its ``data: [DONE]`` event: the proxy returns there, so a client that
+closes right after it (before the server ends its stream) is a served request, not a failure.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -57,6 +63,9 @@ PARAMS_KEY = "kvferry"
 DOWN_S = 10.0
 # Sessions remembered for stickiness (least recently used forgotten first).
 MAX_SESSIONS = 65536
+# A stream's bytes held while looking for the end of an event (vLLM's events are far
+# smaller): past this the bytes go through as they are.
+MAX_EVENT_BYTES = 1 << 20
 
 
 class _Refused(Exception):
@@ -68,14 +77,20 @@ class _Refused(Exception):
 
 
 class UpstreamError(Exception):
-    """One leg failed: which server, the status to give the client and a message."""
+    """One leg failed: which server, the status to give the client and a message;
+    ``upstream_status``: the HTTP status the server answered, or the code of a stream's error
+    event (``None``: no answer); ``transfer``: the kvferry transfer it concerns, if any."""
 
-    def __init__(self, leg: str, url: str, status: int, message: str) -> None:
+    def __init__(self, leg: str, url: str, status: int, message: str, upstream_status: Optional[int] = None, transfer: Optional[str] = None) -> None:
         super().__init__(f"{leg} server {url}: {message}")
-        self.leg, self.url, self.status = leg, url, status
+        self.leg, self.url, self.status, self.message = leg, url, status, message
+        self.upstream_status, self.transfer = upstream_status, transfer
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "upstream_error", "code": self.status, "server": self.url}}
+        error: dict[str, Any] = {"message": str(self), "type": "upstream_error", "code": self.status, "server": self.url}
+        if self.transfer is not None:
+            error["transfer"] = self.transfer
+        return {"error": error}
 
 
 class Flow:
@@ -141,7 +156,8 @@ class KvferryFlow(Flow):
         # not here: both servers read it from their own key file, it never crosses HTTP.
         self.peers: dict[str, dict[str, Any]] = {}
         self.hellos = 0  # hello requests sent (a figure for benches: should stay one per decode server)
-        self._background: set[asyncio.Future[dict[str, Any]]] = set()  # prefill legs ending after their answer
+        self.statuses = 0  # status requests sent (one per failed request)
+        self._background: set[asyncio.Future[Any]] = set()  # legs ending after their answer
 
     async def _peer(self, ex: Exchange) -> dict[str, Any]:
         while True:
@@ -172,19 +188,27 @@ class KvferryFlow(Flow):
         send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"]}}
         recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
         prefill = asyncio.ensure_future(ex.prefill(send))
+        ex.explain = functools.partial(self._explain_decode, ex, server, transfer, prefill)
         decode = asyncio.ensure_future(ex.decode(recv, failover=False))
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and prefill.exception() is not None and not decode.done() and ex.out is None:
-                # The decode request would wait out its transfer timeout for blocks that will
-                # not come: give it up and report the prefill server's failure.
-                raise prefill.exception()  # type: ignore[misc]
+            if prefill.done() and prefill.exception() is not None and not decode.done() and ex.events_out == 0:
+                # No token came yet, so the decode request is still waiting for blocks that
+                # will not come (it would wait out its transfer timeout): give it up and report
+                # the prefill server's failure, as a JSON error or, once the stream's headers
+                # went out, as the stream's last event.
+                raise await self._explain_prefill(ex, prefill.exception(), transfer)  # type: ignore[arg-type]
             response = await decode
         except BaseException:
-            if decode.done() and not decode.cancelled() and decode.exception() is None:
-                # The whole answer went out and the client closed its connection before this
-                # handler resumed (which cancels it): nothing failed.
+            if ex.delivered:
+                # The client has its whole answer ([DONE] written, or the whole JSON) and
+                # closed its connection before this handler resumed (which cancels it): that
+                # is how a streamed turn normally ends, not a failure. The decode leg may
+                # still be waiting for its server to end the stream: it ends on its own.
+                if ex.failed:
+                    self.peers.pop(server.url, None)
                 self._watch(prefill, server.url)
+                self._settle(decode)
                 raise
             # Failed, or the client left: both halves are aborted (closing a leg's connection
             # makes vLLM abort it; the connectors then free both sides).
@@ -197,13 +221,77 @@ class KvferryFlow(Flow):
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved: a failure already reported is not logged twice
             raise
-        if response.status != 200:
+        if ex.failed:
             self.peers.pop(server.url, None)
         # The decode server had every block, so the prefill leg is ending on its own; its
         # answer only says whether the peer must be asked again. It is not awaited here: the
         # client, having its whole answer, may close the connection, which cancels this handler.
         self._watch(prefill, server.url)
         return response
+
+    async def _status(self, ex: Exchange, leg: str, server: Upstream, transfer: str) -> dict[str, Any]:
+        """The server's ``status`` answer for ``transfer`` (docs/vllm.md): a one-token request
+        that computes and moves nothing, like ``hello``."""
+        body: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "status", "transfer": transfer}}}
+        if "model" in ex.body:
+            body["model"] = ex.body["model"]
+        self.statuses += 1
+        try:
+            answer = await ex.post_json(leg, server, "/v1/completions", body)
+        except UpstreamError as err:
+            return {"state": "unavailable", "error": f"its status request failed: {err}"}
+        info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
+        if not isinstance(info, dict) or not isinstance(info.get("state"), str):
+            return {"state": "unavailable", "error": f"its status request answered {info!r}"}
+        return info
+
+    @staticmethod
+    def _why(status: dict[str, Any], transfer: str, err: UpstreamError) -> str:
+        """The message of a failed leg: the reason its server gives for the transfer, else
+        what it answered and what its status said."""
+        if status.get("state") in ("failed", "aborted") and status.get("error"):
+            return f"transfer {transfer} {status['state']}: {status['error']}"
+        said = status.get("error") if status.get("state") == "unavailable" else f"the server reports it {status.get('state')!r}"
+        return f"{err.message} (transfer {transfer}: {said})"
+
+    async def _explain_decode(self, ex: Exchange, server: Upstream, transfer: str, prefill: asyncio.Future[dict[str, Any]], err: UpstreamError) -> UpstreamError:
+        """The decode server answered an error (vLLM says only "Internal server error" for a
+        request it finished with finish_reason "error"): the reason, from its ``status``, and
+        the prefill leg's own error if it has one by now."""
+        why = self._why(await self._status(ex, "decode", server, transfer), transfer, err)
+        if prefill.done() and not prefill.cancelled():
+            failed = prefill.exception()
+            if failed is not None:
+                why += f"; and {failed}"
+            else:
+                theirs = ((prefill.result().get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("error")
+                if theirs is not None:
+                    why += f"; prefill server {ex.prefill_url}: {theirs}"
+        return UpstreamError("decode", server.url, 502, why, err.upstream_status, transfer)
+
+    async def _explain_prefill(self, ex: Exchange, err: BaseException, transfer: str) -> BaseException:
+        """The prefill leg failed: an error answer (vLLM's "Internal server error" for a
+        refused send, an unreachable peer, ...) gets the reason from that server's ``status``."""
+        if not isinstance(err, UpstreamError) or err.upstream_status is None or err.upstream_status < 500 or ex.prefill_server is None:
+            return err
+        why = self._why(await self._status(ex, "prefill", ex.prefill_server, transfer), transfer, err)
+        return UpstreamError("prefill", err.url, 502, why, err.upstream_status, transfer)
+
+    def _settle(self, task: asyncio.Future[Any]) -> None:
+        """Keeps a leg that ends after its handler (its outcome no longer matters) until it
+        ends, and retrieves its exception so that nothing is logged as never retrieved."""
+        if task.done():
+            if not task.cancelled():
+                task.exception()
+            return
+        self._background.add(task)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled():
+                t.exception()
+
+        task.add_done_callback(done)
 
     def _watch(self, prefill: asyncio.Future[dict[str, Any]], url: str) -> None:
         self._background.add(prefill)
@@ -340,7 +428,7 @@ class Proxy:
             async with ctx as r:
                 text = await r.text()
                 if r.status != 200:
-                    raise UpstreamError(leg, server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
+                    raise UpstreamError(leg, server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}", r.status)
                 try:
                     data = json.loads(text)
                 except ValueError:
@@ -371,7 +459,7 @@ class Proxy:
                 return web.json_response(err.body(), status=err.status)
             # The stream has started: its last event says what went wrong.
             with contextlib.suppress(Exception):
-                await ex.out.write(f"data: {json.dumps(err.body())}\n\n".encode())
+                await ex.out.write(f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode())
                 await ex.out.write_eof()
             return ex.out
 
@@ -385,7 +473,14 @@ class Exchange:
         self.session = session_of(request.headers, body)
         self.decode_server = proxy.router.decode(self.session)
         self.prefill_url = ""
+        self.prefill_server: Optional[Upstream] = None
         self.out: Optional[web.StreamResponse] = None
+        self.events_out = 0  # SSE events of the decode leg written to the client
+        self.delivered = False  # the client has the whole answer (a stream: its [DONE])
+        self.failed = False  # the answer the client got ends in an error event
+        # The flow's explanation of a decode server's error answer (kvferry: the transfer's
+        # status); None: the error goes to the client as the server gave it.
+        self.explain: Optional[Callable[[UpstreamError], Awaitable[UpstreamError]]] = None
         self._tried_decodes: list[str] = []
         self._t0 = time.perf_counter()
         self.timing: dict[str, float] = {}  # ms since the request arrived, per milestone
@@ -407,7 +502,7 @@ class Exchange:
         tried: list[str] = []
         while True:
             server = self.proxy.router.prefill()
-            self.prefill_url = server.url
+            self.prefill_url, self.prefill_server = server.url, server
             try:
                 answer = await self.post_json("prefill", server, self.path, body, retry=True)
                 self.mark("prefill")
@@ -436,11 +531,40 @@ class Exchange:
                     raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {refused.cause}") from None
                 self.failover_decode(refused.cause)
 
+    async def _event(self, out: web.StreamResponse, server: Upstream, event: bytes) -> bool:
+        """Writes one SSE event of the decode stream to the client; an error event goes out
+        as the flow explains it. True for the stream's last event (``[DONE]``)."""
+        data = event.strip()
+        if data == b"data: [DONE]":
+            await out.write(event)
+            self.delivered = True
+            return True
+        if self.explain is not None and data.startswith(b"data:") and b'"error"' in data:
+            try:
+                payload = json.loads(data[5:])
+            except ValueError:
+                payload = None
+            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                upstream = payload["error"]
+                code = upstream.get("code")
+                err = UpstreamError("decode", server.url, 502, f"stream error: {upstream.get('message')!r}", code if isinstance(code, int) else None)
+                self.failed = True
+                event = f"data: {json.dumps((await self.explain(err)).body())}\n\n".encode()
+        await out.write(event)
+        self.events_out += 1
+        return False
+
     async def _decode_once(self, body: dict[str, Any]) -> web.StreamResponse:
         server = self.decode_server
         self.mark("decode-start")
         if not body.get("stream"):
-            answer = await self.post_json("decode", server, self.path, body, retry=True)
+            try:
+                answer = await self.post_json("decode", server, self.path, body, retry=True)
+            except UpstreamError as err:
+                if self.explain is None or err.upstream_status is None or err.upstream_status < 500:
+                    raise
+                raise await self.explain(err) from None
+            self.delivered = True
             return web.json_response(answer, headers={"Server-Timing": self.server_timing()})
         client = self.proxy.client
         assert client is not None
@@ -455,11 +579,26 @@ class Exchange:
                 )
                 await out.prepare(self.request)
                 self.out = out
+                pending = b""
                 async for chunk in r.content.iter_any():
                     # A client that has gone raises here (or cancels this task): leaving the
                     # `async with` closes the upstream connection and vLLM aborts the request.
-                    await out.write(chunk)
+                    pending += chunk
+                    while (end := pending.find(b"\n\n")) >= 0:
+                        event, pending = pending[: end + 2], pending[end + 2 :]
+                        if await self._event(out, server, event):
+                            # The answer is whole: the client may close now, before the
+                            # server ends its stream (leaving here closes the connection).
+                            with contextlib.suppress(ConnectionError):
+                                await out.write_eof()
+                            return out
+                    if len(pending) > MAX_EVENT_BYTES:
+                        await out.write(pending)
+                        pending = b""
+                if pending:
+                    await out.write(pending)
                 await out.write_eof()
+                self.delivered = True
                 return out
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
             transport = self.request.transport

@@ -13,6 +13,11 @@ prefill request (op send), own prefix hit r:
 A request whose parameters are refused is turned into a failed load: it asks to load its
 remaining tokens asynchronously, the worker reports that load failed, and vLLM finishes it
 with an error (``kv_load_failure_policy`` "fail", the default) and frees its blocks.
+
+vLLM gives a request it finishes with an error no ``kv_transfer_params``, so the reason a
+transfer failed cannot ride on its own answer. This half keeps how the last ``MAX_OUTCOMES``
+transfers ended (its own refusals, and the worker half's outcomes, which come back with each
+step's output) and answers the one-token ``status`` op from them, as it answers ``hello``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import math
 import secrets
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,11 +35,14 @@ from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
-from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
+from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendSpec
 
 logger = logging.getLogger("kvferry.vllm")
 
 MAX_KV_ID = 2**62
+# Transfers whose end (done, failed, aborted) a server remembers for `status` (oldest forgotten
+# first): a proxy asks right after the failed answer, so a few thousand is plenty.
+MAX_OUTCOMES = 4096
 
 
 @dataclass
@@ -41,6 +50,7 @@ class _Lookup:
     """A prefill request's destination lookup, run on its own thread."""
 
     done: threading.Event
+    transfer: str
     destination: Optional[dict[str, Any]] = None
     error: Optional[str] = None
 
@@ -68,6 +78,7 @@ class SchedulerSide:
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, str] = {}  # req_id -> transfer
         self._meta = KvferryMetadata()
+        self._outcomes: OrderedDict[str, Outcome] = OrderedDict()  # transfer -> how it ended here
 
     # -- vLLM calls --------------------------------------------------------------------
 
@@ -78,7 +89,7 @@ class SchedulerSide:
             return 1, True
         try:
             params = parse_params(getattr(request, "kv_transfer_params", None))
-            if params is None or params.op == "hello":
+            if params is None or params.op in ("hello", "status"):
                 return 0, False
             if params.op == "recv":
                 if self.role == "kv_producer":
@@ -88,11 +99,14 @@ class SchedulerSide:
                 raise KvFerryError("op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server")
             return self._destination(request, params, num_computed_tokens)
         except KvFerryError as err:
-            return self._refuse(rid, str(err)), True
+            return self._refuse(rid, str(err), request), True
 
-    def _refuse(self, rid: str, reason: str) -> int:
+    def _refuse(self, rid: str, reason: str, request: Any = None) -> int:
         self._refused[rid] = reason
         logger.error("kvferry: request %s refused: %s", rid, reason)
+        transfer = _named_transfer(getattr(request, "kv_transfer_params", None))
+        if transfer is not None:
+            self.record([Outcome(transfer, "failed", f"request refused: {reason}")])
         return 1  # a one-token load that the worker reports failed; see the module doc
 
     def _destination(self, request: Any, params: RequestParams, num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -101,7 +115,7 @@ class SchedulerSide:
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
-            found = self._lookups[rid] = _Lookup(threading.Event())
+            found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
             args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
@@ -177,6 +191,9 @@ class SchedulerSide:
             params = None
         if params is not None and params.op == "hello":
             return False, {"kvferry": self._hello()}
+        if params is not None and params.op == "status":
+            assert params.transfer is not None
+            return False, {"kvferry": self._status(params.transfer)}
         self._receiving.pop(rid, None)  # its blocks: vLLM delays their free while it waits for them
         lookup = self._lookups.pop(rid, None)
         sending = self._sending.pop(rid, None)
@@ -190,6 +207,8 @@ class SchedulerSide:
             reason = f"prefill request {rid} ended before its first chunk"
             threading.Thread(target=_tell_abandon, args=(params, self._authkey, reason), daemon=True).start()
             answer["error"] = reason
+            assert params.transfer is not None
+            self.record([Outcome(params.transfer, "failed", reason)])
         return False, {"kvferry": answer}
 
     def _hello(self) -> dict[str, Any]:
@@ -198,8 +217,46 @@ class SchedulerSide:
             hello.update(peer=self.handshake.peer, engine=self.handshake.engine)  # never the key
         return hello
 
+    def record(self, outcomes: list[Outcome]) -> None:
+        """Remembers how transfers ended here (the newest ``MAX_OUTCOMES``). A failure is not
+        overwritten by a success of the same id (a kv_both server holds both halves)."""
+        for outcome in outcomes:
+            known = self._outcomes.pop(outcome.transfer, None)
+            self._outcomes[outcome.transfer] = known if known is not None and known.state != "done" and outcome.state == "done" else outcome
+        while len(self._outcomes) > MAX_OUTCOMES:
+            self._outcomes.popitem(last=False)
+
+    def _status(self, transfer: str) -> dict[str, Any]:
+        """The ``status`` answer: ``done``, ``failed`` or ``aborted`` (with ``error``) once the
+        transfer ended here, ``active`` while a request of this server holds it, else
+        ``unknown`` (never seen, or forgotten)."""
+        answer: dict[str, Any] = {"op": "status", "transfer": transfer}
+        ended = self._outcomes.get(transfer)
+        if ended is not None:
+            answer["state"] = ended.state
+            if ended.error is not None:
+                answer["error"] = ended.error
+            return answer
+        active = (
+            transfer in self._receiving.values()
+            or any(s.spec.transfer == transfer for s in self._sending.values())
+            or any(found.transfer == transfer for found in self._lookups.values())
+        )
+        answer["state"] = "active" if active else "unknown"
+        return answer
+
     def has_pending(self) -> bool:
         return bool(self._lookups)
+
+
+def _named_transfer(params: Any) -> Optional[str]:
+    """The transfer id a refused recv or send request names, if it names one as a string
+    (a refused ``status`` request records nothing: it must not mark a real transfer failed)."""
+    ours = params.get("kvferry") if isinstance(params, dict) else None
+    if not isinstance(ours, dict) or ours.get("op") not in ("recv", "send"):
+        return None
+    transfer = ours.get("transfer")
+    return transfer if isinstance(transfer, str) and 0 < len(transfer) <= 256 else None
 
 
 def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> None:

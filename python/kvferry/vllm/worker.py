@@ -38,7 +38,7 @@ from kvferry.sender import KVSender
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
 from kvferry.vllm.config import ConnectorConfig
-from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, RecvSpec, SendSpec
+from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, KvferryWorkerMeta, Outcome, RecvSpec, SendSpec
 from kvferry.vllm.stats import Tally
 
 logger = logging.getLogger("kvferry.vllm")
@@ -115,13 +115,16 @@ class WorkerSide:
         self._ring_blocks = 0
         self.rendezvous: Optional[rendezvous.Rendezvous] = None
         self._recv: dict[str, _Recv] = {}
-        self._fail_next: dict[str, str] = {}
+        self._fail_next: dict[str, tuple[Optional[str], str]] = {}  # req_id -> (transfer, reason)
         self._refused_seen = 0
         # prefill
         self._peers: dict[str, _Peer] = {}
         self._dead: list[_Peer] = []
         self._send: dict[str, _Send] = {}
         self._chunks: list[Chunk] = []
+        # How transfers ended since the last step's report (both sides), for the scheduler
+        # half's ``status`` answers.
+        self._outcomes: list[Outcome] = []
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -188,7 +191,7 @@ class WorkerSide:
         for spec in meta.recvs:
             self._expect(spec)
         for rid, reason in meta.fails:
-            self._fail_next[rid] = reason
+            self._fail_next[rid] = (None, reason)  # refused by the scheduler half, which keeps the reason
         for send in meta.sends:
             self._add_send(send)
         self._chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].added]
@@ -355,6 +358,7 @@ class WorkerSide:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
         may then free them)."""
         if not st.added or st.peer is None:
+            self._outcomes.append(Outcome(st.spec.transfer, "failed", st.error or "it never started sending"))
             return True
         hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
         if st.error is None and kv in sender.failures():
@@ -370,6 +374,7 @@ class WorkerSide:
                 pass
             self.tally.add("failed_transfers", 1)
             logger.warning("kvferry: prefill request %s (transfer %s) released without completing: %s", st.spec.req_id, st.spec.transfer, st.error)
+            self._outcomes.append(Outcome(st.spec.transfer, "failed", st.error))
             return True
         if sender.in_flight(kv):
             return False
@@ -378,6 +383,7 @@ class WorkerSide:
         self._take_records(st.peer, {(id(p.peer), p.kv_id): p for p in self._send.values() if p.peer is not None})
         hook.finish(kv)
         self._observe(st)
+        self._outcomes.append(Outcome(st.spec.transfer, "done"))
         return True
 
     def _observe(self, st: _Send) -> None:
@@ -411,7 +417,7 @@ class WorkerSide:
             blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
             epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
         except KvFerryError as err:
-            self._fail_next[spec.req_id] = f"cannot expect its blocks: {err}"
+            self._fail_next[spec.req_id] = (spec.transfer, f"cannot expect its blocks: {err}")
             return
         destination = {
             "request_id": spec.kv_id,
@@ -427,16 +433,18 @@ class WorkerSide:
             self.rendezvous.publish(spec.transfer, destination)
         except TransferError as err:
             self.receiver.release_unfenced(spec.kv_id)  # never handed out: nothing writes it
-            self._fail_next[spec.req_id] = str(err)
+            self._fail_next[spec.req_id] = (spec.transfer, str(err))
             return
         self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
 
     def _settle_recvs(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving, failed = set(), set()
-        for rid, reason in self._fail_next.items():
+        for rid, (transfer, reason) in self._fail_next.items():
             logger.error("kvferry: request %s failed: %s", rid, reason)
             recving.add(rid)
             failed.add(rid)
+            if transfer is not None:
+                self._outcomes.append(Outcome(transfer, "failed", reason))
         self._fail_next.clear()
         if self.receiver is None or self.rendezvous is None:
             return recving, failed
@@ -466,15 +474,25 @@ class WorkerSide:
                         self.tally.observe("recv_seconds", now - st.started)
                         del self._recv[rid]
                         recving.add(rid)
+                        self._outcomes.append(Outcome(st.spec.transfer, "done"))
                         continue
             if not self._release(st, now):
                 continue
             del self._recv[rid]
             recving.add(rid)
+            self._outcomes.append(Outcome(st.spec.transfer, "aborted" if st.aborted else "failed", st.giving_up))
             if not st.aborted:
                 failed.add(rid)
                 logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
         return recving, failed
+
+    def outcomes(self) -> Optional[KvferryWorkerMeta]:
+        """The transfers settled since the last call (vLLM hands them to the scheduler half
+        with this step's output), or ``None``."""
+        if not self._outcomes:
+            return None
+        meta, self._outcomes = KvferryWorkerMeta(self._outcomes), []
+        return meta
 
     def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
         assert self.receiver is not None
