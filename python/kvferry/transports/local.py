@@ -143,6 +143,9 @@ class LocalEndpoint:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._peers: set[_Peer] = set()
+        # Every connection thread started and maybe not ended yet: a thread leaves _peers as it
+        # begins to wind down, and close must still wait for it.
+        self._threads: list[threading.Thread] = []
         self._local = threading.local()  # the peer whose thread is running
         self.errors: deque[BaseException] = deque(maxlen=ERRORS_KEPT)
         self.error_count = 0
@@ -185,6 +188,8 @@ class LocalEndpoint:
             peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
             with self._lock:
                 self._peers.add(peer)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(peer.thread)
             peer.thread.start()
 
     def _authenticate(self, peer: _Peer) -> bool:
@@ -305,9 +310,10 @@ class LocalEndpoint:
             peers = list(self._peers)
         for peer in peers:
             peer.shutdown()
-        for peer in peers:
-            if peer.thread is not None:
-                peer.thread.join(timeout=JOIN_SECONDS)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:  # those of peers already winding down too
+            thread.join(timeout=JOIN_SECONDS)
         if self._dir is not None:
             try:
                 os.rmdir(self._dir)
