@@ -1,0 +1,56 @@
+"""Medians over several `kvferry bench vllm` runs (their --json files), as docs/benchmarks.md
+reports them: per configuration and case, the median over runs of each run's TTFT p50 and
+KV-ready p50, with every run's TTFT p50 beside it, TTFT against NixlConnector's of the same run
+(then the median of those ratios), bytes per turn and whether every output was equal.
+
+    python benches/python/vllm_runs.py run1.json run2.json run3.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+CASES = ("decode-warm", "decode-cold")
+
+
+def table(runs: list[dict], case: str) -> str:
+    names = list(runs[0]["configs"])
+    out = [
+        f"{case}:",
+        "",
+        "| configuration | TTFT p50 (median of runs) | each run | vs NixlConnector (median of runs) | KV-ready p50 | link / turn | held blocks / turn | outputs equal |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for name in names:
+        per = [r["configs"][name][case] for r in runs]
+        ttft = [f["ttft_ms_p50"] for f in per]
+        ratios = [f["ttft_ms_p50"] / r["configs"]["nixl"][case]["ttft_ms_p50"] for f, r in zip(per, runs) if "nixl" in r["configs"]]
+        held = per[0]["held_blocks_per_turn"]
+        out.append(
+            f"| {name} | {statistics.median(ttft):.0f} ms | {', '.join(f'{t:.0f}' for t in ttft)} | "
+            f"{statistics.median(ratios):.2f}x | {statistics.median(f['kv_ready_ms_p50'] for f in per):.0f} ms | "
+            f"{statistics.median(f['link_bytes_per_turn'] for f in per) / 2**20:.2f} MiB | {'-' if held is None else f'{held:.0f}'} | "
+            f"{'yes' if all(f['outputs_equal'] for f in per) else 'NO'} |"
+        )
+    return "\n".join(out)
+
+
+def main(paths: list[str]) -> int:
+    if not paths:
+        print(__doc__, file=sys.stderr)
+        return 2
+    runs = [json.load(open(p)) for p in paths]
+    print(f"{len(runs)} runs: {', '.join(r['date'] for r in runs)}; {runs[0]['machine']}; {runs[0].get('placement', 'one host')}")
+    for case in CASES:
+        print()
+        print(table(runs, case))
+    left = {p: {n: c["kv_blocks_left"] for n, c in r["configs"].items() if any(c["kv_blocks_left"])} for p, r in zip(paths, runs)}
+    print()
+    print(f"KV blocks left allocated: {({p: v for p, v in left.items() if v}) or 'none, in every run'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""`kvferry bench vllm` end to end, small: real vLLM servers behind the proxy, two of the
+configurations (early send without and with decode-side awareness), one host. Checks what the
+bench reports, not how fast anything is: every output equals the plain server's, the rows move
+the bytes their configuration says, nothing stays allocated, the table and JSON say it.
+
+Needs vLLM (``make setup-vllm && make test-vllm``); skipped where it is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv (make setup-vllm; make test-vllm runs these)")
+
+from kvferry.bench.vllm import CASES, VllmBenchConfig, format_vllm_bench, run_vllm_bench, write_json  # noqa: E402
+
+BLOCK = 32
+
+
+def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Path) -> None:
+    cfg = VllmBenchConfig(
+        sessions=1, turns=1, cached_tokens=256, new_tokens=64, output_tokens=4, layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32,
+        layer_groups=2, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, configs=("kvferry-early", "kvferry-aware"), workdir=str(tmp_path),
+    )  # fmt: skip
+    progress: list[str] = []
+    result = run_vllm_bench(cfg, progress=progress.append)
+    assert set(result["configs"]) == {"kvferry-early", "kvferry-aware"}
+    early, aware = result["configs"]["kvferry-early"], result["configs"]["kvferry-aware"]
+    assert early["aware"] is False and aware["aware"] is True
+    per_block = result["kv_bytes_per_token"] * BLOCK
+    for conf in (early, aware):
+        assert conf["kv_blocks_left"] == [0, 0]
+        for case in CASES:
+            assert conf[case]["outputs_equal"] is True
+            assert conf[case]["duplicates"] == 0
+            assert conf[case]["turns"] and all(t["ttft_ms"] > 0 for t in conf[case]["turns"])
+    # The measured turn's prompt: the warm-up conversation, its output and the new tokens.
+    prompt = early["decode-warm"]["turns"][0]["prompt_tokens"]
+    full = prompt // BLOCK
+    # decode-warm: the decode server that served the last turn still holds the conversation.
+    # Without awareness it holds nothing (no prefix cache) and every block crosses; with it,
+    # the blocks it holds are skipped and only the rest crosses.
+    warm_early, warm_aware = early["decode-warm"], aware["decode-warm"]
+    assert warm_early["held_blocks_per_turn"] == 0
+    assert warm_aware["held_blocks_per_turn"] > 0
+    assert warm_early["link_bytes_per_turn"] == -(-prompt // BLOCK) * per_block
+    assert warm_aware["link_bytes_per_turn"] == warm_early["link_bytes_per_turn"] - warm_aware["held_blocks_per_turn"] * per_block
+    # decode-cold: the decode server's cache is reset, the prefill server's is not: the complete
+    # blocks of the prefill server's hit leave early, with or without awareness.
+    for conf in (early, aware):
+        cold = conf["decode-cold"]
+        assert cold["held_blocks_per_turn"] == 0
+        assert 0 < cold["early_bytes_per_turn"] < cold["link_bytes_per_turn"] == -(-prompt // BLOCK) * per_block
+        assert cold["early_bytes_per_turn"] <= full * per_block
+    table = format_vllm_bench(result)
+    assert "placement: one host, loopback" in table
+    assert "kvferry-early" in table and "kvferry-aware" in table and "veth" not in table
+    assert "KV blocks left allocated after each run: none" in table
+    path = tmp_path / "bench.json"
+    write_json(result, str(path))
+    assert json.loads(path.read_text())["configs"]["kvferry-aware"]["decode-warm"]["held_blocks_per_turn"] == warm_aware["held_blocks_per_turn"]
+    assert any("kvferry-aware decode-cold" in line for line in progress)
