@@ -378,8 +378,9 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         assert (fenced, complete) == (False, False) and [a[:4] for a in arrived] == [(7, 0, 0, 2)]
 
         engine.release()
-        assert engine.wait_running(lambda n: n == 0)
-        sender.poll()  # the write ended: its notice is dropped, the fence posted
+        # The write ended (the engine counts it done a moment before its future says so: flush
+        # waits for that): its notice is dropped, the fence posted.
+        sender.flush(timeout=SLACK)
         assert not sender.leased(7)
         assert remote.call("release", 7, SLACK)[0] == "ok"
         assert sender.cancel(7).claimed_blocks == 6  # acknowledges the failure
@@ -425,6 +426,9 @@ def test_without_the_fence_a_late_one_sided_write_lands_in_the_new_owners_blocks
         engine.hold()
         sender.send_chunks([7], [0], [8], tables([0, 1]), tables(dst))
         assert engine.wait_running(lambda n: n == 1)
+        # The receiver knows its sender (the announce crossed the socket), so the release's
+        # cancellation goes to it.
+        assert until(lambda: "its sender is" in remote.call("wait", 7, 0)[1])
         assert remote.call("release_unfenced", 7) == "ok"  # the bug: no fence awaited
         dst2, new = remote.call("expect", 7, 8)
         assert sorted(dst2) == sorted(dst)

@@ -768,3 +768,39 @@ def test_cancel_between_layer_groups_fences_a_partly_arrived_request() -> None:
         assert torch.equal(a[ids], b[ids + 20])
     sender.remove(1)
     sender.close()
+
+
+class _VanishingReceiver(InProcessTransport):
+    """An in-process transport whose receiver is reported gone once ``gone`` is set; the
+    check that first saw it sets ``seen``."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        super().__init__(receiver)
+        self.gone = threading.Event()
+        self.seen = threading.Event()
+
+    def check_peer(self) -> None:
+        if self.gone.is_set():
+            self.seen.set()
+            raise TransferError("the receiver went away (test)")
+
+
+def test_a_lost_receiver_is_raised_once_whoever_found_it() -> None:
+    """The announcer finds the receiver gone and queues the loss for the executor; the next
+    send raises it. A later flush must not raise the same loss again (it did: the announcer's
+    queued copy stayed behind; a multi-peer test caught it under load)."""
+    receiver = KVReceiver(random_pool(1))
+    receiver.expect(1, 16)
+    transport = _VanishingReceiver(receiver)
+    sender = KVSender(random_pool(0), transport)  # the announcer is on by default
+    sender.add(1, 16)
+    transport.gone.set()
+    assert transport.seen.wait(30)  # the announcer's periodic look found it, with request 1 registered
+    table = np.arange(4)[None, :]
+    with pytest.raises(TransferError, match="went away"):
+        sender.send_chunks([1], [0], [16], table, table)
+    assert sender.flush(timeout=10) == []  # raised once: nothing left to raise
+    assert sender.poll() == []
+    assert set(sender.failures()) == {1}
+    sender.remove(1)
+    sender.close()

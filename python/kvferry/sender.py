@@ -25,6 +25,8 @@ request's lease covers its blocks in either pool.
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 import weakref
@@ -200,6 +202,13 @@ class KVSender:
             if all(err is not kept for kept in self._deferred):
                 self._deferred.append(err)
 
+    def _raising(self, err: TransferError) -> TransferError:
+        """``err``, about to be raised on the executor's thread: out of the queue of errors
+        found elsewhere (the announcer may have queued the same loss), so it is raised once."""
+        with contextlib.suppress(ValueError):
+            self._deferred.remove(err)
+        return err
+
     def _raise_deferred_error(self) -> None:
         if self._deferred:
             raise self._deferred.popleft()
@@ -229,7 +238,7 @@ class KVSender:
         with self._lock:
             self._check_peer()
             if self._lost is not None:
-                raise self._lost
+                raise self._raising(self._lost)
             self._drain()  # copies of an earlier request with this id may just have finished
             if request_id in self._revoked or request_id in self._failed:
                 raise InvalidArgumentError(
@@ -319,7 +328,7 @@ class KVSender:
         requests that failed or were cancelled."""
         self._check_peer()
         if self._lost is not None:
-            raise self._lost
+            raise self._raising(self._lost)
         if self._failed:
             for request_id in np.asarray(request_ids).tolist():
                 if request_id in self._failed:
@@ -375,21 +384,24 @@ class KVSender:
         return notices
 
     def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int, layers: Optional[tuple[int, int]]) -> None:
-        pending = self._write(src_ids, dst_ids, notices, layers)
-        self._inflight.append(_Job(pending, tuple(notices), time.monotonic(), kind, nbytes))
+        pending, submitted = self._write(src_ids, dst_ids, notices, layers)
+        self._inflight.append(_Job(pending, tuple(notices), submitted, kind, nbytes))
         self._wake.set()
 
-    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]) -> Pending:
-        """Queues a write; a transport out of room gets the oldest writes posted (so its
-        receiver can release them) and is waited on, within the sender's timeout. A transport
-        that finds its receiver gone (the staging ring reading a closed socket) fails every
+    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]) -> tuple[Pending, float]:
+        """Queues a write; returns it and when it was handed to the transport (before: the
+        engine may start it at once, and a record must not show it starting before it was
+        submitted). A transport out of room gets the oldest writes posted (so its receiver
+        can release them) and is waited on, within the sender's timeout. A transport that
+        finds its receiver gone (the staging ring reading a closed socket) fails every
         request here and now, this write's included."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         ids = sorted({n.request_id for n in notices})
         after = self._ordering.signals_for(src_ids)  # tier copies still writing what it reads
         while True:
             try:
-                return self.transport.write(self.engine, self.source, src_ids, dst_ids, notices, after=after, layers=layers)
+                submitted = time.monotonic()
+                return self.transport.write(self.engine, self.source, src_ids, dst_ids, notices, after=after, layers=layers), submitted
             except TransportFull as full:
                 left = 30.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
@@ -572,7 +584,7 @@ class KVSender:
         source blocks) or aborted, then dropped unposted. ``unposted``: requests of a write
         whose notices could not be posted."""
         if self._lost is not None:
-            return self._lost
+            return self._raising(self._lost)
         ids = sorted(r for r in self._next_slice if r in unposted or self.in_flight(r) or not self.book.is_complete(r))
         self._unfenced.clear()
         self._lost = TransferError(f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name())
@@ -585,7 +597,7 @@ class KVSender:
             self._inflight.popleft()
             self._abandon(job)
         self._settle(ids)
-        return self._lost
+        return self._raising(self._lost)
 
     def _fail(self, request_ids: list[int], error: TransferError) -> TransferError:
         """Fails requests: revoked at once (no more notices), released from the book once no
