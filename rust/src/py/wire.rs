@@ -288,6 +288,54 @@ fn destination_out(py: Python<'_>, d: Destination) -> PyResult<Bound<'_, PyAny>>
     Ok(out.into_any())
 }
 
+/// The rendezvous's frames (`None`: `kind` is not one of them).
+fn rendezvous_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Option<Frame>> {
+    Ok(Some(match kind {
+        "lookup" => {
+            let (transfer, wait_ms, sender): (String, u32, String) =
+                value.extract().map_err(|_| {
+                    type_error(
+                        "lookup",
+                        "a (transfer: str, wait_ms: int in [0, 3600000], sender: str) tuple",
+                        kind_and_value(value),
+                    )
+                })?;
+            Frame::Lookup(Lookup {
+                transfer,
+                wait_ms,
+                sender,
+            })
+        }
+        "destination" => Frame::Destination(destination_arg(value)?),
+        "refused" => Frame::Refused(
+            value
+                .extract()
+                .map_err(|_| type_error("refused", "a str", kind_and_value(value)))?,
+        ),
+        "abandon" => {
+            let (transfer, reason): (String, String) = value.extract().map_err(|_| {
+                type_error(
+                    "abandon",
+                    "a (transfer: str, reason: str) pair",
+                    kind_and_value(value),
+                )
+            })?;
+            Frame::Abandon { transfer, reason }
+        }
+        "abandoned" => {
+            if !value.is_none() {
+                return Err(type_error(
+                    "abandoned",
+                    "None (the frame has no body)",
+                    kind_and_value(value),
+                ));
+            }
+            Frame::Abandoned
+        }
+        _ => return Ok(None),
+    }))
+}
+
 fn frame_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Frame> {
     let py = value.py();
     Ok(match kind {
@@ -361,52 +409,14 @@ fn frame_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Frame> {
                 .extract()
                 .map_err(|_| type_error("goodbye", "a str", kind_and_value(value)))?,
         ),
-        "lookup" => {
-            let (transfer, wait_ms, sender): (String, u32, String) =
-                value.extract().map_err(|_| {
-                    type_error(
-                        "lookup",
-                        "a (transfer: str, wait_ms: int in [0, 3600000], sender: str) tuple",
-                        kind_and_value(value),
-                    )
-                })?;
-            Frame::Lookup(Lookup {
-                transfer,
-                wait_ms,
-                sender,
-            })
-        }
-        "destination" => Frame::Destination(destination_arg(value)?),
-        "refused" => Frame::Refused(
-            value
-                .extract()
-                .map_err(|_| type_error("refused", "a str", kind_and_value(value)))?,
-        ),
-        "abandon" => {
-            let (transfer, reason): (String, String) = value.extract().map_err(|_| {
-                type_error(
-                    "abandon",
-                    "a (transfer: str, reason: str) pair",
-                    kind_and_value(value),
-                )
-            })?;
-            Frame::Abandon { transfer, reason }
-        }
-        "abandoned" => {
-            if !value.is_none() {
-                return Err(type_error(
-                    "abandoned",
-                    "None (the frame has no body)",
-                    kind_and_value(value),
-                ));
-            }
-            Frame::Abandoned
-        }
         other => {
+            if let Some(frame) = rendezvous_arg(other, value)? {
+                return Ok(frame);
+            }
             return Err(invalid(
                 py,
                 format!("invalid kind={other:?}: not a frame type"),
-            ))
+            ));
         }
     })
 }
