@@ -851,9 +851,11 @@ def test_rendezvous_refuses_what_its_frames_cannot_carry(tmp_path: Any) -> None:
             (_published(1, engine=""), "engine"),
             (_published(1, block_size=0), "block_size"),
         ]:
-            with pytest.raises(InvalidArgumentError, match=f"invalid destination for transfer 'T': .*invalid {field}="):
+            # A TransferError too: the decode worker fails that request by it (worker._expect).
+            with pytest.raises(rendezvous.InvalidDestinationError, match=f"invalid destination for transfer 'T': .*invalid {field}=") as refused:
                 server.publish("T", bad)
-        with pytest.raises(InvalidArgumentError, match=r"missing \['engine'\], unknown \['extra'\]"):
+            assert isinstance(refused.value, TransferError) and isinstance(refused.value, InvalidArgumentError)
+        with pytest.raises(rendezvous.InvalidDestinationError, match=r"missing \['engine'\], unknown \['extra'\]"):
             server.publish("T", {**{k: v for k, v in _published(1).items() if k != "engine"}, "extra": 1})
         with pytest.raises(InvalidArgumentError, match="invalid wait_s=-1"):
             rendezvous.lookup(server.address, key, "T", -1, "P1")

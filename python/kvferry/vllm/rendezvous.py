@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import wire
 
-__all__ = ["Rendezvous", "abandon", "lookup"]
+__all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
 logger = logging.getLogger("kvferry.vllm")
 
@@ -62,6 +62,11 @@ MAX_ERROR_BYTES = 4096
 MAX_REASON_BYTES = 1000
 # What a destination carries besides the endpoint (the codec's `destination` frame).
 DESTINATION_KEYS = frozenset({"request_id", "epoch", "prompt_len", "digest", "block_size", "dst_blocks", "held_blocks", "engine"})
+
+
+class InvalidDestinationError(TransferError, InvalidArgumentError):
+    """A destination the wire's ``destination`` frame cannot carry: a `TransferError` (the
+    decode worker fails that request by it) whose message names the field."""
 
 
 def _clip(text: str, limit: int) -> str:
@@ -105,18 +110,18 @@ class Rendezvous:
     def publish(self, transfer: str, destination: dict[str, Any]) -> None:
         """Makes ``transfer``'s destination available to one lookup. Raises `TransferError`
         when the id is live already (two decode requests named the same transfer), and
-        `InvalidArgumentError` for a destination the wire's ``destination`` frame cannot
+        `InvalidDestinationError` (a `TransferError` too) for a destination the wire's ``destination`` frame cannot
         carry (a missing or extra key, a field out of its bounds), naming the field."""
         keys = set(destination)
         if keys != DESTINATION_KEYS:
-            raise InvalidArgumentError(
+            raise InvalidDestinationError(
                 f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be {sorted(DESTINATION_KEYS)}"
                 f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
             )
         try:  # checked now, not at the lookup: the endpoint is the only field added later
             wire.frame("destination", dict(destination, endpoint="unix:///checked"))
         except (InvalidArgumentError, TypeError) as err:
-            raise InvalidArgumentError(f"invalid destination for transfer {transfer!r}: {err}") from None
+            raise InvalidDestinationError(f"invalid destination for transfer {transfer!r}: {err}") from None
         with self._cond:
             if transfer in self._published or transfer in self._taken:
                 raise TransferError(f"transfer {transfer!r} is already expected by another decode request")
