@@ -768,6 +768,22 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
 # -- the rendezvous and the destination check (no engine) -----------------------------------
 
 
+def _published(request_id: int, **changes: Any) -> dict[str, Any]:
+    """A destination as the decode worker publishes it (worker._expect)."""
+    destination = {
+        "request_id": request_id,
+        "epoch": 1,
+        "prompt_len": 40,
+        "digest": "0123456789abcdef0123456789abcdef",
+        "block_size": 16,
+        "dst_blocks": [7, 3, 9],
+        "held_blocks": 1,
+        "engine": "decode-0",
+    }
+    destination.update(changes)
+    return destination
+
+
 @needs_vllm
 @pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
 def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen: str) -> None:
@@ -785,14 +801,14 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
         got: dict[str, Any] = {}
         waiting = threading.Thread(target=lambda: got.update(rendezvous.lookup(server.address, key, "T", 60, "P1")))
         waiting.start()  # asks before the decode side published: it waits for it
-        server.publish("T", {"request_id": 1})
+        server.publish("T", _published(1))
         waiting.join(60)
-        assert got == {"request_id": 1, "endpoint": "/staging/P1"}  # that prefill engine's own endpoint
+        assert got == dict(_published(1), endpoint="/staging/P1")  # that prefill engine's own endpoint
         assert server.taker("T") == "P1"
         with pytest.raises(TransferError, match="already taken"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="already expected"):
-            server.publish("T", {"request_id": 2})
+            server.publish("T", _published(2))
         server.withdraw("T", "its blocks arrived")
         with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
@@ -801,7 +817,7 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
         with pytest.raises(TransferError, match="cannot reach"):
             rendezvous.lookup("/bare/path.sock", key, "U", 0, "P1")  # not a unix:// or tcp:// URL
         rendezvous.abandon(server.address, key, "V", "prefill aborted")  # before its publish
-        server.publish("V", {"request_id": 3})
+        server.publish("V", _published(3))
         assert server.abandoned("V") == "prefill aborted"
         with pytest.raises(TransferError, match="abandoned"):
             rendezvous.lookup(server.address, key, "V", 0, "P1")
@@ -812,12 +828,147 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
         server.close()
     broken = rendezvous.Rendezvous(key, lambda sender: (_ for _ in ()).throw(RuntimeError("no room")), str(tmp_path), listen=listen)
     try:
-        broken.publish("X", {"request_id": 4})
+        broken.publish("X", _published(4))
         with pytest.raises(TransferError, match="no endpoint for prefill engine 'P1': no room"):
             rendezvous.lookup(broken.address, key, "X", 0, "P1")
         assert "no room" in (broken.abandoned("X") or "")  # its decode request fails at once
     finally:
         broken.close()
+
+
+@needs_vllm
+def test_rendezvous_refuses_what_its_frames_cannot_carry(tmp_path: Any) -> None:
+    from kvferry.errors import InvalidArgumentError, TransferError
+    from kvferry.vllm import rendezvous
+
+    key = os.urandom(32)
+    server = rendezvous.Rendezvous(key, lambda sender: f"staging+unix:///run/{sender}\n", str(tmp_path))
+    try:
+        for bad, field in [
+            (_published(1, held_blocks=4), "held_blocks"),  # more than its 3 ids
+            (_published(1, dst_blocks=[1, -2, 3]), "dst_blocks"),
+            (_published(1, digest="not hex"), "digest"),
+            (_published(1, engine=""), "engine"),
+            (_published(1, block_size=0), "block_size"),
+        ]:
+            # A TransferError too: the decode worker fails that request by it (worker._expect).
+            with pytest.raises(rendezvous.InvalidDestinationError, match=f"invalid destination for transfer 'T': .*invalid {field}=") as refused:
+                server.publish("T", bad)
+            assert isinstance(refused.value, TransferError) and isinstance(refused.value, InvalidArgumentError)
+        with pytest.raises(rendezvous.InvalidDestinationError, match=r"missing \['engine'\], unknown \['extra'\]"):
+            server.publish("T", {**{k: v for k, v in _published(1).items() if k != "engine"}, "extra": 1})
+        with pytest.raises(InvalidArgumentError, match="invalid wait_s=-1"):
+            rendezvous.lookup(server.address, key, "T", -1, "P1")
+        with pytest.raises(InvalidArgumentError, match="invalid wait_s=3601"):
+            rendezvous.lookup(server.address, key, "T", 3601, "P1")
+        with pytest.raises(InvalidArgumentError, match="invalid transfer="):
+            rendezvous.lookup(server.address, key, "", 0, "P1")
+        with pytest.raises(InvalidArgumentError, match="invalid sender="):
+            rendezvous.lookup(server.address, key, "T", 0, "P" * 129)
+        with pytest.raises(TransferError, match="could not tell the decode server.*invalid transfer="):
+            rendezvous.abandon(server.address, key, "", "why")
+        # Nothing of these reached the rendezvous: T was never published, taken or abandoned.
+        assert server.taker("T") is None and server.abandoned("T") is None
+        # An endpoint URL the frame cannot carry (a control character) fails that lookup by
+        # name and its decode request at once; the destination goes to nobody.
+        server.publish("T", _published(1))
+        with pytest.raises(TransferError, match="no usable endpoint for prefill engine 'P1'.*invalid endpoint="):
+            rendezvous.lookup(server.address, key, "T", 0, "P1")
+        assert server.taker("T") is None and "invalid endpoint=" in (server.abandoned("T") or "")
+        # A long abandon reason is cut to the frame's bound, not refused.
+        rendezvous.abandon(server.address, key, "U", "é" * 2000)
+        assert server.abandoned("U") == "é" * 500
+    finally:
+        server.close()
+
+
+@needs_vllm
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
+def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, listen: str) -> None:
+    import json
+    import socket
+    import struct
+
+    from kvferry import _core
+    from kvferry.transports import wire
+    from kvferry.vllm import rendezvous
+
+    key = os.urandom(32)
+    server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path), listen=listen)
+    where = wire.parse_address(server.address)
+
+    def authenticated() -> socket.socket:
+        sock = wire.connect(where, 10)
+        wire.handshake(sock, key, wire.ROLE_SENDER, 10)
+        return sock
+
+    def goodbye_then_closed(sock: socket.socket) -> str:
+        kind, why = wire.recv_frame(sock)
+        assert kind == "goodbye", (kind, why)
+        with pytest.raises(EOFError):
+            wire.recv_frame(sock)  # the rendezvous closed this connection
+        return str(why)
+
+    body = json.dumps({"op": "lookup", "transfer": "T", "wait_s": 0, "sender": "P1"}).encode()
+    old_json = struct.pack(">I", len(body)) + body  # the rendezvous's frames before this codec
+    destination = wire.frame("destination", dict(_published(9), endpoint="/x"))
+
+    def ends(sock: socket.socket) -> None:
+        # The rendezvous closes with bytes of ours unread, so the end is an EOF or a reset.
+        sock.settimeout(10)  # a connection left open fails the test, it does not hang it
+        with pytest.raises((EOFError, ConnectionError, wire.ProtocolError)):
+            while True:
+                wire.recv_frame(sock)
+
+    try:
+        # Before the handshake: JSON or garbage fails authentication; the connection closes.
+        for data in (old_json, b"\x00" * 64):
+            sock = wire.connect(where, 10)
+            try:
+                sock.sendall(data)
+                ends(sock)
+            finally:
+                sock.close()
+        # After it, a whole old JSON frame: the connection ends.
+        sock = authenticated()
+        try:
+            sock.sendall(old_json)
+            ends(sock)
+        finally:
+            sock.close()
+        # Its first 12 bytes (all the rendezvous reads of it), garbage behind a valid header,
+        # a frame of a type the rendezvous does not take, one it sends itself: each is read
+        # whole, so the goodbye naming why arrives before the end.
+        header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 12, 5)  # a lookup of 5 bytes
+        cases = [
+            (old_json[: wire.HEADER.size], "bad magic"),
+            (header + b"\xff" * 5, "invalid frame"),
+            (wire.frame("notices", ([], None)), "a notices frame, which the rendezvous does not take"),
+            (destination, "a destination frame, which the rendezvous does not take"),
+            (wire.frame("goodbye", "bye"), "a goodbye frame"),
+        ]
+        for data, why in cases:
+            sock = authenticated()
+            try:
+                sock.sendall(data)
+                assert why in goodbye_then_closed(sock)
+            finally:
+                sock.close()
+        # A peer left mid-frame (a lookup cut short): its connection ends, no answer owed.
+        sock = authenticated()
+        sock.sendall(wire.frame("lookup", ("T", 0, "P1"))[:-3])
+        sock.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            wire.recv_frame(sock)
+        sock.close()
+        assert server.taker("T") is None and server.abandoned("T") is None  # none of them touched T
+        # The rendezvous still serves: a good lookup gets its destination.
+        server.publish("T", _published(5))
+        assert rendezvous.lookup(server.address, key, "T", 10, "P1") == dict(_published(5), endpoint="/staging/P1")
+        assert server.taker("T") == "P1"
+        assert _core.WIRE_VERSION == wire.VERSION
+    finally:
+        server.close()
 
 
 @needs_vllm

@@ -406,3 +406,18 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
     finally:
         endpoint.close()
         engine.close()
+
+
+def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
+    # rust/fuzz/seed_wire.py writes the rendezvous's seeds; the others came with their types.
+    from kvferry import _core
+
+    corpus = pathlib.Path(__file__).resolve().parent.parent / "rust" / "fuzz" / "corpus" / "wire"
+    kinds = set()
+    for path in corpus.iterdir():
+        try:
+            kinds.add(_core.wire_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
+        except ValueError:
+            pass  # an input the fuzzer kept for the refusals it reaches
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    assert rendezvous | {"challenge", "proof", "hello", "notices", "goodbye"} <= kinds, kinds

@@ -10,7 +10,12 @@
 //! +------+---------+------+--------+      +-------------------------------------------+
 //! ```
 //! A notice is eight `i64` (request, slice, start, end, last (0 or 1), epoch, group,
-//! groups), 64 bytes; a lease is two `i64` (request, epoch). The codec checks structure
+//! groups), 64 bytes; a lease is two `i64` (request, epoch). The vLLM connector's
+//! rendezvous (`kvferry.vllm.rendezvous`) speaks five more: a lookup (transfer id, wait in
+//! milliseconds, the prefill engine's id), answered by a destination (request id, epoch,
+//! prompt length, block size, held blocks, destination block ids, prompt digest, decode
+//! engine id, endpoint URL) or a refusal (why); an abandon (transfer id, reason), answered
+//! by an abandoned (no body). The codec checks structure
 //! (magic, version, type, length against the caller's limit, counts against the bounds
 //! below, flags, enums, string characters, no trailing bytes); the receiver checks meaning
 //! (a notice against its request's ledger and lease).
@@ -56,6 +61,17 @@ pub const MAX_HANDLE_BYTES: usize = 256;
 pub const MAX_REASON_BYTES: usize = 1024;
 /// Bytes of a handshake nonce and of a proof (HMAC-SHA256).
 pub const NONCE_BYTES: usize = 32;
+/// The longest transfer id (the connector takes at most 256 characters, 4 bytes each in
+/// UTF-8 at most).
+pub const MAX_TRANSFER_BYTES: usize = 1024;
+/// The longest wait a lookup may ask for, in milliseconds (an hour).
+pub const MAX_WAIT_MS: u32 = 3_600_000;
+/// The longest endpoint URL a destination names.
+pub const MAX_URL_BYTES: usize = 1024;
+/// The longest prompt digest (hex digits) a destination carries.
+pub const MAX_DIGEST_BYTES: usize = 64;
+/// The longest refusal a rendezvous answers with (it names the transfer and a reason).
+pub const MAX_ERROR_BYTES: usize = 4096;
 
 /// Everything the codec refuses; the message says which field and what it held.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -141,6 +157,16 @@ pub enum FrameType {
     Agent = 10,
     /// Either way: why the connection is about to close.
     Goodbye = 11,
+    /// Prefill side to the rendezvous: the destination of a transfer, please.
+    Lookup = 12,
+    /// Rendezvous to the prefill side: where a looked-up transfer's blocks go.
+    Destination = 13,
+    /// Rendezvous to the prefill side: why a lookup gets no destination.
+    Refused = 14,
+    /// Prefill side to the rendezvous: it gave a transfer up.
+    Abandon = 15,
+    /// Rendezvous to the prefill side: the abandon is recorded.
+    Abandoned = 16,
 }
 
 impl FrameType {
@@ -158,6 +184,11 @@ impl FrameType {
             9 => Self::Freed,
             10 => Self::Agent,
             11 => Self::Goodbye,
+            12 => Self::Lookup,
+            13 => Self::Destination,
+            14 => Self::Refused,
+            15 => Self::Abandon,
+            16 => Self::Abandoned,
             other => return Err(WireError::UnknownType(other)),
         })
     }
@@ -176,6 +207,11 @@ impl FrameType {
             Self::Freed => "freed",
             Self::Agent => "agent",
             Self::Goodbye => "goodbye",
+            Self::Lookup => "lookup",
+            Self::Destination => "destination",
+            Self::Refused => "refused",
+            Self::Abandon => "abandon",
+            Self::Abandoned => "abandoned",
         }
     }
 }
@@ -312,6 +348,42 @@ pub struct Staged {
     pub dst_ids: Vec<i64>,
 }
 
+/// A prefill request asking the decode server's rendezvous for its transfer's destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    /// The transfer id both halves of the request carry (1 to 1024 bytes of UTF-8).
+    pub transfer: String,
+    /// How long the rendezvous may wait for the decode request to publish it (at most
+    /// [`MAX_WAIT_MS`]).
+    pub wait_ms: u32,
+    /// The prefill engine's id (1 to 128 bytes of UTF-8): each gets an endpoint of its own.
+    pub sender: String,
+}
+
+/// Where a transfer's blocks go: what the decode worker published, and the URL of the
+/// endpoint the looking-up prefill engine sends to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    /// The receiver's id of the request (>= 0).
+    pub request_id: i64,
+    /// The epoch of its lease (>= 0).
+    pub epoch: i64,
+    /// Tokens of the prompt (>= 0).
+    pub prompt_len: i64,
+    /// Tokens per block on the decode server (> 0).
+    pub block_size: u32,
+    /// Leading destination blocks the decode server already holds (at most `dst_blocks`).
+    pub held_blocks: i64,
+    /// The decode server's block ids, in prompt order (>= 0, at most [`MAX_IDS`]).
+    pub dst_blocks: Vec<i64>,
+    /// The prompt's digest: lower-case hex digits, 1 to [`MAX_DIGEST_BYTES`].
+    pub digest: String,
+    /// The decode engine's id (a name: [A-Za-z0-9._-], 1 to 128 bytes).
+    pub engine: String,
+    /// The endpoint's URL (1 to [`MAX_URL_BYTES`] of UTF-8, no control characters).
+    pub endpoint: String,
+}
+
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[allow(missing_docs)]
@@ -337,6 +409,16 @@ pub enum Frame {
     Freed(u64),
     Agent(String),
     Goodbye(String),
+    Lookup(Lookup),
+    Destination(Destination),
+    /// Why a lookup gets no destination (1 to [`MAX_ERROR_BYTES`] of UTF-8).
+    Refused(String),
+    /// A transfer the prefill side gave up, and why (at most [`MAX_REASON_BYTES`]).
+    Abandon {
+        transfer: String,
+        reason: String,
+    },
+    Abandoned,
 }
 
 impl Frame {
@@ -354,6 +436,11 @@ impl Frame {
             Self::Freed(_) => FrameType::Freed,
             Self::Agent(_) => FrameType::Agent,
             Self::Goodbye(_) => FrameType::Goodbye,
+            Self::Lookup(_) => FrameType::Lookup,
+            Self::Destination(_) => FrameType::Destination,
+            Self::Refused(_) => FrameType::Refused,
+            Self::Abandon { .. } => FrameType::Abandon,
+            Self::Abandoned => FrameType::Abandoned,
         }
     }
 }
@@ -465,6 +552,28 @@ pub fn decode_body(kind: FrameType, body: &[u8]) -> Result<Frame> {
         FrameType::Freed => Frame::Freed(r.u64("freed")?),
         FrameType::Agent => Frame::Agent(r.name("agent_name")?),
         FrameType::Goodbye => Frame::Goodbye(r.text("reason", MAX_REASON_BYTES)?),
+        FrameType::Lookup => Frame::Lookup(Lookup {
+            transfer: r.text("transfer", MAX_TRANSFER_BYTES)?,
+            wait_ms: r.u32("wait_ms")?,
+            sender: r.text("sender", MAX_NAME_BYTES)?,
+        }),
+        FrameType::Destination => Frame::Destination(Destination {
+            request_id: r.i64("request_id")?,
+            epoch: r.i64("epoch")?,
+            prompt_len: r.i64("prompt_len")?,
+            block_size: r.u32("block_size")?,
+            held_blocks: r.i64("held_blocks")?,
+            dst_blocks: r.ids("dst_blocks")?,
+            digest: r.text("digest", MAX_DIGEST_BYTES)?,
+            engine: r.text("engine", MAX_NAME_BYTES)?,
+            endpoint: r.text("endpoint", MAX_URL_BYTES)?,
+        }),
+        FrameType::Refused => Frame::Refused(r.text("error", MAX_ERROR_BYTES)?),
+        FrameType::Abandon => Frame::Abandon {
+            transfer: r.text("transfer", MAX_TRANSFER_BYTES)?,
+            reason: r.text("reason", MAX_REASON_BYTES)?,
+        },
+        FrameType::Abandoned => Frame::Abandoned,
     };
     if r.at != body.len() {
         return Err(WireError::Trailing(body.len() - r.at, kind.name()));
@@ -512,7 +621,28 @@ pub fn encode(frame: &Frame) -> Result<Vec<u8>> {
         }
         Frame::Freed(n) => w.u64(*n),
         Frame::Agent(name) => w.bytes(name.as_bytes()),
-        Frame::Goodbye(reason) => w.bytes(reason.as_bytes()),
+        Frame::Goodbye(reason) | Frame::Refused(reason) => w.bytes(reason.as_bytes()),
+        Frame::Lookup(l) => {
+            w.bytes(l.transfer.as_bytes());
+            w.u32(l.wait_ms);
+            w.bytes(l.sender.as_bytes());
+        }
+        Frame::Destination(d) => {
+            w.i64(d.request_id);
+            w.i64(d.epoch);
+            w.i64(d.prompt_len);
+            w.u32(d.block_size);
+            w.i64(d.held_blocks);
+            w.ids(&d.dst_blocks);
+            w.bytes(d.digest.as_bytes());
+            w.bytes(d.engine.as_bytes());
+            w.bytes(d.endpoint.as_bytes());
+        }
+        Frame::Abandon { transfer, reason } => {
+            w.bytes(transfer.as_bytes());
+            w.bytes(reason.as_bytes());
+        }
+        Frame::Abandoned => {}
     }
     let length = w.0.len() - HEADER_BYTES;
     if length > MAX_FRAME_BYTES as usize {
@@ -580,6 +710,23 @@ fn validate(frame: &Frame) -> Result<()> {
         }
         Frame::Agent(name) => check_name("agent_name", name)?,
         Frame::Goodbye(reason) => bound("reason", reason.len(), MAX_REASON_BYTES)?,
+        Frame::Lookup(l) => {
+            check_text("transfer", &l.transfer, MAX_TRANSFER_BYTES)?;
+            if l.wait_ms > MAX_WAIT_MS {
+                return Err(WireError::field(
+                    "wait_ms",
+                    l.wait_ms,
+                    "at most 3600000 (an hour)",
+                ));
+            }
+            check_text("sender", &l.sender, MAX_NAME_BYTES)?;
+        }
+        Frame::Destination(d) => validate_destination(d)?,
+        Frame::Refused(error) => check_text("error", error, MAX_ERROR_BYTES)?,
+        Frame::Abandon { transfer, reason } => {
+            check_text("transfer", transfer, MAX_TRANSFER_BYTES)?;
+            bound("reason", reason.len(), MAX_REASON_BYTES)?;
+        }
         _ => {}
     }
     Ok(())
@@ -632,6 +779,62 @@ fn check_name(field: &'static str, name: &str) -> Result<()> {
             field,
             format!("{name:?}"),
             "1 to 128 characters of [A-Za-z0-9._-]",
+        ));
+    }
+    Ok(())
+}
+
+/// Non-empty UTF-8 text of at most `max` bytes (any characters: an id is the caller's).
+fn check_text(field: &'static str, text: &str, max: usize) -> Result<()> {
+    if text.is_empty() {
+        return Err(WireError::field(field, "\"\"", "non-empty text"));
+    }
+    bound(field, text.len(), max)
+}
+
+fn validate_destination(d: &Destination) -> Result<()> {
+    for (field, value) in [
+        ("request_id", d.request_id),
+        ("epoch", d.epoch),
+        ("prompt_len", d.prompt_len),
+    ] {
+        if value < 0 {
+            return Err(WireError::field(field, value, ">= 0"));
+        }
+    }
+    if d.block_size == 0 {
+        return Err(WireError::field("block_size", 0, "> 0"));
+    }
+    check_ids("dst_blocks", &d.dst_blocks)?;
+    if d.held_blocks < 0 || d.held_blocks as u64 > d.dst_blocks.len() as u64 {
+        return Err(WireError::field(
+            "held_blocks",
+            d.held_blocks,
+            "in [0, the number of dst_blocks]",
+        ));
+    }
+    if d.digest.is_empty()
+        || d.digest.len() > MAX_DIGEST_BYTES
+        || !d
+            .digest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(WireError::field(
+            "digest",
+            format!("{:?}", d.digest),
+            "1 to 64 lower-case hex digits",
+        ));
+    }
+    check_name("engine", &d.engine)?;
+    if d.endpoint.is_empty()
+        || d.endpoint.len() > MAX_URL_BYTES
+        || d.endpoint.chars().any(char::is_control)
+    {
+        return Err(WireError::field(
+            "endpoint",
+            format!("{:?}", d.endpoint),
+            "a URL of 1 to 1024 bytes, no control characters",
         ));
     }
     Ok(())
@@ -1147,6 +1350,123 @@ mod tests {
             encode(&many),
             Err(WireError::Field {
                 field: "leases",
+                ..
+            })
+        ));
+    }
+
+    fn destination() -> Destination {
+        Destination {
+            request_id: 7,
+            epoch: 2,
+            prompt_len: 70,
+            block_size: 16,
+            held_blocks: 2,
+            dst_blocks: vec![9, 4, 7, 1, 3],
+            digest: "0123456789abcdef0123456789abcdef".into(),
+            engine: "3f2a9c01d4e5b6a7".into(),
+            endpoint: "staging+unix:///tmp/kvferry-x/notices.sock".into(),
+        }
+    }
+
+    fn refused_field(frame: &Frame) -> &'static str {
+        match encode(frame) {
+            Err(WireError::Field { field, .. }) => field,
+            other => panic!("expected a field error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn rendezvous_frames_round_trip() {
+        for frame in [
+            Frame::Lookup(Lookup {
+                transfer: "turn-1 ⟂ agent".into(),
+                wait_ms: MAX_WAIT_MS,
+                sender: "prefill-0".into(),
+            }),
+            Frame::Destination(destination()),
+            Frame::Refused("transfer 'T' was abandoned: prefill aborted".into()),
+            Frame::Abandon {
+                transfer: "T".into(),
+                reason: String::new(),
+            },
+            Frame::Abandoned,
+        ] {
+            let bytes = encode(&frame).unwrap();
+            assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
+            assert!(decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err());
+        }
+        // An abandoned carries nothing: a byte after its header is trailing.
+        let mut bytes = encode(&Frame::Abandoned).unwrap();
+        bytes[8] = 1;
+        bytes.push(0);
+        assert_eq!(
+            decode(&bytes, MAX_FRAME_BYTES),
+            Err(WireError::Trailing(1, "abandoned"))
+        );
+    }
+
+    #[test]
+    fn rendezvous_fields_are_bounded_on_encode() {
+        let lookup = |transfer: &str, wait_ms: u32, sender: &str| {
+            Frame::Lookup(Lookup {
+                transfer: transfer.into(),
+                wait_ms,
+                sender: sender.into(),
+            })
+        };
+        assert_eq!(refused_field(&lookup("", 0, "P")), "transfer");
+        let long = "x".repeat(MAX_TRANSFER_BYTES + 1);
+        assert_eq!(refused_field(&lookup(&long, 0, "P")), "transfer");
+        assert_eq!(refused_field(&lookup("T", MAX_WAIT_MS + 1, "P")), "wait_ms");
+        assert_eq!(refused_field(&lookup("T", 0, "")), "sender");
+        assert_eq!(
+            refused_field(&lookup("T", 0, &"s".repeat(MAX_NAME_BYTES + 1))),
+            "sender"
+        );
+        let with = |f: fn(&mut Destination)| {
+            let mut d = destination();
+            f(&mut d);
+            Frame::Destination(d)
+        };
+        assert_eq!(refused_field(&with(|d| d.request_id = -1)), "request_id");
+        assert_eq!(refused_field(&with(|d| d.epoch = -1)), "epoch");
+        assert_eq!(refused_field(&with(|d| d.prompt_len = -1)), "prompt_len");
+        assert_eq!(refused_field(&with(|d| d.block_size = 0)), "block_size");
+        assert_eq!(refused_field(&with(|d| d.held_blocks = 6)), "held_blocks");
+        assert_eq!(refused_field(&with(|d| d.held_blocks = -1)), "held_blocks");
+        assert_eq!(refused_field(&with(|d| d.dst_blocks[1] = -4)), "dst_blocks");
+        assert_eq!(refused_field(&with(|d| d.digest = "ABC".into())), "digest");
+        assert_eq!(refused_field(&with(|d| d.digest.clear())), "digest");
+        assert_eq!(refused_field(&with(|d| d.engine = "a b".into())), "engine");
+        assert_eq!(refused_field(&with(|d| d.endpoint.clear())), "endpoint");
+        assert_eq!(refused_field(&with(|d| d.endpoint.push('\n'))), "endpoint");
+        assert_eq!(refused_field(&Frame::Refused(String::new())), "error");
+        assert_eq!(
+            refused_field(&Frame::Refused("e".repeat(MAX_ERROR_BYTES + 1))),
+            "error"
+        );
+        let abandon = |transfer: &str, reason: String| Frame::Abandon {
+            transfer: transfer.into(),
+            reason,
+        };
+        assert_eq!(refused_field(&abandon("", String::new())), "transfer");
+        assert_eq!(
+            refused_field(&abandon("T", "r".repeat(MAX_REASON_BYTES + 1))),
+            "reason"
+        );
+    }
+
+    #[test]
+    fn a_destination_the_encoder_refuses_is_refused_on_decode() {
+        // Held blocks past the ids, patched into a valid frame: the decoder checks it too.
+        let mut bytes = encode(&Frame::Destination(destination())).unwrap();
+        let at = HEADER_BYTES + 8 * 3 + 4; // request_id, epoch, prompt_len, block_size
+        bytes[at..at + 8].copy_from_slice(&6i64.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, MAX_FRAME_BYTES),
+            Err(WireError::Field {
+                field: "held_blocks",
                 ..
             })
         ));

@@ -3,8 +3,8 @@
 //! byte flipped in its header is refused or decodes to a valid frame.
 
 use kvferry::wire::{
-    decode, decode_header, encode, CudaTensor, Frame, Geometry, Hello, MemType, Notice, PoolAccess,
-    Segment, Staged, HEADER_BYTES, MAX_FRAME_BYTES,
+    decode, decode_header, encode, CudaTensor, Destination, Frame, Geometry, Hello, Lookup,
+    MemType, Notice, PoolAccess, Segment, Staged, HEADER_BYTES, MAX_FRAME_BYTES, MAX_WAIT_MS,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -152,6 +152,48 @@ fn hello() -> impl Strategy<Value = Hello> {
         )
 }
 
+/// A destination as the decode worker publishes it (held blocks within its ids).
+fn destination() -> impl Strategy<Value = Destination> {
+    (
+        (0i64..1 << 62, 0i64..1 << 40, 0i64..1 << 20, 1u32..1024),
+        vec(0i64..1 << 31, 0..40),
+        "[0-9a-f]{1,64}",
+        name(),
+        "[a-z+]{1,12}://[ -~]{0,200}",
+    )
+        .prop_flat_map(|(ints, dst_blocks, digest, engine, endpoint)| {
+            let n = dst_blocks.len() as i64;
+            (0..=n).prop_map(move |held_blocks| Destination {
+                request_id: ints.0,
+                epoch: ints.1,
+                prompt_len: ints.2,
+                block_size: ints.3,
+                held_blocks,
+                dst_blocks: dst_blocks.clone(),
+                digest: digest.clone(),
+                engine: engine.clone(),
+                endpoint: endpoint.clone(),
+            })
+        })
+}
+
+/// The rendezvous's frames (kvferry.vllm.rendezvous).
+fn rendezvous_frame() -> impl Strategy<Value = Frame> {
+    prop_oneof![
+        (".{1,256}", 0..=MAX_WAIT_MS, ".{1,32}").prop_map(|(transfer, wait_ms, sender)| {
+            Frame::Lookup(Lookup {
+                transfer,
+                wait_ms,
+                sender,
+            })
+        }),
+        destination().prop_map(Frame::Destination),
+        ".{1,400}".prop_map(Frame::Refused),
+        (".{1,256}", ".{0,200}").prop_map(|(transfer, reason)| Frame::Abandon { transfer, reason }),
+        Just(Frame::Abandoned),
+    ]
+}
+
 fn frame() -> impl Strategy<Value = Frame> {
     let leases = || vec((any::<i64>(), any::<i64>()), 0..20);
     prop_oneof![
@@ -184,6 +226,7 @@ fn frame() -> impl Strategy<Value = Frame> {
         any::<u64>().prop_map(Frame::Freed),
         name().prop_map(Frame::Agent),
         ".{0,200}".prop_map(Frame::Goodbye),
+        rendezvous_frame(),
     ]
 }
 
@@ -203,7 +246,7 @@ proptest! {
     }
 
     #[test]
-    fn any_body_behind_a_valid_header_decodes_or_errs(kind in 0u16..14, body in vec(any::<u8>(), 0..512)) {
+    fn any_body_behind_a_valid_header_decodes_or_errs(kind in 0u16..19, body in vec(any::<u8>(), 0..512)) {
         let mut bytes = b"KVFW".to_vec();
         bytes.extend_from_slice(&1u16.to_le_bytes());
         bytes.extend_from_slice(&kind.to_le_bytes());
@@ -231,6 +274,31 @@ proptest! {
             // What decodes passed every check the encoder makes: it encodes back to the bytes.
             prop_assert_eq!(encode(&decoded).unwrap(), bytes);
         }
+    }
+
+    #[test]
+    fn every_rendezvous_frame_decodes_to_itself_and_not_when_cut(frame in rendezvous_frame(), cut in any::<prop::sample::Index>()) {
+        let bytes = encode(&frame).expect("the strategy builds only valid frames");
+        prop_assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
+        prop_assert!(decode(&bytes[..cut.index(bytes.len())], MAX_FRAME_BYTES).is_err());
+    }
+
+    #[test]
+    fn a_mutated_rendezvous_frame_decodes_to_a_valid_frame_or_errs(frame in rendezvous_frame(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        let mut bytes = encode(&frame).unwrap();
+        let i = at.index(bytes.len());
+        bytes[i] = byte;
+        match decode(&bytes, MAX_FRAME_BYTES) {
+            Ok(decoded) => prop_assert_eq!(encode(&decoded).unwrap(), bytes),
+            Err(err) => prop_assert!(!err.to_string().is_empty()),
+        }
+    }
+
+    #[test]
+    fn a_destination_with_held_blocks_past_its_ids_is_refused(d in destination(), extra in 1i64..100) {
+        let held = d.dst_blocks.len() as i64 + extra;
+        let bad = Frame::Destination(Destination { held_blocks: held, ..d });
+        prop_assert!(encode(&bad).is_err());
     }
 
     #[test]

@@ -4,74 +4,74 @@
 decode worker (Rendezvous)                         prefill scheduler / worker (lookup, abandon)
 publish(T, destination)  <- the decode request's blocks are allocated and expected
             <-- kvferry's mutual handshake (transports/wire.py: HMAC-SHA256 both ways) --
-            <-- {"op": "lookup", "transfer": T, "wait_s": w, "sender": S}
-            --> {"ok": destination}   once T is published (or {"error": ...}), with the
-                                      URL of sender S's own endpoint
-            <-- {"op": "abandon", "transfer": T, "reason": r}  the prefill side gave up
-            --> {"ok": true}
+            <-- lookup (T, wait_ms, S)
+            --> destination {...}   once T is published, with the URL of sender S's own
+                                    endpoint; or refused (why: taken, abandoned, ended, none
+                                    within the wait, no endpoint for S)
+            <-- abandon (T, reason)   the prefill side gave up
+            --> abandoned
 ```
 It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tcp://host:port``
 (loopback unless told otherwise; a wildcard bind needs ``advertise``), by wire's rules.
-Frames are JSON objects behind a 4-byte length, at most 1 MiB, read only after both sides
-proved they hold the key: nothing from the socket is ever unpickled, and every field is
-checked. A transfer id is handed to one lookup only (a second prefill request naming it is
-refused), so no decode block is written by two senders. Each prefill engine ``S`` (its vLLM
-engine id) gets an endpoint of its own: a staging ring has one writer.
+Every message is a frame of kvferry's binary codec (rust/src/wire.rs, the same framing as
+the transports' control channels: ``wire.Channel``), read only after both sides proved they
+hold the key, with bodies of at most 1 MiB:
+
+```
+lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (1-128 bytes)
+destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_size u32 (> 0)
+             | held_blocks i64 (<= the ids) | dst_blocks (<= 2^20 ids >= 0) | digest (1-64
+             lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars)
+refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes)
+abandoned    (no body)                 goodbye  why the connection closes
+```
+The core checks every field of every frame, both ways, before Python sees it: nothing from
+the socket is ever unpickled or parsed as JSON. A frame that does not decode, or one the
+rendezvous does not take (anything but a lookup or an abandon), ends that connection with a
+goodbye naming the reason; the rendezvous serves the others on. A transfer id is handed to
+one lookup only (a second prefill request naming it is refused), so no decode block is
+written by two senders. Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of
+its own: a staging ring has one writer.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
-import select
 import socket
-import struct
 import tempfile
 import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from kvferry.errors import KvFerryError, TransferError
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import wire
 
-__all__ = ["Rendezvous", "abandon", "lookup"]
+__all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
 logger = logging.getLogger("kvferry.vllm")
 
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
 GONE_KEPT = 4096  # transfers that ended, remembered so a late lookup fails at once
-_LEN = struct.Struct(">I")
+MAX_WAIT_SECONDS = 3600
+# The codec's bounds (rust/src/wire.rs): a refusal's text, an abandon's reason.
+MAX_ERROR_BYTES = 4096
+MAX_REASON_BYTES = 1000
+# What a destination carries besides the endpoint (the codec's `destination` frame).
+DESTINATION_KEYS = frozenset({"request_id", "epoch", "prompt_len", "digest", "block_size", "dst_blocks", "held_blocks", "engine"})
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
-    body = json.dumps(message).encode()
-    if len(body) > MAX_FRAME:
-        raise TransferError(f"a rendezvous frame of {len(body)} bytes, more than {MAX_FRAME}")
-    sock.sendall(_LEN.pack(len(body)) + body)
+class InvalidDestinationError(TransferError, InvalidArgumentError):
+    """A destination the wire's ``destination`` frame cannot carry: a `TransferError` (the
+    decode worker fails that request by it) whose message names the field."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise EOFError("the peer closed the connection")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"a frame of {length} bytes, more than {MAX_FRAME}")
-    message = json.loads(_recv_exact(sock, length))
-    if not isinstance(message, dict):
-        raise ValueError(f"frame is a {type(message).__name__}, not an object")
-    return message
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8, on a character boundary."""
+    return text.encode()[:limit].decode(errors="ignore")
 
 
 class Rendezvous:
@@ -109,7 +109,19 @@ class Rendezvous:
 
     def publish(self, transfer: str, destination: dict[str, Any]) -> None:
         """Makes ``transfer``'s destination available to one lookup. Raises `TransferError`
-        when the id is live already (two decode requests named the same transfer)."""
+        when the id is live already (two decode requests named the same transfer), and
+        `InvalidDestinationError` (a `TransferError` too) for a destination the wire's ``destination`` frame cannot
+        carry (a missing or extra key, a field out of its bounds), naming the field."""
+        keys = set(destination)
+        if keys != DESTINATION_KEYS:
+            raise InvalidDestinationError(
+                f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be {sorted(DESTINATION_KEYS)}"
+                f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
+            )
+        try:  # checked now, not at the lookup: the endpoint is the only field added later
+            wire.frame("destination", dict(destination, endpoint="unix:///checked"))
+        except (InvalidArgumentError, TypeError) as err:
+            raise InvalidDestinationError(f"invalid destination for transfer {transfer!r}: {err}") from None
         with self._cond:
             if transfer in self._published or transfer in self._taken:
                 raise TransferError(f"transfer {transfer!r} is already expected by another decode request")
@@ -168,56 +180,75 @@ class Rendezvous:
             except wire.AuthenticationError as err:
                 logger.warning("kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s", self.address, err)
                 return
+            channel = wire.Channel(conn, MAX_FRAME)
             while True:
-                message = _recv(conn)
-                _send(conn, self._answer(message))
-        except Exception:  # EOF, a malformed frame: the connection ends
+                try:
+                    kind, value = channel.recv()
+                except wire.ProtocolError as err:
+                    logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err)
+                    channel.goodbye(f"disconnected: {err}")
+                    return
+                if kind == "lookup":
+                    channel.send_frame(self._lookup(*value))
+                elif kind == "abandon":
+                    self._abandon(*value)
+                    channel.send("abandoned", None)
+                else:
+                    why = f"a {kind} frame, which the rendezvous does not take (only lookup and abandon)"
+                    logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why)
+                    channel.goodbye(f"disconnected: {why}")
+                    return
+        except (EOFError, OSError):  # the peer went away: the connection ends
             pass
+        except Exception:  # a bug here: this connection ends, the rendezvous serves on
+            logger.exception("kvferry: the rendezvous at %s dropped a connection", self.address)
         finally:
             conn.close()
 
-    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
-        op, transfer = message.get("op"), message.get("transfer")
-        if not isinstance(transfer, str):
-            return {"error": f"invalid transfer={transfer!r}: must be a string"}
-        if op == "abandon":
-            with self._cond:
-                # Kept even before the decode request published it (the prefill request may
-                # be aborted first): the decode worker asks about each transfer it holds.
-                self._abandoned[transfer] = str(message.get("reason", "no reason given"))[:1000]
-                while len(self._abandoned) > GONE_KEPT:
-                    del self._abandoned[next(iter(self._abandoned))]
-            return {"ok": True}
-        if op != "lookup":
-            return {"error": f"invalid op={op!r}: expected 'lookup' or 'abandon'"}
-        wait = message.get("wait_s")
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
-            return {"error": f"invalid wait_s={wait!r}: must be in [0, 3600]"}
-        sender = message.get("sender")
-        if not isinstance(sender, str) or not 0 < len(sender) <= 128:
-            return {"error": f"invalid sender={sender!r}: must be the prefill engine's id"}
+    def _abandon(self, transfer: str, reason: str) -> None:
+        with self._cond:
+            # Kept even before the decode request published it (the prefill request may be
+            # aborted first): the decode worker asks about each transfer it holds.
+            self._abandoned[transfer] = reason or "no reason given"
+            while len(self._abandoned) > GONE_KEPT:
+                del self._abandoned[next(iter(self._abandoned))]
+
+    def _lookup(self, transfer: str, wait_ms: int, sender: str) -> bytes:
+        """The encoded answer to one lookup: its destination, or a refusal saying why."""
+
+        def refused(why: str) -> bytes:
+            return wire.frame("refused", _clip(why, MAX_ERROR_BYTES))
+
         try:
             endpoint = self._endpoint_for(sender)
         except Exception as err:  # no room for another endpoint: this lookup fails, not the server
             reason = f"no endpoint for prefill engine {sender!r}: {err}"
             with self._cond:  # nothing can reach its blocks: its decode request fails now, not at its timeout
                 self._abandoned[transfer] = reason
-            return {"error": reason}
-        deadline = time.monotonic() + float(wait)
+            return refused(reason)
+        wait = wait_ms / 1000
+        deadline = time.monotonic() + wait
         with self._cond:
             while True:
                 if transfer in self._abandoned:
-                    return {"error": f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}"}
+                    return refused(f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}")
                 if transfer in self._taken:
-                    return {"error": f"transfer {transfer!r} was already taken by another prefill request"}
+                    return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 if transfer in self._published:
+                    try:  # publish checked every other field: only the endpoint can be refused
+                        answer = wire.frame("destination", dict(self._published[transfer], endpoint=endpoint))
+                    except (InvalidArgumentError, TypeError) as err:
+                        reason = f"no usable endpoint for prefill engine {sender!r}: {err}"
+                        self._abandoned[transfer] = reason
+                        return refused(reason)
+                    del self._published[transfer]
                     self._taken[transfer] = sender
-                    return {"ok": dict(self._published.pop(transfer), endpoint=endpoint)}
+                    return answer
                 if transfer in self._gone:
-                    return {"error": f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}"}
+                    return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
-                    return {"error": f"transfer {transfer!r}: no decode request expected it within {wait} s"}
+                    return refused(f"transfer {transfer!r}: no decode request expected it within {wait:g} s")
                 self._cond.wait(left)
 
     def close(self) -> None:
@@ -263,39 +294,58 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     return sock
 
 
-def _ask(sock: socket.socket, message: dict[str, Any], wait_s: float) -> dict[str, Any]:
-    _send(sock, message)
-    ready, _, _ = select.select([sock], [], [], wait_s)
-    if not ready:
+def _ask(sock: socket.socket, data: bytes, wait_s: float) -> tuple[str, Any]:
+    channel = wire.Channel(sock, MAX_FRAME)
+    channel.send_frame(data)
+    if not channel.poll(wait_s):
         raise TimeoutError(f"no answer within {wait_s} s")
     sock.settimeout(HANDSHAKE_SECONDS)  # the frame itself is on its way
-    return _recv(sock)
+    return channel.recv()
+
+
+def _unexpected(address: str, transfer: str, asked: str, kind: str, value: Any) -> TransferError:
+    if kind == "goodbye":
+        return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} closed the connection: {value}", peer=address)
+    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} answered a {asked} with a {kind} frame", peer=address)
 
 
 def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> dict[str, Any]:
     """Blocks until the decode server published ``transfer``'s destination (at most
-    ``wait_s``); returns it, or raises `TransferError` with the decode side's reason."""
+    ``wait_s``, in [0, 3600]); returns it (the published keys and ``endpoint``), or raises
+    `TransferError` with the decode side's reason. A transfer or sender the wire cannot
+    carry (empty, too long) raises `InvalidArgumentError` before anything is sent."""
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_SECONDS:
+        raise InvalidArgumentError(f"invalid wait_s={wait_s!r}: must be in [0, {MAX_WAIT_SECONDS}] seconds")
+    data = wire.frame("lookup", (transfer, math.ceil(wait_s * 1000), sender))
     sock = _connect(address, authkey)
     try:
-        answer = _ask(sock, {"op": "lookup", "transfer": transfer, "wait_s": wait_s, "sender": sender}, wait_s + HANDSHAKE_SECONDS)
+        kind, value = _ask(sock, data, wait_s + HANDSHAKE_SECONDS)
     except TimeoutError as err:
         raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address) from err
     except Exception as err:
         raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} went away: {err!r}", peer=address) from err
     finally:
         sock.close()
-    if "ok" in answer and isinstance(answer["ok"], dict):
-        return answer["ok"]
-    raise TransferError(f"{answer.get('error', answer)}", peer=address)
+    if kind == "destination":
+        return dict(value)
+    if kind == "refused":
+        raise TransferError(str(value), peer=address)
+    raise _unexpected(address, transfer, "lookup", kind, value)
 
 
 def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
     """Tells the decode server that the prefill side gave ``transfer`` up; its decode request
     then fails at once instead of at its timeout. Raises `TransferError` if it cannot."""
+    try:
+        data = wire.frame("abandon", (transfer, _clip(str(reason), MAX_REASON_BYTES)))
+    except (InvalidArgumentError, TypeError) as err:
+        raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)) from err
     sock = _connect(address, authkey)
     try:
-        _ask(sock, {"op": "abandon", "transfer": transfer, "reason": reason[:1000]}, HANDSHAKE_SECONDS)
+        kind, value = _ask(sock, data, HANDSHAKE_SECONDS)
     except Exception as err:
         raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err!r}", peer=address) from err
     finally:
         sock.close()
+    if kind != "abandoned":
+        raise _unexpected(address, transfer, "abandon", kind, value)

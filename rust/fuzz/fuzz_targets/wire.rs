@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
         let mut framed = Vec::with_capacity(HEADER_BYTES + data.len());
         framed.extend_from_slice(b"KVFW");
         framed.extend_from_slice(&VERSION.to_le_bytes());
-        framed.extend_from_slice(&u16::from(data[0] % 12).to_le_bytes());
+        framed.extend_from_slice(&u16::from(data[0] % 17).to_le_bytes());
         framed.extend_from_slice(&((data.len() - 1) as u32).to_le_bytes());
         framed.extend_from_slice(&data[1..]);
         check(&framed);

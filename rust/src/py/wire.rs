@@ -3,6 +3,9 @@
 //! A frame is `(kind, value)` on the Python side, the same shape both ways (`wire_encode`
 //! takes what `wire_decode` returns): notices as 8-tuples, block ids as int64 arrays, the
 //! hello as a dict. One call per frame: a batch of notices crosses the boundary once.
+//! The rendezvous's frames: a lookup as `(transfer, wait_ms, sender)`, a destination as a
+//! dict (its `dst_blocks` a list, as the connector hands it on), a refusal as its text, an
+//! abandon as `(transfer, reason)`, an abandoned as `None`.
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -12,8 +15,8 @@ use super::args::{self, kind_and_value};
 use super::arrays;
 use super::errors::{fence, type_error};
 use crate::wire::{
-    self, CudaTensor, Frame, Geometry, Hello, MemType, Notice, PoolAccess, Segment, Staged,
-    WireError, NONCE_BYTES,
+    self, CudaTensor, Destination, Frame, Geometry, Hello, Lookup, MemType, Notice, PoolAccess,
+    Segment, Staged, WireError, NONCE_BYTES,
 };
 
 type NoticeTuple = (i64, i64, i64, i64, bool, i64, i64, i64);
@@ -247,6 +250,92 @@ fn staged_arg(value: &Bound<'_, PyAny>) -> PyResult<Staged> {
     })
 }
 
+fn destination_arg(obj: &Bound<'_, PyAny>) -> PyResult<Destination> {
+    let dict = obj
+        .cast::<PyDict>()
+        .map_err(|_| type_error("destination", "a dict", kind_and_value(obj)))?;
+    let what = "destination";
+    let Some(dst) = dict.get_item("dst_blocks")? else {
+        return Err(invalid(
+            dict.py(),
+            format!("invalid {what}: no \"dst_blocks\""),
+        ));
+    };
+    Ok(Destination {
+        request_id: field(dict, "request_id", what)?,
+        epoch: field(dict, "epoch", what)?,
+        prompt_len: field(dict, "prompt_len", what)?,
+        block_size: field(dict, "block_size", what)?,
+        held_blocks: field(dict, "held_blocks", what)?,
+        dst_blocks: ids_arg(&dst, "dst_blocks")?,
+        digest: field(dict, "digest", what)?,
+        engine: field(dict, "engine", what)?,
+        endpoint: field(dict, "endpoint", what)?,
+    })
+}
+
+fn destination_out(py: Python<'_>, d: Destination) -> PyResult<Bound<'_, PyAny>> {
+    let out = PyDict::new(py);
+    out.set_item("request_id", d.request_id)?;
+    out.set_item("epoch", d.epoch)?;
+    out.set_item("prompt_len", d.prompt_len)?;
+    out.set_item("block_size", d.block_size)?;
+    out.set_item("held_blocks", d.held_blocks)?;
+    out.set_item("dst_blocks", d.dst_blocks)?;
+    out.set_item("digest", d.digest)?;
+    out.set_item("engine", d.engine)?;
+    out.set_item("endpoint", d.endpoint)?;
+    Ok(out.into_any())
+}
+
+/// The rendezvous's frames (`None`: `kind` is not one of them).
+fn rendezvous_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Option<Frame>> {
+    Ok(Some(match kind {
+        "lookup" => {
+            let (transfer, wait_ms, sender): (String, u32, String) =
+                value.extract().map_err(|_| {
+                    type_error(
+                        "lookup",
+                        "a (transfer: str, wait_ms: int in [0, 3600000], sender: str) tuple",
+                        kind_and_value(value),
+                    )
+                })?;
+            Frame::Lookup(Lookup {
+                transfer,
+                wait_ms,
+                sender,
+            })
+        }
+        "destination" => Frame::Destination(destination_arg(value)?),
+        "refused" => Frame::Refused(
+            value
+                .extract()
+                .map_err(|_| type_error("refused", "a str", kind_and_value(value)))?,
+        ),
+        "abandon" => {
+            let (transfer, reason): (String, String) = value.extract().map_err(|_| {
+                type_error(
+                    "abandon",
+                    "a (transfer: str, reason: str) pair",
+                    kind_and_value(value),
+                )
+            })?;
+            Frame::Abandon { transfer, reason }
+        }
+        "abandoned" => {
+            if !value.is_none() {
+                return Err(type_error(
+                    "abandoned",
+                    "None (the frame has no body)",
+                    kind_and_value(value),
+                ));
+            }
+            Frame::Abandoned
+        }
+        _ => return Ok(None),
+    }))
+}
+
 fn frame_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Frame> {
     let py = value.py();
     Ok(match kind {
@@ -321,10 +410,13 @@ fn frame_arg(kind: &str, value: &Bound<'_, PyAny>) -> PyResult<Frame> {
                 .map_err(|_| type_error("goodbye", "a str", kind_and_value(value)))?,
         ),
         other => {
+            if let Some(frame) = rendezvous_arg(other, value)? {
+                return Ok(frame);
+            }
             return Err(invalid(
                 py,
                 format!("invalid kind={other:?}: not a frame type"),
-            ))
+            ));
         }
     })
 }
@@ -467,7 +559,15 @@ fn frame_out(py: Python<'_>, frame: Frame) -> PyResult<Bound<'_, PyAny>> {
                 .into_any()
         }
         Frame::Freed(n) => n.into_pyobject(py)?.into_any(),
-        Frame::Agent(name) | Frame::Goodbye(name) => name.into_pyobject(py)?.into_any(),
+        Frame::Agent(name) | Frame::Goodbye(name) | Frame::Refused(name) => {
+            name.into_pyobject(py)?.into_any()
+        }
+        Frame::Lookup(l) => (l.transfer, l.wait_ms, l.sender)
+            .into_pyobject(py)?
+            .into_any(),
+        Frame::Destination(d) => destination_out(py, d)?,
+        Frame::Abandon { transfer, reason } => (transfer, reason).into_pyobject(py)?.into_any(),
+        Frame::Abandoned => py.None().into_bound(py),
     })
 }
 
