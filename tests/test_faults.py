@@ -100,28 +100,26 @@ def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
     return True
 
 
-def threads_ended(name: str, timeout: float = SLACK) -> bool:
-    """Joins every live thread called ``name``; False if one is still running after ``timeout``
+def _still_running(pick: Callable[[threading.Thread], bool], timeout: float = SLACK) -> list[threading.Thread]:
+    """Joins the live threads ``pick`` selects, looking again after each round (one may start
+    after a look: a connection accepted late); returns those still running after ``timeout``
     (a bound on a hang, not an expectation of speed)."""
     deadline = time.monotonic() + timeout
-    for t in [t for t in threading.enumerate() if t.name == name]:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return all(t.name != name for t in threading.enumerate())
+    while (alive := [t for t in threading.enumerate() if pick(t)]) and time.monotonic() < deadline:
+        for t in alive:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threading.enumerate() if pick(t)]
+
+
+def threads_ended(name: str, timeout: float = SLACK) -> bool:
+    """Whether every thread called ``name`` has ended (joined, within ``timeout``)."""
+    return not _still_running(lambda t: t.name == name, timeout)
 
 
 def no_new_threads(before: set[threading.Thread]) -> list[str]:
     """The kvferry threads started since ``before`` that are still alive after a bounded wait
     (threads being joined by a close may take a moment to be gone)."""
-
-    def new() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t not in before and t.name.startswith("kvferry")]
-
-    # A thread may start after a look (a connection accepted late), so look again after joining.
-    deadline = time.monotonic() + SLACK
-    while (alive := new()) and time.monotonic() < deadline:
-        for t in alive:
-            t.join(max(0.0, deadline - time.monotonic()))
-    return sorted(t.name for t in new())
+    return sorted(t.name for t in _still_running(lambda t: t not in before and t.name.startswith("kvferry")))
 
 
 # --- the generation worker (receiver) -------------------------------------------------------

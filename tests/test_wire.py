@@ -10,7 +10,7 @@ import re
 import secrets
 import socket
 import struct
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -285,14 +285,7 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             rogue.close()
             assert receiver.release(1, timeout=SLACK).claimed_blocks == 0
 
-            e2 = receiver.expect(2, 8, dst_blocks=[20, 21])
-            good = ShmTransport(endpoint.address, authkey=authkey)
-            notice = Notice(2, 0, 0, 2, True, e2)
-            assert good.write(engine, src, np.array([0, 1]), np.array([20, 21]), [notice]).wait(SLACK)
-            good.post([notice])
-            receiver.wait(2, timeout=SLACK)
-            for a, b in zip(src.layers, receiver.pool.layers):
-                assert torch.equal(a[:2], b[[20, 21]])
+            good = _lease_keeper_lands(ShmTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [20, 21])
             # A notice that names no blocks at all (a post without its write) is refused too.
             e3 = receiver.expect(3, 8, dst_blocks=[30, 31])
             good.post([Notice(3, 0, 0, 2, True, e3)])
@@ -303,6 +296,18 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             receiver.release(3, timeout=SLACK)
     finally:
         engine.close()
+
+
+def _lease_keeper_lands(good: Any, engine: Any, src: Any, receiver: KVReceiver, rid: int, dst: list[int]) -> Any:
+    """After a rogue: a writer that keeps to its lease (request ``rid`` leased ``dst``) writes
+    source blocks 0 and 1 there, and they land bit exact. Returns the writer, still open."""
+    notice = Notice(rid, 0, 0, len(dst), True, receiver.expect(rid, 8, dst_blocks=dst))
+    assert good.write(engine, src, np.arange(len(dst)), np.array(dst), [notice]).wait(SLACK)
+    good.post([notice])
+    receiver.wait(rid, timeout=SLACK)
+    for a, b in zip(src.layers, receiver.pool.layers):
+        assert torch.equal(a[: len(dst)], b[dst])
+    return good
 
 
 def test_staging_copies_nothing_outside_the_lease() -> None:
@@ -332,14 +337,7 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
         rogue.close()
         receiver.release(1, timeout=SLACK)
 
-        e2 = receiver.expect(2, 8, dst_blocks=[6, 7])
-        good = StagingTransport(endpoint.address, authkey=authkey)
-        notice = Notice(2, 0, 0, 2, True, e2)
-        assert good.write(engine, src, np.array([0, 1]), np.array([6, 7]), [notice]).wait(SLACK)
-        good.post([notice])
-        receiver.wait(2, timeout=SLACK)
-        for a, b in zip(src.layers, receiver.pool.layers):
-            assert torch.equal(a[:2], b[[6, 7]])
+        good = _lease_keeper_lands(StagingTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [6, 7])
         good.close()
         receiver.release(2)
     finally:

@@ -15,6 +15,9 @@ from kvferry._optional import require
 from kvferry.errors import KvFerryError
 from kvferry.transports import registry
 
+# Host names that stay on this machine (a receiver or server there is not on another host).
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
 if TYPE_CHECKING:
     from kvferry.bench.agentic import AgenticConfig
 
@@ -307,7 +310,7 @@ def _across_hosts(args: argparse.Namespace) -> bool:
     where = parse_address(args.listen, "--listen")
     if args.receiver_netns is not None and where.scheme != "tcp":
         raise ValueError(f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://")
-    return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in ("127.0.0.1", "::1", "localhost"))
+    return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in LOOPBACK)
 
 
 def _check_reach(names: Sequence[str]) -> None:
@@ -366,10 +369,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {args.layers}")
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
-    loopback = ("127.0.0.1", "::1", "localhost")
-    if args.decode_netns is not None and (args.decode_host in loopback or args.prefill_host in loopback):
+    if args.decode_netns is not None and (args.decode_host in LOOPBACK or args.prefill_host in LOOPBACK):
         return _refuse(f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})")
-    if args.decode_netns is None and args.decode_host not in loopback:
+    if args.decode_netns is None and args.decode_host not in LOOPBACK:
         return _refuse(f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this host's loopback")
     cfg = VllmBenchConfig(
         sessions=args.sessions,

@@ -64,14 +64,13 @@ class Configuration:
         """The prefill and decode servers' kv-transfer-configs; ``cross_host``: the decode
         server's address on another host (KvferryConnector then listens there on tcp:// and
         moves the bytes over NIXL)."""
-        from kvferry.vllm.testbed import kvferry_config, nixl_config
+        from kvferry.vllm.testbed import kvferry_config, nixl_config, url_host
 
         if self.connector == "nixl":
             return nixl_config("kv_producer"), nixl_config("kv_consumer")
         if cross_host is None:
             return kvferry_config("kv_producer", **self.extra), kvferry_config("kv_consumer")
-        host = f"[{cross_host}]" if ":" in cross_host else cross_host
-        return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config("kv_consumer", transport="nixl", listen=f"tcp://{host}:0")
+        return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config("kv_consumer", transport="nixl", listen=f"tcp://{url_host(cross_host)}:0")
 
 
 def configurations(layer_groups: int) -> list[Configuration]:

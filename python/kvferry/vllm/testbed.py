@@ -363,10 +363,11 @@ def start_server(
         )
     finally:
         log.close()
-    return Server(name, f"http://{_url_host(host)}:{port}", proc, log_path, side)
+    return Server(name, f"http://{url_host(host)}:{port}", proc, log_path, side)
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
+    """``host`` as it stands in a URL (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host else host
 
 
