@@ -257,7 +257,10 @@ class KvferryFlow(Flow):
     async def _explain_decode(self, ex: Exchange, server: Upstream, transfer: str, prefill: asyncio.Future[dict[str, Any]], err: UpstreamError) -> UpstreamError:
         """The decode server answered an error (vLLM says only "Internal server error" for a
         request it finished with finish_reason "error"): the reason, from its ``status``, and
-        the prefill leg's own error if it has one by now."""
+        the prefill leg's own error if it has one by now. The peer is dropped here, before the
+        client hears of the failure (a stream's error event goes out before serve resumes), so
+        the next request through this server asks it ``hello`` again."""
+        self.peers.pop(server.url, None)
         why = self._why(await self._status(ex, "decode", server, transfer), transfer, err)
         if prefill.done() and not prefill.cancelled():
             failed = prefill.exception()
