@@ -10,6 +10,7 @@ Needs vLLM (``make setup-vllm && make test-vllm``); skipped where it is not impo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -255,15 +256,30 @@ def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) ->
     assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
 
 
-def _dead_url() -> str:
-    return f"http://127.0.0.1:{testbed.free_port()}"  # nothing listens there
+@contextlib.contextmanager
+def _dead_urls(n: int) -> Iterator[list[str]]:
+    """``n`` URLs that nothing answers, for as long as the block runs. Each port is held by a
+    socket that is bound but never listens: a connection to it is refused at once, and the port
+    can be handed to no other socket meanwhile. (A port only picked free and closed again could
+    be taken by a later bind, or be chosen as the source port of the proxy's own connection to
+    it: on loopback that connects to itself, and the proxy reads its own request as an answer.)"""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        yield [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
 
 
 def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[testbed.Server, Testbed]) -> None:
     plain, bed = servers
     body = {"model": "tiny", "prompt": _tokens(random.Random(11), 90), "max_tokens": 6, "temperature": 0}
     want = call(plain.url, COMPLETIONS, body)
-    dead = _dead_url()
+    with _dead_urls(2) as (dead, dead_decode):
+        _dead_upstreams(bed, body, want, dead, dead_decode)
+    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
+
+
+def _dead_upstreams(bed: Testbed, body: dict[str, Any], want: Any, dead: str, dead_decode: str) -> None:
     lone = ProxyThread([dead], [bed.decodes[0].url], connector=bed.proxy_connector or "")
     lone.start()
     try:
@@ -277,7 +293,7 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
     finally:
         lone.stop()
     # With a live server next to each dead one, every request is served, whatever the order.
-    mixed = ProxyThread([dead, bed.prefills[0].url], [_dead_url(), bed.decodes[0].url], connector=bed.proxy_connector or "")
+    mixed = ProxyThread([dead, bed.prefills[0].url], [dead_decode, bed.decodes[0].url], connector=bed.proxy_connector or "")
     mixed.start()
     try:
         for i in range(3):
@@ -286,7 +302,6 @@ def test_dead_upstream_gives_clear_error_and_proxy_keeps_serving(servers: tuple[
             assert a.token_ids == want.token_ids
     finally:
         mixed.stop()
-    wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
 
 
 # ---- routing rules against stub upstreams (no engine) ---------------------------------------
