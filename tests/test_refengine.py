@@ -11,10 +11,11 @@ import torch
 
 from kvferry.notice import Notice
 from kvferry.refengine.cache import BlockAllocator, PrefixCache
+from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
 
-CFG = ModelConfig(vocab=256, hidden=128, layers=3, heads=4, kv_heads=2, head_dim=32, ffn=256)
+CFG = ModelConfig(Geometry(vocab=256, hidden=128, layers=3, heads=4, kv_heads=2, head_dim=32, ffn=256))
 TPB = 16
 
 
@@ -24,7 +25,7 @@ def model() -> TinyLlama:
 
 
 def test_chunked_prefill_matches_unchunked_and_rereading_is_stable(model: TinyLlama) -> None:
-    tokens = torch.randint(0, CFG.vocab, (100,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, CFG.geometry.vocab, (100,), generator=torch.Generator().manual_seed(0))
     table = torch.arange(7)
     whole = new_kv_pool(CFG, 8, TPB, "cpu")
     chunked = new_kv_pool(CFG, 8, TPB, "cpu")
@@ -61,12 +62,12 @@ def _sessions(seed: int, n: int, turns: int, *, system: int, new: tuple[int, int
     """Agentic multi-turn prompts: each turn is the whole conversation so far plus new tokens
     (the previous turns' outputs included)."""
     rng = random.Random(seed)
-    convs = {s: [rng.randrange(CFG.vocab) for _ in range(system + 3 * s)] for s in range(n)}
+    convs = {s: [rng.randrange(CFG.geometry.vocab) for _ in range(system + 3 * s)] for s in range(n)}
     rid = 0
     for _ in range(turns):
         batch = []
         for s in range(n):
-            convs[s] += [rng.randrange(CFG.vocab) for _ in range(rng.randrange(*new))]
+            convs[s] += [rng.randrange(CFG.geometry.vocab) for _ in range(rng.randrange(*new))]
             rid += 1
             batch.append((s, Turn(rid, tuple(convs[s]), out)))
         outputs = yield [t for _, t in batch]
@@ -113,9 +114,9 @@ def _assert_layers_cross_once(notices: Sequence[Notice], num_blocks: int) -> Non
         (b, layer)
         for n in notices
         for b in range(n.start, n.end)
-        for layer in range(n.group * CFG.layers // n.groups, (n.group + 1) * CFG.layers // n.groups)
+        for layer in range(n.group * CFG.geometry.layers // n.groups, (n.group + 1) * CFG.geometry.layers // n.groups)
     )
-    assert crossed == [(b, layer) for b in range(num_blocks) for layer in range(CFG.layers)]
+    assert crossed == [(b, layer) for b in range(num_blocks) for layer in range(CFG.geometry.layers)]
 
 
 def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int, layer_groups: Optional[int] = None) -> None:
@@ -162,7 +163,7 @@ def test_cuda_disaggregation_matches_aggregated(transport: str, dtype: torch.dty
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("groups", [2, CFG.layers], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("groups", [2, CFG.geometry.layers], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("transport", ["in-process", "cuda-ipc", "staging"])
 def test_cuda_layerwise_streaming_matches_aggregated(transport: str, groups: int) -> None:
     """On CUDA each group's copy is ordered after the forward's write of its layers by an
@@ -228,8 +229,8 @@ def fan_out(model: TinyLlama):  # type: ignore[no-untyped-def]
     """Eight concurrent requests with one shared 8k-token prefix (n samples of one prompt) and
     aggregated serving's results for them."""
     rng = random.Random(5)
-    prefix = [rng.randrange(CFG.vocab) for _ in range(8192)]
-    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(CFG.vocab) for _ in range(rng.randrange(5, 40))]), 3) for i in range(8)]
+    prefix = [rng.randrange(CFG.geometry.vocab) for _ in range(8192)]
+    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(CFG.geometry.vocab) for _ in range(rng.randrange(5, 40))]), 3) for i in range(8)]
     agg = Aggregated(model, num_blocks=4400, tokens_per_block=TPB, chunk_size=1024)
     return turns, agg.run(turns)
 
@@ -260,7 +261,7 @@ def test_in_flight_dedup_moves_a_shared_prefix_once(model: TinyLlama, fan_out, t
 def test_on_layer_is_called_once_per_layer_in_order_with_that_layers_kv_written(model: TinyLlama) -> None:
     """``on_layer(i)`` runs right after layer i wrote the chunk's K and V: that layer holds
     its final KV (what a forward without the callback writes), later layers nothing yet."""
-    tokens = torch.randint(0, CFG.vocab, (40,), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, CFG.geometry.vocab, (40,), generator=torch.Generator().manual_seed(1))
     table = torch.arange(3)
     want = new_kv_pool(CFG, 3, TPB, "cpu")
     model.forward(tokens, 0, want, table)
@@ -269,15 +270,15 @@ def test_on_layer_is_called_once_per_layer_in_order_with_that_layers_kv_written(
 
     def on_layer(i: int) -> None:
         assert torch.equal(pool.layers[i], want.layers[i]), f"layer {i} not final at its callback"
-        assert all(not bool(pool.layers[j].any()) for j in range(i + 1, CFG.layers)), f"a layer after {i} was written before its callback"
+        assert all(not bool(pool.layers[j].any()) for j in range(i + 1, CFG.geometry.layers)), f"a layer after {i} was written before its callback"
         seen.append(i)
 
     model.forward(tokens, 0, pool, table, on_layer=on_layer)
-    assert seen == list(range(CFG.layers))
+    assert seen == list(range(CFG.geometry.layers))
     assert all(torch.equal(a, b) for a, b in zip(pool.layers, want.layers))
 
 
-@pytest.mark.parametrize("groups", [1, 2, CFG.layers], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("groups", [1, 2, CFG.geometry.layers], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
 @pytest.mark.parametrize("early", [True, False], ids=["early", "baseline"])
 def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, chunk, early: bool) -> None:  # type: ignore[no-untyped-def]
@@ -322,6 +323,6 @@ def test_two_process_layerwise_streaming_matches_aggregated(model: TinyLlama, tr
 
 
 def test_layer_groups_out_of_range_is_refused(model: TinyLlama) -> None:
-    for bad in (0, CFG.layers + 1):
+    for bad in (0, CFG.geometry.layers + 1):
         with pytest.raises(ValueError, match=rf"invalid layer_groups={bad}"):
             Disaggregated(model, num_blocks=16, tokens_per_block=TPB, chunk_size=None, layer_groups=bad)

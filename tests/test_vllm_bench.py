@@ -16,13 +16,14 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv (make setup-vllm; make test-vllm runs these)")
 
 from kvferry.bench.vllm import CASES, VllmBenchConfig, format_vllm_bench, run_vllm_bench, write_json  # noqa: E402
+from kvferry.geometry import VLLM_TEST_MODEL  # noqa: E402
 
 BLOCK = 32
 
 
 def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Path) -> None:
     cfg = VllmBenchConfig(
-        sessions=1, turns=1, cached_tokens=256, new_tokens=64, output_tokens=4, layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32,
+        sessions=1, turns=1, cached_tokens=256, new_tokens=64, output_tokens=4, model=VLLM_TEST_MODEL,
         layer_groups=2, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, configs=("kvferry-early", "kvferry-aware"), workdir=str(tmp_path),
     )  # fmt: skip
     progress: list[str] = []

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 
 TPB = 32
 
 
 def _setup(layers: int, context: int) -> tuple[TinyLlama, Any, torch.Tensor]:
-    cfg = ModelConfig(vocab=1024, hidden=4096, layers=layers, heads=32, kv_heads=8, head_dim=128, ffn=14336, dtype=torch.bfloat16)
+    cfg = ModelConfig(Geometry(vocab=1024, hidden=4096, layers=layers, heads=32, kv_heads=8, head_dim=128, ffn=14336), dtype=torch.bfloat16)
     model = TinyLlama(cfg, "cuda")
     blocks = -(-(context + 1) // TPB)
     pool = new_kv_pool(cfg, blocks, TPB, "cuda")
@@ -56,7 +57,7 @@ def prefill_repeats(layers: int, context: int, new: int, backend: str, repeats: 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model, pool, table = _setup(layers, context + new)
-    tokens = torch.randint(0, model.cfg.vocab, (new,), generator=torch.Generator().manual_seed(2)).cuda()
+    tokens = torch.randint(0, model.cfg.geometry.vocab, (new,), generator=torch.Generator().manual_seed(2)).cuda()
     chosen = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
     runs = []
     for _ in range(repeats):

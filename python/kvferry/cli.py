@@ -7,12 +7,13 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry._optional import require
 from kvferry.errors import KvFerryError
+from kvferry.geometry import AGENTIC_MODEL, GEOMETRY_HELP, VLLM_BENCH_MODEL, Geometry
 from kvferry.transports import registry
 
 # Host names that stay on this machine (a receiver or server there is not on another host).
@@ -228,13 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="how the generation worker is reached; any but in-process runs it in another process")
     _placement_flags(agentic)
     agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)")
-    agentic.add_argument("--ffn", type=_positive, default=1024, metavar="N", help="the model's MLP width")
-    agentic.add_argument("--vocab", type=_positive, default=512, metavar="N", help="the model's vocabulary size")
-    agentic.add_argument("--layers", type=_positive, default=8, metavar="N", help="the model's layers")
-    agentic.add_argument("--hidden", type=_positive, default=512, metavar="N", help="the model's hidden size")
-    agentic.add_argument("--heads", type=_positive, default=8, metavar="N", help="attention heads (a multiple of --kv-heads)")
-    agentic.add_argument("--kv-heads", type=_positive, default=4, metavar="N", help="KV heads (grouped-query attention)")
-    agentic.add_argument("--head-dim", type=_positive, default=64, metavar="N", help="dimensions per head (even)")
+    _geometry_flags(agentic, AGENTIC_MODEL)
     agentic.add_argument("--aware", action="store_true", help="also run early transfer with receiver prefix awareness (held blocks never cross)")
     # A bare --layerwise (const 0) means one group per layer; resolved against --layers below.
     agentic.add_argument("--layerwise", nargs="?", type=_positive, const=0, default=None, metavar="GROUPS",
@@ -250,11 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--cached", type=_positive, default=2048, metavar="TOKENS", help="conversation length before the first measured turn (default: %(default)s)")
     vllm.add_argument("--new", type=_positive, default=128, metavar="TOKENS", help="new tokens per turn (default: %(default)s)")
     vllm.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn (default: %(default)s)")
-    vllm.add_argument("--layers", type=_positive, default=8, metavar="N", help="the tiny model's layers (default: %(default)s)")
-    vllm.add_argument("--hidden", type=_positive, default=256, metavar="N", help="the tiny model's hidden size (default: %(default)s)")
-    vllm.add_argument("--heads", type=_positive, default=4, metavar="N", help="attention heads (default: %(default)s)")
-    vllm.add_argument("--kv-heads", type=_positive, default=2, metavar="N", help="KV heads (default: %(default)s)")
-    vllm.add_argument("--head-dim", type=int, choices=(32, 64), default=64, help="32 or 64, what vLLM's CPU attention kernel takes (default: %(default)s)")
+    # 32 or 64: what vLLM's CPU attention kernel takes.
+    _geometry_flags(vllm, VLLM_BENCH_MODEL, head_dims=(32, 64))
     vllm.add_argument("--layer-groups", type=_positive, default=4, metavar="G", help="layer groups of the kvferry-layers configuration (default: %(default)s)")
     vllm.add_argument("--chunk", type=_positive, default=512, metavar="TOKENS", help="max_num_batched_tokens: the prefill chunk (default %(default)s)")
     vllm.add_argument("--configs", type=_vllm_configs, default=None, metavar="A,B", help="configurations to run (default: all)")
@@ -294,6 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     tiers.set_defaults(func=_cmd_bench_tiers)
     return parser
+
+
+def _geometry_flags(parser: argparse.ArgumentParser, default: Geometry, head_dims: Optional[tuple[int, ...]] = None) -> None:
+    """The model's geometry as flags, one per `Geometry` field (``--kv-heads`` for ``kv_heads``),
+    defaulting to the bench's own geometry; `_geometry` reads them back."""
+    for f in fields(Geometry):
+        flag = "--" + f.name.replace("_", "-")
+        kind: dict[str, Any] = {"type": _non_negative if f.name == "seed" else _positive, "metavar": "N"}
+        if f.name == "head_dim" and head_dims is not None:
+            kind = {"type": int, "choices": head_dims}
+        parser.add_argument(flag, default=getattr(default, f.name), help=f"{GEOMETRY_HELP[f.name]} (default: %(default)s)", **kind)
+
+
+def _geometry(args: argparse.Namespace) -> Geometry | str:
+    """The geometry the flags of `_geometry_flags` name, or why not (in the flags' words)."""
+    if args.heads % args.kv_heads:
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+    if args.head_dim % 2:
+        return f"--head-dim {args.head_dim} must be even (rotary embeddings rotate pairs of dimensions)"
+    return Geometry(**{f.name: getattr(args, f.name) for f in fields(Geometry)})
 
 
 def _placement_flags(parser: argparse.ArgumentParser) -> None:
@@ -363,8 +375,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli")
     from kvferry.bench.vllm import CONFIGS, VllmBenchConfig, draw_timeline, format_vllm_bench, progress_to_stderr, run_vllm_bench, write_json
 
-    if args.heads % args.kv_heads:
-        return _refuse(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    model = _geometry(args)
+    if isinstance(model, str):
+        return _refuse(model)
     if args.layer_groups > args.layers:
         return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {args.layers}")
     if args.new > args.cached:
@@ -379,11 +392,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         cached_tokens=args.cached,
         new_tokens=args.new,
         output_tokens=args.output,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
+        model=model,
         layer_groups=args.layer_groups,
         max_num_batched_tokens=args.chunk,
         configs=args.configs or CONFIGS,
@@ -488,11 +497,9 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         if not registry.spec(args.transport).has_endpoint:
             return _refuse(f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint")
         _check_reach([args.transport])
-    if args.heads % args.kv_heads:
-        print(f"kvferry bench: error: --heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", file=sys.stderr)
-        return 2
-    if args.head_dim % 2:
-        return _refuse(f"--head-dim {args.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
+    model = _geometry(args)
+    if isinstance(model, str):
+        return _refuse(model)
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)")
     layer_groups = args.layers if args.layerwise == 0 else args.layerwise
@@ -509,13 +516,7 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         chunk_size=args.chunk,
         transport=args.transport,
         link_gbps=args.link_gbps or None,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        ffn=args.ffn,
-        vocab=args.vocab,
+        model=model,
         check_kv=args.check_kv,
         aware=args.aware,
         layer_groups=layer_groups,
@@ -581,8 +582,7 @@ def _agentic_bytes(cfg: AgenticConfig) -> int:
     from kvferry.bench.agentic import _pool_blocks
 
     m = cfg.model_config()
-    per_layer = 2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim + 3 * m.hidden * m.ffn
-    weights = (2 * m.vocab * m.hidden + m.layers * per_layer) * torch.empty((), dtype=m.dtype).element_size()
+    weights = m.geometry.weight_elements() * m.element_size
     # Every mode's engine lives through the run (the modes take turns): a context and a
     # generation pool each.
     return weights + 2 * len(cfg.modes) * _pool_blocks(cfg) * cfg.tokens_per_block * m.kv_bytes_per_token

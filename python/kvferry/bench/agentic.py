@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
+from kvferry.geometry import AGENTIC_MODEL, Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.notice import Notice
@@ -50,14 +51,8 @@ class AgenticConfig:
     # CPU pools: an emulated link rate (None: raw copies). 0.5 GB/s gives the CPU run the
     # proportions of a GPU node (prefix transfer about a third of the batch prefill).
     link_gbps: Optional[float] = 0.5
-    layers: int = 8
-    hidden: int = 512
-    heads: int = 8
-    kv_heads: int = 4
-    head_dim: int = 64
-    ffn: int = 1024
-    vocab: int = 512
-    seed: int = 0
+    model: Geometry = AGENTIC_MODEL
+    seed: int = 0  # the workload's (the model's weights have the geometry's own)
     # Hash every transferred block on both workers after each turn (slow at large
     # geometries) and report blocks whose bytes differ, to tell a transfer fault from
     # numerics when outputs diverge.
@@ -80,7 +75,7 @@ class AgenticConfig:
 
     def model_config(self) -> ModelConfig:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        return ModelConfig(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn, seed=self.seed, dtype=dtype)
+        return ModelConfig(self.model, dtype=dtype)
 
 
 @dataclass
@@ -109,12 +104,12 @@ def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[
     rng = random.Random(cfg.seed)
     model = TinyLlama(cfg.model_config(), cfg.device)
     agg = Aggregated(model, num_blocks=_pool_blocks(cfg), tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size)
-    convs = [[rng.randrange(cfg.vocab) for _ in range(cfg.cached_tokens - cfg.new_tokens)] for _ in range(cfg.sessions)]
+    convs = [[rng.randrange(cfg.model.vocab) for _ in range(cfg.cached_tokens - cfg.new_tokens)] for _ in range(cfg.sessions)]
     all_turns, outputs, rid = [], {}, 0
     for _ in range(cfg.turns + 1):
         turns = []
         for s in range(cfg.sessions):
-            convs[s] += [rng.randrange(cfg.vocab) for _ in range(cfg.new_tokens)]
+            convs[s] += [rng.randrange(cfg.model.vocab) for _ in range(cfg.new_tokens)]
             rid += 1
             turns.append(Turn(rid, tuple(convs[s]), cfg.output_tokens))
         got = agg.run(turns, check_kv=cfg.check_kv)
@@ -340,7 +335,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                         divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
                 if t == 0:
                     continue
-                figures, hid, total = _figures(mode, t, results, list(records), cfg.layers)
+                figures, hid, total = _figures(mode, t, results, list(records), cfg.model.layers)
                 per_request += figures
                 hidden[mode][0] += hid
                 hidden[mode][1] += total

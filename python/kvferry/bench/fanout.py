@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress
+from kvferry.geometry import FANOUT_MODEL, Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
 
@@ -42,18 +43,12 @@ class FanoutConfig:
     # CPU pools, in-process or shm: an emulated link rate (None: raw copies), as in
     # `kvferry bench agentic`.
     link_gbps: Optional[float] = 0.5
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 8
-    kv_heads: int = 4
-    head_dim: int = 32
-    ffn: int = 512
-    vocab: int = 512
-    seed: int = 0
+    model: Geometry = FANOUT_MODEL
+    seed: int = 0  # the workload's (the model's weights have the geometry's own)
 
     def model_config(self) -> ModelConfig:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        return ModelConfig(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn, seed=self.seed, dtype=dtype)
+        return ModelConfig(self.model, dtype=dtype)
 
 
 def _pool_blocks(cfg: FanoutConfig) -> int:
@@ -63,8 +58,8 @@ def _pool_blocks(cfg: FanoutConfig) -> int:
 
 def run_fanout(cfg: FanoutConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
-    prefix = [rng.randrange(cfg.vocab) for _ in range(cfg.prefix_tokens)]
-    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(cfg.vocab) for _ in range(cfg.suffix_tokens)]), cfg.output_tokens) for i in range(cfg.requests)]
+    prefix = [rng.randrange(cfg.model.vocab) for _ in range(cfg.prefix_tokens)]
+    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(cfg.model.vocab) for _ in range(cfg.suffix_tokens)]), cfg.output_tokens) for i in range(cfg.requests)]
     model = TinyLlama(cfg.model_config(), cfg.device)
     blocks = _pool_blocks(cfg)
     progress(f"reference: aggregated serving of {cfg.requests} requests sharing a {cfg.prefix_tokens}-token prefix")

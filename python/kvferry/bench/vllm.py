@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvferry.bench.util import percentile, stderr_progress
+from kvferry.geometry import VLLM_BENCH_MODEL, Geometry
 
 CASES = ("decode-warm", "decode-cold")
 
@@ -93,11 +94,7 @@ class VllmBenchConfig:
     cached_tokens: int = 2048
     new_tokens: int = 128
     output_tokens: int = 8
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
+    model: Geometry = VLLM_BENCH_MODEL
     layer_groups: int = 4
     max_num_batched_tokens: int = 512
     kv_cache_memory_bytes: int = 256 << 20
@@ -191,20 +188,20 @@ class _Turn:
 
 def _scripts(cfg: VllmBenchConfig, plain_url: str, case: str, progress: Callable[[str], None]) -> list[list[_Turn]]:
     """Each session's prompts, built from the plain server's answers (which are the reference)."""
-    from kvferry.vllm.testbed import VOCAB, call
+    from kvferry.vllm.testbed import call
 
     seed = CASES.index(case) * 1000
     out = []
     for s in range(cfg.sessions):
         rng = random.Random(seed + s)
-        prompt = [rng.randrange(3, VOCAB) for _ in range(cfg.cached_tokens)]
+        prompt = [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.cached_tokens)]
         turns = []
         for t in range(cfg.turns + 1):
             a = call(plain_url, "/v1/completions", _body(prompt, cfg.output_tokens, stream=False))
             if a.status != 200:
                 raise RuntimeError(f"plain server: HTTP {a.status}: {a.body}")
             turns.append(_Turn(s, t, prompt, a.token_ids))
-            prompt = prompt + a.token_ids + [rng.randrange(3, VOCAB) for _ in range(cfg.new_tokens)]
+            prompt = prompt + a.token_ids + [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.new_tokens)]
         out.append(turns)
         progress(f"{case}: reference session {s + 1}/{cfg.sessions} from the plain server")
     return out
@@ -280,8 +277,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
 
     work = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvferry-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    spec = testbed.TinyLlama(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                             ffn=2 * cfg.hidden, max_positions=max(8192, 2 * cfg.cached_tokens))  # fmt: skip
+    spec = testbed.RandomLlama(cfg.model, max_positions=max(8192, 2 * cfg.cached_tokens))
     model = testbed.build_tiny_llama(work, spec)
     engine = testbed.EngineSettings(
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -289,7 +285,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         max_model_len=spec.max_positions,
     )
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache for the decode-cold case (loopback only)
-    progress(f"model: {cfg.layers} layers, hidden {cfg.hidden}, {spec.kv_bytes_per_token()} KV bytes/token; plain reference server")
+    progress(f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV bytes/token; plain reference server")
     with testbed.single_server(model, work, engine) as plain:
         scripts = {case: _scripts(cfg, plain.url, case, progress) for case in CASES}
     result: dict[str, Any] = {
@@ -329,7 +325,7 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
     cross = cfg.get("decode_netns") is not None
     lines = [
         f"kvferry bench vllm: {cfg['sessions']} sessions x {cfg['turns']} measured turns, {cfg['cached_tokens']} cached + "
-        f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['layers']} layers, hidden {cfg['hidden']} "
+        f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['model']['layers']} layers, hidden {cfg['model']['hidden']} "
         f"({result['kv_bytes_per_token']} KV bytes/token); {result['machine']}, {result['date']}",
         f"placement: {result.get('placement', 'one host, loopback')}",
     ]

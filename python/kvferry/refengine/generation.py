@@ -258,8 +258,8 @@ def _generation_main(
             enter_netns(netns)
         model = TinyLlama(cfg, device)
         # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
-        shape = (num_blocks, 2, tpb, cfg.kv_heads, cfg.head_dim)
-        pool = registry.receiver_pool(kind, num_layers=cfg.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device)
+        shape = cfg.kv_layer_shape(num_blocks, tpb)
+        pool = registry.receiver_pool(kind, num_layers=cfg.geometry.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device)
         worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool.pool)
         receiver = KVReceiver(worker.pool)
         served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))

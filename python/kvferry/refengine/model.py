@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvferry.geometry import Geometry
 from kvferry.layout import PagedKV
 
 __all__ = ["ModelConfig", "TinyLlama", "new_kv_pool"]
@@ -22,27 +23,31 @@ __all__ = ["ModelConfig", "TinyLlama", "new_kv_pool"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab: int = 512
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 32
-    ffn: int = 512
+    """The reference model: its `Geometry`, its numerics and the dtype of weights and KV."""
+
+    geometry: Geometry = Geometry()
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    seed: int = 0
     dtype: torch.dtype = torch.float32
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.geometry.kv_bytes_per_token(self.element_size)
+
+    def kv_layer_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, ...]:
+        """One layer of a paged KV pool: K then V of each block side by side."""
+        return (num_blocks, 2, tokens_per_block, self.geometry.kv_heads, self.geometry.head_dim)
 
 
 def new_kv_pool(cfg: ModelConfig, num_blocks: int, tokens_per_block: int, device: str | torch.device) -> PagedKV:
     """A zeroed paged KV pool for ``cfg``."""
-    shape = (num_blocks, 2, tokens_per_block, cfg.kv_heads, cfg.head_dim)
-    return PagedKV(tuple(torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.layers)), tokens_per_block)
+    shape = cfg.kv_layer_shape(num_blocks, tokens_per_block)
+    layers = cfg.geometry.layers
+    return PagedKV(tuple(torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(layers)), tokens_per_block)
 
 
 class TinyLlama:
@@ -53,30 +58,31 @@ class TinyLlama:
         self.device = torch.device(device)
         # Weights are drawn on the model's device (an 8B geometry is too slow to draw on the
         # host); the same seed gives the same weights on every worker of that device type.
-        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        gen = torch.Generator(device=self.device).manual_seed(cfg.geometry.seed)
 
         def w(*shape: int, scale: float) -> torch.Tensor:
             return (torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32) * scale).to(cfg.dtype)
 
-        h, d = cfg.hidden, cfg.head_dim
-        self.embed = w(cfg.vocab, h, scale=1.0)
+        g = cfg.geometry
+        h, d = g.hidden, g.head_dim
+        self.embed = w(g.vocab, h, scale=1.0)
         self.layers = []
-        for _ in range(cfg.layers):
+        for _ in range(g.layers):
             self.layers.append(
                 {
                     "attn_norm": torch.ones(h, device=self.device, dtype=cfg.dtype),
-                    "wq": w(h, cfg.heads * d, scale=1 / math.sqrt(h)),
-                    "wk": w(h, cfg.kv_heads * d, scale=1 / math.sqrt(h)),
-                    "wv": w(h, cfg.kv_heads * d, scale=1 / math.sqrt(h)),
-                    "wo": w(cfg.heads * d, h, scale=1 / math.sqrt(cfg.heads * d)),
+                    "wq": w(h, g.heads * d, scale=1 / math.sqrt(h)),
+                    "wk": w(h, g.kv_heads * d, scale=1 / math.sqrt(h)),
+                    "wv": w(h, g.kv_heads * d, scale=1 / math.sqrt(h)),
+                    "wo": w(g.heads * d, h, scale=1 / math.sqrt(g.heads * d)),
                     "mlp_norm": torch.ones(h, device=self.device, dtype=cfg.dtype),
-                    "w_gate": w(h, cfg.ffn, scale=1 / math.sqrt(h)),
-                    "w_up": w(h, cfg.ffn, scale=1 / math.sqrt(h)),
-                    "w_down": w(cfg.ffn, h, scale=1 / math.sqrt(cfg.ffn)),
+                    "w_gate": w(h, g.ffn, scale=1 / math.sqrt(h)),
+                    "w_up": w(h, g.ffn, scale=1 / math.sqrt(h)),
+                    "w_down": w(g.ffn, h, scale=1 / math.sqrt(g.ffn)),
                 }
             )
         self.final_norm = torch.ones(h, device=self.device, dtype=cfg.dtype)
-        self.lm_head = w(h, cfg.vocab, scale=1 / math.sqrt(h))
+        self.lm_head = w(h, g.vocab, scale=1 / math.sqrt(h))
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
 
@@ -115,7 +121,7 @@ class TinyLlama:
         the chunk's K and V into ``kv`` (on CUDA: once those writes are enqueued on the
         current stream). Nothing later in the forward changes them, so layer-wise streaming
         (`TransferHook.after_layer`) may send that layer's part of the blocks from there."""
-        cfg, tpb = self.cfg, kv.tokens_per_block
+        g, tpb = self.cfg.geometry, kv.tokens_per_block
         n = tokens.numel()
         end = start + n
         positions = torch.arange(start, end, device=self.device)
@@ -126,16 +132,16 @@ class TinyLlama:
         causal = positions[:, None] >= torch.arange(end, device=self.device)[None, :]
         for index, (layer, cache) in enumerate(zip(self.layers, kv.layers)):
             a = self._rms(x, layer["attn_norm"])
-            q = self._rope((a @ layer["wq"]).view(n, cfg.heads, cfg.head_dim), positions)
-            k = self._rope((a @ layer["wk"]).view(n, cfg.kv_heads, cfg.head_dim), positions)
-            v = (a @ layer["wv"]).view(n, cfg.kv_heads, cfg.head_dim)
+            q = self._rope((a @ layer["wq"]).view(n, g.heads, g.head_dim), positions)
+            k = self._rope((a @ layer["wk"]).view(n, g.kv_heads, g.head_dim), positions)
+            v = (a @ layer["wv"]).view(n, g.kv_heads, g.head_dim)
             cache[blocks, 0, slots] = k
             cache[blocks, 1, slots] = v
             if on_layer is not None:
                 on_layer(index)
-            keys = cache[used, 0].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
-            values = cache[used, 1].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end]
-            group = cfg.heads // cfg.kv_heads
+            keys = cache[used, 0].reshape(-1, g.kv_heads, g.head_dim)[:end]
+            values = cache[used, 1].reshape(-1, g.kv_heads, g.head_dim)[:end]
+            group = g.heads // g.kv_heads
             with self._attention_kernel(n):
                 attn = torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(0, 1)[None],

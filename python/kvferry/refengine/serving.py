@@ -122,8 +122,9 @@ class Disaggregated:
         during the chunk that ends a request's prompt, each group's part of the blocks the
         chunk completes leaves as soon as the forward wrote the group's last layer
         (`TransferHook.after_layer`); None (default): whole blocks after the forward."""
-        if layer_groups is not None and not 1 <= layer_groups <= model.cfg.layers:
-            raise ValueError(f"invalid layer_groups={layer_groups}: must be None or 1 to the model's {model.cfg.layers} layers")
+        layers = model.cfg.geometry.layers
+        if layer_groups is not None and not 1 <= layer_groups <= layers:
+            raise ValueError(f"invalid layer_groups={layer_groups}: must be None or 1 to the model's {layers} layers")
         self.ctx = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.generation: LocalGeneration | RemoteGeneration
         device = "cuda" if model.device.type == "cuda" else "cpu"

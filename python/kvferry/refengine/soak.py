@@ -46,6 +46,7 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.cache import BlockAllocator
+from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
@@ -68,7 +69,7 @@ __all__ = [
 
 # Two layers so per-layer handling is exercised; small enough that a forward costs well under
 # a millisecond on one CPU thread.
-SOAK_MODEL = ModelConfig(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, ffn=64)
+SOAK_MODEL = ModelConfig(Geometry(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, ffn=64))
 # A cancel that keeps timing out for this long is a hang, not a slow link.
 CANCEL_GIVE_UP_SECONDS = 30.0
 
@@ -230,7 +231,8 @@ class SoakReport:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["config"]["model"] = {k: str(v) for k, v in asdict(self.config.model).items()}
+        model = self.config.model
+        out["config"]["model"] = {**asdict(model.geometry), "rope_theta": model.rope_theta, "norm_eps": model.norm_eps, "dtype": str(model.dtype)}
         out["cancelled"] = dict(self.cancelled)
         out["rss_growth"] = self.rss_growth
         out["py_blocks_per_request"] = self.py_blocks_per_request
@@ -301,7 +303,7 @@ class Soak:
         # Both workers in this process; the generation pool as the transport serves it (in a
         # shared segment for shm) and, for any but in-process, an endpoint in front of it.
         self._pool = registry.receiver_pool(
-            config.transport, num_layers=m.layers, shape=(config.gen_blocks, 2, tpb, m.kv_heads, m.head_dim), dtype=m.dtype, tokens_per_block=tpb
+            config.transport, num_layers=m.geometry.layers, shape=m.kv_layer_shape(config.gen_blocks, tpb), dtype=m.dtype, tokens_per_block=tpb
         )
         self.gen = Worker(model, num_blocks=config.gen_blocks, tokens_per_block=tpb, prefix_cache=False, pool=self._pool.pool)
         self.receiver = KVReceiver(self.gen.pool)
@@ -322,7 +324,7 @@ class Soak:
         # A request's context blocks stay referenced while either lane's transfer reads them.
         self.ctx.leased = lambda rid: any(lane.hook.leased(rid) for lane in self.lanes)
         self.sessions = [_Session() for _ in range(config.sessions)]
-        self.systems = [[self.rng.randrange(config.model.vocab) for _ in range(self.rng.randint(1, 60))] for _ in range(4)]
+        self.systems = [[self.rng.randrange(config.model.geometry.vocab) for _ in range(self.rng.randint(1, 60))] for _ in range(4)]
         self.running: list[_Live] = []
         # Requests the receiver gave up on: the sender reports each once it revoked it.
         # Bounded: the report comes within a step or two.
@@ -361,7 +363,7 @@ class Soak:
             session.tokens = list(rng.choice(self.systems))
         elif rng.random() < cfg.p_fork:
             session.tokens = session.tokens[: rng.randrange(1, len(session.tokens))]
-        return session.tokens + [rng.randrange(cfg.model.vocab) for _ in range(rng.randint(1, cfg.max_new))]
+        return session.tokens + [rng.randrange(cfg.model.geometry.vocab) for _ in range(rng.randint(1, cfg.max_new))]
 
     def _admit(self) -> None:
         cfg, rng = self.cfg, self.rng

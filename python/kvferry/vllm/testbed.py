@@ -32,34 +32,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from kvferry.geometry import VLLM_TEST_MODEL, Geometry
+
 # Token ids of a tiny model's prompts stay below this (random weights emit any id of the
 # vocabulary, so prompts are token ids, not text).
-VOCAB = 512
+VOCAB = VLLM_TEST_MODEL.vocab
 
 
 @dataclass(frozen=True)
-class TinyLlama:
-    """Geometry of the random test model (fp32). head_dim 32 or 64: the CPU attention kernel
-    refuses 16."""
+class RandomLlama:
+    """The random test model written as a Hugging Face folder (fp32): its geometry and what a
+    Hugging Face config adds. head_dim 32 or 64: the CPU attention kernel refuses 16."""
 
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    ffn: int = 256
-    vocab: int = VOCAB
+    geometry: Geometry = VLLM_TEST_MODEL
     max_positions: int = 8192
-    seed: int = 0
     # Wide enough that greedy decoding wanders over the vocabulary with clear top-1 margins
     # (the default 0.02 repeats one token, which would make output comparisons vacuous).
     init_range: float = 0.3
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.kv_heads * self.head_dim * 4 * self.layers
+        return self.geometry.kv_bytes_per_token(4)  # fp32
 
 
-def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
+def build_tiny_llama(root: Path, spec: RandomLlama = RandomLlama()) -> Path:
     """Writes (once per geometry: the folder name is a hash of it) a random LlamaForCausalLM and
     a PreTrainedTokenizerFast under ``root``; returns the model folder."""
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
@@ -70,15 +65,16 @@ def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    torch.manual_seed(spec.seed)
+    g = spec.geometry
+    torch.manual_seed(g.seed)
     config = LlamaConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.ffn,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
+        vocab_size=g.vocab,
+        hidden_size=g.hidden,
+        intermediate_size=g.ffn,
+        num_hidden_layers=g.layers,
+        num_attention_heads=g.heads,
+        num_key_value_heads=g.kv_heads,
+        head_dim=g.head_dim,
         max_position_embeddings=spec.max_positions,
         bos_token_id=1,
         eos_token_id=2,
@@ -93,7 +89,7 @@ def build_tiny_llama(root: Path, spec: TinyLlama = TinyLlama()) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab,
+        vocab_size=g.vocab,
         special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
