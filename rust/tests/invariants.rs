@@ -884,19 +884,24 @@ fn contiguous_tables_give_one_run_per_slice() {
     assert_eq!(runs.offsets, vec![0, 1, 2]);
 }
 
+/// The whole of one request's table row `[start, end)` as its last slice.
+fn one_slice(request_id: i64, start: i64, end: i64) -> SlicePlan {
+    SlicePlan {
+        num_requests: 1,
+        request_index: vec![0],
+        request_id: vec![request_id],
+        start: vec![start],
+        end: vec![end],
+        last: vec![true],
+    }
+}
+
 /// A physical id of `i64::MAX` is a valid (non-negative) id; coalescing must not overflow.
 #[test]
 fn runs_at_the_top_of_the_id_space() {
     let src = [i64::MAX, 0];
     let dst = [0, 1];
-    let plan = SlicePlan {
-        num_requests: 1,
-        request_index: vec![0],
-        request_id: vec![9],
-        start: vec![0],
-        end: vec![2],
-        last: vec![true],
-    };
+    let plan = one_slice(9, 0, 2);
     let st = BlockTable::new("src_block_table", &src, 1, 2).unwrap();
     let dt = BlockTable::new("dst_block_table", &dst, 1, 2).unwrap();
     let runs = block_runs(&plan, st, dt).unwrap();
@@ -908,14 +913,7 @@ fn runs_at_the_top_of_the_id_space() {
 fn negative_id_after_the_top_id_is_refused() {
     let src = [i64::MAX, i64::MIN];
     let dst = [0, 1];
-    let plan = SlicePlan {
-        num_requests: 1,
-        request_index: vec![0],
-        request_id: vec![9],
-        start: vec![0],
-        end: vec![2],
-        last: vec![true],
-    };
+    let plan = one_slice(9, 0, 2);
     let st = BlockTable::new("src_block_table", &src, 1, 2).unwrap();
     let dt = BlockTable::new("dst_block_table", &dst, 1, 2).unwrap();
     assert!(block_pairs(&plan, st, dt).is_err());
@@ -928,14 +926,7 @@ fn negative_id_after_the_top_id_is_refused() {
 fn negative_ids_are_refused_by_both() {
     let src = [5, 6, 7, -3, 9];
     let dst = [0, 1, 2, 3, 4];
-    let plan = SlicePlan {
-        num_requests: 1,
-        request_index: vec![0],
-        request_id: vec![42],
-        start: vec![1],
-        end: vec![5],
-        last: vec![true],
-    };
+    let plan = one_slice(42, 1, 5);
     let st = BlockTable::new("src_block_table", &src, 1, 5).unwrap();
     let dt = BlockTable::new("dst_block_table", &dst, 1, 5).unwrap();
     for err in [
