@@ -52,28 +52,23 @@ def _per_pair(benchmark, num_pairs: int) -> None:
 # --- planning: a fresh book per round, built in (untimed) setup ------------------------
 
 
-@pytest.mark.benchmark(group="plan")
-def bench_plan_rust(benchmark, step):
-    def setup():
-        return (w.rust_book(step), step), {}
-
-    early, chunks = benchmark.pedantic(
-        w.rust_plan_step, setup=setup, rounds=RUST_PLAN_ROUNDS, iterations=1, warmup_rounds=20
-    )
-    assert len(early) == len(chunks) == w.NUM_REQUESTS // 2
-    benchmark.extra_info["slices"] = len(early) + len(chunks)
+# Each planner: its book factory, its step, the inputs the step takes, rounds and warm-up rounds.
+PLANNERS = {
+    "rust": (w.rust_book, w.rust_plan_step, lambda step: step, RUST_PLAN_ROUNDS, 20),
+    "reference": (w.ref_book, w.ref_plan_step, lambda step: step.as_lists(), REF_PLAN_ROUNDS, 2),
+}
 
 
 @pytest.mark.benchmark(group="plan")
-def bench_plan_reference(benchmark, step):
-    lists = step.as_lists()
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def bench_plan(benchmark, step, planner):
+    new_book, plan_step, inputs, rounds, warmup = PLANNERS[planner]
+    given = inputs(step)
 
     def setup():
-        return (w.ref_book(step), lists), {}
+        return (new_book(step), given), {}
 
-    early, chunks = benchmark.pedantic(
-        w.ref_plan_step, setup=setup, rounds=REF_PLAN_ROUNDS, iterations=1, warmup_rounds=2
-    )
+    early, chunks = benchmark.pedantic(plan_step, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup)
     assert len(early) == len(chunks) == w.NUM_REQUESTS // 2
     benchmark.extra_info["slices"] = len(early) + len(chunks)
 
