@@ -60,25 +60,9 @@ def test_chunk_blocks_matches_reference(shape, prefix_sent: bool, data: st.DataO
     tpb, prompt_len, reused_len, window = shape
     start = data.draw(st.integers(reused_len, prompt_len - 1))
     end = data.draw(st.integers(start + 1, prompt_len))
-    got = kvferry.chunk_blocks(
-        tpb,
-        prompt_len,
-        start,
-        end,
-        reused_len=reused_len,
-        prefix_sent=prefix_sent,
-        window=window,
-    )
-    want = ref.chunk_blocks(
-        tpb,
-        prompt_len,
-        start,
-        end,
-        reused_len=reused_len,
-        prefix_sent=prefix_sent,
-        window=window,
-    )
-    assert as_tuple(got) == want
+    args = (tpb, prompt_len, start, end)
+    kwargs = {"reused_len": reused_len, "prefix_sent": prefix_sent, "window": window}
+    assert as_tuple(kvferry.chunk_blocks(*args, **kwargs)) == ref.chunk_blocks(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,6 +114,17 @@ def _expect_all(peers: _Peers, requests: Sequence[tuple[int, int, int, str]]) ->
         peers.receivers[peer].expect(rid, prompt)
 
 
+def _start(peers: _Peers, sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str]], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Notice]]:
+    """Leases every request at its peer, adds it to the sender and sends the early blocks of all
+    of them in one step call; returns the block tables, the ids and the early notices."""
+    _expect_all(peers, requests)
+    for rid, prompt, reused, peer in requests:
+        sender.add(rid, prompt, reused_len=reused, peer=peer)
+    src, dst = _tables(seed, requests)
+    ids = np.array([r for r, *_ in requests])
+    return src, dst, ids, sender.send_early(ids, src, dst)
+
+
 def _chunks(sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str]], src: np.ndarray, dst: np.ndarray, chunk: int = 8) -> list[Notice]:
     """Chunk after chunk, each step one `send_chunks` call over the whole live batch."""
     pos = {rid: reused for rid, _, reused, _ in requests}
@@ -154,12 +165,7 @@ def test_one_step_call_dispatches_to_every_peer_bit_exact_and_exactly_once() -> 
     src_pool = random_pool(21)
     sender = MultiPeerSender(src_pool, peers.transports, engine=engine)
     try:
-        _expect_all(peers, REQUESTS)
-        for rid, prompt, reused, peer in REQUESTS:
-            sender.add(rid, prompt, reused_len=reused, peer=peer)
-        src, dst = _tables(22, REQUESTS)
-        ids = np.array([r for r, *_ in REQUESTS])
-        early = sender.send_early(ids, src, dst)
+        src, dst, ids, early = _start(peers, sender, REQUESTS, seed=22)
         # One call planned and queued the early blocks of every peer's requests, on one engine.
         assert {sender.peer_of(n.request_id) for n in early} == {"a", "b", "c", "d"}
         assert engine.jobs == 4
@@ -184,12 +190,7 @@ def test_a_closed_peer_fails_only_its_own_requests() -> None:
     src_pool = random_pool(31)
     sender = MultiPeerSender(src_pool, peers.transports)
     try:
-        _expect_all(peers, requests)
-        for rid, prompt, reused, peer in requests:
-            sender.add(rid, prompt, reused_len=reused, peer=peer)
-        src, dst = _tables(32, requests)
-        ids = np.array([r for r, *_ in requests])
-        sender.send_early(ids, src, dst)
+        src, dst, ids, _ = _start(peers, sender, requests, seed=32)
         sender.flush(timeout=60)
         # Peer "b"'s generation worker goes away before the chunks are sent.
         peers.served.pop("b").close()
