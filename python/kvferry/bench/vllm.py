@@ -172,10 +172,22 @@ def _queue_time(decode: Any, count_before: float, sum_before: float) -> tuple[fl
         time.sleep(0.05)  # polling the metrics endpoint for a value to appear
 
 
-def _reset_prefix_cache(url: str) -> None:
-    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
+def _reset_prefix_cache(decode: Any, timeout_s: float = 30.0) -> None:
+    """Empties the decode server's prefix cache before a decode-cold turn. vLLM refuses
+    (``{"success": false}``) while any block is still held, e.g. by the previous turn's request
+    until its blocks are freed: then this waits (bounded) for the server to hold none and asks
+    again. A reset that never happens fails the turn: a warm cache would make it decode-warm."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(decode.url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read() or b"{}")
+        if answer.get("success") is True:
+            return
+        if time.monotonic() > deadline:
+            used, _ = decode.kv_blocks()
+            raise RuntimeError(f"{decode.url}/reset_prefix_cache answered {answer} for {timeout_s:.0f} s ({used} KV blocks still held): the decode-cold turn would run warm")
+        time.sleep(0.05)  # polling the server until its last blocks are freed (no event to wait on)
 
 
 @dataclass
@@ -227,7 +239,7 @@ def _run_case(cfg: VllmBenchConfig, conf: Configuration, bed: Any, case: str, sc
             if turn == 1 and before is None:
                 before = _read(bed, conf.connector)  # measured turns only
             if turn >= 1 and case == "decode-cold":
-                _reset_prefix_cache(bed.decodes[0].url)
+                _reset_prefix_cache(bed.decodes[0])
             start = time.perf_counter() - t_case
             a = call(bed.url, "/v1/completions", _body(step.prompt, cfg.output_tokens, stream=True),
                      headers={SESSION_HEADER: f"{case}-{step.session}"})  # fmt: skip
