@@ -251,8 +251,9 @@ class StagingEndpoint(LocalEndpoint):
         source = self.current_source()
         named = dst_ids  # what the sender said it wrote, for the receiver's lease check
         bounds = np.concatenate([[0], np.cumsum(lengths)])
-        leased = [self.receiver.lease_admits(notice, dst_ids[bounds[i] : bounds[i + 1]]) for i, notice in enumerate(notices)]
-        admitted = [ok and self.receiver.admits(notice, source) for ok, notice in zip(leased, notices)]
+        # Each notice's whole range is checked against its request and its lease before any
+        # byte moves: a range past the lease must not reach another request's blocks.
+        admitted = [self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]]) for i, n in enumerate(notices)]
         if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
