@@ -43,6 +43,7 @@ from kvferry.refengine.model import TinyLlama, new_kv_pool
 from kvferry.refengine.soak import SOAK_MODEL
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
+from kvferry.transports.base import Write
 from kvferry.transports.inprocess import InProcessTransport
 
 from test_faults import (
@@ -466,7 +467,7 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
         rogue = StagingTransport(remote.address, authkey=remote.authkey)
 
         def write(notice: Notice, dst: list[int]) -> Pending:
-            pending = rogue.write(engine, src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice])
+            pending = rogue.write(engine, Write(src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice]))
             assert pending.wait(SLACK) and pending.error() is None
             return pending
 
@@ -665,11 +666,11 @@ class _BrokenWrite(InProcessTransport):
         self.writes = 0
         self.fail_at = fail_at
 
-    def write(self, engine: Any, src: Any, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Any, *, after: Any = (), layers: Any = None) -> Pending:
+    def write(self, engine: Any, job: Write) -> Pending:
         self.writes += 1
         if self.writes == self.fail_at:
             raise TransferError("staging ring: the receiver closed its socket", peer=self.peer)
-        return super().write(engine, src, src_ids, dst_ids, notices, after=after, layers=layers)
+        return super().write(engine, job)
 
 
 def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing() -> None:

@@ -43,7 +43,7 @@ from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutE
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
-from kvferry.transports.base import Transport, TransportFull, kept
+from kvferry.transports.base import Transport, TransportFull, Write, kept
 
 __all__ = ["KVSender", "TransferRecord"]
 
@@ -401,7 +401,7 @@ class KVSender:
         while True:
             try:
                 submitted = time.monotonic()
-                return self.transport.write(self.engine, self.source, src_ids, dst_ids, notices, after=after, layers=layers), submitted
+                return self.transport.write(self.engine, Write(self.source, src_ids, dst_ids, notices, after, layers)), submitted
             except TransportFull as full:
                 left = 30.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
