@@ -8,7 +8,7 @@ refused whole (nothing is marked arrived), recorded in `refused`, and fails
 the request (its `wait` raises at once instead of at its timeout). A transport that knows
 which sender a notice came from passes it as ``source``: a request then belongs to the first
 sender that announced it (`bind`, or its first notice), a notice from any other sender is
-refused, and `fail_source` fails what a lost sender still owed.
+refused without failing it, and `fail_source` fails what a lost sender still owed.
 
 Leases (docs/faults.md, "Leases, epochs and fences"). `expect` issues each request an epoch,
 1, 2, ... per receiver, never reused; the sender stamps it on every notice. A message of an
@@ -19,7 +19,7 @@ is *fenced*: its sender posted ``revoked(request_id, epoch)`` after its last wri
 sender's connection ended. `release` waits for that (bounded), and asks the sender to cancel
 first when the receiver gives up on its own.
 
-Each request is in one `Stage` (the record's ``stage``); its error, once it has one, is
+Each request is in one `ReceiverStage` (the record's ``stage``); its error, once it has one, is
 kept apart (a failed request may still be in any stage: `wait` raises it):
 
 ```
@@ -60,7 +60,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError, Tr
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
-__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "Refusal", "Stage"]
+__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "ReceiverStage", "Refusal"]
 
 # Refused and discarded messages kept for inspection; a sender that keeps sending bad or late
 # ones cannot grow the receiver without bound (``refused_count`` / ``discarded_count`` still
@@ -80,10 +80,10 @@ class LeaseError(InvalidArgumentError):
     (`KVReceiver.expect(..., dst_blocks=...)`): refused whole before it counts."""
 
 
-class Stage(enum.IntEnum):
+class ReceiverStage(enum.IntEnum):
     """Where a request is (the module's diagram). Ordered so that "fenced" (no sender writes
     its destination blocks any more: they may be released) is one comparison,
-    ``stage >= Stage.ENDED``."""
+    ``stage >= ReceiverStage.ENDED``."""
 
     PENDING = 0  # its sender writes; notices count
     CANCELLED = 1  # the receiver gave up: notices are discarded; its sender is asked to stop
@@ -93,19 +93,19 @@ class Stage(enum.IntEnum):
 
     @property
     def fenced(self) -> bool:
-        return self >= Stage.ENDED
+        return self >= ReceiverStage.ENDED
 
     @property
     def discards(self) -> bool:
         """Whether a notice of the request's current epoch is dropped, not counted."""
-        return self in (Stage.CANCELLED, Stage.FENCED)
+        return self in (ReceiverStage.CANCELLED, ReceiverStage.FENCED)
 
 
 @dataclass
 class _Expected:
     ledger: TransferLedger
     epoch: int
-    stage: Stage = Stage.PENDING
+    stage: ReceiverStage = ReceiverStage.PENDING
     slices: int = 0
     error: Optional[KvFerryError] = None
     arrived_at: Optional[float] = None
@@ -267,14 +267,24 @@ class KVReceiver:
             return f"epoch {epoch} of request {request_id}, which is now epoch {expected.epoch} (its id was reused)"
         return None
 
-    def _judge(self, kind: str, request_id: int, epoch: int, source: Optional[Hashable], expected: Optional[_Expected], notice: Optional[Notice] = None) -> Optional[str]:
+    def _judge(
+        self,
+        kind: str,
+        request_id: int,
+        epoch: int,
+        source: Optional[Hashable],
+        expected: Optional[_Expected],
+        notice: Optional[Notice] = None,
+    ) -> Optional[str]:
         """The one place that decides what a sender's message (``kind``: ``"notice"``,
         ``"announce"`` or ``"revoke"``) about a request does (lock held). Returns ``None``: it
         applies; a reason: it is discarded (the caller records it). Raises if it is refused:
         a message from a sender other than the one the request belongs to changes nothing of
         the request (only the connection that holds a request may fail it); an epoch never
         issued fails it; a notice for a request not expected fails nothing."""
-        foreign = expected is not None and source is not None and expected.source is not None and expected.source != source
+        foreign = (
+            expected is not None and source is not None and expected.source is not None and expected.source != source
+        )
         try:
             reason = self._stale(request_id, epoch, expected)
         except KvFerryError as err:
@@ -287,15 +297,25 @@ class KVReceiver:
             if kind == "revoke":
                 return f"request {request_id} was released"
             if kind == "notice":
-                raise UnknownRequestError(f"unknown request_id={request_id}: notice {notice} for a request not expected")
+                raise UnknownRequestError(
+                    f"unknown request_id={request_id}: notice {notice} for a request not expected"
+                )
             self._raise_unknown(request_id)
         assert expected is not None
         if kind == "notice" and expected.stage.discards:
-            why = "was cancelled by the receiver" if expected.stage == Stage.CANCELLED else "was revoked by its sender, or cancelled after its sender ended"
+            why = (
+                "was cancelled by the receiver"
+                if expected.stage == ReceiverStage.CANCELLED
+                else "was revoked by its sender, or cancelled after its sender ended"
+            )
             return f"request {request_id} {why}"
         if foreign:
             what = {"notice": f"notice {notice} from", "announce": "announced by", "revoke": "revoked by"}[kind]
-            raise TransferError(f"request {request_id}: {what} {source}, but it belongs to {expected.source}", request_ids=(request_id,), peer=str(source))
+            raise TransferError(
+                f"request {request_id}: {what} {source}, but it belongs to {expected.source}",
+                request_ids=(request_id,),
+                peer=str(source),
+            )
         return None
 
     def deliver(self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None) -> bool:
@@ -353,7 +373,9 @@ class KVReceiver:
         self._cond.notify_all()
         return complete
 
-    def admits(self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None) -> bool:
+    def admits(
+        self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None
+    ) -> bool:
         """Whether `deliver` would take the notice's request and epoch as live (not stale,
         not cancelled or revoked, from its owner) and, given the destination blocks
         ``dst_ids`` its write is to use, its whole range as inside the request and its
@@ -392,23 +414,23 @@ class KVReceiver:
     # One transition per edge of the module's diagram (lock held).
 
     def _to_complete(self, expected: _Expected) -> None:
-        expected.stage = Stage.COMPLETE
+        expected.stage = ReceiverStage.COMPLETE
         expected.arrived_at = time.monotonic()
 
     def _to_cancelled(self, expected: _Expected) -> None:
         """PENDING -> CANCELLED, ENDED -> FENCED (a sender that is gone has nothing to stop)."""
-        expected.stage = Stage.CANCELLED if expected.stage == Stage.PENDING else Stage.FENCED
+        expected.stage = ReceiverStage.CANCELLED if expected.stage == ReceiverStage.PENDING else ReceiverStage.FENCED
 
     def _to_ended(self, expected: _Expected) -> None:
         """PENDING -> ENDED, CANCELLED -> FENCED; a fenced request stays as it is."""
-        if expected.stage == Stage.PENDING:
-            expected.stage = Stage.ENDED
-        elif expected.stage == Stage.CANCELLED:
-            expected.stage = Stage.FENCED
+        if expected.stage == ReceiverStage.PENDING:
+            expected.stage = ReceiverStage.ENDED
+        elif expected.stage == ReceiverStage.CANCELLED:
+            expected.stage = ReceiverStage.FENCED
 
     def _to_revoked(self, expected: _Expected) -> None:
         """PENDING, CANCELLED or ENDED -> FENCED."""
-        expected.stage = Stage.FENCED
+        expected.stage = ReceiverStage.FENCED
 
     def _discard(self, record: Discard) -> None:
         self._discarded.append(record)
@@ -427,8 +449,8 @@ class KVReceiver:
     def bind(self, request_id: int, source: Hashable, epoch: int = 0) -> None:
         """Records that ``source`` will send the request (before its first notice), so that
         losing that sender fails the request at once (`fail_source`). An announce of a stale
-        epoch is discarded. A request another sender already owns is failed and the call
-        raises."""
+        epoch is discarded. For a request another sender already owns the call raises and
+        changes nothing of the request."""
         with self._cond:
             expected = self._requests.get(request_id)
             reason = self._judge("announce", request_id, epoch, source, expected)
@@ -446,7 +468,7 @@ class KVReceiver:
         if source is None or expected.source is not None:
             return False
         expected.source = source
-        return expected.stage == Stage.CANCELLED  # cancelled while no sender could be asked
+        return expected.stage == ReceiverStage.CANCELLED  # cancelled while no sender could be asked
 
     def revoked(self, request_id: int, epoch: int, source: Optional[Hashable] = None) -> bool:
         """The fence: the request's sender writes nothing more into its blocks. A request
@@ -461,11 +483,18 @@ class KVReceiver:
                 self._discard(Discard("revoke", request_id, epoch, reason, _name(source)))
                 return False
             assert expected is not None
-            if expected.stage in (Stage.FENCED, Stage.COMPLETE):
+            if expected.stage in (ReceiverStage.FENCED, ReceiverStage.COMPLETE):
                 return False
             self._to_revoked(expected)
             who = "its sender" if source is None else str(source)
-            self._fail_locked(expected, TransferError(f"request {request_id}: revoked by {who} before all its blocks arrived", request_ids=(request_id,), peer=_name(source)))
+            self._fail_locked(
+                expected,
+                TransferError(
+                    f"request {request_id}: revoked by {who} before all its blocks arrived",
+                    request_ids=(request_id,),
+                    peer=_name(source),
+                ),
+            )
             self._cond.notify_all()
             return True
 
@@ -475,8 +504,8 @@ class KVReceiver:
         with self._cond:
             return self._get(request_id).stage.fenced
 
-    def stage(self, request_id: int) -> Stage:
-        """The request's current `Stage`."""
+    def stage(self, request_id: int) -> ReceiverStage:
+        """The request's current `ReceiverStage`."""
         with self._cond:
             return self._get(request_id).stage
 
@@ -500,13 +529,18 @@ class KVReceiver:
         cancelled it (``False``: complete, revoked or cancelled already)."""
         with self._cond:
             expected = self._get(request_id)
-            if expected.stage in (Stage.CANCELLED, Stage.FENCED, Stage.COMPLETE):
+            if expected.stage in (ReceiverStage.CANCELLED, ReceiverStage.FENCED, ReceiverStage.COMPLETE):
                 return False
             self._to_cancelled(expected)
             peer = None if expected.source is None else str(expected.source)
-            self._fail_locked(expected, TransferError(f"request {request_id}: cancelled by the receiver ({reason})", request_ids=(request_id,), peer=peer))
+            self._fail_locked(
+                expected,
+                TransferError(
+                    f"request {request_id}: cancelled by the receiver ({reason})", request_ids=(request_id,), peer=peer
+                ),
+            )
             self._cond.notify_all()
-            ask = expected.stage == Stage.CANCELLED  # a sender that is gone has nothing to stop
+            ask = expected.stage == ReceiverStage.CANCELLED  # a sender that is gone has nothing to stop
         if ask:
             self._ask_cancel(request_id, expected)
         return True
@@ -525,7 +559,7 @@ class KVReceiver:
         request was failed by this call."""
         with self._cond:
             expected = self._requests.get(request_id)
-            if expected is None or expected.stage == Stage.COMPLETE:
+            if expected is None or expected.stage == ReceiverStage.COMPLETE:
                 return False
             return self._fail_locked(expected, error)
 

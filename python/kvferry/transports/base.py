@@ -101,7 +101,9 @@ class Transport(ABC):
             for part in parts:
                 copy_blocks(part.pool, dst, part.src_ids, part.dst_ids)
 
-        return engine.submit_call(copy, after=after, nbytes=len(job.src_ids) * src.device.block_bytes * src.device.num_layers)
+        return engine.submit_call(
+            copy, after=after, nbytes=len(job.src_ids) * src.device.block_bytes * src.device.num_layers
+        )
 
     @abstractmethod
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:

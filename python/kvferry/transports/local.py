@@ -242,12 +242,12 @@ class LocalEndpoint:
             for request_id, epoch in value:
                 try:
                     self.receiver.bind(request_id, peer.source, epoch)
-                except KvFerryError as err:  # recorded; a conflicting bind failed the request
+                except KvFerryError as err:  # recorded; a conflicting bind changes nothing
                     self._record(err)
         elif kind == "revoke":
             try:
                 self.receiver.revoked(value[0], value[1], peer.source)
-            except KvFerryError as err:  # recorded; another sender's fence failed the request
+            except KvFerryError as err:  # recorded; another sender's fence changes nothing
                 self._record(err)
         elif kind == "notices":
             notices, dst_ids = value

@@ -253,7 +253,9 @@ class StagingEndpoint(LocalEndpoint):
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         # Each notice's whole range is checked against its request and its lease before any
         # byte moves: a range past the lease must not reach another request's blocks.
-        admitted = [self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]]) for i, n in enumerate(notices)]
+        admitted = [
+            self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]]) for i, n in enumerate(notices)
+        ]
         if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
