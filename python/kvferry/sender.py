@@ -74,20 +74,20 @@ class SenderStage(enum.IntEnum):
     waits only for its queued copies, its fence, or the acknowledgement of its failure.
 
     ```
-    add -> SENDING --remove (every copy posted)--------------------------------> (forgotten)
-             |   \\--cancel, a failure, the receiver's cancellation--> REVOKED
-             |                                                          |  cancel returns
-             |                      no copy reads it any more, failed   |  (or remove)
-             |                      SETTLED <---------------------------+---> DRAINING
-             |                         |  remove / cancel acknowledge it       |  its last
-             |                         v                                       v  copies posted
-             `-----------------> (forgotten) <---------------------- its fence posted
+    add -> SENDING --cancel, a failure, the receiver's cancellation--> REVOKED
+              |                                                           |           |
+              | remove                         cancel returns (or remove) |           | failed, and no
+              v                                                           |           v copy reads it
+           DRAINING <-----------------------------------------------------'        SETTLED
+              |  its queued copies posted, its fence (if due) posted                  | remove or cancel
+              v                                                                       v acknowledges it
+          (forgotten) <---------------------------------------------------------------'
     ```
     """
 
     SENDING = 0  # registered: slices are planned, their notices posted
-    REVOKED = 1  # cancelled or failed, still in the book: nothing more is planned, its notices are dropped
-    DRAINING = 2  # out of the book (cancel, remove): its queued copies' notices are dropped, its fence follows them
+    REVOKED = 1  # cancelled or failed, still in the book: nothing more is planned, its notices dropped
+    DRAINING = 2  # out of the book (cancel, remove): its queued copies' notices dropped, its fence follows
     SETTLED = 3  # failed and out of the book (no copy reads it): its error waits for remove or cancel
 
 
