@@ -23,15 +23,16 @@ Each request is in one `ReceiverStage` (the record's ``stage``); its error, once
 kept apart (a failed request may still be in any stage: `wait` raises it):
 
 ```
-                   every block arrived
-expect -> PENDING -----------------------------------------------> COMPLETE
-            |  \\ its sender's connection ended                          ^
-            |   \\--------------------> ENDED --every block arrived-------'
-            |  cancel (or release):       |  \\ its sender's fence
-            |  sender asked               |   \\ (or a cancel)
-            v                             v    v
-         CANCELLED --its fence, or its--> FENCED
-                     connection ended
+                     every block arrived
+expect -> PENDING --------------------------------------------------> COMPLETE
+           |  |  \\ its sender's connection ended                          ^
+           |  |   `---------------------> ENDED --every block arrived-----'
+           |  |  its sender's fence         |  its sender's fence, or a cancel
+           |  `------------------------.    v
+           |  cancel (or release):      `-> FENCED
+           |  its sender is asked             ^
+           v                                  |
+        CANCELLED --its sender's fence, or its connection ended
     ENDED, FENCED and COMPLETE are fenced (stage >= ENDED): `release` forgets them at once.
     CANCELLED and FENCED discard notices; PENDING and ENDED count them (a NIXL notification
     of a write that finished may arrive after its sender's socket ended).
