@@ -63,6 +63,7 @@ def test_public_names() -> None:
         "InvalidArgumentError",
         "KvFerryError",
         "MissingDependencyError",
+        "RequestSpec",
         "SlicePlan",
         "TransferBook",
         "TransferLedger",
