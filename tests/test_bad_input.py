@@ -31,6 +31,7 @@ from kvferry import (
     BlockRange,
     DuplicateTransferError,
     InvalidArgumentError,
+    RequestSpec,
     TransferBook,
     TransferLedger,
     UnknownRequestError,
@@ -347,6 +348,12 @@ ROWS: list[Row] = [
     Row("book-add-too-long", "TransferBook.add", "prompt_len over MAX_LEDGER_BLOCKS blocks", lambda b: b.add(3, TPB * MAX_LEDGER_BLOCKS + 1), InvalidArgumentError, f"invalid prompt_len={TPB * MAX_LEDGER_BLOCKS + 1}", new_book, book_state),
     Row("book-add-id-huge", "TransferBook.add", "request_id=2**64", lambda b: b.add(HUGE, 8), InvalidArgumentError, f"invalid request_id={HUGE}", new_book, book_state),
     Row("book-add-context-only-str", "TransferBook.add", "context_only='yes'", lambda b: b.add(3, 8, context_only="yes"), TypeError, "context_only must be a bool, got str 'yes'", new_book, book_state),
+    Row("book-add-spec-held-outside", "TransferBook.add_spec", "a held range past the prompt: nothing added", lambda b: b.add_spec(3, RequestSpec(8, held=[BlockRange(0, 1), BlockRange(7, 9)])), InvalidArgumentError, "invalid range=[7, 9)", new_book, book_state),
+    # -- RequestSpec ---------------------------------------------------------------------------
+    Row("spec-prompt-huge", "RequestSpec(...)", "prompt_len=2**64", lambda _: RequestSpec(HUGE), InvalidArgumentError, f"invalid prompt_len={HUGE}"),
+    Row("spec-epoch-negative", "RequestSpec(...)", "epoch=-1", lambda _: RequestSpec(8, epoch=-1), InvalidArgumentError, "invalid epoch=-1: must be in [0, 2**63) (0: none issued)"),
+    Row("spec-epoch-bool", "RequestSpec(...)", "epoch=True", lambda _: RequestSpec(8, epoch=True), TypeError, "epoch must be an integer, got bool True"),
+    Row("spec-held-not-ranges", "RequestSpec(...)", "held=[1]", lambda _: RequestSpec(8, held=[1]), TypeError, "held must be a sequence of BlockRange, got list [1]"),  # type: ignore[list-item]
     Row("book-hold-not-ranges", "TransferBook.hold", "ranges=[1, 2]", lambda b: b.hold(2, [1, 2]), TypeError, "ranges must be a sequence of BlockRange, got list [1, 2]", new_book, book_state),
     Row("book-hold-outside", "TransferBook.hold", "a range past the prompt (after a valid one)", lambda b: b.hold(2, [BlockRange(0, 1), BlockRange(7, 9)]), InvalidArgumentError, "invalid range=[7, 9)", new_book, book_state),
     Row("book-hold-claimed", "TransferBook.hold", "a block already planned", lambda b: (b.plan_early([1]), b.hold(1, [BlockRange(0, 1)])), DuplicateTransferError, "block 0", new_book),
@@ -447,6 +454,7 @@ ROWS: list[Row] = [
     Row("sender-add-duplicate", "KVSender.add", "request_id already added", lambda c: c[0].add(1, 16), InvalidArgumentError, "invalid request_id=1", new_sender, sender_state),
     Row("sender-add-huge", "KVSender.add", "prompt_len=2**64", lambda c: c[0].add(2, HUGE), InvalidArgumentError, f"invalid prompt_len={HUGE}", new_sender, sender_state),
     Row("sender-add-epoch", "KVSender.add", "epoch=-1", lambda c: c[0].add(2, 16, epoch=-1), InvalidArgumentError, "invalid epoch=-1", new_sender, sender_state),
+    Row("sender-add-spec-and-fields", "KVSender.add", "a RequestSpec and a field again", lambda c: c[0].add(2, RequestSpec(16), epoch=1), TypeError, "spec is a RequestSpec already: epoch cannot be given again", new_sender, sender_state),
     Row("sender-add-epoch-float", "KVSender.add", "epoch=1.5", lambda c: c[0].add(2, 16, epoch=1.5), TypeError, "epoch must be an integer, got float 1.5", new_sender, sender_state),  # type: ignore[arg-type]
     Row("sender-early-unknown", "KVSender.send_early", "unknown request id", lambda c: c[0].send_early([9], TABLE, TABLE), UnknownRequestError, "unknown request_id=9", new_sender, sender_state),
     Row("sender-early-float", "KVSender.send_early", "float request_ids", lambda c: c[0].send_early(np.array([1.0]), TABLE, TABLE), TypeError, "request_ids must be an array castable to int64", new_sender, sender_state),

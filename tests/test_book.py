@@ -12,6 +12,7 @@ from kvferry import (
     DuplicateTransferError,
     InvalidArgumentError,
     KvFerryError,
+    RequestSpec,
     SlicePlan,
     TransferBook,
     TransferLedger,
@@ -600,3 +601,25 @@ def test_plan_layers_errors_are_named_and_change_nothing() -> None:
     with pytest.raises(InvalidArgumentError, match="dst_block_table"):
         book.plan_layers([1], [12], [32], 0, src_block_table=src, dst_block_table=src[:, :2])
     assert snapshot(book, [1]) == before
+
+
+def test_request_spec_is_a_value_and_add_spec_registers_it_with_its_held_blocks() -> None:
+    """`RequestSpec` is frozen, comparable and hashable, with a constructor-style repr;
+    `TransferBook.add_spec` registers the request as `add` + `hold` would, all or nothing."""
+    spec = RequestSpec(16, reused_len=8, held=[BlockRange(0, 1)], epoch=3)
+    same = RequestSpec(16, reused_len=8, window=None, context_only=True, held=(BlockRange(0, 1),), epoch=3)
+    assert spec == same and hash(spec) == hash(same) and spec != RequestSpec(16, reused_len=8, epoch=3)
+    assert repr(spec) == "RequestSpec(16, reused_len=8, window=None, context_only=True, held=[BlockRange(0, 1)], epoch=3)"
+    assert (spec.prompt_len, spec.reused_len, spec.window, spec.context_only, spec.held, spec.epoch) == (16, 8, None, True, [BlockRange(0, 1)], 3)
+    with pytest.raises(AttributeError):
+        spec.epoch = 4  # type: ignore[misc]
+
+    book, twin = TransferBook(4), TransferBook(4)
+    book.add_spec(1, spec)
+    twin.add(1, 16, reused_len=8)
+    twin.hold(1, [BlockRange(0, 1)])
+    assert book.held_blocks(1) == twin.held_blocks(1) == 1 and book.missing(1) == twin.missing(1)
+    assert arrays(book.plan_early([1])) == arrays(twin.plan_early([1]))
+    with pytest.raises(InvalidArgumentError, match=r"invalid range=\[3, 9\)"):
+        book.add_spec(2, RequestSpec(16, held=[BlockRange(0, 1), BlockRange(3, 9)]))
+    assert 2 not in book and len(book) == 1  # refused whole: not registered

@@ -716,7 +716,7 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
             assert gen.call("release", s)
             assert sender.remove(s).is_complete
             src_blocks.give(rows[s][0])
-            assert len(sender.book) == 0 and not sender._revoked, stage  # a stale revocation would drop a later request's notices
+            assert len(sender.book) == 0 and not sender._requests, stage  # a stale record would drop a later request's notices
             state = gen.call("status")
             assert (state["requests"], state["free"], state["errors"]) == (0, NUM_BLOCKS, []), (stage, state)
             assert src_blocks.free == NUM_BLOCKS, stage

@@ -38,11 +38,12 @@ from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutE
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
-from kvferry.receiver import KVReceiver
+from kvferry.receiver import KVReceiver, ReceiverStage
 from kvferry.refengine.model import TinyLlama, new_kv_pool
 from kvferry.refengine.soak import SOAK_MODEL
 from kvferry.refengine.worker import Worker
-from kvferry.sender import KVSender
+from kvferry.sender import KVSender, SenderStage
+from kvferry.transports.base import Write
 from kvferry.transports.inprocess import InProcessTransport
 
 from test_faults import (
@@ -466,7 +467,7 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
         rogue = StagingTransport(remote.address, authkey=remote.authkey)
 
         def write(notice: Notice, dst: list[int]) -> Pending:
-            pending = rogue.write(engine, src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice])
+            pending = rogue.write(engine, Write(src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice]))
             assert pending.wait(SLACK) and pending.error() is None
             return pending
 
@@ -665,11 +666,11 @@ class _BrokenWrite(InProcessTransport):
         self.writes = 0
         self.fail_at = fail_at
 
-    def write(self, engine: Any, src: Any, src_ids: np.ndarray, dst_ids: np.ndarray, notices: Any, *, after: Any = (), layers: Any = None) -> Pending:
+    def write(self, engine: Any, job: Write) -> Pending:
         self.writes += 1
         if self.writes == self.fail_at:
             raise TransferError("staging ring: the receiver closed its socket", peer=self.peer)
-        return super().write(engine, src, src_ids, dst_ids, notices, after=after, layers=layers)
+        return super().write(engine, job)
 
 
 def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing() -> None:
@@ -821,3 +822,67 @@ def test_release_returns_once_the_fence_arrives() -> None:
     assert receiver.revoked(1, epoch, "sender A")
     thread.join(timeout=SLACK)
     assert released and released[0].claimed_blocks == 0 and len(receiver) == 0
+
+
+# --- one stage per request ---------------------------------------------------------------------
+
+
+def test_receiver_stages_follow_the_diagram() -> None:
+    """Each edge of `ReceiverStage`'s diagram, and what each stage does with a notice:
+    PENDING and ENDED count it, CANCELLED and FENCED discard it; fenced is ``>= ENDED``."""
+    receiver = KVReceiver(random_pool(0))
+    epochs = {rid: receiver.expect(rid, 8) for rid in (1, 2, 3, 4)}  # 2 blocks each
+    for rid, epoch in epochs.items():
+        receiver.bind(rid, "sender A", epoch)
+    assert {receiver.stage(rid) for rid in epochs} == {ReceiverStage.PENDING}
+    assert receiver.deliver(Notice(1, 0, 0, 2, True, epochs[1]), "sender A")
+    assert receiver.stage(1) == ReceiverStage.COMPLETE
+    assert receiver.cancel(2) and receiver.stage(2) == ReceiverStage.CANCELLED and not receiver.fenced(2)
+    assert not receiver.deliver(Notice(2, 0, 0, 2, True, epochs[2]), "sender A")  # discarded
+    assert receiver.fence_source("sender A") == [1, 2, 3, 4]
+    stages = [receiver.stage(rid) for rid in (1, 2, 3, 4)]
+    assert stages == [ReceiverStage.COMPLETE, ReceiverStage.FENCED, ReceiverStage.ENDED, ReceiverStage.ENDED]
+    assert receiver.deliver(Notice(3, 0, 0, 2, True, epochs[3]), "sender A")  # a late notice counts
+    assert receiver.revoked(4, epochs[4], "sender A") and receiver.stage(4) == ReceiverStage.FENCED
+    assert not receiver.deliver(Notice(4, 0, 0, 2, True, epochs[4]), "sender A")  # discarded
+    assert all(receiver.fenced(rid) for rid in epochs) and receiver.notices(2) == receiver.notices(4) == []
+    for rid in epochs:
+        receiver.release(rid, timeout=0)
+
+
+def test_sender_stages_follow_the_diagram() -> None:
+    """Each edge of `SenderStage`'s diagram: a cancel that times out leaves the request
+    REVOKED (still in the book); one whose copy finished behind another request's unfinished
+    copy leaves it DRAINING (out of the book, its notices dropped once posted, its fence
+    sent) until that copy is posted; the receiver's cancellation fails a request, SETTLED
+    until `remove` acknowledges it."""
+    sender, receiver, engine = _pair(progress=False)
+    epochs = {rid: receiver.expect(rid, 16) for rid in (1, 2, 3)}
+    for rid, epoch in epochs.items():
+        sender.add(rid, 16, reused_len=8, epoch=epoch)
+    assert {sender.stage(rid) for rid in epochs} == {SenderStage.SENDING}
+    table = np.arange(4)[None, :]
+    sender.send_early([2], table, table + 4)  # gate 0: the head of the queue
+    sender.send_early([1], table, table)  # gate 1
+    with pytest.raises(TransferTimeoutError, match="request 1: copies reading its blocks"):
+        sender.cancel(1, timeout=0)
+    assert sender.stage(1) == SenderStage.REVOKED and 1 in sender.book and sender.leased(1)
+    engine.gates[1].opened = True
+    assert not sender.cancel(1).is_complete
+    assert sender.stage(1) == SenderStage.DRAINING and 1 not in sender.book and sender.in_flight(1)
+    assert receiver.fenced(1)  # its copy ended: the fence went, ahead of its dropped notices
+    engine.gates[0].opened = True
+    assert [n.request_id for n in sender.poll()] == [2]  # request 1's notices are dropped
+    with pytest.raises(UnknownRequestError):
+        sender.stage(1)  # forgotten
+    assert receiver.notices(1) == []
+
+    receiver.cancel(3)  # the receiver gives up: the sender's next poll fails it
+    with pytest.raises(TransferError, match=r"requests \[3\] cancelled by the receiver"):
+        sender.poll()
+    assert sender.stage(3) == SenderStage.SETTLED and 3 not in sender.book and list(sender.failures()) == [3]
+    sender.remove(3)
+    with pytest.raises(UnknownRequestError):
+        sender.stage(3)
+    assert not sender.failures()
+    sender.close()

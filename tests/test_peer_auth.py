@@ -2,7 +2,7 @@
 (and a sender trusts only a receiver holding it); shared-memory segments and socket
 directories are unguessable and private; the receiver checks every notice against the
 request's own ledger and the sender it belongs to, so an authenticated but wrong (or
-hostile) sender can fail a request but never make blocks count as arrived."""
+hostile) sender can fail only the requests it holds, and never make blocks count as arrived."""
 
 from __future__ import annotations
 
@@ -276,7 +276,8 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
 
 def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
     """Two senders with the key: a notice for a request the other one announced (or sent
-    first) is refused, recorded with its sender, and fails the request."""
+    first) is refused and recorded with its sender, and changes nothing of the request: its
+    own sender still completes it (issue 20 item 4; it used to fail the request)."""
     receiver, endpoint, authkey = rig
     epochs = {rid: receiver.expect(rid, 8) for rid in (5, 6, 7)}  # 2 blocks each
     a = ShmTransport(endpoint.address, authkey=authkey)
@@ -293,14 +294,46 @@ def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver
     first, second = receiver.refused()
     assert first.notice == Notice(5, 0, 0, 2, True) and "belongs to sender #" in str(first.error)
     assert second.notice == Notice(6, 1, 1, 2, True) and first.source != second.source
+    a.post([Notice(5, 0, 0, 2, True)])
+    b.post([Notice(6, 1, 1, 2, True)])
     for rid in (5, 6):
-        with pytest.raises(TransferError, match=f"request {rid} failed: .*belongs to sender #"):
-            receiver.wait(rid, timeout=SLACK)
-    a.close()  # 5 and 6 failed, but their owners could still write: their ends fence them
+        receiver.wait(rid, timeout=SLACK)
+        assert receiver.notices(rid)[-1].end == 2
+    a.close()
     b.close()
-    for rid in (5, 6):
-        assert receiver.release(rid, timeout=SLACK).claimed_blocks == (1 if rid == 6 else 0)
-    receiver.release(7)
+    for rid in (5, 6, 7):
+        assert receiver.release(rid, timeout=SLACK).claimed_blocks == 2
+
+
+def test_only_the_connection_holding_a_request_may_announce_revoke_or_fail_it(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+    """A second authenticated connection's ``announce(rid, 0)`` (epoch 0 passes every
+    staleness check), its fence and its notices for requests the first connection holds, a
+    completed one and a pending one, are refused and recorded; neither request is failed or
+    fenced, and the pending one completes from its own connection (issue 20 item 4: each of
+    these used to fail the request, the completed one included)."""
+    receiver, endpoint, authkey = rig
+    epochs = {rid: receiver.expect(rid, 8) for rid in (1, 2)}  # 2 blocks each
+    owner = ShmTransport(endpoint.address, authkey=authkey)
+    other = ShmTransport(endpoint.address, authkey=authkey)
+    owner.announce([(1, epochs[1]), (2, epochs[2])])
+    owner.post([Notice(1, 0, 0, 2, True, epochs[1])])
+    receiver.wait(1, timeout=SLACK)  # complete, and the owner's announce of 2 was taken first
+    other.announce([(1, 0), (2, 0)])
+    other.revoke(1, epochs[1])
+    other.revoke(2, epochs[2])
+    other.post([Notice(1, 0, 0, 2, True, 0), Notice(2, 0, 0, 1, False, epochs[2])])
+    assert until(lambda: receiver.refused_count == 2)  # its last frame: the others were taken before
+    assert all("belongs to sender #" in str(r.error) for r in receiver.refused())
+    # Two announces, two fences, two notices: each recorded by the endpoint too.
+    assert sum("belongs to sender #" in str(err) for err in endpoint.errors) == 6
+    receiver.wait(1, timeout=SLACK)  # still complete, not failed
+    assert not receiver.fenced(2) and receiver.notices(2) == []
+    other.close()  # its end owns nothing: fences and fails nothing
+    owner.post([Notice(2, 0, 0, 2, True, epochs[2])])
+    receiver.wait(2, timeout=SLACK)
+    owner.close()
+    for rid in (1, 2):
+        assert receiver.release(rid, timeout=SLACK).claimed_blocks == 2
 
 
 def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:

@@ -25,6 +25,7 @@ from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
+from kvferry.transports.base import Write
 from kvferry.transports.staging import StagingEndpoint, StagingTransport
 
 from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
@@ -56,7 +57,7 @@ def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any,
             rid, epoch, src_ids, dst_ids = args
             notice = Notice(rid, 0, 0, len(dst_ids), True, epoch)
             transport.announce([(rid, epoch)])
-            done = transport.write(engine, src, np.asarray(src_ids), np.asarray(dst_ids), [notice]).wait(SLACK)
+            done = transport.write(engine, Write(src, np.asarray(src_ids), np.asarray(dst_ids), [notice])).wait(SLACK)
             staged.append(notice)
             conn.send(("written", bool(done)))
         elif command == "post":

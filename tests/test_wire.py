@@ -20,6 +20,7 @@ from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import wire
+from kvferry.transports.base import Write
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -274,7 +275,7 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
             rogue = ShmTransport(endpoint.address, authkey=authkey)
             notice = Notice(1, 0, 0, 2, True, e1)
-            pending = rogue.write(engine, src, np.array([0, 1]), np.array([10, 12]), [notice])  # 12: another request's
+            pending = rogue.write(engine, Write(src, np.array([0, 1]), np.array([10, 12]), [notice]))  # 12: another request's
             assert pending.wait(SLACK) and pending.error() is None
             rogue.post([notice])
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
@@ -302,7 +303,7 @@ def _lease_keeper_lands(good: Any, engine: Any, src: Any, receiver: KVReceiver, 
     """After a rogue: a writer that keeps to its lease (request ``rid`` leased ``dst``) writes
     source blocks 0 and 1 there, and they land bit exact. Returns the writer, still open."""
     notice = Notice(rid, 0, 0, len(dst), True, receiver.expect(rid, 8, dst_blocks=dst))
-    assert good.write(engine, src, np.arange(len(dst)), np.array(dst), [notice]).wait(SLACK)
+    assert good.write(engine, Write(src, np.arange(len(dst)), np.array(dst), [notice])).wait(SLACK)
     good.post([notice])
     receiver.wait(rid, timeout=SLACK)
     for a, b in zip(src.layers, receiver.pool.layers):
@@ -326,7 +327,7 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
         e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
         rogue = StagingTransport(endpoint.address, authkey=authkey)
         notice = Notice(1, 0, 0, 2, True, e1)
-        assert rogue.write(engine, src, np.array([0, 1]), np.array([4, 6]), [notice]).wait(SLACK)
+        assert rogue.write(engine, Write(src, np.array([0, 1]), np.array([4, 6]), [notice])).wait(SLACK)
         with contextlib.suppress(TransferError):  # post reads the frees after sending: the goodbye may be there already
             rogue.post([notice])
         assert _closed_with(rogue, "wrote outside a request's lease")
@@ -344,6 +345,74 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
         endpoint.close()
         engine.close()
 
+
+
+def _snapshot(pool: Any, blocks: list[int]) -> list[Any]:
+    return [layer[blocks].clone() for layer in pool.layers]
+
+
+def test_a_staged_write_past_its_lease_moves_no_byte_and_ends_the_connection() -> None:
+    """Staging: a batch whose notice runs past its request's lease (request 1 holds blocks
+    4 and 5; the notice covers 3 blocks, the third aimed at block 6 of request 2, which has
+    completed) is refused before the copy, and its connection ends; request 2's blocks are
+    bit-identical afterwards (issue 20 item 3: the range passed the lease check, the ring's
+    bytes were copied over block 6, and only then did the ledger refuse, leaving the
+    connection open)."""
+    from kvferry.engine import ThreadCopyEngine
+    from kvferry.layout import PagedKV
+    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+
+    engine = ThreadCopyEngine()
+    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, address="tcp://127.0.0.1:0")
+    try:
+        good = _lease_keeper_lands(StagingTransport(endpoint.address, authkey=authkey), engine, random_pool(5), receiver, 2, [6, 7])
+        before = _snapshot(receiver.pool, [4, 5, 6, 7])
+        e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
+        rogue = StagingTransport(endpoint.address, authkey=authkey)
+        notice = Notice(1, 0, 0, 3, True, e1)
+        assert rogue.write(engine, Write(random_pool(6), np.array([0, 1, 2]), np.array([4, 5, 6]), [notice])).wait(SLACK)
+        with contextlib.suppress(TransferError):  # post reads the frees after sending: the goodbye may be there already
+            rogue.post([notice])
+        assert until(lambda: receiver.refused_count == 1)  # the batch was handled
+        for a, b in zip(before, _snapshot(receiver.pool, [4, 5, 6, 7])):
+            assert torch.equal(a, b)  # not one byte of the batch landed
+        assert _closed_with(rogue, "wrote outside a request's lease")
+        with pytest.raises(TransferError, match=r"request 1 failed: invalid dst_ids .*outside the lease's 2 blocks"):
+            receiver.wait(1, timeout=SLACK)
+        receiver.wait(2, timeout=SLACK)  # request 2 is untouched
+        rogue.close()
+        good.close()
+        receiver.release(1, timeout=SLACK)
+        receiver.release(2)
+    finally:
+        endpoint.close()
+        engine.close()
+
+
+def test_a_one_sided_notice_past_its_lease_ends_the_connection() -> None:
+    """Shared memory: the sender's write lands before its notice (a one-sided copy), so the
+    receiver checks the notice: one whose range runs past its request's lease is refused as
+    outside the lease and its connection ends (issue 20 item 3: it was refused by the
+    ledger only, and the connection stayed open to write again)."""
+    from kvferry.engine import ThreadCopyEngine
+
+    engine = ThreadCopyEngine()
+    try:
+        with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+            e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
+            rogue = ShmTransport(endpoint.address, authkey=authkey)
+            notice = Notice(1, 0, 0, 3, True, e1)
+            assert rogue.write(engine, Write(random_pool(3), np.array([0, 1, 2]), np.array([10, 11, 12]), [notice])).wait(SLACK)
+            rogue.post([notice])
+            assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
+            refusal = receiver.refused()[-1]
+            assert isinstance(refusal.error, LeaseError) and refusal.notice == notice
+            rogue.close()
+            receiver.release(1, timeout=SLACK)
+    finally:
+        engine.close()
 
 @pytest.mark.parametrize(
     "dst_blocks, why",
@@ -383,7 +452,7 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         rogue = NixlTransport(endpoint.address, authkey=authkey, src=src)
         notice = Notice(1, 0, 0, 2, True, e1)
         rogue.announce([(1, e1)])
-        pending = rogue.write(engine, src, np.array([0, 1]), np.array([4, 6]), [notice])
+        pending = rogue.write(engine, Write(src, np.array([0, 1]), np.array([4, 6]), [notice]))
         assert pending.wait(SLACK) and pending.error() is None
         with pytest.raises(TransferError, match=r"request 1 failed: invalid dst_ids for request 1: .*\[4, 6\], the lease holds \[4, 5\]"):
             receiver.wait(1, timeout=SLACK)
@@ -395,7 +464,7 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         good = NixlTransport(endpoint.address, authkey=authkey, src=src)
         notice = Notice(2, 0, 0, 2, True, e2)
         good.announce([(2, e2)])
-        assert good.write(engine, src, np.array([0, 1]), np.array([8, 9]), [notice]).wait(SLACK)
+        assert good.write(engine, Write(src, np.array([0, 1]), np.array([8, 9]), [notice])).wait(SLACK)
         receiver.wait(2, timeout=SLACK)
         for a, b in zip(src.layers, receiver.pool.layers):
             assert torch.equal(a[:2], b[[8, 9]])

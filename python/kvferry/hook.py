@@ -27,16 +27,16 @@ hook about the tier's own copies (onboards, offloads) still writing blocks a sen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from kvferry._core import BlockRange, TransferLedger
+from kvferry._core import RequestSpec, TransferLedger
 from kvferry.errors import InvalidArgumentError, UnknownRequestError
 from kvferry.layout import block_id_array
 from kvferry.notice import Notice
-from kvferry.sender import KVSender, as_table
+from kvferry.sender import KVSender, as_table, request_spec
 from kvferry.tiers import Signal
 
 if TYPE_CHECKING:
@@ -61,18 +61,15 @@ class TransferHook:
     def add_request(
         self,
         request_id: int,
-        prompt_len: int,
+        spec: Union[RequestSpec, int, None] = None,
         *,
-        reused_len: int,
         src_blocks: npt.ArrayLike,
         dst_blocks: npt.ArrayLike,
-        window: Optional[int] = None,
-        context_only: bool = True,
-        held: Sequence[BlockRange] = (),
-        epoch: int = 0,
         peer: Optional[Hashable] = None,
+        **fields: Any,
     ) -> None:
-        """A request admitted on the context worker, with its source blocks and the
+        """A request admitted on the context worker (``spec`` and ``fields`` as in
+        `KVSender.add`: a `RequestSpec`, or its prompt length and fields), with its source blocks and the
         destination blocks the generation worker allocated for it (one id per block of the
         prompt, in order; for ``held`` blocks, those it already holds) under ``epoch``, the
         lease its `KVReceiver.expect` returned. A source id at or past the device pool's
@@ -81,16 +78,19 @@ class TransferHook:
         `MultiPeerSender` (required there; refused with a `KVSender`)."""
         # A throwaway ledger refuses a bad prompt with the book's own messages and gives the
         # block count, before the sender learns of the request.
-        blocks = TransferLedger(self.sender.pool.tokens_per_block, prompt_len, reused_len=reused_len, window=window).num_blocks
+        spec = request_spec(spec, fields)
+        blocks = TransferLedger(
+            self.sender.pool.tokens_per_block, spec.prompt_len, reused_len=spec.reused_len, window=spec.window
+        ).num_blocks
         rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
         if isinstance(self.sender, KVSender):
             if peer is not None:
                 raise InvalidArgumentError(f"invalid peer={peer!r}: this hook's KVSender has one receiver; a MultiPeerSender routes by peer")
-            self.sender.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
+            self.sender.add(request_id, spec)
         else:
-            self.sender.add(request_id, prompt_len, peer=peer, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
+            self.sender.add(request_id, spec, peer=peer)
         self._blocks[request_id] = rows
-        self._prompt_len[request_id] = int(prompt_len)
+        self._prompt_len[request_id] = spec.prompt_len
 
     def update_src_blocks(self, request_id: int, src_blocks: npt.ArrayLike) -> None:
         """The request's source block table so far, for an engine that allocates a prompt's

@@ -27,16 +27,16 @@ every peer (a request of any peer may read the blocks).
 from __future__ import annotations
 
 import threading
-from typing import Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from kvferry._core import BlockRange, TransferLedger
+from kvferry._core import RequestSpec, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
-from kvferry.sender import IntArray, KVSender, TransferRecord
+from kvferry.sender import IntArray, KVSender, TransferRecord, request_spec
 from kvferry.tiers import Signal
 from kvferry.transports.base import Transport
 
@@ -113,24 +113,16 @@ class MultiPeerSender:
             raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed") from None
 
     def add(
-        self,
-        request_id: int,
-        prompt_len: int,
-        *,
-        peer: Hashable,
-        reused_len: int = 0,
-        window: Optional[int] = None,
-        context_only: bool = True,
-        held: Sequence[BlockRange] = (),
-        epoch: int = 0,
+        self, request_id: int, spec: Union[RequestSpec, int, None] = None, *, peer: Hashable, **fields: Any
     ) -> None:
-        """Registers a request bound for ``peer`` (see `KVSender.add`): request ids are
-        unique across peers."""
+        """Registers a request bound for ``peer`` (``spec`` and ``fields`` as in
+        `KVSender.add`): request ids are unique across peers."""
+        spec = request_spec(spec, fields)
         if peer not in self.peers:
             raise InvalidArgumentError(f"invalid peer={peer!r}: not one of this sender's peers ({', '.join(map(repr, self.peers))})")
         if request_id in self._peer_of:
             raise InvalidArgumentError(f"invalid request_id={request_id}: already registered for peer {self._peer_of[request_id]!r}")
-        self.peers[peer].add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only, held=held, epoch=epoch)
+        self.peers[peer].add(request_id, spec)
         self._peer_of[int(request_id)] = peer
 
     def _split(self, request_ids: IntArray, columns: Sequence[tuple[str, IntArray]]) -> list[tuple[Hashable, np.ndarray]]:

@@ -8,7 +8,7 @@ refused whole (nothing is marked arrived), recorded in `refused`, and fails
 the request (its `wait` raises at once instead of at its timeout). A transport that knows
 which sender a notice came from passes it as ``source``: a request then belongs to the first
 sender that announced it (`bind`, or its first notice), a notice from any other sender is
-refused, and `fail_source` fails what a lost sender still owed.
+refused without failing it, and `fail_source` fails what a lost sender still owed.
 
 Leases (docs/faults.md, "Leases, epochs and fences"). `expect` issues each request an epoch,
 1, 2, ... per receiver, never reused; the sender stamps it on every notice. A message of an
@@ -19,15 +19,35 @@ is *fenced*: its sender posted ``revoked(request_id, epoch)`` after its last wri
 sender's connection ended. `release` waits for that (bounded), and asks the sender to cancel
 first when the receiver gives up on its own.
 
+Each request is in one `ReceiverStage` (the record's ``stage``); its error, once it has one, is
+kept apart (a failed request may still be in any stage: `wait` raises it):
+
 ```
-expect -> pending --every block arrived------------------------------> complete (fenced)
-             |  \\--sender's fence / its connection ended------------> fenced: wait raises
-             \\--cancel (or release): notices discarded, sender asked -> ... fenced -> released
+                     every block arrived
+expect -> PENDING --------------------------------------------------> COMPLETE
+           |  |  \\ its sender's connection ended                          ^
+           |  |   `---------------------> ENDED --every block arrived-----'
+           |  |  its sender's fence         |  its sender's fence, or a cancel
+           |  `------------------------.    v
+           |  cancel (or release):      `-> FENCED
+           |  its sender is asked             ^
+           v                                  |
+        CANCELLED --its sender's fence, or its connection ended
+    ENDED, FENCED and COMPLETE are fenced (stage >= ENDED): `release` forgets them at once.
+    CANCELLED and FENCED discard notices; PENDING and ENDED count them (a NIXL notification
+    of a write that finished may arrive after its sender's socket ended).
 ```
+
+What a sender's message (a notice, an announce, a revoke) does is decided in one place
+(`_judge`): an old epoch's is discarded; one for a request that belongs to another sender is
+refused and recorded, and changes nothing of that request (only its own sender may fail it,
+docs/security.md); an epoch never issued is refused and fails the request; a notice for a
+request in a discarding stage is discarded; else it applies.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import deque
@@ -41,7 +61,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError, Tr
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
-__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "Refusal"]
+__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "ReceiverStage", "Refusal"]
 
 # Refused and discarded messages kept for inspection; a sender that keeps sending bad or late
 # ones cannot grow the receiver without bound (``refused_count`` / ``discarded_count`` still
@@ -61,19 +81,37 @@ class LeaseError(InvalidArgumentError):
     (`KVReceiver.expect(..., dst_blocks=...)`): refused whole before it counts."""
 
 
+class ReceiverStage(enum.IntEnum):
+    """Where a request is (the module's diagram). Ordered so that "fenced" (no sender writes
+    its destination blocks any more: they may be released) is one comparison,
+    ``stage >= ReceiverStage.ENDED``."""
+
+    PENDING = 0  # its sender writes; notices count
+    CANCELLED = 1  # the receiver gave up: notices are discarded; its sender is asked to stop
+    ENDED = 2  # its sender's connection ended: nothing more is written; late notices count
+    FENCED = 3  # revoked by its sender, or cancelled and its sender gone: notices are discarded
+    COMPLETE = 4  # every block arrived
+
+    @property
+    def fenced(self) -> bool:
+        return self >= ReceiverStage.ENDED
+
+    @property
+    def discards(self) -> bool:
+        """Whether a notice of the request's current epoch is dropped, not counted."""
+        return self in (ReceiverStage.CANCELLED, ReceiverStage.FENCED)
+
+
 @dataclass
 class _Expected:
     ledger: TransferLedger
     epoch: int
+    stage: ReceiverStage = ReceiverStage.PENDING
     slices: int = 0
     error: Optional[KvFerryError] = None
     arrived_at: Optional[float] = None
     notices: list[Notice] = field(default_factory=list)
     source: Optional[Hashable] = None  # the sender it belongs to, once one announced it
-    cancelled: bool = False  # the receiver gave up: notices are discarded
-    revoked: bool = False  # its sender posted its fence: notices are discarded
-    fenced: bool = False  # no sender writes its blocks any more (complete counts too)
-    asked: bool = False  # its sender was asked to cancel it
     # Blocks that arrive with another request's transfer (in-flight dedup): (owner request,
     # blocks), dropped once they have arrived there.
     awaits: list[tuple[int, BlockRange]] = field(default_factory=list)
@@ -164,8 +202,7 @@ class KVReceiver:
             for owner, _ in awaits:
                 self._dependents.setdefault(owner, set()).add(request_id)
             if ledger.is_complete:  # everything was held: nothing will arrive
-                expected.arrived_at = time.monotonic()
-                expected.fenced = True
+                self._to_complete(expected)
             self._requests[request_id] = expected
             return epoch
 
@@ -189,10 +226,13 @@ class KVReceiver:
     @staticmethod
     def _lease_mismatch(expected: _Expected, notice: Notice, dst_ids: Optional[np.ndarray], source: Optional[Hashable]) -> Optional[str]:
         """Why the blocks a notice's write used are not its lease's, or ``None`` (also when
-        the lease records no blocks, or the notice's range is for the ledger to refuse)."""
+        the lease records no blocks). A range that runs past the lease is a mismatch: its
+        write may have landed in another request's blocks."""
         lease = expected.dst_blocks
-        if lease is None or (dst_ids is None and source is None) or not 0 <= notice.start < notice.end <= len(lease):
+        if lease is None or (dst_ids is None and source is None):
             return None
+        if not 0 <= notice.start < notice.end <= len(lease):
+            return f"covers blocks [{notice.start}, {notice.end}), outside the lease's {len(lease)} blocks"
         want = lease[notice.start : notice.end]
         if dst_ids is None:
             return f"names no destination blocks, and the lease holds {want.tolist()}"
@@ -203,8 +243,8 @@ class KVReceiver:
 
     def lease_admits(self, notice: Notice, dst_ids: np.ndarray) -> bool:
         """Whether the destination blocks ``dst_ids`` are the lease's for the notice's blocks
-        (a lease without recorded blocks admits any); changes nothing. The staging receiver
-        asks this before it copies a notice's blocks from the ring."""
+        (a lease without recorded blocks admits any); changes nothing. `admits` with
+        ``dst_ids`` asks this and the rest in one call."""
         with self._cond:
             expected = self._requests.get(notice.request_id)
             return expected is None or self._lease_mismatch(expected, notice, dst_ids, None) is None
@@ -228,31 +268,53 @@ class KVReceiver:
             return f"epoch {epoch} of request {request_id}, which is now epoch {expected.epoch} (its id was reused)"
         return None
 
-    def _stale_or_fail(self, request_id: int, epoch: int, expected: Optional[_Expected]) -> Optional[str]:
-        """`_stale`, failing a known request whose sender used an epoch never issued."""
+    def _judge(
+        self,
+        kind: str,
+        request_id: int,
+        epoch: int,
+        source: Optional[Hashable],
+        expected: Optional[_Expected],
+        notice: Optional[Notice] = None,
+    ) -> Optional[str]:
+        """The one place that decides what a sender's message (``kind``: ``"notice"``,
+        ``"announce"`` or ``"revoke"``) about a request does (lock held). Returns ``None``: it
+        applies; a reason: it is discarded (the caller records it). Raises if it is refused:
+        a message from a sender other than the one the request belongs to changes nothing of
+        the request (only the connection that holds a request may fail it); an epoch never
+        issued fails it; a notice for a request not expected fails nothing."""
+        foreign = (
+            expected is not None and source is not None and expected.source is not None and expected.source != source
+        )
         try:
-            return self._stale(request_id, epoch, expected)
+            reason = self._stale(request_id, epoch, expected)
         except KvFerryError as err:
-            if expected is not None and expected.error is None:
-                expected.error = err
-                self._cond.notify_all()
+            if expected is not None and not foreign:
+                self._fail_locked(expected, err)
             raise
-
-    def _screen(self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected]) -> Optional[str]:
-        """Why the notice is to be discarded, or ``None``; raises if it is to be refused."""
-        reason = self._stale(notice.request_id, notice.epoch, expected)
         if reason is not None:
             return reason
         if expected is None:
-            raise UnknownRequestError(f"unknown request_id={notice.request_id}: notice {notice} for a request not expected")
-        if expected.cancelled:
-            return f"request {notice.request_id} was cancelled by the receiver"
-        if expected.revoked:
-            return f"request {notice.request_id} was revoked by its sender"
-        if source is not None and expected.source is not None and expected.source != source:
+            if kind == "revoke":
+                return f"request {request_id} was released"
+            if kind == "notice":
+                raise UnknownRequestError(
+                    f"unknown request_id={request_id}: notice {notice} for a request not expected"
+                )
+            self._raise_unknown(request_id)
+        assert expected is not None
+        if kind == "notice" and expected.stage.discards:
+            why = (
+                "was cancelled by the receiver"
+                if expected.stage == ReceiverStage.CANCELLED
+                else "was revoked by its sender, or cancelled after its sender ended"
+            )
+            return f"request {request_id} {why}"
+        if foreign:
+            what = {"notice": f"notice {notice} from", "announce": "announced by", "revoke": "revoked by"}[kind]
             raise TransferError(
-                f"request {notice.request_id}: notice {notice} from {source}, but the request belongs to {expected.source}",
-                request_ids=(notice.request_id,),
+                f"request {request_id}: {what} {source}, but it belongs to {expected.source}",
+                request_ids=(request_id,),
                 peer=str(source),
             )
         return None
@@ -270,7 +332,7 @@ class KVReceiver:
         with self._cond:
             expected = self._requests.get(notice.request_id)
             try:
-                reason = self._screen(notice, source, expected)
+                reason = self._judge("notice", notice.request_id, notice.epoch, source, expected, notice)
             except KvFerryError as err:
                 raise self._refuse(notice, source, expected, err) from None
             if reason is None:
@@ -307,30 +369,69 @@ class KVReceiver:
         expected.notices.append(notice)
         complete = expected.ledger.is_complete
         if complete:
-            expected.arrived_at = time.monotonic()
-            expected.fenced = True
+            self._to_complete(expected)
         # Every arrival: a request awaiting these blocks (in-flight dedup) may be done too.
         self._cond.notify_all()
         return complete
 
-    def admits(self, notice: Notice, source: Optional[Hashable] = None) -> bool:
+    def admits(
+        self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None
+    ) -> bool:
         """Whether `deliver` would take the notice's request and epoch as live (not stale,
-        not cancelled or revoked, from its owner); changes nothing. A transport that applies
-        writes itself (the staging ring) asks this before it copies a notice's blocks."""
+        not cancelled or revoked, from its owner) and, given the destination blocks
+        ``dst_ids`` its write is to use, its whole range as inside the request and its
+        lease; changes nothing. A transport that applies writes itself (the staging ring)
+        asks this before any byte of a notice's blocks moves."""
         with self._cond:
+            expected = self._requests.get(notice.request_id)
             try:
-                return self._screen(notice, source, self._requests.get(notice.request_id)) is None
+                if self._judge("notice", notice.request_id, notice.epoch, source, expected, notice) is not None:
+                    return False
             except KvFerryError:
                 return False
+            assert expected is not None
+            if not 0 <= notice.start < notice.end <= expected.ledger.num_blocks:
+                return False
+            return dst_ids is None or self._lease_mismatch(expected, notice, dst_ids, source) is None
 
     def _refuse(self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected], error: KvFerryError) -> KvFerryError:
-        """Records a refused notice and fails its request; returns the error to raise."""
+        """Records a refused notice and fails its request, unless the notice came from a
+        sender the request does not belong to; returns the error to raise."""
         self._refused.append(Refusal(notice, error, _name(source)))
         self.refused_count += 1
-        if expected is not None and expected.error is None:
-            expected.error = error
-            self._cond.notify_all()
+        if expected is not None and (source is None or expected.source in (None, source)):
+            self._fail_locked(expected, error)
         return error
+
+    def _fail_locked(self, expected: _Expected, error: KvFerryError) -> bool:
+        """Records the request's error unless it has one (lock held); whether it did. The
+        failure bookkeeping: no stage changes here."""
+        if expected.error is not None:
+            return False
+        expected.error = error
+        self._cond.notify_all()
+        return True
+
+    # One transition per edge of the module's diagram (lock held).
+
+    def _to_complete(self, expected: _Expected) -> None:
+        expected.stage = ReceiverStage.COMPLETE
+        expected.arrived_at = time.monotonic()
+
+    def _to_cancelled(self, expected: _Expected) -> None:
+        """PENDING -> CANCELLED, ENDED -> FENCED (a sender that is gone has nothing to stop)."""
+        expected.stage = ReceiverStage.CANCELLED if expected.stage == ReceiverStage.PENDING else ReceiverStage.FENCED
+
+    def _to_ended(self, expected: _Expected) -> None:
+        """PENDING -> ENDED, CANCELLED -> FENCED; a fenced request stays as it is."""
+        if expected.stage == ReceiverStage.PENDING:
+            expected.stage = ReceiverStage.ENDED
+        elif expected.stage == ReceiverStage.CANCELLED:
+            expected.stage = ReceiverStage.FENCED
+
+    def _to_revoked(self, expected: _Expected) -> None:
+        """PENDING, CANCELLED or ENDED -> FENCED."""
+        expected.stage = ReceiverStage.FENCED
 
     def _discard(self, record: Discard) -> None:
         self._discarded.append(record)
@@ -349,21 +450,15 @@ class KVReceiver:
     def bind(self, request_id: int, source: Hashable, epoch: int = 0) -> None:
         """Records that ``source`` will send the request (before its first notice), so that
         losing that sender fails the request at once (`fail_source`). An announce of a stale
-        epoch is discarded. A request another sender already owns is failed and the call
-        raises."""
+        epoch is discarded. For a request another sender already owns the call raises and
+        changes nothing of the request."""
         with self._cond:
             expected = self._requests.get(request_id)
-            reason = self._stale_or_fail(request_id, epoch, expected)
+            reason = self._judge("announce", request_id, epoch, source, expected)
             if reason is not None:
                 self._discard(Discard("announce", request_id, epoch, reason, _name(source)))
                 return
-            expected = self._get(request_id)
-            if expected.source is not None and expected.source != source:
-                err = TransferError(f"request {request_id}: announced by {source}, but it belongs to {expected.source}", request_ids=(request_id,), peer=str(source))
-                if expected.error is None:  # two senders claim it: neither can be trusted with it
-                    expected.error = err
-                    self._cond.notify_all()
-                raise err
+            assert expected is not None
             ask = self._bind_late(expected, source)
         if ask:
             self._ask_cancel(request_id, expected)
@@ -374,35 +469,33 @@ class KVReceiver:
         if source is None or expected.source is not None:
             return False
         expected.source = source
-        return expected.cancelled and not expected.asked
+        return expected.stage == ReceiverStage.CANCELLED  # cancelled while no sender could be asked
 
     def revoked(self, request_id: int, epoch: int, source: Optional[Hashable] = None) -> bool:
         """The fence: the request's sender writes nothing more into its blocks. A request
         not complete fails (its `wait` raises) and may be released at once. A fence of a
         stale epoch, or for a request already released, is discarded; one from a sender the
-        request does not belong to is refused (raised) and fails it. Returns whether the
-        request was fenced by this call."""
+        request does not belong to is refused (raised) and changes nothing. Returns whether
+        the request was fenced by this call."""
         with self._cond:
             expected = self._requests.get(request_id)
-            reason = self._stale_or_fail(request_id, epoch, expected)
-            if reason is None and expected is None:
-                reason = f"request {request_id} was released"
+            reason = self._judge("revoke", request_id, epoch, source, expected)
             if reason is not None:
                 self._discard(Discard("revoke", request_id, epoch, reason, _name(source)))
                 return False
             assert expected is not None
-            if source is not None and expected.source is not None and expected.source != source:
-                err = TransferError(f"request {request_id}: revoked by {source}, but it belongs to {expected.source}", request_ids=(request_id,), peer=str(source))
-                if expected.error is None:
-                    expected.error = err
-                    self._cond.notify_all()
-                raise err
-            if expected.revoked or expected.ledger.is_complete:
+            if expected.stage in (ReceiverStage.FENCED, ReceiverStage.COMPLETE):
                 return False
-            expected.fenced = expected.revoked = True
-            if expected.error is None:
-                who = "its sender" if source is None else str(source)
-                expected.error = TransferError(f"request {request_id}: revoked by {who} before all its blocks arrived", request_ids=(request_id,), peer=_name(source))
+            self._to_revoked(expected)
+            who = "its sender" if source is None else str(source)
+            self._fail_locked(
+                expected,
+                TransferError(
+                    f"request {request_id}: revoked by {who} before all its blocks arrived",
+                    request_ids=(request_id,),
+                    peer=_name(source),
+                ),
+            )
             self._cond.notify_all()
             return True
 
@@ -410,7 +503,12 @@ class KVReceiver:
         """Whether no sender writes the request's destination blocks any more: it completed,
         its sender revoked it, or its sender's connection ended."""
         with self._cond:
-            return self._get(request_id).fenced
+            return self._get(request_id).stage.fenced
+
+    def stage(self, request_id: int) -> ReceiverStage:
+        """The request's current `ReceiverStage`."""
+        with self._cond:
+            return self._get(request_id).stage
 
     def on_cancel(self, handler: CancelHandler) -> Callable[[], None]:
         """Calls ``handler(source, request_id, epoch)`` whenever the receiver gives up on a
@@ -432,14 +530,18 @@ class KVReceiver:
         cancelled it (``False``: complete, revoked or cancelled already)."""
         with self._cond:
             expected = self._get(request_id)
-            if expected.cancelled or expected.revoked or expected.ledger.is_complete:
+            if expected.stage in (ReceiverStage.CANCELLED, ReceiverStage.FENCED, ReceiverStage.COMPLETE):
                 return False
-            expected.cancelled = True
-            if expected.error is None:
-                peer = None if expected.source is None else str(expected.source)
-                expected.error = TransferError(f"request {request_id}: cancelled by the receiver ({reason})", request_ids=(request_id,), peer=peer)
+            self._to_cancelled(expected)
+            peer = None if expected.source is None else str(expected.source)
+            self._fail_locked(
+                expected,
+                TransferError(
+                    f"request {request_id}: cancelled by the receiver ({reason})", request_ids=(request_id,), peer=peer
+                ),
+            )
             self._cond.notify_all()
-            ask = not expected.fenced  # a sender that is gone has nothing to stop
+            ask = expected.stage == ReceiverStage.CANCELLED  # a sender that is gone has nothing to stop
         if ask:
             self._ask_cancel(request_id, expected)
         return True
@@ -448,7 +550,6 @@ class KVReceiver:
         with self._cond:
             # Unbound, only in-process senders hear it: a sender that announces the request
             # later is asked then (`_bind_late`).
-            expected.asked = expected.source is not None
             handlers, source, epoch = list(self._cancel_handlers), expected.source, expected.epoch
         for handler in handlers:
             handler(source, request_id, epoch)
@@ -459,11 +560,9 @@ class KVReceiver:
         request was failed by this call."""
         with self._cond:
             expected = self._requests.get(request_id)
-            if expected is None or expected.error is not None or expected.ledger.is_complete:
+            if expected is None or expected.stage == ReceiverStage.COMPLETE:
                 return False
-            expected.error = error
-            self._cond.notify_all()
-            return True
+            return self._fail_locked(expected, error)
 
     def fence_source(self, source: Hashable) -> list[int]:
         """``source`` can write nothing more (its process is gone, or closed its connection
@@ -472,7 +571,7 @@ class KVReceiver:
         with self._cond:
             owned = sorted(rid for rid, e in self._requests.items() if e.source == source)
             for rid in owned:
-                self._requests[rid].fenced = True
+                self._to_ended(self._requests[rid])
             self._cond.notify_all()
         return owned
 
@@ -581,7 +680,7 @@ class KVReceiver:
         with self._cond:
             while True:
                 expected = self._get(request_id)
-                if expected.fenced:
+                if expected.stage.fenced:
                     self._forget(request_id)
                     return expected.ledger
                 left = None if deadline is None else deadline - time.monotonic()

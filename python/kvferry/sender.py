@@ -26,26 +26,26 @@ request's lease covers its blocks in either pool.
 from __future__ import annotations
 
 import contextlib
-
+import enum
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence, TypedDict
+from typing import Any, Mapping, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from kvferry._core import BlockRange, SlicePlan, TransferBook, TransferLedger
+from kvferry._core import RequestSpec, SlicePlan, TransferBook, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
-from kvferry.transports.base import Transport, TransportFull, kept
+from kvferry.transports.base import Transport, TransportFull, Write, kept
 
-__all__ = ["KVSender", "TransferRecord"]
+__all__ = ["KVSender", "SenderStage", "TransferRecord"]
 
 IntArray = npt.ArrayLike
 # How often the announcer looks at a write whose engine cannot wake it on completion (CUDA).
@@ -65,6 +65,51 @@ class _Tables(TypedDict):
     dst_block_table: IntArray
     src_blocks: int
     dst_blocks: int
+
+
+class SenderStage(enum.IntEnum):
+    """Where a request is on the sender. Ordered (as vLLM's ``RequestStatus``) so that "in
+    the book" (registered: later sends plan it, its source blocks are leased) is one
+    comparison, ``stage <= REVOKED``; from ``DRAINING`` on the request is out of the book and
+    waits only for its queued copies, its fence, or the acknowledgement of its failure.
+
+    ```
+    add -> SENDING --cancel, a failure, the receiver's cancellation--> REVOKED
+              |                                                           |           |
+              | remove                         cancel returns (or remove) |           | failed, and no
+              v                                                           |           v copy reads it
+           DRAINING <-----------------------------------------------------'        SETTLED
+              |  its queued copies posted, its fence (if due) posted                  | remove or cancel
+              v                                                                       v acknowledges it
+          (forgotten) <---------------------------------------------------------------'
+    ```
+    """
+
+    SENDING = 0  # registered: slices are planned, their notices posted
+    REVOKED = 1  # cancelled or failed, still in the book: nothing more is planned, its notices dropped
+    DRAINING = 2  # out of the book (cancel, remove): its queued copies' notices dropped, its fence follows
+    SETTLED = 3  # failed and out of the book (no copy reads it): its error waits for remove or cancel
+
+
+@dataclass
+class _Request:
+    """The sender's one record of a request, from `KVSender.add` until it is forgotten."""
+
+    epoch: int  # the receiver's lease, stamped on every notice and on the fence
+    stage: SenderStage = SenderStage.SENDING
+    next_slice: int = 0
+    # Failure bookkeeping, apart from the stages: the error (kept until remove or cancel
+    # acknowledges it) and, once no copy reads its blocks, its ledger out of the book.
+    error: Optional[TransferError] = None
+    ledger: Optional[TransferLedger] = None
+
+    @property
+    def registered(self) -> bool:
+        return self.stage <= SenderStage.REVOKED
+
+    @property
+    def drops_notices(self) -> bool:
+        return self.stage in (SenderStage.REVOKED, SenderStage.DRAINING)
 
 
 @dataclass
@@ -139,14 +184,12 @@ class KVSender:
         # Tier copies the engine declared (order_after) whose signals have not completed.
         self._ordering = TierOrdering()
         self.engine = engine if engine is not None else engine_for(pool)
-        self._next_slice: dict[int, int] = {}  # registered requests: their next slice id
-        self._epochs: dict[int, int] = {}  # registered requests: the receiver's lease
-        self._inflight: deque[_Job] = deque()
-        # Cancelled requests whose copies may still be queued: their notices are dropped.
-        self._revoked: set[int] = set()
-        # Requests given up before their last notice, with their epochs: each gets its fence
-        # once no unfinished copy touches it.
-        self._unfenced: dict[int, int] = {}
+        # One record per request (`_Request`); the rest below is the sender's, not a request's.
+        self._requests: dict[int, _Request] = {}
+        self._inflight: deque[_Job] = deque()  # the queue of writes, in the order they were queued
+        # The queue of fences: requests given up before their last notice, in the order they
+        # were; each fence is posted once no unfinished copy touches its request.
+        self._fences: dict[int, _Request] = {}
         self.records: Optional[list[TransferRecord]] = [] if record else None
         # The executor thread and the announcer thread share the queue of writes.
         self._lock = threading.RLock()
@@ -154,9 +197,6 @@ class KVSender:
         # posted other requests' writes): each raised by one of the executor's next polls or
         # flushes, oldest first.
         self._deferred: deque[BaseException] = deque()
-        # Failed requests not yet acknowledged by remove/cancel, with their ledgers once no
-        # copy reads their blocks (until then they stay in the book, revoked).
-        self._failed: dict[int, tuple[TransferError, Optional[TransferLedger]]] = {}
         self._lost: Optional[TransferError] = None  # the receiver is gone: nothing can be sent
         self._closing = threading.Event()
         self._wake = threading.Event()  # a write was queued, a request added, or close began
@@ -179,7 +219,7 @@ class KVSender:
         # error, and return as if the write had landed.
         with self._lock:
             try:
-                watching = bool(self._next_slice or self._inflight)
+                watching = bool(self._inflight) or any(r.registered for r in self._requests.values())
                 if watching and time.monotonic() >= next_check:
                     # The receiver's cancellations are taken here too, so that a request it
                     # gave up on gets its fence without waiting for the executor.
@@ -213,50 +253,36 @@ class KVSender:
         if self._deferred:
             raise self._deferred.popleft()
 
-    def add(
-        self,
-        request_id: int,
-        prompt_len: int,
-        *,
-        reused_len: int = 0,
-        window: Optional[int] = None,
-        context_only: bool = True,
-        held: Sequence[BlockRange] = (),
-        epoch: int = 0,
-    ) -> None:
-        """Registers a request and announces it to the receiver. ``held``: blocks the
-        receiver already holds (it advertised them before prefill, by block hash): they count
-        as sent and never cross. ``epoch``: the lease `KVReceiver.expect` issued for the
-        request's destination blocks, stamped on its notices and its fence (0: none given;
-        then a late notice cannot be told from a fresh one). Its source blocks are leased
-        from now on (`leased`). Nothing is registered if any argument is refused or the
-        receiver is gone."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
-            raise TypeError(f"epoch must be an integer, got {type(epoch).__name__} {epoch!r}")
-        if not 0 <= epoch < 2**63:
-            raise InvalidArgumentError(f"invalid epoch={epoch}: must be in [0, 2**63) (0: none issued)")
+    def add(self, request_id: int, spec: Union[RequestSpec, int, None] = None, **fields: Any) -> None:
+        """Registers a request and announces it to the receiver. ``spec``: its `RequestSpec`,
+        or its prompt length with the spec's other fields as keywords (``reused_len``,
+        ``window``, ``context_only``, ``held``, ``epoch``; ``prompt_len`` too). ``held``: blocks the receiver
+        already holds (it advertised them before prefill, by block hash): they count as sent
+        and never cross. ``epoch``: the lease `KVReceiver.expect` issued for the request's
+        destination blocks, stamped on its notices and its fence (0: none given; then a late
+        notice cannot be told from a fresh one). Its source blocks are leased from now on
+        (`leased`). Nothing is registered if any argument is refused or the receiver is gone."""
+        spec = request_spec(spec, fields)
         with self._lock:
             self._check_peer()
             if self._lost is not None:
                 raise self._raising(self._lost)
             self._drain()  # copies of an earlier request with this id may just have finished
-            if request_id in self._revoked or request_id in self._failed:
+            earlier = self._requests.get(request_id)
+            if earlier is not None and earlier.stage != SenderStage.SENDING:  # a registered one: the book refuses it
                 raise InvalidArgumentError(
                     f"invalid request_id={request_id}: its previous transfer is not settled (copies still queued, or its failure not acknowledged)"
                 )
-            self.book.add(request_id, prompt_len, reused_len=reused_len, window=window, context_only=context_only)
+            self.book.add_spec(request_id, spec)  # with its held blocks, all or nothing
             try:
-                if held:
-                    self.book.hold(request_id, held)
-                self.transport.announce([(request_id, int(epoch))])
+                self.transport.announce([(request_id, spec.epoch)])
             except TransferError as err:  # the receiver is gone
                 self.book.remove(request_id)
                 raise self._lose_peer(err) from err
             except BaseException:
                 self.book.remove(request_id)
                 raise
-            self._next_slice[request_id] = 0
-            self._epochs[request_id] = int(epoch)
+            self._requests[int(request_id)] = _Request(spec.epoch)
             self._wake.set()  # the announcer watches for the receiver's cancellations now
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
@@ -329,14 +355,13 @@ class KVSender:
         self._check_peer()
         if self._lost is not None:
             raise self._raising(self._lost)
-        if self._failed:
-            for request_id in np.asarray(request_ids).tolist():
-                if request_id in self._failed:
-                    raise self._failed[request_id][0]
-        if self._revoked:
-            hit = self._revoked.intersection(np.asarray(request_ids).tolist())
-            if hit:
-                raise InvalidArgumentError(f"invalid request_ids: {sorted(hit)} were cancelled")
+        records = [r for r in map(self._requests.get, np.asarray(request_ids).tolist()) if r is not None]
+        for record in records:
+            if record.error is not None:
+                raise record.error
+        hit = sorted(rid for rid in set(np.asarray(request_ids).tolist()) if self._drops(rid))
+        if hit:
+            raise InvalidArgumentError(f"invalid request_ids: {hit} were cancelled")
 
     def _dispatch(self, plan: SlicePlan, kind: str, group: Optional[int] = None) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
@@ -361,9 +386,20 @@ class KVSender:
                 start = blocks.start
                 while start < blocks.end:
                     end = min(blocks.end, start + limit - (hi - lo))
-                    slice_id = self._next_slice[request_id]
-                    self._next_slice[request_id] = slice_id + 1
-                    piece.append(Notice(request_id, slice_id, start, end, last and end == blocks.end, self._epochs[request_id], group or 0, groups))
+                    record = self._requests[request_id]
+                    slice_id, record.next_slice = record.next_slice, record.next_slice + 1
+                    piece.append(
+                        Notice(
+                            request_id,
+                            slice_id,
+                            start,
+                            end,
+                            last and end == blocks.end,
+                            record.epoch,
+                            group or 0,
+                            groups,
+                        )
+                    )
                     hi += end - start
                     start = end
                     if hi - lo == limit:
@@ -401,7 +437,9 @@ class KVSender:
         while True:
             try:
                 submitted = time.monotonic()
-                return self.transport.write(self.engine, self.source, src_ids, dst_ids, notices, after=after, layers=layers), submitted
+                return self.transport.write(
+                    self.engine, Write(self.source, src_ids, dst_ids, notices, after, layers)
+                ), submitted
             except TransportFull as full:
                 left = 30.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
@@ -443,7 +481,7 @@ class KVSender:
             job = self._inflight[0]
             age = time.monotonic() - job.submitted_at
             if age > self.timeout:
-                ids = sorted({n.request_id for n in job.notices} - self._revoked)
+                ids = sorted(rid for rid in {n.request_id for n in job.notices} if not self._drops(rid))
                 if self._abort(job):
                     # A write that can be called off (NIXL to a hung peer): its requests fail
                     # now instead of waiting on a peer that may never answer.
@@ -497,17 +535,17 @@ class KVSender:
             self._check_peer()  # a write fails when its receiver died: then every request fails
             err = TransferError(f"write of requests {ids} failed: {error} (peer: {self._peer_name()})", request_ids=ids, peer=self._peer_name())
             raise self._fail(ids, err) from error
+        revoked = frozenset(rid for rid in ids if self._drops(rid))
         try:
-            self.transport.post(job.notices, frozenset(self._revoked))
+            self.transport.post(job.notices, revoked)
         except TransferError as err:  # the transport lost its receiver
             raise self._lose_peer(err, unposted=ids) from err
         if self.records is not None:
             started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
             self.records.append(TransferRecord(job.kind, job.notices, job.nbytes, job.submitted_at, started, finished))
-        notices = tuple(kept(job.notices, self._revoked))
-        for request_id in {n.request_id for n in job.notices} & self._revoked:
-            if request_id not in self._next_slice and not self.in_flight(request_id):
-                self._revoked.discard(request_id)  # cancelled and no copy left: forget it
+        notices = tuple(kept(job.notices, revoked))
+        for request_id in revoked:
+            self._tidy(request_id)  # cancelled and no copy left: forgotten
         self._settle(ids)
         self._post_fences()
         return notices
@@ -530,13 +568,30 @@ class KVSender:
         ended. Host-tier blocks included: while leased, the tier must not overwrite, evict
         or move them either."""
         with self._lock:
-            return request_id in self._next_slice or self._reading(request_id)
+            record = self._requests.get(request_id)
+            return (record is not None and record.registered) or self._reading(request_id)
 
     def failures(self) -> dict[int, TransferError]:
         """Requests that failed and that `remove` or `cancel` has not acknowledged yet, with
         their errors. Their source blocks are free once `leased` is false for them."""
         with self._lock:
-            return {rid: err for rid, (err, _) in self._failed.items()}
+            return {rid: r.error for rid, r in self._requests.items() if r.error is not None}
+
+    def stage(self, request_id: int) -> SenderStage:
+        """The request's current `SenderStage` (`UnknownRequestError` once it is forgotten)."""
+        with self._lock:
+            return self._record(request_id).stage
+
+    def _record(self, request_id: int) -> _Request:
+        record = self._requests.get(request_id)
+        if record is None:
+            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
+        return record
+
+    def _drops(self, request_id: int) -> bool:
+        """Whether the request's notices are dropped (cancelled or failed: revoked)."""
+        record = self._requests.get(request_id)
+        return record is not None and record.drops_notices
 
     def _peer_name(self) -> str:
         return self.transport.peer
@@ -553,28 +608,32 @@ class KVSender:
             self.transport.check_peer()
         except TransferError as lost:
             raise self._lose_peer(lost) from lost
-        ids = [
-            rid
-            for rid, epoch in self.transport.cancel_requests()
-            if epoch and self._epochs.get(rid) == epoch and rid not in self._failed and rid not in self._revoked
-        ]
+        ids = [rid for rid, epoch in self.transport.cancel_requests() if epoch and self._sending_under(rid, epoch)]
         if ids:
             ids = sorted(set(ids))
             peer = self._peer_name()
             err = TransferError(f"requests {ids} cancelled by the {peer}: revoked, their fences follow their last copies", request_ids=ids, peer=peer)
             self._defer(self._fail(ids, err))
 
+    def _sending_under(self, request_id: int, epoch: int) -> bool:
+        record = self._requests.get(request_id)
+        return record is not None and record.epoch == epoch and record.stage == SenderStage.SENDING
+
     def _post_fences(self) -> None:
         """Posts the fence of every request given up whose copies have all ended."""
-        if self._lost is not None:
-            self._unfenced.clear()  # the receiver is gone: its connection's end is the fence
+        due = list(self._fences.items())
+        if self._lost is not None:  # the receiver is gone: its connection's end is the fence
+            self._fences.clear()
+            for request_id, _ in due:
+                self._tidy(request_id)
             return
-        for request_id, epoch in list(self._unfenced.items()):
+        for request_id, record in due:
             if self._reading(request_id):
                 continue
-            del self._unfenced[request_id]
+            del self._fences[request_id]
+            self._tidy(request_id)
             try:
-                self.transport.revoke(request_id, epoch)
+                self.transport.revoke(request_id, record.epoch)
             except TransferError as err:
                 raise self._lose_peer(err) from err
 
@@ -585,8 +644,12 @@ class KVSender:
         whose notices could not be posted."""
         if self._lost is not None:
             return self._raising(self._lost)
-        ids = sorted(r for r in self._next_slice if r in unposted or self.in_flight(r) or not self.book.is_complete(r))
-        self._unfenced.clear()
+        ids = sorted(
+            r
+            for r, rec in self._requests.items()
+            if rec.registered and (r in unposted or self.in_flight(r) or not self.book.is_complete(r))
+        )
+        self._fences.clear()
         self._lost = TransferError(f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name())
         self._fail(ids, self._lost)
         deadline = time.monotonic() + (self.timeout if self.timeout is not None else LOST_PEER_WAIT_SECONDS)
@@ -603,22 +666,55 @@ class KVSender:
         """Fails requests: revoked at once (no more notices), released from the book once no
         copy reads their blocks. Returns ``error``."""
         for request_id in request_ids:
-            if request_id in self._next_slice and request_id not in self._failed:
-                self.book.cancel(request_id)
-                self._revoked.add(request_id)
-                self._unfenced[request_id] = self._epochs[request_id]
-                self._failed[request_id] = (error, None)
+            record = self._requests.get(request_id)
+            if record is not None and record.registered and record.error is None:
+                self._to_revoked(request_id, record)
+                record.error = error
         self._settle(request_ids)
         return error
+
+    # The edges of `SenderStage`'s diagram, one method each; `_leave_book` is the clean-up
+    # that settle, cancel and remove share, `_tidy` forgets what has nothing left to do.
+
+    def _to_revoked(self, request_id: int, record: _Request) -> None:
+        """SENDING -> REVOKED: nothing more is planned; its fence is due once its copies end."""
+        self.book.cancel(request_id)
+        record.stage = SenderStage.REVOKED
+        self._fences[request_id] = record
+
+    def _leave_book(self, request_id: int, record: _Request) -> TransferLedger:
+        """REVOKED or SENDING -> SETTLED (failed) or DRAINING: out of the book; returns its
+        ledger. Then the fences that are due are posted, and the record forgotten if nothing
+        is left to do for it."""
+        ledger = self.book.remove(request_id)
+        if record.error is not None:
+            record.stage, record.ledger = SenderStage.SETTLED, ledger
+        else:
+            record.stage = SenderStage.DRAINING
+            if not ledger.is_complete:
+                self._fences.setdefault(request_id, record)
+        self._post_fences()
+        self._tidy(request_id)
+        return ledger
+
+    def _tidy(self, request_id: int) -> None:
+        """Forgets a request out of the book with no copy queued and no fence due (a failed
+        one waits for its acknowledgement)."""
+        record = self._requests.get(request_id)
+        if (
+            record is not None
+            and record.stage == SenderStage.DRAINING
+            and request_id not in self._fences
+            and not self.in_flight(request_id)
+        ):
+            del self._requests[request_id]
 
     def _settle(self, request_ids: list[int]) -> None:
         """Releases the book entries of failed requests that no copy reads any more."""
         for request_id in request_ids:
-            failed = self._failed.get(request_id)
-            if failed is not None and failed[1] is None and not self.in_flight(request_id):
-                self._failed[request_id] = (failed[0], self.book.remove(request_id))
-                del self._next_slice[request_id], self._epochs[request_id]
-                self._revoked.discard(request_id)
+            record = self._requests.get(request_id)
+            if record is not None and record.error is not None and record.registered and not self.in_flight(request_id):
+                self._leave_book(request_id, record)
         self._post_fences()
 
     def _abort(self, job: _Job) -> bool:
@@ -649,11 +745,14 @@ class KVSender:
         """Forgets a failed request whose copies are all done; returns its ledger."""
         self._drain()
         self._settle([request_id])
-        error, ledger = self._failed[request_id]
-        if ledger is None:
-            raise InvalidArgumentError(f"invalid request_id={request_id}: failed ({error}), but copies reading its blocks are still in flight")
-        del self._failed[request_id]
-        return ledger
+        record = self._requests[request_id]
+        if record.ledger is None:
+            raise InvalidArgumentError(
+                f"invalid request_id={request_id}: failed ({record.error}), "
+                "but copies reading its blocks are still in flight"
+            )
+        del self._requests[request_id]  # SETTLED -> forgotten
+        return record.ledger
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> TransferLedger:
         """Revokes a request: nothing more is planned or announced for it. Waits up to
@@ -665,25 +764,24 @@ class KVSender:
             return self._cancel(request_id, timeout)
 
     def _cancel(self, request_id: int, timeout: Optional[float]) -> TransferLedger:
-        if request_id in self._failed:
+        record = self._registered(request_id)
+        if record.error is not None:
             self._wait_for(request_id, timeout)
             return self._acknowledge(request_id)
-        if request_id not in self._next_slice:
-            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
-        if request_id not in self._revoked:  # not a second call after a timeout
-            self.book.cancel(request_id)
-            self._revoked.add(request_id)
-            self._unfenced[request_id] = self._epochs[request_id]
+        if record.stage == SenderStage.SENDING:  # not a second call after a timeout
+            self._to_revoked(request_id, record)
         self._wait_for(request_id, timeout)
         self._drain()
-        if request_id in self._failed:  # one of the writes just drained failed it
+        if record.error is not None:  # one of the writes just drained failed it
             return self._acknowledge(request_id)
-        if not self.in_flight(request_id):
-            self._revoked.discard(request_id)
-        del self._next_slice[request_id], self._epochs[request_id]
-        ledger = self.book.remove(request_id)
-        self._post_fences()  # its copies ended: the receiver may reuse its blocks
-        return ledger
+        return self._leave_book(request_id, record)  # its copies ended: the receiver may reuse its blocks
+
+    def _registered(self, request_id: int) -> _Request:
+        """The record of a request in the book, or of a failure not yet acknowledged."""
+        record = self._requests.get(request_id)
+        if record is None or not (record.registered or record.error is not None):
+            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
+        return record
 
     def _wait_for(self, request_id: int, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -704,19 +802,12 @@ class KVSender:
 
     def _remove(self, request_id: int) -> TransferLedger:
         self._drain()
-        if request_id in self._failed:
+        record = self._registered(request_id)
+        if record.error is not None:
             return self._acknowledge(request_id)
-        if request_id not in self._next_slice:
-            raise UnknownRequestError(f"unknown request_id={request_id}: never added or already removed")
         if self.in_flight(request_id):
             raise InvalidArgumentError(f"invalid request_id={request_id}: copies still in flight (flush or wait first)")
-        del self._next_slice[request_id]
-        epoch = self._epochs.pop(request_id)
-        ledger = self.book.remove(request_id)
-        if not ledger.is_complete:
-            self._unfenced[request_id] = epoch
-            self._post_fences()
-        return ledger
+        return self._leave_book(request_id, record)  # an incomplete one gets its fence
 
     def close(self) -> None:
         """Finishes queued copies (within the sender's timeout, if it has one), posts the
@@ -748,9 +839,11 @@ class KVSender:
         would not)."""
         if self._lost is not None:
             return
-        for request_id, epoch in self._epochs.items():
-            if request_id in self._revoked or self.in_flight(request_id) or not self.book.is_complete(request_id):
-                self._unfenced.setdefault(request_id, epoch)
+        for request_id, record in self._requests.items():
+            if record.registered and (
+                record.drops_notices or self.in_flight(request_id) or not self.book.is_complete(request_id)
+            ):
+                self._fences.setdefault(request_id, record)
         try:
             self._post_fences()
         except TransferError:
@@ -780,6 +873,16 @@ def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, clos
             wake.wait(PROGRESS_SECONDS)
         else:
             wake.wait(PEER_CHECK_SECONDS if watching else None)
+
+
+def request_spec(spec: Union[RequestSpec, int, None], fields: Mapping[str, Any]) -> RequestSpec:
+    """``spec`` itself, or (the keyword form every ``add`` also takes) a `RequestSpec` of
+    prompt length ``spec`` (or ``fields["prompt_len"]``) and the other fields in ``fields``."""
+    if isinstance(spec, RequestSpec):
+        if fields:
+            raise TypeError(f"spec is a RequestSpec already: {', '.join(sorted(fields))} cannot be given again")
+        return spec
+    return RequestSpec(**fields) if spec is None else RequestSpec(spec, **fields)
 
 
 def as_table(rows: list[np.ndarray], width: int) -> np.ndarray:

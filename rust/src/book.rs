@@ -9,7 +9,7 @@ use crate::plan::{check_tokens_per_block, Prompt};
 use crate::range::BlockRange;
 
 /// What the book needs to know about a request when it arrives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RequestSpec {
     /// Prompt length in tokens.
     pub prompt_len: i64,

@@ -14,6 +14,7 @@ carries the notices with the write.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import AbstractSet, Optional, Sequence
 
 import numpy as np
@@ -25,12 +26,28 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, source_layers, source_parts
 
-__all__ = ["Transport", "TransportFull", "kept"]
+__all__ = ["Transport", "TransportFull", "Write", "kept"]
 
 
 class TransportFull(KvFerryError):
     """The transport has no room for a write until earlier writes are posted and the
     receiver releases them (a bounded staging ring, say). Nothing was queued."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write, as the sender hands it to `Transport.write`: copy blocks ``src_ids`` of
+    ``src`` (a pool, or a device pool and its host tier behind one id space:
+    kvferry.tiers) into blocks ``dst_ids`` of the receiver's pool, after every signal in
+    ``after``, in layers ``[lo, hi)`` only when ``layers`` is given (a layer slice);
+    ``notices`` describe it (a transport that carries them with the write uses them)."""
+
+    src: Source
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    notices: Sequence[Notice]
+    after: Sequence[Signal] = ()
+    layers: Optional[tuple[int, int]] = None
 
 
 class Transport(ABC):
@@ -71,33 +88,22 @@ class Transport(ABC):
         """Refuses, before anything is sent, a source this transport cannot read (a NIXL
         transport reads only the pools it registered). Copy-based transports read any."""
 
-    def write(
-        self,
-        engine: CopyEngine,
-        src: Source,
-        src_ids: np.ndarray,
-        dst_ids: np.ndarray,
-        notices: Sequence[Notice],
-        *,
-        after: Sequence[Signal] = (),
-        layers: Optional[tuple[int, int]] = None,
-    ) -> Pending:
-        """Queues the copy of blocks ``src_ids`` of ``src`` (a pool, or a device pool and its
-        host tier behind one id space: kvferry.tiers) into blocks ``dst_ids`` of the
-        receiver's pool, after every signal in ``after``, in layers ``[lo, hi)`` only when
-        ``layers`` is given (a layer slice); ``notices`` describe it (a transport that
-        carries them with the write uses them here). One write is one job: its notices are
+    def write(self, engine: CopyEngine, job: Write) -> Pending:
+        """Queues ``job`` (`Write`) on ``engine``. One write is one job: its notices are
         posted once every part of it landed."""
-        src, dst = source_layers(src, layers), self.dst if layers is None else self.dst.layer_slice(*layers)
+        layers, after = job.layers, job.after
+        src, dst = source_layers(job.src, layers), self.dst if layers is None else self.dst.layer_slice(*layers)
         if isinstance(src, PagedKV):
-            return engine.submit(src, dst, src_ids, dst_ids, after=after)
-        parts = source_parts(src, src_ids, dst_ids)
+            return engine.submit(src, dst, job.src_ids, job.dst_ids, after=after)
+        parts = source_parts(src, job.src_ids, job.dst_ids)
 
         def copy() -> None:
             for part in parts:
                 copy_blocks(part.pool, dst, part.src_ids, part.dst_ids)
 
-        return engine.submit_call(copy, after=after, nbytes=len(src_ids) * src.device.block_bytes * src.device.num_layers)
+        return engine.submit_call(
+            copy, after=after, nbytes=len(job.src_ids) * src.device.block_bytes * src.device.num_layers
+        )
 
     @abstractmethod
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:

@@ -50,8 +50,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
-from kvferry.tiers import Signal, Source
-from kvferry.transports.base import Transport, kept
+from kvferry.transports.base import Transport, Write, kept
 from kvferry.transports import wire
 from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
 
@@ -243,12 +242,12 @@ class LocalEndpoint:
             for request_id, epoch in value:
                 try:
                     self.receiver.bind(request_id, peer.source, epoch)
-                except KvFerryError as err:  # recorded; a conflicting bind failed the request
+                except KvFerryError as err:  # recorded; a conflicting bind changes nothing
                     self._record(err)
         elif kind == "revoke":
             try:
                 self.receiver.revoked(value[0], value[1], peer.source)
-            except KvFerryError as err:  # recorded; another sender's fence failed the request
+            except KvFerryError as err:  # recorded; another sender's fence changes nothing
                 self._record(err)
         elif kind == "notices":
             notices, dst_ids = value
@@ -461,19 +460,9 @@ class LocalTransport(Transport):
         once instead of at their timeout."""
         self._send("announce", [(int(r), int(e)) for r, e in requests])
 
-    def write(
-        self,
-        engine: CopyEngine,
-        src: Source,
-        src_ids: np.ndarray,
-        dst_ids: np.ndarray,
-        notices: Sequence[Notice],
-        *,
-        after: Sequence[Signal] = (),
-        layers: Optional[tuple[int, int]] = None,
-    ) -> Pending:
-        pending = super().write(engine, src, src_ids, dst_ids, notices, after=after, layers=layers)
-        self._written.append(np.array(dst_ids, dtype=np.int64).reshape(-1))
+    def write(self, engine: CopyEngine, job: Write) -> Pending:
+        pending = super().write(engine, job)
+        self._written.append(np.array(job.dst_ids, dtype=np.int64).reshape(-1))
         return pending
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:

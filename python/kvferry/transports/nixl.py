@@ -52,7 +52,7 @@ from kvferry.transports.local import LocalEndpoint, PeerConnection, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
-from kvferry.transports.base import Transport
+from kvferry.transports.base import Transport, Write
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
@@ -438,21 +438,12 @@ class NixlTransport(Transport):
         elif src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
 
-    def write(
-        self,
-        engine: CopyEngine,
-        src: Source,
-        src_ids: np.ndarray,
-        dst_ids: np.ndarray,
-        notices: Sequence[Notice],
-        *,
-        after: Sequence[Signal] = (),
-        layers: Optional[tuple[int, int]] = None,
-    ) -> Pending:
+    def write(self, engine: CopyEngine, job: Write) -> Pending:
+        src, notices = job.src, job.notices
         self.check_source(src)
-        s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
+        s, d = packed_ids(job.src_ids, job.dst_ids, src.num_blocks, self._remote_blocks)
         pool = self._src
-        layers = (0, pool.num_layers) if layers is None else layers
+        layers = (0, pool.num_layers) if job.layers is None else job.layers
         segments = pool.segments
         # Per local descriptor list: the rows each part reads there, and where they go.
         lists: dict[int, tuple[Any, list[np.ndarray], list[np.ndarray]]] = {}
@@ -479,7 +470,7 @@ class NixlTransport(Transport):
                 handles.append(self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message))
         except Exception as err:  # a receiver already gone: the write fails, not the caller
             return _XferPending(self.agent, handles, [], self.peer, failure=err)
-        ready: list[Signal] = list(after)
+        ready: list[Signal] = list(job.after)
         if pool.device.type == "cuda":
             import torch
 

@@ -43,8 +43,8 @@ from kvferry.transports.local import LocalEndpoint, LocalTransport, pool_hello
 from kvferry.notice import Notice, NoticeTuple
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool
-from kvferry.tiers import Signal, Source, source_layers, source_parts
-from kvferry.transports.base import TransportFull, kept
+from kvferry.tiers import source_layers, source_parts
+from kvferry.transports.base import TransportFull, Write, kept
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
 
@@ -251,8 +251,11 @@ class StagingEndpoint(LocalEndpoint):
         source = self.current_source()
         named = dst_ids  # what the sender said it wrote, for the receiver's lease check
         bounds = np.concatenate([[0], np.cumsum(lengths)])
-        leased = [self.receiver.lease_admits(notice, dst_ids[bounds[i] : bounds[i + 1]]) for i, notice in enumerate(notices)]
-        admitted = [ok and self.receiver.admits(notice, source) for ok, notice in zip(leased, notices)]
+        # Each notice's whole range is checked against its request and its lease before any
+        # byte moves: a range past the lease must not reach another request's blocks.
+        admitted = [
+            self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]]) for i, n in enumerate(notices)
+        ]
         if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
@@ -368,24 +371,15 @@ class StagingTransport(LocalTransport):
         self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
 
-    def write(
-        self,
-        engine: CopyEngine,
-        src: Source,
-        src_ids: np.ndarray,
-        dst_ids: np.ndarray,
-        notices: Sequence[Notice],
-        *,
-        after: Sequence[Signal] = (),
-        layers: Optional[tuple[int, int]] = None,
-    ) -> Pending:
+    def write(self, engine: CopyEngine, job: Write) -> Pending:
         """Stages the blocks into ring slots in the write's order. A host-tier source's two
         parts are gathered into one buffer on the device pool's device (host blocks read in
         place through the tier's CUDA view on CUDA), then staged together. A layer slice
         fills those layers of its slots only (the rest of them stay unused: slots are whole
         blocks, so the ring's accounting stays one slot per block)."""
+        src, layers = job.src, job.layers
         src.check_compatible(self._geometry)
-        s, d = packed_ids(src_ids, dst_ids, src.num_blocks, self._remote_blocks)
+        s, d = packed_ids(job.src_ids, job.dst_ids, src.num_blocks, self._remote_blocks)
         parts = source_parts(source_layers(src, layers), s, d)
         lo, skipped = self._reserve(s.size)
         ring = self.dst if layers is None else self.dst.layer_slice(*layers)
@@ -413,7 +407,7 @@ class StagingTransport(LocalTransport):
 
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
-        return engine.submit_call(stage, after=after, nbytes=n * int(self._geometry["num_layers"]) * int(self._geometry["segments"]) * int(self._geometry["segment_bytes"]))
+        return engine.submit_call(stage, after=job.after, nbytes=n * int(self._geometry["num_layers"]) * int(self._geometry["segments"]) * int(self._geometry["segment_bytes"]))
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.

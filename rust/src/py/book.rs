@@ -8,6 +8,7 @@ use super::errors::{fence, type_error};
 use super::ledger::PyTransferLedger;
 use super::pairs::{BorrowedTables, PySlicePlan};
 use super::range::PyBlockRange;
+use super::spec::PyRequestSpec;
 use crate::book::{RequestSpec, SlicePlan, TransferBook};
 use crate::error::CoreError;
 use crate::pairs::{BlockPairs, BlockTable};
@@ -55,14 +56,8 @@ impl Pools {
 }
 
 /// A sequence of `BlockRange`s, refused by name otherwise.
-fn held_ranges(obj: &Bound<'_, PyAny>) -> PyResult<Vec<crate::range::BlockRange>> {
-    let not_ranges = || {
-        type_error(
-            "ranges",
-            "a sequence of BlockRange",
-            args::kind_and_value(obj),
-        )
-    };
+pub fn held_ranges(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<crate::range::BlockRange>> {
+    let not_ranges = || type_error(name, "a sequence of BlockRange", args::kind_and_value(obj));
     let mut out = Vec::new();
     for item in obj.try_iter().map_err(|_| not_ranges())? {
         let item = item?;
@@ -186,6 +181,24 @@ impl PyTransferBook {
         fence(|| Ok(self.0.add(request_id, spec)?))
     }
 
+    /// Registers a request from its `RequestSpec`, with the blocks it holds: all or nothing
+    /// (a refused ``held`` leaves the request out of the book).
+    fn add_spec(
+        &mut self,
+        #[pyo3(from_py_with = args::request_id)] request_id: i64,
+        spec: &Bound<'_, PyRequestSpec>,
+    ) -> PyResult<()> {
+        let spec = spec.get();
+        fence(|| {
+            self.0.add(request_id, spec.spec)?;
+            if let Err(err) = self.0.hold(request_id, &spec.held) {
+                self.0.remove(request_id)?;
+                return Err(err.into());
+            }
+            Ok(())
+        })
+    }
+
     /// Records blocks the generation worker already holds for a request (advertised before
     /// prefill): they count as sent and every slice skips them. All or nothing.
     fn hold(
@@ -193,7 +206,7 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::request_id)] request_id: i64,
         ranges: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ranges = held_ranges(ranges)?;
+        let ranges = held_ranges(ranges, "ranges")?;
         fence(|| Ok(self.0.hold(request_id, &ranges)?))
     }
 

@@ -11,6 +11,7 @@ mod ledger;
 mod pairs;
 mod planner;
 mod range;
+mod spec;
 mod wire;
 
 /// `kvferry._core`: the compiled planner. Import it through `kvferry`.
@@ -20,6 +21,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<range::PyBlockRange>()?;
     m.add_class::<ledger::PyTransferLedger>()?;
     m.add_class::<book::PyTransferBook>()?;
+    m.add_class::<spec::PyRequestSpec>()?;
     m.add_class::<pairs::PySlicePlan>()?;
     m.add_class::<pairs::PyBlockPairs>()?;
     m.add_class::<pairs::PyBlockRuns>()?;
