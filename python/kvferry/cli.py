@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
     proxy.set_defaults(func=_cmd_proxy)
 
+    tr = sub.add_parser("trace", help="merge both servers' trace files (kv_connector_extra_config trace) into one timeline per transfer")
+    tr.add_argument("files", nargs="+", metavar="FILE", help="trace files (or server logs holding trace lines) of the prefill and decode servers")
+    tr.add_argument("--transfer", action="append", default=None, metavar="ID", help="only this transfer (repeatable; default: every transfer)")
+    tr.add_argument("--png", default="kvferry-trace.png", metavar="PATH", help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
+    tr.set_defaults(func=_cmd_trace)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
@@ -333,6 +339,20 @@ def _port(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
     return value
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from kvferry import trace
+
+    timelines = trace.merge(trace.read(args.files), args.transfer)
+    if not timelines:
+        print(f"kvferry trace: no trace lines{' of ' + ', '.join(args.transfer) if args.transfer else ''} in {', '.join(args.files)}", file=sys.stderr)
+        return 1
+    print(trace.format_timelines(timelines), end="")
+    if args.png:
+        trace.draw(timelines, args.png)
+        print(f"timeline: {args.png}")
+    return 0
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
