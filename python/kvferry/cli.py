@@ -203,6 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
     proxy.set_defaults(func=_cmd_proxy)
 
+    doc = sub.add_parser("doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON (for bug reports; schema in docs/integration.md)")
+    doc.add_argument("--authkey-file", default=None, metavar="PATH", help="the session key file the servers use (default: the per-user default file)")
+    doc.add_argument("--no-ucx", action="store_true", help="skip UCX's put probes (a child process, a few seconds)")
+    doc.add_argument("--peer", default=None, metavar="URL", help="also handshake with and send a small bit-exact transfer to the probe at URL (kvferry doctor --serve)")
+    doc.add_argument("--serve", action="store_true", help="serve probes for --peer (until interrupted) instead of reporting")
+    doc.add_argument("--listen", default="tcp://127.0.0.1:0", metavar="URL", help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
+    doc.add_argument("--advertise", default=None, metavar="HOST", help="--serve: the host a wildcard --listen is reached by (default: none)")
+    doc.add_argument("--transport", default="staging", choices=("staging", "nixl"), help="--serve: how the probe's blocks move")
+    doc.set_defaults(func=_cmd_doctor)
+
     tr = sub.add_parser("trace", help="merge both servers' trace files (kv_connector_extra_config trace) into one timeline per transfer")
     tr.add_argument("files", nargs="+", metavar="FILE", help="trace files (or server logs holding trace lines) of the prefill and decode servers")
     tr.add_argument("--transfer", action="append", default=None, metavar="ID", help="only this transfer (repeatable; default: every transfer)")
@@ -339,6 +350,22 @@ def _port(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
     return value
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from kvferry import doctor
+
+    if args.serve:
+        try:
+            doctor.serve_probes(listen=args.listen, advertise=args.advertise, transport=args.transport, authkey_file=args.authkey_file)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    r = doctor.report(authkey_file=args.authkey_file, ucx_puts=not args.no_ucx)
+    if args.peer is not None:
+        r["peer"] = doctor.probe_peer(args.peer, authkey_file=args.authkey_file)
+    print(json.dumps(r, indent=2) if args.json else doctor.format_report(r), end="\n" if args.json else "")
+    return 1 if "peer" in r and not r["peer"]["ok"] else 0
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

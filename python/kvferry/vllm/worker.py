@@ -223,8 +223,8 @@ class WorkerSide:
         for c in self._chunks:
             st = self._send[c.req_id]
             assert st.peer is not None
-            self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
             self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
+            self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
             if c.end == st.spec.prompt_len:
                 st.forward_done = time.monotonic()
         self._chunks = []
