@@ -45,7 +45,15 @@ def test_report_tells_this_machine(key: Path, monkeypatch: pytest.MonkeyPatch) -
     assert lim["memlock_soft"] == (None if memlock[0] == resource.RLIM_INFINITY else memlock[0])
     st = os.statvfs("/dev/shm")
     assert lim["shm_bytes"] == st.f_frsize * st.f_blocks
-    assert r["authkey"] == {"path": str(key), "source": "authkey_file", "exists": True, "mode": "0600", "owner_uid": os.geteuid(), "ok": True, "reason": None}
+    assert r["authkey"] == {
+        "path": str(key),
+        "source": "authkey_file",
+        "exists": True,
+        "mode": "0600",
+        "owner_uid": os.geteuid(),
+        "ok": True,
+        "reason": None,
+    }
     text = doctor.format_report(r)
     assert f"kvferry {kvferry.__version__}" in text and f"session key (authkey_file): {key}, mode 0600" in text
 
@@ -55,9 +63,15 @@ def test_a_refused_transport_gives_registry_checks_words(monkeypatch: pytest.Mon
     rows = {t["name"]: t for t in doctor.report(ucx_puts=False)["transports"]}
     with pytest.raises(InvalidArgumentError) as refused:
         registry.check("cuda-ipc", device="cpu")
-    assert rows["cuda-ipc"]["runs"] == [] and rows["cuda-ipc"]["reason"] == f"{refused.value} (no CUDA device visible (test))"
+    assert (
+        rows["cuda-ipc"]["runs"] == []
+        and rows["cuda-ipc"]["reason"] == f"{refused.value} (no CUDA device visible (test))"
+    )
     assert rows["shm"] == {"name": "shm", "devices": ["cpu"], "reach": "on one host", "runs": ["cpu"], "reason": None}
-    assert rows["staging"]["runs"] == ["cpu"] and rows["staging"]["reason"] == "not for cuda pools: no CUDA device visible (test)"
+    assert (
+        rows["staging"]["runs"] == ["cpu"]
+        and rows["staging"]["reason"] == "not for cuda pools: no CUDA device visible (test)"
+    )
 
 
 def test_key_problems_are_named_and_nothing_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,7 +97,9 @@ def test_ucx_answers_which_transport_carries_a_host_put(monkeypatch: pytest.Monk
     assert ucx["present"] and ucx["version"] and ucx["version"][0].isdigit()
     put = ucx["puts"]["host_to_host"]
     assert put["bit_exact"] is True and put["transports"] and all("/" in t for t in put["transports"]), put
-    assert put["protocol"].startswith("remote memory write by ucp_put") and put["protocol"].endswith("from host memory to host")
+    assert put["protocol"].startswith("remote memory write by ucp_put") and put["protocol"].endswith(
+        "from host memory to host"
+    )
     assert ucx["puts"]["vram_to_vram"] == {"reason": "not asked: no CUDA device visible (test)"}
 
 
@@ -96,8 +112,14 @@ def probe(key: Path) -> Iterator[str]:
 
     def serve() -> None:
         try:
-            doctor.serve_probes(listen="tcp://127.0.0.1:0", advertise=None, transport="staging", authkey_file=str(key), count=1,
-                                ready=lambda a: (where.append(a), ready.set()))  # fmt: skip
+            doctor.serve_probes(
+                listen="tcp://127.0.0.1:0",
+                advertise=None,
+                transport="staging",
+                authkey_file=str(key),
+                count=1,
+                ready=lambda a: (where.append(a), ready.set()),
+            )
         except BaseException as err:  # shown by the test
             errors.append(err)
             ready.set()
@@ -111,8 +133,22 @@ def probe(key: Path) -> Iterator[str]:
 
 
 def test_peer_handshake_and_bit_exact_transfer_through_the_cli(probe: str, key: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "doctor", "--json", "--no-ucx", "--peer", probe, "--authkey-file", str(key)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cli",
+            "doctor",
+            "--json",
+            "--no-ucx",
+            "--peer",
+            probe,
+            "--authkey-file",
+            str(key),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
     assert set(r) == TOP | {"peer"}

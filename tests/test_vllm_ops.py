@@ -46,7 +46,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with testbed.Testbed(tiny, root / "bed", prefill, decode, proxy_connector="kvferry", engine=engine) as bed:
         rng = random.Random(11)
         system = [rng.randrange(3, 500) for _ in range(96)]
-        assert testbed.call(bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}).status == 200
+        assert (
+            testbed.call(
+                bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}
+            ).status
+            == 200
+        )
         prompt = system + [rng.randrange(3, 500) for _ in range(100)]
         for _ in range(TURNS):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -80,7 +85,9 @@ def test_trace_merges_both_servers_into_one_timeline_per_transfer(run: Any) -> N
         assert stages[0] == "plan" and stages[-1] == "freed" and stages.count("tail_landed") == 1, stages
         assert [r["stage"] for r in d] == ["plan", "tail_landed", "freed"], d
         chunks = [r for r in p if r["stage"] == "chunk_issued"]
-        assert [c["chunk"] for c in chunks] == list(range(1, len(chunks) + 1)) and len(chunks) >= (2 if n == 0 else 1), chunks
+        assert [c["chunk"] for c in chunks] == list(range(1, len(chunks) + 1)) and len(chunks) >= (
+            2 if n == 0 else 1
+        ), chunks
         # Two layer groups: the last chunk left group 1 then group 2.
         assert sorted({(r["group"], r["groups"]) for r in p if r["stage"] == "layer_landed"}) == [(0, 2), (1, 2)], p
         if n == 0:  # decode-cold: the prefix left before the first forward
@@ -101,15 +108,25 @@ def test_trace_merges_both_servers_into_one_timeline_per_transfer(run: Any) -> N
 def test_kvferry_trace_cli_prints_and_draws_the_timelines(run: Any) -> None:
     png = run["root"] / "trace.png"
     paths = [str(p) for p in run["traces"]]
-    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "trace", *paths, "--png", str(png)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "trace", *paths, "--png", str(png)], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     ids = [tl.transfer for tl in trace.merge(trace.read(paths))]
     heads = [line for line in done.stdout.splitlines() if line.startswith("transfer ")]
-    assert [h.split()[1] for h in heads] == ids and all("prefill tail_landed, decode tail_landed" in h for h in heads), done.stdout
+    assert [h.split()[1] for h in heads] == ids and all(
+        "prefill tail_landed, decode tail_landed" in h for h in heads
+    ), done.stdout
     assert re.search(r"\+\s*\d+\.\d\d ms  decode   tail_landed   every block arrived", done.stdout), done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    one = subprocess.run([sys.executable, "-m", "kvferry.cli", "trace", *paths, "--transfer", ids[1], "--png", ""], capture_output=True, text=True)
-    assert one.returncode == 0 and [line.split()[1] for line in one.stdout.splitlines() if line.startswith("transfer ")] == [ids[1]]
+    one = subprocess.run(
+        [sys.executable, "-m", "kvferry.cli", "trace", *paths, "--transfer", ids[1], "--png", ""],
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0 and [
+        line.split()[1] for line in one.stdout.splitlines() if line.startswith("transfer ")
+    ] == [ids[1]]
 
 
 def _panel_metrics() -> dict[str, set[str]]:
@@ -151,7 +168,19 @@ def test_dashboard_is_grafana_json_over_kvferry_and_vllm_metrics() -> None:
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"]) and panel["targets"], panel["title"]
         assert all(t["refId"] and t["expr"] for t in panel["targets"])
     used = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in set().union(*_panel_metrics().values())}
-    wanted = {f"vllm:kvferry_{n}" for n in ("early_bytes", "chunk_bytes", "layer_bytes", "hidden_fraction", "held_blocks",
-                                            "transfer_seconds", "recv_seconds", "transfers", "failures")}
+    wanted = {
+        f"vllm:kvferry_{n}"
+        for n in (
+            "early_bytes",
+            "chunk_bytes",
+            "layer_bytes",
+            "hidden_fraction",
+            "held_blocks",
+            "transfer_seconds",
+            "recv_seconds",
+            "transfers",
+            "failures",
+        )
+    }
     wanted |= {"vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds", "vllm:num_requests_waiting"}
     assert wanted <= used, sorted(wanted - used)

