@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser(
         "doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)"
     )
-    doc.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/integration.md)")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/operations.md)")
     doc.add_argument("--authkey-file", default=None, metavar="PATH",
                      help="the session key file the servers use (default: the per-user default file)")
     doc.add_argument("--no-ucx", action="store_true", help="skip UCX's put probes (a child process, a few seconds)")
@@ -290,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--decode-netns", default=None, metavar="NAME", help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)")
     vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
     vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
+    vllm.add_argument("--scrape", default=None, metavar="PATH",
+                      help="append every server's /metrics, sampled every 2 s, to PATH as JSON lines, for "
+                           "python -m kvferry.bench.dashboard (default: not sampled)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
@@ -450,6 +453,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         decode_netns=args.decode_netns,
         decode_host=args.decode_host,
         prefill_host=args.prefill_host,
+        scrape=args.scrape,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
     print(format_vllm_bench(result))
