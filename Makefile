@@ -132,7 +132,8 @@ wheel: $(STAMP) ## build the abi3 manylinux_2_28 wheels (x86_64; aarch64 where r
 	rm -f dist/kvferry-*.whl
 	for arch in $(WHEEL_ARCHS); do \
 		target=$$arch-unknown-linux-gnu; \
-		if ! rustup target list --installed 2>/dev/null | grep -qx $$target && ! rustup target add $$target; then \
+		if [ $$arch != $$(uname -m) ] && ! rustup target list --installed 2>/dev/null | grep -qx $$target \
+				&& ! rustup target add $$target; then \
 			echo "wheel: skipping $$arch: rustup has no $$target standard library and cannot add it"; continue; \
 		fi; \
 		SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) maturin build --release --quiet --zig --compatibility $(WHEEL_TAG) --target $$target --out dist || exit 1; \

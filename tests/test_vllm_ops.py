@@ -23,6 +23,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not importable (make
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "docs" / "grafana" / "kvferry.json"
 TURNS = 2
+LONE = "lone-decode-half"
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             answer = testbed.call(bed.url, "/v1/completions", body)
             assert answer.status == 200 and len(answer.token_ids) == 4, answer.body
             prompt = prompt + answer.token_ids + [rng.randrange(3, 500) for _ in range(40)]
+        # A decode half whose prefill half never comes: it fails at its own 1 s timeout.
+        alone = {"kvferry": {"op": "recv", "transfer": LONE, "timeout_s": 1}}
+        lone = {"model": "tiny", "prompt": system, "max_tokens": 1, "kv_transfer_params": alone}
+        testbed.call(bed.decodes[0].url, "/v1/completions", lone)
 
         def published() -> bool:  # vLLM ships connector stats with a later stats record
             return _value(bed.prefills[0].metrics(), "vllm:kvferry_transfers_total") >= TURNS
 
         wait_until(published, "the prefill server's stats of both transfers")
+        failed = lambda: _value(bed.decodes[0].metrics(), "vllm:kvferry_failures_total") >= 1  # noqa: E731
+        wait_until(failed, "the decode server's failure count")
         yield {"traces": traces, "metrics": [s.metrics() for s in bed.servers()], "root": root}
 
 
@@ -74,7 +81,7 @@ def _value(text: str, name: str) -> float:
 def test_trace_merges_both_servers_into_one_timeline_per_transfer(run: Any) -> None:
     prefill_rows, decode_rows = trace.read([str(run["traces"][0])]), trace.read([str(run["traces"][1])])
     assert {r["side"] for r in prefill_rows} == {"prefill"} and {r["side"] for r in decode_rows} == {"decode"}
-    timelines = trace.merge(prefill_rows + decode_rows)
+    timelines = [tl for tl in trace.merge(prefill_rows + decode_rows) if tl.transfer != LONE]
     assert len(timelines) == TURNS
     for n, tl in enumerate(timelines):
         assert tl.sides == {"prefill", "decode"}, tl.rows
@@ -105,6 +112,15 @@ def test_trace_merges_both_servers_into_one_timeline_per_transfer(run: Any) -> N
 
 
 @needs_vllm
+def test_trace_tells_a_failed_transfers_reason(run: Any) -> None:
+    (lone,) = trace.merge(trace.read([str(p) for p in run["traces"]]), [LONE])
+    stages = [(r["side"], r["stage"]) for r in lone.rows]
+    assert stages == [("decode", "plan"), ("decode", "failed"), ("decode", "freed")], lone.rows
+    assert lone.rows[1]["reason"] == "its blocks did not all arrive within 1.0 s" and lone.ended("decode") == "failed"
+    assert "FAILED: its blocks did not all arrive within 1.0 s" in trace.format_timelines([lone])
+
+
+@needs_vllm
 def test_kvferry_trace_cli_prints_and_draws_the_timelines(run: Any) -> None:
     png = run["root"] / "trace.png"
     paths = [str(p) for p in run["traces"]]
@@ -114,9 +130,8 @@ def test_kvferry_trace_cli_prints_and_draws_the_timelines(run: Any) -> None:
     assert done.returncode == 0, done.stderr
     ids = [tl.transfer for tl in trace.merge(trace.read(paths))]
     heads = [line for line in done.stdout.splitlines() if line.startswith("transfer ")]
-    assert [h.split()[1] for h in heads] == ids and all(
-        "prefill tail_landed, decode tail_landed" in h for h in heads
-    ), done.stdout
+    assert [h.split()[1] for h in heads] == ids, done.stdout
+    assert all(("prefill tail_landed, decode tail_landed" in h) != (LONE in h) for h in heads), done.stdout
     assert re.search(r"\+\s*\d+\.\d\d ms  decode   tail_landed   every block arrived", done.stdout), done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     one = subprocess.run(
@@ -155,7 +170,27 @@ def test_every_dashboard_metric_is_on_a_real_servers_metrics(run: Any) -> None:
 
     reasons = set(re.findall(r'^vllm:kvferry_failures_total\{[^}]*reason="([a-z_]+)"', text, re.M))
     assert reasons == set(FAILURE_REASONS)
-    assert _value(text, "vllm:kvferry_failures_total") == 0
+    # The one failure of the run: the lone decode half's timeout, on the decode server.
+    decode = run["metrics"][1]
+    assert _value(decode, "vllm:kvferry_failures_total") == 1 == _value(text, "vllm:kvferry_failures_total")
+    assert re.search(r'^vllm:kvferry_failures_total\{[^}]*reason="timeout"[^}]*\} 1\.0$', decode, re.M), decode
+
+
+@needs_vllm
+def test_failure_reasons_from_kvferrys_error_words() -> None:
+    from kvferry.vllm.stats import failure_reason
+
+    for text, reason in [
+        ("its blocks did not all arrive within 60.0 s", "timeout"),
+        ("the decode request was aborted", "aborted"),
+        ("preempted by the prefill engine (its blocks were freed): the transfer is given up", "preempted"),
+        ("the prefill side gave up: cannot send to the decode server: connection lost", "peer_gave_up"),
+        ("authentication failed with the rendezvous: the two servers hold different keys", "authentication"),
+        ("cannot send to the decode server: cannot reach the decode server's rendezvous at 'x'", "peer_lost"),
+        ("request refused: the prompt differs from the decode half's", "refused"),
+        ("something new", "other"),
+    ]:
+        assert failure_reason(text) == reason, text
 
 
 def test_dashboard_is_grafana_json_over_kvferry_and_vllm_metrics() -> None:
