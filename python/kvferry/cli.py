@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
     vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
     vllm.add_argument("--scrape", default=None, metavar="PATH",
-                      help="append every server's /metrics, sampled every 2 s, to PATH as JSON lines, for "
+                      help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
                            "python -m kvferry.bench.dashboard (default: not sampled)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 

@@ -220,12 +220,9 @@ def _put_tables(lines: list[str]) -> list[tuple[str, list[tuple[str, str, str]]]
 
 def _ucx(cuda: dict[str, Any], with_puts: bool) -> dict[str, Any]:
     if importlib.util.find_spec("nixl") is None:
-        return {
-            "present": False,
-            "version": None,
-            "reason": "nixl (which bundles UCX) is not installed: pip install 'kvferry[nixl]'",
-            "puts": {},
-        }
+        why = "nixl (which bundles UCX) is not installed: pip install 'kvferry[nixl]'"
+        puts = {kind: {"reason": f"not asked: {why}"} for kind in ("host_to_host", "vram_to_vram")} if with_puts else {}
+        return {"present": False, "version": None, "reason": why, "puts": puts}
     libs = [d for d in ("nixl_cu12.libs", "nixl_cu13.libs") if importlib.util.find_spec(d.split(".")[0]) is not None]
     version = None
     for lib in libs:
@@ -372,7 +369,7 @@ def format_report(r: dict[str, Any]) -> str:
     u = r["ucx"]
     if not u["present"]:
         out.append(f"UCX: {u['reason']}")
-    for kind, put in u["puts"].items():
+    for kind, put in u["puts"].items() if u["present"] else ():
         label = {"host_to_host": "host-to-host put", "vram_to_vram": "VRAM-to-VRAM put"}[kind]
         if "reason" in put:
             out.append(f"UCX {label}: {put['reason']}")

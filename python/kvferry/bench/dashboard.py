@@ -56,7 +56,7 @@ class Scraper:
     ``path`` as JSON lines ``{"t", "config", "server", "text"}``, in a thread; a context
     manager. A sampler, as Prometheus is: what it records does not steer the run."""
 
-    def __init__(self, servers: Sequence[Any], path: Optional[str], config: str, interval_s: float = 2.0) -> None:
+    def __init__(self, servers: Sequence[Any], path: Optional[str], config: str, interval_s: float = 1.0) -> None:
         self.servers, self.path, self.config, self.interval_s = list(servers), path, config, interval_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -90,12 +90,15 @@ class Scraper:
 
 
 def load(path: str) -> list[dict[str, Any]]:
-    """The scrape file's samples, each with its parsed series (an ``instance`` label added)."""
+    """The scrape file's samples, each with its parsed series. Each server of each
+    configuration is a target of its own (``instance`` = config/server): a configuration's
+    servers are new processes, their counters start again from 0."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             series = parse_metrics(row.pop("text"))
+            row["server"] = f"{row['config']}/{row['server']}"
             row["series"] = {(n, tuple(sorted((*ls, ("instance", row["server"]))))): v for (n, ls), v in series.items()}
             rows.append(row)
     return rows
@@ -166,10 +169,16 @@ class _Parser:
         return ("series", head)
 
 
+def _live(samples: Sequence[dict[str, Any]], i: int) -> list[dict[str, Any]]:
+    """Samples up to ``i`` of the targets still running then: those of sample ``i``'s
+    configuration (an earlier configuration's servers have stopped: their series are stale)."""
+    return [row for row in samples[: i + 1] if row["config"] == samples[i]["config"]]
+
+
 def _instant(samples: Sequence[dict[str, Any]], i: int, name: str) -> Vector:
     """The newest value of each series called ``name`` at sample time ``i`` (each target's own)."""
     latest: dict[str, dict[Labels, float]] = {}
-    for row in samples[: i + 1]:
+    for row in _live(samples, i):
         latest[row["server"]] = {ls: v for (n, ls), v in row["series"].items() if n == name}
     return {ls: v for per in latest.values() for ls, v in per.items()}
 
@@ -177,7 +186,7 @@ def _instant(samples: Sequence[dict[str, Any]], i: int, name: str) -> Vector:
 def _rate(samples: Sequence[dict[str, Any]], i: int, name: str) -> Vector:
     out: Vector = {}
     by_server: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in samples[: i + 1]:
+    for row in _live(samples, i):
         by_server[row["server"]].append(row)
     for rows in by_server.values():
         window = rows[-RATE_SAMPLES:]
@@ -252,16 +261,21 @@ def render(dashboard: dict[str, Any], samples: list[dict[str, Any]], path: str, 
     import matplotlib.pyplot as plt
 
     samples = sorted(samples, key=lambda r: r["t"])
-    t0 = samples[0]["t"]
     panels = dashboard["panels"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels) // 8
     fig, axes = plt.subplots(rows, 2, figsize=(13, 2.9 * rows), squeeze=False)
+    # Each configuration's samples on one axis, one after the other: the time its servers took
+    # to start (no samples) is left out, and no line joins two configurations.
     spans: list[tuple[str, float, float]] = []
+    x_of: list[float] = []
     for row in samples:
         if not spans or spans[-1][0] != row["config"]:
-            spans.append((row["config"], row["t"] - t0, row["t"] - t0))
-        else:
-            spans[-1] = (spans[-1][0], spans[-1][1], row["t"] - t0)
+            start = spans[-1][2] + 2.0 if spans else 0.0
+            spans.append((row["config"], start, start))
+            first = row["t"]
+        x = spans[-1][1] + row["t"] - first
+        spans[-1] = (spans[-1][0], spans[-1][1], x)
+        x_of.append(x)
     scale = {"Bps": (1 / 2**20, "MiB/s"), "s": (1e3, "ms"), "percentunit": (1.0, "fraction"), "reqps": (1.0, "per s")}
     for panel in panels:
         ax = axes[panel["gridPos"]["y"] // 8][panel["gridPos"]["x"] // 12]
@@ -269,22 +283,26 @@ def render(dashboard: dict[str, Any], samples: list[dict[str, Any]], path: str, 
         for target in panel["targets"]:
             lines: dict[Labels, list[tuple[float, float]]] = defaultdict(list)
             for i, row in enumerate(samples):
+                if i and row["config"] != samples[i - 1]["config"]:
+                    for points in lines.values():
+                        points.append((x_of[i], math.nan))  # a break between configurations
                 for ls, value in evaluate(target["expr"], samples, i).items():
-                    lines[ls].append((row["t"] - t0, value * factor))
+                    lines[ls].append((x_of[i], value * factor))
             for ls, points in sorted(lines.items()):
                 label = re.sub(r"\{\{(\w+)\}\}", lambda m: dict(ls).get(m.group(1), ""), target["legendFormat"])
                 if all(math.isnan(y) or y == 0 for _, y in points) and "{{" in target["legendFormat"]:
                     continue  # a zero failure reason: not drawn, as Grafana hides a flat-zero series on request
                 ax.plot([x for x, _ in points], [y for _, y in points], label=label, linewidth=1.2)
         for n, (name, a, b) in enumerate(spans):
-            ax.axvspan(a, b, color="#000000", alpha=0.04 if n % 2 else 0.0)
-        ax.set_title(panel["title"], fontsize=8)
+            ax.axvspan(a, b, color="#000000", alpha=0.05 if n % 2 else 0.0)
+            ax.text((a + b) / 2, 1.0, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=6)
+        ax.set_title(panel["title"], fontsize=8, pad=12)
         ax.set_ylabel(unit, fontsize=7)
         ax.tick_params(labelsize=7)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="upper left", frameon=False)
     for ax in axes[-1]:
-        ax.set_xlabel("s since the first scrape; shaded bands: " + ", ".join(s[0] for s in spans), fontsize=7)
+        ax.set_xlabel("s of each configuration's run (its servers' start left out), one after the other", fontsize=7)
     fig.suptitle(title or dashboard["title"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
