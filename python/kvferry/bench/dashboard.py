@@ -111,7 +111,7 @@ Vector = dict[Labels, float]
 
 class _Parser:
     def __init__(self, expr: str) -> None:
-        self.tokens = re.findall(r'[a-zA-Z_:][a-zA-Z0-9_:]*|\d+(?:\.\d+)?|\{[^}]*\}|\[[^\]]*\]|[(),/]', expr)
+        self.tokens = re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*|\d+(?:\.\d+)?|\{[^}]*\}|\[[^\]]*\]|[(),/]", expr)
         self.i = 0
 
     def peek(self) -> Optional[str]:
@@ -312,7 +312,9 @@ def render(dashboard: dict[str, Any], samples: list[dict[str, Any]], path: str, 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.bench.dashboard", description=__doc__.split("\n\n")[0])
     parser.add_argument("scrapes", help="the scrape file of a run (kvferry bench vllm --scrape FILE)")
-    parser.add_argument("--dashboard", default=str(DASHBOARD), help="the dashboard JSON (default: docs/grafana/kvferry.json)")
+    parser.add_argument(
+        "--dashboard", default=str(DASHBOARD), help="the dashboard JSON (default: docs/grafana/kvferry.json)"
+    )
     parser.add_argument("--png", default="dashboard.png", help="where the picture goes (default: %(default)s)")
     parser.add_argument("--title", default="", help="the picture's title (default: the dashboard's)")
     args = parser.parse_args(argv)
