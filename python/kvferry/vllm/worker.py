@@ -496,8 +496,8 @@ class WorkerSide:
                         recving.add(rid)
                         self._outcomes.append(Outcome(st.spec.transfer, "done"))
                         arrived = -(-st.spec.prompt_len // self.block_size) - st.spec.held_blocks
-                        layer_bytes = self.receiver.pool.block_bytes * self.receiver.pool.num_layers
-                        self.trace.ended("decode", st.spec.transfer, rid, nbytes=arrived * layer_bytes)
+                        all_layers = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # one block's bytes
+                        self.trace.ended("decode", st.spec.transfer, rid, nbytes=arrived * all_layers)
                         continue
             if not self._release(st, now):
                 continue
