@@ -511,14 +511,11 @@ def serve_probes(
         return endpoints[sender].url
 
     rdv = rendezvous.Rendezvous(key, endpoint_for, listen=listen, advertise=advertise)
-    (
-        ready
-        or (
-            lambda a: print(
-                f"kvferry doctor: probe endpoint ({transport}) at {a}; kvferry doctor --peer {a}", flush=True
-            )
-        )
-    )(rdv.address)
+    if ready is not None:
+        ready(rdv.address)
+    else:
+        at = rdv.address
+        print(f"kvferry doctor: probe endpoint ({transport}) at {at}; kvferry doctor --peer {at}", flush=True)
     blocks = np.arange(PROBE["blocks"], dtype=np.int64)
     prompt = PROBE["blocks"] * PROBE["tokens_per_block"]
     n = 0
