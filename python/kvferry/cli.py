@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
     doc.add_argument("--advertise", default=None, metavar="HOST",
                      help="--serve: the host a wildcard --listen is reached by (default: none)")
-    doc.add_argument("--transport", default="staging", choices=("staging", "nixl"), help="--serve: how blocks move")
+    from kvferry.doctor import PROBE_TRANSPORTS
+
+    doc.add_argument("--transport", default="staging", choices=PROBE_TRANSPORTS, help="--serve: how blocks move")
     doc.set_defaults(func=_cmd_doctor)
 
     tr = sub.add_parser("trace", help="merge both servers' trace files into one timeline per transfer (docs/vllm.md)")

