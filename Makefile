@@ -34,7 +34,7 @@ VLLM_SKIP := torch torchvision torchaudio torchcodec
 # kvferry itself goes in as a .pth to this tree's python/ (like an editable install: `make build`
 # puts the abi3 _core there), so the servers the tests start load the connector from the tree.
 
-.PHONY: help setup build demo test test-rust test-python stubtest lint fmt fuzz bench bench-rust bench-python wheel clean setup-vllm test-vllm
+.PHONY: help setup build demo test test-rust test-python stubtest lint fmt fuzz bench bench-rust bench-python wheel wheel-check clean setup-vllm test-vllm
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -119,8 +119,28 @@ bench-python: build ## pytest-benchmark of one scheduler step through Python, an
 	$(PY) -m pytest benches/python --benchmark-only -p no:cacheprovider
 	$(PY) benches/python/step_report.py
 
-wheel: $(STAMP) ## build the abi3 wheel into dist/
-	maturin build --release --out dist
+# The wheels people install into serving images: abi3 (CPython >= 3.9), linked by zig (the
+# ziglang wheel, requirements-dev.txt) against glibc 2.28's symbols, so one wheel per
+# architecture installs on RHEL 8, Ubuntu 20.04 and newer. aarch64 (Grace, GH200) is built
+# where rustup has, or can add, its standard library; else it is skipped, said so. The wheel's
+# timestamps are the last commit's (SOURCE_DATE_EPOCH): the same tree gives the same bytes.
+WHEEL_TAG := manylinux_2_28
+WHEEL_ARCHS ?= x86_64 aarch64
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 315532800)
+
+wheel: $(STAMP) ## build the abi3 manylinux_2_28 wheels (x86_64; aarch64 where rustup has its target) into dist/
+	rm -f dist/kvferry-*.whl
+	for arch in $(WHEEL_ARCHS); do \
+		target=$$arch-unknown-linux-gnu; \
+		if [ $$arch != $$(uname -m) ] && ! rustup target list --installed 2>/dev/null | grep -qx $$target \
+				&& ! rustup target add $$target; then \
+			echo "wheel: skipping $$arch: rustup has no $$target standard library and cannot add it"; continue; \
+		fi; \
+		SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) maturin build --release --quiet --zig --compatibility $(WHEEL_TAG) --target $$target --out dist || exit 1; \
+	done
+
+wheel-check: wheel ## check each wheel's tag and GLIBC symbol versions (auditwheel + ELF), install it in a fresh venv, run kvferry plan
+	$(PY) .ci/check-wheel $(WHEEL_TAG) dist/kvferry-*.whl
 
 clean: ## remove build outputs (keeps .venv)
 	cargo clean

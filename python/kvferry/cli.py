@@ -204,6 +204,34 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
     proxy.set_defaults(func=_cmd_proxy)
 
+    doc = sub.add_parser(
+        "doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)"
+    )
+    doc.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/operations.md)")
+    doc.add_argument("--authkey-file", default=None, metavar="PATH",
+                     help="the session key file the servers use (default: the per-user default file)")
+    doc.add_argument("--no-ucx", action="store_true", help="skip UCX's put probes (a child process, a few seconds)")
+    doc.add_argument("--peer", default=None, metavar="URL",
+                     help="also handshake with, and send a small bit-exact transfer to, the probe at URL")
+    doc.add_argument("--serve", action="store_true", help="serve probes for --peer (until interrupted); no report")
+    doc.add_argument("--listen", default="tcp://127.0.0.1:0", metavar="URL",
+                     help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
+    doc.add_argument("--advertise", default=None, metavar="HOST",
+                     help="--serve: the host a wildcard --listen is reached by (default: none)")
+    from kvferry.doctor import PROBE_TRANSPORTS
+
+    doc.add_argument("--transport", default="staging", choices=PROBE_TRANSPORTS, help="--serve: how blocks move")
+    doc.set_defaults(func=_cmd_doctor)
+
+    tr = sub.add_parser("trace", help="merge both servers' trace files into one timeline per transfer (docs/vllm.md)")
+    tr.add_argument("files", nargs="+", metavar="FILE",
+                    help="the servers' trace files (kv_connector_extra_config trace), or logs holding trace lines")
+    tr.add_argument("--transfer", action="append", default=None, metavar="ID",
+                    help="only this transfer (repeatable; default: every transfer)")
+    tr.add_argument("--png", default="kvferry-trace.png", metavar="PATH",
+                    help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
+    tr.set_defaults(func=_cmd_trace)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
@@ -256,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--decode-netns", default=None, metavar="NAME", help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)")
     vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
     vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
+    vllm.add_argument("--scrape", default=None, metavar="PATH",
+                      help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
+                           "python -m kvferry.bench.dashboard (default: not sampled)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
@@ -347,6 +378,39 @@ def _port(text: str) -> int:
     return value
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from kvferry import doctor
+
+    if args.serve:
+        try:
+            doctor.serve_probes(
+                listen=args.listen, advertise=args.advertise, transport=args.transport, authkey_file=args.authkey_file
+            )
+        except KeyboardInterrupt:
+            pass
+        return 0
+    r = doctor.report(authkey_file=args.authkey_file, ucx_puts=not args.no_ucx)
+    if args.peer is not None:
+        r["peer"] = doctor.probe_peer(args.peer, authkey_file=args.authkey_file)
+    print(json.dumps(r, indent=2) if args.json else doctor.format_report(r), end="\n" if args.json else "")
+    return 1 if "peer" in r and not r["peer"]["ok"] else 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from kvferry import trace
+
+    timelines = trace.merge(trace.read(args.files), args.transfer)
+    if not timelines:
+        which = f" of {', '.join(args.transfer)}" if args.transfer else ""
+        print(f"kvferry trace: no trace lines{which} in {', '.join(args.files)}", file=sys.stderr)
+        return 1
+    print(trace.format_timelines(timelines), end="")
+    if args.png:
+        trace.draw(timelines, args.png)
+        print(f"timeline: {args.png}")
+    return 0
+
+
 def _cmd_proxy(args: argparse.Namespace) -> int:
     try:
         from kvferry.vllm.proxy import serve
@@ -400,6 +464,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         decode_netns=args.decode_netns,
         decode_host=args.decode_host,
         prefill_host=args.prefill_host,
+        scrape=args.scrape,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
     print(format_vllm_bench(result))

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from kvferry.bench.dashboard import Scraper
 from kvferry.bench.util import percentile, stderr_progress
 from kvferry.geometry import VLLM_BENCH_MODEL, Geometry
 
@@ -103,6 +104,7 @@ class VllmBenchConfig:
     decode_netns: Optional[str] = None  # the decode server's network namespace (another host)
     decode_host: str = "127.0.0.1"  # its address there
     prefill_host: str = "127.0.0.1"  # the prefill server's address (this process's namespace)
+    scrape: Optional[str] = None  # append every server's /metrics, sampled during the run, here (bench/dashboard.py)
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -325,7 +327,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             warm = testbed.call(bed.url, "/v1/completions", _body([5] * 100, 2, stream=False))
             if warm.status != 200:
                 raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
-            figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
+            with Scraper(bed.servers(), cfg.scrape, conf.name):
+                figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
             leaks = [s.kv_blocks()[0] for s in bed.servers()]
             hellos = getattr(bed.proxy.proxy.flow, "hellos", None) if bed.proxy is not None else None
         result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, "aware": conf.aware, **figures, "kv_blocks_left": leaks, "hellos": hellos}

@@ -44,6 +44,7 @@ class ConnectorConfig:
     rendezvous_dir: Optional[str] = None  # where the decode side's sockets live (else: a fresh 0700 dir)
     listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
     advertise: Optional[str] = None  # the host a wildcard tcp:// bind is reached by
+    trace: Optional[str] = None  # a file each transfer's stages go to, one JSON line each (kvferry.trace); unset: off
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -57,7 +58,7 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = getattr(cls, name)
-            if name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise"):
+            if name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif isinstance(default, bool):

@@ -10,7 +10,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "HISTOGRAMS", "KvferryPromMetrics", "KvferryStats", "Tally"]
+__all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "KvferryPromMetrics", "KvferryStats", "Tally", "failure_reason"]
 
 # name -> help; each becomes the counter vllm:kvferry_<name>_total.
 COUNTERS = {
@@ -29,6 +29,25 @@ HISTOGRAMS = {
     "recv_seconds": ("Seconds from a decode request's blocks being expected to their arrival.", (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)),
 }
 
+# The counter vllm:kvferry_failures_total{reason=...}: transfers that failed on either side, by
+# the kind of their error (`failure_reason`), each label made at start so a rate starts at 0.
+FAILURE_REASONS = ("timeout", "aborted", "preempted", "peer_lost", "peer_gave_up", "authentication", "refused", "other")
+_REASON_WORDS = (  # first match wins: the words kvferry's errors say for each kind
+    ("authentication", ("authentication", "different keys")),
+    ("preempted", ("preempted",)),
+    ("aborted", ("aborted",)),
+    ("peer_gave_up", ("gave up", "abandoned")),
+    ("timeout", ("timed out", "within", "timeout")),
+    ("peer_lost", ("cannot reach", "went away", "lost", "closed", "cannot send", "connection")),
+    ("refused", ("refused", "invalid", "cannot expect", "differ")),
+)
+
+
+def failure_reason(text: str) -> str:
+    """The `FAILURE_REASONS` label of a failed transfer's error text."""
+    low = text.lower()
+    return next((label for label, words in _REASON_WORDS if any(w in low for w in words)), "other")
+
 
 class Tally:
     """Counters and observations since the last `take`."""
@@ -45,6 +64,12 @@ class Tally:
         if value:
             self.counts[name] = self.counts.get(name, 0) + int(value)
             self.totals[name] = self.totals.get(name, 0) + int(value)
+
+    def fail(self, reason: str) -> None:
+        """One failed transfer, counted under its reason's label (`failure_reason`)."""
+        key = f"failures/{failure_reason(reason)}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.totals[key] = self.totals.get(key, 0) + 1
 
     def observe(self, name: str, value: float) -> None:
         assert name in HISTOGRAMS, name
@@ -100,11 +125,23 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             )
             for name, (doc, buckets) in HISTOGRAMS.items()
         }
+        failures = self._counter_cls(
+            name="vllm:kvferry_failures",
+            documentation="Transfers that failed (either side), by the kind of their error.",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.failures = {
+            (idx, reason): failures.labels(*values, reason)
+            for idx, values in per_engine_labelvalues.items()
+            for reason in FAILURE_REASONS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counts", {}).items():
             if name in self.counters:
                 self.counters[name][engine_idx].inc(value)
+            elif name.startswith("failures/") and (engine_idx, name[9:]) in self.failures:
+                self.failures[(engine_idx, name[9:])].inc(value)
         for name, values in transfer_stats_data.get("observed", {}).items():
             if name in self.histograms:
                 for value in values:

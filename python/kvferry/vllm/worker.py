@@ -35,6 +35,7 @@ from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
+from kvferry.trace import Tracer
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
 from kvferry.vllm.config import ConnectorConfig
@@ -104,6 +105,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.role = role
         self.engine = secrets.token_hex(8)
+        self.trace = Tracer(config.trace, engine=self.engine)  # one JSON line per stage, when on
         self.pool: Optional[PagedKV] = None
         self.layer_of: dict[str, int] = {}
         self.tally = Tally()
@@ -202,6 +204,8 @@ class WorkerSide:
             self._call(st, peer.hook.update_src_blocks, st.kv_id, c.src_blocks[: st.blocks])
             if not st.early_done:
                 st.early_done = True
+                reused_blocks = st.spec.reused_len // self.block_size
+                self.trace.event("prefill", "early_issued", st.spec.transfer, c.req_id, blocks=reused_blocks)
                 self._call(st, peer.hook.before_forward, [st.kv_id])
 
     def save_layer(self, layer_name: str) -> None:
@@ -219,6 +223,7 @@ class WorkerSide:
         for c in self._chunks:
             st = self._send[c.req_id]
             assert st.peer is not None
+            self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
             self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
             if c.end == st.spec.prompt_len:
                 st.forward_done = time.monotonic()
@@ -279,6 +284,8 @@ class WorkerSide:
             )
             st.added = True
             self.tally.add("held_blocks", int(dest["held_blocks"]))
+            self.trace.event("prefill", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
+                             reused=spec.reused_len, blocks=st.blocks, held=int(dest["held_blocks"]))
         except KvFerryError as err:
             st.error = f"cannot send to the decode server: {err}"
             logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, st.error)
@@ -352,6 +359,8 @@ class WorkerSide:
                 lo, hi = (0, self.pool.num_layers) if notice.groups == 1 else self.pool.group_layers(notice.group, notice.groups)
                 nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
                 st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
+                self.trace.write("prefill", st.spec.transfer, st.spec.req_id, rec.kind, notice, nbytes,
+                                 rec.submitted, rec.finished)
                 self.tally.add({"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes)
 
     def _settle_send(self, st: _Send) -> bool:
@@ -359,6 +368,8 @@ class WorkerSide:
         may then free them)."""
         if not st.added or st.peer is None:
             self._outcomes.append(Outcome(st.spec.transfer, "failed", st.error or "it never started sending"))
+            self.trace.ended("prefill", st.spec.transfer, st.spec.req_id, st.error or "it never started sending")
+            self.tally.fail(st.error or "it never started sending")
             return True
         hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
         if st.error is None and kv in sender.failures():
@@ -375,6 +386,8 @@ class WorkerSide:
             self.tally.add("failed_transfers", 1)
             logger.warning("kvferry: prefill request %s (transfer %s) released without completing: %s", st.spec.req_id, st.spec.transfer, st.error)
             self._outcomes.append(Outcome(st.spec.transfer, "failed", st.error))
+            self.trace.ended("prefill", st.spec.transfer, st.spec.req_id, st.error)
+            self.tally.fail(st.error)
             return True
         if sender.in_flight(kv):
             return False
@@ -384,6 +397,9 @@ class WorkerSide:
         hook.finish(kv)
         self._observe(st)
         self._outcomes.append(Outcome(st.spec.transfer, "done"))
+        last = max((w[2] for w in st.writes), default=time.monotonic())
+        self.trace.ended("prefill", st.spec.transfer, st.spec.req_id, nbytes=sum(w[3] for w in st.writes),
+                         t=self.trace.wall(last))
         return True
 
     def _observe(self, st: _Send) -> None:
@@ -436,6 +452,8 @@ class WorkerSide:
             self._fail_next[spec.req_id] = (spec.transfer, str(err))
             return
         self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
+        self.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
+                         reused=spec.held_blocks * self.block_size, blocks=len(blocks), held=spec.held_blocks)
 
     def _settle_recvs(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving, failed = set(), set()
@@ -445,6 +463,8 @@ class WorkerSide:
             failed.add(rid)
             if transfer is not None:
                 self._outcomes.append(Outcome(transfer, "failed", reason))
+                self.trace.ended("decode", transfer, rid, reason)
+            self.tally.fail(reason)
         self._fail_next.clear()
         if self.receiver is None or self.rendezvous is None:
             return recving, failed
@@ -475,12 +495,17 @@ class WorkerSide:
                         del self._recv[rid]
                         recving.add(rid)
                         self._outcomes.append(Outcome(st.spec.transfer, "done"))
+                        arrived = -(-st.spec.prompt_len // self.block_size) - st.spec.held_blocks
+                        all_layers = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # one block's bytes
+                        self.trace.ended("decode", st.spec.transfer, rid, nbytes=arrived * all_layers)
                         continue
             if not self._release(st, now):
                 continue
             del self._recv[rid]
             recving.add(rid)
             self._outcomes.append(Outcome(st.spec.transfer, "aborted" if st.aborted else "failed", st.giving_up))
+            self.trace.ended("decode", st.spec.transfer, rid, st.giving_up or "given up")
+            self.tally.fail(st.giving_up or "given up")
             if not st.aborted:
                 failed.add(rid)
                 logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
@@ -552,3 +577,4 @@ class WorkerSide:
             endpoint.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
+        self.trace.close()
