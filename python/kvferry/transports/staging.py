@@ -49,12 +49,13 @@ from kvferry.transports.base import TransportFull, kept
 __all__ = ["StagingEndpoint", "StagingTransport"]
 
 # A write's two PCIe legs (device-to-host here, host-to-device at the receiver) run one after
-# the other, so cutting plans into smaller writes lets the receiver take in one while the next
-# is staged. Measured on one H200 shared by both processes (docs/benchmarks.md), 256 MiB writes
-# made the agentic early transfer slower, not faster: each write's gather and scatter kernels
-# are time-sliced between the two processes' GPU contexts and against the prefill. So by
-# default a write is bounded only by half the ring; `write_bytes` sets a smaller bound for
-# sender and receiver on different GPUs.
+# the other, so a plan is cut into writes of at most `WRITE_BYTES` (half the ring if that is
+# less): the receiver takes in one write while the next is staged. Measured on one H200
+# shared by both processes (docs/benchmarks.md, 2026-12-01), 512 MiB writes moved 1024
+# blocks at 60% of the host link against 46% for one write, once issuing a write no longer
+# waited on the stream; 128 MiB writes were slower (more copies to issue, each write's
+# notice round trip). `write_bytes` sets another bound.
+WRITE_BYTES = 512 << 20
 
 
 # A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
@@ -65,7 +66,7 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # every per-layer copy (the code before) put 32 kernels per batch in each process; on one GPU
 # two processes' kernels are time-sliced, and every copy waited behind the other side's
 # kernels.
-STAGE_CHUNK_BYTES = 128 << 20
+STAGE_CHUNK_BYTES = 512 << 20
 
 
 class _Scratch:
@@ -382,7 +383,7 @@ class StagingTransport(LocalTransport):
         self._remote_blocks = int(hello["num_blocks"])
         geometry = self._geometry
         block_bytes = int(geometry["num_layers"]) * int(geometry["segments"]) * int(geometry["segment_bytes"])
-        per_write = self.capacity // 2 if self._write_bytes is None else min(self.capacity // 2, self._write_bytes // block_bytes)
+        per_write = min(self.capacity // 2, (WRITE_BYTES if self._write_bytes is None else self._write_bytes) // block_bytes)
         self.max_write_blocks = max(1, per_write)
         self._head = 0  # next slot to fill
         self._used = 0  # filled and not yet freed by the receiver
