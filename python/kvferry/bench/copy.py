@@ -44,6 +44,9 @@ class CopyBenchConfig:
     seed: int = 0
     # Staging: the most bytes one write carries (None: the transport's default).
     write_bytes: Optional[int] = None
+    # Transports: each transfer's blocks consecutive on both sides (a run at a random start)
+    # instead of random blocks.
+    contiguous: bool = False
     # Where a receiver in another process listens (`registry.serve`'s ``address``) and the
     # network namespace it runs in (None: this one): a second host on one machine.
     listen: str = "unix://"
@@ -213,7 +216,11 @@ def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, e
             def setup() -> None:
                 rid = next(ids)
                 state["rid"] = rid
-                state["tables"] = (rng.permutation(pool_blocks)[:n][None, :], rng.permutation(pool_blocks)[:n][None, :])
+                if cfg.contiguous:
+                    a, b = rng.integers(0, pool_blocks - n + 1, size=2)
+                    state["tables"] = (np.arange(a, a + n)[None, :], np.arange(b, b + n)[None, :])
+                else:
+                    state["tables"] = (rng.permutation(pool_blocks)[:n][None, :], rng.permutation(pool_blocks)[:n][None, :])
                 sender.add(rid, n * tpb)
                 expect(rid, n * tpb)
 
