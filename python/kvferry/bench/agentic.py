@@ -156,7 +156,8 @@ def _check_device_memory(cfg: AgenticConfig) -> None:
     need = pools_bytes(cfg) + weights
     if need > free:
         raise InvalidArgumentError(
-            f"invalid run: {len(cfg.modes)} modes x 2 pools of {_pool_blocks(cfg)} blocks ({pools_bytes(cfg) / 1e9:.1f} GB) and "
+            f"invalid run: {len(cfg.modes)} modes x 2 pools of {_pool_blocks(cfg)} blocks "
+            f"({pools_bytes(cfg) / 1e9:.1f} GB) and "
             f"{weights / 1e9:.1f} GB of weights exceed the device's free {free / 1e9:.1f} GB: "
             "lower --sessions, --cached, --turns or --new, or run fewer modes"
         )

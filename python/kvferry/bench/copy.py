@@ -220,7 +220,8 @@ def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, e
                     a, b = rng.integers(0, pool_blocks - n + 1, size=2)
                     state["tables"] = (np.arange(a, a + n)[None, :], np.arange(b, b + n)[None, :])
                 else:
-                    state["tables"] = (rng.permutation(pool_blocks)[:n][None, :], rng.permutation(pool_blocks)[:n][None, :])
+                    src_row, dst_row = rng.permutation(pool_blocks)[:n], rng.permutation(pool_blocks)[:n]
+                    state["tables"] = (src_row[None, :], dst_row[None, :])
                 sender.add(rid, n * tpb)
                 expect(rid, n * tpb)
 
@@ -284,8 +285,11 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
                 limit = tcp_link or (host_link if name in HOST_LINK and host_link else ceiling)
-                options = {"write_bytes": cfg.write_bytes} if name == "staging" and cfg.write_bytes is not None else {}
-                rows += _sender_rows(cfg, name, src, remote.transport(src, **options), remote.expect, remote.wait, pool_blocks, limit)
+                options: dict[str, Any] = {}
+                if name == "staging" and cfg.write_bytes is not None:
+                    options["write_bytes"] = cfg.write_bytes
+                tx = remote.transport(src, **options)
+                rows += _sender_rows(cfg, name, src, tx, remote.expect, remote.wait, pool_blocks, limit)
             finally:
                 remote.close()
     return {

@@ -124,7 +124,16 @@ def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np
     return src_ids[starts], dst_ids[starts], np.diff(np.concatenate([starts, [len(src_ids)]]))
 
 
-def run_descriptors(bases: Sequence[int], layers: tuple[int, int], segments: int, segment_bytes: int, num_blocks: int, device: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def run_descriptors(
+    bases: Sequence[int],
+    layers: tuple[int, int],
+    segments: int,
+    segment_bytes: int,
+    num_blocks: int,
+    device: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer of ``[lo, hi)``, segment, run):
     run ``i`` covers blocks ``[starts[i], starts[i] + lengths[i])`` of a pool whose layers
     start at ``bases`` (`layer_descriptors`' layout), in one descriptor."""
@@ -132,7 +141,8 @@ def run_descriptors(bases: Sequence[int], layers: tuple[int, int], segments: int
     seg = np.uint64(segment_bytes)
     base = np.array(bases[lo:hi], dtype=np.uint64)
     segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(num_blocks) * seg
-    addresses = (base[:, None, None] + segment_offsets[None, :, None] + starts.astype(np.uint64)[None, None, :] * seg).ravel()
+    run_offsets = starts.astype(np.uint64)[None, None, :] * seg
+    addresses = (base[:, None, None] + segment_offsets[None, :, None] + run_offsets).ravel()
     sizes = np.broadcast_to(lengths.astype(np.uint64) * seg, (hi - lo, segments, len(starts))).ravel()
     return np.stack([addresses, sizes, np.full_like(addresses, device)], axis=1)
 
@@ -446,7 +456,8 @@ class NixlTransport(Transport):
         self._host_side = None
         if host_src is not None and self._split:
             self._host_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src))
-        self._remote_bases, self._remote_device, self._remote_mem = list(hello["bases"]), int(hello["device"]), str(hello["mem_type"])
+        self._remote_bases = list(hello["bases"])
+        self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
         remote = layer_descriptors(hello["bases"], int(self._geometry["segments"]), int(self._geometry["segment_bytes"]), self._remote_blocks, hello["device"])
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
@@ -506,7 +517,8 @@ class NixlTransport(Transport):
         coalesced = self._coalesced(src, s, d, layers) if COALESCE else None
         notify = None
         message = _encode(notices, d)
-        if len(coalesced if coalesced is not None else sides) > 1:  # several transfers: the notices follow once all are done
+        # Several transfers: the notices follow once all are done.
+        if len(coalesced if coalesced is not None else sides) > 1:
             notify, message = (self._remote_name, message), b""
         handles = []
         try:
@@ -525,7 +537,9 @@ class NixlTransport(Transport):
             ready.append(torch.cuda.current_stream(pool.device).record_event())
         return _XferPending(self.agent, handles, ready, self.peer, notify=notify)
 
-    def _coalesced(self, src: Source, s: np.ndarray, d: np.ndarray, layers: tuple[int, int]) -> Optional[list[tuple[Any, Any]]]:
+    def _coalesced(
+        self, src: Source, s: np.ndarray, d: np.ndarray, layers: tuple[int, int]
+    ) -> Optional[list[tuple[Any, Any]]]:
         """The write as descriptor lists of runs (`block_runs`), one ``(local, remote)`` pair
         per memory type of its parts; None when no two of its blocks are contiguous on both
         sides (the prepared per-block lists are then cheaper)."""
@@ -540,13 +554,19 @@ class NixlTransport(Transport):
         for part, (s0, d0, n) in zip(parts, runs):
             mine = pool if part.pool is pool else self._host_src
             assert mine is not None
-            local = run_descriptors([t.data_ptr() for t in mine.layers], layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n)
-            remote = run_descriptors(self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n)
+            bases = [t.data_ptr() for t in mine.layers]
+            local = run_descriptors(bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n)
+            remote = run_descriptors(
+                self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n
+            )
             entry = by_type.setdefault(_mem_type(mine), ([], []))
             entry[0].append(local)
             entry[1].append(remote)
         return [
-            (self.agent.get_xfer_descs(np.concatenate(local), mem), self.agent.get_xfer_descs(np.concatenate(remote), self._remote_mem))
+            (
+                self.agent.get_xfer_descs(np.concatenate(local), mem),
+                self.agent.get_xfer_descs(np.concatenate(remote), self._remote_mem),
+            )
             for mem, (local, remote) in by_type.items()
         ]
 

@@ -77,7 +77,8 @@ class _Scratch:
         self._pools: dict[tuple[object, ...], PagedKV] = {}
 
     def like(self, pool: PagedKV) -> PagedKV:
-        key = (pool.num_layers, pool.shape[: pool.block_dim], pool.shape[pool.block_dim + 1 :], pool.block_dim, pool.dtype, pool.device, pool.tokens_per_block)
+        dim = pool.block_dim
+        key = (pool.num_layers, pool.shape[:dim], pool.shape[dim + 1 :], dim, pool.dtype, pool.device, pool.tokens_per_block)
         scratch = self._pools.get(key)
         if scratch is None:
             shape = list(pool.shape)
@@ -159,7 +160,9 @@ class _Ring:
                 self.shared.close()
 
 
-def _unstage(ring: PagedKV, pool: PagedKV, scratch: PagedKV, lo: int, positions: np.ndarray, dst_ids: np.ndarray) -> None:
+def _unstage(
+    ring: PagedKV, pool: PagedKV, scratch: PagedKV, lo: int, positions: np.ndarray, dst_ids: np.ndarray
+) -> None:
     """Ring slot ``lo + positions[i]`` into pool block ``dst_ids[i]``, on the current stream:
     piece by piece, each piece's slots copied to ``scratch`` as contiguous runs, then
     scattered by one fused copy. ``positions`` increase (the codec checks ``picked``)."""
@@ -329,7 +332,8 @@ class StagingEndpoint(LocalEndpoint):
         if len(dst_ids):
             stream = staging.stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                _unstage(ring, pool, staging.scratch.like(pool), lo, np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64))
+                at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
+                _unstage(ring, pool, staging.scratch.like(pool), lo, at, np.asarray(dst_ids, dtype=np.int64))
             if stream is not None:
                 stream.synchronize()
         self.deliver(notices, source, dst_ids=named)
@@ -383,7 +387,8 @@ class StagingTransport(LocalTransport):
         self._remote_blocks = int(hello["num_blocks"])
         geometry = self._geometry
         block_bytes = int(geometry["num_layers"]) * int(geometry["segments"]) * int(geometry["segment_bytes"])
-        per_write = min(self.capacity // 2, (WRITE_BYTES if self._write_bytes is None else self._write_bytes) // block_bytes)
+        bound = WRITE_BYTES if self._write_bytes is None else self._write_bytes
+        per_write = min(self.capacity // 2, bound // block_bytes)
         self.max_write_blocks = max(1, per_write)
         self._head = 0  # next slot to fill
         self._used = 0  # filled and not yet freed by the receiver
@@ -454,7 +459,10 @@ class StagingTransport(LocalTransport):
         def stage() -> None:
             scratch = self._scratch.like(parts[0].pool)
             step = scratch.num_blocks
-            at = [np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions, dtype=np.int64) for p in parts]
+            at = [
+                np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions, dtype=np.int64)
+                for p in parts
+            ]
             for first in range(0, n, step):
                 k = min(step, n - first)
                 for part, where in zip(parts, at):
