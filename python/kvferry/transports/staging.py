@@ -52,9 +52,9 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # the other, so a plan is cut into writes of at most `WRITE_BYTES` (half the ring if that is
 # less): the receiver takes in one write while the next is staged. Measured on one H200
 # shared by both processes (docs/benchmarks.md, 2026-12-01), 512 MiB writes moved 1024
-# blocks at 60% of the host link against 46% for one write, once issuing a write no longer
-# waited on the stream; 128 MiB writes were slower (more copies to issue, each write's
-# notice round trip). `write_bytes` sets another bound.
+# blocks at 70% of the host link against 46% for one write, once issuing a write no longer
+# waited on the stream (and each write is one piece); 128 MiB writes were slower (more
+# copies to issue, each write's notice round trip). `write_bytes` sets another bound.
 WRITE_BYTES = 512 << 20
 
 
