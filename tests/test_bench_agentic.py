@@ -70,3 +70,31 @@ def test_busy_verdict_from_the_modes_prefill_spread() -> None:
 
 def test_turns_phrase_counts_the_warm_up() -> None:
     assert turns_phrase({"sessions": 3, "turns": 4}) == "3 sessions x 5 turns (1 warm-up + 4 measured)"
+
+
+LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=1024)
+
+
+def test_pools_of_the_8b_run_with_every_mode_fit_an_h200() -> None:
+    """`--sessions 2 --cached 32768 --new 2048 --aware --layerwise 8` at Llama-8B geometry
+    (bf16): the eight pools are sized from what the run holds at its last turn, so they and
+    the weights fit a 139 GiB H200 with room for the forward (at 1.5 prompts per session
+    they took 131 GB and the run ran out of memory)."""
+    from kvferry.bench.agentic import AgenticConfig, pools_bytes
+    from kvferry.geometry import Geometry
+
+    cfg = AgenticConfig(device="cuda", sessions=2, cached_tokens=32768, new_tokens=2048, aware=True, layer_groups=8, model=Geometry(**LLAMA8B))
+    weights = cfg.model.weight_elements() * 2
+    assert pools_bytes(cfg) + weights < 110e9, (pools_bytes(cfg), weights)
+
+
+def test_tight_pools_keep_every_turns_reuse_and_outputs() -> None:
+    """The pools sized by `_pool_blocks` hold each session's running request and the prefix
+    the next turn reuses: every mode reuses what aggregated serving reuses and decodes the
+    same tokens."""
+    from kvferry.bench import agentic
+    from kvferry.bench.agentic import AgenticConfig, run_agentic
+
+    cfg = AgenticConfig(sessions=2, turns=1, cached_tokens=128, new_tokens=32, output_tokens=2, tokens_per_block=16, link_gbps=None, aware=True, layer_groups=2, check_kv=True)
+    result = run_agentic(cfg)
+    assert result["outputs_match"] and result["reuse_mismatches"] == 0, result

@@ -245,3 +245,35 @@ def test_cuda_small_copies_through_captured_graphs() -> None:
     del dst
     gc.collect()
     assert key not in _triton_copy._graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [8, 200])
+def test_cuda_copies_queued_behind_a_busy_stream_never_hold_the_host(n: int) -> None:
+    """With the stream held by a long kernel, more copies of one pool pair than the id ring
+    has slots (graph replays for 8 pairs, ring slots for 200) are all issued without the host
+    waiting for the stream (it used to wait for the pair's previous replay, or a slot's last
+    launch: for the stream to drain); once it ran, each copy landed its own blocks (disjoint
+    destinations) bit exact and nothing else was written."""
+    from kvferry import _triton_copy
+
+    copies = 2 * _triton_copy.RING_SLOTS + 2
+    blocks = copies * n + 50
+    src = random_pool((blocks, 2, 64), torch.bfloat16, 0, layers=2, device="cuda", seed=7)
+    dst = poisoned(src, blocks)
+    _triton_copy.warm_up(src)
+    rng = np.random.default_rng(n)
+    order = rng.permutation(blocks)
+    plans = [(rng.permutation(blocks)[:n].tolist(), order[i * n : (i + 1) * n].tolist()) for i in range(copies)]
+    copy_blocks(src, dst, *plans[0])  # the pair's graph exists before the test
+    for layer in dst.layers:
+        layer.view(torch.uint8).fill_(POISON)
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(4_000_000_000)  # about 2 s on an H200: the stream is held meanwhile
+    busy.record()
+    for s, d in plans:
+        copy_blocks(src, dst, s, d)
+    assert not busy.query(), "the host waited for the stream while issuing the copies"
+    torch.cuda.synchronize()
+    assert_copied(src, dst, [b for s, _ in plans for b in s], [b for _, d in plans for b in d])

@@ -339,3 +339,43 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
     options: dict[str, Any] = {"capacity_blocks": 4, option: value}
     with pytest.raises(InvalidArgumentError, match=f"invalid {option}={value!r}: must be an int > 0"):
         StagingEndpoint(KVReceiver(nan_pool()), authkey=secrets.token_bytes(32), **options)
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks_stay_out(monkeypatch: pytest.MonkeyPatch, device: str, block_dim: int) -> None:
+    """A batch larger than the scratch pool crosses in pieces on both sides (pieces of two
+    blocks here, an odd count of blocks, scattered source and destination ids, one and two
+    segments per block): every kept block lands bit exact, and the blocks of the request
+    revoked before the post (the picked path: its slots are skipped) keep their poison."""
+    from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
+    from kvferry.transports import staging as staging_mod
+
+    shape = (40, 2, TPB, 8) if block_dim == 0 else (2, 40, TPB, 8)
+    gen = torch.Generator().manual_seed(3)
+    src = PagedKV(tuple(torch.randn(shape, generator=gen).to(device) for _ in range(LAYERS)), TPB, block_dim)
+    dst = PagedKV(tuple(torch.full(shape, float("nan"), device=device) for _ in range(LAYERS)), TPB, block_dim)
+    monkeypatch.setattr(staging_mod, "STAGE_CHUNK_BYTES", 2 * src.block_bytes * LAYERS + 1)
+    engine: Any = CudaCopyEngine(torch.device("cuda")) if device == "cuda" else ThreadCopyEngine()
+    receiver = KVReceiver(dst)
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=16)
+    try:
+        tx = StagingTransport(endpoint.address, authkey=authkey)
+        src_ids = np.array([31, 2, 17, 5, 38, 11, 0])
+        dst_ids = np.array([9, 33, 1, 20, 14, 7, 26])
+        kept, dropped = (dst_ids[:3], dst_ids[3:])  # request 2's three blocks, then request 1's four
+        e2 = receiver.expect(2, 3 * TPB, dst_blocks=kept)
+        notices = [Notice(2, 0, 0, 3, True, e2), Notice(1, 0, 0, 4, True, 1)]
+        tx.announce([(2, e2), (1, 1)])
+        assert tx.write(engine, src, src_ids, dst_ids, notices).wait(SLACK)
+        tx.post(notices, revoked=frozenset({1}))
+        receiver.wait(2, timeout=SLACK)
+        for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
+            assert torch.equal(d_layer[:, torch.from_numpy(kept).to(device)], s_layer[:, torch.from_numpy(src_ids[:3]).to(device)])
+        for layer in dst.layers:
+            assert torch.isnan(layer.index_select(block_dim, torch.from_numpy(dropped).to(device))).all()
+        tx.close()
+    finally:
+        endpoint.close()
+        engine.close()

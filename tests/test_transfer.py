@@ -332,8 +332,18 @@ def run_with_receiver(kind: str, tables: tuple[np.ndarray, np.ndarray], connect:
             proc.kill()
 
 
-def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1) -> None:
-    tables = block_tables(3)
+def contiguous_block_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Each request's blocks consecutive on both sides (another start on each): every write
+    is a few runs of blocks."""
+    widths = [-(-p // TPB) for _, p, _ in REQUESTS]
+    offsets = np.cumsum([0, *widths])
+    rows_s = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(REQUESTS))]
+    rows_d = [np.arange(offsets[i], offsets[i + 1]) + 7 for i in range(len(REQUESTS))]
+    return as_table(rows_s, max(widths)), as_table(rows_d, max(widths))
+
+
+def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1, tables: Optional[tuple[np.ndarray, np.ndarray]] = None) -> None:
+    tables = block_tables(3) if tables is None else tables
     nixl = kind.startswith("nixl")
 
     def connect(address: str, authkey: bytes) -> tuple[KVSender, str]:
@@ -380,6 +390,57 @@ def test_nixl_two_processes_bit_exact(monkeypatch: pytest.MonkeyPatch, layer_gro
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # inherited by the spawned receiver
     _two_processes("nixl", "cpu", NixlTransport, layer_groups)
+
+
+@LAYERWISE
+def test_nixl_contiguous_blocks_go_as_runs_bit_exact(monkeypatch: pytest.MonkeyPatch, layer_groups: int) -> None:
+    """Blocks consecutive on both sides go as one descriptor per run, layer and segment (a
+    transfer made for the write, not the prepared per-block lists, which only a write with
+    no two consecutive blocks takes): they land bit exact, exactly once."""
+    pytest.importorskip("nixl")
+    from nixl._api import nixl_agent
+
+    from kvferry.transports.nixl import NixlTransport
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    made = {"runs": 0, "prepped": 0}
+    initialize, prepped = nixl_agent.initialize_xfer, nixl_agent.make_prepped_xfer
+
+    def counted(kind: str, real: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            made[kind] += 1
+            return real(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(nixl_agent, "initialize_xfer", counted("runs", initialize))
+    monkeypatch.setattr(nixl_agent, "make_prepped_xfer", counted("prepped", prepped))
+    _two_processes("nixl", "cpu", NixlTransport, layer_groups, tables=contiguous_block_tables())
+    assert made["runs"] > made["prepped"], made
+
+
+def test_nixl_runs_address_exactly_the_blocks_of_their_pairs() -> None:
+    """`block_runs` cuts where either side's ids stop stepping by one; each run descriptor
+    covers exactly the bytes of the per-block descriptors of its blocks, for both layouts
+    and a layer slice."""
+    from kvferry.transports.nixl import block_descriptors, block_runs, descriptor_indices, run_descriptors
+
+    s0, d0, n = block_runs(np.array([3, 4, 5, 9, 10, 2]), np.array([0, 1, 2, 3, 8, 9]))
+    assert s0.tolist() == [3, 9, 10, 2] and d0.tolist() == [0, 3, 8, 9] and n.tolist() == [3, 1, 1, 1]
+    assert [len(x) for x in block_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64))] == [0, 0, 0]
+    for block_dim in (0, 1):
+        shape = (7, 2, 3) if block_dim == 0 else (2, 7, 3)
+        pool = PagedKV(tuple(torch.zeros(shape, dtype=torch.float16) for _ in range(3)), TPB, block_dim=block_dim)
+        src = np.array([1, 2, 3, 6, 0, 1])
+        dst = np.array([4, 5, 6, 0, 2, 3])
+        for layers in ((0, 3), (1, 2)):
+            s0, _, n = block_runs(src, dst)
+            runs = run_descriptors([t.data_ptr() for t in pool.layers], layers, pool.segments, pool.segment_bytes, pool.num_blocks, 0, s0, n)
+            assert len(runs) == (layers[1] - layers[0]) * pool.segments * 3
+            per_block = block_descriptors(pool)[descriptor_indices(src, layers, pool.segments, pool.num_blocks)]
+            covered = sorted((int(a) + i * pool.segment_bytes) for a, size, _ in runs for i in range(int(size) // pool.segment_bytes))
+            assert covered == sorted(int(a) for a in per_block[:, 0])
+            assert all(int(size) % pool.segment_bytes == 0 for _, size, _ in runs)
 
 
 @pytest.mark.cuda

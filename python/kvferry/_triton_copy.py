@@ -205,16 +205,22 @@ class IdRing:
             return
         with self._lock:
             i = self._next
-            self._next = (i + 1) % RING_SLOTS
             slot = self._slots[i]
-            slot.used.synchronize()  # the launch that last read this slot (long done, as a rule)
-            self._host[i][: 2 * n] = packed.reshape(-1)
-            if n <= HOST_READ_MAX_PAIRS:
-                _launch(src, dst, n, slot.host_ptr, lambda: slot.host[: 2 * n], None)
-            else:
-                slot.device[: 2 * n].copy_(slot.host[: 2 * n], non_blocking=True)
-                _launch(src, dst, n, slot.device_ptr, lambda: slot.device[: 2 * n], None)
-            slot.used.record()
+            # The launch that last read this slot may still be queued (many copies in flight on
+            # the stream): never wait for it here, which would hold the caller (a transport
+            # issuing a long write piece by piece) until the stream drained. Such a batch
+            # takes the caching host allocator's pinned memory instead.
+            if slot.used.query():
+                self._next = (i + 1) % RING_SLOTS
+                self._host[i][: 2 * n] = packed.reshape(-1)
+                if n <= HOST_READ_MAX_PAIRS:
+                    _launch(src, dst, n, slot.host_ptr, lambda: slot.host[: 2 * n], None)
+                else:
+                    slot.device[: 2 * n].copy_(slot.host[: 2 * n], non_blocking=True)
+                    _launch(src, dst, n, slot.device_ptr, lambda: slot.device[: 2 * n], None)
+                slot.used.record()
+                return
+        copy_blocks(src, dst, torch.from_numpy(packed).pin_memory().to(self.device, non_blocking=True))
 
 
 _rings: dict[torch.device, IdRing] = {}
@@ -245,7 +251,8 @@ class LaunchGraphs:
 
     def copy(self, packed: np.ndarray) -> bool:
         """Replays the graph for ``packed`` on the current stream; False (nothing done) when
-        the kernel is not compiled yet for this geometry, which a graph cannot do."""
+        the kernel is not compiled yet for this geometry, which a graph cannot do, or when the
+        previous replay has not run yet (waiting for it would block the host)."""
         n = packed.shape[1]
         bucket = next(b for b in GRAPH_BUCKETS if b >= n)
         with self._lock:
@@ -254,7 +261,10 @@ class LaunchGraphs:
                 graph = self._capture(bucket)
                 if graph is None:
                     return False
-            self._done.synchronize()  # the previous replay read the buffer (long done, as a rule)
+            if not self._done.query():
+                # The previous replay, which reads the one id buffer, is still queued: the
+                # caller takes the ring instead of waiting for the stream to drain.
+                return False
             ids = self._ids
             ids[:n], ids[n:bucket] = packed[0], packed[0, -1]
             ids[bucket : bucket + n], ids[bucket + n : 2 * bucket] = packed[1], packed[1, -1]

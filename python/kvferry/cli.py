@@ -240,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
     copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 64 on cpu, 128 on cuda)")
     copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
+    copy.add_argument(
+        "--contiguous", action="store_true",
+        help="transports: each transfer's blocks consecutive on both sides (default: random blocks)",
+    )
+    copy.add_argument(
+        "--write-mib", type=_positive, default=None, metavar="MIB",
+        help="staging: the most MiB one write carries (default: 512, at most half the ring)",
+    )
     _placement_flags(copy)
     copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)")
     copy.set_defaults(func=_cmd_bench_copy)
@@ -688,6 +696,8 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         layers=args.layers or (32 if on_gpu else 8),
         block_kib=args.block_kib or (128 if on_gpu else 64),
         reps=args.reps,
+        write_bytes=None if args.write_mib is None else args.write_mib << 20,
+        contiguous=args.contiguous,
     )
     # A lower bound of the peak: the source pool and one destination pool (or the two
     # buffers of the ceiling copy), each sized to the largest batch plus 64 blocks as in

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
+from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import AGENTIC_MODEL, Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
@@ -123,10 +124,43 @@ def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[
 
 
 def _pool_blocks(cfg: AgenticConfig) -> int:
-    """Each session holds its cached previous prompt plus the blocks of its running turn
-    that are not shared with it: about one and a half prompts."""
+    """What one worker's pool must hold at the run's last turn, per session: the running
+    request's blocks (its prompt, which contains the previous prompt, so the reused prefix-
+    cache blocks are among them, and its output), the previous prompt's last partial block
+    (cached on its own) and one block of rounding; then `POOL_SLACK` blocks. The prefix cache
+    evicts older blocks, which no turn reuses. (The 1.5 prompts per session of earlier
+    versions came to 16 GB a pool at Llama-8B geometry, nine pools in all with four modes.)"""
     longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
-    return (3 * cfg.sessions * (-(-longest // cfg.tokens_per_block))) // 2 + 64
+    return cfg.sessions * (-(-longest // cfg.tokens_per_block) + 2) + POOL_SLACK
+
+
+POOL_SLACK = 64
+
+
+def pools_bytes(cfg: AgenticConfig) -> int:
+    """Device bytes of the run's KV pools at their peak: a context and a generation pool
+    per mode, all alive together (the reference's pool is freed before they are made)."""
+    model = cfg.model_config()
+    return 2 * len(cfg.modes) * _pool_blocks(cfg) * cfg.tokens_per_block * model.kv_bytes_per_token
+
+
+def _check_device_memory(cfg: AgenticConfig) -> None:
+    """On CUDA: refuses, before anything is allocated, a run whose KV pools and one copy of
+    the weights alone exceed the device's free memory (naming the figures), instead of an
+    out-of-memory error minutes into the run."""
+    if cfg.device != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info()
+    model = cfg.model_config()
+    weights = cfg.model.weight_elements() * model.element_size
+    need = pools_bytes(cfg) + weights
+    if need > free:
+        raise InvalidArgumentError(
+            f"invalid run: {len(cfg.modes)} modes x 2 pools of {_pool_blocks(cfg)} blocks "
+            f"({pools_bytes(cfg) / 1e9:.1f} GB) and "
+            f"{weights / 1e9:.1f} GB of weights exceed the device's free {free / 1e9:.1f} GB: "
+            "lower --sessions, --cached, --turns or --new, or run fewer modes"
+        )
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -282,8 +316,11 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         filled = width * done // batches
         progress(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{batches} {what}")
 
+    _check_device_memory(cfg)
     progress(f"reference: aggregated serving of {turns_phrase(asdict(cfg))}, then {', '.join(cfg.modes)} taking turns")
     turns, reference = _conversations(cfg, advance)
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()  # the reference's pool and weights: freed for the modes' pools
     model = TinyLlama(cfg.model_config(), cfg.device)
     per_request: list[RequestFigures] = []
     outputs_match = True

@@ -42,6 +42,11 @@ class CopyBenchConfig:
     block_kib: int = 64
     reps: int = 5
     seed: int = 0
+    # Staging: the most bytes one write carries (None: the transport's default).
+    write_bytes: Optional[int] = None
+    # Transports: each transfer's blocks consecutive on both sides (a run at a random start)
+    # instead of random blocks.
+    contiguous: bool = False
     # Where a receiver in another process listens (`registry.serve`'s ``address``) and the
     # network namespace it runs in (None: this one): a second host on one machine.
     listen: str = "unix://"
@@ -144,10 +149,10 @@ class _RemoteReceiver:
             raise reply
         self.url: str = reply
 
-    def transport(self, src: PagedKV, host_src: Optional[PagedKV] = None) -> Transport:
+    def transport(self, src: PagedKV, host_src: Optional[PagedKV] = None, **options: Any) -> Transport:
         """A transport to this receiver from ``src`` (and its host tier ``host_src``, which
-        NIXL registers too)."""
-        return registry.connect(self.url, authkey=self._authkey, src=src, host_src=host_src)
+        NIXL registers too); ``options`` as `registry.connect` takes them."""
+        return registry.connect(self.url, authkey=self._authkey, src=src, host_src=host_src, **options)
 
     def expect(self, request_id: int, prompt_len: int) -> None:
         self._call("expect", request_id, prompt_len)
@@ -211,7 +216,12 @@ def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, e
             def setup() -> None:
                 rid = next(ids)
                 state["rid"] = rid
-                state["tables"] = (rng.permutation(pool_blocks)[:n][None, :], rng.permutation(pool_blocks)[:n][None, :])
+                if cfg.contiguous:
+                    a, b = rng.integers(0, pool_blocks - n + 1, size=2)
+                    state["tables"] = (np.arange(a, a + n)[None, :], np.arange(b, b + n)[None, :])
+                else:
+                    src_row, dst_row = rng.permutation(pool_blocks)[:n], rng.permutation(pool_blocks)[:n]
+                    state["tables"] = (src_row[None, :], dst_row[None, :])
                 sender.add(rid, n * tpb)
                 expect(rid, n * tpb)
 
@@ -275,7 +285,11 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
                 limit = tcp_link or (host_link if name in HOST_LINK and host_link else ceiling)
-                rows += _sender_rows(cfg, name, src, remote.transport(src), remote.expect, remote.wait, pool_blocks, limit)
+                options: dict[str, Any] = {}
+                if name == "staging" and cfg.write_bytes is not None:
+                    options["write_bytes"] = cfg.write_bytes
+                tx = remote.transport(src, **options)
+                rows += _sender_rows(cfg, name, src, tx, remote.expect, remote.wait, pool_blocks, limit)
             finally:
                 remote.close()
     return {

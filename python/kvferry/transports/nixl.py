@@ -64,6 +64,10 @@ POLL_SECONDS = 100e-6
 # descriptors took 94 ms asked without pause, 29 ms asked every 0.5 ms (docs/benchmarks.md).
 CHECK_SECONDS = 1e-3
 
+# Writes with blocks contiguous on both sides go as one descriptor per run (`block_runs`);
+# False: always the prepared per-block descriptors (for measuring the difference).
+COALESCE = True
+
 
 def _agent(role: str) -> Any:
     """A NIXL agent on UCX. Its progress thread polls without pause (about half a core)
@@ -106,6 +110,41 @@ def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, 
     lo, hi = layers
     rows = np.arange(lo * segments, hi * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
     return rows.ravel().astype(np.int32)
+
+
+
+def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs ``(src_ids[i], dst_ids[i])`` as maximal runs in which both ids step by one:
+    ``(source starts, destination starts, lengths)``, in the pairs' order."""
+    src_ids, dst_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    if not len(src_ids):
+        return src_ids, dst_ids, np.empty(0, dtype=np.int64)
+    cuts = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
+    starts = np.concatenate([[0], cuts])
+    return src_ids[starts], dst_ids[starts], np.diff(np.concatenate([starts, [len(src_ids)]]))
+
+
+def run_descriptors(
+    bases: Sequence[int],
+    layers: tuple[int, int],
+    segments: int,
+    segment_bytes: int,
+    num_blocks: int,
+    device: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+) -> np.ndarray:
+    """One ``(address, length, device)`` uint64 row per (layer of ``[lo, hi)``, segment, run):
+    run ``i`` covers blocks ``[starts[i], starts[i] + lengths[i])`` of a pool whose layers
+    start at ``bases`` (`layer_descriptors`' layout), in one descriptor."""
+    lo, hi = layers
+    seg = np.uint64(segment_bytes)
+    base = np.array(bases[lo:hi], dtype=np.uint64)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(num_blocks) * seg
+    run_offsets = starts.astype(np.uint64)[None, None, :] * seg
+    addresses = (base[:, None, None] + segment_offsets[None, :, None] + run_offsets).ravel()
+    sizes = np.broadcast_to(lengths.astype(np.uint64) * seg, (hi - lo, segments, len(starts))).ravel()
+    return np.stack([addresses, sizes, np.full_like(addresses, device)], axis=1)
 
 
 def _encode(notices: Sequence[Notice], dst_ids: Optional[np.ndarray] = None) -> bytes:
@@ -417,6 +456,8 @@ class NixlTransport(Transport):
         self._host_side = None
         if host_src is not None and self._split:
             self._host_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src))
+        self._remote_bases = list(hello["bases"])
+        self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
         remote = layer_descriptors(hello["bases"], int(self._geometry["segments"]), int(self._geometry["segment_bytes"]), self._remote_blocks, hello["device"])
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
@@ -460,14 +501,24 @@ class NixlTransport(Transport):
             entry[1].append(rows)
             entry[2].append(descriptor_indices(part.dst_ids, layers, segments, self._remote_blocks))
         sides = [(local, np.concatenate(rows), np.concatenate(remote)) for local, rows, remote in lists.values()]
+        # Blocks that are contiguous on both sides go as one descriptor per run of them (per
+        # layer and segment) in a transfer made for this write, instead of one prepared
+        # descriptor per block: UCX's cost is per descriptor, about 8 us whatever its size
+        # on one H200 (docs/benchmarks.md).
+        coalesced = self._coalesced(src, s, d, layers) if COALESCE else None
         notify = None
         message = _encode(notices, d)
-        if len(sides) > 1:  # several transfers: the notices follow once all are done
+        # Several transfers: the notices follow once all are done.
+        if len(coalesced if coalesced is not None else sides) > 1:
             notify, message = (self._remote_name, message), b""
         handles = []
         try:
-            for local, rows, remote in sides:
-                handles.append(self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message))
+            if coalesced is not None:
+                for local, remote in coalesced:
+                    handles.append(self.agent.initialize_xfer("WRITE", local, remote, self._remote_name, message))
+            else:
+                for local, rows, remote in sides:
+                    handles.append(self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message))
         except Exception as err:  # a receiver already gone: the write fails, not the caller
             return _XferPending(self.agent, handles, [], self.peer, failure=err)
         ready: list[Signal] = list(job.after)
@@ -476,6 +527,39 @@ class NixlTransport(Transport):
 
             ready.append(torch.cuda.current_stream(pool.device).record_event())
         return _XferPending(self.agent, handles, ready, self.peer, notify=notify)
+
+    def _coalesced(
+        self, src: Source, s: np.ndarray, d: np.ndarray, layers: tuple[int, int]
+    ) -> Optional[list[tuple[Any, Any]]]:
+        """The write as descriptor lists of runs (`block_runs`), one ``(local, remote)`` pair
+        per memory type of its parts; None when no two of its blocks are contiguous on both
+        sides (the prepared per-block lists are then cheaper)."""
+        pool = self._src
+        geometry = self._geometry
+        segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
+        parts = source_parts(src, s, d)
+        runs = [block_runs(part.src_ids, part.dst_ids) for part in parts]
+        if sum(len(r[2]) for r in runs) >= len(s):
+            return None
+        by_type: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for part, (s0, d0, n) in zip(parts, runs):
+            mine = pool if part.pool is pool else self._host_src
+            assert mine is not None
+            bases = [t.data_ptr() for t in mine.layers]
+            local = run_descriptors(bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n)
+            remote = run_descriptors(
+                self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n
+            )
+            entry = by_type.setdefault(_mem_type(mine), ([], []))
+            entry[0].append(local)
+            entry[1].append(remote)
+        return [
+            (
+                self.agent.get_xfer_descs(np.concatenate(local), mem),
+                self.agent.get_xfer_descs(np.concatenate(remote), self._remote_mem),
+            )
+            for mem, (local, remote) in by_type.items()
+        ]
 
     def check_peer(self) -> None:
         """Raises `TransferError` (naming the receiver) once its socket closed."""

@@ -34,7 +34,7 @@ import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
-from kvferry.copy import packed_ids
+from kvferry.copy import copy_blocks, packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
@@ -49,12 +49,53 @@ from kvferry.transports.base import TransportFull, Write, kept
 __all__ = ["StagingEndpoint", "StagingTransport"]
 
 # A write's two PCIe legs (device-to-host here, host-to-device at the receiver) run one after
-# the other, so cutting plans into smaller writes lets the receiver take in one while the next
-# is staged. Measured on one H200 shared by both processes (docs/benchmarks.md), 256 MiB writes
-# made the agentic early transfer slower, not faster: each write's gather and scatter kernels
-# are time-sliced between the two processes' GPU contexts and against the prefill. So by
-# default a write is bounded only by half the ring; `write_bytes` sets a smaller bound for
-# sender and receiver on different GPUs.
+# the other, so a plan is cut into writes of at most `WRITE_BYTES` (half the ring if that is
+# less): the receiver takes in one write while the next is staged. Measured on one H200
+# shared by both processes (docs/benchmarks.md, 2026-12-01), 512 MiB writes moved 1024
+# blocks at 70% of the host link against 46% for one write, once issuing a write no longer
+# waited on the stream (and each write is one piece); 128 MiB writes were slower (more
+# copies to issue, each write's notice round trip). `write_bytes` sets another bound.
+WRITE_BYTES = 512 << 20
+
+
+# A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
+# gathered by one fused copy (`kvferry.copy.copy_blocks`) into a scratch pool of the same
+# layout on the pool's device, then moved to its ring slots as contiguous runs: one DMA per
+# layer and segment, no kernel between them. The receiver does the reverse (one DMA per layer
+# and segment into its scratch pool, then one fused scatter). A per-layer gather kernel before
+# every per-layer copy (the code before) put 32 kernels per batch in each process; on one GPU
+# two processes' kernels are time-sliced, and every copy waited behind the other side's
+# kernels.
+STAGE_CHUNK_BYTES = 512 << 20
+
+
+class _Scratch:
+    """Scratch pools of `STAGE_CHUNK_BYTES`, one per pool layout (a layer slice has fewer
+    layers), made on first use and reused: the caller orders its uses on one stream."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[object, ...], PagedKV] = {}
+
+    def like(self, pool: PagedKV) -> PagedKV:
+        dim = pool.block_dim
+        key = (pool.num_layers, pool.shape[:dim], pool.shape[dim + 1 :], dim, pool.dtype, pool.device, pool.tokens_per_block)
+        scratch = self._pools.get(key)
+        if scratch is None:
+            shape = list(pool.shape)
+            shape[pool.block_dim] = max(1, STAGE_CHUNK_BYTES // (pool.block_bytes * pool.num_layers))
+            layers = tuple(torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers))
+            scratch = self._pools[key] = PagedKV(layers, pool.tokens_per_block, pool.block_dim)
+        return scratch
+
+
+def _ring_runs(ring: PagedKV, scratch: PagedKV, lo: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ring slots [lo, lo + k), scratch blocks [0, k))`` of every layer and segment, each a
+    contiguous run of ``k`` segments (the ring's layers are ``(segments, slots, bytes)``)."""
+    runs = []
+    for staged, view in zip(ring.layers, scratch.segment_views(torch.uint8)):
+        for seg in range(staged.shape[0]):
+            runs.append((staged[seg, lo : lo + k], view[seg, :k]))
+    return runs
 
 
 def _pin(pool: PagedKV) -> Callable[[], None]:
@@ -100,6 +141,7 @@ class _Ring:
             self.shared.close()
             raise
         self.capacity = capacity
+        self.scratch = _Scratch()  # used by the connection's thread alone, on ``stream``
 
     @property
     def name(self) -> str:
@@ -116,6 +158,28 @@ class _Ring:
                 self._unpin()
             finally:
                 self.shared.close()
+
+
+def _unstage(
+    ring: PagedKV, pool: PagedKV, scratch: PagedKV, lo: int, positions: np.ndarray, dst_ids: np.ndarray
+) -> None:
+    """Ring slot ``lo + positions[i]`` into pool block ``dst_ids[i]``, on the current stream:
+    piece by piece, each piece's slots copied to ``scratch`` as contiguous runs, then
+    scattered by one fused copy. ``positions`` increase (the codec checks ``picked``)."""
+    try:
+        packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
+    except InvalidArgumentError as err:
+        raise wire.ProtocolError(f"invalid staging batch: {err}") from None
+    step = scratch.num_blocks
+    start = 0
+    while start < len(positions):
+        first = int(positions[start])
+        end = int(np.searchsorted(positions, first + step, side="left"))
+        k = int(positions[end - 1]) - first + 1
+        for staged, held in _ring_runs(ring, scratch, lo + first, k):
+            held.copy_(staged, non_blocking=True)
+        copy_blocks(scratch, pool, positions[start:end] - first, dst_ids[start:end])
+        start = end
 
 
 class _Refused(EOFError):
@@ -270,12 +334,9 @@ class StagingEndpoint(LocalEndpoint):
             ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
         if len(dst_ids):
             stream = staging.stream
-            ids = torch.from_numpy(np.asarray(dst_ids, dtype=np.int64)).to(pool.device)
-            pick = None if picked is None else torch.from_numpy(np.asarray(picked, dtype=np.int64)).to(pool.device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for staged, layer in zip(ring.layers, pool.segment_views(torch.uint8)):
-                    batch = staged[:, lo : lo + n].to(pool.device, non_blocking=True)
-                    layer.index_copy_(1, ids, batch if pick is None else batch.index_select(1, pick))
+                at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
+                _unstage(ring, pool, staging.scratch.like(pool), lo, at, np.asarray(dst_ids, dtype=np.int64))
             if stream is not None:
                 stream.synchronize()
         self.deliver(notices, source, dst_ids=named)
@@ -316,6 +377,7 @@ class StagingTransport(LocalTransport):
         super().__init__(address, authkey=authkey, open_pool=self._open, handshake_timeout=handshake_timeout)
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
+        self._scratch = _Scratch()  # used on the copy engine's stream only, in write order
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -328,7 +390,8 @@ class StagingTransport(LocalTransport):
         self._remote_blocks = int(hello["num_blocks"])
         geometry = self._geometry
         block_bytes = int(geometry["num_layers"]) * int(geometry["segments"]) * int(geometry["segment_bytes"])
-        per_write = self.capacity // 2 if self._write_bytes is None else min(self.capacity // 2, self._write_bytes // block_bytes)
+        bound = WRITE_BYTES if self._write_bytes is None else self._write_bytes
+        per_write = min(self.capacity // 2, bound // block_bytes)
         self.max_write_blocks = max(1, per_write)
         self._head = 0  # next slot to fill
         self._used = 0  # filled and not yet freed by the receiver
@@ -372,9 +435,11 @@ class StagingTransport(LocalTransport):
         return True
 
     def write(self, engine: CopyEngine, job: Write) -> Pending:
-        """Stages the blocks into ring slots in the write's order. A host-tier source's two
-        parts are gathered into one buffer on the device pool's device (host blocks read in
-        place through the tier's CUDA view on CUDA), then staged together. A layer slice
+        """Stages the blocks into ring slots in the write's order, piece by piece
+        (`STAGE_CHUNK_BYTES`): a fused gather into a scratch pool on the device, then one copy
+        per layer and segment into the piece's slots. A host-tier source's two parts are
+        gathered into the same scratch pool (host blocks read in place through the tier's CUDA
+        view on CUDA), then staged together. A layer slice
         fills those layers of its slots only (the rest of them stay unused: slots are whole
         blocks, so the ring's accounting stays one slot per block)."""
         src, layers = job.src, job.layers
@@ -386,24 +451,20 @@ class StagingTransport(LocalTransport):
         n = s.size
 
         def stage() -> None:
-            device = parts[0].pool.device
-            gathers = [
-                (part.pool.segment_views(torch.uint8), torch.from_numpy(part.src_ids).to(device, non_blocking=True), part.positions)
-                for part in parts
+            scratch = self._scratch.like(parts[0].pool)
+            step = scratch.num_blocks
+            at = [
+                np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions, dtype=np.int64)
+                for p in parts
             ]
-            whole = len(gathers) == 1 and gathers[0][2] is None
-            at = [None if p is None else torch.from_numpy(p).to(device, non_blocking=True) for _, _, p in gathers]
-            for i, staged in enumerate(ring.layers):
-                if whole:
-                    views, ids, _ = gathers[0]
-                    staged[:, lo : lo + n].copy_(views[i].index_select(1, ids), non_blocking=True)
-                    continue
-                segments, _, width = staged.shape
-                batch = torch.empty((segments, n, width), dtype=torch.uint8, device=device)
-                for (views, ids, _), where in zip(gathers, at):
-                    assert where is not None
-                    batch.index_copy_(1, where, views[i].index_select(1, ids))
-                staged[:, lo : lo + n].copy_(batch, non_blocking=True)
+            for first in range(0, n, step):
+                k = min(step, n - first)
+                for part, where in zip(parts, at):
+                    sel = (where >= first) & (where < first + k)
+                    if sel.any():
+                        copy_blocks(part.pool, scratch, part.src_ids[sel], where[sel] - first)
+                for staged, held in _ring_runs(ring, scratch, lo + first, k):
+                    staged.copy_(held, non_blocking=True)
 
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
