@@ -25,6 +25,7 @@ from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import wire
+from kvferry.transports.frames import Freed, Notices, Revoke
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.wire import AuthenticationError
 
@@ -313,7 +314,7 @@ def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndp
     good = ShmTransport(endpoint.address, authkey=authkey)
     frames = [
         (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
-        (2, wire.frame("freed", 3), "a freed frame, which a sender does not send"),
+        (2, wire.encode(Freed(3)), "a freed frame, which a sender does not send"),
         (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
     ]
     for rid, raw, why in frames:
@@ -343,9 +344,10 @@ def _closed(transport: ShmTransport) -> bool:
 def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
     from kvferry.transports.nixl import _decode_notification, _encode, _encode_revoke
 
-    kind, (notices, dst) = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
-    assert kind == "notices" and notices == [Notice(1, 0, 0, 2, True)] and dst.tolist() == [4, 9]
-    assert _decode_notification(_encode_revoke(3, 2)) == ("revoke", (3, 2))
-    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.frame("freed", 1)):
+    frame = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
+    assert isinstance(frame, Notices) and frame.notices == [Notice(1, 0, 0, 2, True)]
+    assert frame.dst_ids is not None and frame.dst_ids.tolist() == [4, 9]
+    assert _decode_notification(_encode_revoke(3, 2)) == Revoke(3, 2)
+    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.encode(Freed(1))):
         with pytest.raises(TransferError):
             _decode_notification(message)

@@ -20,6 +20,7 @@ from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import wire
+from kvferry.transports.frames import Challenge, Proof
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -224,7 +225,7 @@ def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
             (secrets.token_bytes(4096), "bad magic"),
             (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
             (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30), "exceeds the limit of 33"),
-            (wire.frame("proof", bytes(32)), "a proof frame during the handshake, expected a challenge"),
+            (wire.encode(Proof(bytes(32))), "a proof frame during the handshake, expected a challenge"),
         ]
         for n, (data, why) in enumerate(garbage, start=1):
             with wire.connect(address, SLACK) as raw:
@@ -241,7 +242,7 @@ def test_a_slow_handshake_is_dropped_within_its_timeout() -> None:
     with shm_rig("tcp://127.0.0.1:0", handshake_timeout=0.5) as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         with wire.connect(address, SLACK) as raw:
-            challenge = wire.frame("challenge", (wire.ROLE_SENDER, secrets.token_bytes(32)))
+            challenge = wire.encode(Challenge(wire.ROLE_SENDER, secrets.token_bytes(32)))
             sent = 0
             for byte in challenge[:-1]:  # 44 bytes at least 0.1 s apart: over 4 s, against a 0.5 s bound
                 if endpoint.error_count:
@@ -406,6 +407,30 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         engine.close()
 
 
+def test_every_frame_class_holds_its_records_fields() -> None:
+    """The dataclasses of kvferry.transports.frames list the fields of the codec's records
+    (rust/src/wire/), in wire order; the transports' set encodes and decodes only its own
+    frames (the rendezvous's: tests/test_vllm_connector.py)."""
+    from dataclasses import fields
+
+    from kvferry import _core
+    from kvferry.transports.frames import TRANSPORT, Hello, Revoke
+
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    assert set(TRANSPORT.classes) == set(_core.WIRE_FIELDS) - rendezvous | {"hello"}
+    for kind, cls in TRANSPORT.classes.items():
+        if cls is not Hello:  # its Python form is the flat pool dict (rust/src/py/wire/hello.rs)
+            assert tuple(f.name for f in fields(cls)) == _core.WIRE_FIELDS[kind], kind
+    assert TRANSPORT.decode(wire.encode(Revoke(3, 2)), 16) == Revoke(3, 2)
+    with pytest.raises(InvalidArgumentError, match='invalid kind="abandoned": not a frame of the transport channel'):
+        _core.wire_encode("abandoned", {})
+    with pytest.raises(InvalidArgumentError, match="invalid revoke: unknown field 'epcoh'"):
+        _core.wire_encode("revoke", {"request_id": 1, "epcoh": 2})
+    abandoned = _core.rendezvous_encode("abandoned", {})
+    with pytest.raises(InvalidArgumentError, match="a abandoned frame, which the transport channel does not take"):
+        TRANSPORT.decode(abandoned, 0)
+
+
 def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
     # rust/fuzz/seed_wire.py writes the rendezvous's seeds; the others came with their types.
     from kvferry import _core
@@ -416,6 +441,10 @@ def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
         try:
             kinds.add(_core.wire_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
         except ValueError:
-            pass  # an input the fuzzer kept for the refusals it reaches
+            pass  # a rendezvous frame, or an input the fuzzer kept for the refusals it reaches
+        try:
+            kinds.add(_core.rendezvous_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
+        except ValueError:
+            pass
     rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
     assert rendezvous | {"challenge", "proof", "hello", "notices", "goodbye"} <= kinds, kinds
