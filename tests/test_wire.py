@@ -407,6 +407,66 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         engine.close()
 
 
+def _ended_with(conn: Any, pattern: str) -> bool:
+    """Whether the endpoint ended ``conn`` (a `PeerConnection`) with a goodbye matching
+    ``pattern``, read as it arrives."""
+
+    def ended() -> bool:
+        try:
+            conn.check()
+        except TransferError as err:
+            assert re.search(pattern, str(err)), str(err)
+            return True
+        return False
+
+    return until(ended)
+
+
+def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 item 6: an ``agent`` frame binds its connection to the NIXL agent it names,
+    once. A connection naming an agent another connection holds, a second ``agent`` frame, or
+    an announce before any, ends that connection with a goodbye saying why; the holder keeps
+    its agent and its requests (a thief's end fences nothing of theirs)."""
+    pytest.importorskip("nixl")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    from kvferry.layout import PagedKV
+    from kvferry.transports.frames import Agent, Announce
+    from kvferry.transports.local import PeerConnection
+    from kvferry.transports.nixl import NixlEndpoint
+
+    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+    authkey = secrets.token_bytes(32)
+    endpoint = NixlEndpoint(receiver, authkey=authkey, address="tcp://127.0.0.1:0")
+    conns: list[PeerConnection] = []
+
+    def connect() -> PeerConnection:
+        conns.append(PeerConnection(endpoint.address, authkey))
+        return conns[-1]
+
+    try:
+        holder = connect()
+        holder.send(Agent("kvferry-tx-holder"))
+        e1 = receiver.expect(1, 8)
+        holder.send(Announce([(1, e1)]))
+        thief = connect()
+        thief.send(Agent("kvferry-tx-holder"))
+        assert _ended_with(thief, r"claims NIXL agent kvferry-tx-holder, which sender #\d+ .* holds")
+        early = connect()
+        early.send(Announce([(1, e1)]))
+        assert _ended_with(early, "announce frame before its agent frame")
+        # Both ends were handled (each ended its connection): request 1 is still the holder's.
+        assert until(lambda: endpoint.error_count == 2)
+        assert not receiver.fenced(1)
+        holder.check()  # still connected
+        holder.send(Agent("kvferry-tx-other"))
+        assert _ended_with(holder, "a second agent frame .NIXL agent 'kvferry-tx-other'.: the connection is bound to NIXL agent kvferry-tx-holder")
+        assert until(lambda: receiver.fenced(1))  # the holder's own end fences its requests
+    finally:
+        for conn in conns:
+            conn.close()
+        endpoint.close()
+
+
 def test_every_frame_class_holds_its_records_fields() -> None:
     """The dataclasses of kvferry.transports.frames list the fields of the codec's records
     (rust/src/wire/), in wire order; the transports' set encodes and decodes only its own

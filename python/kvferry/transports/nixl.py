@@ -28,7 +28,10 @@ Wire: a notification is one frame of the core's codec (kvferry.transports.wire):
 ``notices`` frame with the destination ids the write used (checked against each request's
 lease before a notice counts), or a ``revoke`` frame, a fence. The sender names its agent on
 the control channel first (an ``agent`` frame), so that the receiver can tie the agent's
-requests to the connection (announces, cancellations back, its end). A notification that does not
+requests to the connection (announces, cancellations back, its end). The name is bound to
+the connection once: a second ``agent`` frame, one naming an agent another connection holds,
+or an announce or fence before it, breaks the protocol and ends that connection (a sender
+cannot take over another's requests by naming its agent). A notification that does not
 decode, or names blocks outside a lease, is refused and ends that agent's control
 connection.
 """
@@ -138,6 +141,18 @@ def _decode_notification(message: bytes) -> Frame:
     return frame
 
 
+def _after_agent(handler: Handler) -> Handler:
+    """``handler`` for a frame that needs the connection bound to its agent first
+    (`NixlEndpoint._on_agent`): requests announced before it would belong to no agent."""
+
+    def bound(endpoint: Any, peer: Any, frame: Frame) -> None:
+        if peer.source is peer:
+            raise wire.ProtocolError(f"{peer}: a {frame.kind} frame before its agent frame", peer=str(peer))
+        handler(endpoint, peer, frame)
+
+    return bound
+
+
 class NixlEndpoint(LocalEndpoint):
     """The receiver's side: registers the pool with a NIXL agent, hands its metadata and block
     descriptors to senders that present the key, and delivers notices from notifications."""
@@ -191,9 +206,18 @@ class NixlEndpoint(LocalEndpoint):
             peer.shutdown()
 
     def _on_agent(self, peer: Any, frame: Agent) -> None:
-        """Names the NIXL agent this connection writes with; its requests are the agent's
-        (the notifications name it)."""
-        peer.source = _agent_source(frame.agent_name)
+        """Binds the connection to the NIXL agent it writes with: its requests are the
+        agent's (the notifications name it). Once per connection, and only to an agent no
+        other connection holds (a name is all a notification's sender has to go by)."""
+        source = _agent_source(frame.agent_name)
+        if peer.source is not peer:
+            raise wire.ProtocolError(f"{peer}: a second agent frame (NIXL agent {frame.agent_name!r}): the connection is bound to {peer.source}", peer=str(peer))
+        with self._lock:  # check and bind at once: two connections cannot both take a name
+            holder = next((p for p in self._peers if p is not peer and p.source == source), None)
+            if holder is None:
+                peer.source = source
+        if holder is not None:
+            raise wire.ProtocolError(f"{peer}: claims {source}, which {holder} holds", peer=str(peer))
 
     def _on_notices(self, peer: Any, frame: Notices) -> None:
         """Notices never come this way: they ride the writes."""
@@ -202,6 +226,8 @@ class NixlEndpoint(LocalEndpoint):
     HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {
         **LocalEndpoint.HANDLERS,
         Agent: _on_agent,
+        Announce: _after_agent(LocalEndpoint.HANDLERS[Announce]),
+        Revoke: _after_agent(LocalEndpoint.HANDLERS[Revoke]),
         Notices: _on_notices,
     }
 
