@@ -99,9 +99,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
 
 
 def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvferry.transports.local
+    import kvferry.transports.control
 
-    monkeypatch.setattr(kvferry.transports.local, "HANDSHAKE_SECONDS", 0.2)
+    monkeypatch.setattr(kvferry.transports.control, "HANDSHAKE_SECONDS", 0.2)
     with shm_endpoint() as (receiver, endpoint, _):
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stalled.connect(_path(endpoint.address))

@@ -431,7 +431,7 @@ def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.M
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     from kvferry.layout import PagedKV
     from kvferry.transports.frames import Agent, Announce
-    from kvferry.transports.local import PeerConnection
+    from kvferry.transports.control import PeerConnection
     from kvferry.transports.nixl import NixlEndpoint
 
     receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))

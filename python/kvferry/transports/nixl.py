@@ -10,7 +10,7 @@ receiver: a thread polls notifications and delivers the notices (and the fences,
                          the sender posts as notifications of their own, after its writes)
 ```
 Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
-channel of kvferry.transports.local, a Unix socket or TCP (NIXL's own listener would bind
+channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
 every interface), with the pool's layer addresses: the sender builds the block descriptors
 itself (`block_descriptors`). Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
@@ -51,7 +51,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.transports import wire
 from kvferry.transports.frames import TRANSPORT, Agent, Announce, Frame, Notices, Revoke
-from kvferry.transports.local import Handler, LocalEndpoint, PeerConnection, pool_hello
+from kvferry.transports.control import Handler, LocalEndpoint, PeerConnection, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts

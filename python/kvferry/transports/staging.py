@@ -40,7 +40,7 @@ from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.transports import wire
 from kvferry.transports.frames import Frame, Freed, Hello, Staged
-from kvferry.transports.local import Handler, LocalEndpoint, LocalTransport, pool_hello
+from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool
