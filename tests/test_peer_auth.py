@@ -348,6 +348,7 @@ def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> N
     assert isinstance(frame, Notices) and frame.notices == [Notice(1, 0, 0, 2, True)]
     assert frame.dst_ids is not None and frame.dst_ids.tolist() == [4, 9]
     assert _decode_notification(_encode_revoke(3, 2)) == Revoke(3, 2)
-    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.encode(Freed(1))):
+    truncated = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3"
+    for message in (b"junk", truncated, bytes(41), wire.encode(Freed(1))):
         with pytest.raises(TransferError):
             _decode_notification(message)

@@ -1,6 +1,7 @@
 """Writes the `wire` fuzz target's seeds for the rendezvous's frames (its own set of frames:
 kvferry._core.rendezvous_encode; one valid frame of each type, and a few edge values) into
-rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
+rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
+repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
 
 from __future__ import annotations
 

@@ -260,7 +260,11 @@ class LocalEndpoint:
 
     # What a sender may send, by frame class; a subclass extends or overrides it with its
     # own (``HANDLERS = {**LocalEndpoint.HANDLERS, Staged: _on_staged}``).
-    HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {Announce: _on_announce, Revoke: _on_revoke, Notices: _on_notices}
+    HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {
+        Announce: _on_announce,
+        Revoke: _on_revoke,
+        Notices: _on_notices,
+    }
 
     def dispatch(self, peer: Any, frame: Frame) -> None:
         """One decoded frame from a sender, to its handler in ``HANDLERS``. Any other kind
@@ -367,7 +371,8 @@ class PeerConnection:
             if isinstance(first, Goodbye):
                 raise TransferError(f"the {self.peer} refused the connection: {first.reason}", peer=self.peer)
             if not isinstance(first, HelloFrame):
-                raise wire.ProtocolError(f"the {self.peer} sent a {first.kind} frame instead of its hello", peer=self.peer)
+                why = f"the {self.peer} sent a {first.kind} frame instead of its hello"
+                raise wire.ProtocolError(why, peer=self.peer)
             self.hello = dict(first.pool)
         except (OSError, EOFError, KvFerryError) as err:
             self.close()
@@ -422,7 +427,11 @@ class PeerConnection:
         raise self._lose(TransferError(f"it closed the connection: {frame.reason}"))
 
     # What a receiver may send after its hello, by frame class.
-    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], None]]] = {Cancel: _on_cancel, Freed: _on_freed, Goodbye: _on_goodbye}
+    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], None]]] = {
+        Cancel: _on_cancel,
+        Freed: _on_freed,
+        Goodbye: _on_goodbye,
+    }
 
     def check(self) -> None:
         """Raises ``lost`` once the receiver's end closed; never blocks. Reads what the

@@ -211,7 +211,8 @@ class NixlEndpoint(LocalEndpoint):
         other connection holds (a name is all a notification's sender has to go by)."""
         source = _agent_source(frame.agent_name)
         if peer.source is not peer:
-            raise wire.ProtocolError(f"{peer}: a second agent frame (NIXL agent {frame.agent_name!r}): the connection is bound to {peer.source}", peer=str(peer))
+            why = f"a second agent frame (NIXL agent {frame.agent_name!r}): the connection is bound to {peer.source}"
+            raise wire.ProtocolError(f"{peer}: {why}", peer=str(peer))
         with self._lock:  # check and bind at once: two connections cannot both take a name
             holder = next((p for p in self._peers if p is not peer and p.source == source), None)
             if holder is None:
@@ -221,7 +222,8 @@ class NixlEndpoint(LocalEndpoint):
 
     def _on_notices(self, peer: Any, frame: Notices) -> None:
         """Notices never come this way: they ride the writes."""
-        raise wire.ProtocolError(f"{peer}: notices on the control channel; a NIXL sender sends them as notifications", peer=str(peer))
+        why = "notices on the control channel; a NIXL sender sends them as notifications"
+        raise wire.ProtocolError(f"{peer}: {why}", peer=str(peer))
 
     HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {
         **LocalEndpoint.HANDLERS,

@@ -233,7 +233,9 @@ class StagingEndpoint(LocalEndpoint):
 
     HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {**LocalEndpoint.HANDLERS, Staged: _on_staged}
 
-    def stage(self, staging: _Ring, notices: Sequence[Notice], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray) -> None:
+    def stage(
+        self, staging: _Ring, notices: Sequence[Notice], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray
+    ) -> None:
         """Slots of the sender's own ring from ``lo`` hold a batch of ``len(dst_ids)`` blocks
         (or more, of which those at ``picked`` go), the blocks of ``notices`` in order;
         ``freed`` slots are returned to the sender afterwards. The codec checked the counts

@@ -287,7 +287,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None, frames: FrameSet = TRANSPORT) -> Frame:
+def recv_frame(
+    sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None, frames: FrameSet = TRANSPORT
+) -> Frame:
     """Reads one frame of ``frames``: the header first, checked (magic, version, type,
     length within ``limit``) before a byte of the body is read; then the body, decoded and
     validated by the core. Raises `ProtocolError` for a bad frame (or one of another

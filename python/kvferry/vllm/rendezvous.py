@@ -246,7 +246,8 @@ class Rendezvous:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 if transfer in self._published:
                     try:  # publish checked every other field: only the endpoint can be refused
-                        answer = wire.encode(Destination(**dict(self._published[transfer], endpoint=endpoint)), RENDEZVOUS)
+                        destination = Destination(**dict(self._published[transfer], endpoint=endpoint))
+                        answer = wire.encode(destination, RENDEZVOUS)
                     except (InvalidArgumentError, TypeError) as err:
                         reason = f"no usable endpoint for prefill engine {sender!r}: {err}"
                         self._abandoned[transfer] = reason
@@ -315,8 +316,10 @@ def _ask(sock: socket.socket, data: bytes, wait_s: float) -> Frame:
 
 def _unexpected(address: str, transfer: str, asked: str, frame: Frame) -> TransferError:
     if isinstance(frame, Goodbye):
-        return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} closed the connection: {frame.reason}", peer=address)
-    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} answered a {asked} with a {frame.kind} frame", peer=address)
+        why = f"closed the connection: {frame.reason}"
+    else:
+        why = f"answered a {asked} with a {frame.kind} frame"
+    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} {why}", peer=address)
 
 
 def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> dict[str, Any]:

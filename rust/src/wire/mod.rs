@@ -11,7 +11,8 @@
 //! ```
 //! A frame's body is its record's fields in the order its `record!` table lists them (one
 //! table per record: the struct, its decoder, its encoder and its Python form come from
-//! it). Frames travel in sets, one per kind of channel: the transports' control channel
+//! it; only the hello's pool access, a tagged union, is read and written by hand).
+//! Frames travel in sets, one per kind of channel: the transports' control channel
 //! ([`Frame`], in `transport`) and the vLLM connector's rendezvous ([`rendezvous::Frame`]).
 //! Both start with the handshake's frames (challenge, proof, defined here) and may end with
 //! a goodbye; a frame of a type outside the channel's set is refused as a type this side
