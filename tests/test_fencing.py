@@ -759,10 +759,10 @@ def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
 def test_endpoint_errors_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender that keeps sending refused notices cannot grow the endpoint: it keeps the
     last few errors and counts them all. Stale notices are no errors at all."""
-    import kvferry.transports.local
+    import kvferry.transports.control
     from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
-    monkeypatch.setattr(kvferry.transports.local, "ERRORS_KEPT", 8)
+    monkeypatch.setattr(kvferry.transports.control, "ERRORS_KEPT", 8)
     shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
     assert shared.pool is not None
     receiver = KVReceiver(shared.pool)

@@ -25,6 +25,7 @@ from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import wire
+from kvferry.transports.frames import Freed, Notices, Revoke
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.wire import AuthenticationError
 
@@ -98,9 +99,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
 
 
 def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvferry.transports.local
+    import kvferry.transports.control
 
-    monkeypatch.setattr(kvferry.transports.local, "HANDSHAKE_SECONDS", 0.2)
+    monkeypatch.setattr(kvferry.transports.control, "HANDSHAKE_SECONDS", 0.2)
     with shm_endpoint() as (receiver, endpoint, _):
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stalled.connect(_path(endpoint.address))
@@ -346,7 +347,7 @@ def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndp
     good = ShmTransport(endpoint.address, authkey=authkey)
     frames = [
         (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
-        (2, wire.frame("freed", 3), "a freed frame, which a sender does not send"),
+        (2, wire.encode(Freed(3)), "a freed frame, which a sender does not send"),
         (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
     ]
     for rid, raw, why in frames:
@@ -376,9 +377,11 @@ def _closed(transport: ShmTransport) -> bool:
 def test_malformed_nixl_notifications_are_refused_not_crashing_the_poller() -> None:
     from kvferry.transports.nixl import _decode_notification, _encode, _encode_revoke
 
-    kind, (notices, dst) = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
-    assert kind == "notices" and notices == [Notice(1, 0, 0, 2, True)] and dst.tolist() == [4, 9]
-    assert _decode_notification(_encode_revoke(3, 2)) == ("revoke", (3, 2))
-    for message in (b"junk", wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", bytes(41), wire.frame("freed", 1)):
+    frame = _decode_notification(_encode([Notice(1, 0, 0, 2, True)], np.array([4, 9])))
+    assert isinstance(frame, Notices) and frame.notices == [Notice(1, 0, 0, 2, True)]
+    assert frame.dst_ids is not None and frame.dst_ids.tolist() == [4, 9]
+    assert _decode_notification(_encode_revoke(3, 2)) == Revoke(3, 2)
+    truncated = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3"
+    for message in (b"junk", truncated, bytes(41), wire.encode(Freed(1))):
         with pytest.raises(TransferError):
             _decode_notification(message)

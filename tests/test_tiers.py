@@ -576,6 +576,6 @@ def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
 def test_cuda_ipc_mixed_tier_prefix_bit_exact() -> None:
     """The receiver's CUDA pool mapped through CUDA IPC: both parts of each write go through
     the copy kernel, the host part read from the pinned tier in place."""
-    from kvferry.transports.local import CudaIpcTransport
+    from kvferry.transports.cuda_ipc import CudaIpcTransport
 
     _two_processes("cuda-ipc", lambda address, key, dev, host: CudaIpcTransport(address, authkey=key), "cuda")

@@ -20,7 +20,8 @@ from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
-from kvferry.transports.local import CudaIpcEndpoint, CudaIpcTransport, LocalEndpoint
+from kvferry.transports.control import LocalEndpoint
+from kvferry.transports.cuda_ipc import CudaIpcEndpoint, CudaIpcTransport
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.inprocess import InProcessTransport
 

@@ -883,6 +883,36 @@ def test_rendezvous_refuses_what_its_frames_cannot_carry(tmp_path: Any) -> None:
 
 
 @needs_vllm
+def test_the_rendezvous_frames_are_a_set_of_their_own() -> None:
+    """kvferry.vllm.frames' dataclasses list the fields of the codec's rendezvous records
+    (rust/src/wire/rendezvous.rs) in wire order; the rendezvous's set shares only the
+    handshake's frames and the goodbye with the transports'."""
+    from dataclasses import fields
+
+    from kvferry import _core
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.transports import wire
+    from kvferry.transports.frames import TRANSPORT, Announce
+    from kvferry.vllm.frames import RENDEZVOUS, Abandoned, Destination, Lookup
+
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    assert set(RENDEZVOUS.classes) == {"challenge", "proof", "goodbye"} | rendezvous
+    for kind, cls in RENDEZVOUS.classes.items():
+        assert tuple(f.name for f in fields(cls)) == _core.WIRE_FIELDS[kind], kind
+        if kind in TRANSPORT.classes:
+            assert TRANSPORT.classes[kind] is cls
+    with pytest.raises(InvalidArgumentError, match="not a frame of the rendezvous"):
+        RENDEZVOUS.encode(Announce([(1, 1)]))
+    with pytest.raises(InvalidArgumentError, match="not a frame of the transport channel"):
+        wire.encode(Lookup("T", 0, "P"))
+    assert isinstance(RENDEZVOUS.decode(RENDEZVOUS.encode(Abandoned()), 0), Abandoned)
+    destination = Destination(7, 2, 40, 16, 1, [7, 3, 9], "0123456789abcdef", "e0", "staging+unix:///x")
+    got = RENDEZVOUS.decode(RENDEZVOUS.encode(destination), 1 << 20)
+    assert isinstance(got, Destination) and got.as_dict() == dict(destination.fields(), dst_blocks=[7, 3, 9])
+    assert type(got.as_dict()["dst_blocks"][0]) is int
+
+
+@needs_vllm
 @pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
 def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, listen: str) -> None:
     import json
@@ -891,7 +921,9 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
 
     from kvferry import _core
     from kvferry.transports import wire
+    from kvferry.transports.frames import Goodbye, Notices
     from kvferry.vllm import rendezvous
+    from kvferry.vllm.frames import RENDEZVOUS, Destination, Lookup
 
     key = os.urandom(32)
     server = rendezvous.Rendezvous(key, lambda sender: f"/staging/{sender}", str(tmp_path), listen=listen)
@@ -903,15 +935,15 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
         return sock
 
     def goodbye_then_closed(sock: socket.socket) -> str:
-        kind, why = wire.recv_frame(sock)
-        assert kind == "goodbye", (kind, why)
+        frame = wire.recv_frame(sock, frames=RENDEZVOUS)
+        assert isinstance(frame, Goodbye), frame
         with pytest.raises(EOFError):
             wire.recv_frame(sock)  # the rendezvous closed this connection
-        return str(why)
+        return frame.reason
 
     body = json.dumps({"op": "lookup", "transfer": "T", "wait_s": 0, "sender": "P1"}).encode()
     old_json = struct.pack(">I", len(body)) + body  # the rendezvous's frames before this codec
-    destination = wire.frame("destination", dict(_published(9), endpoint="/x"))
+    destination = wire.encode(Destination(**dict(_published(9), endpoint="/x")), RENDEZVOUS)
 
     def ends(sock: socket.socket) -> None:
         # The rendezvous closes with bytes of ours unread, so the end is an EOF or a reset.
@@ -943,9 +975,9 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
         cases = [
             (old_json[: wire.HEADER.size], "bad magic"),
             (header + b"\xff" * 5, "invalid frame"),
-            (wire.frame("notices", ([], None)), "a notices frame, which the rendezvous does not take"),
+            (wire.encode(Notices([], None)), "a notices frame, which the rendezvous does not take"),
             (destination, "a destination frame, which the rendezvous does not take"),
-            (wire.frame("goodbye", "bye"), "a goodbye frame"),
+            (wire.encode(Goodbye("bye")), "a goodbye frame"),
         ]
         for data, why in cases:
             sock = authenticated()
@@ -956,7 +988,7 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
                 sock.close()
         # A peer left mid-frame (a lookup cut short): its connection ends, no answer owed.
         sock = authenticated()
-        sock.sendall(wire.frame("lookup", ("T", 0, "P1"))[:-3])
+        sock.sendall(wire.encode(Lookup("T", 0, "P1"), RENDEZVOUS)[:-3])
         sock.shutdown(socket.SHUT_WR)
         with pytest.raises(EOFError):
             wire.recv_frame(sock)

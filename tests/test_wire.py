@@ -21,6 +21,7 @@ from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import wire
 from kvferry.transports.base import Write
+from kvferry.transports.frames import Challenge, Proof
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -225,7 +226,7 @@ def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
             (secrets.token_bytes(4096), "bad magic"),
             (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
             (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30), "exceeds the limit of 33"),
-            (wire.frame("proof", bytes(32)), "a proof frame during the handshake, expected a challenge"),
+            (wire.encode(Proof(bytes(32))), "a proof frame during the handshake, expected a challenge"),
         ]
         for n, (data, why) in enumerate(garbage, start=1):
             with wire.connect(address, SLACK) as raw:
@@ -242,7 +243,7 @@ def test_a_slow_handshake_is_dropped_within_its_timeout() -> None:
     with shm_rig("tcp://127.0.0.1:0", handshake_timeout=0.5) as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         with wire.connect(address, SLACK) as raw:
-            challenge = wire.frame("challenge", (wire.ROLE_SENDER, secrets.token_bytes(32)))
+            challenge = wire.encode(Challenge(wire.ROLE_SENDER, secrets.token_bytes(32)))
             sent = 0
             for byte in challenge[:-1]:  # 44 bytes at least 0.1 s apart: over 4 s, against a 0.5 s bound
                 if endpoint.error_count:
@@ -475,6 +476,91 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         engine.close()
 
 
+def _ended_with(conn: Any, pattern: str) -> bool:
+    """Whether the endpoint ended ``conn`` (a `PeerConnection`) with a goodbye matching
+    ``pattern``, read as it arrives."""
+
+    def ended() -> bool:
+        try:
+            conn.check()
+        except TransferError as err:
+            assert re.search(pattern, str(err)), str(err)
+            return True
+        return False
+
+    return until(ended)
+
+
+def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 item 6: an ``agent`` frame binds its connection to the NIXL agent it names,
+    once. A connection naming an agent another connection holds, a second ``agent`` frame, or
+    an announce before any, ends that connection with a goodbye saying why; the holder keeps
+    its agent and its requests (a thief's end fences nothing of theirs)."""
+    pytest.importorskip("nixl")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    from kvferry.layout import PagedKV
+    from kvferry.transports.frames import Agent, Announce
+    from kvferry.transports.control import PeerConnection
+    from kvferry.transports.nixl import NixlEndpoint
+
+    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+    authkey = secrets.token_bytes(32)
+    endpoint = NixlEndpoint(receiver, authkey=authkey, address="tcp://127.0.0.1:0")
+    conns: list[PeerConnection] = []
+
+    def connect() -> PeerConnection:
+        conns.append(PeerConnection(endpoint.address, authkey))
+        return conns[-1]
+
+    try:
+        holder = connect()
+        holder.send(Agent("kvferry-tx-holder"))
+        e1 = receiver.expect(1, 8)
+        holder.send(Announce([(1, e1)]))
+        thief = connect()
+        thief.send(Agent("kvferry-tx-holder"))
+        assert _ended_with(thief, r"claims NIXL agent kvferry-tx-holder, which sender #\d+ .* holds")
+        early = connect()
+        early.send(Announce([(1, e1)]))
+        assert _ended_with(early, "announce frame before its agent frame")
+        # Both ends were handled (each ended its connection): request 1 is still the holder's.
+        assert until(lambda: endpoint.error_count == 2)
+        assert not receiver.fenced(1)
+        holder.check()  # still connected
+        holder.send(Agent("kvferry-tx-other"))
+        bound = "a second agent frame .NIXL agent 'kvferry-tx-other'.: the connection is bound to NIXL agent"
+        assert _ended_with(holder, f"{bound} kvferry-tx-holder")
+        assert until(lambda: receiver.fenced(1))  # the holder's own end fences its requests
+    finally:
+        for conn in conns:
+            conn.close()
+        endpoint.close()
+
+
+def test_every_frame_class_holds_its_records_fields() -> None:
+    """The dataclasses of kvferry.transports.frames list the fields of the codec's records
+    (rust/src/wire/), in wire order; the transports' set encodes and decodes only its own
+    frames (the rendezvous's: tests/test_vllm_connector.py)."""
+    from dataclasses import fields
+
+    from kvferry import _core
+    from kvferry.transports.frames import TRANSPORT, Hello, Revoke
+
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    assert set(TRANSPORT.classes) == set(_core.WIRE_FIELDS) - rendezvous | {"hello"}
+    for kind, cls in TRANSPORT.classes.items():
+        if cls is not Hello:  # its Python form is the flat pool dict (rust/src/py/wire/hello.rs)
+            assert tuple(f.name for f in fields(cls)) == _core.WIRE_FIELDS[kind], kind
+    assert TRANSPORT.decode(wire.encode(Revoke(3, 2)), 16) == Revoke(3, 2)
+    with pytest.raises(InvalidArgumentError, match='invalid kind="abandoned": not a frame of the transport channel'):
+        _core.wire_encode("abandoned", {})
+    with pytest.raises(InvalidArgumentError, match="invalid revoke: unknown field 'epcoh'"):
+        _core.wire_encode("revoke", {"request_id": 1, "epcoh": 2})
+    abandoned = _core.rendezvous_encode("abandoned", {})
+    with pytest.raises(InvalidArgumentError, match="a abandoned frame, which the transport channel does not take"):
+        TRANSPORT.decode(abandoned, 0)
+
+
 def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
     # rust/fuzz/seed_wire.py writes the rendezvous's seeds; the others came with their types.
     from kvferry import _core
@@ -485,6 +571,10 @@ def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
         try:
             kinds.add(_core.wire_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
         except ValueError:
-            pass  # an input the fuzzer kept for the refusals it reaches
+            pass  # a rendezvous frame, or an input the fuzzer kept for the refusals it reaches
+        try:
+            kinds.add(_core.rendezvous_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
+        except ValueError:
+            pass
     rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
     assert rendezvous | {"challenge", "proof", "hello", "notices", "goodbye"} <= kinds, kinds

@@ -26,14 +26,14 @@ def main() -> None:
     for n in (1, 16, 256):
         notices = [Notice(i, 0, 4 * i, 4 * i + 4, False, 7, 0, 1).as_tuple() for i in range(n)]
         dst = np.arange(4 * n, dtype=np.int64)
-        value = (notices, dst)
+        value = {"notices": notices, "dst_ids": dst}
 
         def codec() -> None:
             _core.wire_decode(_core.wire_encode("notices", value), LIMIT)
 
         def objects() -> None:
-            _, (tuples, _ids) = _core.wire_decode(_core.wire_encode("notices", value), LIMIT)
-            [Notice(*t) for t in tuples]
+            _, fields = _core.wire_decode(_core.wire_encode("notices", value), LIMIT)
+            [Notice(*t) for t in fields["notices"]]
 
         def pickled() -> None:
             pickle.loads(pickle.dumps(value, protocol=5))

@@ -18,6 +18,7 @@ __all__ = [
     "SlicePlan",
     "TransferBook",
     "TransferLedger",
+    "WIRE_FIELDS",
     "WIRE_HEADER_BYTES",
     "WIRE_MAX_FRAME_BYTES",
     "WIRE_MAX_IDS",
@@ -27,6 +28,8 @@ __all__ = [
     "chunk_blocks",
     "early_prefix_blocks",
     "pack_pairs",
+    "rendezvous_decode",
+    "rendezvous_encode",
     "select_early",
     "wire_decode",
     "wire_encode",
@@ -38,6 +41,7 @@ WIRE_VERSION: int
 WIRE_HEADER_BYTES: int
 WIRE_MAX_FRAME_BYTES: int
 WIRE_MAX_IDS: int
+WIRE_FIELDS: dict[str, tuple[str, ...]]
 
 @final
 class BlockRange:
@@ -249,9 +253,12 @@ def select_early(
 def block_pairs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockPairs: ...
 def block_runs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockRuns: ...
 def pack_pairs(src_ids: _IntLike, dst_ids: _IntLike, src_blocks: int, dst_blocks: int) -> npt.NDArray[np.int64]: ...
-# The frame codec (rust/src/wire.rs): (kind, value), the same shape both ways; the
-# rendezvous's: lookup (transfer, wait_ms, sender), destination a dict (dst_blocks a list),
-# refused str, abandon (transfer, reason), abandoned None.
+# The frame codecs (rust/src/wire/): (kind, fields), the same shape both ways; fields is a
+# dict of the record's fields (WIRE_FIELDS names them), the hello's a flat dict of its own.
+# wire_* speak the transports' channel, rendezvous_* the vLLM rendezvous's
+# (kvferry.transports.frames and kvferry.vllm.frames wrap them in dataclasses).
 def wire_header(header: bytes, limit: int) -> tuple[str, int]: ...
-def wire_decode(frame: bytes, limit: int) -> tuple[str, Any]: ...
-def wire_encode(kind: str, value: Any) -> bytes: ...
+def wire_decode(frame: bytes, limit: int) -> tuple[str, dict[str, Any]]: ...
+def wire_encode(kind: str, fields: dict[str, Any]) -> bytes: ...
+def rendezvous_decode(frame: bytes, limit: int) -> tuple[str, dict[str, Any]]: ...
+def rendezvous_encode(kind: str, fields: dict[str, Any]) -> bytes: ...

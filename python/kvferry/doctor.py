@@ -602,16 +602,21 @@ def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
         # The connection is made (authenticated) before a block leaves, so a probe that
         # serves one probe and closes its listener still answers it.
         from kvferry.transports import wire
+        from kvferry.vllm.frames import RENDEZVOUS, Lookup, Refused
 
         verdicts: list[str] = []
         sock = rendezvous._connect(url, key)
 
         def ask() -> None:
             try:
-                kind, value = rendezvous._ask(
-                    sock, wire.frame("lookup", (f"{PROBE_TRANSFER}/{seed}", 60_000, me)), 70.0
+                answer = rendezvous._ask(
+                    sock, wire.encode(Lookup(f"{PROBE_TRANSFER}/{seed}", 60_000, me), RENDEZVOUS), 70.0
                 )
-                text = str(value) if kind == "refused" else f"FAILED: the probe answered a {kind} frame, not a verdict"
+                text = (
+                    answer.error
+                    if isinstance(answer, Refused)
+                    else f"FAILED: the probe answered a {answer.kind} frame, not a verdict"
+                )
                 verdicts.append(text.split("ended on the decode server: ", 1)[-1])
             except Exception as err:  # reported as the verdict
                 verdicts.append(f"FAILED: no verdict from the probe: {err!r}")

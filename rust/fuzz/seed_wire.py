@@ -1,6 +1,7 @@
-"""Writes the `wire` fuzz target's seeds for the rendezvous's frames (one valid frame of each
-type, and a few edge values) into rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer
-names its inputs. Run from the repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
+"""Writes the `wire` fuzz target's seeds for the rendezvous's frames (its own set of frames:
+kvferry._core.rendezvous_encode; one valid frame of each type, and a few edge values) into
+rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
+repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
 
 from __future__ import annotations
 
@@ -21,22 +22,22 @@ DESTINATION = {
     "endpoint": "staging+unix:///tmp/kvferry-x/notices.sock",
 }
 FRAMES = [
-    ("lookup", ("T", 60000, "prefill-0")),
-    ("lookup", ("turn-1 ⟂", 3600000, "P")),
+    ("lookup", {"transfer": "T", "wait_ms": 60000, "sender": "prefill-0"}),
+    ("lookup", {"transfer": "turn-1 ⟂", "wait_ms": 3600000, "sender": "P"}),
     ("destination", DESTINATION),
     ("destination", dict(DESTINATION, dst_blocks=[], held_blocks=0, endpoint="nixl+tcp://[::1]:5000")),
-    ("refused", "transfer 'T' was abandoned: prefill aborted"),
-    ("abandon", ("T", "prefill request refused the destination")),
-    ("abandon", ("T", "")),
-    ("abandoned", None),
+    ("refused", {"error": "transfer 'T' was abandoned: prefill aborted"}),
+    ("abandon", {"transfer": "T", "reason": "prefill request refused the destination"}),
+    ("abandon", {"transfer": "T", "reason": ""}),
+    ("abandoned", {}),
 ]
 
 
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "wire")
-    for kind, value in FRAMES:
-        data = bytes(_core.wire_encode(kind, value))
-        assert _core.wire_decode(data, _core.WIRE_MAX_FRAME_BYTES)[0] == kind
+    for kind, fields in FRAMES:
+        data = bytes(_core.rendezvous_encode(kind, fields))
+        assert _core.rendezvous_decode(data, _core.WIRE_MAX_FRAME_BYTES)[0] == kind
         with open(os.path.join(out, hashlib.sha1(data).hexdigest()), "wb") as f:
             f.write(data)
 

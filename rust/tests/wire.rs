@@ -2,9 +2,13 @@
 //! byte string decodes to a frame or an error, never a panic; a frame cut short or with a
 //! byte flipped in its header is refused or decodes to a valid frame.
 
+use kvferry::wire::rendezvous::{
+    self, Abandon, Abandoned, Destination, Lookup, Refused, MAX_WAIT_MS,
+};
 use kvferry::wire::{
-    decode, decode_header, encode, CudaTensor, Destination, Frame, Geometry, Hello, Lookup,
-    MemType, Notice, PoolAccess, Segment, Staged, HEADER_BYTES, MAX_FRAME_BYTES, MAX_WAIT_MS,
+    decode, decode_header, encode, Agent, Announce, Cancel, Challenge, CudaTensor, Frame, Freed,
+    Geometry, Goodbye, Hello, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment, Staged,
+    HEADER_BYTES, MAX_FRAME_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -178,39 +182,48 @@ fn destination() -> impl Strategy<Value = Destination> {
 }
 
 /// The rendezvous's frames (kvferry.vllm.rendezvous).
-fn rendezvous_frame() -> impl Strategy<Value = Frame> {
+fn rendezvous_frame() -> impl Strategy<Value = rendezvous::Frame> {
+    use rendezvous::Frame as R;
     prop_oneof![
-        (".{1,256}", 0..=MAX_WAIT_MS, ".{1,32}").prop_map(|(transfer, wait_ms, sender)| {
-            Frame::Lookup(Lookup {
+        (".{1,256}", 0..=MAX_WAIT_MS, ".{1,32}").prop_map(|(transfer, wait_ms, sender)| R::Lookup(
+            Lookup {
                 transfer,
                 wait_ms,
-                sender,
-            })
-        }),
-        destination().prop_map(Frame::Destination),
-        ".{1,400}".prop_map(Frame::Refused),
-        (".{1,256}", ".{0,200}").prop_map(|(transfer, reason)| Frame::Abandon { transfer, reason }),
-        Just(Frame::Abandoned),
+                sender
+            }
+        )),
+        destination().prop_map(R::Destination),
+        ".{1,400}".prop_map(|error| R::Refused(Refused { error })),
+        (".{1,256}", ".{0,200}")
+            .prop_map(|(transfer, reason)| R::Abandon(Abandon { transfer, reason })),
+        Just(R::Abandoned(Abandoned {})),
+        (1u8..=2, any::<[u8; 32]>())
+            .prop_map(|(role, nonce)| R::Challenge(Challenge { role, nonce })),
+        ".{0,200}".prop_map(|reason| R::Goodbye(Goodbye { reason })),
     ]
 }
 
 fn frame() -> impl Strategy<Value = Frame> {
     let leases = || vec((any::<i64>(), any::<i64>()), 0..20);
     prop_oneof![
-        (1u8..=2, any::<[u8; 32]>()).prop_map(|(role, nonce)| Frame::Challenge { role, nonce }),
-        any::<[u8; 32]>().prop_map(|mac| Frame::Proof { mac }),
+        (1u8..=2, any::<[u8; 32]>())
+            .prop_map(|(role, nonce)| Frame::Challenge(Challenge { role, nonce })),
+        any::<[u8; 32]>().prop_map(|mac| Frame::Proof(Proof { mac })),
         hello().prop_map(Frame::Hello),
-        (notices_and_ids(), any::<bool>()).prop_map(|((notices, ids), named)| Frame::Notices {
-            notices,
-            dst_ids: named.then_some(ids),
-        }),
-        vec(notice(), 0..6).prop_map(|notices| Frame::Notices {
+        (notices_and_ids(), any::<bool>()).prop_map(|((notices, ids), named)| Frame::Notices(
+            Notices {
+                notices,
+                dst_ids: named.then_some(ids),
+            }
+        )),
+        vec(notice(), 0..6).prop_map(|notices| Frame::Notices(Notices {
             notices,
             dst_ids: None
-        }),
-        leases().prop_map(Frame::Announce),
-        leases().prop_map(Frame::Cancel),
-        (any::<i64>(), any::<i64>()).prop_map(|(r, e)| Frame::Revoke(r, e)),
+        })),
+        leases().prop_map(|leases| Frame::Announce(Announce { leases })),
+        leases().prop_map(|leases| Frame::Cancel(Cancel { leases })),
+        (any::<i64>(), any::<i64>())
+            .prop_map(|(request_id, epoch)| Frame::Revoke(Revoke { request_id, epoch })),
         (notices_and_ids(), any::<u64>(), any::<u64>(), any::<bool>()).prop_map(
             |((notices, dst_ids), lo, freed, pick)| {
                 let picked = pick.then(|| (0..dst_ids.len() as i64).map(|i| i * 2).collect());
@@ -223,10 +236,9 @@ fn frame() -> impl Strategy<Value = Frame> {
                 })
             }
         ),
-        any::<u64>().prop_map(Frame::Freed),
-        name().prop_map(Frame::Agent),
-        ".{0,200}".prop_map(Frame::Goodbye),
-        rendezvous_frame(),
+        any::<u64>().prop_map(|freed| Frame::Freed(Freed { freed })),
+        name().prop_map(|agent_name| Frame::Agent(Agent { agent_name })),
+        ".{0,200}".prop_map(|reason| Frame::Goodbye(Goodbye { reason })),
     ]
 }
 
@@ -254,7 +266,10 @@ proptest! {
         bytes.extend_from_slice(&body);
         if let Ok(frame) = decode(&bytes, MAX_FRAME_BYTES) {
             // Whatever decodes is a frame the encoder would have produced, byte for byte.
-            prop_assert_eq!(encode(&frame).unwrap(), bytes);
+            prop_assert_eq!(&encode(&frame).unwrap(), &bytes);
+        }
+        if let Ok(frame) = rendezvous::decode(&bytes, MAX_FRAME_BYTES) {
+            prop_assert_eq!(&rendezvous::encode(&frame).unwrap(), &bytes);
         }
     }
 
@@ -278,18 +293,18 @@ proptest! {
 
     #[test]
     fn every_rendezvous_frame_decodes_to_itself_and_not_when_cut(frame in rendezvous_frame(), cut in any::<prop::sample::Index>()) {
-        let bytes = encode(&frame).expect("the strategy builds only valid frames");
-        prop_assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
-        prop_assert!(decode(&bytes[..cut.index(bytes.len())], MAX_FRAME_BYTES).is_err());
+        let bytes = rendezvous::encode(&frame).expect("the strategy builds only valid frames");
+        prop_assert_eq!(rendezvous::decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
+        prop_assert!(rendezvous::decode(&bytes[..cut.index(bytes.len())], MAX_FRAME_BYTES).is_err());
     }
 
     #[test]
     fn a_mutated_rendezvous_frame_decodes_to_a_valid_frame_or_errs(frame in rendezvous_frame(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
-        let mut bytes = encode(&frame).unwrap();
+        let mut bytes = rendezvous::encode(&frame).unwrap();
         let i = at.index(bytes.len());
         bytes[i] = byte;
-        match decode(&bytes, MAX_FRAME_BYTES) {
-            Ok(decoded) => prop_assert_eq!(encode(&decoded).unwrap(), bytes),
+        match rendezvous::decode(&bytes, MAX_FRAME_BYTES) {
+            Ok(decoded) => prop_assert_eq!(rendezvous::encode(&decoded).unwrap(), bytes),
             Err(err) => prop_assert!(!err.to_string().is_empty()),
         }
     }
@@ -297,8 +312,8 @@ proptest! {
     #[test]
     fn a_destination_with_held_blocks_past_its_ids_is_refused(d in destination(), extra in 1i64..100) {
         let held = d.dst_blocks.len() as i64 + extra;
-        let bad = Frame::Destination(Destination { held_blocks: held, ..d });
-        prop_assert!(encode(&bad).is_err());
+        let bad = rendezvous::Frame::Destination(Destination { held_blocks: held, ..d });
+        prop_assert!(rendezvous::encode(&bad).is_err());
     }
 
     #[test]
@@ -306,6 +321,21 @@ proptest! {
         if decode_header(&header, MAX_FRAME_BYTES).is_ok() {
             prop_assert_eq!(&header[..6], b"KVFW\x01\x00");
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn a_frame_of_one_channel_is_refused_on_the_other(frame in frame(), theirs in rendezvous_frame()) {
+        // The two sets share only the handshake's frames and the goodbye.
+        let bytes = encode(&frame).unwrap();
+        let shared = matches!(frame, Frame::Challenge(_) | Frame::Proof(_) | Frame::Goodbye(_));
+        prop_assert_eq!(rendezvous::decode(&bytes, MAX_FRAME_BYTES).is_ok(), shared);
+        let bytes = rendezvous::encode(&theirs).unwrap();
+        let shared = matches!(theirs, rendezvous::Frame::Challenge(_) | rendezvous::Frame::Goodbye(_));
+        prop_assert_eq!(decode(&bytes, MAX_FRAME_BYTES).is_ok(), shared);
     }
 }
 

@@ -10,7 +10,7 @@ receiver: a thread polls notifications and delivers the notices (and the fences,
                          the sender posts as notifications of their own, after its writes)
 ```
 Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
-channel of kvferry.transports.local, a Unix socket or TCP (NIXL's own listener would bind
+channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
 every interface), with the pool's layer addresses: the sender builds the block descriptors
 itself (`block_descriptors`). Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
@@ -28,8 +28,11 @@ Wire: a notification is one frame of the core's codec (kvferry.transports.wire):
 ``notices`` frame with the destination ids the write used (checked against each request's
 lease before a notice counts), or a ``revoke`` frame, a fence. The sender names its agent on
 the control channel first (an ``agent`` frame), so that the receiver can tie the agent's
-requests to the connection (announces, cancellations back, its end). A notification that
-does not decode, or names blocks outside a lease, is refused and ends that agent's control
+requests to the connection (announces, cancellations back, its end). The name is bound to
+the connection once: a second ``agent`` frame, one naming an agent another connection holds,
+or an announce or fence before it, breaks the protocol and ends that connection (a sender
+cannot take over another's requests by naming its agent). A notification that does not
+decode, or names blocks outside a lease, is refused and ends that agent's control
 connection.
 """
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import AbstractSet, Any, Optional, Sequence
+from typing import AbstractSet, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -46,9 +49,9 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
-from kvferry import _core
 from kvferry.transports import wire
-from kvferry.transports.local import LocalEndpoint, PeerConnection, pool_hello
+from kvferry.transports.frames import TRANSPORT, Agent, Announce, Frame, Notices, Revoke
+from kvferry.transports.control import Handler, LocalEndpoint, PeerConnection, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
@@ -150,34 +153,43 @@ def run_descriptors(
 def _encode(notices: Sequence[Notice], dst_ids: Optional[np.ndarray] = None) -> bytes:
     """A write's notification: its notices and the destination ids it wrote, in order
     (``None``: names none, which a request whose lease records its blocks refuses)."""
-    return wire.frame("notices", ([n.as_tuple() for n in notices], dst_ids))
+    return wire.encode(Notices(list(notices), dst_ids))
 
 
 def _encode_revoke(request_id: int, epoch: int) -> bytes:
-    return wire.frame("revoke", (int(request_id), int(epoch)))
+    return wire.encode(Revoke(int(request_id), int(epoch)))
 
 
 def _decode(message: bytes) -> list[Notice]:
     """The notices of a write's notification (`ProtocolError` for anything else)."""
-    kind, value = _decode_notification(message)
-    if kind != "notices":
-        raise wire.ProtocolError(f"not a kvferry notification of notices: a {kind} frame")
-    return list(value[0])
+    frame = _decode_notification(message)
+    if not isinstance(frame, Notices):
+        raise wire.ProtocolError(f"not a kvferry notification of notices: a {frame.kind} frame")
+    return list(frame.notices)
 
 
-def _decode_notification(message: bytes) -> tuple[str, Any]:
-    """A notification as ``("notices", (notices, dst_ids))`` or ``("revoke", (id, epoch))``;
-    anything else raises `ProtocolError`."""
+def _decode_notification(message: bytes) -> Frame:
+    """A notification: a `Notices` or a `Revoke` (`NixlEndpoint.NOTIFICATIONS`); anything
+    else raises `ProtocolError`."""
     try:
-        kind, value = _core.wire_decode(message, wire.MAX_FRAME_BYTES)
+        frame = TRANSPORT.decode(message, wire.MAX_FRAME_BYTES)
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"not a kvferry notification: {err}") from None
-    if kind == "notices":
-        notices, dst_ids = value
-        return kind, ([Notice(*v) for v in notices], dst_ids)
-    if kind == "revoke":
-        return kind, value
-    raise wire.ProtocolError(f"a {kind} frame as a NIXL notification: only notices and fences travel there")
+    if type(frame) not in NixlEndpoint.NOTIFICATIONS:
+        raise wire.ProtocolError(f"a {frame.kind} frame as a NIXL notification: only notices and fences travel there")
+    return frame
+
+
+def _after_agent(handler: Handler) -> Handler:
+    """``handler`` for a frame that needs the connection bound to its agent first
+    (`NixlEndpoint._on_agent`): requests announced before it would belong to no agent."""
+
+    def bound(endpoint: Any, peer: Any, frame: Frame) -> None:
+        if peer.source is peer:
+            raise wire.ProtocolError(f"{peer}: a {frame.kind} frame before its agent frame", peer=str(peer))
+        handler(endpoint, peer, frame)
+
+    return bound
 
 
 class NixlEndpoint(LocalEndpoint):
@@ -214,11 +226,8 @@ class NixlEndpoint(LocalEndpoint):
                 source = _agent_source(agent)
                 for message in messages:
                     try:
-                        kind, value = _decode_notification(bytes(message))
-                        if kind == "revoke":
-                            self.receiver.revoked(value[0], value[1], source)
-                        else:
-                            self.deliver(value[0], source, dst_ids=value[1])
+                        frame = _decode_notification(bytes(message))
+                        self.NOTIFICATIONS[type(frame)](self, source, frame)
                     except wire.ProtocolError as err:  # a bad frame or a write outside a lease
                         self._record(err)
                         self._drop(source, err)
@@ -235,16 +244,45 @@ class NixlEndpoint(LocalEndpoint):
                 peer.channel.goodbye(f"disconnected: {err}")
             peer.shutdown()
 
-    def dispatch(self, peer: Any, kind: str, value: Any) -> None:
-        """An ``agent`` frame names the NIXL agent this connection writes with; its requests
-        are the agent's (the notifications name it). Notices never come this way (they ride
-        the writes). Else see `LocalEndpoint`."""
-        if kind == "agent":
-            peer.source = _agent_source(value)
-        elif kind == "notices":
-            raise wire.ProtocolError(f"{peer}: notices on the control channel; a NIXL sender sends them as notifications", peer=str(peer))
-        else:
-            super().dispatch(peer, kind, value)
+    def _on_agent(self, peer: Any, frame: Agent) -> None:
+        """Binds the connection to the NIXL agent it writes with: its requests are the
+        agent's (the notifications name it). Once per connection, and only to an agent no
+        other connection holds (a name is all a notification's sender has to go by)."""
+        source = _agent_source(frame.agent_name)
+        if peer.source is not peer:
+            why = f"a second agent frame (NIXL agent {frame.agent_name!r}): the connection is bound to {peer.source}"
+            raise wire.ProtocolError(f"{peer}: {why}", peer=str(peer))
+        with self._lock:  # check and bind at once: two connections cannot both take a name
+            holder = next((p for p in self._peers if p is not peer and p.source == source), None)
+            if holder is None:
+                peer.source = source
+        if holder is not None:
+            raise wire.ProtocolError(f"{peer}: claims {source}, which {holder} holds", peer=str(peer))
+
+    def _on_notices(self, peer: Any, frame: Notices) -> None:
+        """Notices never come this way: they ride the writes."""
+        why = "notices on the control channel; a NIXL sender sends them as notifications"
+        raise wire.ProtocolError(f"{peer}: {why}", peer=str(peer))
+
+    HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {
+        **LocalEndpoint.HANDLERS,
+        Agent: _on_agent,
+        Announce: _after_agent(LocalEndpoint.HANDLERS[Announce]),
+        Revoke: _after_agent(LocalEndpoint.HANDLERS[Revoke]),
+        Notices: _on_notices,
+    }
+
+    def _deliver_notification(self, source: str, frame: Notices) -> None:
+        self.deliver(frame.notices, source, dst_ids=frame.dst_ids)
+
+    def _revoke_notification(self, source: str, frame: Revoke) -> None:
+        self.receiver.revoked(frame.request_id, frame.epoch, source)
+
+    # What a NIXL notification may carry, by frame class: ``handler(endpoint, agent, frame)``.
+    NOTIFICATIONS: ClassVar[Mapping[type[Frame], Callable[[Any, str, Any], None]]] = {
+        Notices: _deliver_notification,
+        Revoke: _revoke_notification,
+    }
 
     def lost(self, peer: Any, reason: str) -> None:
         """Fails nothing (see the module doc: the receiver's timeout decides), but fences
@@ -439,7 +477,7 @@ class NixlTransport(Transport):
         self._src = src
         self._host_src = host_src
         self.agent = _agent("tx")
-        self._conn.send("agent", self.agent.name)  # before any announce
+        self._conn.send(Agent(self.agent.name))  # before any announce
         self._registered = [self.agent.register_memory(list(src.layers))]
         if host_src is not None:
             self._registered.append(self.agent.register_memory(list(host_src.layers)))
@@ -571,7 +609,7 @@ class NixlTransport(Transport):
     def announce(self, requests: Sequence[tuple[int, int]]) -> None:
         """On the socket: binds the requests to this sender's agent before their first
         notification."""
-        self._conn.send("announce", [(int(r), int(e)) for r, e in requests])
+        self._conn.send(Announce([(int(r), int(e)) for r, e in requests]))
 
     def revoke(self, request_id: int, epoch: int) -> None:
         """A notification of its own, on the path of the writes' notifications: the sender

@@ -211,7 +211,7 @@ def _check_reach(name: str, address: str, argument: str, shown: Optional[str] = 
         )
 
 
-# What every endpoint and every transport with one takes (kvferry.transports.local): where
+# What every endpoint and every transport with one takes (kvferry.transports.control): where
 # to listen (``address``: unix://, unix:///path, tcp://host:port), the host peers reach a
 # wildcard bind by (``advertise``), and how long a peer has for the handshake.
 ENDPOINT_OPTIONS = ("address", "advertise", "handshake_timeout")
@@ -235,7 +235,7 @@ def _serve_shm(receiver: KVReceiver, authkey: bytes, shared: Any = None, **optio
 
 
 def _serve_cuda_ipc(receiver: KVReceiver, authkey: bytes, **options: Any) -> Any:
-    from kvferry.transports.local import CudaIpcEndpoint
+    from kvferry.transports.cuda_ipc import CudaIpcEndpoint
 
     return CudaIpcEndpoint(receiver, authkey=authkey, **_options("cuda-ipc", options, "endpoint", ENDPOINT_OPTIONS))
 
@@ -312,7 +312,7 @@ def _connect_shm(address: str, authkey: bytes, src: Optional[PagedKV], host_src:
 
 
 def _connect_cuda_ipc(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
-    from kvferry.transports.local import CudaIpcTransport
+    from kvferry.transports.cuda_ipc import CudaIpcTransport
 
     return CudaIpcTransport(address, authkey=authkey, **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS))
 

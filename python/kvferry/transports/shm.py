@@ -1,6 +1,6 @@
 """CPU pools across processes on one host: the receiver's pool lives in POSIX shared memory,
 the sender maps it and writes blocks straight into it; notices travel over the local socket
-of kvferry.transports.local. The segment name is 128 random bits.
+of kvferry.transports.control. The segment name is 128 random bits.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
 from kvferry.errors import TransferError
-from kvferry.transports.local import LocalEndpoint, LocalTransport, pool_hello
+from kvferry.transports.control import LocalEndpoint, LocalTransport, pool_hello
 from kvferry.receiver import KVReceiver
 
 __all__ = ["SharedPool", "ShmEndpoint", "ShmTransport"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import AbstractSet, Any, Callable, NoReturn, Optional, Sequence
+from typing import AbstractSet, Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
 
 import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
@@ -39,8 +39,9 @@ from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.transports import wire
-from kvferry.transports.local import LocalEndpoint, LocalTransport, pool_hello
-from kvferry.notice import Notice, NoticeTuple
+from kvferry.transports.frames import Frame, Freed, Hello, Staged
+from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
+from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool
 from kvferry.tiers import source_layers, source_parts
@@ -220,7 +221,7 @@ class StagingEndpoint(LocalEndpoint):
         self._rings_closed = False
         # The hello is checked by the codec here, with a stand-in ring name, so a pool the
         # codec cannot describe is refused now rather than at the first connection.
-        wire.frame("hello", self._hello_fields({"name": "kvferry-" + "0" * 32, "num_layers": pool.num_layers, "shape": list(_staging_shape(pool.geometry(), capacity_blocks)), "dtype": str(torch.uint8), "tokens_per_block": pool.tokens_per_block, "block_dim": 1}))
+        wire.encode(Hello(self._hello_fields({"name": "kvferry-" + "0" * 32, "num_layers": pool.num_layers, "shape": list(_staging_shape(pool.geometry(), capacity_blocks)), "dtype": str(torch.uint8), "tokens_per_block": pool.tokens_per_block, "block_dim": 1})))
         super().__init__(receiver, self._open_ring, authkey=authkey, **options)
 
     def _hello_fields(self, segment: dict[str, Any]) -> dict[str, Any]:
@@ -288,16 +289,17 @@ class StagingEndpoint(LocalEndpoint):
         finally:
             super().lost(peer, reason)
 
-    def dispatch(self, peer: Any, kind: str, value: Any) -> None:
-        if kind == "staged":
-            with self._rings_lock:
-                ring = self._rings.get(peer)
-            assert ring is not None, "a staged batch on a connection without its ring"
-            self.stage(ring, *value)
-        else:
-            super().dispatch(peer, kind, value)
+    def _on_staged(self, peer: Any, frame: Staged) -> None:
+        with self._rings_lock:
+            ring = self._rings.get(peer)
+        assert ring is not None, "a staged batch on a connection without its ring"
+        self.stage(ring, frame.notices, frame.lo, frame.freed, frame.picked, frame.dst_ids)
 
-    def stage(self, staging: _Ring, wire_notices: list[Any], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray) -> None:
+    HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {**LocalEndpoint.HANDLERS, Staged: _on_staged}
+
+    def stage(
+        self, staging: _Ring, notices: Sequence[Notice], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray
+    ) -> None:
         """Slots of the sender's own ring from ``lo`` hold a batch of ``len(dst_ids)`` blocks
         (or more, of which those at ``picked`` go), the blocks of ``notices`` in order;
         ``freed`` slots are returned to the sender afterwards. The codec checked the counts
@@ -305,7 +307,6 @@ class StagingEndpoint(LocalEndpoint):
         slot and id is checked against the ring and the pool before anything is copied.
         Blocks of a notice the receiver does not admit, or whose destination ids are not its
         lease's, are skipped (the latter is then refused and ends the connection)."""
-        notices = self.notices(wire_notices)
         lengths = np.array([n.end - n.start for n in notices], dtype=np.int64)
         n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
         if lo + n > staging.capacity or freed > staging.capacity:
@@ -346,7 +347,7 @@ class StagingEndpoint(LocalEndpoint):
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
         try:
-            peer.send("freed", int(freed))
+            peer.send(Freed(int(freed)))
         except OSError:
             # The sender closed its end after posting (KVSender.close after a flush): it
             # needs no frees, and the batches it posted before closing are still read and
@@ -475,22 +476,18 @@ class StagingTransport(LocalTransport):
         lo, d, freed = self._pending.pop(0)
         keep = kept(batch, revoked)
         if len(keep) == len(batch):
-            self._send("staged", (self._as_tuples(keep), lo, freed, None, d))
+            self._send(Staged(keep, lo, freed, None, d))
         else:
             # Only the kept requests' blocks leave the ring; a cancelled request's
             # destination blocks may already belong to someone else.
             lengths = np.array([n.end - n.start for n in batch])
             mask = np.repeat([n.request_id not in revoked for n in batch], lengths)
-            self._send("staged", (self._as_tuples(keep), lo, freed, np.flatnonzero(mask), d[mask]))
+            self._send(Staged(keep, lo, freed, np.flatnonzero(mask), d[mask]))
         self._collect_frees()
 
     def abandon(self, batch: Sequence[Notice]) -> None:
         lo, d, freed = self._pending.pop(0)
-        self._send("staged", ([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
-
-    @staticmethod
-    def _as_tuples(notices: Sequence[Notice]) -> list[NoticeTuple]:
-        return [n.as_tuple() for n in notices]
+        self._send(Staged([], lo, freed, np.empty(0, dtype=np.int64), d[:0]))  # only frees the slots
 
     def _collect_frees(self) -> None:
         self._conn.read_waiting()  # without waiting; cancellations are kept for check_peer

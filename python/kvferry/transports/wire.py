@@ -26,7 +26,8 @@ role inside each MAC means a proof cannot be reflected back to the side that mad
 the endpoint proves itself only to a sender that proved itself first. The whole handshake
 must finish within ``handshake_timeout`` seconds or the connection is closed, having
 changed nothing. After it, every message is a frame of the Rust codec (kvferry._core,
-rust/src/wire.rs): nothing from the wire is ever unpickled.
+rust/src/wire/), one frozen dataclass per kind (kvferry.transports.frames): nothing from
+the wire is ever unpickled.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional, TypeVar
 
 from kvferry import _core
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
+from kvferry.transports.frames import TRANSPORT, Challenge, Frame, FrameSet, Goodbye, Proof
 
 __all__ = [
     "DEFAULT_HANDSHAKE_SECONDS",
@@ -58,6 +60,7 @@ __all__ = [
     "check_authkey",
     "check_timeout",
     "connect",
+    "encode",
     "handshake",
     "listen",
     "parse_address",
@@ -251,7 +254,7 @@ def peer_name(sock: socket.socket) -> str:
     return f"tcp {Address('tcp', host=host, port=port).url()[6:]}"
 
 
-# The frame header (rust/src/wire.rs describes every frame): magic, version, type, body
+# The frame header (rust/src/wire/mod.rs describes every frame): magic, version, type, body
 # length, little-endian. Here only to build frames by hand in tests; the codec is the core's.
 MAGIC = b"KVFW"
 VERSION = _core.WIRE_VERSION
@@ -284,43 +287,48 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None) -> tuple[str, Any]:
-    """Reads one frame: the header first, checked (magic, version, type, length within
-    ``limit``) before a byte of the body is read; then the body, decoded and validated by
-    the core. Raises `ProtocolError` for a bad frame, ``EOFError`` at the end."""
+def recv_frame(
+    sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None, frames: FrameSet = TRANSPORT
+) -> Frame:
+    """Reads one frame of ``frames``: the header first, checked (magic, version, type,
+    length within ``limit``) before a byte of the body is read; then the body, decoded and
+    validated by the core. Raises `ProtocolError` for a bad frame (or one of another
+    channel's set), ``EOFError`` at the end."""
     header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
     try:
         _, length = _core.wire_header(header, limit)
         body = _recv_exact(sock, length, deadline) if length else b""
-        return _core.wire_decode(header + body, limit)
+        return frames.decode(header + body, limit)
     except InvalidArgumentError as err:
         raise ProtocolError(str(err)) from None
 
 
-def frame(kind: str, value: Any) -> bytes:
-    """One encoded frame (InvalidArgumentError for a value the codec would refuse)."""
-    return bytes(_core.wire_encode(kind, value))
+def encode(frame: Frame, frames: FrameSet = TRANSPORT) -> bytes:
+    """One encoded frame (InvalidArgumentError for a frame the codec would refuse)."""
+    return frames.encode(frame)
 
 
 class Channel:
-    """Frames over one connected socket, after the handshake. `send` may be called from
-    any thread; `recv` and `poll` from one reader."""
+    """Frames of one set (``frames``: the transports' unless told) over one connected socket,
+    after the handshake. `send` may be called from any thread; `recv` and `poll` from one
+    reader."""
 
-    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES, frames: FrameSet = TRANSPORT) -> None:
         self.sock = sock
         self.limit = limit
+        self.frames = frames
         self._send_lock = threading.Lock()
 
-    def send(self, kind: str, value: Any) -> None:
-        self.send_frame(frame(kind, value))
+    def send(self, frame: Frame) -> None:
+        self.send_frame(self.frames.encode(frame))
 
     def send_frame(self, data: bytes) -> None:
         """An encoded frame, whole: frames from several threads never interleave."""
         with self._send_lock:
             self.sock.sendall(data)
 
-    def recv(self) -> tuple[str, Any]:
-        return recv_frame(self.sock, self.limit)
+    def recv(self) -> Frame:
+        return recv_frame(self.sock, self.limit, frames=self.frames)
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a frame (or the end of the connection) is waiting."""
@@ -330,7 +338,7 @@ class Channel:
     def goodbye(self, reason: str) -> None:
         """Tells the peer why the connection is closing (best effort: it may be gone)."""
         try:
-            self.send("goodbye", reason.encode()[:1000].decode(errors="ignore"))  # the codec's bound is 1024 bytes
+            self.send(Goodbye(reason.encode()[:1000].decode(errors="ignore")))  # the codec's bound is 1024 bytes
         except (OSError, KvFerryError):
             pass
 
@@ -339,14 +347,17 @@ def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
     return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
 
 
-def _expect(sock: socket.socket, kind: str, deadline: float) -> Any:
+H = TypeVar("H", Challenge, Proof)
+
+
+def _expect(sock: socket.socket, kind: type[H], deadline: float) -> H:
     try:
-        got, value = recv_frame(sock, HANDSHAKE_LIMIT, deadline)
+        got = recv_frame(sock, HANDSHAKE_LIMIT, deadline)
     except ProtocolError as err:
         raise AuthenticationError(f"not a kvferry handshake: {err}") from None
-    if got != kind:
-        raise AuthenticationError(f"a {got} frame during the handshake, expected a {kind}")
-    return value
+    if not isinstance(got, kind):
+        raise AuthenticationError(f"a {got.kind} frame during the handshake, expected a {kind.kind}")
+    return got
 
 
 def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> None:
@@ -357,18 +368,19 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> Non
     peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
     proved = False
     try:
-        sock.sendall(frame("challenge", (role, mine)))
-        got_role, theirs = _expect(sock, "challenge", deadline)
+        sock.sendall(encode(Challenge(role, mine)))
+        challenge = _expect(sock, Challenge, deadline)
+        got_role, theirs = challenge.role, challenge.nonce
         if got_role != peer_role:
             raise AuthenticationError(f"the peer claims role {got_role}, expected {peer_role} (a reflected challenge?)")
         if role == ROLE_SENDER:
-            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
+            sock.sendall(encode(Proof(_mac(key, role, theirs, mine))))
             proved = True
-        proof = _expect(sock, "proof", deadline)
+        proof = _expect(sock, Proof, deadline).mac
         if not hmac.compare_digest(proof, _mac(key, peer_role, mine, theirs)):
             raise AuthenticationError("the peer's proof is wrong: it does not hold this session's key")
         if role == ROLE_ENDPOINT:
-            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
+            sock.sendall(encode(Proof(_mac(key, role, theirs, mine))))
     except AuthenticationError:
         raise
     except socket.timeout:

@@ -13,9 +13,10 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
 ```
 It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tcp://host:port``
 (loopback unless told otherwise; a wildcard bind needs ``advertise``), by wire's rules.
-Every message is a frame of kvferry's binary codec (rust/src/wire.rs, the same framing as
-the transports' control channels: ``wire.Channel``), read only after both sides proved they
-hold the key, with bodies of at most 1 MiB:
+Every message is a frame of kvferry's binary codec (the same header and handshake as the
+transports' control channels, ``wire.Channel``; its own set of frames, kvferry.vllm.frames
+and rust/src/wire/rendezvous.rs), read only after both sides proved they hold the key, with
+bodies of at most 1 MiB:
 
 ```
 lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (1-128 bytes)
@@ -44,10 +45,12 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import wire
+from kvferry.transports.frames import Frame, Goodbye
+from kvferry.vllm.frames import PUBLISHED_KEYS, RENDEZVOUS, Abandon, Abandoned, Destination, Lookup, Refused
 
 __all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
@@ -57,11 +60,11 @@ MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
 GONE_KEPT = 4096  # transfers that ended, remembered so a late lookup fails at once
 MAX_WAIT_SECONDS = 3600
-# The codec's bounds (rust/src/wire.rs): a refusal's text, an abandon's reason.
+# The codec's bounds (rust/src/wire/rendezvous.rs): a refusal's text, an abandon's reason.
 MAX_ERROR_BYTES = 4096
 MAX_REASON_BYTES = 1000
 # What a destination carries besides the endpoint (the codec's `destination` frame).
-DESTINATION_KEYS = frozenset({"request_id", "epoch", "prompt_len", "digest", "block_size", "dst_blocks", "held_blocks", "engine"})
+DESTINATION_KEYS = PUBLISHED_KEYS
 
 
 class InvalidDestinationError(TransferError, InvalidArgumentError):
@@ -119,7 +122,7 @@ class Rendezvous:
                 f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
             )
         try:  # checked now, not at the lookup: the endpoint is the only field added later
-            wire.frame("destination", dict(destination, endpoint="unix:///checked"))
+            wire.encode(Destination(**dict(destination, endpoint="unix:///checked")), RENDEZVOUS)
         except (InvalidArgumentError, TypeError) as err:
             raise InvalidDestinationError(f"invalid destination for transfer {transfer!r}: {err}") from None
         with self._cond:
@@ -180,30 +183,37 @@ class Rendezvous:
             except wire.AuthenticationError as err:
                 logger.warning("kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s", self.address, err)
                 return
-            channel = wire.Channel(conn, MAX_FRAME)
+            channel = wire.Channel(conn, MAX_FRAME, RENDEZVOUS)
             while True:
                 try:
-                    kind, value = channel.recv()
+                    frame = channel.recv()
                 except wire.ProtocolError as err:
                     logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err)
                     channel.goodbye(f"disconnected: {err}")
                     return
-                if kind == "lookup":
-                    channel.send_frame(self._lookup(*value))
-                elif kind == "abandon":
-                    self._abandon(*value)
-                    channel.send("abandoned", None)
-                else:
-                    why = f"a {kind} frame, which the rendezvous does not take (only lookup and abandon)"
+                handler = self.HANDLERS.get(type(frame))
+                if handler is None:
+                    why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup and abandon)"
                     logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why)
                     channel.goodbye(f"disconnected: {why}")
                     return
+                channel.send_frame(handler(self, frame))
         except (EOFError, OSError):  # the peer went away: the connection ends
             pass
         except Exception:  # a bug here: this connection ends, the rendezvous serves on
             logger.exception("kvferry: the rendezvous at %s dropped a connection", self.address)
         finally:
             conn.close()
+
+    def _on_lookup(self, frame: Lookup) -> bytes:
+        return self._lookup(frame.transfer, frame.wait_ms, frame.sender)
+
+    def _on_abandon(self, frame: Abandon) -> bytes:
+        self._abandon(frame.transfer, frame.reason)
+        return wire.encode(Abandoned(), RENDEZVOUS)
+
+    # What a prefill side may send, by frame class: each handler returns the encoded answer.
+    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], bytes]]] = {Lookup: _on_lookup, Abandon: _on_abandon}
 
     def _abandon(self, transfer: str, reason: str) -> None:
         with self._cond:
@@ -217,7 +227,7 @@ class Rendezvous:
         """The encoded answer to one lookup: its destination, or a refusal saying why."""
 
         def refused(why: str) -> bytes:
-            return wire.frame("refused", _clip(why, MAX_ERROR_BYTES))
+            return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
 
         try:
             endpoint = self._endpoint_for(sender)
@@ -236,7 +246,8 @@ class Rendezvous:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 if transfer in self._published:
                     try:  # publish checked every other field: only the endpoint can be refused
-                        answer = wire.frame("destination", dict(self._published[transfer], endpoint=endpoint))
+                        destination = Destination(**dict(self._published[transfer], endpoint=endpoint))
+                        answer = wire.encode(destination, RENDEZVOUS)
                     except (InvalidArgumentError, TypeError) as err:
                         reason = f"no usable endpoint for prefill engine {sender!r}: {err}"
                         self._abandoned[transfer] = reason
@@ -294,8 +305,8 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     return sock
 
 
-def _ask(sock: socket.socket, data: bytes, wait_s: float) -> tuple[str, Any]:
-    channel = wire.Channel(sock, MAX_FRAME)
+def _ask(sock: socket.socket, data: bytes, wait_s: float) -> Frame:
+    channel = wire.Channel(sock, MAX_FRAME, RENDEZVOUS)
     channel.send_frame(data)
     if not channel.poll(wait_s):
         raise TimeoutError(f"no answer within {wait_s} s")
@@ -303,10 +314,12 @@ def _ask(sock: socket.socket, data: bytes, wait_s: float) -> tuple[str, Any]:
     return channel.recv()
 
 
-def _unexpected(address: str, transfer: str, asked: str, kind: str, value: Any) -> TransferError:
-    if kind == "goodbye":
-        return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} closed the connection: {value}", peer=address)
-    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} answered a {asked} with a {kind} frame", peer=address)
+def _unexpected(address: str, transfer: str, asked: str, frame: Frame) -> TransferError:
+    if isinstance(frame, Goodbye):
+        why = f"closed the connection: {frame.reason}"
+    else:
+        why = f"answered a {asked} with a {frame.kind} frame"
+    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} {why}", peer=address)
 
 
 def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> dict[str, Any]:
@@ -316,36 +329,36 @@ def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: s
     carry (empty, too long) raises `InvalidArgumentError` before anything is sent."""
     if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_SECONDS:
         raise InvalidArgumentError(f"invalid wait_s={wait_s!r}: must be in [0, {MAX_WAIT_SECONDS}] seconds")
-    data = wire.frame("lookup", (transfer, math.ceil(wait_s * 1000), sender))
+    data = wire.encode(Lookup(transfer, math.ceil(wait_s * 1000), sender), RENDEZVOUS)
     sock = _connect(address, authkey)
     try:
-        kind, value = _ask(sock, data, wait_s + HANDSHAKE_SECONDS)
+        answer = _ask(sock, data, wait_s + HANDSHAKE_SECONDS)
     except TimeoutError as err:
         raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address) from err
     except Exception as err:
         raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} went away: {err!r}", peer=address) from err
     finally:
         sock.close()
-    if kind == "destination":
-        return dict(value)
-    if kind == "refused":
-        raise TransferError(str(value), peer=address)
-    raise _unexpected(address, transfer, "lookup", kind, value)
+    if isinstance(answer, Destination):
+        return answer.as_dict()
+    if isinstance(answer, Refused):
+        raise TransferError(answer.error, peer=address)
+    raise _unexpected(address, transfer, "lookup", answer)
 
 
 def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
     """Tells the decode server that the prefill side gave ``transfer`` up; its decode request
     then fails at once instead of at its timeout. Raises `TransferError` if it cannot."""
     try:
-        data = wire.frame("abandon", (transfer, _clip(str(reason), MAX_REASON_BYTES)))
+        data = wire.encode(Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES)), RENDEZVOUS)
     except (InvalidArgumentError, TypeError) as err:
         raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)) from err
     sock = _connect(address, authkey)
     try:
-        kind, value = _ask(sock, data, HANDSHAKE_SECONDS)
+        answer = _ask(sock, data, HANDSHAKE_SECONDS)
     except Exception as err:
         raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err!r}", peer=address) from err
     finally:
         sock.close()
-    if kind != "abandoned":
-        raise _unexpected(address, transfer, "abandon", kind, value)
+    if not isinstance(answer, Abandoned):
+        raise _unexpected(address, transfer, "abandon", answer)

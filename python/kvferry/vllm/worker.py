@@ -533,7 +533,7 @@ class WorkerSide:
         if served is None:
             return False
         endpoint = served.endpoint
-        with endpoint._lock:  # kvferry.transports.local.LocalEndpoint: its authenticated peers
+        with endpoint._lock:  # kvferry.transports.control.LocalEndpoint: its authenticated peers
             return any(p.channel is not None for p in endpoint._peers)
 
     def _release(self, st: _Recv, now: float) -> bool:

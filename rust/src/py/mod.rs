@@ -12,7 +12,7 @@ mod pairs;
 mod planner;
 mod range;
 mod spec;
-mod wire;
+pub(crate) mod wire;
 
 /// `kvferry._core`: the compiled planner. Import it through `kvferry`.
 #[pymodule]
@@ -35,6 +35,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::wire_header, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_decode, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::rendezvous_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::rendezvous_encode, m)?)?;
+    m.add("WIRE_FIELDS", wire::frame_fields(m.py())?)?;
     m.add("WIRE_VERSION", crate::wire::VERSION)?;
     m.add("WIRE_HEADER_BYTES", crate::wire::HEADER_BYTES)?;
     m.add("WIRE_MAX_FRAME_BYTES", crate::wire::MAX_FRAME_BYTES)?;

@@ -1,7 +1,11 @@
-"""Cross-process transports: the receiver serves what a sender needs to address its pool (a
-shared-memory descriptor, CUDA IPC handles, a NIXL agent), then takes notices over an
-authenticated control channel: a Unix socket on one host, TCP across hosts
-(kvferry.transports.wire: addresses, the handshake, the frames).
+"""The socket machinery every cross-process transport shares: the receiver's endpoint serves
+what a sender needs to address its pool (a shared-memory descriptor, CUDA IPC handles, a
+staging ring, a NIXL agent), then takes notices over an authenticated control channel: a
+Unix socket on one host, TCP across hosts (kvferry.transports.wire: addresses, the
+handshake, the framing; kvferry.transports.frames: the frames). Each transport's module
+(shm, cuda_ipc, staging, nixl) subclasses `LocalEndpoint` and `LocalTransport` with how its
+pool is reached, and extends the endpoint's dispatch table (`LocalEndpoint.HANDLERS`) with
+frames of its own.
 
 ```
 receiver process                              sender process
@@ -39,22 +43,22 @@ import os
 import socket
 import threading
 from collections import deque
-from typing import AbstractSet, Any, Callable, Hashable, Optional, Sequence
+from typing import AbstractSet, Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
-import torch
 
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
+from kvferry.errors import KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports.base import Transport, Write, kept
 from kvferry.transports import wire
+from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Hello as HelloFrame, Notices, Revoke
 from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
 
-__all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTransport", "PeerConnection"]
+__all__ = ["LocalEndpoint", "LocalTransport", "PeerConnection", "pool_hello"]
 
 # A peer that connects but does not complete the handshake in this time is dropped (the
 # endpoints' and transports' ``handshake_timeout`` default): it must not hold a thread.
@@ -84,11 +88,11 @@ class _Peer:
     def __str__(self) -> str:
         return f"sender #{self.number} ({self.where})"
 
-    def send(self, kind: str, value: Any) -> None:
+    def send(self, frame: Frame) -> None:
         """One frame to the sender; any thread (the connection thread replies with staging
         frees while another passes on a cancellation)."""
         assert self.channel is not None, "sent to a peer that is not authenticated"
-        self.channel.send(kind, value)
+        self.channel.send(frame)
 
     def shutdown(self) -> None:
         """Wakes a thread blocked reading the connection (closing the descriptor would not)."""
@@ -102,6 +106,8 @@ class _Peer:
 
 
 Hello = dict[str, Any]
+# How an endpoint handles a frame of one kind: ``handler(endpoint, peer, frame)``.
+Handler = Callable[[Any, Any, Any], None]
 
 
 class LocalEndpoint:
@@ -109,8 +115,8 @@ class LocalEndpoint:
     notices to the receiver, one thread per connection. ``errors`` records what was refused
     (failed handshakes, refused notices, broken frames).
 
-    ``hello``: the hello frame's fields (kvferry._core.wire_encode("hello", ...)), or a
-    function building them per connection (CUDA IPC handles are shared per peer).
+    ``hello``: the hello frame's fields (`kvferry.transports.frames.Hello`), or a function
+    building them per connection (CUDA IPC handles are shared per peer).
     ``address``: where to listen, ``unix://`` (a fresh socket in a private directory: the
     default), ``unix:///path`` or ``tcp://host:port`` (port 0: any free port; a wildcard
     host needs ``advertise``, the host peers reach this one by). The ``address`` attribute
@@ -133,7 +139,7 @@ class LocalEndpoint:
         self.receiver = receiver
         self._hello = hello
         if not callable(hello):
-            wire.frame("hello", hello)  # refuses a hello the codec cannot carry, here and now
+            wire.encode(HelloFrame(hello))  # refuses a hello the codec cannot carry, here and now
         # The handshake runs on the connection's own thread, so a peer that stalls in it
         # cannot keep the accept loop from serving the others.
         self._listener, bound, self._dir = wire.listen(where, advertise=advertise)
@@ -166,7 +172,7 @@ class LocalEndpoint:
             peers = [p for p in self._peers if p.source == source and p.channel is not None]
         for peer in peers:
             try:
-                peer.send("cancel", [(int(request_id), int(epoch))])
+                peer.send(Cancel([(int(request_id), int(epoch))]))
             except OSError as err:  # the connection is ending: its end fences the request
                 self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
 
@@ -209,11 +215,10 @@ class LocalEndpoint:
             if not self._authenticate(peer):
                 return
             authenticated = True
-            peer.send("hello", self._hello() if callable(self._hello) else self._hello)
+            peer.send(HelloFrame(self._hello() if callable(self._hello) else self._hello))
             assert peer.channel is not None
             while True:
-                kind, value = peer.channel.recv()
-                self.dispatch(peer, kind, value)
+                self.dispatch(peer, peer.channel.recv())
         except KvFerryError as err:  # a frame that broke the protocol: the peer cannot be trusted further
             reason = f"it broke the protocol: {err}"
             self._record(err if isinstance(err, wire.ProtocolError) else wire.ProtocolError(f"{peer}: {err}; disconnected", peer=str(peer)))
@@ -234,26 +239,39 @@ class LocalEndpoint:
         sender can write nothing more either: what it owned is fenced."""
         self.receiver.fail_source(peer.source, f"{peer} went away before all its blocks arrived: {reason}", fenced=not self._closing.is_set())
 
-    def dispatch(self, peer: Any, kind: str, value: Any) -> None:
-        """One decoded frame from a sender. ``announce`` binds requests to the sender before
-        their first notice; ``revoke`` is a request's fence; ``notices`` are delivered.
-        Subclasses take their own kinds first. Any other kind breaks the protocol."""
-        if kind == "announce":
-            for request_id, epoch in value:
-                try:
-                    self.receiver.bind(request_id, peer.source, epoch)
-                except KvFerryError as err:  # recorded; a conflicting bind changes nothing
-                    self._record(err)
-        elif kind == "revoke":
+    def _on_announce(self, peer: Any, frame: Announce) -> None:
+        """Binds requests to the sender before their first notice."""
+        for request_id, epoch in frame.leases:
             try:
-                self.receiver.revoked(value[0], value[1], peer.source)
-            except KvFerryError as err:  # recorded; another sender's fence changes nothing
+                self.receiver.bind(request_id, peer.source, epoch)
+            except KvFerryError as err:  # recorded; a conflicting bind changes nothing
                 self._record(err)
-        elif kind == "notices":
-            notices, dst_ids = value
-            self.deliver(self.notices(notices), peer.source, dst_ids=dst_ids)
-        else:
-            raise wire.ProtocolError(f"{peer}: a {kind} frame, which a sender does not send", peer=str(peer))
+
+    def _on_revoke(self, peer: Any, frame: Revoke) -> None:
+        """A request's fence."""
+        try:
+            self.receiver.revoked(frame.request_id, frame.epoch, peer.source)
+        except KvFerryError as err:  # recorded; another sender's fence changes nothing
+            self._record(err)
+
+    def _on_notices(self, peer: Any, frame: Notices) -> None:
+        self.deliver(frame.notices, peer.source, dst_ids=frame.dst_ids)
+
+    # What a sender may send, by frame class; a subclass extends or overrides it with its
+    # own (``HANDLERS = {**LocalEndpoint.HANDLERS, Staged: _on_staged}``).
+    HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {
+        Announce: _on_announce,
+        Revoke: _on_revoke,
+        Notices: _on_notices,
+    }
+
+    def dispatch(self, peer: Any, frame: Frame) -> None:
+        """One decoded frame from a sender, to its handler in ``HANDLERS``. Any other kind
+        breaks the protocol."""
+        handler = self.HANDLERS.get(type(frame))
+        if handler is None:
+            raise wire.ProtocolError(f"{peer}: a {frame.kind} frame, which a sender does not send", peer=str(peer))
+        handler(self, peer, frame)
 
     def current_source(self) -> Optional[Hashable]:
         """The sender whose connection thread is running (``None`` on any other thread)."""
@@ -283,11 +301,6 @@ class LocalEndpoint:
                 self._record(err)
         if outside is not None:
             raise wire.ProtocolError(f"{_name(source)} wrote outside a request's lease: {outside}", request_ids=getattr(outside, "request_ids", ()), peer=_name(source))
-
-    @staticmethod
-    def notices(batch: Sequence[Any]) -> list[Notice]:
-        """The decoded notice tuples as notices."""
-        return [Notice(*values) for values in batch]
 
     def close(self) -> None:
         """Stops serving; unfinished requests of connected senders fail ("the endpoint
@@ -353,11 +366,13 @@ class PeerConnection:
         self.cancels: list[tuple[int, int]] = []
         self.replies: deque[int] = deque()
         try:
-            kind, self.hello = self._channel.recv()
-            if kind == "goodbye":
-                raise TransferError(f"the {self.peer} refused the connection: {self.hello}", peer=self.peer)
-            if kind != "hello":
-                raise wire.ProtocolError(f"the {self.peer} sent a {kind} frame instead of its hello", peer=self.peer)
+            first = self._channel.recv()
+            if isinstance(first, Goodbye):
+                raise TransferError(f"the {self.peer} refused the connection: {first.reason}", peer=self.peer)
+            if not isinstance(first, HelloFrame):
+                why = f"the {self.peer} sent a {first.kind} frame instead of its hello"
+                raise wire.ProtocolError(why, peer=self.peer)
+            self.hello = dict(first.pool)
         except (OSError, EOFError, KvFerryError) as err:
             self.close()
             raise TransferError(f"cannot reach the {self.peer}: {err}", peer=self.peer) from err
@@ -367,11 +382,11 @@ class PeerConnection:
             self.lost = TransferError(f"{self.peer} went away: {err}", peer=self.peer)
         return self.lost
 
-    def send(self, kind: str, value: Any) -> None:
-        """One frame to the receiver. A value the codec refuses raises (nothing was sent)."""
+    def send(self, frame: Frame) -> None:
+        """One frame to the receiver. A frame the codec refuses raises (nothing was sent)."""
         if self.lost is not None:
             raise self.lost
-        data = wire.frame(kind, value)
+        data = wire.encode(frame)
         try:
             self._channel.send_frame(data)
         except OSError as err:
@@ -391,19 +406,31 @@ class PeerConnection:
         before closing was read)."""
         while self.poll():
             try:
-                kind, value = self._channel.recv()
+                frame = self._channel.recv()
             except (OSError, EOFError) as err:
                 raise self._lose(err) from err
             except KvFerryError as err:  # a frame that does not decode: nothing more is trusted
                 raise self._lose(err) from None
-            if kind == "cancel":
-                self.cancels.extend(value)
-            elif kind == "freed":
-                self.replies.append(value)
-            elif kind == "goodbye":
-                raise self._lose(TransferError(f"it closed the connection: {value}"))
-            else:
-                raise self._lose(wire.ProtocolError(f"a {kind} frame from the receiver, which it does not send"))
+            handler = self.HANDLERS.get(type(frame))
+            if handler is None:
+                raise self._lose(wire.ProtocolError(f"a {frame.kind} frame from the receiver, which it does not send"))
+            handler(self, frame)
+
+    def _on_cancel(self, frame: Cancel) -> None:
+        self.cancels.extend(frame.leases)
+
+    def _on_freed(self, frame: Freed) -> None:
+        self.replies.append(frame.freed)
+
+    def _on_goodbye(self, frame: Goodbye) -> None:
+        raise self._lose(TransferError(f"it closed the connection: {frame.reason}"))
+
+    # What a receiver may send after its hello, by frame class.
+    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], None]]] = {
+        Cancel: _on_cancel,
+        Freed: _on_freed,
+        Goodbye: _on_goodbye,
+    }
 
     def check(self) -> None:
         """Raises ``lost`` once the receiver's end closed; never blocks. Reads what the
@@ -458,7 +485,7 @@ class LocalTransport(Transport):
         """Tells the receiver that these ``(request_id, epoch)`` come from this sender,
         before any of their notices: if this sender dies first, the receiver fails them at
         once instead of at their timeout."""
-        self._send("announce", [(int(r), int(e)) for r, e in requests])
+        self._send(Announce([(int(r), int(e)) for r, e in requests]))
 
     def write(self, engine: CopyEngine, job: Write) -> Pending:
         pending = super().write(engine, job)
@@ -474,17 +501,17 @@ class LocalTransport(Transport):
             lengths = np.array([n.end - n.start for n in batch])
             dst = dst[np.repeat([n.request_id not in revoked for n in batch], lengths)]
         if keep:
-            self._send("notices", ([n.as_tuple() for n in keep], dst))
+            self._send(Notices(keep, dst))
 
     def abandon(self, batch: Sequence[Notice]) -> None:
         if self._written:
             self._written.popleft()
 
     def revoke(self, request_id: int, epoch: int) -> None:
-        self._send("revoke", (int(request_id), int(epoch)))
+        self._send(Revoke(int(request_id), int(epoch)))
 
-    def _send(self, kind: str, value: Any) -> None:
-        self._conn.send(kind, value)
+    def _send(self, frame: Frame) -> None:
+        self._conn.send(frame)
 
     def close(self) -> None:
         self._conn.close()
@@ -496,83 +523,3 @@ def pool_hello(pool: PagedKV, kind: str, **fields: Any) -> Hello:
     """The hello fields every transport's hello shares (the pool's geometry and size), and
     ``kind``'s own."""
     return {"geometry": pool.geometry(), "num_blocks": pool.num_blocks, "block_dim": pool.block_dim, "kind": kind, **fields}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The dtype a hello names (``"torch.float16"``); nothing else is looked up."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidArgumentError(f"invalid dtype={name!r}: not a torch dtype")
-    return dtype
-
-
-def _share_layer(layer: torch.Tensor) -> dict[str, Any]:
-    """The fields torch shares a CUDA tensor's storage by (what its own pickler would send,
-    as plain values): the storage's IPC handles, and the view on it."""
-    storage = layer._typed_storage()  # noqa: SLF001  (torch's reductions use the same call)
-    device, handle, size, offset, counter, counter_offset, event, event_sync = storage._share_cuda_()  # noqa: SLF001
-    return {
-        "device": int(device),
-        "handle": bytes(handle),
-        "storage_size": int(size),
-        "storage_offset": int(offset),
-        "ref_counter_handle": bytes(counter),
-        "ref_counter_offset": int(counter_offset),
-        "event_handle": bytes(event),
-        "event_sync_required": bool(event_sync),
-        "shape": list(layer.shape),
-        "stride": list(layer.stride()),
-        "offset": int(layer.storage_offset()),
-        "dtype": str(layer.dtype),
-    }
-
-
-def _open_layer(fields: dict[str, Any]) -> torch.Tensor:
-    """A CUDA tensor rebuilt from `_share_layer`'s fields with torch's own rebuild function
-    (no pickle involved). Untested on a GPU in CI (the CUDA tests skip on CPU)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
-        torch.Tensor,
-        torch.Size(fields["shape"]),
-        tuple(fields["stride"]),
-        fields["offset"],
-        torch.storage.TypedStorage,
-        torch_dtype(fields["dtype"]),
-        fields["device"],
-        fields["handle"],
-        fields["storage_size"],
-        fields["storage_offset"],
-        False,
-        fields["ref_counter_handle"],
-        fields["ref_counter_offset"],
-        fields["event_handle"],
-        fields["event_sync_required"],
-    )
-
-
-class CudaIpcEndpoint(LocalEndpoint):
-    """A CUDA pool shared through CUDA IPC handles: senders on the same GPU, or a peer GPU of
-    the host, write straight into it with the fused copy kernel. The handles travel only in
-    the hello, that is only to a peer that proved it holds the key; each connection gets its
-    own (torch counts the peers that opened a storage)."""
-
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
-        pool = receiver.pool
-        if pool.device.type != "cuda":
-            raise InvalidArgumentError(f"invalid receiver: its pool is on {pool.device}, CUDA IPC needs a CUDA pool")
-        super().__init__(receiver, lambda: pool_hello(pool, "cuda_ipc", layers=[_share_layer(t) for t in pool.layers]), authkey=authkey, **options)
-
-
-def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
-    if hello["kind"] != "cuda_ipc":
-        raise TransferError(f"the receiver serves a {hello['kind']} pool, not CUDA IPC handles")
-    layers = tuple(_open_layer(fields) for fields in hello["layers"])
-    pool = PagedKV(layers, hello["geometry"]["tokens_per_block"], hello["block_dim"])
-    pool.check_compatible(hello["geometry"])
-    return pool, lambda: None
-
-
-class CudaIpcTransport(LocalTransport):
-    def __init__(self, address: str, *, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
-        super().__init__(address, authkey=authkey, open_pool=_open_ipc_pool, handshake_timeout=handshake_timeout)

@@ -1,0 +1,85 @@
+"""The rendezvous's frames (kvferry.vllm.rendezvous), one frozen dataclass per kind, and the
+`RENDEZVOUS` frame set: the transports' codec does not know them (rust/src/wire/rendezvous.rs
+holds their records, with each field's width and bound). The handshake's frames and the
+goodbye are every channel's (kvferry.transports.frames).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from kvferry import _core
+from kvferry.transports.frames import Challenge, Frame, FrameSet, Goodbye, Proof
+
+__all__ = ["RENDEZVOUS", "Abandon", "Abandoned", "Destination", "Lookup", "Refused"]
+
+
+@dataclass(frozen=True)
+class Lookup(Frame):
+    """Prefill side to the rendezvous: ``transfer``'s destination, please, waiting at most
+    ``wait_ms`` for the decode request to publish it; ``sender`` is the prefill engine."""
+
+    kind: ClassVar[str] = "lookup"
+    transfer: str
+    wait_ms: int
+    sender: str
+
+
+@dataclass(frozen=True, eq=False)
+class Destination(Frame):
+    """Rendezvous to the prefill side: where a looked-up transfer's blocks go (what the
+    decode worker published, and the URL of the looking-up engine's endpoint)."""
+
+    kind: ClassVar[str] = "destination"
+    request_id: int
+    epoch: int
+    prompt_len: int
+    block_size: int
+    held_blocks: int
+    dst_blocks: Sequence[int] | np.ndarray
+    digest: str
+    engine: str
+    endpoint: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The destination as the connector reads it: plain ints, ``dst_blocks`` a list."""
+        return dict(self.fields(), dst_blocks=[int(b) for b in self.dst_blocks])
+
+
+# What a decode worker publishes: a destination without its endpoint (added per lookup).
+PUBLISHED_KEYS = frozenset(f.name for f in fields(Destination)) - {"endpoint"}
+
+
+@dataclass(frozen=True)
+class Refused(Frame):
+    """Rendezvous to the prefill side: why a lookup gets no destination."""
+
+    kind: ClassVar[str] = "refused"
+    error: str
+
+
+@dataclass(frozen=True)
+class Abandon(Frame):
+    """Prefill side to the rendezvous: it gave ``transfer`` up, and why."""
+
+    kind: ClassVar[str] = "abandon"
+    transfer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abandoned(Frame):
+    """Rendezvous to the prefill side: the abandon is recorded."""
+
+    kind: ClassVar[str] = "abandoned"
+
+
+RENDEZVOUS = FrameSet(
+    "rendezvous",
+    (Challenge, Proof, Lookup, Destination, Refused, Abandon, Abandoned, Goodbye),
+    _core.rendezvous_encode,
+    _core.rendezvous_decode,
+)
