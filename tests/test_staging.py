@@ -368,7 +368,7 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         e2 = receiver.expect(2, 3 * TPB, dst_blocks=kept)
         notices = [Notice(2, 0, 0, 3, True, e2), Notice(1, 0, 0, 4, True, 1)]
         tx.announce([(2, e2), (1, 1)])
-        assert tx.write(engine, src, src_ids, dst_ids, notices).wait(SLACK)
+        assert tx.write(engine, Write(src, src_ids, dst_ids, notices)).wait(SLACK)
         tx.post(notices, revoked=frozenset({1}))
         receiver.wait(2, timeout=SLACK)
         for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
