@@ -125,7 +125,7 @@ def test_the_sender_refuses_a_receiver_without_the_key() -> None:
         def serve() -> None:
             conn, _ = listener.accept()
             try:
-                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK)
+                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK, f"unix://{address}")
             except wire.AuthenticationError as err:
                 outcome.append(err)  # the sender's proof does not match this key
             finally:

@@ -899,7 +899,7 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
 
     def authenticated() -> socket.socket:
         sock = wire.connect(where, 10)
-        wire.handshake(sock, key, wire.ROLE_SENDER, 10)
+        wire.handshake(sock, key, wire.ROLE_SENDER, 10, server.address)
         return sock
 
     def goodbye_then_closed(sock: socket.socket) -> str:

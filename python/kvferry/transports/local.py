@@ -194,7 +194,7 @@ class LocalEndpoint:
 
     def _authenticate(self, peer: _Peer) -> bool:
         try:
-            wire.handshake(peer.sock, self._authkey, wire.ROLE_ENDPOINT, self._handshake_timeout)
+            wire.handshake(peer.sock, self._authkey, wire.ROLE_ENDPOINT, self._handshake_timeout, self.address)
         except AuthenticationError as err:  # a wrong key, a stall, garbage: refused, nothing changed
             if not self._closing.is_set():
                 self._record(AuthenticationError(f"{peer}: refused: {err}"))
@@ -344,7 +344,7 @@ class PeerConnection:
         except OSError as err:
             raise TransferError(f"cannot reach the receiver at {address}: {err!r}", peer=address) from err
         try:
-            wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout)
+            wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout, where.url())
         except AuthenticationError as err:
             self._sock.close()
             raise TransferError(f"cannot reach the receiver at {address}: {err}", peer=address) from err

@@ -16,14 +16,25 @@ but the handshake's own fixed-size frames:
 endpoint                                          sender
 CHALLENGE (role endpoint, nonce_e) ------------->
           <------------------------------------- CHALLENGE (role sender, nonce_s)
-          <------------------------------------- PROOF HMAC-SHA256(key, label|sender|nonce_e|nonce_s)
+          <------------------------------------- PROOF MAC(sender, E, nonce_e, nonce_s)
 checks it; only then:
-PROOF HMAC-SHA256(key, label|endpoint|nonce_s|nonce_e) -->  checks it
+PROOF MAC(endpoint, E, nonce_s, nonce_e) ------->  checks it
 HELLO (how to reach the pool) ------------------>
+
+MAC(role, E, theirs, mine) = HMAC-SHA256(key, label | version | role | len(E) | E | theirs | mine)
 ```
 Nonces are 32 fresh random bytes per side and connection, so no proof can be replayed; the
 role inside each MAC means a proof cannot be reflected back to the side that made it, and
-the endpoint proves itself only to a sender that proved itself first. The whole handshake
+the endpoint proves itself only to a sender that proved itself first.
+``E`` is the channel binding: the endpoint's URL as the sender meant it (the address it was
+told to connect to, canonical: `Address.url`), which the endpoint checks against the URLs it
+is reached by (its advertised address). A relay that a sender was sent to (a TCP forwarder
+to a real endpoint) gets a proof over the relay's own address, which the real endpoint
+refuses, and the sender refuses whatever the endpoint proves over another address: no
+relayed handshake completes, so nothing after it reaches the relay's owner. The sender has
+no address of its own worth binding (an ephemeral port, NAT'd across hosts); its identity in
+the MAC is its role. ``version`` is the handshake's (`HANDSHAKE_VERSION`) and the codec's
+frame version: a peer of another version fails the proof instead of misreading frames. The whole handshake
 must finish within ``handshake_timeout`` seconds or the connection is closed, having
 changed nothing. After it, every message is a frame of the Rust codec (kvferry._core,
 rust/src/wire.rs): nothing from the wire is ever unpickled.
@@ -43,7 +54,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from kvferry import _core
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -58,6 +69,7 @@ __all__ = [
     "check_authkey",
     "check_timeout",
     "connect",
+    "binding",
     "handshake",
     "listen",
     "parse_address",
@@ -68,7 +80,11 @@ MIN_AUTHKEY_BYTES = 32
 # How long a peer may take over the whole handshake before the connection is dropped.
 DEFAULT_HANDSHAKE_SECONDS = 10.0
 NONCE_BYTES = 32
-MAC_LABEL = b"kvferry-auth-v1"
+# v2: the MAC binds the endpoint's URL and the protocol version (channel binding); a v1 peer's
+# proof fails. The frames' layout is unchanged, so the codec's version stays.
+HANDSHAKE_VERSION = 2
+MAC_LABEL = b"kvferry-auth-v2"
+MAX_BINDING_BYTES = 4096
 ROLE_ENDPOINT = 1
 ROLE_SENDER = 2
 
@@ -335,24 +351,49 @@ class Channel:
             pass
 
 
-def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
-    return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
+def _mac(key: bytes, role: int, binding: bytes, theirs: bytes, mine: bytes) -> bytes:
+    prefix = MAC_LABEL + struct.pack("<HHB", HANDSHAKE_VERSION, _core.WIRE_VERSION, role) + struct.pack("<H", len(binding))
+    return hmac.new(key, prefix + binding + theirs + mine, hashlib.sha256).digest()
+
+
+def binding(endpoint: object, name: str = "endpoint") -> bytes:
+    """The channel binding of an endpoint URL: its canonical form (`Address.url`), UTF-8."""
+    data = parse_address(endpoint, name).url().encode()
+    if len(data) > MAX_BINDING_BYTES:
+        raise InvalidArgumentError(f"invalid {name}={str(endpoint)[:100]!r}...: longer than {MAX_BINDING_BYTES} bytes")
+    return data
 
 
 def _expect(sock: socket.socket, kind: str, deadline: float) -> Any:
+    # Before the proof, the peer may be anything (a port a forged address pointed at): what
+    # it sent is never quoted back, only what kind of thing it was (no port scanner).
+    header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
+    magic, version, _, _ = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise AuthenticationError("not a kvferry handshake: the peer's first bytes are not a kvferry frame")
+    if version != VERSION:
+        raise AuthenticationError(f"not a kvferry handshake this side speaks: the peer's frames are of wire version {version}, not {VERSION}")
     try:
-        got, value = recv_frame(sock, HANDSHAKE_LIMIT, deadline)
-    except ProtocolError as err:
-        raise AuthenticationError(f"not a kvferry handshake: {err}") from None
+        _, length = _core.wire_header(header, HANDSHAKE_LIMIT)
+        body = _recv_exact(sock, length, deadline) if length else b""
+        got, value = _core.wire_decode(header + body, HANDSHAKE_LIMIT)
+    except InvalidArgumentError:
+        raise AuthenticationError(f"not a kvferry handshake: a malformed or oversized frame where a {kind} was due") from None
     if got != kind:
         raise AuthenticationError(f"a {got} frame during the handshake, expected a {kind}")
     return value
 
 
-def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> None:
+def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoint: str | Sequence[str]) -> str:
     """Runs the mutual handshake (module doc) as ``role`` within ``timeout`` seconds;
-    raises `AuthenticationError` (the caller closes the socket) on any failure."""
+    raises `AuthenticationError` (the caller closes the socket) on any failure.
+    ``endpoint``: for a sender, the URL it meant to reach; for an endpoint, the URLs it is
+    reached by (its advertised address first). Returns the URL both proofs bound."""
     deadline = time.monotonic() + timeout
+    names = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+    if not names or (role == ROLE_SENDER and len(names) != 1):
+        raise InvalidArgumentError(f"invalid endpoint={endpoint!r}: a sender names one URL, an endpoint at least one")
+    bindings = [binding(n) for n in names]
     mine = secrets.token_bytes(NONCE_BYTES)
     peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
     proved = False
@@ -362,22 +403,35 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> Non
         if got_role != peer_role:
             raise AuthenticationError(f"the peer claims role {got_role}, expected {peer_role} (a reflected challenge?)")
         if role == ROLE_SENDER:
-            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
+            sock.sendall(frame("proof", _mac(key, role, bindings[0], theirs, mine)))
             proved = True
         proof = _expect(sock, "proof", deadline)
-        if not hmac.compare_digest(proof, _mac(key, peer_role, mine, theirs)):
-            raise AuthenticationError("the peer's proof is wrong: it does not hold this session's key")
+        bound = next((b for b in bindings if hmac.compare_digest(proof, _mac(key, peer_role, b, mine, theirs))), None)
+        if bound is None:
+            if role == ROLE_ENDPOINT:
+                raise AuthenticationError(
+                    "the peer's proof is wrong: it does not hold this session's key, or it meant another endpoint than"
+                    f" {names[0]} (a relay?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+                )
+            raise AuthenticationError(
+                f"the peer's proof is wrong: it does not hold this session's key, or it is not the endpoint {names[0]}"
+                f" (a relay to another endpoint?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+            )
         if role == ROLE_ENDPOINT:
-            sock.sendall(frame("proof", _mac(key, role, theirs, mine)))
+            sock.sendall(frame("proof", _mac(key, role, bound, theirs, mine)))
+        return bound.decode()
     except AuthenticationError:
         raise
     except socket.timeout:
         raise AuthenticationError(f"no complete handshake within {timeout} s") from None
     except EOFError:
         if proved:
-            raise AuthenticationError("the peer closed the connection after our proof: it refused our key (not this session's?)") from None
+            raise AuthenticationError(
+                "the peer closed the connection after our proof: it refused our key (not this session's?) or the address we"
+                " meant (reached through a relay, or by another name than it advertises?)"
+            ) from None
         raise AuthenticationError("the peer closed the connection during the handshake") from None
     except OSError as err:
-        raise AuthenticationError(f"handshake failed: {err!r}") from None
+        raise AuthenticationError(f"handshake failed: {type(err).__name__} ({err.strerror or 'no detail'})") from None
     finally:
         sock.settimeout(None)

@@ -176,7 +176,7 @@ class Rendezvous:
         try:
             wire.tune(conn)
             try:
-                wire.handshake(conn, self._authkey, wire.ROLE_ENDPOINT, HANDSHAKE_SECONDS)
+                wire.handshake(conn, self._authkey, wire.ROLE_ENDPOINT, HANDSHAKE_SECONDS, self.address)
             except wire.AuthenticationError as err:
                 logger.warning("kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s", self.address, err)
                 return
@@ -283,7 +283,7 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     except OSError as err:
         raise TransferError(f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address) from err
     try:
-        wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout)
+        wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
         sock.close()
         raise TransferError(
