@@ -29,7 +29,8 @@ pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (it comes with vL
 
 from aiohttp import web  # noqa: E402
 
-from kvferry.vllm import testbed  # noqa: E402
+from kvferry.vllm import testbed, trust  # noqa: E402
+from kvferry.vllm.config import load_authkey  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
@@ -217,7 +218,9 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
     try:
         for stream in (False, True):
             # What the proxy knows of the decode server (its hello answer) names a dead address.
-            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "engine": "gone"}  # type: ignore[attr-defined]
+            # Signed with the servers' key: an unsigned address would be refused before any connection.
+            signed = trust.sign_peer(load_authkey(), nobody)
+            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "peer_mac": signed, "engine": "gone"}  # type: ignore[attr-defined]
             error = _error_of(call(lost.url, COMPLETIONS, dict(body, stream=stream)))
             transfer = error["transfer"]
             assert error["server"] == prefill.url, error

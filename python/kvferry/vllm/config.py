@@ -44,6 +44,9 @@ class ConnectorConfig:
     rendezvous_dir: Optional[str] = None  # where the decode side's sockets live (else: a fresh 0700 dir)
     listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
     advertise: Optional[str] = None  # the host a wildcard tcp:// bind is reached by
+    # Decode servers' rendezvous URLs a prefill server connects to without a peer_mac (the
+    # decode server's signature of its URL, which its hello answer carries): kvferry.vllm.trust.
+    trusted_peers: tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -57,7 +60,11 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = getattr(cls, name)
-            if name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise"):
+            if name == "trusted_peers":
+                from kvferry.vllm.trust import check_trusted_peers
+
+                value = check_trusted_peers(value)
+            elif name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif isinstance(default, bool):
@@ -179,6 +186,7 @@ class RequestParams:
     transfer: Optional[str] = None
     peer: Optional[str] = None
     timeout_s: Optional[float] = None
+    peer_mac: Optional[str] = None  # the decode server's signature of ``peer`` (kvferry.vllm.trust)
 
 
 def parse_params(params: Any) -> Optional[RequestParams]:
@@ -197,9 +205,9 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(
             "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read it from kv_connector_extra_config.authkey_file (or the per-user default file)"
         )
-    unknown = sorted(set(ours) - {"op", "transfer", "peer", "timeout_s"})
+    unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s"})
     if unknown:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, timeout_s")
+        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac, timeout_s")
     op = ours.get("op")
     if op not in OPS:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.op={op!r}: must be one of {list(OPS)}")
@@ -217,11 +225,16 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout))):
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")
     if op == "recv":
+        if "peer_mac" in ours:
+            raise InvalidArgumentError("invalid kv_transfer_params.kvferry keys ['peer_mac'] for op 'recv': only a send names a peer")
         return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer")
-    return RequestParams("send", transfer, peer, None if timeout is None else float(timeout))
+    mac = ours.get("peer_mac")
+    if mac is not None and (not isinstance(mac, str) or len(mac) != 64 or any(c not in "0123456789abcdef" for c in mac)):
+        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer_mac={str(mac)[:80]!r}: must be the 64 hex digits of the decode server's hello answer")
+    return RequestParams("send", transfer, peer, None if timeout is None else float(timeout), mac)
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

@@ -185,7 +185,10 @@ class KvferryFlow(Flow):
         server = ex.decode_server
         transfer = uuid.uuid4().hex
         send = _one_token(ex.body)
-        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"]}}
+        ours = {"op": "send", "transfer": transfer, "peer": peer["peer"]}
+        if isinstance(peer.get("peer_mac"), str):  # the decode server's signature of its address (kvferry.vllm.trust)
+            ours["peer_mac"] = peer["peer_mac"]
+        send["kv_transfer_params"] = {PARAMS_KEY: ours}
         recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
         prefill = asyncio.ensure_future(ex.prefill(send))
         ex.explain = functools.partial(self._explain_decode, ex, server, transfer, prefill)
