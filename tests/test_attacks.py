@@ -5,9 +5,13 @@ back to what they were and nothing of kvferry's left in /dev/shm (docs/security.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import resource
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 from typing import Iterator
 
@@ -17,7 +21,7 @@ import torch
 from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transports import wire
+from kvferry.transports import guard, wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -27,8 +31,9 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("kvferry-")}
+def _left_in_shm(names: set[str]) -> set[str]:
+    """Which of ``names`` are still in /dev/shm (others' tests share it: only our own count)."""
+    return names & set(os.listdir("/dev/shm"))
 
 
 @contextlib.contextmanager
@@ -135,4 +140,128 @@ def test_a_relayed_handshake_to_an_endpoint_fails() -> None:
         assert segment.encode() not in relay.from_target
         assert until(lambda: endpoint.error_count > before_errors)
         assert "meant another endpoint" in str(endpoint.errors[-1])
+        transfer_bit_exact(receiver, endpoint, authkey, 1)
+
+
+# -- pre-auth denial of service -----------------------------------------------------------------
+
+
+def _connect_raw(address: str) -> socket.socket:
+    where = wire.parse_address(address)
+    if where.scheme == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(where.path)  # blocking: waits for room in the backlog (with a timeout: EAGAIN)
+        sock.settimeout(SLACK)
+        return sock
+    return socket.create_connection((where.host, where.port), timeout=SLACK)
+
+
+def _notices_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "kvferry-notices")
+
+
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
+def test_a_thousand_idle_or_trickling_connections_lock_out_no_sender(listen: str) -> None:
+    """1,000 connections held open in their handshake (every third has sent part of a frame
+    header and stalls): the endpoint holds at most its bound of them (threads and
+    descriptors), a legitimate sender connecting after them is served bit exact, and once
+    they close, threads, descriptors and /dev/shm are back to what they were."""
+    n = 1000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = _fds() + 2 * n + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    fds_before = _fds()
+    threads_before = set(threading.enumerate())
+    try:
+        with rig(listen) as (receiver, endpoint, authkey):
+            segments = {endpoint._hello["segment"]["name"]}  # noqa: SLF001
+            held = []
+            try:
+                for i in range(n):
+                    sock = _connect_raw(endpoint.address)
+                    if i % 3 == 0:
+                        sock.sendall(wire.MAGIC[:2])  # a trickle: part of a header, then nothing
+                    held.append(sock)
+                bound = guard.MAX_PENDING
+                # Every one of them was accepted; all but the newest `bound` were cut off.
+                assert until(lambda: endpoint._admission.evicted >= n - bound)  # noqa: SLF001
+                assert len(endpoint._admission) <= bound and _notices_threads() <= bound + 1  # noqa: SLF001
+                transfer_bit_exact(receiver, endpoint, authkey, 1)
+            finally:
+                for sock in held:
+                    sock.close()
+            assert until(lambda: _notices_threads() == 0)
+        assert [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()] == []
+        assert until(lambda: _fds() == fds_before), (_fds(), fds_before)
+        assert _left_in_shm(segments) == set()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_accept_loop_survives_failing_to_start_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads cannot be started for a while (a pids or memory limit): those connections are
+    dropped, the accept loop backs off and serves on, and the next sender is served."""
+    with rig("unix://") as (receiver, endpoint, authkey):
+        real = threading.Thread.start
+        refused: list[str] = []
+
+        def start(self: threading.Thread) -> None:
+            if self.name == "kvferry-notices" and len(refused) < 3:
+                refused.append(self.name)
+                raise RuntimeError("can't start new thread")
+            real(self)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        for _ in range(3):
+            with _connect_raw(endpoint.address) as sock:
+                assert sock.recv(1) == b""  # closed by the endpoint, no thread for it
+        assert len(refused) == 3
+        transfer_bit_exact(receiver, endpoint, authkey, 1)
+
+
+_SENDER = r"""
+import sys
+from kvferry.transports.shm import ShmTransport
+sys.stdout.write("ready\n"); sys.stdout.flush()
+sys.stdin.readline()
+transport = ShmTransport(sys.argv[1], authkey=bytes.fromhex(sys.argv[2]), handshake_timeout=float(sys.argv[3]))
+transport.close()
+sys.stdout.write("served\n"); sys.stdout.flush()
+"""
+
+
+def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
+    """The receiver's process is out of descriptors while a peer sits in its handshake (for
+    an hour, as far as its timeout goes): accept fails with EMFILE, the endpoint cuts off the
+    oldest handshake to get a descriptor back, and a sender (another process) is served."""
+    with rig("unix://") as (receiver, endpoint, authkey):
+        endpoint._handshake_timeout = 3600.0  # noqa: SLF001  (the stalled peer would hold its slot)
+        stalled = _connect_raw(endpoint.address)
+        assert until(lambda: len(endpoint._peers) == 1)  # noqa: SLF001  (accepted, in its handshake)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SENDER, endpoint.address, authkey.hex(), str(SLACK)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline() == "ready\n"
+            lowest = os.dup(0)
+            os.close(lowest)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # the next descriptor: EMFILE
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            proc.wait(SLACK)
+        assert answer == "served\n"
+        assert any(isinstance(e, OSError) and e.errno == errno.EMFILE for e in endpoint.errors)
+        stalled.settimeout(SLACK)
+        got = b""
+        while chunk := stalled.recv(4096):
+            got += chunk
+        assert len(got) == wire.HEADER.size + wire.HANDSHAKE_LIMIT  # its challenge, then the end: cut off
+        stalled.close()
         transfer_bit_exact(receiver, endpoint, authkey, 1)

@@ -35,6 +35,7 @@ transport after its copies ended (`KVSender.close`), so nothing more lands in th
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -52,7 +53,7 @@ from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.tiers import Signal, Source
 from kvferry.transports.base import Transport, kept
-from kvferry.transports import wire
+from kvferry.transports import guard, wire
 from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
 
 __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTransport", "PeerConnection"]
@@ -61,6 +62,8 @@ __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTranspo
 # endpoints' and transports' ``handshake_timeout`` default): it must not hold a thread.
 HANDSHAKE_SECONDS = DEFAULT_HANDSHAKE_SECONDS
 JOIN_SECONDS = 5.0
+# Failed handshakes and accept errors, logged at a bounded rate (a flood cannot flood the log).
+_log = guard.RateLimitedLog(logging.getLogger("kvferry.transports"))
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
 # misbehaving sender cannot grow the endpoint without bound.
 ERRORS_KEPT = 1024
@@ -78,6 +81,7 @@ class _Peer:
         self.pid = wire.peer_pid(sock)
         self.where = wire.peer_name(sock)
         self.thread: Optional[threading.Thread] = None
+        self.ticket = 0  # its place among the connections still in their handshake (guard.Admission)
         # What the receiver records as the requests' sender: this connection, unless the
         # transport names itself otherwise (a NIXL agent, whose notifications bypass it).
         self.source: Hashable = self
@@ -150,6 +154,8 @@ class LocalEndpoint:
         self.errors: deque[BaseException] = deque(maxlen=ERRORS_KEPT)
         self.error_count = 0
         self._unsubscribe = receiver.on_cancel(self._pass_cancel)
+        # Connections still in their handshake: bounded, the oldest cut off first (guard).
+        self._admission = guard.Admission()
         self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
 
@@ -172,25 +178,36 @@ class LocalEndpoint:
                 self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
 
     def _serve(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError as err:
-                if self._closing.is_set():
-                    return
-                self._record(err)
-                continue
-            if self._closing.is_set():
-                sock.close()
-                return
+        guard.accept_loop(self._listener, self._closing, self._start, admission=self._admission, failed=self._accept_failed)
+
+    def _accept_failed(self, what: str, err: BaseException) -> None:
+        """The accept loop's trouble (it backs off and serves on: kvferry.transports.guard):
+        recorded, and logged at a bounded rate."""
+        self._record(err)
+        _log.warning(what, "kvferry: the endpoint at %s: %s", self.address, guard.describe(what, err))
+
+    def _start(self, sock: socket.socket) -> None:
+        """A new connection: its handshake counts against the admission bound, on a thread of
+        its own (raises, having undone everything, when no thread can be started)."""
+        try:
             wire.tune(sock)
-            peer = _Peer(sock)
-            peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
-            with self._lock:
-                self._peers.add(peer)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(peer.thread)
+        except OSError:  # already reset by the peer: its handshake fails at once
+            pass
+        peer = _Peer(sock)
+        peer.ticket = self._admission.admit(guard.source_of(sock), peer.shutdown)
+        peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
+        with self._lock:
+            self._peers.add(peer)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(peer.thread)
+        try:
             peer.thread.start()
+        except BaseException:
+            with self._lock:
+                self._peers.discard(peer)
+                self._threads.remove(peer.thread)
+            self._admission.settle(peer.ticket)
+            raise
 
     def _authenticate(self, peer: _Peer) -> bool:
         try:
@@ -198,7 +215,10 @@ class LocalEndpoint:
         except AuthenticationError as err:  # a wrong key, a stall, garbage: refused, nothing changed
             if not self._closing.is_set():
                 self._record(AuthenticationError(f"{peer}: refused: {err}"))
+                _log.warning("refused", "kvferry: the endpoint at %s refused %s: %s", self.address, peer, err)
             return False
+        finally:
+            self._admission.settle(peer.ticket)
         peer.channel = wire.Channel(peer.sock)
         return True
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import select
@@ -340,8 +341,10 @@ class Channel:
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a frame (or the end of the connection) is waiting."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        return bool(ready)
+        # poll(2), not select(2): select refuses descriptors >= 1024, which a busy process has.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
     def goodbye(self, reason: str) -> None:
         """Tells the peer why the connection is closing (best effort: it may be gone)."""

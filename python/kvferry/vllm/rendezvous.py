@@ -47,11 +47,13 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
-from kvferry.transports import wire
+from kvferry.transports import guard, wire
 
 __all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
 logger = logging.getLogger("kvferry.vllm")
+# Failed handshakes and accept errors: a flood of them logs a few lines, then a count.
+_log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
@@ -104,6 +106,8 @@ class Rendezvous:
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
         self._closing = False
+        self._stop = threading.Event()  # the accept loop's: set with _closing
+        self._admission = guard.Admission()
         self._thread = threading.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
         self._thread.start()
 
@@ -160,26 +164,42 @@ class Rendezvous:
             return self._abandoned.get(transfer)
 
     def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closing:
-                    return
-                continue
-            if self._closing:
-                conn.close()
-                return
-            threading.Thread(target=self._pump, args=(conn,), name="kvferry-rendezvous-conn", daemon=True).start()
+        guard.accept_loop(self._listener, self._stop, self._start, admission=self._admission, failed=self._accept_failed)
 
-    def _pump(self, conn: socket.socket) -> None:
-        try:
-            wire.tune(conn)
+    def _accept_failed(self, what: str, err: BaseException) -> None:
+        _log.warning(what, "kvferry: the rendezvous at %s: %s", self.address, guard.describe(what, err))
+
+    def _start(self, conn: socket.socket) -> None:
+        """A connection's handshake counts against the admission bound (kvferry.transports.guard)."""
+
+        def cut_off() -> None:
             try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        ticket = self._admission.admit(guard.source_of(conn), cut_off)
+        try:
+            threading.Thread(target=self._pump, args=(conn, ticket), name="kvferry-rendezvous-conn", daemon=True).start()
+        except BaseException:
+            self._admission.settle(ticket)
+            raise
+
+    def _pump(self, conn: socket.socket, ticket: int) -> None:
+        try:
+            try:
+                wire.tune(conn)
                 wire.handshake(conn, self._authkey, wire.ROLE_ENDPOINT, HANDSHAKE_SECONDS, self.address)
             except wire.AuthenticationError as err:
-                logger.warning("kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s", self.address, err)
+                _log.warning(
+                    "refused",
+                    "kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s",
+                    self.address,
+                    err,
+                )
                 return
+            finally:
+                self._admission.settle(ticket)
             channel = wire.Channel(conn, MAX_FRAME)
             while True:
                 try:
@@ -255,6 +275,7 @@ class Rendezvous:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._stop.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
         except OSError:
