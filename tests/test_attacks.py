@@ -265,3 +265,19 @@ def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
         assert len(got) == wire.HEADER.size + wire.HANDSHAKE_LIMIT  # its challenge, then the end: cut off
         stalled.close()
         transfer_bit_exact(receiver, endpoint, authkey, 1)
+
+
+def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
+    """A pool (its geometry from a peer's hello) whose descriptor rows pass int32: refused by
+    name, where a cast would wrap the row to another block's descriptor."""
+    import numpy as np
+
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.transports import nixl
+
+    ids = np.array([0, 1], dtype=np.int64)
+    assert nixl.descriptor_indices(ids, (1, 2), 2, 4).tolist() == [8, 9, 12, 13]
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        nixl.descriptor_indices(np.array([2**16 - 1], dtype=np.int64), (0, 2), 2**15, 2**16)
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        nixl.offset_rows(np.array([5], dtype=np.int32), 2**31 - 3)

@@ -71,3 +71,31 @@ def test_a_relayed_handshake_to_a_rendezvous_fails() -> None:
     finally:
         relay.close()
         server.close()
+
+
+def test_a_key_file_that_is_a_fifo_is_refused_at_once(tmp_path: object) -> None:
+    """A FIFO named as the key file: refused by name instead of blocking the server's start
+    forever (reading one blocks until a writer comes)."""
+    import pathlib
+    import threading
+
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.vllm.config import load_authkey
+
+    fifo = pathlib.Path(str(tmp_path)) / "authkey"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_authkey(str(fifo))
+        except BaseException as err:  # noqa: BLE001  (the test looks at it)
+            outcome.append(err)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():  # the old code: stuck in open(); a writer lets it go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not thread.is_alive() and len(outcome) == 1, "load_authkey blocked on a FIFO"
+    assert isinstance(outcome[0], InvalidArgumentError) and "not a regular file" in str(outcome[0])

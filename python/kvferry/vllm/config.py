@@ -162,7 +162,10 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
         path = os.path.expanduser(authkey_file)
         what = "kv_connector_extra_config authkey_file"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO (or a device) named here must not hang the server; the
+        # type is checked on the opened file itself below, so nothing can swap it in between.
+        # Symbolic links are followed (a Kubernetes secret volume is one); their target is checked.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise InvalidArgumentError(f"invalid {what} {path!r}: cannot open it: {err.strerror}") from err
     with os.fdopen(fd, "rb") as f:
