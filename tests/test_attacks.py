@@ -21,7 +21,7 @@ import torch
 from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transports import guard, wire
+from kvferry.transports import guard, local, wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -281,3 +281,107 @@ def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
         nixl.descriptor_indices(np.array([2**16 - 1], dtype=np.int64), (0, 2), 2**15, 2**16)
     with pytest.raises(InvalidArgumentError, match="int32"):
         nixl.offset_rows(np.array([5], dtype=np.int32), 2**31 - 3)
+
+
+# -- idle authenticated peers -------------------------------------------------------------------
+
+
+def _staging_transfer(receiver: KVReceiver, transport: object, rid: int) -> None:
+    """A request's blocks through a connected staging sender, bit exact."""
+    from kvferry.sender import KVSender
+
+    src = random_pool(rid)
+    sender = KVSender(src, transport)  # type: ignore[arg-type]
+    dst = [5, 9, 2, 11]
+    epoch = receiver.expect(rid, 4 * TPB)
+    sender.add(rid, 4 * TPB, reused_len=0, epoch=epoch)
+    sender.send_chunks([rid], [0], [4 * TPB], [list(range(4))], [dst])
+    sender.flush(timeout=SLACK)
+    receiver.wait(rid, timeout=SLACK)
+    for layer_src, layer_dst in zip(src.layers, receiver.pool.layers):
+        assert torch.equal(layer_src[:4], layer_dst[dst])
+    receiver.release(rid)
+    sender.remove(rid)
+    sender.close()
+
+
+def _until_lost(transport: object) -> None:
+    """Reads what the receiver sent until the connection's end raises (bounded by SLACK)."""
+    assert not until(lambda: transport.check_peer() is not None, timeout=SLACK)  # type: ignore[attr-defined]
+
+
+def test_idle_senders_do_not_lock_out_the_seventeenth() -> None:
+    """16 authenticated senders hold every staging ring and stay silent: the 17th takes the
+    place of the one silent longest that owns no unfinished request (the one that does is
+    kept), is served bit exact, and the one closed is told why. Rings and threads come back."""
+    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+
+    pool = random_pool(99)
+    receiver = KVReceiver(pool)
+    authkey = secrets.token_bytes(32)
+    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, max_senders=16, idle_reclaim_s=0)
+    rings: set[str] = set()
+    try:
+        busy = StagingTransport(endpoint.address, authkey=authkey)
+        epoch = receiver.expect(50, 4 * TPB)
+        busy.announce([(50, epoch)])  # owns an unfinished request: never reclaimed
+        (peer,) = endpoint._peers  # noqa: SLF001
+        assert until(lambda: local._owns_unfinished(receiver, peer.source))  # noqa: SLF001  (the announce was taken)
+        idle = [StagingTransport(endpoint.address, authkey=authkey) for _ in range(15)]
+        rings = set(endpoint.ring_names())
+        assert len(rings) == 16
+        seventeenth = StagingTransport(endpoint.address, authkey=authkey)
+        assert endpoint.reclaimed_count == 1
+        with pytest.raises(TransferError, match="idle for .* while another sender needed its place"):
+            _until_lost(idle[0])
+        busy.check_peer()  # still connected
+        _staging_transfer(receiver, seventeenth, 1)
+        for t in idle[1:] + [busy]:
+            t.close()
+        idle[0].close()
+    finally:
+        endpoint.close()
+    assert endpoint.ring_names() == [] and _left_in_shm(rings) == set()
+    assert _notices_threads() == 0 or until(lambda: _notices_threads() == 0)
+
+
+@pytest.mark.parametrize("idle_reclaim_s", [3600.0, 0.0])
+def test_max_peers_bounds_authenticated_connections(idle_reclaim_s: float) -> None:
+    """``max_peers=1``: a second authenticated sender is refused by name while the first has
+    not been idle ``idle_reclaim_s``; once it has, the second takes its place."""
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    authkey = secrets.token_bytes(32)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey, max_peers=1, idle_reclaim_s=idle_reclaim_s)
+    try:
+        first = ShmTransport(endpoint.address, authkey=authkey)
+        if idle_reclaim_s:
+            with pytest.raises(TransferError, match=r"at most 1 senders at once \(max_peers\), none idle for 3600 s"):
+                ShmTransport(endpoint.address, authkey=authkey)
+            first.check_peer()
+            first.close()
+        else:
+            second = ShmTransport(endpoint.address, authkey=authkey)
+            with pytest.raises(TransferError, match="another sender needed its place"):
+                _until_lost(first)
+            first.close()
+            second.close()
+            assert endpoint.reclaimed_count == 1
+    finally:
+        endpoint.close()
+        del receiver
+        shared.close()
+
+
+@pytest.mark.parametrize(("option", "value"), [("max_peers", 0), ("max_peers", True), ("idle_reclaim_s", -1), ("idle_reclaim_s", float("inf"))])
+def test_bad_connection_bounds_are_refused_by_name(option: str, value: object) -> None:
+    from kvferry.errors import InvalidArgumentError
+
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    assert shared.pool is not None
+    try:
+        with pytest.raises(InvalidArgumentError, match=f"invalid {option}="):
+            ShmEndpoint(KVReceiver(shared.pool), shared, authkey=secrets.token_bytes(32), **{option: value})  # type: ignore[arg-type]
+    finally:
+        shared.close()

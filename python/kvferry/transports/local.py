@@ -39,6 +39,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from typing import AbstractSet, Any, Callable, Hashable, Optional, Sequence
 
@@ -62,6 +63,12 @@ __all__ = ["CudaIpcEndpoint", "CudaIpcTransport", "LocalEndpoint", "LocalTranspo
 # endpoints' and transports' ``handshake_timeout`` default): it must not hold a thread.
 HANDSHAKE_SECONDS = DEFAULT_HANDSHAKE_SECONDS
 JOIN_SECONDS = 5.0
+# Authenticated connections an endpoint serves at once (each may hold a frame of up to
+# MAX_FRAME_BYTES being read and decoded: docs/security.md has the memory bound).
+DEFAULT_MAX_PEERS = 64
+# A connection silent this long that owns no unfinished request may be closed to make room
+# for a new sender when the endpoint is full (its place, a staging ring, comes back).
+DEFAULT_IDLE_RECLAIM_SECONDS = 60.0
 # Failed handshakes and accept errors, logged at a bounded rate (a flood cannot flood the log).
 _log = guard.RateLimitedLog(logging.getLogger("kvferry.transports"))
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
@@ -82,6 +89,9 @@ class _Peer:
         self.where = wire.peer_name(sock)
         self.thread: Optional[threading.Thread] = None
         self.ticket = 0  # its place among the connections still in their handshake (guard.Admission)
+        self.last_active = time.monotonic()  # when its last frame arrived (or it authenticated)
+        self.reclaimed = False  # closed by the endpoint to make room (`LocalEndpoint.make_room`)
+        self.authenticated = False  # holds one of the endpoint's max_peers places
         # What the receiver records as the requests' sender: this connection, unless the
         # transport names itself otherwise (a NIXL agent, whose notifications bypass it).
         self.source: Hashable = self
@@ -120,7 +130,10 @@ class LocalEndpoint:
     default), ``unix:///path`` or ``tcp://host:port`` (port 0: any free port; a wildcard
     host needs ``advertise``, the host peers reach this one by). The ``address`` attribute
     is the URL senders connect to. ``handshake_timeout``: seconds a peer has to complete
-    the handshake (kvferry.transports.wire) before it is dropped."""
+    the handshake (kvferry.transports.wire) before it is dropped. ``max_peers``: the
+    authenticated connections served at once; when full, a new one takes the place of a
+    connection silent for ``idle_reclaim_s`` seconds that owns no unfinished request
+    (`make_room`), else it is refused with a goodbye naming the bound."""
 
     def __init__(
         self,
@@ -131,8 +144,17 @@ class LocalEndpoint:
         address: str = "unix://",
         advertise: Optional[str] = None,
         handshake_timeout: Optional[float] = None,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        idle_reclaim_s: float = DEFAULT_IDLE_RECLAIM_SECONDS,
     ) -> None:
         self._authkey = wire.check_authkey(authkey)
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers <= 0:
+            raise InvalidArgumentError(f"invalid max_peers={max_peers!r}: must be an int > 0")
+        if isinstance(idle_reclaim_s, bool) or not isinstance(idle_reclaim_s, (int, float)) or not 0 <= idle_reclaim_s < float("inf"):
+            raise InvalidArgumentError(f"invalid idle_reclaim_s={idle_reclaim_s!r}: must be a finite number of seconds >= 0")
+        self.max_peers = max_peers
+        self.idle_reclaim_s = float(idle_reclaim_s)
+        self.reclaimed_count = 0  # idle connections closed to make room
         where = wire.parse_address(address)
         self._handshake_timeout = wire.check_timeout(HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout)
         self.receiver = receiver
@@ -229,11 +251,15 @@ class LocalEndpoint:
         try:
             if not self._authenticate(peer):
                 return
+            if not self._take_place(peer):
+                return
             authenticated = True
+            peer.last_active = time.monotonic()
             peer.send("hello", self._hello() if callable(self._hello) else self._hello)
             assert peer.channel is not None
             while True:
                 kind, value = peer.channel.recv()
+                peer.last_active = time.monotonic()
                 self.dispatch(peer, kind, value)
         except KvFerryError as err:  # a frame that broke the protocol: the peer cannot be trusted further
             reason = f"it broke the protocol: {err}"
@@ -241,13 +267,59 @@ class LocalEndpoint:
             if peer.channel is not None:
                 peer.channel.goodbye(f"disconnected: {err}")
         except (EOFError, OSError) as err:
-            reason = "the endpoint closed" if self._closing.is_set() else f"its connection ended ({type(err).__name__})"
+            if self._closing.is_set():
+                reason = "the endpoint closed"
+            elif peer.reclaimed:
+                reason = f"the endpoint closed it to make room for another sender after {self.idle_reclaim_s:g} s idle"
+            else:
+                reason = f"its connection ended ({type(err).__name__})"
         finally:
             with self._lock:
                 self._peers.discard(peer)
             peer.close()
             if authenticated:  # a refused peer owned nothing and changed nothing
                 self.lost(peer, reason)
+
+    def _take_place(self, peer: _Peer) -> bool:
+        """An authenticated connection takes one of ``max_peers`` places (making room if it
+        must); a refused one is told why and ends, having changed nothing."""
+        for _ in range(2):
+            with self._lock:
+                served = sum(1 for p in self._peers if p is not peer and p.authenticated)
+                if served < self.max_peers:
+                    peer.authenticated = True
+                    return True
+            if not self.make_room(peer):
+                break
+        why = f"refused: this endpoint serves at most {self.max_peers} senders at once (max_peers), none idle for {self.idle_reclaim_s:g} s"
+        self._record(TransferError(f"{peer}: {why}", peer=str(peer)))
+        if peer.channel is not None:
+            peer.channel.goodbye(why)
+        return False
+
+    def make_room(self, newcomer: Any) -> bool:
+        """Closes the connection silent longest, if it has been silent ``idle_reclaim_s`` and
+        owns no unfinished request, and waits for its thread to end (its places, a staging
+        ring, are free then). Returns whether one was closed."""
+        now = time.monotonic()
+        with self._lock:
+            idle = sorted(
+                (p for p in self._peers if p is not newcomer and p.authenticated and not p.reclaimed and now - p.last_active >= self.idle_reclaim_s),
+                key=lambda p: p.last_active,
+            )
+        for victim in idle:
+            if _owns_unfinished(self.receiver, victim.source):
+                continue
+            victim.reclaimed = True
+            if victim.channel is not None:
+                victim.channel.goodbye(f"closed: idle for {now - victim.last_active:.0f} s while another sender needed its place")
+            victim.shutdown()
+            if victim.thread is not None and victim.thread is not threading.current_thread():
+                victim.thread.join(JOIN_SECONDS)
+            with self._lock:
+                self.reclaimed_count += 1
+            return True
+        return False
 
     def lost(self, peer: Any, reason: str) -> None:
         """A sender's connection ended: its unfinished requests can get no more notices.
@@ -343,6 +415,20 @@ class LocalEndpoint:
 
 def _name(source: Any) -> Optional[str]:
     return None if source is None else str(source)
+
+
+def _owns_unfinished(receiver: KVReceiver, source: Hashable) -> bool:
+    """Whether ``source`` owns a request of ``receiver`` that is not complete (closing its
+    connection would fail it). Uses ``KVReceiver.owns_unfinished`` where the receiver has
+    it; else reads its table under its lock; in doubt, True (the connection is kept)."""
+    owns = getattr(receiver, "owns_unfinished", None)
+    if callable(owns):
+        return bool(owns(source))
+    try:
+        with receiver._cond:  # noqa: SLF001  (a read-only look until the receiver offers the query)
+            return any(e.source == source and not e.ledger.is_complete for e in receiver._requests.values())  # noqa: SLF001
+    except AttributeError:
+        return True
 
 
 class PeerConnection:

@@ -166,17 +166,21 @@ class StagingEndpoint(LocalEndpoint):
         """The hello of the connection whose thread runs this: creates its ring."""
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
-        with self._rings_lock:
-            if self._rings_closed:
-                raise _Refused("the endpoint is closing")
-            if len(self._rings) + self._opening >= self.max_senders:
-                refusal = f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders), each with its own ring of {self.capacity} blocks ({self.ring_bytes} bytes)"
-                full = True
-            else:
-                self._opening += 1
-                full = False
+        for attempt in range(2):  # full: an idle sender's ring may be reclaimed (make_room), once
+            with self._rings_lock:
+                if self._rings_closed:
+                    raise _Refused("the endpoint is closing")
+                full = len(self._rings) + self._opening >= self.max_senders
+                if not full:
+                    self._opening += 1
+            if not full or attempt or not self.make_room(peer):
+                break
         if full:
-            self._refuse(peer, refusal)
+            self._refuse(
+                peer,
+                f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders), each with its own ring"
+                f" of {self.capacity} blocks ({self.ring_bytes} bytes), none idle for {self.idle_reclaim_s:g} s",
+            )
         try:
             ring = _Ring(self._pool, self.capacity)
         except Exception as err:  # no memory for it (shared memory, page-locking): this peer only
