@@ -9,6 +9,7 @@ import errno
 import os
 import resource
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -385,3 +386,54 @@ def test_bad_connection_bounds_are_refused_by_name(option: str, value: object) -
             ShmEndpoint(KVReceiver(shared.pool), shared, authkey=secrets.token_bytes(32), **{option: value})  # type: ignore[arg-type]
     finally:
         shared.close()
+
+
+# -- shared memory after a crash of both sides ------------------------------------------------
+
+_RECEIVER = r"""
+import sys, threading, torch
+from kvferry.layout import PagedKV
+from kvferry.receiver import KVReceiver
+from kvferry.transports.staging import StagingEndpoint
+receiver = KVReceiver(PagedKV(tuple(torch.zeros(4, 2, 4, 8) for _ in range(2)), 4))
+endpoint = StagingEndpoint(receiver, authkey=bytes.fromhex(sys.argv[1]), capacity_blocks=4)
+sys.stdout.write(endpoint.address + "\n"); sys.stdout.flush()
+threading.Event().wait()
+"""
+
+_STAGER = r"""
+import sys, threading
+from kvferry.transports.staging import StagingTransport
+transport = StagingTransport(sys.argv[1], authkey=bytes.fromhex(sys.argv[2]))
+sys.stdout.write(transport.ring_name + "\n"); sys.stdout.flush()
+threading.Event().wait()
+"""
+
+
+def test_a_sigkill_of_both_process_groups_leaves_no_segment() -> None:
+    """A receiver (its staging endpoint, and the resource tracker its segments bring) and a
+    connected sender, each in a process group of its own, both SIGKILLed: the ring the
+    connection had is not left in /dev/shm."""
+    authkey = secrets.token_bytes(32)
+    procs: list[subprocess.Popen[str]] = []
+    ring = ""
+    try:
+        receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, authkey.hex()], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(receiver)
+        assert receiver.stdout is not None
+        address = receiver.stdout.readline().strip()
+        assert address.startswith("unix://"), address
+        sender = subprocess.Popen([sys.executable, "-c", _STAGER, address, authkey.hex()], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(sender)
+        assert sender.stdout is not None
+        ring = sender.stdout.readline().strip()
+        assert ring.startswith("kvferry-"), ring
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(SLACK)
+    left = _left_in_shm({ring})
+    for name in left:  # the old code's leak: not left for the next test
+        os.unlink(f"/dev/shm/{name}")
+    assert left == set()

@@ -1,11 +1,19 @@
 """CPU pools across processes on one host: the receiver's pool lives in POSIX shared memory,
 the sender maps it and writes blocks straight into it; notices travel over the local socket
 of kvferry.transports.local. The segment name is 128 random bits.
+
+A segment one sender alone maps (a staging ring: kvferry.transports.staging) loses its name
+as soon as that sender mapped it (`SharedPool.attach` with ``unlink=True``): from then on only
+the two mappings keep it, so the kernel frees it when both processes are gone, however they
+end (a SIGKILL of both process groups takes the receiver's resource tracker with it, which
+would otherwise have been the one to remove it). A pool many senders map over time (an
+`ShmEndpoint`'s) keeps its name while the receiver lives (docs/security.md).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import sys
 import threading
@@ -33,6 +41,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 _TRACKER_PATCH = threading.Lock()
+# The names this module gives segments: the only ones a hello may make a sender open or unlink.
+SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
 
 
 def _attach_untracked(name: str) -> SharedMemory:
@@ -48,6 +58,17 @@ def _attach_untracked(name: str) -> SharedMemory:
             return SharedMemory(name=name)
         finally:
             resource_tracker.register = register  # type: ignore[assignment]
+
+
+def _unlink_untracked(segment: SharedMemory) -> None:
+    """Removes a segment's name without touching this process's resource tracker (it never
+    registered the segment: `_attach_untracked`). A name already gone is fine."""
+    from multiprocessing import shared_memory
+
+    try:
+        shared_memory._posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]  # noqa: SLF001
+    except FileNotFoundError:
+        pass
 
 
 class SharedPool:
@@ -87,17 +108,33 @@ class SharedPool:
         return shared
 
     @classmethod
-    def attach(cls, descriptor: dict[str, Any]) -> SharedPool:
-        """Maps a pool another process created."""
-        return cls(_attach_untracked(descriptor["name"]), descriptor, owner=False)
+    def attach(cls, descriptor: dict[str, Any], *, unlink: bool = False) -> SharedPool:
+        """Maps a pool another process created. ``unlink``: removes its name once mapped
+        (a segment only this process maps besides its creator: see the module doc)."""
+        name = descriptor["name"]
+        if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
+            raise TransferError(f"invalid segment name {str(name)[:80]!r}: not one kvferry makes (kvferry- and 32 hex digits)")
+        segment = _attach_untracked(name)
+        if unlink:
+            try:
+                _unlink_untracked(segment)
+            except BaseException:
+                segment.close()
+                raise
+        return cls(segment, descriptor, owner=False)
 
     def close(self) -> None:
-        """Unmaps the segment (and removes it, in the creating process). Tensors taken from
-        ``pool`` must be dropped first."""
+        """Unmaps the segment (and removes it, in the creating process, unless the one
+        process that mapped it removed its name already). Tensors taken from ``pool`` must
+        be dropped first."""
         self.pool = None
         self._segment.close()
         if self._owner:
-            self._segment.unlink()
+            try:
+                self._segment.unlink()
+            except FileNotFoundError:  # its sender unlinked the name: forget it in the tracker too
+                if sys.version_info < (3, 13) or getattr(self._segment, "_track", True):
+                    resource_tracker.unregister(self._segment._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
 
 
 class ShmEndpoint(LocalEndpoint):

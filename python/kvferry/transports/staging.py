@@ -133,9 +133,10 @@ class StagingEndpoint(LocalEndpoint):
     and frees its slots.
 
     A ring is created when a sender's handshake succeeds (its descriptor goes in that
-    sender's hello only) and is unlinked when its connection ends, by the connection's own
-    thread, after every batch it posted was applied or dropped: no two senders ever share
-    slots, and a sender that dies leaves no segment behind. Memory: each connected sender
+    sender's hello only); the sender removes its name as soon as it mapped it, and the
+    connection's own thread unmaps it when the connection ends, after every batch it posted
+    was applied or dropped: no two senders ever share slots, and nothing is left behind
+    however either side ends (a SIGKILL of both process groups included). Memory: each connected sender
     costs ``capacity_blocks`` x the pool's block bytes (every layer) of shared memory, page-
     locked on a CUDA host. ``max_senders`` bounds the connections served at once (default
     `DEFAULT_MAX_SENDERS`); one more is refused after its handshake with a goodbye naming
@@ -321,7 +322,7 @@ class StagingTransport(LocalTransport):
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
             raise TransferError(f"the receiver serves a {hello['kind']} pool, not a staging ring")
-        ring = SharedPool.attach(hello["segment"])
+        ring = SharedPool.attach(hello["segment"], unlink=True)  # this connection's alone: nameless once mapped
         assert ring.pool is not None
         self.ring_name = str(hello["segment"]["name"])  # this connection's own ring
         self._geometry = hello["geometry"]
