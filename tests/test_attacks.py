@@ -22,7 +22,7 @@ import torch
 from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transports import guard, local, wire
+from kvferry.transports import guard, local, registry, wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -437,3 +437,86 @@ def test_a_sigkill_of_both_process_groups_leaves_no_segment() -> None:
     for name in left:  # the old code's leak: not left for the next test
         os.unlink(f"/dev/shm/{name}")
     assert left == set()
+
+
+# -- the suite: every transport with an endpoint on CPU, over unix:// and tcp:// -----------------
+
+
+def _attacks(address: str, authkey: bytes) -> None:
+    """Raw attacks before the key: garbage, an HTTP request, a header announcing a huge
+    frame, a trickled challenge, a wrong key, a reflected challenge; a relayed handshake."""
+    garbage = [
+        secrets.token_bytes(512),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30),
+        wire.frame("challenge", (wire.ROLE_SENDER, secrets.token_bytes(32)))[:7],
+        wire.frame("challenge", (wire.ROLE_ENDPOINT, secrets.token_bytes(32))),  # reflected
+    ]
+    for data in garbage:
+        with _connect_raw(address) as raw:
+            raw.sendall(data)
+            raw.shutdown(socket.SHUT_WR)
+            got = b""
+            with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread: a reset
+                while chunk := raw.recv(4096):
+                    got += chunk
+            assert len(got) <= wire.HEADER.size + wire.HANDSHAKE_LIMIT  # its challenge at most
+    with _connect_raw(address) as raw:  # a wrong key
+        with pytest.raises(wire.AuthenticationError):
+            wire.handshake(raw, secrets.token_bytes(32), wire.ROLE_SENDER, SLACK, address)
+    where = wire.parse_address(address)
+    if where.scheme == "tcp":
+        relay = Relay(where)
+        try:
+            with _connect_raw(relay.address) as raw:
+                with pytest.raises(wire.AuthenticationError):
+                    wire.handshake(raw, authkey, wire.ROLE_SENDER, SLACK, relay.address)
+        finally:
+            relay.close()
+
+
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
+@pytest.mark.parametrize("name", [n for n in registry.names(device="cpu") if registry.spec(n).has_endpoint])
+def test_each_transport_survives_the_attacks_and_serves_bit_exact(name: str, listen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attack against a real endpoint of each transport, then a legitimate transfer that
+    arrives bit exact; the endpoint's threads end with it and none of its segments is left."""
+    from kvferry.sender import KVSender
+
+    if name == "nixl":
+        pytest.importorskip("nixl")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    threads_before = set(threading.enumerate())
+    rpool = registry.receiver_pool(name, num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    receiver = KVReceiver(rpool.pool)
+    authkey = secrets.token_bytes(32)
+    options: dict[str, object] = {"address": listen}
+    if rpool.shared is not None:
+        options["shared"] = rpool.shared
+    served = registry.serve(name, receiver, authkey=authkey, **options)
+    segments: set[str] = set()
+    try:
+        if rpool.shared is not None:
+            segments.add(rpool.shared.descriptor["name"])
+        _attacks(served.endpoint.address, authkey)
+        src = random_pool(3)
+        transport = registry.connect(served.url, authkey=authkey, src=src)
+        segments.update(n for n in [getattr(transport, "ring_name", None)] if n)
+        sender = KVSender(src, transport, timeout=SLACK)
+        dst = [5, 9, 2, 11]
+        epoch = receiver.expect(1, 4 * TPB)
+        sender.add(1, 4 * TPB, reused_len=0, epoch=epoch)
+        sender.send_chunks([1], [0], [4 * TPB], [list(range(4))], [dst])
+        sender.flush(timeout=SLACK)
+        receiver.wait(1, timeout=SLACK)
+        for layer_src, layer_dst in zip(src.layers, receiver.pool.layers):
+            assert torch.equal(layer_src[:4], layer_dst[dst])
+        receiver.release(1, timeout=SLACK)
+        sender.remove(1)
+        sender.close()
+        assert served.endpoint.error_count >= 6  # each attack was refused and recorded
+    finally:
+        served.endpoint.close()
+        del receiver
+        rpool.close()
+    assert until(lambda: [t for t in threading.enumerate() if t not in threads_before and t.name.startswith("kvferry")] == [])
+    assert _left_in_shm(segments) == set()
