@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -375,7 +375,10 @@ def test_max_peers_bounds_authenticated_connections(idle_reclaim_s: float) -> No
         shared.close()
 
 
-@pytest.mark.parametrize(("option", "value"), [("max_peers", 0), ("max_peers", True), ("idle_reclaim_s", -1), ("idle_reclaim_s", float("inf"))])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_peers", 0), ("max_peers", True), ("idle_reclaim_s", -1), ("idle_reclaim_s", float("inf"))],
+)
 def test_bad_connection_bounds_are_refused_by_name(option: str, value: object) -> None:
     from kvferry.errors import InvalidArgumentError
 
@@ -383,7 +386,8 @@ def test_bad_connection_bounds_are_refused_by_name(option: str, value: object) -
     assert shared.pool is not None
     try:
         with pytest.raises(InvalidArgumentError, match=f"invalid {option}="):
-            ShmEndpoint(KVReceiver(shared.pool), shared, authkey=secrets.token_bytes(32), **{option: value})  # type: ignore[arg-type]
+            options: dict[str, Any] = {option: value}
+            ShmEndpoint(KVReceiver(shared.pool), shared, authkey=secrets.token_bytes(32), **options)
     finally:
         shared.close()
 
@@ -394,46 +398,66 @@ _RECEIVER = r"""
 import sys, threading, torch
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
+from kvferry.transports.shm import SharedPool, ShmEndpoint
 from kvferry.transports.staging import StagingEndpoint
-receiver = KVReceiver(PagedKV(tuple(torch.zeros(4, 2, 4, 8) for _ in range(2)), 4))
-endpoint = StagingEndpoint(receiver, authkey=bytes.fromhex(sys.argv[1]), capacity_blocks=4)
-sys.stdout.write(endpoint.address + "\n"); sys.stdout.flush()
+key = bytes.fromhex(sys.argv[2])
+if sys.argv[1] == "staging":
+    receiver = KVReceiver(PagedKV(tuple(torch.zeros(4, 2, 4, 8) for _ in range(2)), 4))
+    endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=4)
+    segment = "-"
+else:
+    shared = SharedPool.create(num_layers=2, shape=(4, 2, 4, 8), dtype=torch.float32, tokens_per_block=4)
+    receiver = KVReceiver(shared.pool)
+    endpoint = ShmEndpoint(receiver, shared, authkey=key)
+    segment = shared.descriptor["name"]
+sys.stdout.write(endpoint.address + " " + segment + "\n"); sys.stdout.flush()
 threading.Event().wait()
 """
 
 _STAGER = r"""
 import sys, threading
+from kvferry.transports.shm import ShmTransport
 from kvferry.transports.staging import StagingTransport
-transport = StagingTransport(sys.argv[1], authkey=bytes.fromhex(sys.argv[2]))
-sys.stdout.write(transport.ring_name + "\n"); sys.stdout.flush()
+key = bytes.fromhex(sys.argv[3])
+if sys.argv[1] == "staging":
+    transport = StagingTransport(sys.argv[2], authkey=key)
+    name = transport.ring_name
+else:
+    transport = ShmTransport(sys.argv[2], authkey=key)
+    name = "-"
+sys.stdout.write(name + "\n"); sys.stdout.flush()
 threading.Event().wait()
 """
 
 
-def test_a_sigkill_of_both_process_groups_leaves_no_segment() -> None:
-    """A receiver (its staging endpoint, and the resource tracker its segments bring) and a
-    connected sender, each in a process group of its own, both SIGKILLed: the ring the
-    connection had is not left in /dev/shm."""
+@pytest.mark.parametrize("kind", ["staging", "shm"])
+def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str) -> None:
+    """A receiver (its endpoint, and the resource tracker its segments bring) and a connected
+    sender, each in a process group of its own, both SIGKILLed: neither the staging ring the
+    connection had nor the shm endpoint's pool is left in /dev/shm."""
     authkey = secrets.token_bytes(32)
     procs: list[subprocess.Popen[str]] = []
-    ring = ""
+    names: set[str] = set()
     try:
-        receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, authkey.hex()], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        argv = [sys.executable, "-c", _RECEIVER, kind, authkey.hex()]
+        receiver = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(receiver)
         assert receiver.stdout is not None
-        address = receiver.stdout.readline().strip()
+        address, segment = receiver.stdout.readline().split()
         assert address.startswith("unix://"), address
-        sender = subprocess.Popen([sys.executable, "-c", _STAGER, address, authkey.hex()], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        argv = [sys.executable, "-c", _STAGER, kind, address, authkey.hex()]
+        sender = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(sender)
         assert sender.stdout is not None
         ring = sender.stdout.readline().strip()
-        assert ring.startswith("kvferry-"), ring
+        names = {n for n in (segment, ring) if n != "-"}
+        assert len(names) == 1 and all(n.startswith("kvferry-") for n in names), names
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(SLACK)
-    left = _left_in_shm({ring})
+    left = _left_in_shm(names)
     for name in left:  # the old code's leak: not left for the next test
         os.unlink(f"/dev/shm/{name}")
     assert left == set()
@@ -477,7 +501,9 @@ def _attacks(address: str, authkey: bytes) -> None:
 
 @pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
 @pytest.mark.parametrize("name", [n for n in registry.names(device="cpu") if registry.spec(n).has_endpoint])
-def test_each_transport_survives_the_attacks_and_serves_bit_exact(name: str, listen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_transport_survives_the_attacks_and_serves_bit_exact(
+    name: str, listen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each attack against a real endpoint of each transport, then a legitimate transfer that
     arrives bit exact; the endpoint's threads end with it and none of its segments is left."""
     from kvferry.sender import KVSender
@@ -518,5 +544,9 @@ def test_each_transport_survives_the_attacks_and_serves_bit_exact(name: str, lis
         served.endpoint.close()
         del receiver
         rpool.close()
-    assert until(lambda: [t for t in threading.enumerate() if t not in threads_before and t.name.startswith("kvferry")] == [])
+
+    def ours() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in threads_before and t.name.startswith("kvferry")]
+
+    assert until(lambda: not ours())
     assert _left_in_shm(segments) == set()

@@ -38,7 +38,8 @@ def test_only_trusted_or_signed_peers_pass() -> None:
     config = ConnectorConfig.from_extra({"trusted_peers": ["tcp://:7002", "unix:///run/r.sock"]})
     assert config.trusted_peers == ("tcp://127.0.0.1:7002", "unix:///run/r.sock")
     assert trust.check_peer(key, config.trusted_peers, "tcp://127.0.0.1:7002", None) == "tcp://127.0.0.1:7002"
-    for bad, named in [("tcp://x:1", "trusted_peers="), (["http://x"], r"trusted_peers\[0\]"), ([5], r"trusted_peers\[0\]")]:
+    bad_lists = [("tcp://x:1", "trusted_peers="), (["http://x"], r"trusted_peers\[0\]"), ([5], r"trusted_peers\[0\]")]
+    for bad, named in bad_lists:
         with pytest.raises((InvalidArgumentError, TypeError), match=named):
             ConnectorConfig.from_extra({"trusted_peers": bad})
     assert parse_params({"kvferry": {"op": "send", "transfer": "t", "peer": peer, "peer_mac": mac}}).peer_mac == mac

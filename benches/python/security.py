@@ -47,7 +47,8 @@ def connect_figures() -> tuple[float, float]:
     free, reclaim = [], []
     for _ in range(REPEATS):
         key = secrets.token_bytes(32)
-        endpoint = StagingEndpoint(KVReceiver(_pool()), authkey=key, capacity_blocks=8, max_senders=SENDERS, idle_reclaim_s=0)
+        receiver = KVReceiver(_pool())
+        endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=8, max_senders=SENDERS, idle_reclaim_s=0)
         try:
             held = []
             for i in range(SENDERS):
@@ -104,10 +105,16 @@ def main() -> None:
     logging.getLogger("kvferry").setLevel(logging.ERROR)  # the flood's refusals are expected
     free, reclaim = connect_figures()
     print(f"connect, a free ring:          {free:8.2f} ms (median of {REPEATS})")
-    print(f"connect, reclaiming an idle one: {reclaim:6.2f} ms  ratio {reclaim / free:.2f}  (time to reclaim ~ {reclaim - free:.2f} ms)")
+    print(
+        f"connect, reclaiming an idle one: {reclaim:6.2f} ms  ratio {reclaim / free:.2f}"
+        f"  (time to reclaim ~ {reclaim - free:.2f} ms)"
+    )
     calm, flooded, threads, fds = flood_figures()
     print(f"connect, no flood (same endpoint): {calm:5.2f} ms")
-    print(f"connect, {FLOOD} handshakes held: {flooded:7.2f} ms  ratio {flooded / calm:.2f}; endpoint threads +{threads}, descriptors +{fds}")
+    print(
+        f"connect, {FLOOD} handshakes held: {flooded:7.2f} ms  ratio {flooded / calm:.2f};"
+        f" endpoint threads +{threads}, descriptors +{fds}"
+    )
 
 
 if __name__ == "__main__":

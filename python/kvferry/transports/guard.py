@@ -40,7 +40,11 @@ EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 TRANSIENT = frozenset({errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM, errno.EAGAIN})
 
 
-_TROUBLE = {"exhausted": "out of descriptors or memory", "thread": "no thread for a connection", "accept": "accept failed"}
+_TROUBLE = {
+    "exhausted": "out of descriptors or memory",
+    "thread": "no thread for a connection",
+    "accept": "accept failed",
+}
 
 
 def describe(what: str, err: BaseException) -> str:
@@ -133,7 +137,9 @@ class RateLimitedLog:
     """At most ``burst`` lines per ``every_s`` seconds for each key; what was held back is
     counted and said with the next line that passes ("... and 12345 more like it")."""
 
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0, burst: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 10.0, burst: int = 5, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger = logger
         self.every_s, self.burst = every_s, burst
         self._clock = clock

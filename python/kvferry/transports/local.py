@@ -150,8 +150,14 @@ class LocalEndpoint:
         self._authkey = wire.check_authkey(authkey)
         if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers <= 0:
             raise InvalidArgumentError(f"invalid max_peers={max_peers!r}: must be an int > 0")
-        if isinstance(idle_reclaim_s, bool) or not isinstance(idle_reclaim_s, (int, float)) or not 0 <= idle_reclaim_s < float("inf"):
-            raise InvalidArgumentError(f"invalid idle_reclaim_s={idle_reclaim_s!r}: must be a finite number of seconds >= 0")
+        if (
+            isinstance(idle_reclaim_s, bool)
+            or not isinstance(idle_reclaim_s, (int, float))
+            or not 0 <= idle_reclaim_s < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"invalid idle_reclaim_s={idle_reclaim_s!r}: must be a finite number of seconds >= 0"
+            )
         self.max_peers = max_peers
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.reclaimed_count = 0  # idle connections closed to make room
@@ -200,7 +206,14 @@ class LocalEndpoint:
                 self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
 
     def _serve(self) -> None:
-        guard.accept_loop(self._listener, self._closing, self._start, admission=self._admission, failed=self._accept_failed)
+        guard.accept_loop(
+            self._listener, self._closing, self._start, admission=self._admission, failed=self._accept_failed
+        )
+
+    def hello_fds(self) -> list[int]:
+        """Descriptors to pass with the hello on a Unix socket (a segment without a name);
+        none here."""
+        return []
 
     def _accept_failed(self, what: str, err: BaseException) -> None:
         """The accept loop's trouble (it backs off and serves on: kvferry.transports.guard):
@@ -255,7 +268,14 @@ class LocalEndpoint:
                 return
             authenticated = True
             peer.last_active = time.monotonic()
-            peer.send("hello", self._hello() if callable(self._hello) else self._hello)
+            hello = wire.frame("hello", self._hello() if callable(self._hello) else self._hello)
+            fds = self.hello_fds() if peer.sock.family == socket.AF_UNIX else []
+            assert peer.channel is not None
+            if fds:
+                with peer.channel._send_lock:  # noqa: SLF001  (whole, like every frame)
+                    wire.send_frame_fds(peer.sock, hello, fds)
+            else:
+                peer.channel.send_frame(hello)
             assert peer.channel is not None
             while True:
                 kind, value = peer.channel.recv()
@@ -291,7 +311,10 @@ class LocalEndpoint:
                     return True
             if not self.make_room(peer):
                 break
-        why = f"refused: this endpoint serves at most {self.max_peers} senders at once (max_peers), none idle for {self.idle_reclaim_s:g} s"
+        why = (
+            f"refused: this endpoint serves at most {self.max_peers} senders at once (max_peers),"
+            f" none idle for {self.idle_reclaim_s:g} s"
+        )
         self._record(TransferError(f"{peer}: {why}", peer=str(peer)))
         if peer.channel is not None:
             peer.channel.goodbye(why)
@@ -304,7 +327,14 @@ class LocalEndpoint:
         now = time.monotonic()
         with self._lock:
             idle = sorted(
-                (p for p in self._peers if p is not newcomer and p.authenticated and not p.reclaimed and now - p.last_active >= self.idle_reclaim_s),
+                (
+                    p
+                    for p in self._peers
+                    if p is not newcomer
+                    and p.authenticated
+                    and not p.reclaimed
+                    and now - p.last_active >= self.idle_reclaim_s
+                ),
                 key=lambda p: p.last_active,
             )
         for victim in idle:
@@ -312,7 +342,8 @@ class LocalEndpoint:
                 continue
             victim.reclaimed = True
             if victim.channel is not None:
-                victim.channel.goodbye(f"closed: idle for {now - victim.last_active:.0f} s while another sender needed its place")
+                idle_s = now - victim.last_active
+                victim.channel.goodbye(f"closed: idle for {idle_s:.0f} s while another sender needed its place")
             victim.shutdown()
             if victim.thread is not None and victim.thread is not threading.current_thread():
                 victim.thread.join(JOIN_SECONDS)
@@ -426,7 +457,8 @@ def _owns_unfinished(receiver: KVReceiver, source: Hashable) -> bool:
         return bool(owns(source))
     try:
         with receiver._cond:  # noqa: SLF001  (a read-only look until the receiver offers the query)
-            return any(e.source == source and not e.ledger.is_complete for e in receiver._requests.values())  # noqa: SLF001
+            requests = receiver._requests.values()  # noqa: SLF001
+            return any(e.source == source and not e.ledger.is_complete for e in requests)
     except AttributeError:
         return True
 
@@ -459,8 +491,14 @@ class PeerConnection:
         self.lost: Optional[TransferError] = None
         self.cancels: list[tuple[int, int]] = []
         self.replies: deque[int] = deque()
+        # Descriptors the receiver passed with its hello (a Unix socket only): the transport
+        # that opens the pool takes them (`take_fds`); whatever is left is closed with us.
+        self.fds: list[int] = []
         try:
-            kind, self.hello = self._channel.recv()
+            if self._sock.family == socket.AF_UNIX:
+                kind, self.hello, self.fds = wire.recv_frame_fds(self._sock)
+            else:
+                kind, self.hello = self._channel.recv()
             if kind == "goodbye":
                 raise TransferError(f"the {self.peer} refused the connection: {self.hello}", peer=self.peer)
             if kind != "hello":
@@ -525,7 +563,14 @@ class PeerConnection:
         cancels, self.cancels = self.cancels, []
         return cancels
 
+    def take_fds(self) -> list[int]:
+        """The descriptors that came with the hello, each once; the caller closes them."""
+        fds, self.fds = self.fds, []
+        return fds
+
     def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
         self._sock.close()
 
 
@@ -553,6 +598,8 @@ class LocalTransport(Transport):
         except BaseException:
             self._conn.close()
             raise
+        for fd in self._conn.take_fds():  # passed with the hello and not taken: not ours to keep
+            os.close(fd)
 
     def check_peer(self) -> None:
         """Raises `TransferError` (naming the receiver) once the receiver went away."""

@@ -110,8 +110,8 @@ def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, 
     lo, hi = layers
     if hi * segments * num_blocks > INT32_ROWS:  # a row past int32 would wrap to another block's
         raise InvalidArgumentError(
-            f"invalid pool for NIXL: {hi} layers x {segments} segments x {num_blocks} blocks = {hi * segments * num_blocks}"
-            f" descriptors, more than NIXL's int32 indices reach ({INT32_ROWS})"
+            f"invalid pool for NIXL: {hi} layers x {segments} segments x {num_blocks} blocks"
+            f" = {hi * segments * num_blocks} descriptors, more than NIXL's int32 indices reach ({INT32_ROWS})"
         )
     rows = np.arange(lo * segments, hi * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
     return rows.ravel().astype(np.int32)
@@ -122,7 +122,9 @@ def offset_rows(rows: np.ndarray, offset: int) -> np.ndarray:
     when any would pass int32."""
     moved = rows.astype(np.int64) + offset
     if moved.size and int(moved.max()) >= INT32_ROWS:
-        raise InvalidArgumentError(f"invalid descriptor row {int(moved.max())}: more than NIXL's int32 indices reach ({INT32_ROWS})")
+        raise InvalidArgumentError(
+            f"invalid descriptor row {int(moved.max())}: more than NIXL's int32 indices reach ({INT32_ROWS})"
+        )
     return moved.astype(np.int32)
 
 

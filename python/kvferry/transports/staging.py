@@ -179,8 +179,9 @@ class StagingEndpoint(LocalEndpoint):
         if full:
             self._refuse(
                 peer,
-                f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders), each with its own ring"
-                f" of {self.capacity} blocks ({self.ring_bytes} bytes), none idle for {self.idle_reclaim_s:g} s",
+                f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders),"
+                f" each with its own ring of {self.capacity} blocks ({self.ring_bytes} bytes),"
+                f" none idle for {self.idle_reclaim_s:g} s",
             )
         try:
             ring = _Ring(self._pool, self.capacity)

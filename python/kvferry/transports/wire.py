@@ -42,6 +42,7 @@ rust/src/wire.rs): nothing from the wire is ever unpickled.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import ipaddress
@@ -314,6 +315,50 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Opti
         raise ProtocolError(str(err)) from None
 
 
+MAX_PASSED_FDS = 4
+
+
+def send_frame_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """An encoded frame with descriptors riding on its first byte (``SCM_RIGHTS``; a Unix
+    socket only): how an endpoint hands a sender a segment that has no name."""
+    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_frame_fds(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[str, Any, list[int]]:
+    """`recv_frame` on a Unix socket, also taking the descriptors that came with the frame
+    (at most ``MAX_PASSED_FDS``; more, or a truncated set, are closed and refused). The
+    caller owns (and closes) the descriptors returned."""
+    fds: list[int] = []
+    header = b""
+    try:
+        while len(header) < _core.WIRE_HEADER_BYTES:
+            room = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
+            data, ancillary, flags, _ = sock.recvmsg(_core.WIRE_HEADER_BYTES - len(header), room)
+            for level, cmsg, payload in ancillary:
+                if level == socket.SOL_SOCKET and cmsg == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                    fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"more than {MAX_PASSED_FDS} descriptors came with a frame")
+            if not data:
+                raise EOFError("the peer closed the connection")
+            header += data
+        try:
+            _, length = _core.wire_header(header, limit)
+            body = _recv_exact(sock, length) if length else b""
+            kind, value = _core.wire_decode(header + body, limit)
+        except InvalidArgumentError as err:
+            raise ProtocolError(str(err)) from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return kind, value, fds
+
+
 def frame(kind: str, value: Any) -> bytes:
     """One encoded frame (InvalidArgumentError for a value the codec would refuse)."""
     return bytes(_core.wire_encode(kind, value))
@@ -355,7 +400,8 @@ class Channel:
 
 
 def _mac(key: bytes, role: int, binding: bytes, theirs: bytes, mine: bytes) -> bytes:
-    prefix = MAC_LABEL + struct.pack("<HHB", HANDSHAKE_VERSION, _core.WIRE_VERSION, role) + struct.pack("<H", len(binding))
+    versions = struct.pack("<HHB", HANDSHAKE_VERSION, _core.WIRE_VERSION, role)
+    prefix = MAC_LABEL + versions + struct.pack("<H", len(binding))
     return hmac.new(key, prefix + binding + theirs + mine, hashlib.sha256).digest()
 
 
@@ -375,13 +421,16 @@ def _expect(sock: socket.socket, kind: str, deadline: float) -> Any:
     if magic != MAGIC:
         raise AuthenticationError("not a kvferry handshake: the peer's first bytes are not a kvferry frame")
     if version != VERSION:
-        raise AuthenticationError(f"not a kvferry handshake this side speaks: the peer's frames are of wire version {version}, not {VERSION}")
+        raise AuthenticationError(
+            f"not a kvferry handshake this side speaks: the peer's frames are of wire version {version}, not {VERSION}"
+        )
     try:
         _, length = _core.wire_header(header, HANDSHAKE_LIMIT)
         body = _recv_exact(sock, length, deadline) if length else b""
         got, value = _core.wire_decode(header + body, HANDSHAKE_LIMIT)
     except InvalidArgumentError:
-        raise AuthenticationError(f"not a kvferry handshake: a malformed or oversized frame where a {kind} was due") from None
+        why = f"not a kvferry handshake: a malformed or oversized frame where a {kind} was due"
+        raise AuthenticationError(why) from None
     if got != kind:
         raise AuthenticationError(f"a {got} frame during the handshake, expected a {kind}")
     return value
@@ -430,8 +479,8 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
     except EOFError:
         if proved:
             raise AuthenticationError(
-                "the peer closed the connection after our proof: it refused our key (not this session's?) or the address we"
-                " meant (reached through a relay, or by another name than it advertises?)"
+                "the peer closed the connection after our proof: it refused our key (not this session's?)"
+                " or the address we meant (reached through a relay, or by another name than it advertises?)"
             ) from None
         raise AuthenticationError("the peer closed the connection during the handshake") from None
     except OSError as err:

@@ -210,7 +210,9 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         )
     unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s"})
     if unknown:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac, timeout_s")
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac, timeout_s"
+        )
     op = ours.get("op")
     if op not in OPS:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.op={op!r}: must be one of {list(OPS)}")
@@ -229,14 +231,20 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")
     if op == "recv":
         if "peer_mac" in ours:
-            raise InvalidArgumentError("invalid kv_transfer_params.kvferry keys ['peer_mac'] for op 'recv': only a send names a peer")
+            raise InvalidArgumentError(
+                "invalid kv_transfer_params.kvferry keys ['peer_mac'] for op 'recv': only a send names a peer"
+            )
         return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer")
     mac = ours.get("peer_mac")
-    if mac is not None and (not isinstance(mac, str) or len(mac) != 64 or any(c not in "0123456789abcdef" for c in mac)):
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer_mac={str(mac)[:80]!r}: must be the 64 hex digits of the decode server's hello answer")
+    hexdigits = "0123456789abcdef"
+    if mac is not None and (not isinstance(mac, str) or len(mac) != 64 or any(c not in hexdigits for c in mac)):
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry.peer_mac={str(mac)[:80]!r}:"
+            " must be the 64 hex digits of the decode server's hello answer"
+        )
     return RequestParams("send", transfer, peer, None if timeout is None else float(timeout), mac)
 
 

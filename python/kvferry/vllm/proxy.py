@@ -108,7 +108,15 @@ class UpstreamError(Exception):
     event (``None``: no answer); ``transfer``: the kvferry transfer it concerns, if any."""
 
     def __init__(
-        self, leg: str, url: str, status: int, message: str, upstream_status: Optional[int] = None, transfer: Optional[str] = None, *, detail: Optional[str] = None
+        self,
+        leg: str,
+        url: str,
+        status: int,
+        message: str,
+        upstream_status: Optional[int] = None,
+        transfer: Optional[str] = None,
+        *,
+        detail: Optional[str] = None,
     ) -> None:
         super().__init__(f"{leg} server {url}: {message}" + (f" [{detail}]" if detail else ""))
         self.leg, self.url, self.status, self.message = leg, url, status, message
@@ -120,7 +128,8 @@ class UpstreamError(Exception):
         return f"{self.leg} server: {scrub(self.message)}"
 
     def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"message": self.public(), "type": "upstream_error", "code": self.status, "leg": self.leg}
+        error: dict[str, Any] = {"message": self.public(), "type": "upstream_error", "code": self.status}
+        error["leg"] = self.leg
         if self.transfer is not None:
             error["transfer"] = self.transfer
         return {"error": error}
@@ -209,9 +218,8 @@ class KvferryFlow(Flow):
                 continue
             info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
             if not isinstance(info, dict) or info.get("role") not in ("kv_consumer", "kv_both") or not info.get("peer"):
-                raise UpstreamError(
-                    "decode", server.url, 502, "its hello answer is not a kvferry decode server's: is it running KvferryConnector as kv_consumer?", detail=repr(info)[:500]
-                )
+                why = "its hello answer is not a kvferry decode server's (KvferryConnector as kv_consumer?)"
+                raise UpstreamError("decode", server.url, 502, why, detail=repr(info)[:500])
             self.peers[server.url] = info
             return info
 
@@ -469,7 +477,9 @@ class Proxy:
             async with ctx as r:
                 text = await r.text()
                 if r.status != 200:
-                    raise UpstreamError(leg, server.url, r.status if 400 <= r.status < 500 else 502, _http_reason(r.status, text), r.status, detail=text[:2000])
+                    status = r.status if 400 <= r.status < 500 else 502
+                    reason = _http_reason(r.status, text)
+                    raise UpstreamError(leg, server.url, status, reason, r.status, detail=text[:2000])
                 try:
                     data = json.loads(text)
                 except ValueError:
@@ -496,7 +506,7 @@ class Proxy:
         try:
             return await self.flow.serve(ex)
         except UpstreamError as err:
-            _log.warning(err.leg, "kvferry proxy: %s", err)  # the whole story, for the operator; the client gets err.public()
+            _log.warning(err.leg, "kvferry proxy: %s", err)  # the whole story, for the operator (not the client)
             if ex.out is None:
                 return web.json_response(err.body(), status=err.status)
             # The stream has started: its last event says what went wrong.
@@ -560,7 +570,8 @@ class Exchange:
         now = time.monotonic()
         if not [s for s in self.proxy.router.decodes if s.url not in self._tried_decodes and s.up(now)]:
             also = f" (also tried {', '.join(self._tried_decodes[:-1])})" if len(self._tried_decodes) > 1 else ""
-            raise UpstreamError("decode", self.decode_server.url, 502, "unreachable" + (" (every decode server was tried)" if also else ""), detail=f"{cause}{also}")
+            why = "unreachable" + (" (every decode server was tried)" if also else "")
+            raise UpstreamError("decode", self.decode_server.url, 502, why, detail=f"{cause}{also}")
         self.decode_server = self.proxy.router.decode(self.session)
 
     async def decode(self, body: dict[str, Any], failover: bool) -> web.StreamResponse:
@@ -570,7 +581,8 @@ class Exchange:
                 return await self._decode_once(body)
             except _Refused as refused:
                 if not failover:
-                    raise UpstreamError("decode", self.decode_server.url, 502, "unreachable", detail=refused.cause) from None
+                    url = self.decode_server.url
+                    raise UpstreamError("decode", url, 502, "unreachable", detail=refused.cause) from None
                 self.failover_decode(refused.cause)
 
     async def _event(self, out: web.StreamResponse, server: Upstream, event: bytes) -> bool:
@@ -589,7 +601,9 @@ class Exchange:
             if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
                 upstream = payload["error"]
                 code = upstream.get("code")
-                err = UpstreamError("decode", server.url, 502, "stream error", code if isinstance(code, int) else None, detail=repr(upstream.get("message"))[:500])
+                said = repr(upstream.get("message"))[:500]
+                status = code if isinstance(code, int) else None
+                err = UpstreamError("decode", server.url, 502, "stream error", status, detail=said)
                 self.failed = True
                 explained = await self.explain(err)
                 _log.warning("decode", "kvferry proxy: %s", explained)  # the client gets explained.public()
@@ -617,7 +631,8 @@ class Exchange:
             async with client.post(server.url + self.path, json=body) as r:
                 if r.status != 200:
                     text = await r.text()
-                    raise UpstreamError("decode", server.url, r.status if 400 <= r.status < 500 else 502, _http_reason(r.status, text), detail=text[:2000])
+                    status = r.status if 400 <= r.status < 500 else 502
+                    raise UpstreamError("decode", server.url, status, _http_reason(r.status, text), detail=text[:2000])
                 out = web.StreamResponse(
                     headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache", "Server-Timing": self.server_timing()}
                 )
@@ -651,7 +666,8 @@ class Exchange:
             server.down_until = time.monotonic() + DOWN_S
             if self.out is None and isinstance(err, aiohttp.ClientConnectorError):
                 raise _Refused(f"{type(err).__name__}: {err}") from err
-            raise UpstreamError("decode", server.url, 502, "unreachable", detail=f"{type(err).__name__}: {err}") from err
+            detail = f"{type(err).__name__}: {err}"
+            raise UpstreamError("decode", server.url, 502, "unreachable", detail=detail) from err
         finally:
             server.in_flight -= 1
 

@@ -164,7 +164,9 @@ class Rendezvous:
             return self._abandoned.get(transfer)
 
     def _serve(self) -> None:
-        guard.accept_loop(self._listener, self._stop, self._start, admission=self._admission, failed=self._accept_failed)
+        guard.accept_loop(
+            self._listener, self._stop, self._start, admission=self._admission, failed=self._accept_failed
+        )
 
     def _accept_failed(self, what: str, err: BaseException) -> None:
         _log.warning(what, "kvferry: the rendezvous at %s: %s", self.address, guard.describe(what, err))
@@ -180,7 +182,9 @@ class Rendezvous:
 
         ticket = self._admission.admit(guard.source_of(conn), cut_off)
         try:
-            threading.Thread(target=self._pump, args=(conn, ticket), name="kvferry-rendezvous-conn", daemon=True).start()
+            name = "kvferry-rendezvous-conn"
+            thread = threading.Thread(target=self._pump, args=(conn, ticket), name=name, daemon=True)
+            thread.start()
         except BaseException:
             self._admission.settle(ticket)
             raise
@@ -193,7 +197,8 @@ class Rendezvous:
             except wire.AuthenticationError as err:
                 _log.warning(
                     "refused",
-                    "kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s",
+                    "kvferry: a connection to the rendezvous at %s failed authentication"
+                    " (a prefill server with another key?): %s",
                     self.address,
                     err,
                 )

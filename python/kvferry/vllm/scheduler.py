@@ -115,7 +115,8 @@ class SchedulerSide:
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
-            trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)  # before any connection
+            # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
+            trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
             args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
@@ -216,7 +217,8 @@ class SchedulerSide:
         hello: dict[str, Any] = {"op": "hello", "role": self.role}
         if self.handshake is not None:
             # never the key; the peer signed, so a prefill server connects to it (kvferry.vllm.trust)
-            hello.update(peer=self.handshake.peer, peer_mac=trust.sign_peer(self._authkey, self.handshake.peer), engine=self.handshake.engine)
+            peer = self.handshake.peer
+            hello.update(peer=peer, peer_mac=trust.sign_peer(self._authkey, peer), engine=self.handshake.engine)
         return hello
 
     def record(self, outcomes: list[Outcome]) -> None:

@@ -51,7 +51,10 @@ def check_trusted_peers(value: Any) -> tuple[str, ...]:
     """``kv_connector_extra_config`` ``trusted_peers``: a list of rendezvous URLs (unix:///path or
     tcp://host:port), kept in canonical form."""
     if not isinstance(value, (list, tuple)) or isinstance(value, str) or len(value) > MAX_TRUSTED:
-        raise InvalidArgumentError(f"invalid kv_connector_extra_config trusted_peers={str(value)[:200]!r}: must be a list of at most {MAX_TRUSTED} rendezvous URLs")
+        raise InvalidArgumentError(
+            f"invalid kv_connector_extra_config trusted_peers={str(value)[:200]!r}:"
+            f" must be a list of at most {MAX_TRUSTED} rendezvous URLs"
+        )
     urls = []
     for i, peer in enumerate(value):
         urls.append(_canonical(peer, f"kv_connector_extra_config trusted_peers[{i}]"))
@@ -68,8 +71,11 @@ def check_peer(authkey: bytes, trusted: Sequence[str], peer: Optional[str], peer
         return url
     if peer_mac is not None and hmac.compare_digest(peer_mac, sign_peer(authkey, url)):
         return url
-    why = "its peer_mac does not match (not signed with this server's key)" if peer_mac is not None else "it has no peer_mac"
+    why = "it has no peer_mac"
+    if peer_mac is not None:
+        why = "its peer_mac does not match (not signed with this server's key)"
     raise UntrustedPeerError(
-        f"invalid kv_transfer_params.kvferry.peer={peer[:200]!r}: not a trusted decode server ({why}); pass peer and peer_mac"
-        " from the decode server's hello answer, or list it in kv_connector_extra_config trusted_peers"
+        f"invalid kv_transfer_params.kvferry.peer={peer[:200]!r}: not a trusted decode server ({why});"
+        " pass peer and peer_mac from the decode server's hello answer,"
+        " or list it in kv_connector_extra_config trusted_peers"
     )
