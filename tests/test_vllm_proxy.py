@@ -261,6 +261,32 @@ def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) ->
     assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
 
 
+def test_a_forged_peer_through_the_http_port_is_never_connected_to(servers: tuple[testbed.Server, Testbed]) -> None:
+    """An HTTP client of the prefill server names an address of its own as the decode peer
+    (unsigned, or with another address's signature): the request fails as untrusted, the
+    address sees no connection (no server-side request forgery, no relay), and the pair still
+    serves."""
+    _, bed = servers
+    _kvferry_only(bed)
+    prefill = bed.prefills[0]
+    with socket.create_server(("127.0.0.1", 0)) as bait:
+        url = f"tcp://127.0.0.1:{bait.getsockname()[1]}"
+        other = trust.sign_peer(load_authkey(), "tcp://127.0.0.1:1")
+        for n, extra in enumerate([{}, {"peer_mac": other}]):
+            transfer = f"forged-{n}"
+            params = {"kvferry": {"op": "send", "transfer": transfer, "peer": url, **extra}}
+            prompt = _tokens(random.Random(30 + n), 40)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
+            assert call(prefill.url, COMPLETIONS, body).status == 500
+            status = _status(prefill.url, transfer)
+            assert status["state"] == "failed" and "not a trusted decode server" in status["error"], status
+        bait.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # nothing ever connected
+    good = {"model": "tiny", "prompt": _tokens(random.Random(33), 40), "max_tokens": 2, "temperature": 0}
+    assert call(bed.url, COMPLETIONS, good).status == 200
+
+
 @contextlib.contextmanager
 def _dead_urls(n: int) -> Iterator[list[str]]:
     """``n`` URLs that nothing answers, for as long as the block runs. Each port is held by a
