@@ -449,7 +449,10 @@ def test_prefill_with_another_key_fails_its_request_and_keeps_serving(engines: A
     other = tmp_path / "other.key"
     other.write_bytes(os.urandom(32))
     other.chmod(0o600)
-    stranger = Engine(model, "kv_producer", {"authkey_file": str(other)}, max_num_batched_tokens=64)
+    # It trusts the decode server by configuration (its peer_mac, signed with the other key,
+    # would be refused before any connection): the handshake itself is what fails.
+    extra = {"authkey_file": str(other), "trusted_peers": [hello["peer"]]}
+    stranger = Engine(model, "kv_producer", extra, max_num_batched_tokens=64)
     try:
         out = stranger.run([("p-stranger", prompt_of(70, 61), 1, Pair(stranger, decode, hello).send_params(uuid.uuid4().hex)), ("good", prompt_of(40, 62), 1, None)])["outputs"]
         assert out["p-stranger"]["finish_reason"] == "error", out
