@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
-from kvferry.vllm import rendezvous
+from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendSpec
 
@@ -115,6 +115,8 @@ class SchedulerSide:
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
+            # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
+            trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
             args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
@@ -214,7 +216,9 @@ class SchedulerSide:
     def _hello(self) -> dict[str, Any]:
         hello: dict[str, Any] = {"op": "hello", "role": self.role}
         if self.handshake is not None:
-            hello.update(peer=self.handshake.peer, engine=self.handshake.engine)  # never the key
+            # never the key; the peer signed, so a prefill server connects to it (kvferry.vllm.trust)
+            peer = self.handshake.peer
+            hello.update(peer=peer, peer_mac=trust.sign_peer(self._authkey, peer), engine=self.handshake.engine)
         return hello
 
     def record(self, outcomes: list[Outcome]) -> None:
