@@ -153,6 +153,11 @@ class LocalEndpoint:
         self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
 
+    def connected(self) -> bool:
+        """Whether an authenticated sender holds a connection to this endpoint now."""
+        with self._lock:
+            return any(p.channel is not None for p in self._peers)
+
     def _record(self, err: BaseException) -> None:
         with self._lock:  # connection threads record concurrently
             self.errors.append(err)
