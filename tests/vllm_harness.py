@@ -86,6 +86,16 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
     core = engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
+    # vLLM's preemptions of this engine, counted where they happen (the in-process engine has
+    # no /metrics): a test that needs them checks this count rather than hoping for them.
+    preemptions = [0]
+    preempt = sched._preempt_request
+
+    def counted_preempt(*args: Any, **kwargs: Any) -> Any:
+        preemptions[0] += 1
+        return preempt(*args, **kwargs)
+
+    sched._preempt_request = counted_preempt
 
     def internal(rid: str) -> Any:
         for req in sched.requests.values():
@@ -138,13 +148,17 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 reply: Any = run(*arg)
             elif cmd == "usage":
                 reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
+            elif cmd == "preemptions":
+                reply = preemptions[0]
             elif cmd == "totals":
-                worker = get_kv_transfer_group()._worker if has_kv_transfer_group() else None
+                connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+                worker = None if connector is None else connector._worker
+                served = {} if connector is None or connector._decode is None else connector._decode.endpoints
                 reply = {} if worker is None else {
                     "counts": dict(worker.tally.totals),
                     "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
-                    "endpoints": sorted(worker.endpoints),
-                    "endpoint_urls": sorted(served.url for served in worker.endpoints.values()),
+                    "endpoints": sorted(served),
+                    "endpoint_urls": sorted(s.url for s in served.values()),
                 }
             elif cmd == "stop":
                 conn.send("bye")
@@ -162,13 +176,24 @@ class Engine:
     """One engine in its own process. `start` sends a command; `result` waits for its reply."""
 
     def __init__(
-        self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, *, netns: Optional[str] = None, env: Optional[dict[str, str]] = None, **engine_kw: Any
+        self,
+        model: str,
+        role: Optional[str],
+        extra: Optional[dict[str, Any]] = None,
+        *,
+        netns: Optional[str] = None,
+        env: Optional[dict[str, str]] = None,
+        policy: Optional[str] = None,
+        **engine_kw: Any,
     ) -> None:
         """``netns``: run the engine inside that network namespace (tests/netns.py);
-        ``env``: variables set in its process before vLLM loads."""
+        ``env``: variables set in its process before vLLM loads; ``policy``: vLLM's
+        ``kv_load_failure_policy`` ("fail" when not given)."""
         kv = None
         if role is not None:
             kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
+            if policy is not None:
+                kv["kv_load_failure_policy"] = policy
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw, netns, env), daemon=True)

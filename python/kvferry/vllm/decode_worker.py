@@ -36,6 +36,9 @@ class _Recv:
     giving_up: Optional[str] = None
     aborted: bool = False
     fence_deadline: float = 0.0
+    # The prefill side abandoned it: it does so only for a request its worker never wrote
+    # (kvferry.vllm.rendezvous, "abandon"), so no late write can come and no fence is due.
+    unwritten: bool = False
     kept_logged: bool = False  # one-sided writes: logged once that its blocks are kept past the fence timeout
 
 
@@ -149,6 +152,7 @@ class DecodeWorker:
                     self._give_up(st, "the decode request was aborted", now, aborted=True)
                 elif (why := self.rendezvous.abandoned(st.spec.transfer)) is not None:
                     self._give_up(st, f"the prefill side gave up: {why}", now)
+                    st.unwritten = True
                 elif now > st.deadline:
                     self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
                 else:
@@ -199,6 +203,10 @@ class DecodeWorker:
         assert self.receiver is not None and self.rendezvous is not None
         if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
             self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
+        if st.unwritten:
+            self.receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
+            self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
             return True
         try:
             self.receiver.release(st.spec.kv_id, 0)
