@@ -198,3 +198,68 @@ def test_prefill_ending_before_its_first_chunk_frees_the_decode_blocks_with_nixl
     finally:
         prefill.close()
         decode.close()
+
+
+# -- n > 1, the same prompt twice at once ---------------------------------------------------
+
+
+def test_samples_and_twin_prompts_do_not_collide_on_one_transfer(prefill: Engine, small_decode: Engine, plain: Engine) -> None:
+    """``n = 3`` makes one vLLM request per sample, all naming one transfer: one receives,
+    the others wait for its blocks and compute the rest (a second receive of one transfer
+    failed them before). vLLM takes ``n > 1`` only with sampling: seeded, so the plain
+    engine's samples are the reference. Two requests with the same prompt at once each have
+    their own transfer, and equal a plain engine's greedy output."""
+    decode = small_decode
+    hello = hello_of(decode)
+    prompt, twin = prompt_of(150, 50), prompt_of(120, 51)
+    t_n, t_a, t_b = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+    sampled = {"n": 3, "temperature": 1.0, "seed": 11}
+    decode.start("run", [("d-n", prompt, 6, recv(t_n), sampled), ("d-a", twin, 6, recv(t_a)), ("d-b", twin, 6, recv(t_b))], None, None)
+    sent = prefill.run([("p-n", prompt, 1, send(hello, t_n)), ("p-a", twin, 1, send(hello, t_a)), ("p-b", twin, 1, send(hello, t_b))])["outputs"]
+    got = decode.result(timeout=WAIT_S + 30)["outputs"]
+    want = plain.run([("r-n", prompt, 6, None, sampled), ("r-twin", twin, 6, None)])["outputs"]
+    assert len(got["d-n"]["samples"]) == 3 and all(reason == "length" for _, reason in got["d-n"]["samples"]), (got["d-n"], sent)
+    assert sorted(got["d-n"]["samples"]) == sorted(want["r-n"]["samples"]), (got["d-n"], want["r-n"])
+    for rid in ("d-a", "d-b"):
+        assert (got[rid]["tokens"], got[rid]["finish_reason"]) == (want["r-twin"]["tokens"], "length"), (rid, got[rid], sent)
+    no_blocks_used(prefill, decode)
+
+
+# -- endpoints over time --------------------------------------------------------------------
+
+
+def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
+    """Each prefill restart is a new vLLM engine id, so a new endpoint: one a prefill engine
+    no longer uses (no connection, no destination taken, past the grace) is closed, so 70
+    restarts (or made-up sender names) never reach the 64-endpoint bound (they did before),
+    while one that still holds a destination is kept."""
+    import torch
+
+    from kvferry.layout import PagedKV
+    from kvferry.vllm import decode_worker
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20), block_size=4, num_blocks=8, authkey=b"k" * 32)
+    common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        later = decode_worker.ENDPOINT_GRACE_S + 1.0
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 6):
+            worker._endpoint_for(f"engine-{i}")  # what a lookup from a new engine does
+            assert worker.sweep(time_now() + later) == [f"engine-{i}"]
+        assert worker.endpoints == {}
+        worker._endpoint_for("fresh")
+        assert worker.sweep(time_now()) == [] and list(worker.endpoints) == ["fresh"]  # within its grace
+        worker.rendezvous._taken["T"] = "fresh"  # type: ignore[union-attr]  # a lookup took a destination
+        assert worker.sweep(time_now() + later) == [] and list(worker.endpoints) == ["fresh"]
+    finally:
+        worker.close()
+
+
+def time_now() -> float:
+    import time
+
+    return time.monotonic()

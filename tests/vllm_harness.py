@@ -65,6 +65,7 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm import EngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -122,9 +123,13 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
         return status.lower()
 
     def run(requests: list[tuple], abort: Optional[tuple[str, str]], until: Optional[tuple[str, str]]) -> dict[str, Any]:
-        for rid, prompt, max_tokens, params in requests:
+        for rid, prompt, max_tokens, params, *more in requests:
             extra = {"kv_transfer_params": params} if params is not None else None
-            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            sampling = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            sampling.update(more[0] if more else {})  # e.g. {"n": 2, "temperature": 1.0, "seed": 3}
+            if sampling.get("n", 1) > 1:  # one output holding every sample, once all finished
+                sampling["output_kind"] = RequestOutputKind.FINAL_ONLY
+            sp = SamplingParams(**sampling)
             engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
         outs: dict[str, Any] = {}
         while engine.has_unfinished_requests() or sched.has_requests():
@@ -138,7 +143,12 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
             for out in engine.step():
                 if out.finished:
                     o = out.outputs[0]
-                    outs[out.request_id] = {"tokens": list(o.token_ids), "finish_reason": o.finish_reason, "kv_transfer_params": out.kv_transfer_params}
+                    outs[out.request_id] = {
+                        "tokens": list(o.token_ids),
+                        "finish_reason": o.finish_reason,
+                        "kv_transfer_params": out.kv_transfer_params,
+                        "samples": [(list(s.token_ids), s.finish_reason) for s in out.outputs],
+                    }
         return {"outputs": outs}
 
     while True:

@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--decode-netns", default=None, metavar="NAME", help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)")
     vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
     vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
+    vllm.add_argument("--stress", action="store_true", help="instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client hang-ups; docs/benchmarks.md)")
+    vllm.add_argument("--stress-sessions", type=_positive, default=48, metavar="N", help="--stress: concurrent multi-turn sessions (default: %(default)s)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
@@ -363,6 +365,14 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli")
     from kvferry.bench.vllm import CONFIGS, VllmBenchConfig, draw_timeline, format_vllm_bench, progress_to_stderr, run_vllm_bench, write_json
 
+    if args.stress:
+        from kvferry.bench.stress import StressConfig, format_stress, run_stress
+
+        stressed = run_stress(StressConfig(sessions=args.stress_sessions, workdir=args.workdir), progress=progress_to_stderr)
+        print(format_stress(stressed))
+        if args.json:
+            write_json(stressed, args.json)
+        return 0 if stressed["mismatches"] == 0 and not any(stressed["leaked_blocks"].values()) and stressed["serves_after"] else 1
     if args.heads % args.kv_heads:
         return _refuse(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.layer_groups > args.layers:

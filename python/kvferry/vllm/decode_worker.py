@@ -23,9 +23,14 @@ from kvferry.vllm.worker import WorkerCommon
 
 logger = logging.getLogger("kvferry.vllm")
 
-# Endpoints a decode worker makes, one per prefill engine (a staging one holds a ring of
-# ``staging_bytes``): a bound on what lookups can make it allocate.
+# Endpoints a decode worker holds at once, one per prefill engine (a staging one holds a ring
+# of ``staging_bytes``): a bound on what lookups can make it allocate. An endpoint is closed
+# once no sender is connected to it, no destination it was handed is still taken, and
+# ENDPOINT_GRACE_S passed since it was made (the time a prefill engine has to connect after
+# its lookup): prefill restarts (a new vLLM engine id each) and made-up sender names free
+# theirs, so only 64 engines connected at once can reach the bound.
 MAX_PREFILL_ENGINES = 64
+ENDPOINT_GRACE_S = 30.0
 
 
 @dataclass
@@ -55,6 +60,7 @@ class DecodeWorker:
         # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
         self.endpoints: dict[str, registry.Served] = {}
         self._endpoints_lock = threading.Lock()
+        self._made: dict[str, float] = {}  # sender -> when its endpoint was made (monotonic)
         self._ring_blocks = 0
         self.rendezvous: Optional[rendezvous.Rendezvous] = None
         self._recv: dict[str, _Recv] = {}
@@ -96,8 +102,28 @@ class DecodeWorker:
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
                     endpoint = registry.serve(self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options())
                 self.endpoints[sender] = endpoint
+                self._made[sender] = time.monotonic()
                 logger.info("kvferry: endpoint %s for prefill engine %s", endpoint.url, sender)
             return endpoint.url
+
+    def sweep(self, now: float) -> list[str]:
+        """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);
+        returns their senders' names."""
+        assert self.rendezvous is not None
+        busy = self.rendezvous.takers()
+        gone: list[registry.Served] = []
+        names: list[str] = []
+        with self._endpoints_lock:
+            for sender, served in list(self.endpoints.items()):
+                if sender in busy or now - self._made[sender] < ENDPOINT_GRACE_S or served.endpoint.connected():
+                    continue
+                del self.endpoints[sender], self._made[sender]
+                gone.append(served)
+                names.append(sender)
+        for sender, served in zip(names, gone):
+            served.close()
+            logger.info("kvferry: closed the endpoint %s of prefill engine %s (gone)", served.url, sender)
+        return names
 
     def handshake(self) -> Optional[Handshake]:
         if self.rendezvous is None:
@@ -178,6 +204,7 @@ class DecodeWorker:
             if not st.aborted:
                 failed.add(rid)
                 logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
+        self.sweep(now)
         return recving, failed
 
     def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:

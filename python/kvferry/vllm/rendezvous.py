@@ -156,6 +156,11 @@ class Rendezvous:
         with self._cond:
             return self._taken.get(transfer)
 
+    def takers(self) -> set[str]:
+        """The prefill engines holding a destination here now (taken, not yet withdrawn)."""
+        with self._cond:
+            return set(self._taken.values())
+
     def abandoned(self, transfer: str) -> Optional[str]:
         """Why the prefill side gave ``transfer`` up, or ``None``."""
         with self._cond:
