@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md")
+pytestmark = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md"
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from vllm_harness import BLOCK, Engine, build_tiny_llama  # noqa: E402
@@ -49,7 +51,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def prefill(model: str) -> Any:
-    engine = Engine(model, "kv_producer", {"transfer_timeout_s": WAIT_S, "destination_timeout_s": WAIT_S}, max_num_batched_tokens=64)
+    engine = Engine(
+        model, "kv_producer", {"transfer_timeout_s": WAIT_S, "destination_timeout_s": WAIT_S}, max_num_batched_tokens=64
+    )
     yield engine
     engine.close()
 
@@ -86,13 +90,19 @@ def no_blocks_used(*engines: Engine) -> None:
         assert usage == {"used": 0, "requests": 0}, usage
 
 
-def served(prefill: Engine, decode: Engine, plain: Engine, prompts: list[list[int]], out: int, tag: str) -> dict[str, Any]:
+def served(
+    prefill: Engine, decode: Engine, plain: Engine, prompts: list[list[int]], out: int, tag: str
+) -> dict[str, Any]:
     """All ``prompts`` at once through the pair (the decode halves first, then the prefill
     halves), each decode output checked against the plain engine's."""
     hello = hello_of(decode)
     transfers = [uuid.uuid4().hex for _ in prompts]
-    decode.start("run", [(f"d-{tag}{i}", p, out, recv(t)) for i, (p, t) in enumerate(zip(prompts, transfers))], None, None)
-    sent = prefill.run([(f"p-{tag}{i}", p, 1, send(hello, t)) for i, (p, t) in enumerate(zip(prompts, transfers))])["outputs"]
+    decode.start(
+        "run", [(f"d-{tag}{i}", p, out, recv(t)) for i, (p, t) in enumerate(zip(prompts, transfers))], None, None
+    )
+    sent = prefill.run([(f"p-{tag}{i}", p, 1, send(hello, t)) for i, (p, t) in enumerate(zip(prompts, transfers))])[
+        "outputs"
+    ]
     got = decode.result()["outputs"]
     want = plain.run([(f"r-{tag}{i}", p, out, None) for i, p in enumerate(prompts)])["outputs"]
     for i in range(len(prompts)):
@@ -107,12 +117,20 @@ def served(prefill: Engine, decode: Engine, plain: Engine, prompts: list[list[in
 
 @pytest.fixture(scope="module")
 def small_decode(model: str) -> Any:
-    engine = Engine(model, "kv_consumer", {"transfer_timeout_s": WAIT_S}, kv_cache_memory_bytes=SMALL_POOL * BLOCK_BYTES, max_model_len=1024)
+    engine = Engine(
+        model,
+        "kv_consumer",
+        {"transfer_timeout_s": WAIT_S},
+        kv_cache_memory_bytes=SMALL_POOL * BLOCK_BYTES,
+        max_model_len=1024,
+    )
     yield engine
     engine.close()
 
 
-def test_decode_preemption_takes_one_transfer_and_recomputes(prefill: Engine, small_decode: Engine, plain: Engine) -> None:
+def test_decode_preemption_takes_one_transfer_and_recomputes(
+    prefill: Engine, small_decode: Engine, plain: Engine
+) -> None:
     """Six requests whose outputs outgrow the decode pool: vLLM preempts running requests
     after their blocks arrived; each is recomputed from the decode engine's own prefix cache
     (never a second transfer, never a negative held count) and its output is a plain
@@ -136,7 +154,9 @@ def recompute_decode(model: str) -> Any:
     engine.close()
 
 
-def test_recompute_policy_survives_a_killed_prefill_server(model: str, prefill: Engine, recompute_decode: Engine, plain: Engine) -> None:
+def test_recompute_policy_survives_a_killed_prefill_server(
+    model: str, prefill: Engine, recompute_decode: Engine, plain: Engine
+) -> None:
     """The prefill engine is killed mid-transfer: the decode engine reports the load failed
     and vLLM recomputes the request there (one load per request: no second receive); its
     output is a plain engine's."""
@@ -145,8 +165,12 @@ def test_recompute_policy_survives_a_killed_prefill_server(model: str, prefill: 
     prompt, transfer = prompt_of(200, 17), uuid.uuid4().hex
     try:
         hello = hello_of(decode)
-        assert decode.run([("d-orphan", prompt, 6, recv(transfer))], until=("d-orphan", "waiting_for_blocks"))["stopped_at"]
-        assert doomed.run([("p-orphan", prompt, 1, send(hello, transfer))], until=("p-orphan", "mid_prefill"))["stopped_at"]
+        assert decode.run([("d-orphan", prompt, 6, recv(transfer))], until=("d-orphan", "waiting_for_blocks"))[
+            "stopped_at"
+        ]
+        assert doomed.run([("p-orphan", prompt, 1, send(hello, transfer))], until=("p-orphan", "mid_prefill"))[
+            "stopped_at"
+        ]
     finally:
         doomed.process.kill()  # mid-transfer: its connection ends with it
         doomed.process.join(30)
@@ -203,7 +227,9 @@ def test_prefill_ending_before_its_first_chunk_frees_the_decode_blocks_with_nixl
 # -- n > 1, the same prompt twice at once ---------------------------------------------------
 
 
-def test_samples_and_twin_prompts_do_not_collide_on_one_transfer(prefill: Engine, small_decode: Engine, plain: Engine) -> None:
+def test_samples_and_twin_prompts_do_not_collide_on_one_transfer(
+    prefill: Engine, small_decode: Engine, plain: Engine
+) -> None:
     """``n = 3`` makes one vLLM request per sample, all naming one transfer: one receives,
     the others wait for its blocks and compute the rest (a second receive of one transfer
     failed them before). vLLM takes ``n > 1`` only with sampling: seeded, so the plain
@@ -214,14 +240,28 @@ def test_samples_and_twin_prompts_do_not_collide_on_one_transfer(prefill: Engine
     prompt, twin = prompt_of(150, 50), prompt_of(120, 51)
     t_n, t_a, t_b = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
     sampled = {"n": 3, "temperature": 1.0, "seed": 11}
-    decode.start("run", [("d-n", prompt, 6, recv(t_n), sampled), ("d-a", twin, 6, recv(t_a)), ("d-b", twin, 6, recv(t_b))], None, None)
-    sent = prefill.run([("p-n", prompt, 1, send(hello, t_n)), ("p-a", twin, 1, send(hello, t_a)), ("p-b", twin, 1, send(hello, t_b))])["outputs"]
+    decode.start(
+        "run",
+        [("d-n", prompt, 6, recv(t_n), sampled), ("d-a", twin, 6, recv(t_a)), ("d-b", twin, 6, recv(t_b))],
+        None,
+        None,
+    )
+    sent = prefill.run(
+        [("p-n", prompt, 1, send(hello, t_n)), ("p-a", twin, 1, send(hello, t_a)), ("p-b", twin, 1, send(hello, t_b))]
+    )["outputs"]
     got = decode.result(timeout=WAIT_S + 30)["outputs"]
     want = plain.run([("r-n", prompt, 6, None, sampled), ("r-twin", twin, 6, None)])["outputs"]
-    assert len(got["d-n"]["samples"]) == 3 and all(reason == "length" for _, reason in got["d-n"]["samples"]), (got["d-n"], sent)
+    assert len(got["d-n"]["samples"]) == 3 and all(reason == "length" for _, reason in got["d-n"]["samples"]), (
+        got["d-n"],
+        sent,
+    )
     assert sorted(got["d-n"]["samples"]) == sorted(want["r-n"]["samples"]), (got["d-n"], want["r-n"])
     for rid in ("d-a", "d-b"):
-        assert (got[rid]["tokens"], got[rid]["finish_reason"]) == (want["r-twin"]["tokens"], "length"), (rid, got[rid], sent)
+        assert (got[rid]["tokens"], got[rid]["finish_reason"]) == (want["r-twin"]["tokens"], "length"), (
+            rid,
+            got[rid],
+            sent,
+        )
     no_blocks_used(prefill, decode)
 
 
@@ -234,14 +274,18 @@ def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
     restarts (or made-up sender names) never reach the 64-endpoint bound (they did before),
     while one that still holds a destination is kept."""
     import torch
-
     from kvferry.layout import PagedKV
     from kvferry.vllm import decode_worker
     from kvferry.vllm.config import ConnectorConfig
     from kvferry.vllm.decode_worker import DecodeWorker
     from kvferry.vllm.worker import WorkerCommon
 
-    common = WorkerCommon(ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20), block_size=4, num_blocks=8, authkey=b"k" * 32)
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20),
+        block_size=4,
+        num_blocks=8,
+        authkey=b"k" * 32,
+    )
     common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)
     worker = DecodeWorker(common)
     worker.start()

@@ -46,8 +46,8 @@ class StressConfig:
     output: int = 96  # greedy tokens per turn
     hangup: float = 0.15  # fraction of turns whose client hangs up mid-stream
     # KV pools (blocks of 32 tokens): small enough that vLLM preempts on both servers.
-    prefill_blocks: int = 48
-    decode_blocks: int = 64
+    prefill_blocks: int = 28
+    decode_blocks: int = 48
     max_num_seqs: int = 16
     chunk: int = 128  # max_num_batched_tokens
     request_timeout_s: float = 600.0  # a turn that takes longer counts as failed ("timeout")
@@ -64,7 +64,9 @@ class StressConfig:
                 raise InvalidArgumentError(f"invalid {name}={value!r}: must be a positive integer")
         lo, hi = self.first_prompt
         if not 1 <= lo <= hi:
-            raise InvalidArgumentError(f"invalid first_prompt={self.first_prompt!r}: must be (lo, hi) with 1 <= lo <= hi")
+            raise InvalidArgumentError(
+                f"invalid first_prompt={self.first_prompt!r}: must be (lo, hi) with 1 <= lo <= hi"
+            )
         if not 0.0 <= self.hangup <= 1.0:
             raise InvalidArgumentError(f"invalid hangup={self.hangup!r}: must be a fraction in [0, 1]")
 
@@ -87,12 +89,22 @@ def _reason(text: str) -> str:
     return text[:200]
 
 
-def _stream(base: str, prompt: list[int], output: int, hang_after: Optional[int], timeout_s: float) -> tuple[str, Any, Optional[float]]:
+def _stream(
+    base: str, prompt: list[int], output: int, hang_after: Optional[int], timeout_s: float
+) -> tuple[str, Any, Optional[float]]:
     """One streamed turn through the proxy: ("done", tokens, ttft), ("failed", reason, ttft)
     or ("hung_up", None, ttft) after ``hang_after`` events."""
     host, port = base.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": output,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     t0 = time.perf_counter()
     ttft: Optional[float] = None
     try:
@@ -163,7 +175,11 @@ def _counter(text: str, name: str) -> float:
 
 def _drained(server: Any) -> bool:
     text = server.metrics()
-    return _counter(text, "vllm:num_requests_running") == 0 and _counter(text, "vllm:num_requests_waiting") == 0 and server.kv_blocks()[0] == 0
+    return (
+        _counter(text, "vllm:num_requests_running") == 0
+        and _counter(text, "vllm:num_requests_waiting") == 0
+        and server.kv_blocks()[0] == 0
+    )
 
 
 def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
@@ -171,29 +187,52 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
     from kvferry.vllm.testbed import EngineSettings, Testbed, kvferry_config, single_server
 
     work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="kvferry-stress-"))
-    model = testbed.build_tiny_llama(work / "model")
+    model = testbed.build_tiny_llama(work)
     block_bytes = 32 * testbed.TinyLlama().kv_bytes_per_token()
-    max_len = 1024
+    need = cfg.first_prompt[1] + cfg.turns * (cfg.output + cfg.new)  # a session's longest request
+    max_len = -(-(need + 1) // 32) * 32
 
     def engine(blocks: int) -> EngineSettings:
-        return EngineSettings(kv_cache_memory_bytes=blocks * block_bytes, max_num_batched_tokens=cfg.chunk, max_model_len=max_len, max_num_seqs=cfg.max_num_seqs)
+        # Admitted by their first chunk, several prefills growing together (32 tokens each
+        # per step): running requests outgrow the pool and vLLM preempts.
+        return EngineSettings(
+            kv_cache_memory_bytes=blocks * block_bytes,
+            max_num_batched_tokens=cfg.chunk,
+            max_model_len=max_len,
+            max_num_seqs=cfg.max_num_seqs,
+            reserve_full_prompt=False,
+            long_prefill_tokens=32,
+        )
 
-    need = cfg.first_prompt[1] + cfg.turns * (cfg.output + cfg.new)
-    if need > max_len or max(cfg.prefill_blocks, cfg.decode_blocks) * 32 < max_len:
+    if min(cfg.prefill_blocks, cfg.decode_blocks) * 32 < max_len:
         from kvferry.errors import InvalidArgumentError
 
         raise InvalidArgumentError(
-            f"invalid stress geometry: sessions grow to {need} tokens and each pool must hold one {max_len}-token request "
-            f"(prefill_blocks={cfg.prefill_blocks}, decode_blocks={cfg.decode_blocks} blocks of 32)"
+            f"invalid stress geometry: sessions grow to {need} tokens and each pool must hold one "
+            f"{max_len}-token request (prefill_blocks={cfg.prefill_blocks}, "
+            f"decode_blocks={cfg.decode_blocks} blocks of 32)"
         )
-    bed = Testbed(model, work, kvferry_config("kv_producer"), kvferry_config("kv_consumer"), engine=engine(cfg.prefill_blocks),
-                  decode_engine=engine(cfg.decode_blocks), proxy_connector="kvferry")  # fmt: skip
+    bed = Testbed(
+        model,
+        work,
+        kvferry_config("kv_producer"),
+        kvferry_config("kv_consumer"),
+        engine=engine(cfg.prefill_blocks),
+        decode_engine=engine(cfg.decode_blocks),
+        proxy_connector="kvferry",
+    )
     turns: list[_Turn] = []
-    progress(f"starting a prefill ({cfg.prefill_blocks} blocks) and a decode server ({cfg.decode_blocks} blocks) behind kvferry proxy")
+    progress(
+        f"starting a prefill ({cfg.prefill_blocks} blocks) and a decode server ({cfg.decode_blocks} blocks)"
+        " behind kvferry proxy"
+    )
     with bed:
         lock = threading.Lock()
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=_session, args=(cfg, bed.url, i, turns, lock), daemon=True) for i in range(cfg.sessions)]
+        threads = [
+            threading.Thread(target=_session, args=(cfg, bed.url, i, turns, lock), daemon=True)
+            for i in range(cfg.sessions)
+        ]
         for th in threads:
             th.start()
         for th in threads:
@@ -211,9 +250,21 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
     mismatches = 0
     with single_server(model, work, EngineSettings(max_model_len=max_len)) as plain:
         for t in done:
-            want = testbed.call(plain.url, COMPLETIONS, {"model": "tiny", "prompt": t.prompt, "max_tokens": cfg.output, "temperature": 0, "ignore_eos": True})
+            want = testbed.call(
+                plain.url,
+                COMPLETIONS,
+                {"model": "tiny", "prompt": t.prompt, "max_tokens": cfg.output, "temperature": 0, "ignore_eos": True},
+            )
             mismatches += want.token_ids != t.tokens
-        still_ok = still[0] == "done" and testbed.call(plain.url, COMPLETIONS, {"model": "tiny", "prompt": [7] * 90, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).token_ids == still[1]
+        still_ok = (
+            still[0] == "done"
+            and testbed.call(
+                plain.url,
+                COMPLETIONS,
+                {"model": "tiny", "prompt": [7] * 90, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            ).token_ids
+            == still[1]
+        )
     ttfts = sorted(t.ttft_s for t in done if t.ttft_s is not None)
     return {
         "config": asdict(cfg),
@@ -234,9 +285,11 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
 def format_stress(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [
-        f"kvferry bench vllm --stress: {cfg['sessions']} sessions x {cfg['turns']} turns, {cfg['output']} output tokens, "
-        f"pools {cfg['prefill_blocks']}/{cfg['decode_blocks']} blocks (prefill/decode), hang-ups {cfg['hangup']:.0%}",
-        f"turns {result['turns']}: completed {result['completed']}, hung up {result['hung_up']}, failed {sum(result['failed'].values())}",
+        f"kvferry bench vllm --stress: {cfg['sessions']} sessions x {cfg['turns']} turns, "
+        f"{cfg['output']} output tokens, pools {cfg['prefill_blocks']}/{cfg['decode_blocks']} blocks (prefill/decode), "
+        f"hang-ups {cfg['hangup']:.0%}",
+        f"turns {result['turns']}: completed {result['completed']}, hung up {result['hung_up']}, "
+        f"failed {sum(result['failed'].values())}",
     ]
     for reason, n in sorted(result["failed"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  failed x{n}: {reason}")
@@ -245,6 +298,8 @@ def format_stress(result: dict[str, Any]) -> str:
         lines.append(f"TTFT p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms (completed turns, through the proxy)")
     lines.append(f"outputs differing from a plain server: {result['mismatches']}")
     lines.append("preemptions: " + ", ".join(f"{k} {v:.0f}" for k, v in result["preemptions"].items()))
-    lines.append("blocks held after the drain (leaks): " + ", ".join(f"{k} {v}" for k, v in result["leaked_blocks"].items()))
+    lines.append(
+        "blocks held after the drain (leaks): " + ", ".join(f"{k} {v}" for k, v in result["leaked_blocks"].items())
+    )
     lines.append(f"serves a request afterwards: {result['serves_after']}; wall {result['wall_s']:.1f} s")
     return "\n".join(lines)

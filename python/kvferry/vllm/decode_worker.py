@@ -74,7 +74,11 @@ class DecodeWorker:
             self.receiver = KVReceiver(pool)
             self._ring_blocks = max(2, self.config.staging_bytes // (pool.block_bytes * pool.num_layers))
             self.rendezvous = rendezvous.Rendezvous(
-                self.authkey, self._endpoint_for, self.config.rendezvous_dir, listen=self.config.listen, advertise=self.config.advertise
+                self.authkey,
+                self._endpoint_for,
+                self.config.rendezvous_dir,
+                listen=self.config.listen,
+                advertise=self.config.advertise,
             )
         logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
 
@@ -97,10 +101,14 @@ class DecodeWorker:
             endpoint = self.endpoints.get(sender)
             if endpoint is None:
                 if len(self.endpoints) >= MAX_PREFILL_ENGINES:
-                    raise KvFerryError(f"already {len(self.endpoints)} prefill engines, the most this decode server serves")
+                    raise KvFerryError(
+                        f"already {len(self.endpoints)} prefill engines, the most this decode server serves"
+                    )
                 assert self.receiver is not None
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
-                    endpoint = registry.serve(self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options())
+                    endpoint = registry.serve(
+                        self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options()
+                    )
                 self.endpoints[sender] = endpoint
                 self._made[sender] = time.monotonic()
                 logger.info("kvferry: endpoint %s for prefill engine %s", endpoint.url, sender)
@@ -244,11 +252,18 @@ class DecodeWorker:
                 if not st.kept_logged:
                     st.kept_logged = True
                     logger.error(
-                        "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks stay allocated until the fence or the sender's connection ends (NIXL writes are one-sided)",
-                        st.spec.req_id, st.spec.transfer, self.config.fence_timeout_s,
-                    )  # fmt: skip
+                        "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks"
+                        " stay allocated until the fence or the sender's connection ends (its writes are one-sided)",
+                        st.spec.req_id,
+                        st.spec.transfer,
+                        self.config.fence_timeout_s,
+                    )
                 return False
-            logger.warning("kvferry: decode request %s: no fence from its sender within %s s; released", st.spec.req_id, self.config.fence_timeout_s)
+            logger.warning(
+                "kvferry: decode request %s: no fence from its sender within %s s; released",
+                st.spec.req_id,
+                self.config.fence_timeout_s,
+            )
             self.receiver.release_unfenced(st.spec.kv_id)
         self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
         return True

@@ -202,7 +202,12 @@ class PrefillWorker:
                     st = by_kv.get((id(peer), kv))
                     if st is not None and st.error is None:
                         st.error = str(err)
-                        logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
+                        logger.error(
+                            "kvferry: prefill request %s (transfer %s) failed: %s",
+                            st.spec.req_id,
+                            st.spec.transfer,
+                            err,
+                        )
             try:
                 peer.sender.transport.check_peer()
             except TransferError as err:
@@ -228,10 +233,16 @@ class PrefillWorker:
                 if st is None:
                     continue
                 assert self.pool is not None
-                lo, hi = (0, self.pool.num_layers) if notice.groups == 1 else self.pool.group_layers(notice.group, notice.groups)
+                lo, hi = (
+                    (0, self.pool.num_layers)
+                    if notice.groups == 1
+                    else self.pool.group_layers(notice.group, notice.groups)
+                )
                 nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
                 st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
-                self.tally.add({"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes)
+                self.tally.add(
+                    {"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes
+                )
 
     def _settle_send(self, st: _Send) -> bool:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
@@ -252,7 +263,12 @@ class PrefillWorker:
             except UnknownRequestError:
                 pass
             self.tally.add("failed_transfers", 1)
-            logger.warning("kvferry: prefill request %s (transfer %s) released without completing: %s", st.spec.req_id, st.spec.transfer, st.error)
+            logger.warning(
+                "kvferry: prefill request %s (transfer %s) released without completing: %s",
+                st.spec.req_id,
+                st.spec.transfer,
+                st.error,
+            )
             self.common.ended(st.spec.transfer, "failed", st.error)
             return True
         if sender.in_flight(kv):

@@ -72,7 +72,9 @@ class WorkerCommon:
         # CPU: (blocks, heads, block_size, 2 * head_dim); CUDA: (2, blocks, ...).
         block_dim = 0 if shape[0] == self.num_blocks else 1
         if shape[block_dim] != self.num_blocks:
-            raise KvFerryError(f"kvferry: KV cache tensors of shape {shape} have no dimension of {self.num_blocks} blocks")
+            raise KvFerryError(
+                f"kvferry: KV cache tensors of shape {shape} have no dimension of {self.num_blocks} blocks"
+            )
         self.pool = PagedKV(tensors, self.block_size, block_dim)
         self.layer_of = {n: i for i, n in enumerate(names)}
         if self.config.layer_groups > self.pool.num_layers:
