@@ -22,7 +22,7 @@ import torch
 from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
-from kvferry.transports import guard, local, registry, wire
+from kvferry.transports import guard, registry, wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
@@ -327,7 +327,7 @@ def test_idle_senders_do_not_lock_out_the_seventeenth() -> None:
         epoch = receiver.expect(50, 4 * TPB)
         busy.announce([(50, epoch)])  # owns an unfinished request: never reclaimed
         (peer,) = endpoint._peers  # noqa: SLF001
-        assert until(lambda: local._owns_unfinished(receiver, peer.source))  # noqa: SLF001  (the announce was taken)
+        assert until(lambda: receiver.owns_unfinished(peer.source))  # the announce was taken
         idle = [StagingTransport(endpoint.address, authkey=authkey) for _ in range(15)]
         rings = set(endpoint.ring_names())
         assert len(rings) == 16

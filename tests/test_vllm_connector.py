@@ -1103,14 +1103,14 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     """Past ``fence_timeout_s`` without the sender's fence: staging releases (its endpoint
     drops late writes); nixl keeps the blocks while the sender is still connected (its
     writes are one-sided) and releases once that connection ended."""
-    import threading
     from types import SimpleNamespace
 
     from kvferry.errors import TransferTimeoutError
     from kvferry.transports.registry import Served
     from kvferry.vllm.config import ConnectorConfig
     from kvferry.vllm.metadata import RecvSpec
-    from kvferry.vllm.worker import WorkerSide, _Recv
+    from kvferry.vllm.decode_worker import DecodeWorker, _Recv
+    from kvferry.vllm.worker import WorkerCommon
 
     class Receiver:
         released_unfenced: list[int] = []
@@ -1133,10 +1133,10 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         def withdraw(self, transfer: str, reason: str) -> None:
             self.withdrawn.append(transfer)
 
-    side = WorkerSide(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, role="kv_consumer", authkey=b"k" * 32)
+    side = DecodeWorker(WorkerCommon(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, authkey=b"k" * 32))
     side.receiver, side.rendezvous = Receiver(), Rendezvous()  # type: ignore[assignment]
-    connection = SimpleNamespace(channel=object())
-    endpoint = SimpleNamespace(_lock=threading.Lock(), _peers=[connection])
+    peers = [object()]  # the sender's authenticated connection
+    endpoint = SimpleNamespace(connected=lambda: bool(peers))
     side.endpoints["P"] = Served(transport, endpoint, f"{transport}+tcp://127.0.0.1:1")
     st = _Recv(RecvSpec("r", 7, "T", 64, [0, 1], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
     assert side._release(st, now=1.0) is False  # before the fence timeout: both wait
@@ -1145,5 +1145,5 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         return
     assert side._release(st, now=6.0) is False and side._release(st, now=600.0) is False  # kept
     assert side.receiver.released_unfenced == [] and side.rendezvous.withdrawn == []  # type: ignore[attr-defined]
-    endpoint._peers.clear()  # the sender's connection ended
+    peers.clear()  # the sender's connection ended
     assert side._release(st, now=601.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]

@@ -478,6 +478,16 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
         proxy.stop()
 
 
+def test_prefill_leg_runs_one_sample() -> None:
+    """The decode leg keeps ``n`` / ``best_of``; the prefill leg computes the prompt once (one
+    sample per prefill request would race to send one transfer)."""
+    from kvferry.vllm.proxy import _one_token
+
+    body = {"model": "tiny", "prompt": [1, 2], "n": 3, "best_of": 4, "max_tokens": 9, "stream": True, "temperature": 0.7}
+    assert _one_token(body) == {"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "stream": False, "temperature": 0.7}
+    assert body["n"] == 3 and body["best_of"] == 4  # the client's request is left as it was
+
+
 def test_session_of_order() -> None:
     assert session_of({SESSION_HEADER: "a"}, {"user": "b", "prompt": "x"}) == "h:a"
     assert session_of({}, {"user": "b", "prompt": "x"}) == "u:b"

@@ -58,7 +58,7 @@ from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports.base import Transport, Write, kept
 from kvferry.transports import guard, wire
 from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Hello as HelloFrame, Notices, Revoke
-from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
+from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, AuthenticationError
 
 __all__ = ["LocalEndpoint", "LocalTransport", "PeerConnection", "pool_hello"]
 
@@ -191,6 +191,11 @@ class LocalEndpoint:
         self._admission = guard.Admission()
         self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
+
+    def connected(self) -> bool:
+        """Whether an authenticated sender holds a connection to this endpoint now."""
+        with self._lock:
+            return any(p.channel is not None for p in self._peers)
 
     def _record(self, err: BaseException) -> None:
         with self._lock:  # connection threads record concurrently
@@ -342,7 +347,7 @@ class LocalEndpoint:
                 key=lambda p: p.last_active,
             )
         for victim in idle:
-            if _owns_unfinished(self.receiver, victim.source):
+            if self.receiver.owns_unfinished(victim.source):
                 continue
             victim.reclaimed = True
             if victim.channel is not None:
@@ -458,21 +463,6 @@ class LocalEndpoint:
 
 def _name(source: Any) -> Optional[str]:
     return None if source is None else str(source)
-
-
-def _owns_unfinished(receiver: KVReceiver, source: Hashable) -> bool:
-    """Whether ``source`` owns a request of ``receiver`` that is not complete (closing its
-    connection would fail it). Uses ``KVReceiver.owns_unfinished`` where the receiver has
-    it; else reads its table under its lock; in doubt, True (the connection is kept)."""
-    owns = getattr(receiver, "owns_unfinished", None)
-    if callable(owns):
-        return bool(owns(source))
-    try:
-        with receiver._cond:  # noqa: SLF001  (a read-only look until the receiver offers the query)
-            requests = receiver._requests.values()  # noqa: SLF001
-            return any(e.source == source and not e.ledger.is_complete for e in requests)
-    except AttributeError:
-        return True
 
 
 class PeerConnection:

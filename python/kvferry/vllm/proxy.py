@@ -155,6 +155,10 @@ def _one_token(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    # One sample: the prompt's KV is the same for every sample of the decode leg, and one
+    # prefill request per sample would race to send one transfer.
+    out.pop("n", None)
+    out.pop("best_of", None)
     return out
 
 

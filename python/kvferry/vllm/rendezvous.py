@@ -8,7 +8,9 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
                                     within the wait, no endpoint for S)
-            <-- abandon (T, reason)   the prefill side gave up
+            <-- abandon (T, reason)   the prefill side gave up before its worker wrote
+                                      anything of T (it sends no abandon after): the
+                                      decode side frees T's blocks at once, no fence due
             --> abandoned
 ```
 It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tcp://host:port``
@@ -160,6 +162,11 @@ class Rendezvous:
         """The prefill engine whose lookup took ``transfer``'s destination, or ``None``."""
         with self._cond:
             return self._taken.get(transfer)
+
+    def takers(self) -> set[str]:
+        """The prefill engines holding a destination here now (taken, not yet withdrawn)."""
+        with self._cond:
+            return set(self._taken.values())
 
     def abandoned(self, transfer: str) -> Optional[str]:
         """Why the prefill side gave ``transfer`` up, or ``None``."""
