@@ -126,7 +126,7 @@ def test_the_sender_refuses_a_receiver_without_the_key() -> None:
         def serve() -> None:
             conn, _ = listener.accept()
             try:
-                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK)
+                wire.handshake(conn, secrets.token_bytes(32), wire.ROLE_ENDPOINT, SLACK, f"unix://{address}")
             except wire.AuthenticationError as err:
                 outcome.append(err)  # the sender's proof does not match this key
             finally:
@@ -157,7 +157,8 @@ def test_a_short_key_is_refused() -> None:
 def test_segment_names_are_unguessable_and_segments_private() -> None:
     """The segment's name carries 128 random bits; the name alone is no protection (any
     local user can list /dev/shm), so the segment must also be the owner's alone (0600), as
-    must the directory of the notice socket (0700)."""
+    must the directory of the notice socket (0700); a staging ring has no name at all once its
+    sender mapped it."""
     from kvferry.transports.staging import StagingEndpoint
 
     pools = [SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB) for _ in range(8)]
@@ -173,9 +174,11 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
         assert all(SEGMENT_NAME.fullmatch(n) for n in names), names
         assert len(set(names)) == len(names)
         assert len({n[8:16] for n in names}) == len(names)  # no shared prefix: not a counter
-        for name in names:
+        for name in names[: len(pools)]:
             mode = os.stat(f"/dev/shm/{name}").st_mode
             assert stat.S_IMODE(mode) == 0o600, (name, oct(mode))
+        # A ring's name is gone once its sender mapped it: nobody else can open it by name.
+        assert [n for n in names[len(pools) :] if os.path.exists(f"/dev/shm/{n}")] == []
         directory = os.path.dirname(_path(staging.address))
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert re.fullmatch(r"kvferry-\w{8,}", os.path.basename(directory))

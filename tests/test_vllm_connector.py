@@ -13,6 +13,7 @@ import importlib.util
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import uuid
@@ -70,7 +71,7 @@ def engines(model: str) -> Any:
     plain = Engine(model, None)
     try:
         hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
-        assert hello["role"] == "kv_consumer" and hello["peer"] and set(hello) == {"op", "role", "peer", "engine"}, hello
+        assert hello["role"] == "kv_consumer" and hello["peer"] and set(hello) == {"op", "role", "peer", "peer_mac", "engine"}, hello
         yield prefill, decode, plain, hello
     finally:
         for engine in (prefill, decode, plain):
@@ -84,7 +85,7 @@ class Pair:
         self.prefill, self.decode, self.hello = prefill, decode, hello
 
     def send_params(self, transfer: str, **over: Any) -> dict[str, Any]:
-        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], **over}}
+        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], "peer_mac": self.hello["peer_mac"], **over}}
 
     def turn(self, rid: str, prompt: list[int], out: int = OUT, prefill_prompt: Optional[list[int]] = None) -> dict[str, Any]:
         transfer = uuid.uuid4().hex
@@ -259,7 +260,7 @@ def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
         hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
         assert hello["role"] == "kv_both"
         prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
-        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"]}}
+        send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "peer_mac": hello["peer_mac"]}}
         out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])["outputs"]
         assert out["d"]["tokens"] == plain.run([("rboth", prompt, OUT, None)])["outputs"]["rboth"]["tokens"]
         assert both.call("totals")["counts"]["transfers"] == 1
@@ -448,7 +449,10 @@ def test_prefill_with_another_key_fails_its_request_and_keeps_serving(engines: A
     other = tmp_path / "other.key"
     other.write_bytes(os.urandom(32))
     other.chmod(0o600)
-    stranger = Engine(model, "kv_producer", {"authkey_file": str(other)}, max_num_batched_tokens=64)
+    # It trusts the decode server by configuration (its peer_mac, signed with the other key,
+    # would be refused before any connection): the handshake itself is what fails.
+    extra = {"authkey_file": str(other), "trusted_peers": [hello["peer"]]}
+    stranger = Engine(model, "kv_producer", extra, max_num_batched_tokens=64)
     try:
         out = stranger.run([("p-stranger", prompt_of(70, 61), 1, Pair(stranger, decode, hello).send_params(uuid.uuid4().hex)), ("good", prompt_of(40, 62), 1, None)])["outputs"]
         assert out["p-stranger"]["finish_reason"] == "error", out
@@ -531,9 +535,19 @@ def test_bad_params_fail_only_their_request_on_the_decode_engine(engines: Any, p
 
 @needs_vllm
 def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, tmp_path: Any) -> None:
+    from kvferry.vllm import trust
+
     prefill, decode, plain, hello = engines
     pair = Pair(prefill, decode, hello)
+    # Addresses from an HTTP body alone (unsigned, or signed with another key) are never
+    # connected to: a listener of the test's sees no connection (no SSRF, no relay).
+    bait = socket.create_server(("127.0.0.1", 0))
+    bait_url = f"tcp://127.0.0.1:{bait.getsockname()[1]}"
+    forged = trust.sign_peer(os.urandom(32), bait_url)
     bad = [
+        {"kvferry": {"op": "send", "transfer": "t6", "peer": bait_url}},
+        {"kvferry": {"op": "send", "transfer": "t7", "peer": bait_url, "peer_mac": forged}},
+        {"kvferry": {"op": "send", "transfer": "t8", "peer": bait_url, "peer_mac": hello["peer_mac"]}},  # another URL's signature
         {"kvferry": {"op": "send", "transfer": "t1", "peer": str(tmp_path / "nobody.sock")}},  # unknown peer
         {"kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}},  # a key in a request: refused
         {"kvferry": {"op": "send", "transfer": "t3", "peer": ""}},
@@ -544,6 +558,12 @@ def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, 
     out = prefill.run(requests + [("good", prompt_of(40, 21), 1, None)])["outputs"]
     assert all(out[f"bad{i}"]["finish_reason"] == "error" for i in range(len(bad))), out
     assert out["good"]["finish_reason"] == "length"
+    for transfer in ("t6", "t7", "t8"):
+        assert "not a trusted decode server" in status_of(prefill, transfer)["error"]
+    bait.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        bait.accept()  # nothing connected to it
+    bait.close()
     no_blocks_used(prefill)
     still_serves(pair, plain, 5)
 
@@ -931,7 +951,7 @@ def test_a_bad_frame_at_the_rendezvous_ends_only_that_connection(tmp_path: Any, 
 
     def authenticated() -> socket.socket:
         sock = wire.connect(where, 10)
-        wire.handshake(sock, key, wire.ROLE_SENDER, 10)
+        wire.handshake(sock, key, wire.ROLE_SENDER, 10, server.address)
         return sock
 
     def goodbye_then_closed(sock: socket.socket) -> str:
@@ -1083,14 +1103,14 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     """Past ``fence_timeout_s`` without the sender's fence: staging releases (its endpoint
     drops late writes); nixl keeps the blocks while the sender is still connected (its
     writes are one-sided) and releases once that connection ended."""
-    import threading
     from types import SimpleNamespace
 
     from kvferry.errors import TransferTimeoutError
     from kvferry.transports.registry import Served
     from kvferry.vllm.config import ConnectorConfig
     from kvferry.vllm.metadata import RecvSpec
-    from kvferry.vllm.worker import WorkerSide, _Recv
+    from kvferry.vllm.decode_worker import DecodeWorker, _Recv
+    from kvferry.vllm.worker import WorkerCommon
 
     class Receiver:
         released_unfenced: list[int] = []
@@ -1113,10 +1133,10 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         def withdraw(self, transfer: str, reason: str) -> None:
             self.withdrawn.append(transfer)
 
-    side = WorkerSide(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, role="kv_consumer", authkey=b"k" * 32)
+    side = DecodeWorker(WorkerCommon(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, authkey=b"k" * 32))
     side.receiver, side.rendezvous = Receiver(), Rendezvous()  # type: ignore[assignment]
-    connection = SimpleNamespace(channel=object())
-    endpoint = SimpleNamespace(_lock=threading.Lock(), _peers=[connection])
+    peers = [object()]  # the sender's authenticated connection
+    endpoint = SimpleNamespace(connected=lambda: bool(peers))
     side.endpoints["P"] = Served(transport, endpoint, f"{transport}+tcp://127.0.0.1:1")
     st = _Recv(RecvSpec("r", 7, "T", 64, [0, 1], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
     assert side._release(st, now=1.0) is False  # before the fence timeout: both wait
@@ -1125,5 +1145,5 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         return
     assert side._release(st, now=6.0) is False and side._release(st, now=600.0) is False  # kept
     assert side.receiver.released_unfenced == [] and side.rendezvous.withdrawn == []  # type: ignore[attr-defined]
-    endpoint._peers.clear()  # the sender's connection ended
+    peers.clear()  # the sender's connection ended
     assert side._release(st, now=601.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]

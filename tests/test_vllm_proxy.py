@@ -29,7 +29,8 @@ pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (it comes with vL
 
 from aiohttp import web  # noqa: E402
 
-from kvferry.vllm import testbed  # noqa: E402
+from kvferry.vllm import testbed, trust  # noqa: E402
+from kvferry.vllm.config import load_authkey  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
@@ -202,8 +203,8 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
             assert a.status == (200 if stream else 502), a.body
             error = _error_of(a)
             transfer = quitter.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
-            assert error["server"] == decode.url and error["transfer"] == transfer
-            assert error["message"].startswith(f"decode server {decode.url}: transfer {transfer} failed: the prefill side gave up: the stub prefill server gave up"), error
+            assert error["leg"] == "decode" and error["transfer"] == transfer and "server" not in error
+            assert error["message"].startswith(f"decode server: transfer {transfer} failed: the prefill side gave up: the stub prefill server gave up"), error
     finally:
         proxy.stop()
         quitter.stop()
@@ -217,12 +218,16 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
     try:
         for stream in (False, True):
             # What the proxy knows of the decode server (its hello answer) names a dead address.
-            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "engine": "gone"}  # type: ignore[attr-defined]
+            # Signed with the servers' key: an unsigned address would be refused before any connection.
+            signed = trust.sign_peer(load_authkey(), nobody)
+            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "peer_mac": signed, "engine": "gone"}  # type: ignore[attr-defined]
             error = _error_of(call(lost.url, COMPLETIONS, dict(body, stream=stream)))
             transfer = error["transfer"]
-            assert error["server"] == prefill.url, error
-            assert error["message"].startswith(f"prefill server {prefill.url}: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "), error
-            assert f"cannot reach the decode server's rendezvous at {nobody!r}" in error["message"], error
+            assert error["leg"] == "prefill", error
+            assert error["message"].startswith(f"prefill server: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "), error
+            # The reason, without the internal address (the proxy logs it).
+            assert "cannot reach the decode server's rendezvous at '<address>'" in error["message"], error
+            assert nobody not in error["message"] and prefill.url not in error["message"], error
             assert _status(prefill.url, transfer)["state"] == "failed"
         wait_until(lambda: lost.in_flight() == 0, "the proxy to have no upstream call in flight")
     finally:
@@ -256,6 +261,32 @@ def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) ->
     assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
 
 
+def test_a_forged_peer_through_the_http_port_is_never_connected_to(servers: tuple[testbed.Server, Testbed]) -> None:
+    """An HTTP client of the prefill server names an address of its own as the decode peer
+    (unsigned, or with another address's signature): the request fails as untrusted, the
+    address sees no connection (no server-side request forgery, no relay), and the pair still
+    serves."""
+    _, bed = servers
+    _kvferry_only(bed)
+    prefill = bed.prefills[0]
+    with socket.create_server(("127.0.0.1", 0)) as bait:
+        url = f"tcp://127.0.0.1:{bait.getsockname()[1]}"
+        other = trust.sign_peer(load_authkey(), "tcp://127.0.0.1:1")
+        for n, extra in enumerate([{}, {"peer_mac": other}]):
+            transfer = f"forged-{n}"
+            params = {"kvferry": {"op": "send", "transfer": transfer, "peer": url, **extra}}
+            prompt = _tokens(random.Random(30 + n), 40)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
+            assert call(prefill.url, COMPLETIONS, body).status == 500
+            status = _status(prefill.url, transfer)
+            assert status["state"] == "failed" and "not a trusted decode server" in status["error"], status
+        bait.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # nothing ever connected
+    good = {"model": "tiny", "prompt": _tokens(random.Random(33), 40), "max_tokens": 2, "temperature": 0}
+    assert call(bed.url, COMPLETIONS, good).status == 200
+
+
 @contextlib.contextmanager
 def _dead_urls(n: int) -> Iterator[list[str]]:
     """``n`` URLs that nothing answers, for as long as the block runs. Each port is held by a
@@ -286,8 +317,7 @@ def _dead_upstreams(bed: Testbed, body: dict[str, Any], want: Any, dead: str, de
         for stream in (False, True):
             a = call(lone.url, COMPLETIONS, dict(body, stream=stream))
             assert a.status == 502
-            assert a.body["error"]["server"] == dead
-            assert re.search(rf"prefill server {re.escape(dead)}: unreachable", a.body["error"]["message"])
+            assert a.body["error"]["leg"] == "prefill" and a.body["error"]["message"] == "prefill server: unreachable"
         # The proxy itself stays up and answers.
         assert call(lone.url, COMPLETIONS, body).status == 502
     finally:
@@ -346,7 +376,7 @@ class _Stub:
         if op == "hello":
             self.hellos += 1
             return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {
-                "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "engine": "e1"}}})  # fmt: skip
+                "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "peer_mac": f"{self.port:064x}", "engine": "e1"}}})  # fmt: skip
         if op == "status":
             transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
             self.status_asked.append(transfer)
@@ -448,6 +478,16 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
         proxy.stop()
 
 
+def test_prefill_leg_runs_one_sample() -> None:
+    """The decode leg keeps ``n`` / ``best_of``; the prefill leg computes the prompt once (one
+    sample per prefill request would race to send one transfer)."""
+    from kvferry.vllm.proxy import _one_token
+
+    body = {"model": "tiny", "prompt": [1, 2], "n": 3, "best_of": 4, "max_tokens": 9, "stream": True, "temperature": 0.7}
+    assert _one_token(body) == {"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "stream": False, "temperature": 0.7}
+    assert body["n"] == 3 and body["best_of"] == 4  # the client's request is left as it was
+
+
 def test_session_of_order() -> None:
     assert session_of({SESSION_HEADER: "a"}, {"user": "b", "prompt": "x"}) == "h:a"
     assert session_of({}, {"user": "b", "prompt": "x"}) == "u:b"
@@ -465,7 +505,7 @@ def test_decode_dying_mid_stream_ends_stream_with_error_event() -> None:
         a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [1, 2], "max_tokens": 5, "stream": True})
         assert a.status == 200
         assert a.token_ids == [1]  # what arrived before the cut is delivered
-        assert a.body[-1]["error"]["server"] == decode.url
+        assert a.body[-1]["error"]["leg"] == "decode" and decode.url not in a.body[-1]["error"]["message"]
         assert proxy.in_flight() == 0
     finally:
         proxy.stop()
@@ -522,7 +562,9 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
         assert [r["op"] for r in recvs] == ["recv"] * n and [s["op"] for s in sends] == ["send"] * n
         assert [s["transfer"] for s in sends] == [r["transfer"] for r in recvs]
         assert len({r["transfer"] for r in recvs}) == n
-        assert all(s == {"op": "send", "transfer": s["transfer"], "peer": f"/tmp/peer-{decodes[0].port}"} for s in sends)  # no key
+        # No key; the decode server's signature of its address passed on with it (kvferry.vllm.trust).
+        mac = f"{decodes[0].port:064x}"
+        assert all(s == {"op": "send", "transfer": s["transfer"], "peer": f"/tmp/peer-{decodes[0].port}", "peer_mac": mac} for s in sends)
         assert all(b["max_tokens"] == 1 and b["stream"] is False for b in prefills[0].seen)
         assert [b["prompt"] for b in prefills[0].seen] == [b["prompt"] for b in decodes[0].seen]
     finally:
@@ -536,8 +578,9 @@ def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
     proxy.start()
     try:
         a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [3] * 40, "max_tokens": 4, "stream": True})
-        assert a.status == 502 and a.body["error"]["server"] == prefill.url
-        assert "engine dead" in a.body["error"]["message"]
+        assert a.status == 502 and a.body["error"]["leg"] == "prefill"
+        # What the upstream answered is logged, not passed on: only its status.
+        assert "HTTP 500" in a.body["error"]["message"] and "engine dead" not in a.body["error"]["message"]
         # Its status was asked (its answer, an error again, is named too).
         assert a.body["error"]["transfer"] == prefill.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
         assert decode.closed.wait(30)  # the decode leg's connection was closed: vLLM aborts it
@@ -563,15 +606,15 @@ def test_kvferry_flow_failed_transfer_names_its_reason(stream: bool) -> None:
         assert decode.status_asked == [transfer]
         assert a.status == (200 if stream else 502)
         error = _error_of(a)
-        assert error["server"] == decode.url and error["transfer"] == transfer and error["code"] == 502
-        assert error["message"] == f"decode server {decode.url}: transfer {transfer} failed: its blocks did not all arrive within 2.0 s"
+        assert error["leg"] == "decode" and error["transfer"] == transfer and error["code"] == 502
+        assert error["message"] == f"decode server: transfer {transfer} failed: its blocks did not all arrive within 2.0 s"
         assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # a failure: asked again next time
         # A server that no longer knows the transfer: the client still learns which one failed.
         decode.remember = False
         a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 4, "stream": stream})
         transfer = decode.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
         message = _error_of(a)["message"]
-        assert message.startswith(f"decode server {decode.url}: ") and "Internal server error" in message, message
+        assert message.startswith("decode server: ") and decode.url not in message, message
         assert message.endswith(f"(transfer {transfer}: the server reports it 'unknown')"), message
         assert decode.hellos == 2  # rediscovered after the first failure
     finally:

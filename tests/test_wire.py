@@ -195,7 +195,7 @@ def test_a_pickle_on_the_wire_executes_nothing(tmp_path: pathlib.Path, listen: s
             raw.sendall(struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing
             raw.settimeout(SLACK)
             assert until(lambda: endpoint.error_count == 1)
-        assert "refused: not a kvferry handshake: invalid frame: bad magic" in str(endpoint.errors[-1])
+        assert "refused: not a kvferry handshake: the peer's first bytes are not a kvferry frame" in str(endpoint.errors[-1])
 
         # One request per rogue: a second rogue announcing the first's request could race the
         # first connection's end (which fails that request) and be refused for another reason.
@@ -223,9 +223,9 @@ def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
     with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         garbage = [
-            (secrets.token_bytes(4096), "bad magic"),
-            (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
-            (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30), "exceeds the limit of 33"),
+            (secrets.token_bytes(4096), "first bytes are not a kvferry frame"),
+            (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "first bytes are not a kvferry frame"),
+            (wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30), "a malformed or oversized frame"),
             (wire.encode(Proof(bytes(32))), "a proof frame during the handshake, expected a challenge"),
         ]
         for n, (data, why) in enumerate(garbage, start=1):

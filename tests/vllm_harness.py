@@ -65,6 +65,7 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm import EngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -86,6 +87,16 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
     core = engine.engine_core.engine_core
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
+    # vLLM's preemptions of this engine, counted where they happen (the in-process engine has
+    # no /metrics): a test that needs them checks this count rather than hoping for them.
+    preemptions = [0]
+    preempt = sched._preempt_request
+
+    def counted_preempt(*args: Any, **kwargs: Any) -> Any:
+        preemptions[0] += 1
+        return preempt(*args, **kwargs)
+
+    sched._preempt_request = counted_preempt
 
     def internal(rid: str) -> Any:
         for req in sched.requests.values():
@@ -112,9 +123,13 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
         return status.lower()
 
     def run(requests: list[tuple], abort: Optional[tuple[str, str]], until: Optional[tuple[str, str]]) -> dict[str, Any]:
-        for rid, prompt, max_tokens, params in requests:
+        for rid, prompt, max_tokens, params, *more in requests:
             extra = {"kv_transfer_params": params} if params is not None else None
-            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            sampling = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+            sampling.update(more[0] if more else {})  # e.g. {"n": 2, "temperature": 1.0, "seed": 3}
+            if sampling.get("n", 1) > 1:  # one output holding every sample, once all finished
+                sampling["output_kind"] = RequestOutputKind.FINAL_ONLY
+            sp = SamplingParams(**sampling)
             engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
         outs: dict[str, Any] = {}
         while engine.has_unfinished_requests() or sched.has_requests():
@@ -128,7 +143,12 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
             for out in engine.step():
                 if out.finished:
                     o = out.outputs[0]
-                    outs[out.request_id] = {"tokens": list(o.token_ids), "finish_reason": o.finish_reason, "kv_transfer_params": out.kv_transfer_params}
+                    outs[out.request_id] = {
+                        "tokens": list(o.token_ids),
+                        "finish_reason": o.finish_reason,
+                        "kv_transfer_params": out.kv_transfer_params,
+                        "samples": [(list(s.token_ids), s.finish_reason) for s in out.outputs],
+                    }
         return {"outputs": outs}
 
     while True:
@@ -138,13 +158,17 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 reply: Any = run(*arg)
             elif cmd == "usage":
                 reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
+            elif cmd == "preemptions":
+                reply = preemptions[0]
             elif cmd == "totals":
-                worker = get_kv_transfer_group()._worker if has_kv_transfer_group() else None
+                connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+                worker = None if connector is None else connector._worker
+                served = {} if connector is None or connector._decode is None else connector._decode.endpoints
                 reply = {} if worker is None else {
                     "counts": dict(worker.tally.totals),
                     "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
-                    "endpoints": sorted(worker.endpoints),
-                    "endpoint_urls": sorted(served.url for served in worker.endpoints.values()),
+                    "endpoints": sorted(served),
+                    "endpoint_urls": sorted(s.url for s in served.values()),
                 }
             elif cmd == "stop":
                 conn.send("bye")
@@ -162,13 +186,24 @@ class Engine:
     """One engine in its own process. `start` sends a command; `result` waits for its reply."""
 
     def __init__(
-        self, model: str, role: Optional[str], extra: Optional[dict[str, Any]] = None, *, netns: Optional[str] = None, env: Optional[dict[str, str]] = None, **engine_kw: Any
+        self,
+        model: str,
+        role: Optional[str],
+        extra: Optional[dict[str, Any]] = None,
+        *,
+        netns: Optional[str] = None,
+        env: Optional[dict[str, str]] = None,
+        policy: Optional[str] = None,
+        **engine_kw: Any,
     ) -> None:
         """``netns``: run the engine inside that network namespace (tests/netns.py);
-        ``env``: variables set in its process before vLLM loads."""
+        ``env``: variables set in its process before vLLM loads; ``policy``: vLLM's
+        ``kv_load_failure_policy`` ("fail" when not given)."""
         kv = None
         if role is not None:
             kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
+            if policy is not None:
+                kv["kv_load_failure_policy"] = policy
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw, netns, env), daemon=True)

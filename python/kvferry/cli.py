@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--scrape", default=None, metavar="PATH",
                       help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
                            "python -m kvferry.bench.dashboard (default: not sampled)")
+    vllm.add_argument("--stress", action="store_true", help="instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client hang-ups; docs/benchmarks.md)")
+    vllm.add_argument("--stress-sessions", type=_positive, default=48, metavar="N", help="--stress: concurrent multi-turn sessions (default: %(default)s)")
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
@@ -447,6 +449,14 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli")
     from kvferry.bench.vllm import CONFIGS, VllmBenchConfig, draw_timeline, format_vllm_bench, progress_to_stderr, run_vllm_bench, write_json
 
+    if args.stress:
+        from kvferry.bench.stress import StressConfig, format_stress, run_stress
+
+        stressed = run_stress(StressConfig(sessions=args.stress_sessions, workdir=args.workdir), progress=progress_to_stderr)
+        print(format_stress(stressed))
+        if args.json:
+            write_json(stressed, args.json)
+        return 0 if stressed["mismatches"] == 0 and not any(stressed["leaked_blocks"].values()) and stressed["serves_after"] else 1
     model = _geometry(args)
     if isinstance(model, str):
         return _refuse(model)
@@ -650,7 +660,6 @@ def _agentic_bytes(cfg: AgenticConfig) -> int:
     """A lower bound of what `kvferry bench agentic` allocates: one model's weights and the
     context and generation KV pools of every mode (activations and the reference run come on
     top)."""
-    import torch
 
     from kvferry.bench.agentic import _pool_blocks
 

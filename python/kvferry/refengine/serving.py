@@ -19,7 +19,7 @@ from kvferry._core import BlockRange
 from kvferry.engine import ThreadCopyEngine
 from kvferry.hook import TransferHook
 from kvferry.refengine.generation import FinishItem, LocalGeneration, RemoteGeneration
-from kvferry.refengine.model import ModelConfig, TinyLlama
+from kvferry.refengine.model import TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
 from kvferry.transports import registry

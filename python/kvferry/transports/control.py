@@ -39,9 +39,11 @@ transport after its copies ended (`KVSender.close`), so nothing more lands in th
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from typing import AbstractSet, Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence
 
@@ -49,14 +51,14 @@ import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import KvFerryError, TransferError
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports.base import Transport, Write, kept
-from kvferry.transports import wire
+from kvferry.transports import guard, wire
 from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Hello as HelloFrame, Notices, Revoke
-from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, MIN_AUTHKEY_BYTES, AuthenticationError
+from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, AuthenticationError
 
 __all__ = ["LocalEndpoint", "LocalTransport", "PeerConnection", "pool_hello"]
 
@@ -64,6 +66,14 @@ __all__ = ["LocalEndpoint", "LocalTransport", "PeerConnection", "pool_hello"]
 # endpoints' and transports' ``handshake_timeout`` default): it must not hold a thread.
 HANDSHAKE_SECONDS = DEFAULT_HANDSHAKE_SECONDS
 JOIN_SECONDS = 5.0
+# Authenticated connections an endpoint serves at once (each may hold a frame of up to
+# MAX_FRAME_BYTES being read and decoded: docs/security.md has the memory bound).
+DEFAULT_MAX_PEERS = 64
+# A connection silent this long that owns no unfinished request may be closed to make room
+# for a new sender when the endpoint is full (its place, a staging ring, comes back).
+DEFAULT_IDLE_RECLAIM_SECONDS = 60.0
+# Failed handshakes and accept errors, logged at a bounded rate (a flood cannot flood the log).
+_log = guard.RateLimitedLog(logging.getLogger("kvferry.transports"))
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
 # misbehaving sender cannot grow the endpoint without bound.
 ERRORS_KEPT = 1024
@@ -81,6 +91,10 @@ class _Peer:
         self.pid = wire.peer_pid(sock)
         self.where = wire.peer_name(sock)
         self.thread: Optional[threading.Thread] = None
+        self.ticket = 0  # its place among the connections still in their handshake (guard.Admission)
+        self.last_active = time.monotonic()  # when its last frame arrived (or it authenticated)
+        self.reclaimed = False  # closed by the endpoint to make room (`LocalEndpoint.make_room`)
+        self.authenticated = False  # holds one of the endpoint's max_peers places
         # What the receiver records as the requests' sender: this connection, unless the
         # transport names itself otherwise (a NIXL agent, whose notifications bypass it).
         self.source: Hashable = self
@@ -121,7 +135,10 @@ class LocalEndpoint:
     default), ``unix:///path`` or ``tcp://host:port`` (port 0: any free port; a wildcard
     host needs ``advertise``, the host peers reach this one by). The ``address`` attribute
     is the URL senders connect to. ``handshake_timeout``: seconds a peer has to complete
-    the handshake (kvferry.transports.wire) before it is dropped."""
+    the handshake (kvferry.transports.wire) before it is dropped. ``max_peers``: the
+    authenticated connections served at once; when full, a new one takes the place of a
+    connection silent for ``idle_reclaim_s`` seconds that owns no unfinished request
+    (`make_room`), else it is refused with a goodbye naming the bound."""
 
     def __init__(
         self,
@@ -132,8 +149,23 @@ class LocalEndpoint:
         address: str = "unix://",
         advertise: Optional[str] = None,
         handshake_timeout: Optional[float] = None,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        idle_reclaim_s: float = DEFAULT_IDLE_RECLAIM_SECONDS,
     ) -> None:
         self._authkey = wire.check_authkey(authkey)
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers <= 0:
+            raise InvalidArgumentError(f"invalid max_peers={max_peers!r}: must be an int > 0")
+        if (
+            isinstance(idle_reclaim_s, bool)
+            or not isinstance(idle_reclaim_s, (int, float))
+            or not 0 <= idle_reclaim_s < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"invalid idle_reclaim_s={idle_reclaim_s!r}: must be a finite number of seconds >= 0"
+            )
+        self.max_peers = max_peers
+        self.idle_reclaim_s = float(idle_reclaim_s)
+        self.reclaimed_count = 0  # idle connections closed to make room
         where = wire.parse_address(address)
         self._handshake_timeout = wire.check_timeout(HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout)
         self.receiver = receiver
@@ -155,8 +187,15 @@ class LocalEndpoint:
         self.errors: deque[BaseException] = deque(maxlen=ERRORS_KEPT)
         self.error_count = 0
         self._unsubscribe = receiver.on_cancel(self._pass_cancel)
+        # Connections still in their handshake: bounded, the oldest cut off first (guard).
+        self._admission = guard.Admission()
         self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
+
+    def connected(self) -> bool:
+        """Whether an authenticated sender holds a connection to this endpoint now."""
+        with self._lock:
+            return any(p.channel is not None for p in self._peers)
 
     def _record(self, err: BaseException) -> None:
         with self._lock:  # connection threads record concurrently
@@ -177,33 +216,54 @@ class LocalEndpoint:
                 self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
 
     def _serve(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError as err:
-                if self._closing.is_set():
-                    return
-                self._record(err)
-                continue
-            if self._closing.is_set():
-                sock.close()
-                return
+        guard.accept_loop(
+            self._listener, self._closing, self._start, admission=self._admission, failed=self._accept_failed
+        )
+
+    def hello_fds(self) -> list[int]:
+        """Descriptors to pass with the hello on a Unix socket (a segment without a name);
+        none here."""
+        return []
+
+    def _accept_failed(self, what: str, err: BaseException) -> None:
+        """The accept loop's trouble (it backs off and serves on: kvferry.transports.guard):
+        recorded, and logged at a bounded rate."""
+        self._record(err)
+        _log.warning(what, "kvferry: the endpoint at %s: %s", self.address, guard.describe(what, err))
+
+    def _start(self, sock: socket.socket) -> None:
+        """A new connection: its handshake counts against the admission bound, on a thread of
+        its own (raises, having undone everything, when no thread can be started)."""
+        try:
             wire.tune(sock)
-            peer = _Peer(sock)
-            peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
-            with self._lock:
-                self._peers.add(peer)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(peer.thread)
+        except OSError:  # already reset by the peer: its handshake fails at once
+            pass
+        peer = _Peer(sock)
+        peer.ticket = self._admission.admit(guard.source_of(sock), peer.shutdown)
+        peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
+        with self._lock:
+            self._peers.add(peer)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(peer.thread)
+        try:
             peer.thread.start()
+        except BaseException:
+            with self._lock:
+                self._peers.discard(peer)
+                self._threads.remove(peer.thread)
+            self._admission.settle(peer.ticket)
+            raise
 
     def _authenticate(self, peer: _Peer) -> bool:
         try:
-            wire.handshake(peer.sock, self._authkey, wire.ROLE_ENDPOINT, self._handshake_timeout)
+            wire.handshake(peer.sock, self._authkey, wire.ROLE_ENDPOINT, self._handshake_timeout, self.address)
         except AuthenticationError as err:  # a wrong key, a stall, garbage: refused, nothing changed
             if not self._closing.is_set():
                 self._record(AuthenticationError(f"{peer}: refused: {err}"))
+                _log.warning("refused", "kvferry: the endpoint at %s refused %s: %s", self.address, peer, err)
             return False
+        finally:
+            self._admission.settle(peer.ticket)
         peer.channel = wire.Channel(peer.sock)
         return True
 
@@ -214,24 +274,92 @@ class LocalEndpoint:
         try:
             if not self._authenticate(peer):
                 return
+            if not self._take_place(peer):
+                return
             authenticated = True
-            peer.send(HelloFrame(self._hello() if callable(self._hello) else self._hello))
+            peer.last_active = time.monotonic()
+            hello = wire.encode(HelloFrame(self._hello() if callable(self._hello) else self._hello))
+            fds = self.hello_fds() if peer.sock.family == socket.AF_UNIX else []
             assert peer.channel is not None
+            if fds:
+                with peer.channel._send_lock:  # noqa: SLF001  (whole, like every frame)
+                    wire.send_frame_fds(peer.sock, hello, fds)
+            else:
+                peer.channel.send_frame(hello)
             while True:
-                self.dispatch(peer, peer.channel.recv())
+                frame = peer.channel.recv()
+                peer.last_active = time.monotonic()
+                self.dispatch(peer, frame)
         except KvFerryError as err:  # a frame that broke the protocol: the peer cannot be trusted further
             reason = f"it broke the protocol: {err}"
             self._record(err if isinstance(err, wire.ProtocolError) else wire.ProtocolError(f"{peer}: {err}; disconnected", peer=str(peer)))
             if peer.channel is not None:
                 peer.channel.goodbye(f"disconnected: {err}")
         except (EOFError, OSError) as err:
-            reason = "the endpoint closed" if self._closing.is_set() else f"its connection ended ({type(err).__name__})"
+            if self._closing.is_set():
+                reason = "the endpoint closed"
+            elif peer.reclaimed:
+                reason = f"the endpoint closed it to make room for another sender after {self.idle_reclaim_s:g} s idle"
+            else:
+                reason = f"its connection ended ({type(err).__name__})"
         finally:
             with self._lock:
                 self._peers.discard(peer)
             peer.close()
             if authenticated:  # a refused peer owned nothing and changed nothing
                 self.lost(peer, reason)
+
+    def _take_place(self, peer: _Peer) -> bool:
+        """An authenticated connection takes one of ``max_peers`` places (making room if it
+        must); a refused one is told why and ends, having changed nothing."""
+        for _ in range(2):
+            with self._lock:
+                served = sum(1 for p in self._peers if p is not peer and p.authenticated)
+                if served < self.max_peers:
+                    peer.authenticated = True
+                    return True
+            if not self.make_room(peer):
+                break
+        why = (
+            f"refused: this endpoint serves at most {self.max_peers} senders at once (max_peers),"
+            f" none idle for {self.idle_reclaim_s:g} s"
+        )
+        self._record(TransferError(f"{peer}: {why}", peer=str(peer)))
+        if peer.channel is not None:
+            peer.channel.goodbye(why)
+        return False
+
+    def make_room(self, newcomer: Any) -> bool:
+        """Closes the connection silent longest, if it has been silent ``idle_reclaim_s`` and
+        owns no unfinished request, and waits for its thread to end (its places, a staging
+        ring, are free then). Returns whether one was closed."""
+        now = time.monotonic()
+        with self._lock:
+            idle = sorted(
+                (
+                    p
+                    for p in self._peers
+                    if p is not newcomer
+                    and p.authenticated
+                    and not p.reclaimed
+                    and now - p.last_active >= self.idle_reclaim_s
+                ),
+                key=lambda p: p.last_active,
+            )
+        for victim in idle:
+            if self.receiver.owns_unfinished(victim.source):
+                continue
+            victim.reclaimed = True
+            if victim.channel is not None:
+                idle_s = now - victim.last_active
+                victim.channel.goodbye(f"closed: idle for {idle_s:.0f} s while another sender needed its place")
+            victim.shutdown()
+            if victim.thread is not None and victim.thread is not threading.current_thread():
+                victim.thread.join(JOIN_SECONDS)
+            with self._lock:
+                self.reclaimed_count += 1
+            return True
+        return False
 
     def lost(self, peer: Any, reason: str) -> None:
         """A sender's connection ended: its unfinished requests can get no more notices.
@@ -356,7 +484,7 @@ class PeerConnection:
         except OSError as err:
             raise TransferError(f"cannot reach the receiver at {address}: {err!r}", peer=address) from err
         try:
-            wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout)
+            wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout, where.url())
         except AuthenticationError as err:
             self._sock.close()
             raise TransferError(f"cannot reach the receiver at {address}: {err}", peer=address) from err
@@ -365,8 +493,14 @@ class PeerConnection:
         self.lost: Optional[TransferError] = None
         self.cancels: list[tuple[int, int]] = []
         self.replies: deque[int] = deque()
+        # Descriptors the receiver passed with its hello (a Unix socket only): the transport
+        # that opens the pool takes them (`take_fds`); whatever is left is closed with us.
+        self.fds: list[int] = []
         try:
-            first = self._channel.recv()
+            if self._sock.family == socket.AF_UNIX:
+                first, self.fds = wire.recv_frame_fds(self._sock)
+            else:
+                first = self._channel.recv()
             if isinstance(first, Goodbye):
                 raise TransferError(f"the {self.peer} refused the connection: {first.reason}", peer=self.peer)
             if not isinstance(first, HelloFrame):
@@ -445,7 +579,14 @@ class PeerConnection:
         cancels, self.cancels = self.cancels, []
         return cancels
 
+    def take_fds(self) -> list[int]:
+        """The descriptors that came with the hello, each once; the caller closes them."""
+        fds, self.fds = self.fds, []
+        return fds
+
     def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
         self._sock.close()
 
 
@@ -473,6 +614,8 @@ class LocalTransport(Transport):
         except BaseException:
             self._conn.close()
             raise
+        for fd in self._conn.take_fds():  # passed with the hello and not taken: not ours to keep
+            os.close(fd)
 
     def check_peer(self) -> None:
         """Raises `TransferError` (naming the receiver) once the receiver went away."""

@@ -106,11 +106,20 @@ def layer_descriptors(bases: Sequence[int], segments: int, segment_bytes: int, n
     return np.stack([addresses, np.full_like(addresses, seg), np.full_like(addresses, device)], axis=1)
 
 
+# The most descriptor rows NIXL's prepared transfers can index (they take int32 indices).
+INT32_ROWS = 2**31 - 1
+
+
 def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, num_blocks: int) -> np.ndarray:
     """Rows of `block_descriptors` for blocks ``ids`` in every segment of layers
     ``[lo, hi)`` (int32, the type NIXL's prepared transfers take): a layer slice is a
     subset of the same prepared descriptor lists."""
     lo, hi = layers
+    if hi * segments * num_blocks > INT32_ROWS:  # a row past int32 would wrap to another block's
+        raise InvalidArgumentError(
+            f"invalid pool for NIXL: {hi} layers x {segments} segments x {num_blocks} blocks"
+            f" = {hi * segments * num_blocks} descriptors, more than NIXL's int32 indices reach ({INT32_ROWS})"
+        )
     rows = np.arange(lo * segments, hi * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
     return rows.ravel().astype(np.int32)
 
@@ -148,6 +157,17 @@ def run_descriptors(
     addresses = (base[:, None, None] + segment_offsets[None, :, None] + run_offsets).ravel()
     sizes = np.broadcast_to(lengths.astype(np.uint64) * seg, (hi - lo, segments, len(starts))).ravel()
     return np.stack([addresses, sizes, np.full_like(addresses, device)], axis=1)
+
+
+def offset_rows(rows: np.ndarray, offset: int) -> np.ndarray:
+    """``rows`` moved by ``offset`` (the host pool's rows after the device pool's), refused
+    when any would pass int32."""
+    moved = rows.astype(np.int64) + offset
+    if moved.size and int(moved.max()) >= INT32_ROWS:
+        raise InvalidArgumentError(
+            f"invalid descriptor row {int(moved.max())}: more than NIXL's int32 indices reach ({INT32_ROWS})"
+        )
+    return moved.astype(np.int32)
 
 
 def _encode(notices: Sequence[Notice], dst_ids: Optional[np.ndarray] = None) -> bytes:
@@ -534,7 +554,7 @@ class NixlTransport(Transport):
                 rows = descriptor_indices(part.src_ids, layers, segments, self._host_src.num_blocks)
                 local = self._host_side if self._split else self._local_side
                 if not self._split:  # its rows follow the device pool's in the one list
-                    rows = (rows.astype(np.int64) + self._host_row).astype(np.int32)
+                    rows = offset_rows(rows, self._host_row)
             entry = lists.setdefault(id(local), (local, [], []))
             entry[1].append(rows)
             entry[2].append(descriptor_indices(part.dst_ids, layers, segments, self._remote_blocks))

@@ -76,6 +76,13 @@ class TransportSpec:
     # The receiver's pool must live in a shared-memory segment (`receiver_pool` makes one).
     shared_pool: bool
     summary: str
+    # Capabilities an engine adapter asks about instead of naming transports (kvferry.vllm):
+    # ``ring_option``: the `serve` option that sizes the endpoint's staging ring (None: no
+    # ring); ``refuses_late_writes``: the endpoint applies a write only for a request its
+    # receiver still admits, so a request may be released without its sender's fence (a
+    # one-sided write, as NIXL's, lands whatever the receiver decided).
+    ring_option: Optional[str] = None
+    refuses_late_writes: bool = False
     # Builders (see `serve` and `connect`): the receiver's endpoint (None: the transport has
     # none) and the sender's transport.
     _serve: Optional[Callable[..., Any]] = field(default=None, repr=False, compare=False)
@@ -336,9 +343,20 @@ _SPECS: dict[str, TransportSpec] = {
     s.name: s
     for s in (
         TransportSpec("in-process", ("cpu", "cuda"), Reach.PROCESS, True, False, "both pools in one process; writes are direct copies"),
-        TransportSpec("shm", ("cpu",), Reach.HOST, True, True, "the receiver's CPU pool in POSIX shared memory, mapped by the sender", _serve_shm, _connect_shm),
-        TransportSpec("cuda-ipc", ("cuda",), Reach.HOST, True, False, "the receiver's CUDA pool mapped by the sender through CUDA IPC handles", _serve_cuda_ipc, _connect_cuda_ipc),
-        TransportSpec("staging", ("cpu", "cuda"), Reach.HOST, False, False, "through a pinned shared host ring (a machine without GPUDirect)", _serve_staging, _connect_staging),
-        TransportSpec("nixl", ("cpu", "cuda"), Reach.NETWORK, False, False, "one-sided NIXL writes; notices ride on the writes", _serve_nixl, _connect_nixl),
+        TransportSpec("shm", ("cpu",), Reach.HOST, True, True, "the receiver's CPU pool in POSIX shared memory, mapped by the sender", _serve=_serve_shm, _connect=_connect_shm),
+        TransportSpec("cuda-ipc", ("cuda",), Reach.HOST, True, False, "the receiver's CUDA pool mapped by the sender through CUDA IPC handles", _serve=_serve_cuda_ipc, _connect=_connect_cuda_ipc),
+        TransportSpec(
+            "staging",
+            ("cpu", "cuda"),
+            Reach.HOST,
+            False,
+            False,
+            "through a pinned shared host ring (a machine without GPUDirect)",
+            ring_option="capacity_blocks",
+            refuses_late_writes=True,
+            _serve=_serve_staging,
+            _connect=_connect_staging,
+        ),
+        TransportSpec("nixl", ("cpu", "cuda"), Reach.NETWORK, False, False, "one-sided NIXL writes; notices ride on the writes", _serve=_serve_nixl, _connect=_connect_nixl),
     )
 }

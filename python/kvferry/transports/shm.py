@@ -1,11 +1,24 @@
 """CPU pools across processes on one host: the receiver's pool lives in POSIX shared memory,
 the sender maps it and writes blocks straight into it; notices travel over the local socket
 of kvferry.transports.control. The segment name is 128 random bits.
+
+A segment one sender alone maps (a staging ring: kvferry.transports.staging) loses its name
+as soon as that sender mapped it (`SharedPool.attach` with ``unlink=True``): from then on only
+the two mappings keep it, so the kernel frees it when both processes are gone, however they
+end (a SIGKILL of both process groups takes the receiver's resource tracker with it, which
+would otherwise have been the one to remove it). A pool many senders map over time (an
+`ShmEndpoint`'s) has no name either when the endpoint listens on a Unix socket: the endpoint
+removes it at once and passes each sender the segment's descriptor itself (``SCM_RIGHTS``,
+with the hello). Over ``tcp://`` (one host still) a descriptor cannot travel, so such a pool
+keeps its name while the receiver lives (docs/security.md).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
+import re
 import secrets
 import sys
 import threading
@@ -33,6 +46,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 _TRACKER_PATCH = threading.Lock()
+# The names this module gives segments: the only ones a hello may make a sender open or unlink.
+SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
 
 
 def _attach_untracked(name: str) -> SharedMemory:
@@ -50,12 +65,39 @@ def _attach_untracked(name: str) -> SharedMemory:
             resource_tracker.register = register  # type: ignore[assignment]
 
 
+def _unlink_untracked(segment: SharedMemory) -> None:
+    """Removes a segment's name without touching this process's resource tracker (it never
+    registered the segment: `_attach_untracked`). A name already gone is fine."""
+    from multiprocessing import shared_memory
+
+    try:
+        shared_memory._posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]  # noqa: SLF001
+    except FileNotFoundError:
+        pass
+
+
+class _MappedFd:
+    """A segment mapped from a descriptor another process passed (it has no name here)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            raise TransferError(f"the receiver passed a segment of {st.st_size} bytes, its pool needs {size}")
+        self._mmap = mmap.mmap(fd, size)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
 class SharedPool:
     """A paged pool whose layers are consecutive slices of one shared-memory segment."""
 
-    def __init__(self, segment: SharedMemory, descriptor: dict[str, Any], *, owner: bool) -> None:
+    def __init__(self, segment: Any, descriptor: dict[str, Any], *, owner: bool) -> None:
         self._segment = segment
         self._owner = owner
+        self._named = True  # whether close must remove the name (the owner's)
         self.descriptor = descriptor
         shape = tuple(descriptor["shape"])
         dtype = _dtype(descriptor["dtype"])
@@ -87,30 +129,90 @@ class SharedPool:
         return shared
 
     @classmethod
-    def attach(cls, descriptor: dict[str, Any]) -> SharedPool:
-        """Maps a pool another process created."""
-        return cls(_attach_untracked(descriptor["name"]), descriptor, owner=False)
+    def attach(cls, descriptor: dict[str, Any], *, unlink: bool = False) -> SharedPool:
+        """Maps a pool another process created. ``unlink``: removes its name once mapped
+        (a segment only this process maps besides its creator: see the module doc)."""
+        name = descriptor["name"]
+        if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
+            raise TransferError(
+                f"invalid segment name {str(name)[:80]!r}: not one kvferry makes (kvferry- and 32 hex digits)"
+            )
+        segment = _attach_untracked(name)
+        if unlink:
+            try:
+                _unlink_untracked(segment)
+            except BaseException:
+                segment.close()
+                raise
+        return cls(segment, descriptor, owner=False)
+
+    @staticmethod
+    def nbytes(descriptor: dict[str, Any]) -> int:
+        element = torch.empty((), dtype=_dtype(descriptor["dtype"])).element_size()
+        return int(descriptor["num_layers"]) * math.prod(descriptor["shape"]) * element
+
+    @classmethod
+    def attach_fd(cls, fd: int, descriptor: dict[str, Any]) -> SharedPool:
+        """Maps a pool from the descriptor its creator passed over the Unix socket (the
+        caller keeps and closes ``fd``)."""
+        return cls(_MappedFd(fd, max(cls.nbytes(descriptor), 1)), descriptor, owner=False)
+
+    def fileno(self) -> int:
+        """The segment's descriptor in the creating process (what an endpoint passes on)."""
+        if not self._owner:
+            raise TransferError("only the process that created a shared pool passes its descriptor on")
+        return int(self._segment._fd)  # noqa: SLF001  (SharedMemory keeps it open until close)
+
+    def remove_name(self) -> None:
+        """Removes the segment's name now (the creator's mapping and descriptor keep it): no
+        one opens it by name from here on, and nothing is left in /dev/shm however this
+        process ends."""
+        if self._owner and self._named:
+            self._named = False
+            try:
+                self._segment.unlink()
+            except FileNotFoundError:
+                self._forget()
+
+    def _forget(self) -> None:
+        if sys.version_info < (3, 13) or getattr(self._segment, "_track", True):
+            name = self._segment._name  # noqa: SLF001
+            resource_tracker.unregister(name, "shared_memory")  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Unmaps the segment (and removes it, in the creating process). Tensors taken from
-        ``pool`` must be dropped first."""
+        """Unmaps the segment (and removes it, in the creating process, unless the one
+        process that mapped it removed its name already). Tensors taken from ``pool`` must
+        be dropped first."""
         self.pool = None
         self._segment.close()
-        if self._owner:
-            self._segment.unlink()
+        if self._owner and self._named:
+            try:
+                self._segment.unlink()
+            except FileNotFoundError:  # its sender unlinked the name: forget it in the tracker too
+                self._forget()
 
 
 class ShmEndpoint(LocalEndpoint):
-    """Serves a shared pool's descriptor; see `LocalEndpoint`."""
+    """Serves a shared pool's descriptor; see `LocalEndpoint`. On a Unix socket the pool's
+    name is removed at once and each sender gets the segment's descriptor with its hello
+    (see the module doc); over ``tcp://`` senders open it by name."""
 
     def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes, **options: Any) -> None:
         super().__init__(receiver, pool_hello(receiver.pool, "shm", segment=shared.descriptor), authkey=authkey, **options)
+        self._shared = shared
+        if self._bound.scheme == "unix":
+            shared.remove_name()
+
+    def hello_fds(self) -> list[int]:
+        return [self._shared.fileno()] if self._bound.scheme == "unix" else []
 
 
-def _open_shared(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
+def _open_shared(hello: dict[str, Any], fds: Sequence[int] = ()) -> tuple[PagedKV, Callable[[], None]]:
     if hello["kind"] != "shm":
         raise TransferError(f"the receiver serves a {hello['kind']} pool, not a shared-memory one")
-    shared = SharedPool.attach(hello["segment"])
+    if len(fds) > 1:
+        raise TransferError(f"the receiver passed {len(fds)} descriptors with its hello, a shared pool takes one")
+    shared = SharedPool.attach_fd(fds[0], hello["segment"]) if fds else SharedPool.attach(hello["segment"])
     assert shared.pool is not None
     try:
         shared.pool.check_compatible(hello["geometry"])
@@ -124,4 +226,12 @@ class ShmTransport(LocalTransport):
     """Maps the receiver's shared pool; see `LocalTransport`."""
 
     def __init__(self, address: str, *, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
-        super().__init__(address, authkey=authkey, open_pool=_open_shared, handshake_timeout=handshake_timeout)
+        super().__init__(address, authkey=authkey, open_pool=self._open, handshake_timeout=handshake_timeout)
+
+    def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
+        fds = self._conn.take_fds()
+        try:
+            return _open_shared(hello, fds)
+        finally:
+            for fd in fds:  # mapped (or refused): the mapping needs no descriptor
+                os.close(fd)

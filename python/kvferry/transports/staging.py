@@ -198,9 +198,10 @@ class StagingEndpoint(LocalEndpoint):
     and frees its slots.
 
     A ring is created when a sender's handshake succeeds (its descriptor goes in that
-    sender's hello only) and is unlinked when its connection ends, by the connection's own
-    thread, after every batch it posted was applied or dropped: no two senders ever share
-    slots, and a sender that dies leaves no segment behind. Memory: each connected sender
+    sender's hello only); the sender removes its name as soon as it mapped it, and the
+    connection's own thread unmaps it when the connection ends, after every batch it posted
+    was applied or dropped: no two senders ever share slots, and nothing is left behind
+    however either side ends (a SIGKILL of both process groups included). Memory: each connected sender
     costs ``capacity_blocks`` x the pool's block bytes (every layer) of shared memory, page-
     locked on a CUDA host. ``max_senders`` bounds the connections served at once (default
     `DEFAULT_MAX_SENDERS`); one more is refused after its handshake with a goodbye naming
@@ -231,17 +232,22 @@ class StagingEndpoint(LocalEndpoint):
         """The hello of the connection whose thread runs this: creates its ring."""
         peer = getattr(self._local, "peer", None)
         assert peer is not None, "called off a connection thread"
-        with self._rings_lock:
-            if self._rings_closed:
-                raise _Refused("the endpoint is closing")
-            if len(self._rings) + self._opening >= self.max_senders:
-                refusal = f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders), each with its own ring of {self.capacity} blocks ({self.ring_bytes} bytes)"
-                full = True
-            else:
-                self._opening += 1
-                full = False
+        for attempt in range(2):  # full: an idle sender's ring may be reclaimed (make_room), once
+            with self._rings_lock:
+                if self._rings_closed:
+                    raise _Refused("the endpoint is closing")
+                full = len(self._rings) + self._opening >= self.max_senders
+                if not full:
+                    self._opening += 1
+            if not full or attempt or not self.make_room(peer):
+                break
         if full:
-            self._refuse(peer, refusal)
+            self._refuse(
+                peer,
+                f"refused: this staging endpoint serves at most {self.max_senders} senders at once (max_senders),"
+                f" each with its own ring of {self.capacity} blocks ({self.ring_bytes} bytes),"
+                f" none idle for {self.idle_reclaim_s:g} s",
+            )
         try:
             ring = _Ring(self._pool, self.capacity)
         except Exception as err:  # no memory for it (shared memory, page-locking): this peer only
@@ -383,7 +389,7 @@ class StagingTransport(LocalTransport):
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
             raise TransferError(f"the receiver serves a {hello['kind']} pool, not a staging ring")
-        ring = SharedPool.attach(hello["segment"])
+        ring = SharedPool.attach(hello["segment"], unlink=True)  # this connection's alone: nameless once mapped
         assert ring.pool is not None
         self.ring_name = str(hello["segment"]["name"])  # this connection's own ring
         self._geometry = hello["geometry"]

@@ -16,14 +16,25 @@ but the handshake's own fixed-size frames:
 endpoint                                          sender
 CHALLENGE (role endpoint, nonce_e) ------------->
           <------------------------------------- CHALLENGE (role sender, nonce_s)
-          <------------------------------------- PROOF HMAC-SHA256(key, label|sender|nonce_e|nonce_s)
+          <------------------------------------- PROOF MAC(sender, E, nonce_e, nonce_s)
 checks it; only then:
-PROOF HMAC-SHA256(key, label|endpoint|nonce_s|nonce_e) -->  checks it
+PROOF MAC(endpoint, E, nonce_s, nonce_e) ------->  checks it
 HELLO (how to reach the pool) ------------------>
+
+MAC(role, E, theirs, mine) = HMAC-SHA256(key, label | version | role | len(E) | E | theirs | mine)
 ```
 Nonces are 32 fresh random bytes per side and connection, so no proof can be replayed; the
 role inside each MAC means a proof cannot be reflected back to the side that made it, and
-the endpoint proves itself only to a sender that proved itself first. The whole handshake
+the endpoint proves itself only to a sender that proved itself first.
+``E`` is the channel binding: the endpoint's URL as the sender meant it (the address it was
+told to connect to, canonical: `Address.url`), which the endpoint checks against the URLs it
+is reached by (its advertised address). A relay that a sender was sent to (a TCP forwarder
+to a real endpoint) gets a proof over the relay's own address, which the real endpoint
+refuses, and the sender refuses whatever the endpoint proves over another address: no
+relayed handshake completes, so nothing after it reaches the relay's owner. The sender has
+no address of its own worth binding (an ephemeral port, NAT'd across hosts); its identity in
+the MAC is its role. ``version`` is the handshake's (`HANDSHAKE_VERSION`) and the codec's
+frame version: a peer of another version fails the proof instead of misreading frames. The whole handshake
 must finish within ``handshake_timeout`` seconds or the connection is closed, having
 changed nothing. After it, every message is a frame of the Rust codec (kvferry._core,
 rust/src/wire/), one frozen dataclass per kind (kvferry.transports.frames): nothing from
@@ -32,9 +43,11 @@ the wire is ever unpickled.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import select
@@ -44,7 +57,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, TypeVar
+from typing import Optional, Sequence, TypeVar
 
 from kvferry import _core
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -60,6 +73,7 @@ __all__ = [
     "check_authkey",
     "check_timeout",
     "connect",
+    "binding",
     "encode",
     "handshake",
     "listen",
@@ -71,7 +85,11 @@ MIN_AUTHKEY_BYTES = 32
 # How long a peer may take over the whole handshake before the connection is dropped.
 DEFAULT_HANDSHAKE_SECONDS = 10.0
 NONCE_BYTES = 32
-MAC_LABEL = b"kvferry-auth-v1"
+# v2: the MAC binds the endpoint's URL and the protocol version (channel binding); a v1 peer's
+# proof fails. The frames' layout is unchanged, so the codec's version stays.
+HANDSHAKE_VERSION = 2
+MAC_LABEL = b"kvferry-auth-v2"
+MAX_BINDING_BYTES = 4096
 ROLE_ENDPOINT = 1
 ROLE_SENDER = 2
 
@@ -303,6 +321,52 @@ def recv_frame(
         raise ProtocolError(str(err)) from None
 
 
+MAX_PASSED_FDS = 4
+
+
+def send_frame_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """An encoded frame with descriptors riding on its first byte (``SCM_RIGHTS``; a Unix
+    socket only): how an endpoint hands a sender a segment that has no name."""
+    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_frame_fds(
+    sock: socket.socket, limit: int = MAX_FRAME_BYTES, frames: FrameSet = TRANSPORT
+) -> tuple[Frame, list[int]]:
+    """`recv_frame` on a Unix socket, also taking the descriptors that came with the frame
+    (at most ``MAX_PASSED_FDS``; more, or a truncated set, are closed and refused). The
+    caller owns (and closes) the descriptors returned."""
+    fds: list[int] = []
+    header = b""
+    try:
+        while len(header) < _core.WIRE_HEADER_BYTES:
+            room = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
+            data, ancillary, flags, _ = sock.recvmsg(_core.WIRE_HEADER_BYTES - len(header), room)
+            for level, cmsg, payload in ancillary:
+                if level == socket.SOL_SOCKET and cmsg == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                    fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"more than {MAX_PASSED_FDS} descriptors came with a frame")
+            if not data:
+                raise EOFError("the peer closed the connection")
+            header += data
+        try:
+            _, length = _core.wire_header(header, limit)
+            body = _recv_exact(sock, length) if length else b""
+            frame = frames.decode(header + body, limit)
+        except InvalidArgumentError as err:
+            raise ProtocolError(str(err)) from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return frame, fds
+
+
 def encode(frame: Frame, frames: FrameSet = TRANSPORT) -> bytes:
     """One encoded frame (InvalidArgumentError for a frame the codec would refuse)."""
     return frames.encode(frame)
@@ -332,8 +396,10 @@ class Channel:
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a frame (or the end of the connection) is waiting."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        return bool(ready)
+        # poll(2), not select(2): select refuses descriptors >= 1024, which a busy process has.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
     def goodbye(self, reason: str) -> None:
         """Tells the peer why the connection is closing (best effort: it may be gone)."""
@@ -343,27 +409,56 @@ class Channel:
             pass
 
 
-def _mac(key: bytes, role: int, theirs: bytes, mine: bytes) -> bytes:
-    return hmac.new(key, MAC_LABEL + bytes([role]) + theirs + mine, hashlib.sha256).digest()
+def _mac(key: bytes, role: int, binding: bytes, theirs: bytes, mine: bytes) -> bytes:
+    versions = struct.pack("<HHB", HANDSHAKE_VERSION, _core.WIRE_VERSION, role)
+    prefix = MAC_LABEL + versions + struct.pack("<H", len(binding))
+    return hmac.new(key, prefix + binding + theirs + mine, hashlib.sha256).digest()
+
+
+def binding(endpoint: object, name: str = "endpoint") -> bytes:
+    """The channel binding of an endpoint URL: its canonical form (`Address.url`), UTF-8."""
+    data = parse_address(endpoint, name).url().encode()
+    if len(data) > MAX_BINDING_BYTES:
+        raise InvalidArgumentError(f"invalid {name}={str(endpoint)[:100]!r}...: longer than {MAX_BINDING_BYTES} bytes")
+    return data
 
 
 H = TypeVar("H", Challenge, Proof)
 
 
 def _expect(sock: socket.socket, kind: type[H], deadline: float) -> H:
+    # Before the proof, the peer may be anything (a port a forged address pointed at): what
+    # it sent is never quoted back, only what kind of thing it was (no port scanner).
+    header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
+    magic, version, _, _ = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise AuthenticationError("not a kvferry handshake: the peer's first bytes are not a kvferry frame")
+    if version != VERSION:
+        raise AuthenticationError(
+            f"not a kvferry handshake this side speaks: the peer's frames are of wire version {version}, not {VERSION}"
+        )
     try:
-        got = recv_frame(sock, HANDSHAKE_LIMIT, deadline)
-    except ProtocolError as err:
-        raise AuthenticationError(f"not a kvferry handshake: {err}") from None
+        _, length = _core.wire_header(header, HANDSHAKE_LIMIT)
+        body = _recv_exact(sock, length, deadline) if length else b""
+        got = TRANSPORT.decode(header + body, HANDSHAKE_LIMIT)
+    except InvalidArgumentError:
+        why = f"not a kvferry handshake: a malformed or oversized frame where a {kind.kind} was due"
+        raise AuthenticationError(why) from None
     if not isinstance(got, kind):
         raise AuthenticationError(f"a {got.kind} frame during the handshake, expected a {kind.kind}")
     return got
 
 
-def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> None:
+def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoint: str | Sequence[str]) -> str:
     """Runs the mutual handshake (module doc) as ``role`` within ``timeout`` seconds;
-    raises `AuthenticationError` (the caller closes the socket) on any failure."""
+    raises `AuthenticationError` (the caller closes the socket) on any failure.
+    ``endpoint``: for a sender, the URL it meant to reach; for an endpoint, the URLs it is
+    reached by (its advertised address first). Returns the URL both proofs bound."""
     deadline = time.monotonic() + timeout
+    names = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+    if not names or (role == ROLE_SENDER and len(names) != 1):
+        raise InvalidArgumentError(f"invalid endpoint={endpoint!r}: a sender names one URL, an endpoint at least one")
+    bindings = [binding(n) for n in names]
     mine = secrets.token_bytes(NONCE_BYTES)
     peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
     proved = False
@@ -374,22 +469,35 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float) -> Non
         if got_role != peer_role:
             raise AuthenticationError(f"the peer claims role {got_role}, expected {peer_role} (a reflected challenge?)")
         if role == ROLE_SENDER:
-            sock.sendall(encode(Proof(_mac(key, role, theirs, mine))))
+            sock.sendall(encode(Proof(_mac(key, role, bindings[0], theirs, mine))))
             proved = True
         proof = _expect(sock, Proof, deadline).mac
-        if not hmac.compare_digest(proof, _mac(key, peer_role, mine, theirs)):
-            raise AuthenticationError("the peer's proof is wrong: it does not hold this session's key")
+        bound = next((b for b in bindings if hmac.compare_digest(proof, _mac(key, peer_role, b, mine, theirs))), None)
+        if bound is None:
+            if role == ROLE_ENDPOINT:
+                raise AuthenticationError(
+                    "the peer's proof is wrong: it does not hold this session's key, or it meant another endpoint than"
+                    f" {names[0]} (a relay?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+                )
+            raise AuthenticationError(
+                f"the peer's proof is wrong: it does not hold this session's key, or it is not the endpoint {names[0]}"
+                f" (a relay to another endpoint?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+            )
         if role == ROLE_ENDPOINT:
-            sock.sendall(encode(Proof(_mac(key, role, theirs, mine))))
+            sock.sendall(encode(Proof(_mac(key, role, bound, theirs, mine))))
+        return bound.decode()
     except AuthenticationError:
         raise
     except socket.timeout:
         raise AuthenticationError(f"no complete handshake within {timeout} s") from None
     except EOFError:
         if proved:
-            raise AuthenticationError("the peer closed the connection after our proof: it refused our key (not this session's?)") from None
+            raise AuthenticationError(
+                "the peer closed the connection after our proof: it refused our key (not this session's?)"
+                " or the address we meant (reached through a relay, or by another name than it advertises?)"
+            ) from None
         raise AuthenticationError("the peer closed the connection during the handshake") from None
     except OSError as err:
-        raise AuthenticationError(f"handshake failed: {err!r}") from None
+        raise AuthenticationError(f"handshake failed: {type(err).__name__} ({err.strerror or 'no detail'})") from None
     finally:
         sock.settimeout(None)

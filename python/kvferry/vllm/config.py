@@ -45,6 +45,9 @@ class ConnectorConfig:
     listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
     advertise: Optional[str] = None  # the host a wildcard tcp:// bind is reached by
     trace: Optional[str] = None  # a file each transfer's stages go to, one JSON line each (kvferry.trace); unset: off
+    # Decode servers' rendezvous URLs a prefill server connects to without a peer_mac (the
+    # decode server's signature of its URL, which its hello answer carries): kvferry.vllm.trust.
+    trusted_peers: tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -58,7 +61,11 @@ class ConnectorConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = getattr(cls, name)
-            if name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
+            if name == "trusted_peers":
+                from kvferry.vllm.trust import check_trusted_peers
+
+                value = check_trusted_peers(value)
+            elif name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif isinstance(default, bool):
@@ -156,7 +163,10 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
         path = os.path.expanduser(authkey_file)
         what = "kv_connector_extra_config authkey_file"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO (or a device) named here must not hang the server; the
+        # type is checked on the opened file itself below, so nothing can swap it in between.
+        # Symbolic links are followed (a Kubernetes secret volume is one); their target is checked.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise InvalidArgumentError(f"invalid {what} {path!r}: cannot open it: {err.strerror}") from err
     with os.fdopen(fd, "rb") as f:
@@ -180,6 +190,7 @@ class RequestParams:
     transfer: Optional[str] = None
     peer: Optional[str] = None
     timeout_s: Optional[float] = None
+    peer_mac: Optional[str] = None  # the decode server's signature of ``peer`` (kvferry.vllm.trust)
 
 
 def parse_params(params: Any) -> Optional[RequestParams]:
@@ -198,9 +209,11 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(
             "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read it from kv_connector_extra_config.authkey_file (or the per-user default file)"
         )
-    unknown = sorted(set(ours) - {"op", "transfer", "peer", "timeout_s"})
+    unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s"})
     if unknown:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, timeout_s")
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac, timeout_s"
+        )
     op = ours.get("op")
     if op not in OPS:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.op={op!r}: must be one of {list(OPS)}")
@@ -218,11 +231,22 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout))):
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")
     if op == "recv":
+        if "peer_mac" in ours:
+            raise InvalidArgumentError(
+                "invalid kv_transfer_params.kvferry keys ['peer_mac'] for op 'recv': only a send names a peer"
+            )
         return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer")
-    return RequestParams("send", transfer, peer, None if timeout is None else float(timeout))
+    mac = ours.get("peer_mac")
+    hexdigits = "0123456789abcdef"
+    if mac is not None and (not isinstance(mac, str) or len(mac) != 64 or any(c not in hexdigits for c in mac)):
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry.peer_mac={str(mac)[:80]!r}:"
+            " must be the 64 hex digits of the decode server's hello answer"
+        )
+    return RequestParams("send", transfer, peer, None if timeout is None else float(timeout), mac)
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

@@ -1,6 +1,8 @@
 """`KvferryConnector`: kvferry as a vLLM V1 KV connector. vLLM builds it twice, once per
-role: the scheduler half (kvferry.vllm.scheduler) decides per request, the worker half
-(kvferry.vllm.worker) moves the blocks. docs/vllm.md has the protocol and the flow."""
+role: the scheduler half (kvferry.vllm.scheduler) decides per request, the worker half moves
+the blocks: a `PrefillWorker` (kvferry.vllm.prefill_worker) on a kv_producer, a `DecodeWorker`
+(kvferry.vllm.decode_worker) on a kv_consumer, both on a kv_both engine, over one
+`WorkerCommon` (kvferry.vllm.worker). docs/vllm.md has the protocol and the flow."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
 from kvferry.vllm.scheduler import SchedulerSide
 from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
-from kvferry.vllm.worker import WorkerSide
+from kvferry.vllm.decode_worker import DecodeWorker
+from kvferry.vllm.prefill_worker import PrefillWorker
+from kvferry.vllm.worker import WorkerCommon
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,27 +50,42 @@ class KvferryConnector(KVConnectorBase_V1):
         kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         self._sched: Optional[SchedulerSide] = None
-        self._worker: Optional[WorkerSide] = None
+        self._worker: Optional[WorkerCommon] = None
+        self._prefill: Optional[PrefillWorker] = None
+        self._decode: Optional[DecodeWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             engine_id = str(transfer.engine_id)
             self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, engine_id=engine_id, kv_cache_manager_getter=lambda: self._kv_cache_manager, authkey=authkey)
         else:
             assert kv_cache_config is not None
-            self._worker = WorkerSide(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, role=kv_role, authkey=authkey)
+            self._worker = WorkerCommon(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, authkey=authkey)
+            if kv_role in ("kv_producer", "kv_both"):
+                self._prefill = PrefillWorker(self._worker)
+            if kv_role in ("kv_consumer", "kv_both"):
+                self._decode = DecodeWorker(self._worker)
 
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches, extract_layer_index)
+        if self._decode is not None:
+            self._decode.start()
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
-        return None if self._worker is None else self._worker.handshake()
+        return None if self._decode is None else self._decode.handshake()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert self._worker is not None and isinstance(connector_metadata, KvferryMetadata)
-        self._worker.bind(connector_metadata)  # the early sends leave here, before the forward
+        if self._prefill is not None:
+            self._prefill.preempt(connector_metadata)  # before this step's forward reuses their blocks
+        if self._decode is not None:
+            self._decode.bind(connector_metadata)
+        for rid, reason in connector_metadata.fails:
+            self._worker.fail_next(rid, None, reason)  # refused by the scheduler half, which keeps the reason
+        if self._prefill is not None:
+            self._prefill.bind(connector_metadata)  # the early sends leave here, before the forward
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return  # nothing to start: the prefill side pushes, the decode side only checks arrivals
@@ -75,16 +94,22 @@ class KvferryConnector(KVConnectorBase_V1):
         return  # a decode request is scheduled only once all its blocks arrived
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.save_layer(layer_name)
+        if self._prefill is not None:
+            self._prefill.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        self._worker.after_forward()
+        if self._prefill is not None:
+            self._prefill.after_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sending, recving, failed = self._worker.results(finished_req_ids)
+        sending = self._prefill.results(finished_req_ids) if self._prefill is not None else set()
+        failed = self._worker.take_failed()
+        recving = set(failed)
+        if self._decode is not None:
+            arrived, lost = self._decode.results(finished_req_ids)
+            recving |= arrived
+            failed |= lost
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -102,8 +127,12 @@ class KvferryConnector(KVConnectorBase_V1):
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        if self._prefill is not None:
+            self._prefill.close()
+        if self._decode is not None:
+            self._decode.close()
         if self._worker is not None:
-            self._worker.close()
+            self._worker.trace.close()
 
     # -- scheduler side ------------------------------------------------------------------
 

@@ -46,6 +46,8 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
+import re
 import threading
 import time
 import uuid
@@ -54,6 +56,8 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import aiohttp
 from aiohttp import web
+
+from kvferry.transports.guard import RateLimitedLog
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SESSION_HEADER = "X-Session-Id"
@@ -76,18 +80,56 @@ class _Refused(Exception):
         self.cause = cause
 
 
+_ADDRESS = re.compile(r"\b(?:[a-z]+\+)?(?:unix|tcp|https?)://[^\s'\"()<>,;\]]*")
+MAX_REASON_CHARS = 1000
+
+
+def scrub(text: str) -> str:
+    """A reason for a client: addresses (unix://, tcp://, http://, a transport's URL) replaced
+    by ``<address>``, at most ``MAX_REASON_CHARS`` characters."""
+    text = _ADDRESS.sub("<address>", str(text))
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+# Each failed leg is logged with its server's URL and the error's whole text; a flood of
+# failing requests logs a few lines and a count.
+_log = RateLimitedLog(logging.getLogger("kvferry.vllm.proxy"))
+
+
+def _http_reason(status: int, text: str) -> str:
+    """An upstream's error answer for the client: a 4xx says what was wrong with the client's
+    own request, so its body goes on; a 5xx's body is the server's business (logged only)."""
+    return f"HTTP {status}: {text[:2000]}" if 400 <= status < 500 else f"HTTP {status}"
+
+
 class UpstreamError(Exception):
     """One leg failed: which server, the status to give the client and a message;
     ``upstream_status``: the HTTP status the server answered, or the code of a stream's error
     event (``None``: no answer); ``transfer``: the kvferry transfer it concerns, if any."""
 
-    def __init__(self, leg: str, url: str, status: int, message: str, upstream_status: Optional[int] = None, transfer: Optional[str] = None) -> None:
-        super().__init__(f"{leg} server {url}: {message}")
+    def __init__(
+        self,
+        leg: str,
+        url: str,
+        status: int,
+        message: str,
+        upstream_status: Optional[int] = None,
+        transfer: Optional[str] = None,
+        *,
+        detail: Optional[str] = None,
+    ) -> None:
+        super().__init__(f"{leg} server {url}: {message}" + (f" [{detail}]" if detail else ""))
         self.leg, self.url, self.status, self.message = leg, url, status, message
         self.upstream_status, self.transfer = upstream_status, transfer
 
+    def public(self) -> str:
+        """What the client is told: which leg failed and a short reason, never the server's
+        URL, an exception's text or what the upstream answered (those go to the log)."""
+        return f"{self.leg} server: {scrub(self.message)}"
+
     def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"message": str(self), "type": "upstream_error", "code": self.status, "server": self.url}
+        error: dict[str, Any] = {"message": self.public(), "type": "upstream_error", "code": self.status}
+        error["leg"] = self.leg
         if self.transfer is not None:
             error["transfer"] = self.transfer
         return {"error": error}
@@ -113,6 +155,10 @@ def _one_token(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    # One sample: the prompt's KV is the same for every sample of the decode leg, and one
+    # prefill request per sample would race to send one transfer.
+    out.pop("n", None)
+    out.pop("best_of", None)
     return out
 
 
@@ -176,7 +222,8 @@ class KvferryFlow(Flow):
                 continue
             info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
             if not isinstance(info, dict) or info.get("role") not in ("kv_consumer", "kv_both") or not info.get("peer"):
-                raise UpstreamError("decode", server.url, 502, f"hello answered {info!r}: is it running KvferryConnector as kv_consumer?")
+                why = "its hello answer is not a kvferry decode server's (KvferryConnector as kv_consumer?)"
+                raise UpstreamError("decode", server.url, 502, why, detail=repr(info)[:500])
             self.peers[server.url] = info
             return info
 
@@ -185,7 +232,10 @@ class KvferryFlow(Flow):
         server = ex.decode_server
         transfer = uuid.uuid4().hex
         send = _one_token(ex.body)
-        send["kv_transfer_params"] = {PARAMS_KEY: {"op": "send", "transfer": transfer, "peer": peer["peer"]}}
+        ours = {"op": "send", "transfer": transfer, "peer": peer["peer"]}
+        if isinstance(peer.get("peer_mac"), str):  # the decode server's signature of its address (kvferry.vllm.trust)
+            ours["peer_mac"] = peer["peer_mac"]
+        send["kv_transfer_params"] = {PARAMS_KEY: ours}
         recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
         prefill = asyncio.ensure_future(ex.prefill(send))
         ex.explain = functools.partial(self._explain_decode, ex, server, transfer, prefill)
@@ -239,7 +289,7 @@ class KvferryFlow(Flow):
         try:
             answer = await ex.post_json(leg, server, "/v1/completions", body)
         except UpstreamError as err:
-            return {"state": "unavailable", "error": f"its status request failed: {err}"}
+            return {"state": "unavailable", "error": f"its status request failed: {err.message}"}
         info = (answer.get("kv_transfer_params") or {}).get(PARAMS_KEY)
         if not isinstance(info, dict) or not isinstance(info.get("state"), str):
             return {"state": "unavailable", "error": f"its status request answered {info!r}"}
@@ -265,12 +315,12 @@ class KvferryFlow(Flow):
         if prefill.done() and not prefill.cancelled():
             failed = prefill.exception()
             if failed is not None:
-                why += f"; and {failed}"
+                why += f"; and {failed.public() if isinstance(failed, UpstreamError) else 'the prefill leg failed'}"
             else:
                 theirs = ((prefill.result().get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("error")
                 if theirs is not None:
-                    why += f"; prefill server {ex.prefill_url}: {theirs}"
-        return UpstreamError("decode", server.url, 502, why, err.upstream_status, transfer)
+                    why += f"; prefill server: {theirs}"
+        return UpstreamError("decode", server.url, 502, why, err.upstream_status, transfer, detail=str(err))
 
     async def _explain_prefill(self, ex: Exchange, err: BaseException, transfer: str) -> BaseException:
         """The prefill leg failed: an error answer (vLLM's "Internal server error" for a
@@ -278,7 +328,7 @@ class KvferryFlow(Flow):
         if not isinstance(err, UpstreamError) or err.upstream_status is None or err.upstream_status < 500 or ex.prefill_server is None:
             return err
         why = self._why(await self._status(ex, "prefill", ex.prefill_server, transfer), transfer, err)
-        return UpstreamError("prefill", err.url, 502, why, err.upstream_status, transfer)
+        return UpstreamError("prefill", err.url, 502, why, err.upstream_status, transfer, detail=str(err))
 
     def _settle(self, task: asyncio.Future[Any]) -> None:
         """Keeps a leg that ends after its handler (its outcome no longer matters) until it
@@ -431,19 +481,21 @@ class Proxy:
             async with ctx as r:
                 text = await r.text()
                 if r.status != 200:
-                    raise UpstreamError(leg, server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}", r.status)
+                    status = r.status if 400 <= r.status < 500 else 502
+                    reason = _http_reason(r.status, text)
+                    raise UpstreamError(leg, server.url, status, reason, r.status, detail=text[:2000])
                 try:
                     data = json.loads(text)
                 except ValueError:
-                    raise UpstreamError(leg, server.url, 502, f"answer is not JSON: {text[:200]!r}") from None
+                    raise UpstreamError(leg, server.url, 502, "answer is not JSON", detail=repr(text[:200])) from None
                 if not isinstance(data, dict):
-                    raise UpstreamError(leg, server.url, 502, f"answer is not a JSON object: {text[:200]!r}")
+                    raise UpstreamError(leg, server.url, 502, "answer is not a JSON object", detail=repr(text[:200]))
                 return data
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
             server.down_until = time.monotonic() + DOWN_S
             if retry and isinstance(err, aiohttp.ClientConnectorError):
                 raise _Refused(f"{type(err).__name__}: {err}") from err
-            raise UpstreamError(leg, server.url, 502, f"unreachable: {type(err).__name__}: {err}") from err
+            raise UpstreamError(leg, server.url, 502, "unreachable", detail=f"{type(err).__name__}: {err}") from err
         finally:
             server.in_flight -= 1
 
@@ -458,6 +510,7 @@ class Proxy:
         try:
             return await self.flow.serve(ex)
         except UpstreamError as err:
+            _log.warning(err.leg, "kvferry proxy: %s", err)  # the whole story, for the operator (not the client)
             if ex.out is None:
                 return web.json_response(err.body(), status=err.status)
             # The stream has started: its last event says what went wrong.
@@ -513,7 +566,7 @@ class Exchange:
             except _Refused as refused:
                 tried.append(server.url)
                 if not [s for s in self.proxy.router.prefills if s.url not in tried and s.up(time.monotonic())]:
-                    raise UpstreamError("prefill", server.url, 502, f"unreachable: {refused.cause}") from None
+                    raise UpstreamError("prefill", server.url, 502, "unreachable", detail=refused.cause) from None
 
     def failover_decode(self, cause: str) -> None:
         """Moves the session to another live decode server, or raises when none is left."""
@@ -521,7 +574,8 @@ class Exchange:
         now = time.monotonic()
         if not [s for s in self.proxy.router.decodes if s.url not in self._tried_decodes and s.up(now)]:
             also = f" (also tried {', '.join(self._tried_decodes[:-1])})" if len(self._tried_decodes) > 1 else ""
-            raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {cause}{also}")
+            why = "unreachable" + (" (every decode server was tried)" if also else "")
+            raise UpstreamError("decode", self.decode_server.url, 502, why, detail=f"{cause}{also}")
         self.decode_server = self.proxy.router.decode(self.session)
 
     async def decode(self, body: dict[str, Any], failover: bool) -> web.StreamResponse:
@@ -531,7 +585,8 @@ class Exchange:
                 return await self._decode_once(body)
             except _Refused as refused:
                 if not failover:
-                    raise UpstreamError("decode", self.decode_server.url, 502, f"unreachable: {refused.cause}") from None
+                    url = self.decode_server.url
+                    raise UpstreamError("decode", url, 502, "unreachable", detail=refused.cause) from None
                 self.failover_decode(refused.cause)
 
     async def _event(self, out: web.StreamResponse, server: Upstream, event: bytes) -> bool:
@@ -550,9 +605,13 @@ class Exchange:
             if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
                 upstream = payload["error"]
                 code = upstream.get("code")
-                err = UpstreamError("decode", server.url, 502, f"stream error: {upstream.get('message')!r}", code if isinstance(code, int) else None)
+                said = repr(upstream.get("message"))[:500]
+                status = code if isinstance(code, int) else None
+                err = UpstreamError("decode", server.url, 502, "stream error", status, detail=said)
                 self.failed = True
-                event = f"data: {json.dumps((await self.explain(err)).body())}\n\n".encode()
+                explained = await self.explain(err)
+                _log.warning("decode", "kvferry proxy: %s", explained)  # the client gets explained.public()
+                event = f"data: {json.dumps(explained.body())}\n\n".encode()
         await out.write(event)
         self.events_out += 1
         return False
@@ -576,7 +635,8 @@ class Exchange:
             async with client.post(server.url + self.path, json=body) as r:
                 if r.status != 200:
                     text = await r.text()
-                    raise UpstreamError("decode", server.url, r.status if 400 <= r.status < 500 else 502, f"HTTP {r.status}: {text[:2000]}")
+                    status = r.status if 400 <= r.status < 500 else 502
+                    raise UpstreamError("decode", server.url, status, _http_reason(r.status, text), detail=text[:2000])
                 out = web.StreamResponse(
                     headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache", "Server-Timing": self.server_timing()}
                 )
@@ -610,7 +670,8 @@ class Exchange:
             server.down_until = time.monotonic() + DOWN_S
             if self.out is None and isinstance(err, aiohttp.ClientConnectorError):
                 raise _Refused(f"{type(err).__name__}: {err}") from err
-            raise UpstreamError("decode", server.url, 502, f"unreachable: {type(err).__name__}: {err}") from err
+            detail = f"{type(err).__name__}: {err}"
+            raise UpstreamError("decode", server.url, 502, "unreachable", detail=detail) from err
         finally:
             server.in_flight -= 1
 

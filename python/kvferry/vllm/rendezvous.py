@@ -8,7 +8,9 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
                                     within the wait, no endpoint for S)
-            <-- abandon (T, reason)   the prefill side gave up
+            <-- abandon (T, reason)   the prefill side gave up before its worker wrote
+                                      anything of T (it sends no abandon after): the
+                                      decode side frees T's blocks at once, no fence due
             --> abandoned
 ```
 It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tcp://host:port``
@@ -48,13 +50,15 @@ from collections import OrderedDict
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
-from kvferry.transports import wire
+from kvferry.transports import guard, wire
 from kvferry.transports.frames import Frame, Goodbye
 from kvferry.vllm.frames import PUBLISHED_KEYS, RENDEZVOUS, Abandon, Abandoned, Destination, Lookup, Refused
 
 __all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
 logger = logging.getLogger("kvferry.vllm")
+# Failed handshakes and accept errors: a flood of them logs a few lines, then a count.
+_log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
@@ -107,6 +111,8 @@ class Rendezvous:
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
         self._closing = False
+        self._stop = threading.Event()  # the accept loop's: set with _closing
+        self._admission = guard.Admission()
         self._thread = threading.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
         self._thread.start()
 
@@ -157,32 +163,58 @@ class Rendezvous:
         with self._cond:
             return self._taken.get(transfer)
 
+    def takers(self) -> set[str]:
+        """The prefill engines holding a destination here now (taken, not yet withdrawn)."""
+        with self._cond:
+            return set(self._taken.values())
+
     def abandoned(self, transfer: str) -> Optional[str]:
         """Why the prefill side gave ``transfer`` up, or ``None``."""
         with self._cond:
             return self._abandoned.get(transfer)
 
     def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closing:
-                    return
-                continue
-            if self._closing:
-                conn.close()
-                return
-            threading.Thread(target=self._pump, args=(conn,), name="kvferry-rendezvous-conn", daemon=True).start()
+        guard.accept_loop(
+            self._listener, self._stop, self._start, admission=self._admission, failed=self._accept_failed
+        )
 
-    def _pump(self, conn: socket.socket) -> None:
-        try:
-            wire.tune(conn)
+    def _accept_failed(self, what: str, err: BaseException) -> None:
+        _log.warning(what, "kvferry: the rendezvous at %s: %s", self.address, guard.describe(what, err))
+
+    def _start(self, conn: socket.socket) -> None:
+        """A connection's handshake counts against the admission bound (kvferry.transports.guard)."""
+
+        def cut_off() -> None:
             try:
-                wire.handshake(conn, self._authkey, wire.ROLE_ENDPOINT, HANDSHAKE_SECONDS)
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        ticket = self._admission.admit(guard.source_of(conn), cut_off)
+        try:
+            name = "kvferry-rendezvous-conn"
+            thread = threading.Thread(target=self._pump, args=(conn, ticket), name=name, daemon=True)
+            thread.start()
+        except BaseException:
+            self._admission.settle(ticket)
+            raise
+
+    def _pump(self, conn: socket.socket, ticket: int) -> None:
+        try:
+            try:
+                wire.tune(conn)
+                wire.handshake(conn, self._authkey, wire.ROLE_ENDPOINT, HANDSHAKE_SECONDS, self.address)
             except wire.AuthenticationError as err:
-                logger.warning("kvferry: a connection to the rendezvous at %s failed authentication (a prefill server with another key?): %s", self.address, err)
+                _log.warning(
+                    "refused",
+                    "kvferry: a connection to the rendezvous at %s failed authentication"
+                    " (a prefill server with another key?): %s",
+                    self.address,
+                    err,
+                )
                 return
+            finally:
+                self._admission.settle(ticket)
             channel = wire.Channel(conn, MAX_FRAME, RENDEZVOUS)
             while True:
                 try:
@@ -266,6 +298,7 @@ class Rendezvous:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._stop.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
         except OSError:
@@ -294,7 +327,7 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     except OSError as err:
         raise TransferError(f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address) from err
     try:
-        wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout)
+        wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
         sock.close()
         raise TransferError(

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
-from kvferry.vllm import rendezvous
+from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendSpec
 
@@ -77,6 +77,13 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, str] = {}  # req_id -> transfer
+        # Requests whose one load was handed to the worker (a RecvSpec, or a refusal reported
+        # as a failed load). vLLM asks again for a request it preempted, or whose load failed
+        # under kv_load_failure_policy "recompute": such a request is computed here from what
+        # this engine's prefix cache still holds, never given a second transfer that no
+        # prefill server will send.
+        self._loaded: set[str] = set()
+        self._claimed: OrderedDict[str, None] = OrderedDict()  # transfers received here (the newest MAX_OUTCOMES)
         self._meta = KvferryMetadata()
         self._outcomes: OrderedDict[str, Outcome] = OrderedDict()  # transfer -> how it ended here
 
@@ -85,6 +92,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         rid = request.request_id
         remaining = request.num_tokens - num_computed_tokens
+        if rid in self._loaded:
+            return 0, False
         if rid in self._refused:
             return 1, True
         try:
@@ -94,12 +103,23 @@ class SchedulerSide:
             if params.op == "recv":
                 if self.role == "kv_producer":
                     raise KvFerryError("op 'recv' on a kv_producer server: send decode requests to a kv_consumer (or kv_both) server")
-                return remaining, True
+                return self._claim(params.transfer or "", remaining)
             if self.role == "kv_consumer":
                 raise KvFerryError("op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server")
             return self._destination(request, params, num_computed_tokens)
         except KvFerryError as err:
             return self._refuse(rid, str(err), request), True
+
+    def _claim(self, transfer: str, remaining: int) -> tuple[Optional[int], bool]:
+        """One receive per transfer: vLLM's parallel sampling (``n > 1``, ``best_of``) makes
+        one request per sample, all with the same parameters. The first receives; the others
+        wait until its blocks arrived (then vLLM's prefix cache holds them) and compute the
+        rest here, as does a request naming a transfer this server already took."""
+        if transfer not in self._claimed:
+            return remaining, True
+        if transfer not in self._outcomes and transfer in self._receiving.values():
+            return None, False  # still arriving for another request: asked again next step
+        return 0, False
 
     def _refuse(self, rid: str, reason: str, request: Any = None) -> int:
         self._refused[rid] = reason
@@ -115,6 +135,8 @@ class SchedulerSide:
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
+            # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
+            trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
             args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
@@ -139,6 +161,7 @@ class SchedulerSide:
         rid = request.request_id
         if num_external_tokens <= 0:
             return
+        self._loaded.add(rid)
         if rid in self._refused:
             self._meta.fails.append((rid, self._refused[rid]))
             return
@@ -154,6 +177,9 @@ class SchedulerSide:
             RecvSpec(rid, kv_id, params.transfer, prompt_len, list(table[: math.ceil(prompt_len / self.block_size)]), held, prompt_digest(request.prompt_token_ids), timeout)
         )
         self._receiving[rid] = params.transfer
+        self._claimed[params.transfer] = None
+        while len(self._claimed) > MAX_OUTCOMES:
+            self._claimed.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
         meta, self._meta = self._meta, KvferryMetadata()
@@ -182,6 +208,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
+        self._loaded.discard(rid)
         refused = self._refused.pop(rid, None)
         if refused is not None:
             return False, {"kvferry": {"error": refused}}
@@ -214,7 +241,9 @@ class SchedulerSide:
     def _hello(self) -> dict[str, Any]:
         hello: dict[str, Any] = {"op": "hello", "role": self.role}
         if self.handshake is not None:
-            hello.update(peer=self.handshake.peer, engine=self.handshake.engine)  # never the key
+            # never the key; the peer signed, so a prefill server connects to it (kvferry.vllm.trust)
+            peer = self.handshake.peer
+            hello.update(peer=peer, peer_mac=trust.sign_peer(self._authkey, peer), engine=self.handshake.engine)
         return hello
 
     def record(self, outcomes: list[Outcome]) -> None:

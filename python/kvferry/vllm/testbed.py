@@ -201,6 +201,12 @@ class EngineSettings:
     max_model_len: int = 8192
     max_num_seqs: int = 8
     prefix_caching: bool = True
+    # False: vLLM admits a request once its first chunk fits, not its whole prompt, so chunked
+    # prefills outgrow a small pool and get preempted (the stress bench forces that).
+    reserve_full_prompt: bool = True
+    # > 0: a prompt longer than this gets at most this many tokens per step, so several
+    # prefills advance (and grow) together in one step's budget.
+    long_prefill_tokens: int = 0
 
     def args(self) -> list[str]:
         out = [
@@ -213,6 +219,10 @@ class EngineSettings:
             "--enable-chunked-prefill",
         ]  # fmt: skip
         out.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        if not self.reserve_full_prompt:
+            out.append("--no-scheduler-reserve-full-isl")
+        if self.long_prefill_tokens:
+            out += ["--long-prefill-token-threshold", str(self.long_prefill_tokens)]
         return out
 
 

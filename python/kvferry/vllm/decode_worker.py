@@ -1,0 +1,279 @@
+"""The decode worker of `KvferryConnector` (kvferry.vllm.worker draws both roles): one
+kvferry `KVReceiver` over vLLM's KV tensors, a rendezvous where prefill engines look up each
+request's destination, and one endpoint per prefill engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from kvferry._core import BlockRange
+from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
+from kvferry.receiver import KVReceiver
+from kvferry.transports import registry, wire
+from kvferry.vllm import rendezvous
+from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec
+from kvferry.vllm.worker import WorkerCommon
+
+logger = logging.getLogger("kvferry.vllm")
+
+# Endpoints a decode worker holds at once, one per prefill engine (a staging one holds a ring
+# of ``staging_bytes``): a bound on what lookups can make it allocate. An endpoint is closed
+# once no sender is connected to it, no destination it was handed is still taken, and
+# ENDPOINT_GRACE_S passed since it was made (the time a prefill engine has to connect after
+# its lookup): prefill restarts (a new vLLM engine id each) and made-up sender names free
+# theirs, so only 64 engines connected at once can reach the bound.
+MAX_PREFILL_ENGINES = 64
+ENDPOINT_GRACE_S = 30.0
+
+
+@dataclass
+class _Recv:
+    spec: RecvSpec
+    started: float
+    deadline: float
+    giving_up: Optional[str] = None
+    aborted: bool = False
+    fence_deadline: float = 0.0
+    # The prefill side abandoned it: it does so only for a request its worker never wrote
+    # (kvferry.vllm.rendezvous, "abandon"), so no late write can come and no fence is due.
+    unwritten: bool = False
+    kept_logged: bool = False  # one-sided writes: logged once that its blocks are kept past the fence timeout
+
+
+class DecodeWorker:
+    def __init__(self, common: WorkerCommon) -> None:
+        self.common = common
+        self.config = common.config
+        self.authkey = common.authkey
+        self.block_size = common.block_size
+        self.tally = common.tally
+        self._spec = registry.spec(self.config.transport)
+        self.engine = common.engine
+        self.receiver: Optional[KVReceiver] = None
+        # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
+        self.endpoints: dict[str, registry.Served] = {}
+        self._endpoints_lock = threading.Lock()
+        self._made: dict[str, float] = {}  # sender -> when its endpoint was made (monotonic)
+        self._ring_blocks = 0
+        self.rendezvous: Optional[rendezvous.Rendezvous] = None
+        self._recv: dict[str, _Recv] = {}
+        self._refused_seen = 0
+
+    def start(self) -> None:
+        """After `WorkerCommon.register_kv_caches`: the receiver and the rendezvous."""
+        pool = self.common.pool
+        assert pool is not None
+        with torch.inference_mode(False):  # the ring is written by kvferry's own threads
+            self.receiver = KVReceiver(pool)
+            self._ring_blocks = max(2, self.config.staging_bytes // (pool.block_bytes * pool.num_layers))
+            self.rendezvous = rendezvous.Rendezvous(
+                self.authkey,
+                self._endpoint_for,
+                self.config.rendezvous_dir,
+                listen=self.config.listen,
+                advertise=self.config.advertise,
+            )
+        logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
+
+    def _endpoint_options(self) -> dict[str, Any]:
+        """Where an endpoint listens: ``unix://`` beside the rendezvous, or on the
+        rendezvous's tcp:// host with a port of its own."""
+        where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
+        options: dict[str, Any] = {}
+        if where.scheme == "tcp":
+            options["address"] = wire.Address("tcp", host=where.host).url()  # port 0: any
+            if self.config.advertise is not None:
+                options["advertise"] = self.config.advertise
+        if self._spec.ring_option is not None:
+            options[self._spec.ring_option] = self._ring_blocks
+        return options
+
+    def _endpoint_for(self, sender: str) -> str:
+        """The URL of prefill engine ``sender``'s endpoint (called on the rendezvous thread)."""
+        with self._endpoints_lock:
+            endpoint = self.endpoints.get(sender)
+            if endpoint is None:
+                if len(self.endpoints) >= MAX_PREFILL_ENGINES:
+                    raise KvFerryError(
+                        f"already {len(self.endpoints)} prefill engines, the most this decode server serves"
+                    )
+                assert self.receiver is not None
+                with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
+                    endpoint = registry.serve(
+                        self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options()
+                    )
+                self.endpoints[sender] = endpoint
+                self._made[sender] = time.monotonic()
+                logger.info("kvferry: endpoint %s for prefill engine %s", endpoint.url, sender)
+            return endpoint.url
+
+    def sweep(self, now: float) -> list[str]:
+        """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);
+        returns their senders' names."""
+        assert self.rendezvous is not None
+        busy = self.rendezvous.takers()
+        gone: list[registry.Served] = []
+        names: list[str] = []
+        with self._endpoints_lock:
+            for sender, served in list(self.endpoints.items()):
+                if sender in busy or now - self._made[sender] < ENDPOINT_GRACE_S or served.endpoint.connected():
+                    continue
+                del self.endpoints[sender], self._made[sender]
+                gone.append(served)
+                names.append(sender)
+        for sender, served in zip(names, gone):
+            served.close()
+            logger.info("kvferry: closed the endpoint %s of prefill engine %s (gone)", served.url, sender)
+        return names
+
+    def handshake(self) -> Optional[Handshake]:
+        if self.rendezvous is None:
+            return None
+        return Handshake(self.engine, self.rendezvous.address)
+
+    def bind(self, meta: KvferryMetadata) -> None:
+        for spec in meta.recvs:
+            self._expect(spec)
+
+    def _expect(self, spec: RecvSpec) -> None:
+        assert self.receiver is not None and self.rendezvous is not None
+        now = time.monotonic()
+        try:
+            held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
+            # The lease names the request's blocks: a notice whose write used others is refused.
+            blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
+            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
+        except KvFerryError as err:
+            self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
+            return
+        destination = {
+            "request_id": spec.kv_id,
+            "epoch": epoch,
+            "prompt_len": spec.prompt_len,
+            "digest": spec.digest,
+            "block_size": self.block_size,
+            "dst_blocks": spec.dst_blocks,
+            "held_blocks": spec.held_blocks,
+            "engine": self.engine,
+        }
+        try:
+            self.rendezvous.publish(spec.transfer, destination)
+        except TransferError as err:
+            self.receiver.release_unfenced(spec.kv_id)  # never handed out: nothing writes it
+            self.common.fail_next(spec.req_id, spec.transfer, str(err))
+            return
+        self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
+        self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
+                                reused=spec.held_blocks * self.block_size, blocks=len(blocks), held=spec.held_blocks)  # fmt: skip
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        recving: set[str] = set()
+        failed: set[str] = set()
+        assert self.receiver is not None and self.rendezvous is not None
+        refused = self.receiver.refused_count
+        self.tally.add("duplicates_refused", refused - self._refused_seen)
+        self._refused_seen = refused
+        now = time.monotonic()
+        for rid, st in list(self._recv.items()):
+            kv = st.spec.kv_id
+            if st.giving_up is None:
+                if rid in finished_req_ids:
+                    self._give_up(st, "the decode request was aborted", now, aborted=True)
+                elif (why := self.rendezvous.abandoned(st.spec.transfer)) is not None:
+                    self._give_up(st, f"the prefill side gave up: {why}", now)
+                    st.unwritten = True
+                elif now > st.deadline:
+                    self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
+                else:
+                    try:
+                        self.receiver.wait(kv, 0)
+                    except TransferTimeoutError:
+                        continue  # still arriving
+                    except TransferError as err:
+                        self._give_up(st, str(err), now)
+                    else:
+                        self.receiver.release(kv, 0)
+                        self.rendezvous.withdraw(st.spec.transfer, "its blocks arrived")
+                        self.tally.observe("recv_seconds", now - st.started)
+                        del self._recv[rid]
+                        recving.add(rid)
+                        arrived = -(-st.spec.prompt_len // self.common.block_size) - st.spec.held_blocks
+                        block = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # all layers
+                        self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
+                        continue
+            if not self._release(st, now):
+                continue
+            del self._recv[rid]
+            recving.add(rid)
+            state = "aborted" if st.aborted else "failed"
+            self.common.ended("decode", st.spec.transfer, rid, state, st.giving_up or "given up")
+            if not st.aborted:
+                failed.add(rid)
+                logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
+        self.sweep(now)
+        return recving, failed
+
+    def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
+        assert self.receiver is not None
+        st.giving_up, st.aborted = reason, aborted
+        st.fence_deadline = now + self.config.fence_timeout_s
+        self.receiver.cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
+
+    def _sender_connected(self, transfer: str) -> bool:
+        """Whether the prefill engine that took ``transfer`` still has a connection to its
+        endpoint here (one endpoint per prefill engine, so its connection is that engine's)."""
+        sender = self.rendezvous.taker(transfer) if self.rendezvous is not None else None
+        served = self.endpoints.get(sender) if sender is not None else None
+        return served is not None and bool(served.endpoint.connected())
+
+    def _release(self, st: _Recv, now: float) -> bool:
+        """Releases a request given up on once its sender fenced it. Past the fence timeout:
+        staging releases at once (its endpoint applies a write only for a request it still
+        admits, so a late write of a released request never reaches vLLM's blocks); nixl
+        writes are one-sided and nothing here can stop a late one, so its blocks stay
+        allocated (the request stays unreported, vLLM keeps them) until the fence comes or
+        the sender's connection ends."""
+        assert self.receiver is not None and self.rendezvous is not None
+        if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
+            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
+        if st.unwritten:
+            self.receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
+            self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
+            return True
+        try:
+            self.receiver.release(st.spec.kv_id, 0)
+        except TransferTimeoutError:
+            if now < st.fence_deadline:
+                return False
+            if not self._spec.refuses_late_writes and self._sender_connected(st.spec.transfer):
+                if not st.kept_logged:
+                    st.kept_logged = True
+                    logger.error(
+                        "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks"
+                        " stay allocated until the fence or the sender's connection ends (its writes are one-sided)",
+                        st.spec.req_id,
+                        st.spec.transfer,
+                        self.config.fence_timeout_s,
+                    )
+                return False
+            logger.warning(
+                "kvferry: decode request %s: no fence from its sender within %s s; released",
+                st.spec.req_id,
+                self.config.fence_timeout_s,
+            )
+            self.receiver.release_unfenced(st.spec.kv_id)
+        self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
+        return True
+
+    def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
