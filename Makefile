@@ -85,13 +85,16 @@ setup-vllm: $(VLLM_STAMP) ## create .venv-vllm: vLLM 0.32.0 CPU, torch 2.13.0, n
 test-vllm: build $(VLLM_STAMP) ## the vLLM tests (proxy, connector) with real vLLM servers, in .venv-vllm
 	$(VLLM_PY) -m pytest tests/test_vllm_*.py
 
-lint: ## rustfmt and clippy checks (the fuzz crate too)
+lint: $(STAMP) ## ruff (format and lint), rustfmt and clippy checks (the fuzz crate too)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	cargo fmt --all --check
 	cargo fmt --manifest-path rust/fuzz/Cargo.toml --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --manifest-path rust/fuzz/Cargo.toml --all-targets --target-dir target/fuzz -- -D warnings
 
-fmt: ## format the Rust code
+fmt: $(STAMP) ## format the Python (ruff) and the Rust code
+	$(VENV)/bin/ruff format .
 	cargo fmt --all
 	cargo fmt --manifest-path rust/fuzz/Cargo.toml
 

@@ -42,7 +42,6 @@ def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-unt
             item.add_marker(skip)
 
 
-
 class FakeClock:
     """The sender's clock, moved by hand: a test that needs a copy to outlive the sender's
     timeout advances it past the timeout instead of sleeping (the copy itself is held by an

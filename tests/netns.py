@@ -86,7 +86,9 @@ class TwoHosts:
     def popen(self, side: Side, argv: Sequence[str], env: Optional[dict[str, str]] = None) -> subprocess.Popen[str]:
         """Starts ``argv`` in ``side``'s namespace, its stdin and stdout pipes to this process
         (line-buffered text), stderr inherited."""
-        return subprocess.Popen(self.command(side, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        return subprocess.Popen(
+            self.command(side, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
+        )
 
     def set_link(self, up: bool) -> None:
         """Takes the veth down (both ends: nothing crosses) or up again."""

@@ -18,13 +18,11 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
 from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import guard, registry, wire
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
-
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
 
 
@@ -272,7 +270,6 @@ def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
     """A pool (its geometry from a peer's hello) whose descriptor rows pass int32: refused by
     name, where a cast would wrap the row to another block's descriptor."""
     import numpy as np
-
     from kvferry.errors import InvalidArgumentError
     from kvferry.transports import nixl
 

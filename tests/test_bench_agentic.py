@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvferry.bench.agentic import BUSY_SPREAD, busy_verdict, ideal_bound, turns_phrase
 from kvferry.notice import Notice
 from kvferry.sender import TransferRecord
@@ -18,7 +17,9 @@ def test_ideal_bound_of_a_batch_shares_the_early_copy() -> None:
     request 2's turn leaves after its forward, submitted at 5 s, and takes 0.5 s. Its bound:
     max(admitted + 1 + 0.5, 5 + 0.5) = 5.5, not the 3 s of the whole early copy added to its
     own late prefill start (the old bound, which exceeded what runs achieved)."""
-    early = rec("early", [Notice(1, 0, 0, 10, False), Notice(2, 0, 0, 10, False), Notice(3, 0, 0, 10, False)], 0.0, 0.0, 3.0)
+    early = rec(
+        "early", [Notice(1, 0, 0, 10, False), Notice(2, 0, 0, 10, False), Notice(3, 0, 0, 10, False)], 0.0, 0.0, 3.0
+    )
     chunk = rec("chunk", [Notice(2, 1, 10, 12, True)], 5.0, 5.0, 5.5)
     assert ideal_bound(2, [early, chunk], layers=4, admitted=0.0) == pytest.approx(5.5)
     # With a quick forward the link is what binds: 1 s of prefix share, then 0.5 s of chunk.
@@ -28,7 +29,13 @@ def test_ideal_bound_of_a_batch_shares_the_early_copy() -> None:
 
 def test_ideal_bound_weighs_layer_slices_by_their_layers() -> None:
     """A layer-group slice of 2 of 4 layers is half a block's worth of the record."""
-    both = rec("layer", [Notice(1, 1, 0, 4, False, group=0, groups=2), Notice(2, 1, 0, 4, False, group=0, groups=2)], 1.0, 1.0, 2.0)
+    both = rec(
+        "layer",
+        [Notice(1, 1, 0, 4, False, group=0, groups=2), Notice(2, 1, 0, 4, False, group=0, groups=2)],
+        1.0,
+        1.0,
+        2.0,
+    )
     whole = rec("chunk", [Notice(2, 2, 4, 6, True)], 4.0, 4.0, 4.2)
     assert ideal_bound(1, [both], layers=4, admitted=0.0) == pytest.approx(1.5)
     assert ideal_bound(2, [both, whole], layers=4, admitted=0.0) == pytest.approx(4.2)
@@ -83,7 +90,15 @@ def test_pools_of_the_8b_run_with_every_mode_fit_an_h200() -> None:
     from kvferry.bench.agentic import AgenticConfig, pools_bytes
     from kvferry.geometry import Geometry
 
-    cfg = AgenticConfig(device="cuda", sessions=2, cached_tokens=32768, new_tokens=2048, aware=True, layer_groups=8, model=Geometry(**LLAMA8B))
+    cfg = AgenticConfig(
+        device="cuda",
+        sessions=2,
+        cached_tokens=32768,
+        new_tokens=2048,
+        aware=True,
+        layer_groups=8,
+        model=Geometry(**LLAMA8B),
+    )
     weights = cfg.model.weight_elements() * 2
     assert pools_bytes(cfg) + weights < 110e9, (pools_bytes(cfg), weights)
 
@@ -92,9 +107,19 @@ def test_tight_pools_keep_every_turns_reuse_and_outputs() -> None:
     """The pools sized by `_pool_blocks` hold each session's running request and the prefix
     the next turn reuses: every mode reuses what aggregated serving reuses and decodes the
     same tokens."""
-    from kvferry.bench import agentic
     from kvferry.bench.agentic import AgenticConfig, run_agentic
 
-    cfg = AgenticConfig(sessions=2, turns=1, cached_tokens=128, new_tokens=32, output_tokens=2, tokens_per_block=16, link_gbps=None, aware=True, layer_groups=2, check_kv=True)
+    cfg = AgenticConfig(
+        sessions=2,
+        turns=1,
+        cached_tokens=128,
+        new_tokens=32,
+        output_tokens=2,
+        tokens_per_block=16,
+        link_gbps=None,
+        aware=True,
+        layer_groups=2,
+        check_kv=True,
+    )
     result = run_agentic(cfg)
     assert result["outputs_match"] and result["reuse_mismatches"] == 0, result

@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
 import pytest
-
 from kvferry.bench.vllm import _reset_prefix_cache
 
 
@@ -61,6 +60,9 @@ def test_a_refused_reset_is_asked_again_until_it_happens(decode: _Decode) -> Non
 
 @pytest.mark.parametrize("decode", [10**9], indirect=True)
 def test_a_reset_that_never_happens_fails_the_turn(decode: _Decode) -> None:
-    with pytest.raises(RuntimeError, match=r"answered \{'success': False\} .*\(3 KV blocks still held\): the decode-cold turn would run warm"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"answered \{'success': False\} .*\(3 KV blocks still held\): the decode-cold turn would run warm",
+    ):
         _reset_prefix_cache(decode, timeout_s=0)
     assert decode.asked >= 1

@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from kvferry import (
     BlockRange,
     DuplicateTransferError,
@@ -609,8 +608,17 @@ def test_request_spec_is_a_value_and_add_spec_registers_it_with_its_held_blocks(
     spec = RequestSpec(16, reused_len=8, held=[BlockRange(0, 1)], epoch=3)
     same = RequestSpec(16, reused_len=8, window=None, context_only=True, held=(BlockRange(0, 1),), epoch=3)
     assert spec == same and hash(spec) == hash(same) and spec != RequestSpec(16, reused_len=8, epoch=3)
-    assert repr(spec) == "RequestSpec(16, reused_len=8, window=None, context_only=True, held=[BlockRange(0, 1)], epoch=3)"
-    assert (spec.prompt_len, spec.reused_len, spec.window, spec.context_only, spec.held, spec.epoch) == (16, 8, None, True, [BlockRange(0, 1)], 3)
+    assert (
+        repr(spec) == "RequestSpec(16, reused_len=8, window=None, context_only=True, held=[BlockRange(0, 1)], epoch=3)"
+    )
+    assert (spec.prompt_len, spec.reused_len, spec.window, spec.context_only, spec.held, spec.epoch) == (
+        16,
+        8,
+        None,
+        True,
+        [BlockRange(0, 1)],
+        3,
+    )
     with pytest.raises(AttributeError):
         spec.epoch = 4  # type: ignore[misc]
 

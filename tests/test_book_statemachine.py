@@ -5,11 +5,10 @@ pure-Python reference at every step (slices, claims, completion, errors)."""
 from __future__ import annotations
 
 import numpy as np
+import reference_planner as ref
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import reference_planner as ref
 from kvferry import DuplicateTransferError, InvalidArgumentError, TransferBook, UnknownRequestError
 
 TPB = 4
@@ -59,7 +58,9 @@ class BookMachine(RuleBasedStateMachine):
         ids = [r for r in self._pick(data) if self.pos[r] < self.prompt[r]]
         starts = [self.pos[r] for r in ids]
         ends = [min(self.pos[r] + size, self.prompt[r]) for r in ids]
-        got = self.book.plan_chunks(np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+        got = self.book.plan_chunks(
+            np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+        )
         want = self.ref.plan_chunks(ids, starts, ends)
         assert _as_tuples(got) == want
         for r, e in zip(ids, ends):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvferry.cli import LLAMA8B_BYTES_PER_TOKEN, main, plan_request
 
 
@@ -19,7 +18,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_issue_example_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "plan", "--tokens-per-block", "32", "--prompt", "1000", "--reused", "700", "--chunk", "128")
+    code, out, err = run(
+        capsys, "plan", "--tokens-per-block", "32", "--prompt", "1000", "--reused", "700", "--chunk", "128"
+    )
     assert code == 0 and err == ""
     rows = [line.split() for line in out.splitlines() if line.startswith(("early", "chunk"))]
     blocks = [" ".join(r[-5:-3]) for r in rows]  # the "blocks" column
@@ -31,7 +32,19 @@ def test_issue_example_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_no_early_sends_prefix_with_first_chunk(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "plan", "--tokens-per-block", "32", "--prompt", "1000", "--reused", "700", "--chunk", "128", "--no-early")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--tokens-per-block",
+        "32",
+        "--prompt",
+        "1000",
+        "--reused",
+        "700",
+        "--chunk",
+        "128",
+        "--no-early",
+    )
     assert code == 0
     assert not any(line.startswith("early") for line in out.splitlines())
     assert "[0, 25)" in out
@@ -39,7 +52,20 @@ def test_no_early_sends_prefix_with_first_chunk(capsys: pytest.CaptureFixture[st
 
 
 def test_window_and_block_bytes(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "plan", "--tokens-per-block", "4", "--prompt", "32", "--chunk", "16", "--window", "16", "--block-bytes", "1024")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--tokens-per-block",
+        "4",
+        "--prompt",
+        "32",
+        "--chunk",
+        "16",
+        "--window",
+        "16",
+        "--block-bytes",
+        "1024",
+    )
     assert code == 0
     assert "[4, 8)" in out and "4.0 KiB" in out
     assert "4 of 4 needed blocks" in out
@@ -88,7 +114,9 @@ def test_bench_copy_small_run_writes_json(capsys: pytest.CaptureFixture[str], tm
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     out = tmp_path / "copy.json"
-    code = main(["bench", "copy", "--blocks", "2,5", "--layers", "2", "--block-kib", "4", "--reps", "1", "--json", str(out)])
+    code = main(
+        ["bench", "copy", "--blocks", "2,5", "--layers", "2", "--block-kib", "4", "--reps", "1", "--json", str(out)]
+    )
     assert code == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -121,9 +149,39 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     import json
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = ["bench", "agentic", "--sessions", "2", "--turns", "1", "--cached", "160", "--new", "40", "--output", "3",
-            "--tokens-per-block", "16", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--link-gbps", "0.05", "--check-kv", "--json", str(out), "--png", str(png)]
+    argv = [
+        "bench",
+        "agentic",
+        "--sessions",
+        "2",
+        "--turns",
+        "1",
+        "--cached",
+        "160",
+        "--new",
+        "40",
+        "--output",
+        "3",
+        "--tokens-per-block",
+        "16",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--link-gbps",
+        "0.05",
+        "--check-kv",
+        "--json",
+        str(out),
+        "--png",
+        str(png),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -133,7 +191,9 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     assert "0 blocks differ between the workers, 0 between" in table
     assert 0.0 <= result["hidden_fraction"] <= 1.0
     for mode in ("baseline", "early", "ideal"):
-        assert result[mode]["kv_ready_ms_p50"] > 0 and result[mode]["kv_ready_ms_p90"] >= result[mode]["kv_ready_ms_p50"]
+        assert (
+            result[mode]["kv_ready_ms_p50"] > 0 and result[mode]["kv_ready_ms_p90"] >= result[mode]["kv_ready_ms_p50"]
+        )
     assert result["baseline"]["early_bytes"] == 0 and result["early"]["early_bytes"] > 0
     # Both modes move the same bytes in all; early moves most of them before the forward.
     assert result["baseline"]["after_bytes"] == result["early"]["early_bytes"] + result["early"]["after_bytes"]
@@ -148,16 +208,49 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
 
 
 @pytest.mark.parametrize("flag, groups", [(["--layerwise"], 3), (["--layerwise", "2"], 2)], ids=["per-layer", "G2"])
-def test_bench_agentic_layerwise_small_run(capsys: pytest.CaptureFixture[str], tmp_path, flag: list[str], groups: int) -> None:  # type: ignore[no-untyped-def]
+def test_bench_agentic_layerwise_small_run(
+    capsys: pytest.CaptureFixture[str], tmp_path, flag: list[str], groups: int
+) -> None:  # type: ignore[no-untyped-def]
     """A third run, early + layer-wise: its own figures in the JSON and the table, outputs and
     KV checked like the others, every byte sent once (early + layer slices + after the
     forward add up to what baseline sends)."""
     import json
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = ["bench", "agentic", "--sessions", "2", "--turns", "1", "--cached", "160", "--new", "40", "--output", "2",
-            "--tokens-per-block", "16", "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--link-gbps", "0.05", "--check-kv", *flag, "--json", str(out), "--png", str(png)]
+    argv = [
+        "bench",
+        "agentic",
+        "--sessions",
+        "2",
+        "--turns",
+        "1",
+        "--cached",
+        "160",
+        "--new",
+        "40",
+        "--output",
+        "2",
+        "--tokens-per-block",
+        "16",
+        "--layers",
+        "3",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--link-gbps",
+        "0.05",
+        "--check-kv",
+        *flag,
+        "--json",
+        str(out),
+        "--png",
+        str(png),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -186,7 +279,24 @@ def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) ->
     import json
 
     out = tmp_path / "fanout.json"
-    argv = ["bench", "fanout", "--requests", "3", "--prefix", "256", "--suffix", "8", "--output", "2", "--chunk", "64", "--link-gbps", "0", "--json", str(out)]
+    argv = [
+        "bench",
+        "fanout",
+        "--requests",
+        "3",
+        "--prefix",
+        "256",
+        "--suffix",
+        "8",
+        "--output",
+        "2",
+        "--chunk",
+        "64",
+        "--link-gbps",
+        "0",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -205,7 +315,26 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     import json
 
     out = tmp_path / "tiers.json"
-    argv = ["bench", "tiers", "--blocks", "32", "--host-fraction", "0.25", "--layers", "2", "--block-kib", "64", "--reps", "2", "--link-gbps", "0.5", "--host-gbps", "0.5", "--json", str(out)]
+    argv = [
+        "bench",
+        "tiers",
+        "--blocks",
+        "32",
+        "--host-fraction",
+        "0.25",
+        "--layers",
+        "2",
+        "--block-kib",
+        "64",
+        "--reps",
+        "2",
+        "--link-gbps",
+        "0.5",
+        "--host-gbps",
+        "0.5",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -224,8 +353,9 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     assert f"onboard-then-send / direct: {result['ratio']:.2f}x" in table
 
 
-
-def _options(parser: argparse.ArgumentParser, path: str = "kvferry") -> list[tuple[str, argparse.Action, argparse.ArgumentParser]]:
+def _options(
+    parser: argparse.ArgumentParser, path: str = "kvferry"
+) -> list[tuple[str, argparse.Action, argparse.ArgumentParser]]:
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -259,8 +389,38 @@ def test_help_renders_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "agentic", "--sessions", "2", "--turns", "2", "--cached", "64", "--new", "16", "--output", "2", "--tokens-per-block", "16",
-            "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ffn", "32", "--vocab", "64", "--png", ""]
+    argv = [
+        "bench",
+        "agentic",
+        "--sessions",
+        "2",
+        "--turns",
+        "2",
+        "--cached",
+        "64",
+        "--new",
+        "16",
+        "--output",
+        "2",
+        "--tokens-per-block",
+        "16",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--ffn",
+        "32",
+        "--vocab",
+        "64",
+        "--png",
+        "",
+    ]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     phrase = "2 sessions x 3 turns (1 warm-up + 2 measured)"
@@ -271,4 +431,6 @@ def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[s
     rows = [line for line in out.splitlines() if line.startswith(("baseline ", "early "))]
     assert len(rows) == 2 * 2 * 2 and not any(field.endswith("m") for row in rows for field in row.split()[5:])
     assert "early/baseline KV-ready" in out and "median over 2 measured turns" in out
-    assert ("WARNING: the machine was too busy" in out) != ("load: the modes' prefill of a turn, the same computation, agreed" in out)
+    assert ("WARNING: the machine was too busy" in out) != (
+        "load: the modes' prefill of a turn, the same computation, agreed" in out
+    )

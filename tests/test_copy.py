@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -22,7 +21,9 @@ POISON = 0x7B
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 
 
-def random_pool(shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, layers: int = 3, device: str = "cpu", seed: int = 0) -> PagedKV:
+def random_pool(
+    shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, layers: int = 3, device: str = "cpu", seed: int = 0
+) -> PagedKV:
     gen = torch.Generator().manual_seed(seed)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     tensors = tuple(
@@ -160,7 +161,9 @@ def test_fused_kernel_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kernel ok" in proc.stdout
 
@@ -197,7 +200,13 @@ def test_cuda_id_ring_reuse_across_paths() -> None:
 
     blocks = _triton_copy.RING_PAIRS + 300
     src = random_pool((blocks, 2, 64), torch.float16, 0, layers=2, device="cuda", seed=3)
-    sizes = [1, _triton_copy.HOST_READ_MAX_PAIRS, _triton_copy.HOST_READ_MAX_PAIRS + 1, 700, _triton_copy.RING_PAIRS + 1]
+    sizes = [
+        1,
+        _triton_copy.HOST_READ_MAX_PAIRS,
+        _triton_copy.HOST_READ_MAX_PAIRS + 1,
+        700,
+        _triton_copy.RING_PAIRS + 1,
+    ]
     side = torch.cuda.Stream()
     for round_ in range(3 * _triton_copy.RING_SLOTS // len(sizes) + 1):
         for k, n in enumerate(sizes):

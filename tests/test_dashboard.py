@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvferry.bench import dashboard
 
 ROOT = Path(__file__).resolve().parent.parent

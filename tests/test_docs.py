@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvferry.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def blocks(doc: str, lang: str) -> list[tuple[int, str]]:
     """The ``lang`` fenced blocks of ``doc``: (line of the fence, text)."""
     text = (ROOT / doc).read_text()
-    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in re.finditer(rf"^```{lang}\n(.*?)^```$", text, re.M | re.S)]
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(1))
+        for m in re.finditer(rf"^```{lang}\n(.*?)^```$", text, re.M | re.S)
+    ]
 
 
 def expected_prints(code: str) -> list[str]:
@@ -83,7 +85,12 @@ def test_console_blocks_show_the_cli_s_real_output(doc: str, capsys: pytest.Capt
 
 
 def test_make_targets_named_in_bash_blocks_exist() -> None:
-    targets = [line.split()[1] for _, text in blocks("README.md", "bash") for line in text.splitlines() if line.startswith("make ")]
+    targets = [
+        line.split()[1]
+        for _, text in blocks("README.md", "bash")
+        for line in text.splitlines()
+        if line.startswith("make ")
+    ]
     assert targets == ["demo", "test"]
     for target in targets:
         done = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)

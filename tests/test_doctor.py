@@ -15,9 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-import pytest
-
 import kvferry
+import pytest
 from kvferry import doctor
 from kvferry.errors import InvalidArgumentError
 from kvferry.transports import registry

@@ -6,12 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kvferry.copy import copy_blocks
 from kvferry.engine import LINK_SLICE_BYTES, ThreadCopyEngine, _paced_copy
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
-
 from test_copy import poisoned, random_pool
 
 LAYOUTS = [
@@ -22,7 +20,9 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("shape, dtype, block_dim", LAYOUTS, ids=["bf16", "kv-outer", "odd-bytes"])
-def test_link_copy_moves_exactly_the_bytes_of_copy_blocks(shape: tuple[int, ...], dtype: torch.dtype, block_dim: int) -> None:
+def test_link_copy_moves_exactly_the_bytes_of_copy_blocks(
+    shape: tuple[int, ...], dtype: torch.dtype, block_dim: int
+) -> None:
     src = random_pool(shape, dtype, block_dim)
     want, got = poisoned(src, 40), poisoned(src, 40)
     rng = np.random.default_rng(0)

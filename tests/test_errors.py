@@ -1,13 +1,12 @@
 """The exception hierarchy (kvferry/errors.py) and the package's public names."""
 
 from __future__ import annotations
-
 import __future__
+
 import types
 
-import pytest
-
 import kvferry
+import pytest
 from kvferry import (
     DuplicateTransferError,
     InvalidArgumentError,
@@ -65,8 +64,18 @@ def test_public_names() -> None:
     assert len(kvferry.__all__) == len(set(kvferry.__all__))
     for name in kvferry.__all__:
         assert hasattr(kvferry, name), name
-    errors = {n for n in kvferry.__all__ if isinstance(getattr(kvferry, n), type) and issubclass(getattr(kvferry, n), BaseException)}
-    assert errors == {"DuplicateTransferError", "InvalidArgumentError", "KvFerryError", "MissingDependencyError", "UnknownRequestError"}
+    errors = {
+        n
+        for n in kvferry.__all__
+        if isinstance(getattr(kvferry, n), type) and issubclass(getattr(kvferry, n), BaseException)
+    }
+    assert errors == {
+        "DuplicateTransferError",
+        "InvalidArgumentError",
+        "KvFerryError",
+        "MissingDependencyError",
+        "UnknownRequestError",
+    }
     assert kvferry.MAX_LEDGER_BLOCKS == 1 << 24
 
 

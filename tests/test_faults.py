@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pytest
 import torch
-
 from kvferry.copy import copy_blocks
 from kvferry.engine import Pending, ThreadCopyEngine
 from kvferry.errors import TransferError, TransferTimeoutError, UnknownRequestError
@@ -315,7 +314,9 @@ class GatedEngine(ThreadCopyEngine):
     def release(self) -> None:
         self._open.set()
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Any = ()) -> Pending:
+    def submit(
+        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Any = ()
+    ) -> Pending:
         return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids), after=after)
 
     def submit_call(self, work: Callable[[], None], *, after: Any = (), nbytes: int = 0) -> Pending:
@@ -392,7 +393,11 @@ def expect_failed_soon(call: Callable[[], Any], bound: float) -> tuple[TransferE
 # --- receiver killed --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "progress"), [("shm", False), ("shm", True), ("staging", False)], ids=["shm", "shm-progress-thread", "staging"])
+@pytest.mark.parametrize(
+    ("kind", "progress"),
+    [("shm", False), ("shm", True), ("staging", False)],
+    ids=["shm", "shm-progress-thread", "staging"],
+)
 def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, progress: bool) -> None:
     """SIGKILL the generation worker while a chunk's copy into its pool (or staging ring)
     is running: the sender fails every request within its timeout, names them and the
@@ -503,7 +508,9 @@ def test_nixl_receiver_killed_fails_the_sender(loopback_ucx: None) -> None:
     assert no_new_threads(before) == []
 
 
-def test_nixl_hung_receiver_is_aborted_at_the_sender_timeout(loopback_ucx: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nixl_hung_receiver_is_aborted_at_the_sender_timeout(
+    loopback_ucx: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A receiver that stops answering (SIGSTOP: its socket stays open, so nothing but the
     clock can tell) over UCX's TCP transport, where a write needs the peer to progress: the
     sender aborts the write at its timeout, fails the requests it carried, releases them."""
@@ -624,7 +631,9 @@ def test_nixl_sender_killed_fails_by_the_receiver_timeout(loopback_ucx: None) ->
         ctx.kill()
         timeout = 1.0
         start = time.monotonic()
-        with pytest.raises(TransferTimeoutError, match=r"request 1: blocks \[BlockRange\(2, 6\)\] did not arrive") as info:
+        with pytest.raises(
+            TransferTimeoutError, match=r"request 1: blocks \[BlockRange\(2, 6\)\] did not arrive"
+        ) as info:
             receiver.wait(1, timeout=timeout)
         assert time.monotonic() - start < timeout + SLACK
         assert info.value.request_ids == (1,)
@@ -662,7 +671,9 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
         engine = GatedEngine()
         # No announcer: the notices C got before its cancel are exactly those the test's own
         # flushes returned (an announcer would post some of them on its own thread).
-        sender = KVSender(src, ShmTransport(gen.address, authkey=gen.authkey), engine=engine, timeout=LONG_TIMEOUT, progress=False)
+        sender = KVSender(
+            src, ShmTransport(gen.address, authkey=gen.authkey), engine=engine, timeout=LONG_TIMEOUT, progress=False
+        )
         for n, stage in enumerate(STAGES):
             c, s = 100 + 2 * n, 101 + 2 * n
             rows = {rid: (src_blocks.take(6), gen.call("expect", rid, PROMPT)) for rid in (c, s)}
@@ -701,7 +712,9 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
             with pytest.raises(UnknownRequestError):
                 chunk(2, (c,))
             # S carries on to the end.
-            done = {"before-early": 0, "after-early": 0, "mid-chunk": 1, "at-last-chunk": 2, "during-final-copy": 3}[stage]
+            done = {"before-early": 0, "after-early": 0, "mid-chunk": 1, "at-last-chunk": 2, "during-final-copy": 3}[
+                stage
+            ]
             if stage == "before-early":
                 sender.send_early([s], src_t[[1]], dst_t[[1]])
             for i in range(done, 3):
@@ -716,7 +729,9 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
             assert gen.call("release", s)
             assert sender.remove(s).is_complete
             src_blocks.give(rows[s][0])
-            assert len(sender.book) == 0 and not sender._requests, stage  # a stale record would drop a later request's notices
+            assert len(sender.book) == 0 and not sender._requests, (
+                stage
+            )  # a stale record would drop a later request's notices
             state = gen.call("status")
             assert (state["requests"], state["free"], state["errors"]) == (0, NUM_BLOCKS, []), (stage, state)
             assert src_blocks.free == NUM_BLOCKS, stage

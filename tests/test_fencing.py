@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
+from conftest import FakeClock
 from kvferry.engine import Pending
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.hook import TransferHook
@@ -45,7 +45,6 @@ from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender, SenderStage
 from kvferry.transports.base import Write
 from kvferry.transports.inprocess import InProcessTransport
-
 from test_faults import (
     LAYERS,
     NUM_BLOCKS,
@@ -64,7 +63,6 @@ from test_faults import (
     tables,
     until,
 )
-from conftest import FakeClock
 from test_transfer import _GatedEngine
 
 # --- a receiver in its own process -----------------------------------------------------------
@@ -134,7 +132,9 @@ def fencing_worker(conn: Any, authkey: bytes, kind: str) -> None:
                 conn.send(digest(pool, args[0]))
             elif command == "request":  # -> (fenced, complete, notices as tuples)
                 rid = args[0]
-                conn.send((receiver.fenced(rid), receiver.is_complete(rid), [n.as_tuple() for n in receiver.notices(rid)]))
+                conn.send(
+                    (receiver.fenced(rid), receiver.is_complete(rid), [n.as_tuple() for n in receiver.notices(rid)])
+                )
             elif command == "status":
                 conn.send(
                     {
@@ -391,7 +391,12 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         assert sorted(dst2) == sorted(dst) and new > old
         late = ShmTransport(remote.address, authkey=remote.authkey)  # a sender that never heard
         late.post([Notice(7, 1, 2, 6, True, old)])
-        assert until(lambda: any(d[3].startswith(f"epoch {old} of request 7, which is now epoch {new}") for d in remote.call("status")["discarded"]))
+        assert until(
+            lambda: any(
+                d[3].startswith(f"epoch {old} of request 7, which is now epoch {new}")
+                for d in remote.call("status")["discarded"]
+            )
+        )
         assert remote.call("request", 7) == (False, False, [])
         late.close()
         sender.add(7, 24, reused_len=9, epoch=new)
@@ -467,7 +472,10 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
         rogue = StagingTransport(remote.address, authkey=remote.authkey)
 
         def write(notice: Notice, dst: list[int]) -> Pending:
-            pending = rogue.write(engine, Write(src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice]))
+            pending = rogue.write(
+                engine,
+                Write(src, np.arange(notice.start, notice.end), np.array(dst[notice.start : notice.end]), [notice]),
+            )
             assert pending.wait(SLACK) and pending.error() is None
             return pending
 
@@ -477,7 +485,9 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
         write(Notice(8, 0, 0, 2, True, e8), dst8)
         rogue.post([Notice(8, 0, 0, 2, True, e8)])
         assert until(lambda: any(d[:2] == ("notice", 8) for d in remote.call("status")["discarded"]))
-        assert remote.call("digest", dst8) == digest(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB), range(2))  # still zeros
+        assert remote.call("digest", dst8) == digest(
+            PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB), range(2)
+        )  # still zeros
 
         # Request 5: its old write is staged, the sender fences it, the receiver releases it
         # and gives id 5 and its blocks to a new owner; then the old write is posted.
@@ -559,7 +569,11 @@ def test_nixl_fences_travel_with_the_notifications(loopback_ucx: None) -> None:
 def _pair(timeout: float | None = None, progress: bool = True) -> tuple[KVSender, KVReceiver, _GatedEngine]:
     receiver = KVReceiver(random_pool(1))
     engine = _GatedEngine()
-    return KVSender(random_pool(0), InProcessTransport(receiver), engine=engine, timeout=timeout, progress=progress), receiver, engine
+    return (
+        KVSender(random_pool(0), InProcessTransport(receiver), engine=engine, timeout=timeout, progress=progress),
+        receiver,
+        engine,
+    )
 
 
 def test_epochs_are_issued_per_receiver_and_stale_notices_are_discarded() -> None:
@@ -572,7 +586,11 @@ def test_epochs_are_issued_per_receiver_and_stale_notices_are_discarded() -> Non
     assert e3 > e2
     assert not receiver.deliver(Notice(1, 0, 0, 2, False, e1))  # the old epoch: discarded
     (discard,) = receiver.discarded()
-    assert (discard.kind, discard.request_id, discard.epoch) == ("notice", 1, e1) and f"now epoch {e3}" in discard.reason
+    assert (discard.kind, discard.request_id, discard.epoch) == (
+        "notice",
+        1,
+        e1,
+    ) and f"now epoch {e3}" in discard.reason
     assert receiver.notices(1) == [] and receiver.refused() == []
     assert not receiver.deliver(Notice(1, 0, 0, 2, False, e3))  # the current one counts
     assert receiver.notices(1) == [Notice(1, 0, 0, 2, False, e3)]
@@ -731,7 +749,6 @@ def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
     """`KVSender.add` announces the request with its epoch: a sender killed before it sent
     anything fails the request at once (not at its timeout), and fences it."""
     from kvferry.transports.shm import SharedPool, ShmEndpoint
-
     from test_faults import Context
 
     shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
@@ -775,7 +792,7 @@ def test_endpoint_errors_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         for i in range(20):
             rogue.post([Notice(100 + i, 0, 0, 1, True)])  # unknown requests: refused
             rogue.post([Notice(1, i, 0, 1, True, old)])  # a released epoch: discarded
-        assert until(lambda: endpoint.error_count == 20 and receiver.discarded_count == 20)
+        assert until(lambda: endpoint.error_count == 20 and receiver.discarded_count == 20)  # noqa: F821 (del: finally)
         assert len(endpoint.errors) == 8 and receiver.refused_count == 20
         assert all(isinstance(e, UnknownRequestError) for e in endpoint.errors)
         rogue.close()

@@ -6,7 +6,6 @@ from dataclasses import fields
 
 import pytest
 import torch
-
 from kvferry.cli import build_parser
 from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import AGENTIC_MODEL, VLLM_BENCH_MODEL, Geometry
@@ -34,7 +33,9 @@ def test_counts_match_the_reference_model_it_sizes() -> None:
     g = Geometry(layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128)
     cfg = ModelConfig(g, dtype=torch.float32)
     model = TinyLlama(cfg)
-    tensors = [model.embed, model.lm_head] + [w for layer in model.layers for name, w in layer.items() if name.startswith("w")]
+    tensors = [model.embed, model.lm_head] + [
+        w for layer in model.layers for name, w in layer.items() if name.startswith("w")
+    ]
     assert sum(t.numel() for t in tensors) == g.weight_elements()
     pool = new_kv_pool(cfg, num_blocks=5, tokens_per_block=8, device="cpu")
     per_block_token = sum(layer[0].numel() for layer in pool.layers) // 8

@@ -16,7 +16,6 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvferry.transports import wire
 
 KEY = secrets.token_bytes(32)

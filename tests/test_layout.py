@@ -5,13 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kvferry.copy import checked_pairs
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.layout import LayoutMismatchError, PagedKV
 
 
-def pool(layers: int = 2, shape: tuple[int, ...] = (10, 2, 4, 3, 8), dtype: torch.dtype = torch.bfloat16, tpb: int = 4, block_dim: int = 0) -> PagedKV:
+def pool(
+    layers: int = 2,
+    shape: tuple[int, ...] = (10, 2, 4, 3, 8),
+    dtype: torch.dtype = torch.bfloat16,
+    tpb: int = 4,
+    block_dim: int = 0,
+) -> PagedKV:
     return PagedKV(tuple(torch.zeros(shape, dtype=dtype) for _ in range(layers)), tpb, block_dim)
 
 
@@ -46,7 +51,10 @@ def test_stacked_splits_layers_on_dim_0() -> None:
         (lambda: PagedKV((torch.zeros(4, 2),), 0), "tokens_per_block=0"),
         (lambda: PagedKV((torch.zeros(4, 2),), 4, block_dim=2), "block_dim=2"),
         (lambda: PagedKV((torch.zeros(4, 2), torch.zeros(5, 2)), 4), "layers[1].shape=(5, 2)"),
-        (lambda: PagedKV((torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.float16)), 4), "layers[1].dtype=torch.float16"),
+        (
+            lambda: PagedKV((torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.float16)), 4),
+            "layers[1].dtype=torch.float16",
+        ),
         (lambda: PagedKV((torch.zeros(4, 2), torch.zeros(2, 4).t()), 4), "layers[1]: must be contiguous"),
     ],
 )

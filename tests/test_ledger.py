@@ -5,9 +5,8 @@ from __future__ import annotations
 import copy
 import pickle
 
-import pytest
-
 import kvferry
+import pytest
 from kvferry import (
     BlockRange,
     DuplicateTransferError,

@@ -8,9 +8,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import netns
+import pytest
 from netns import TwoHosts, unavailable
 
 REASON = unavailable()
@@ -39,19 +38,32 @@ def _namespaces() -> str:
 def test_two_namespaces_reach_each_other_over_the_veth_only() -> None:
     with TwoHosts() as hosts:
         assert hosts.a.namespace in _namespaces() and hosts.b.namespace in _namespaces()
-        server = subprocess.Popen(hosts.command(hosts.b, [sys.executable, "-c", SERVER, hosts.b.ip]), stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            hosts.command(hosts.b, [sys.executable, "-c", SERVER, hosts.b.ip]), stdout=subprocess.PIPE, text=True
+        )
         try:
             assert server.stdout is not None
             port = server.stdout.readline().strip()
-            got = subprocess.run(hosts.command(hosts.a, [sys.executable, "-c", CLIENT, hosts.b.ip, port, "30"]), capture_output=True, text=True, timeout=60)
+            got = subprocess.run(
+                hosts.command(hosts.a, [sys.executable, "-c", CLIENT, hosts.b.ip, port, "30"]),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert got.returncode == 0, got.stderr
             assert got.stdout.strip() == hosts.a.ip  # the server saw host a's veth address
             server.wait(timeout=30)
         finally:
             server.kill()
         # Each namespace routes only its /30 (and its loopback): no way out to the machine.
-        routes = subprocess.run(hosts.command(hosts.a, ["ip", "route"]), capture_output=True, text=True, check=True).stdout.strip().splitlines()
-        assert len(routes) == 1 and routes[0].startswith(hosts.a.ip.rsplit(".", 1)[0]) and hosts.a.device in routes[0], routes
+        routes = (
+            subprocess.run(hosts.command(hosts.a, ["ip", "route"]), capture_output=True, text=True, check=True)
+            .stdout.strip()
+            .splitlines()
+        )
+        assert (
+            len(routes) == 1 and routes[0].startswith(hosts.a.ip.rsplit(".", 1)[0]) and hosts.a.device in routes[0]
+        ), routes
         assert hosts.tx_bytes(hosts.a) > 0
     assert hosts.a.namespace not in _namespaces() and hosts.b.namespace not in _namespaces()
 

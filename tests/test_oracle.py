@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import kvferry
 import numpy as np
+import reference_planner as ref
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvferry
-import reference_planner as ref
 from kvferry import (
     BlockRange,
     DuplicateTransferError,
@@ -50,9 +49,7 @@ def chunk_plan(draw: Callable[..., Any], reused_len: int, prompt_len: int) -> li
 
 @given(st.integers(1, 200), st.integers(0, 20_000))
 def test_early_prefix_blocks_matches_reference(tpb: int, reused_len: int) -> None:
-    assert as_tuple(kvferry.early_prefix_blocks(tpb, reused_len)) == ref.early_prefix_blocks(
-        tpb, reused_len
-    )
+    assert as_tuple(kvferry.early_prefix_blocks(tpb, reused_len)) == ref.early_prefix_blocks(tpb, reused_len)
 
 
 @given(prompt_shapes(), st.booleans(), st.data())
@@ -119,9 +116,7 @@ def test_ledger_sequences_match_reference(shape, data: st.DataObject) -> None:
         st.lists(
             st.one_of(
                 st.just(("early",)),
-                st.tuples(
-                    st.just("chunk"), st.integers(0, prompt_len), st.integers(0, prompt_len + 1)
-                ),
+                st.tuples(st.just("chunk"), st.integers(0, prompt_len), st.integers(0, prompt_len + 1)),
                 st.tuples(
                     st.just("claim"),
                     st.integers(0, oracle.num_blocks),
@@ -200,9 +195,7 @@ def plan_rows(plan: kvferry.SlicePlan) -> list[tuple[int, int, int, int]]:
 def test_book_schedules_match_reference(data: st.DataObject) -> None:
     tpb = data.draw(st.sampled_from([1, 4, 16, 32]) | st.integers(1, 50), label="tpb")
     pipelined = data.draw(st.booleans(), label="pipelined")
-    ids = data.draw(
-        st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=10, unique=True), label="ids"
-    )
+    ids = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=10, unique=True), label="ids")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
 
     book = TransferBook(tpb, pipelined=pipelined)

@@ -8,9 +8,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import pytest
-
 import kvferry
+import pytest
 from kvferry._optional import EXTRAS, missing_message, require
 from kvferry.errors import KvFerryError, MissingDependencyError
 
@@ -37,11 +36,15 @@ def test_extras_match_requirements_dev() -> None:
     project, dev = _pyproject(), _requirements()
     extras = project["optional-dependencies"]
     assert {"torch", "bench", "nixl", "test"} <= set(extras)
-    assert any(r.startswith("matplotlib") for r in extras["bench"]) and any(r.startswith("torch") for r in extras["bench"])
+    assert any(r.startswith("matplotlib") for r in extras["bench"]) and any(
+        r.startswith("torch") for r in extras["bench"]
+    )
     for group in (project["dependencies"], *(extras[name] for name in ("torch", "bench", "nixl", "test"))):
         for requirement in group:
             name = requirement.split(next(c for c in "<>=!~" if c in requirement), 1)[0].lower()
-            assert dev.get(name) == requirement, f"pyproject.toml says {requirement!r}, requirements-dev.txt {dev.get(name)!r}"
+            assert dev.get(name) == requirement, (
+                f"pyproject.toml says {requirement!r}, requirements-dev.txt {dev.get(name)!r}"
+            )
 
 
 def test_every_optional_module_has_an_extra() -> None:
@@ -69,7 +72,10 @@ def test_require_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MissingDependencyError) as err:
         require("matplotlib", "the timeline PNG (--png)")
     assert isinstance(err.value, ImportError) and isinstance(err.value, KvFerryError)
-    assert str(err.value) == "the timeline PNG (--png) needs matplotlib, which is not installed: pip install 'kvferry[bench]'"
+    assert (
+        str(err.value)
+        == "the timeline PNG (--png) needs matplotlib, which is not installed: pip install 'kvferry[bench]'"
+    )
     assert err.value.name == "matplotlib"
 
 
@@ -93,15 +99,28 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT)
 
 
-@pytest.mark.parametrize("module", ["kvferry.copy", "kvferry.engine", "kvferry.sender", "kvferry.transports.shm", "kvferry.refengine.serving", "kvferry.bench.agentic"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "kvferry.copy",
+        "kvferry.engine",
+        "kvferry.sender",
+        "kvferry.transports.shm",
+        "kvferry.refengine.serving",
+        "kvferry.bench.agentic",
+    ],
+)
 def test_library_import_without_torch(module: str) -> None:
-    proc = _python(BLOCK.format(module="torch") + f"""
+    proc = _python(
+        BLOCK.format(module="torch")
+        + f"""
 import kvferry  # the planner needs no torch
 try:
     import {module}
 except kvferry.MissingDependencyError as err:
     print(err)
-""")
+"""
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == missing_message("torch")
     assert "pip install 'kvferry[torch]'" in proc.stdout
@@ -112,9 +131,58 @@ except kvferry.MissingDependencyError as err:
     [
         ("torch", ["bench", "agentic"], "kvferry[torch]"),
         ("torch", ["bench", "copy"], "kvferry[torch]"),
-        ("matplotlib", ["bench", "agentic", "--sessions", "1", "--turns", "1", "--cached", "64", "--new", "16", "--output", "2", "--tokens-per-block", "16",
-                        "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ffn", "32", "--vocab", "64"], "kvferry[bench]"),
-        ("nixl", ["bench", "copy", "--transport", "nixl", "--blocks", "2", "--layers", "1", "--block-kib", "4", "--reps", "1"], "kvferry[nixl]"),
+        (
+            "matplotlib",
+            [
+                "bench",
+                "agentic",
+                "--sessions",
+                "1",
+                "--turns",
+                "1",
+                "--cached",
+                "64",
+                "--new",
+                "16",
+                "--output",
+                "2",
+                "--tokens-per-block",
+                "16",
+                "--layers",
+                "1",
+                "--hidden",
+                "32",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "16",
+                "--ffn",
+                "32",
+                "--vocab",
+                "64",
+            ],
+            "kvferry[bench]",
+        ),
+        (
+            "nixl",
+            [
+                "bench",
+                "copy",
+                "--transport",
+                "nixl",
+                "--blocks",
+                "2",
+                "--layers",
+                "1",
+                "--block-kib",
+                "4",
+                "--reps",
+                "1",
+            ],
+            "kvferry[nixl]",
+        ),
     ],
     ids=["agentic-torch", "copy-torch", "png-matplotlib", "copy-nixl"],
 )

@@ -19,8 +19,13 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
-
-from kvferry.errors import DuplicateTransferError, InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import (
+    DuplicateTransferError,
+    InvalidArgumentError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+)
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
@@ -28,7 +33,6 @@ from kvferry.transports import wire
 from kvferry.transports.frames import Freed, Notices, Revoke
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.wire import AuthenticationError
-
 from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
 
 # "kvferry-" and 32 hex digits: 128 random bits (secrets.token_hex(16)).
@@ -90,7 +94,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         sender.close()
 
         # Both wrong keys were recorded (the stalled peer too, should its bound have passed).
-        refused = [e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "proof is wrong" in e]
+        refused = [
+            e for e in gen.call("status")["errors"] if e.startswith("AuthenticationError") and "proof is wrong" in e
+        ]
         assert len(refused) == 2 and all("refused" in e for e in refused), refused
         assert gen.close() == []  # the stalled peer's thread ended with the endpoint
     finally:
@@ -106,7 +112,9 @@ def test_a_stalled_handshake_is_dropped_after_its_bound(monkeypatch: pytest.Monk
         stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stalled.connect(_path(endpoint.address))
         assert until(lambda: len(endpoint.errors) == 1)
-        assert isinstance(endpoint.errors[0], AuthenticationError) and "refused: no complete handshake within 0.2 s" in str(endpoint.errors[0])
+        assert isinstance(
+            endpoint.errors[0], AuthenticationError
+        ) and "refused: no complete handshake within 0.2 s" in str(endpoint.errors[0])
         assert until(lambda: "kvferry-notices" not in {t.name for t in threading.enumerate()})
         assert _recv_exact(stalled, 4096)[: len(wire.MAGIC)] == wire.MAGIC  # its challenge, then EOF
         assert len(receiver) == 0 and receiver.refused_count == 0
@@ -233,7 +241,9 @@ def test_notices_outside_the_request_are_refused_and_mark_nothing(rig: tuple[KVR
         (Notice(4, 0, -1, 1, False), InvalidArgumentError, 4),
     ]
     # A value no frame can carry never leaves the sender (nothing of it reaches request 5).
-    with pytest.raises(InvalidArgumentError, match=r"invalid end=1180591620717411303424: must be in \[-2\*\*63, 2\*\*63\)"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid end=1180591620717411303424: must be in \[-2\*\*63, 2\*\*63\)"
+    ):
         rogue.post([Notice(5, 0, 0, 2**70, True)])
     rogue.post([Notice(2, 0, 0, 2, False)])  # accepted...
     rogue.post([Notice(2, 1, 1, 3, False)])  # ...then blocks 1-2: block 1 arrived already
@@ -309,7 +319,9 @@ def test_a_request_belongs_to_the_sender_that_announced_it(rig: tuple[KVReceiver
         assert receiver.release(rid, timeout=SLACK).claimed_blocks == 2
 
 
-def test_only_the_connection_holding_a_request_may_announce_revoke_or_fail_it(rig: tuple[KVReceiver, ShmEndpoint, bytes]) -> None:
+def test_only_the_connection_holding_a_request_may_announce_revoke_or_fail_it(
+    rig: tuple[KVReceiver, ShmEndpoint, bytes],
+) -> None:
     """A second authenticated connection's ``announce(rid, 0)`` (epoch 0 passes every
     staleness check), its fence and its notices for requests the first connection holds, a
     completed one and a pending one, are refused and recorded; neither request is failed or

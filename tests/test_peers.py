@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import pytest
 import torch
-
 from kvferry.engine import CopyEngine, Pending, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError, TransferError, UnknownRequestError
 from kvferry.hook import TransferHook
@@ -24,7 +23,6 @@ from kvferry.sender import KVSender, as_table
 from kvferry.tiers import Signal
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
-
 from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
 
 # (request id, prompt, reused, peer): every peer gets requests, with and without a prefix.
@@ -68,7 +66,9 @@ class _Peers:
         for name in names:
             kind = "shm" if name in shm else "in-process"
             if kind == "shm":
-                pool = registry.receiver_pool("shm", num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+                pool = registry.receiver_pool(
+                    "shm", num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB
+                )
                 self.pools.append(pool)
                 receiver = KVReceiver(pool.pool)
                 served = registry.serve("shm", receiver, authkey=self.authkey, shared=pool.shared)
@@ -114,7 +114,9 @@ def _expect_all(peers: _Peers, requests: Sequence[tuple[int, int, int, str]]) ->
         peers.receivers[peer].expect(rid, prompt)
 
 
-def _start(peers: _Peers, sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str]], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Notice]]:
+def _start(
+    peers: _Peers, sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str]], seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Notice]]:
     """Leases every request at its peer, adds it to the sender and sends the early blocks of all
     of them in one step call; returns the block tables, the ids and the early notices."""
     _expect_all(peers, requests)
@@ -125,7 +127,13 @@ def _start(peers: _Peers, sender: MultiPeerSender, requests: Sequence[tuple[int,
     return src, dst, ids, sender.send_early(ids, src, dst)
 
 
-def _chunks(sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str]], src: np.ndarray, dst: np.ndarray, chunk: int = 8) -> list[Notice]:
+def _chunks(
+    sender: MultiPeerSender,
+    requests: Sequence[tuple[int, int, int, str]],
+    src: np.ndarray,
+    dst: np.ndarray,
+    chunk: int = 8,
+) -> list[Notice]:
     """Chunk after chunk, each step one `send_chunks` call over the whole live batch."""
     pos = {rid: reused for rid, _, reused, _ in requests}
     sent: list[Notice] = []
@@ -142,7 +150,9 @@ def _chunks(sender: MultiPeerSender, requests: Sequence[tuple[int, int, int, str
         sender.poll()
 
 
-def _check_arrived(peers: _Peers, src_pool: PagedKV, requests: Sequence[tuple[int, int, int, str]], src: np.ndarray, dst: np.ndarray) -> None:
+def _check_arrived(
+    peers: _Peers, src_pool: PagedKV, requests: Sequence[tuple[int, int, int, str]], src: np.ndarray, dst: np.ndarray
+) -> None:
     """Each request complete at its own receiver, bit exact, every block in exactly one
     notice there, and no notice of it anywhere else."""
     for i, (rid, prompt, _, peer) in enumerate(requests):
@@ -175,7 +185,9 @@ def test_one_step_call_dispatches_to_every_peer_bit_exact_and_exactly_once() -> 
         _check_arrived(peers, src_pool, REQUESTS, src, dst)
         # What the calls returned is what the receivers got: every notice, once.
         key = lambda n: (n.request_id, n.slice_id)  # noqa: E731
-        assert sorted(sent, key=key) == sorted((n for rid, *_, p in REQUESTS for n in peers.receivers[p].notices(rid)), key=key)
+        assert sorted(sent, key=key) == sorted(
+            (n for rid, *_, p in REQUESTS for n in peers.receivers[p].notices(rid)), key=key
+        )
         for rid, *_ in REQUESTS:
             sender.remove(rid)
             assert not sender.leased(rid)
@@ -196,9 +208,7 @@ def test_a_closed_peer_fails_only_its_own_requests() -> None:
         peers.served.pop("b").close()
         b_ids = sorted(r for r, *_, p in requests if p == "b")
         with pytest.raises(TransferError) as lost:
-            sender.send_chunks(
-                ids, np.array([r[2] for r in requests]), np.array([r[1] for r in requests]), src, dst
-            )
+            sender.send_chunks(ids, np.array([r[2] for r in requests]), np.array([r[1] for r in requests]), src, dst)
         assert sorted(lost.value.request_ids) == b_ids
         assert sorted(sender.failures()) == b_ids
         sender.flush(timeout=60)
@@ -207,7 +217,11 @@ def test_a_closed_peer_fails_only_its_own_requests() -> None:
         _check_arrived(peers, src_pool, [r for _, r in others], src[rows], dst[rows])
         # The dead peer's requests are refused again, the live peers' keep working.
         with pytest.raises(TransferError):
-            sender.send_early(np.array(b_ids), src[[i for i, r in enumerate(requests) if r[3] == "b"]], dst[[i for i, r in enumerate(requests) if r[3] == "b"]])
+            sender.send_early(
+                np.array(b_ids),
+                src[[i for i, r in enumerate(requests) if r[3] == "b"]],
+                dst[[i for i, r in enumerate(requests) if r[3] == "b"]],
+            )
         for rid, *_ in requests:
             sender.remove(rid)  # acknowledges the failures, forgets the completed requests
         assert not sender.failures()
@@ -226,7 +240,14 @@ def test_hook_routes_each_request_to_its_peer() -> None:
         src, dst = _tables(42, requests)
         widths = [-(-p // TPB) for _, p, _, _ in requests]
         for i, (rid, prompt, reused, peer) in enumerate(requests):
-            hook.add_request(rid, prompt, reused_len=reused, src_blocks=src[i, : widths[i]], dst_blocks=dst[i, : widths[i]], peer=peer)
+            hook.add_request(
+                rid,
+                prompt,
+                reused_len=reused,
+                src_blocks=src[i, : widths[i]],
+                dst_blocks=dst[i, : widths[i]],
+                peer=peer,
+            )
         ids = [r for r, *_ in requests]
         hook.before_forward(ids)
         hook.after_forward(ids, [r[2] for r in requests], [r[1] for r in requests])
@@ -249,7 +270,9 @@ def test_bad_peer_arguments_are_refused_by_name() -> None:
             sender.add(1, 8, peer="a")
         with pytest.raises(UnknownRequestError, match=r"unknown request_id=2"):
             sender.send_early(np.array([1, 2]), np.zeros((2, 2), dtype=np.int64), np.zeros((2, 2), dtype=np.int64))
-        with pytest.raises(InvalidArgumentError, match=r"invalid dst_block_table=<1 rows>: must hold one per request \(2\)"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"invalid dst_block_table=<1 rows>: must hold one per request \(2\)"
+        ):
             sender.send_early(np.array([1, 1]), np.zeros((2, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64))
         with pytest.raises(InvalidArgumentError, match=r"invalid transports=\{\}"):
             MultiPeerSender(random_pool(52), {})
@@ -280,7 +303,11 @@ def test_a_killed_peer_process_fails_only_its_own_requests() -> None:
     requests = [r for r in REQUESTS if r[3] in ("a", "b", "c")]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_shm_receiver_process, args=(child, peers.authkey, [(r, p) for r, p, _, peer in requests if peer == "b"]), daemon=True)
+    proc = ctx.Process(
+        target=_shm_receiver_process,
+        args=(child, peers.authkey, [(r, p) for r, p, _, peer in requests if peer == "b"]),
+        daemon=True,
+    )
     proc.start()
     src_pool = random_pool(61)
     try:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import kvferry
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvferry
 from kvferry import BlockRange, InvalidArgumentError, chunk_blocks, early_prefix_blocks, select_early
 
 
@@ -47,10 +46,7 @@ def test_issue_example_reuse_12() -> None:
 def test_issue_example_unaligned_reuse_chunks_of_128() -> None:
     # tpb=32, P=1000, R=700, chunks of 128 with early send: [0,21), [21,25), [25,29), [29,32).
     early = early_prefix_blocks(32, 700)
-    chunks = [
-        chunk_blocks(32, 1000, s, e, reused_len=700, prefix_sent=True)
-        for s, e in chunk_bounds(700, 1000, 128)
-    ]
+    chunks = [chunk_blocks(32, 1000, s, e, reused_len=700, prefix_sent=True) for s, e in chunk_bounds(700, 1000, 128)]
     assert chunk_bounds(700, 1000, 128) == [(700, 828), (828, 956), (956, 1000)]
     assert [early, *chunks] == [
         BlockRange(0, 21),
@@ -267,9 +263,7 @@ def test_select_early_strided_and_int32_inputs() -> None:
 
 
 def test_select_early_errors() -> None:
-    ok: dict[str, Any] = dict(
-        context_only=[True, True], cancelled=[False, False], first_chunk=[True, True]
-    )
+    ok: dict[str, Any] = dict(context_only=[True, True], cancelled=[False, False], first_chunk=[True, True])
     with pytest.raises(InvalidArgumentError, match="tokens_per_block=0"):
         select_early(0, [4, 8], **ok)
     with pytest.raises(InvalidArgumentError, match="reused_len=-5"):
@@ -284,9 +278,7 @@ def test_select_early_errors() -> None:
 
 
 def test_select_early_type_and_shape_errors() -> None:
-    ok: dict[str, Any] = dict(
-        context_only=[True, True], cancelled=[False, False], first_chunk=[True, True]
-    )
+    ok: dict[str, Any] = dict(context_only=[True, True], cancelled=[False, False], first_chunk=[True, True])
     with pytest.raises(TypeError, match="reused_len"):
         select_early(4, np.array([4.0, 8.0]), **ok)
     with pytest.raises(InvalidArgumentError, match="reused_len=<2-d array>"):

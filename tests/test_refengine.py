@@ -8,10 +8,9 @@ from typing import Optional, Sequence
 
 import pytest
 import torch
-
+from kvferry.geometry import Geometry
 from kvferry.notice import Notice
 from kvferry.refengine.cache import BlockAllocator, PrefixCache
-from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn
 
@@ -78,7 +77,9 @@ def _sessions(seed: int, n: int, turns: int, *, system: int, new: tuple[int, int
 @pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
 @pytest.mark.parametrize("early", [True, False], ids=["early", "baseline"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_disaggregated_matches_aggregated_over_multi_turn_sessions(model: TinyLlama, chunk, early: bool, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+def test_disaggregated_matches_aggregated_over_multi_turn_sessions(
+    model: TinyLlama, chunk, early: bool, overlap: bool
+) -> None:  # type: ignore[no-untyped-def]
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
     dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, overlap=overlap)
     gen = _sessions(seed=7, n=3, turns=3, system=90, new=(5, 30), out=5)
@@ -124,7 +125,9 @@ def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int, laye
     layer-wise streaming in ``layer_groups`` groups, if given) gives aggregated serving's
     outputs and bit-exact KV, each layer of each block crossing once."""
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24)
-    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport, layer_groups=layer_groups)
+    dis = Disaggregated(
+        model, num_blocks=256, tokens_per_block=TPB, chunk_size=24, transport=transport, layer_groups=layer_groups
+    )
     try:
         gen = _sessions(seed=seed, n=2, turns=2, system=70, new=(5, 25), out=4)
         turns = next(gen)
@@ -145,7 +148,9 @@ def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int, laye
 
 
 @pytest.mark.parametrize("transport", ["shm", "staging", "nixl"])
-def test_two_process_disaggregation_matches_aggregated(model: TinyLlama, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_process_disaggregation_matches_aggregated(
+    model: TinyLlama, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The generation worker in its own process, reached over a real transport."""
     if transport == "nixl":
         pytest.importorskip("nixl")
@@ -170,7 +175,9 @@ def test_cuda_layerwise_streaming_matches_aggregated(transport: str, groups: int
     event on the current stream: the KV still arrives bit exact."""
     from dataclasses import replace
 
-    _assert_serving_matches(TinyLlama(replace(CFG, dtype=torch.bfloat16), "cuda"), transport, seed=5, layer_groups=groups)
+    _assert_serving_matches(
+        TinyLlama(replace(CFG, dtype=torch.bfloat16), "cuda"), transport, seed=5, layer_groups=groups
+    )
 
 
 def test_prefix_cache_index_is_empty_once_every_block_is_evicted() -> None:
@@ -230,7 +237,10 @@ def fan_out(model: TinyLlama):  # type: ignore[no-untyped-def]
     aggregated serving's results for them."""
     rng = random.Random(5)
     prefix = [rng.randrange(CFG.geometry.vocab) for _ in range(8192)]
-    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(CFG.geometry.vocab) for _ in range(rng.randrange(5, 40))]), 3) for i in range(8)]
+    turns = [
+        Turn(i + 1, tuple(prefix + [rng.randrange(CFG.geometry.vocab) for _ in range(rng.randrange(5, 40))]), 3)
+        for i in range(8)
+    ]
     agg = Aggregated(model, num_blocks=4400, tokens_per_block=TPB, chunk_size=1024)
     return turns, agg.run(turns)
 
@@ -270,7 +280,9 @@ def test_on_layer_is_called_once_per_layer_in_order_with_that_layers_kv_written(
 
     def on_layer(i: int) -> None:
         assert torch.equal(pool.layers[i], want.layers[i]), f"layer {i} not final at its callback"
-        assert all(not bool(pool.layers[j].any()) for j in range(i + 1, CFG.geometry.layers)), f"a layer after {i} was written before its callback"
+        assert all(not bool(pool.layers[j].any()) for j in range(i + 1, CFG.geometry.layers)), (
+            f"a layer after {i} was written before its callback"
+        )
         seen.append(i)
 
     model.forward(tokens, 0, pool, table, on_layer=on_layer)
@@ -287,7 +299,9 @@ def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, c
     chunk's blocks leave from the per-layer callback (records of kind "layer"), so that the
     forward afterwards sends no block of the last chunk again."""
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
-    dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, layer_groups=groups, record=True)
+    dis = Disaggregated(
+        model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, layer_groups=groups, record=True
+    )
     records = dis.hook.sender.records
     assert records is not None
     gen = _sessions(seed=13, n=2, turns=2, system=60, new=(5, 30), out=3)
@@ -302,10 +316,14 @@ def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, c
                 assert d.kv_mismatch_blocks == 0 and d.digests
                 _assert_layers_cross_once(d.notices, -(-d.prompt_len // TPB))
                 assert all(n.groups == groups for n in d.notices if not n.whole)
-                mine = lambda kind: [n for rec in records if rec.kind == kind for n in rec.notices if n.request_id == turn.request_id]  # noqa: E731
+                mine = lambda kind: [  # noqa: E731
+                    n for rec in records if rec.kind == kind for n in rec.notices if n.request_id == turn.request_id
+                ]
                 assert mine("layer"), "nothing left from the per-layer callback"
                 # Nothing of the last chunk's blocks went after the forward.
-                last_start = d.reused_len + (d.prompt_len - 1 - d.reused_len) // chunk * chunk if chunk else d.reused_len
+                last_start = (
+                    d.reused_len + (d.prompt_len - 1 - d.reused_len) // chunk * chunk if chunk else d.reused_len
+                )
                 assert all(n.whole and n.end <= last_start // TPB for n in mine("chunk")), (last_start, mine("chunk"))
             try:
                 turns = gen.send({r: got_a[r].outputs for r in got_a})

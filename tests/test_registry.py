@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from kvferry.cli import build_parser
 from kvferry.errors import InvalidArgumentError
 from kvferry.receiver import KVReceiver
@@ -20,7 +19,6 @@ from kvferry.sender import KVSender
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
 from kvferry.transports.registry import Reach
-
 from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, block_tables, digest, drive, nan_pool, random_pool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -42,9 +40,14 @@ def test_table_lists_every_transport_once_with_where_it_runs() -> None:
 
 
 def test_unknown_names_are_refused_naming_the_argument_and_value() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='pigeon': unknown transport; choose from in-process, shm"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid transport='pigeon': unknown transport; choose from in-process, shm"
+    ):
         registry.spec("pigeon")
-    with pytest.raises(InvalidArgumentError, match=r"invalid url='pigeon\+unix:///x': unknown transport 'pigeon'; choose from in-process, shm"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"invalid url='pigeon\+unix:///x': unknown transport 'pigeon'; choose from in-process, shm",
+    ):
         registry.parse_url("pigeon+unix:///x")
     with pytest.raises(InvalidArgumentError, match=r"invalid url='nixl\+': no address"):
         registry.parse_url("nixl+")
@@ -53,28 +56,50 @@ def test_unknown_names_are_refused_naming_the_argument_and_value() -> None:
 
 
 def test_a_transport_asked_to_run_where_it_cannot_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from in-process, cuda-ipc, staging, nixl"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from in-process, cuda-ipc, staging, nixl",
+    ):
         registry.check("shm", device="cuda")
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='cuda-ipc' for device='cpu': cuda-ipc serves cuda pools"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid transport='cuda-ipc' for device='cpu': cuda-ipc serves cuda pools"
+    ):
         registry.check("cuda-ipc", device="cpu")
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='staging' across hosts: staging runs only on one host; across hosts choose from nixl"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"invalid transport='staging' across hosts: staging runs only on one host; across hosts choose from nixl",
+    ):
         registry.check("staging", reach=Reach.NETWORK)
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='in-process' on one host: in-process runs only in one process"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid transport='in-process' on one host: in-process runs only in one process"
+    ):
         registry.check("in-process", reach=Reach.HOST)
     assert registry.check("nixl", device="cpu", reach=Reach.NETWORK).name == "nixl"
     with pytest.raises(InvalidArgumentError, match=r"invalid transport='shm' for device='cuda'"):
-        registry.receiver_pool("shm", num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB, device="cuda")
+        registry.receiver_pool(
+            "shm", num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB, device="cuda"
+        )
 
 
 def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
     receiver = KVReceiver(nan_pool())
-    with pytest.raises(InvalidArgumentError, match=r"invalid transport='in-process' for serve: in-process has no endpoint"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid transport='in-process' for serve: in-process has no endpoint"
+    ):
         registry.serve("in-process", receiver, authkey=secrets.token_bytes(32))
-    with pytest.raises(InvalidArgumentError, match=r"invalid shared=None: the shm endpoint serves the receiver's pool from shared memory"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"invalid shared=None: the shm endpoint serves the receiver's pool from shared memory",
+    ):
         registry.serve("shm", receiver, authkey=secrets.token_bytes(32))
-    with pytest.raises(InvalidArgumentError, match=r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, capacity_blocks"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, capacity_blocks",
+    ):
         registry.serve("staging", receiver, authkey=secrets.token_bytes(32), ring=3)
-    with pytest.raises(InvalidArgumentError, match=r"invalid url='in-process\+unix:///x': the in-process transport takes no address"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid url='in-process\+unix:///x': the in-process transport takes no address"
+    ):
         registry.connect("in-process+unix:///x", receiver=receiver)
     with pytest.raises(InvalidArgumentError, match=r"invalid url='shm': shm needs the endpoint's address"):
         registry.connect("shm", authkey=secrets.token_bytes(32))
@@ -82,7 +107,9 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
         registry.connect("shm+unix:///nowhere")
     with pytest.raises(InvalidArgumentError, match=r"invalid src=None: a NIXL transport registers the sender's pool"):
         registry.connect("nixl+unix:///nowhere", authkey=secrets.token_bytes(32))
-    with pytest.raises(InvalidArgumentError, match=r"invalid option write_bytes=8: the shm transport takes handshake_timeout"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid option write_bytes=8: the shm transport takes handshake_timeout"
+    ):
         registry.connect("shm+unix:///nowhere", authkey=secrets.token_bytes(32), write_bytes=8)
 
 
@@ -90,7 +117,10 @@ def test_a_tcp_address_off_loopback_is_refused_for_a_one_host_transport() -> Non
     receiver = KVReceiver(nan_pool())
     key = secrets.token_bytes(32)
     for name in ("shm", "staging"):
-        with pytest.raises(InvalidArgumentError, match=rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback reaches across hosts, and {name} runs only on one host; across hosts choose from nixl"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback reaches across hosts, and {name} runs only on one host; across hosts choose from nixl",
+        ):
             registry.connect(f"{name}+tcp://10.9.8.1:5000", authkey=key)
     with pytest.raises(InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0' for transport 'staging'"):
         registry.serve("staging", receiver, authkey=key, address="tcp://0.0.0.0:0")
@@ -141,9 +171,13 @@ def test_in_process_from_the_registry_is_bit_exact() -> None:
 
 def _registry_receiver(conn: Any, kind: str, device: str, authkey: bytes) -> None:
     """A receiver process built only from the registry: its pool, its endpoint, its URL."""
-    pool = registry.receiver_pool(kind, num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB, device=device)
+    pool = registry.receiver_pool(
+        kind, num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB, device=device
+    )
     receiver = KVReceiver(pool.pool)
-    served = registry.serve(kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {}))
+    served = registry.serve(
+        kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {})
+    )
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
     conn.send(served.url)
@@ -218,7 +252,13 @@ def _name_tables(path: pathlib.Path) -> list[str]:
     known = set(registry.names())
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+        items = (
+            node.keys
+            if isinstance(node, ast.Dict)
+            else node.elts
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            else []
+        )
         names = [i.value for i in items if isinstance(i, ast.Constant) and i.value in known]
         if len(names) >= 2:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {names}")
@@ -234,13 +274,27 @@ def test_no_module_but_the_registry_keeps_a_table_of_transport_names() -> None:
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["copy", "--transport", "shm", "--listen", "tcp://10.9.8.2:0"], "invalid --transport='shm' across hosts: shm runs only on one host; across hosts choose from nixl"),
-        (["agentic", "--transport", "staging", "--receiver-netns", "x", "--listen", "tcp://10.9.8.2:0"], "invalid --transport='staging' across hosts"),
-        (["agentic", "--transport", "in-process", "--listen", "tcp://10.9.8.2:0"], "--transport in-process keeps the generation worker in this process"),
-        (["copy", "--transport", "nixl", "--receiver-netns", "x"], "invalid --listen='unix://' with --receiver-netns x: another namespace is reached over tcp://"),
+        (
+            ["copy", "--transport", "shm", "--listen", "tcp://10.9.8.2:0"],
+            "invalid --transport='shm' across hosts: shm runs only on one host; across hosts choose from nixl",
+        ),
+        (
+            ["agentic", "--transport", "staging", "--receiver-netns", "x", "--listen", "tcp://10.9.8.2:0"],
+            "invalid --transport='staging' across hosts",
+        ),
+        (
+            ["agentic", "--transport", "in-process", "--listen", "tcp://10.9.8.2:0"],
+            "--transport in-process keeps the generation worker in this process",
+        ),
+        (
+            ["copy", "--transport", "nixl", "--receiver-netns", "x"],
+            "invalid --listen='unix://' with --receiver-netns x: another namespace is reached over tcp://",
+        ),
     ],
 )
-def test_cli_refuses_a_placement_the_transport_cannot_run_in(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+def test_cli_refuses_a_placement_the_transport_cannot_run_in(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     from kvferry.cli import main
 
     assert main(["bench", *argv]) == 2

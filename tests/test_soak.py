@@ -11,7 +11,6 @@ from typing import Iterator
 
 import pytest
 import torch
-
 from kvferry.refengine.cache import BlockAllocator
 from kvferry.refengine.soak import BlockAudit, CancelAt, Soak, SoakConfig, SoakReport, audit_allocator
 
@@ -68,7 +67,10 @@ def test_every_counted_event_is_forced_not_left_to_timing(transport: str) -> Non
     sender hears of before its last notice. None depends on how fast the machine is."""
     report = _run(SoakConfig(requests=30, seed=5, p_slow=0.0, p_cancel=0.0, transport=transport, rss_every=10))
     assert report.failures() == []
-    assert dict(report.cancelled) == {stage.value: 1 for stage in CancelAt} | {"sender timeout": 1, "receiver timeout": 1}
+    assert dict(report.cancelled) == {stage.value: 1 for stage in CancelAt} | {
+        "sender timeout": 1,
+        "receiver timeout": 1,
+    }
     assert report.cancelled_with_early >= 1
     assert (report.receiver_timeouts, report.receiver_cancels) == (1, 1)
     # The held request's earlier writes may also outlive the timeout on a loaded machine:

@@ -20,14 +20,12 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import torch
-
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transports.base import Write
 from kvferry.transports.staging import StagingEndpoint, StagingTransport
-
 from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
 
 SLACK = 30.0
@@ -146,7 +144,9 @@ def _check_bit_exact(receiver: KVReceiver, rid: int, seed: int, src_ids: np.ndar
     """Every block of the request holds its sender's bytes (NaN-poisoned blocks differ from
     any bytes a write could leave); its one notice arrived once."""
     for got, want in zip(_blocks(receiver.pool, dst_ids), _blocks(random_pool(seed), src_ids)):
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"request {rid}: blocks differ from sender {seed}'s"
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
+            f"request {rid}: blocks differ from sender {seed}'s"
+        )
     assert len(receiver.notices(rid)) == 1
 
 
@@ -314,8 +314,14 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
     endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY, max_senders=2)
     try:
         assert endpoint.ring_bytes == CAPACITY * LAYERS * receiver.pool.block_bytes
-        first, second = StagingTransport(endpoint.address, authkey=authkey), StagingTransport(endpoint.address, authkey=authkey)
-        with pytest.raises(TransferError, match=f"refused the connection: refused: this staging endpoint serves at most 2 senders at once \\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)"):
+        first, second = (
+            StagingTransport(endpoint.address, authkey=authkey),
+            StagingTransport(endpoint.address, authkey=authkey),
+        )
+        with pytest.raises(
+            TransferError,
+            match=f"refused the connection: refused: this staging endpoint serves at most 2 senders at once \\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)",
+        ):
             StagingTransport(endpoint.address, authkey=authkey)
         assert any("at most 2 senders" in str(e) for e in endpoint.errors)
         assert sorted(endpoint.ring_names()) == sorted([first.ring_name, second.ring_name])
@@ -334,7 +340,9 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
     assert endpoint.ring_names() == []
 
 
-@pytest.mark.parametrize(("option", "value"), [("capacity_blocks", 0), ("capacity_blocks", 2.5), ("max_senders", 0), ("max_senders", True)])
+@pytest.mark.parametrize(
+    ("option", "value"), [("capacity_blocks", 0), ("capacity_blocks", 2.5), ("max_senders", 0), ("max_senders", True)]
+)
 def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> None:
     options: dict[str, Any] = {"capacity_blocks": 4, option: value}
     with pytest.raises(InvalidArgumentError, match=f"invalid {option}={value!r}: must be an int > 0"):
@@ -343,7 +351,9 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
 
 @pytest.mark.parametrize("block_dim", [0, 1])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks_stay_out(monkeypatch: pytest.MonkeyPatch, device: str, block_dim: int) -> None:
+def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks_stay_out(
+    monkeypatch: pytest.MonkeyPatch, device: str, block_dim: int
+) -> None:
     """A batch larger than the scratch pool crosses in pieces on both sides (pieces of two
     blocks here, an odd count of blocks, scattered source and destination ids, one and two
     segments per block): every kept block lands bit exact, and the blocks of the request
@@ -372,7 +382,9 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         tx.post(notices, revoked=frozenset({1}))
         receiver.wait(2, timeout=SLACK)
         for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
-            assert torch.equal(d_layer[:, torch.from_numpy(kept).to(device)], s_layer[:, torch.from_numpy(src_ids[:3]).to(device)])
+            assert torch.equal(
+                d_layer[:, torch.from_numpy(kept).to(device)], s_layer[:, torch.from_numpy(src_ids[:3]).to(device)]
+            )
         for layer in dst.layers:
             assert torch.isnan(layer.index_select(block_dim, torch.from_numpy(dropped).to(device))).all()
         tx.close()

@@ -21,18 +21,28 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 import torch
-
+from conftest import FakeClock
 from kvferry.engine import ThreadCopyEngine
 from kvferry.errors import TransferError
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
-from kvferry.transports.shm import ShmTransport
 from kvferry.transports.inprocess import InProcessTransport
-
-from conftest import FakeClock
-from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, _GatedEngine, block_tables, check_layer_coverage, drive, in_process_receiver, nan_pool, run_with_receiver
+from kvferry.transports.shm import ShmTransport
+from test_transfer import (
+    LAYERS,
+    REQUESTS,
+    SHAPE,
+    TPB,
+    _GatedEngine,
+    block_tables,
+    check_layer_coverage,
+    drive,
+    in_process_receiver,
+    nan_pool,
+    run_with_receiver,
+)
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
 HOST_BLOCKS = 64
@@ -77,7 +87,13 @@ def expected_digest(dev: PagedKV, host: PagedKV, src_table: np.ndarray) -> str:
     for i, (_, prompt, _) in enumerate(REQUESTS):
         ids = src_table[i, : -(-prompt // TPB)]
         for layer in range(LAYERS):
-            h.update(torch.stack([block(dev, host, layer, int(b)).cpu() for b in ids]).contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(
+                torch.stack([block(dev, host, layer, int(b)).cpu() for b in ids])
+                .contiguous()
+                .view(torch.uint8)
+                .numpy()
+                .tobytes()
+            )
     return h.hexdigest()
 
 
@@ -106,7 +122,11 @@ def test_mixed_tier_prefix_in_process_bit_exact(max_write_blocks: Optional[int],
     check_layer_coverage(dst, [n for rid, _, _ in REQUESTS for n in receiver.notices(rid)])
     assert received_digest(dst, dst_table) == expected_digest(dev, host, src_table)
     assert len(sent) == sum(len(receiver.notices(r)) for r, _, _ in REQUESTS)
-    assert sender.records is not None and sum(r.nbytes for r in sender.records) == sum(-(-p // TPB) for _, p, _ in REQUESTS) * dev.block_bytes * LAYERS
+    assert (
+        sender.records is not None
+        and sum(r.nbytes for r in sender.records)
+        == sum(-(-p // TPB) for _, p, _ in REQUESTS) * dev.block_bytes * LAYERS
+    )
     for rid, _, _ in REQUESTS:
         assert sender.remove(rid).is_complete
     sender.close()
@@ -145,7 +165,9 @@ def test_hook_takes_host_ids_and_order_after(tier_waits: threading.Event) -> Non
 # --- across processes -----------------------------------------------------------------------
 
 
-def _two_processes(kind: str, make: Callable[[str, bytes, PagedKV, PagedKV], Any], device: str = "cpu", layer_groups: int = 1) -> None:
+def _two_processes(
+    kind: str, make: Callable[[str, bytes, PagedKV, PagedKV], Any], device: str = "cpu", layer_groups: int = 1
+) -> None:
     """`test_transfer.run_with_receiver` with a host tier: the receiver's digest is compared
     with the blocks read from both tiers here."""
     tables = tiered_tables(3)
@@ -168,10 +190,14 @@ def test_mixed_tier_prefix_staging_bit_exact(layer_groups: int) -> None:
     (a small ring: writes wrap and wait for frees); also layer group by layer group."""
     from kvferry.transports.staging import StagingTransport
 
-    _two_processes("staging", lambda address, key, dev, host: StagingTransport(address, authkey=key), layer_groups=layer_groups)
+    _two_processes(
+        "staging", lambda address, key, dev, host: StagingTransport(address, authkey=key), layer_groups=layer_groups
+    )
 
 
-@pytest.mark.parametrize("split, layer_groups", [(False, 1), (True, 1), (True, 2)], ids=["one-list", "split", "split-layerwise"])
+@pytest.mark.parametrize(
+    "split, layer_groups", [(False, 1), (True, 1), (True, 2)], ids=["one-list", "split", "split-layerwise"]
+)
 def test_mixed_tier_prefix_nixl_bit_exact(monkeypatch: pytest.MonkeyPatch, split: bool, layer_groups: int) -> None:
     """NIXL registers the host pool too. DRAM and DRAM: one descriptor list over both pools,
     one transfer per write. ``split``: one transfer per tier and the notices sent after both
@@ -182,7 +208,11 @@ def test_mixed_tier_prefix_nixl_bit_exact(monkeypatch: pytest.MonkeyPatch, split
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setattr(nixl, "SPLIT_TIERS", split)
-    _two_processes("nixl", lambda address, key, dev, host: nixl.NixlTransport(address, authkey=key, src=dev, host_src=host), layer_groups=layer_groups)
+    _two_processes(
+        "nixl",
+        lambda address, key, dev, host: nixl.NixlTransport(address, authkey=key, src=dev, host_src=host),
+        layer_groups=layer_groups,
+    )
 
 
 # --- the tier's own copies racing the send ---------------------------------------------------
@@ -226,7 +256,9 @@ def _race_setup(seed: int) -> tuple[PagedKV, PagedKV, KVReceiver, KVSender]:
 
 @pytest.mark.parametrize("signal_kind", ["event", "future"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["order_after", "control"])
-def test_an_offload_racing_the_send_delivers_the_final_bytes(signal_kind: str, ordered: bool, tier_waits: threading.Event) -> None:
+def test_an_offload_racing_the_send_delivers_the_final_bytes(
+    signal_kind: str, ordered: bool, tier_waits: threading.Event
+) -> None:
     """Host block 7 is being written by an offload (device block 30 -> host block 7) when
     the early send of a prefix that holds it is queued. With `order_after` the copy waits for
     the offload and the receiver gets its final bytes. The control declares nothing: the copy
@@ -298,7 +330,11 @@ def test_only_writes_reading_a_declared_block_wait(tier_waits: threading.Event) 
     sender.add(2, 9, reused_len=8)
     written = threading.Event()
     sender.order_after([DEVICE_BLOCKS + 20], written)
-    sender.send_early([1, 2], np.array([[1, 2, DEVICE_BLOCKS + 20, 4, 5], [6, 7, 8, 0, 0]]), np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]))
+    sender.send_early(
+        [1, 2],
+        np.array([[1, 2, DEVICE_BLOCKS + 20, 4, 5], [6, 7, 8, 0, 0]]),
+        np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),
+    )
     assert tier_waits.wait(10)
     sender.poll()
     assert [(n.start, n.end) for n in receiver.notices(1)] == [(0, 2)]  # the first write only
@@ -569,7 +605,9 @@ def test_cuda_nixl_mixed_tier_prefix_bit_exact() -> None:
     pytest.importorskip("nixl")
     from kvferry.transports.nixl import NixlTransport
 
-    _two_processes("nixl-cuda", lambda address, key, dev, host: NixlTransport(address, authkey=key, src=dev, host_src=host), "cuda")
+    _two_processes(
+        "nixl-cuda", lambda address, key, dev, host: NixlTransport(address, authkey=key, src=dev, host_src=host), "cuda"
+    )
 
 
 @pytest.mark.cuda

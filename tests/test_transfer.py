@@ -12,20 +12,24 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 import torch
-
+from conftest import FakeClock
 from kvferry._core import BlockRange
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import InvalidArgumentError, DuplicateTransferError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import (
+    DuplicateTransferError,
+    InvalidArgumentError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+)
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
 from kvferry.transports.control import LocalEndpoint
 from kvferry.transports.cuda_ipc import CudaIpcEndpoint, CudaIpcTransport
-from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.inprocess import InProcessTransport
-
-from conftest import FakeClock
+from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 
 TPB = 4
 LAYERS = 3
@@ -43,7 +47,9 @@ def nan_pool(device: str = "cpu") -> PagedKV:
     return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
 
 
-def in_process_receiver(device: str = "cpu", max_write_blocks: Optional[int] = None) -> tuple[PagedKV, KVReceiver, InProcessTransport]:
+def in_process_receiver(
+    device: str = "cpu", max_write_blocks: Optional[int] = None
+) -> tuple[PagedKV, KVReceiver, InProcessTransport]:
     """A NaN-poisoned destination pool, a receiver expecting every request of ``REQUESTS``,
     and an in-process transport to it (writes capped at ``max_write_blocks``)."""
     dst = nan_pool(device)
@@ -66,7 +72,9 @@ def block_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return as_table(rows_s, max(widths)), as_table(rows_d, max(widths))
 
 
-def drive(sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk: int = 8, layerwise: bool = False) -> list[Notice]:
+def drive(
+    sender: KVSender, src_table: np.ndarray, dst_table: np.ndarray, chunk: int = 8, layerwise: bool = False
+) -> list[Notice]:
     """An executor's view: early sends before the first forward, then chunk by chunk;
     ``layerwise``: the last chunk's blocks leave layer group by layer group during its
     forward (`KVSender.send_layers`, groups in order), before its `send_chunks`."""
@@ -211,9 +219,15 @@ def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_
     for rid, _, _ in REQUESTS:
         receiver.wait(rid, timeout=10)
     arrived = [n for rid, _, _ in REQUESTS for n in receiver.notices(rid)]
-    assert sorted(arrived, key=lambda n: (n.request_id, n.slice_id)) == sorted(sent, key=lambda n: (n.request_id, n.slice_id))
+    assert sorted(arrived, key=lambda n: (n.request_id, n.slice_id)) == sorted(
+        sent, key=lambda n: (n.request_id, n.slice_id)
+    )
     check_layer_coverage(dst, arrived)
-    assert {n.groups for n in arrived} == {1} if layer_groups == 1 else {n.groups for n in arrived if n.group > 0} == {layer_groups}
+    assert (
+        {n.groups for n in arrived} == {1}
+        if layer_groups == 1
+        else {n.groups for n in arrived if n.group > 0} == {layer_groups}
+    )
     assert sender.records is not None
     layer_bytes = [r.nbytes for r in sender.records if r.kind == "layer"]
     assert layer_bytes and all(r.kind in ("early", "chunk", "layer") for r in sender.records)
@@ -302,7 +316,12 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
         shared.close()
 
 
-def run_with_receiver(kind: str, tables: tuple[np.ndarray, np.ndarray], connect: Callable[[str, bytes], tuple[KVSender, str]], layerwise: bool) -> None:
+def run_with_receiver(
+    kind: str,
+    tables: tuple[np.ndarray, np.ndarray],
+    connect: Callable[[str, bytes], tuple[KVSender, str]],
+    layerwise: bool,
+) -> None:
     """Spawns the generation worker `_receiver_process` of ``kind``, connects a sender to it
     (``connect(address, authkey)`` returns the sender and the digest the receiver's blocks
     must have), drives ``tables`` through it (`drive`) and checks what arrived: that digest,
@@ -343,7 +362,13 @@ def contiguous_block_tables() -> tuple[np.ndarray, np.ndarray]:
     return as_table(rows_s, max(widths)), as_table(rows_d, max(widths))
 
 
-def _two_processes(kind: str, device: str, transport: Any, layer_groups: int = 1, tables: Optional[tuple[np.ndarray, np.ndarray]] = None) -> None:
+def _two_processes(
+    kind: str,
+    device: str,
+    transport: Any,
+    layer_groups: int = 1,
+    tables: Optional[tuple[np.ndarray, np.ndarray]] = None,
+) -> None:
     tables = block_tables(3) if tables is None else tables
     nixl = kind.startswith("nixl")
 
@@ -399,9 +424,8 @@ def test_nixl_contiguous_blocks_go_as_runs_bit_exact(monkeypatch: pytest.MonkeyP
     transfer made for the write, not the prepared per-block lists, which only a write with
     no two consecutive blocks takes): they land bit exact, exactly once."""
     pytest.importorskip("nixl")
-    from nixl._api import nixl_agent
-
     from kvferry.transports.nixl import NixlTransport
+    from nixl._api import nixl_agent
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     made = {"runs": 0, "prepped": 0}
@@ -436,10 +460,21 @@ def test_nixl_runs_address_exactly_the_blocks_of_their_pairs() -> None:
         dst = np.array([4, 5, 6, 0, 2, 3])
         for layers in ((0, 3), (1, 2)):
             s0, _, n = block_runs(src, dst)
-            runs = run_descriptors([t.data_ptr() for t in pool.layers], layers, pool.segments, pool.segment_bytes, pool.num_blocks, 0, s0, n)
+            runs = run_descriptors(
+                [t.data_ptr() for t in pool.layers],
+                layers,
+                pool.segments,
+                pool.segment_bytes,
+                pool.num_blocks,
+                0,
+                s0,
+                n,
+            )
             assert len(runs) == (layers[1] - layers[0]) * pool.segments * 3
             per_block = block_descriptors(pool)[descriptor_indices(src, layers, pool.segments, pool.num_blocks)]
-            covered = sorted((int(a) + i * pool.segment_bytes) for a, size, _ in runs for i in range(int(size) // pool.segment_bytes))
+            covered = sorted(
+                (int(a) + i * pool.segment_bytes) for a, size, _ in runs for i in range(int(size) // pool.segment_bytes)
+            )
             assert covered == sorted(int(a) for a in per_block[:, 0])
             assert all(int(size) % pool.segment_bytes == 0 for _, size, _ in runs)
 
@@ -604,8 +639,8 @@ def test_nixl_notice_wire_format_round_trips() -> None:
 
 
 def test_staging_ring_reserves_contiguous_runs_and_starts_over_when_empty() -> None:
-    from kvferry.transports.staging import StagingTransport
     from kvferry.transports.base import TransportFull
+    from kvferry.transports.staging import StagingTransport
 
     ring = StagingTransport.__new__(StagingTransport)  # the slot arithmetic alone
     ring.capacity, ring._head, ring._used = 10, 0, 0
@@ -646,7 +681,10 @@ def test_with_progress_off_only_the_executor_posts() -> None:
     sender.add(1, 16)
     table = np.arange(4)[None, :]
     sender.send_chunks([1], [0], [16], table, table)
-    with pytest.raises(TransferTimeoutError, match=r"blocks \[BlockRange\(0, 4\)\] did not arrive within 0.01 s; no sender announced it; 0 notices arrived"):
+    with pytest.raises(
+        TransferTimeoutError,
+        match=r"blocks \[BlockRange\(0, 4\)\] did not arrive within 0.01 s; no sender announced it; 0 notices arrived",
+    ):
         receiver.wait(1, timeout=0.01)  # the copy may have landed: its notice waits for a poll
     posted = sender.flush(timeout=30)
     assert [(n.start, n.end) for n in posted] == [(0, 4)] and receiver.is_complete(1)
@@ -662,7 +700,10 @@ def test_a_wait_that_cannot_finish_says_why() -> None:
     receiver.expect(2, 16, awaits=[(1, BlockRange(0, 4))])
     receiver.bind(1, "sender A", epoch)
     receiver.deliver(Notice(1, 0, 0, 2, False, epoch), "sender A")
-    with pytest.raises(TransferTimeoutError, match=r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 notices arrived \(epoch 1\)"):
+    with pytest.raises(
+        TransferTimeoutError,
+        match=r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 notices arrived \(epoch 1\)",
+    ):
         receiver.wait(1, timeout=0.01)
     assert receiver.revoked(1, epoch, "sender A")
     with pytest.raises(TransferError, match="request 1: revoked by sender A before all its blocks arrived") as err:
@@ -696,7 +737,9 @@ def test_blocks_the_receiver_holds_never_cross() -> None:
     for rid, prompt, reused in REQUESTS:
         sender.add(rid, prompt, reused_len=reused, held=held[rid])
     sent = sender.send_early(ids, src_table, dst_table)
-    sent += sender.send_chunks(ids, np.array([r for _, _, r in REQUESTS]), np.array([p for _, p, _ in REQUESTS]), src_table, dst_table)
+    sent += sender.send_chunks(
+        ids, np.array([r for _, _, r in REQUESTS]), np.array([p for _, p, _ in REQUESTS]), src_table, dst_table
+    )
     sender.flush(timeout=10)
     for i, (rid, prompt, _) in enumerate(REQUESTS):
         receiver.wait(rid, timeout=10)
@@ -711,7 +754,9 @@ def test_blocks_the_receiver_holds_never_cross() -> None:
                 else:
                     assert torch.equal(got, sl[int(src_table[i, b])])
         assert sender.remove(rid).is_complete
-    assert sum(n.end - n.start for n in sent) == sum(-(-p // TPB) for _, p, _ in REQUESTS) - sum(len(r) for rs in held.values() for r in rs)
+    assert sum(n.end - n.start for n in sent) == sum(-(-p // TPB) for _, p, _ in REQUESTS) - sum(
+        len(r) for rs in held.values() for r in rs
+    )
     sender.close()
 
 
@@ -776,16 +821,28 @@ def test_hook_after_layer_streams_the_last_chunk_by_layer_group() -> None:
     hook = TransferHook(KVSender(src, InProcessTransport(receiver), layer_groups=2))
     for rid, prompt, blocks in [(1, 14, range(0, 4)), (2, 32, range(10, 18))]:
         epoch = receiver.expect(rid, prompt)
-        hook.add_request(rid, prompt, reused_len=0, src_blocks=list(blocks), dst_blocks=[b + 40 for b in blocks], epoch=epoch)
+        hook.add_request(
+            rid, prompt, reused_len=0, src_blocks=list(blocks), dst_blocks=[b + 40 for b in blocks], epoch=epoch
+        )
     starts, ends = [0, 0], [14, 16]  # request 1's only chunk; request 2's first of two
     sent = [hook.after_layer([1, 2], starts, ends, layer) for layer in range(LAYERS)]
-    assert [[(n.request_id, n.start, n.end, n.group, n.groups) for n in notices] for notices in sent] == [[(1, 0, 4, 0, 2)], [], [(1, 0, 4, 1, 2)]]
-    assert [(n.request_id, n.start, n.end, n.groups) for n in hook.after_forward([1, 2], starts, ends)] == [(2, 0, 4, 1)]
+    assert [[(n.request_id, n.start, n.end, n.group, n.groups) for n in notices] for notices in sent] == [
+        [(1, 0, 4, 0, 2)],
+        [],
+        [(1, 0, 4, 1, 2)],
+    ]
+    assert [(n.request_id, n.start, n.end, n.groups) for n in hook.after_forward([1, 2], starts, ends)] == [
+        (2, 0, 4, 1)
+    ]
     hook.sender.flush(timeout=10)
     receiver.wait(1, timeout=10)
     assert not receiver.is_complete(2)
     sent = [hook.after_layer([2], [16], [32], layer) for layer in range(LAYERS)]
-    assert [[(n.start, n.end, n.group, n.last) for n in notices] for notices in sent] == [[(4, 8, 0, True)], [], [(4, 8, 1, True)]]
+    assert [[(n.start, n.end, n.group, n.last) for n in notices] for notices in sent] == [
+        [(4, 8, 0, True)],
+        [],
+        [(4, 8, 1, True)],
+    ]
     assert hook.after_forward([2], [16], [32]) == []
     hook.finish(1, timeout=10)
     hook.finish(2, timeout=10)

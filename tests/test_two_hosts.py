@@ -27,7 +27,6 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import pytest
-
 from netns import Side, TwoHosts, unavailable
 from two_hosts_worker import LAYERS, SHAPE, TPB, digest, source_pool
 
@@ -125,10 +124,14 @@ def tables(seed: int, base: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     at = np.cumsum([0, *widths])
     width = max(widths)
     pad = lambda row: [int(b) for b in row] + [-1] * (width - len(row))  # noqa: E731
-    return [pad(src[at[i] : at[i + 1]]) for i in range(len(REQUESTS))], [pad(dst[at[i] : at[i + 1]]) for i in range(len(REQUESTS))]
+    return [pad(src[at[i] : at[i + 1]]) for i in range(len(REQUESTS))], [
+        pad(dst[at[i] : at[i + 1]]) for i in range(len(REQUESTS))
+    ]
 
 
-def start(pair: Pair, offset: int, seed: int, mode: str = "early", timeout: Optional[float] = None) -> tuple[list[int], list[list[int]], list[list[int]], dict[str, Any]]:
+def start(
+    pair: Pair, offset: int, seed: int, mode: str = "early", timeout: Optional[float] = None
+) -> tuple[list[int], list[list[int]], list[list[int]], dict[str, Any]]:
     """Connects the sender, has the receiver expect ``REQUESTS`` (ids shifted by ``offset``),
     and returns the ids, the tables and the `run` command for them."""
     rids = [rid + offset for rid, _, _ in REQUESTS]
@@ -137,7 +140,11 @@ def start(pair: Pair, offset: int, seed: int, mode: str = "early", timeout: Opti
     reply = pair.sender.call("connect", url=pair.url, key=pair.key, mode=mode, timeout=timeout)
     assert reply["ok"], reply
     src, dst = tables(seed)
-    run = {"requests": [[rid + offset, p, r, got["epochs"][str(rid + offset)]] for rid, p, r in REQUESTS], "src": src, "dst": dst}
+    run = {
+        "requests": [[rid + offset, p, r, got["epochs"][str(rid + offset)]] for rid, p, r in REQUESTS],
+        "src": src,
+        "dst": dst,
+    }
     return rids, src, dst, run
 
 
@@ -202,7 +209,9 @@ def test_link_down_mid_transfer_fails_in_bounded_time_and_leaks_nothing(pair: Pa
     check_arrived(pair, rids, src, dst)
 
 
-def test_killed_sender_fails_its_requests_in_bounded_time_and_the_endpoint_serves_the_next(pair: Pair, hosts: TwoHosts) -> None:
+def test_killed_sender_fails_its_requests_in_bounded_time_and_the_endpoint_serves_the_next(
+    pair: Pair, hosts: TwoHosts
+) -> None:
     rids, src, dst, run = start(pair, 300, 4)
     pair.sender.send({"op": "run", **run, "pause": True})
     assert pair.sender.reply() == {"paused": True}
@@ -261,7 +270,12 @@ print("dropped")
 def test_garbage_and_silence_at_the_port_are_dropped_and_good_peers_served(pair: Pair, hosts: TwoHosts) -> None:
     host, _, port = pair.url.removeprefix("nixl+tcp://").rpartition(":")
     for garbage in (secrets.token_bytes(4096), b"GET / HTTP/1.1\r\n\r\n", b""):  # b"": connects, says nothing
-        probe = subprocess.run(hosts.command(hosts.a, [sys.executable, "-c", PROBE, host, port, garbage.hex()]), capture_output=True, text=True, timeout=90)
+        probe = subprocess.run(
+            hosts.command(hosts.a, [sys.executable, "-c", PROBE, host, port, garbage.hex()]),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert probe.returncode == 0 and probe.stdout.strip() == "dropped", probe.stderr
     state = pair.receiver.call("state")
     assert state["error_count"] >= 3, state

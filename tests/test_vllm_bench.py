@@ -48,7 +48,10 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
     assert warm_early["held_blocks_per_turn"] == 0
     assert warm_aware["held_blocks_per_turn"] > 0
     assert warm_early["link_bytes_per_turn"] == -(-prompt // BLOCK) * per_block
-    assert warm_aware["link_bytes_per_turn"] == warm_early["link_bytes_per_turn"] - warm_aware["held_blocks_per_turn"] * per_block
+    assert (
+        warm_aware["link_bytes_per_turn"]
+        == warm_early["link_bytes_per_turn"] - warm_aware["held_blocks_per_turn"] * per_block
+    )
     # decode-cold: the decode server's cache is reset, the prefill server's is not: the complete
     # blocks of the prefill server's hit leave early, with or without awareness.
     for conf in (early, aware):
@@ -62,5 +65,8 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
     assert "KV blocks left allocated after each run: none" in table
     path = tmp_path / "bench.json"
     write_json(result, str(path))
-    assert json.loads(path.read_text())["configs"]["kvferry-aware"]["decode-warm"]["held_blocks_per_turn"] == warm_aware["held_blocks_per_turn"]
+    assert (
+        json.loads(path.read_text())["configs"]["kvferry-aware"]["decode-warm"]["held_blocks_per_turn"]
+        == warm_aware["held_blocks_per_turn"]
+    )
     assert any("kvferry-aware decode-cold" in line for line in progress)

@@ -22,7 +22,9 @@ from typing import Any, Optional
 import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md"
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from vllm_harness import BLOCK, Engine, build_tiny_llama, wait_until  # noqa: E402
@@ -34,7 +36,9 @@ OUT = 6  # tokens decoded per turn
 
 def test_import_without_vllm_names_the_extra() -> None:
     code = "import sys; sys.modules['vllm'] = None; import kvferry.vllm"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"), *sys.path]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"), *sys.path])
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
@@ -66,12 +70,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def engines(model: str) -> Any:
     # A small token budget forces chunked prefill on the prefill engine.
-    prefill = Engine(model, "kv_producer", {"transfer_timeout_s": 60.0, "destination_timeout_s": 60.0}, max_num_batched_tokens=64)
+    prefill = Engine(
+        model, "kv_producer", {"transfer_timeout_s": 60.0, "destination_timeout_s": 60.0}, max_num_batched_tokens=64
+    )
     decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
     plain = Engine(model, None)
     try:
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
-        assert hello["role"] == "kv_consumer" and hello["peer"] and set(hello) == {"op", "role", "peer", "peer_mac", "engine"}, hello
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
+            "kvferry"
+        ]
+        assert (
+            hello["role"] == "kv_consumer"
+            and hello["peer"]
+            and set(hello) == {"op", "role", "peer", "peer_mac", "engine"}
+        ), hello
         yield prefill, decode, plain, hello
     finally:
         for engine in (prefill, decode, plain):
@@ -85,12 +97,26 @@ class Pair:
         self.prefill, self.decode, self.hello = prefill, decode, hello
 
     def send_params(self, transfer: str, **over: Any) -> dict[str, Any]:
-        return {"kvferry": {"op": "send", "transfer": transfer, "peer": self.hello["peer"], "peer_mac": self.hello["peer_mac"], **over}}
+        return {
+            "kvferry": {
+                "op": "send",
+                "transfer": transfer,
+                "peer": self.hello["peer"],
+                "peer_mac": self.hello["peer_mac"],
+                **over,
+            }
+        }
 
-    def turn(self, rid: str, prompt: list[int], out: int = OUT, prefill_prompt: Optional[list[int]] = None) -> dict[str, Any]:
+    def turn(
+        self, rid: str, prompt: list[int], out: int = OUT, prefill_prompt: Optional[list[int]] = None
+    ) -> dict[str, Any]:
         transfer = uuid.uuid4().hex
-        self.decode.start("run", [(f"d-{rid}", prompt, out, {"kvferry": {"op": "recv", "transfer": transfer}})], None, None)
-        p = self.prefill.run([(f"p-{rid}", prefill_prompt or prompt, 1, self.send_params(transfer))])["outputs"][f"p-{rid}"]
+        self.decode.start(
+            "run", [(f"d-{rid}", prompt, out, {"kvferry": {"op": "recv", "transfer": transfer}})], None, None
+        )
+        p = self.prefill.run([(f"p-{rid}", prefill_prompt or prompt, 1, self.send_params(transfer))])["outputs"][
+            f"p-{rid}"
+        ]
         d = self.decode.result()["outputs"][f"d-{rid}"]
         return {"prefill": p, "decode": d}
 
@@ -194,15 +220,23 @@ def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: st
     prefill = Engine(model, "kv_producer", {"transport": transport}, max_num_batched_tokens=64)
     decode = Engine(model, "kv_consumer", {"transport": transport, "listen": "tcp://127.0.0.1:0"})
     try:
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
+            "kvferry"
+        ]
         assert hello["peer"].startswith("tcp://127.0.0.1:"), hello
         pair = Pair(prefill, decode, hello)
         prompt = prompt_of(150, 70)
         before = prefill.call("totals")
         got = pair.turn(f"tcp-{transport}", prompt)
-        assert got["decode"]["tokens"] == plain.run([(f"rtcp-{transport}", prompt, OUT, None)])["outputs"][f"rtcp-{transport}"]["tokens"]
+        assert (
+            got["decode"]["tokens"]
+            == plain.run([(f"rtcp-{transport}", prompt, OUT, None)])["outputs"][f"rtcp-{transport}"]["tokens"]
+        )
         sent = delta(before, prefill.call("totals"))
-        assert sent.get("early_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0) == blocks(len(prompt)) * BLOCK_BYTES, sent
+        assert (
+            sent.get("early_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0)
+            == blocks(len(prompt)) * BLOCK_BYTES
+        ), sent
         urls = decode.call("totals")["endpoint_urls"]
         assert len(urls) == 1 and urls[0].startswith(f"{transport}+tcp://127.0.0.1:"), urls
         no_blocks_used(prefill, decode)
@@ -229,14 +263,28 @@ def test_nixl_across_two_network_namespaces(engines: Any, model: str, tmp_path: 
     hosts = netns.TwoHosts()
     prefill = decode = None
     try:
+
         def env(side: Any) -> dict[str, str]:  # UCX over TCP on that side's veth end only
             return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": side.device}
 
         decode = Engine(
-            model, "kv_consumer", {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)}, netns=hosts.b.namespace, env=env(hosts.b)
+            model,
+            "kv_consumer",
+            {"transport": "nixl", "listen": "tcp://0.0.0.0:0", "advertise": hosts.b.ip, "authkey_file": str(key)},
+            netns=hosts.b.namespace,
+            env=env(hosts.b),
         )
-        prefill = Engine(model, "kv_producer", {"transport": "nixl", "authkey_file": str(key)}, netns=hosts.a.namespace, env=env(hosts.a), max_num_batched_tokens=64)
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        prefill = Engine(
+            model,
+            "kv_producer",
+            {"transport": "nixl", "authkey_file": str(key)},
+            netns=hosts.a.namespace,
+            env=env(hosts.a),
+            max_num_batched_tokens=64,
+        )
+        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
+            "kvferry"
+        ]
         assert hello["peer"].startswith(f"tcp://{hosts.b.ip}:"), hello
         veth_before = hosts.tx_bytes(hosts.a)
         prompt = prompt_of(150, 71)
@@ -257,11 +305,15 @@ def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
     _, _, plain, _ = engines
     both = Engine(model, "kv_both", max_num_batched_tokens=64)
     try:
-        hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
+            "kvferry"
+        ]
         assert hello["role"] == "kv_both"
         prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
         send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "peer_mac": hello["peer_mac"]}}
-        out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])["outputs"]
+        out = both.run([("d", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}}), ("p", prompt, 1, send)])[
+            "outputs"
+        ]
         assert out["d"]["tokens"] == plain.run([("rboth", prompt, OUT, None)])["outputs"]["rboth"]["tokens"]
         assert both.call("totals")["counts"]["transfers"] == 1
         no_blocks_used(both)
@@ -277,14 +329,24 @@ def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) ->
         before = set(decode.call("totals")["endpoints"])
         prompts = {p: [random.Random(p).randrange(1, 500) for _ in range(170)] for p in ("one", "two")}
         transfers = {p: uuid.uuid4().hex for p in prompts}
-        decode.start("run", [(f"d-{p}", prompts[p], OUT, {"kvferry": {"op": "recv", "transfer": transfers[p]}}) for p in prompts], None, None)
+        decode.start(
+            "run",
+            [(f"d-{p}", prompts[p], OUT, {"kvferry": {"op": "recv", "transfer": transfers[p]}}) for p in prompts],
+            None,
+            None,
+        )
         for engine, p in ((prefill, "one"), (other, "two")):  # both prefill at once
-            engine.start("run", [(f"p-{p}", prompts[p], 1, Pair(engine, decode, hello).send_params(transfers[p]))], None, None)
+            engine.start(
+                "run", [(f"p-{p}", prompts[p], 1, Pair(engine, decode, hello).send_params(transfers[p]))], None, None
+            )
         for engine in (prefill, other):
             engine.result()
         out = decode.result()["outputs"]
         for p in prompts:
-            assert out[f"d-{p}"]["tokens"] == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
+            assert (
+                out[f"d-{p}"]["tokens"]
+                == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
+            )
         # Each prefill engine writes a staging ring of its own (a ring has one writer): the new
         # engine made one; the shared one made one too unless an earlier test had made it.
         after = set(decode.call("totals")["endpoints"])
@@ -305,7 +367,10 @@ def prompt_of(n: int, seed: int) -> list[int]:
 def still_serves(pair: Pair, plain: Engine, seed: int) -> None:
     prompt = prompt_of(90, seed)
     got = pair.turn(f"after{seed}", prompt)
-    assert got["decode"]["tokens"] == plain.run([(f"rafter{seed}", prompt, OUT, None)])["outputs"][f"rafter{seed}"]["tokens"]
+    assert (
+        got["decode"]["tokens"]
+        == plain.run([(f"rafter{seed}", prompt, OUT, None)])["outputs"][f"rafter{seed}"]["tokens"]
+    )
 
 
 @needs_vllm
@@ -314,7 +379,9 @@ def test_prefill_aborted_while_waiting_for_its_destination(engines: Any) -> None
     pair = Pair(prefill, decode, hello)
     prompt, transfer = prompt_of(150, 11), uuid.uuid4().hex
     # The decode half is not sent yet: the prefill request waits, and is aborted there.
-    p = prefill.run([("p-before", prompt, 1, pair.send_params(transfer))], abort=("p-before", "waiting_for_destination"))
+    p = prefill.run(
+        [("p-before", prompt, 1, pair.send_params(transfer))], abort=("p-before", "waiting_for_destination")
+    )
     assert p["outputs"]["p-before"]["finish_reason"] == "abort"
     d = decode.run([("d-before", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})])
     assert d["outputs"]["d-before"]["finish_reason"] == "error"  # the prefill side abandoned it
@@ -327,7 +394,10 @@ def test_decode_aborted_before_the_prefill_arrives(engines: Any) -> None:
     prefill, decode, plain, hello = engines
     pair = Pair(prefill, decode, hello)
     prompt, transfer = prompt_of(150, 12), uuid.uuid4().hex
-    d = decode.run([("d-gone", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], abort=("d-gone", "waiting_for_blocks"))
+    d = decode.run(
+        [("d-gone", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})],
+        abort=("d-gone", "waiting_for_blocks"),
+    )
     assert d["outputs"]["d-gone"]["finish_reason"] == "abort"
     p = prefill.run([("p-gone", prompt, 1, pair.send_params(transfer))])
     assert p["outputs"]["p-gone"]["finish_reason"] == "error"  # its destination ended
@@ -356,7 +426,9 @@ def test_decode_aborted_mid_transfer(engines: Any) -> None:
     recv = {"kvferry": {"op": "recv", "transfer": transfer}}
     assert decode.run([("d-mid2", prompt, OUT, recv)], until=("d-mid2", "waiting_for_blocks"))["stopped_at"]
     # The prefill engine runs its first chunk (and its sends), then stops between steps.
-    assert prefill.run([("p-mid2", prompt, 1, pair.send_params(transfer))], until=("p-mid2", "mid_prefill"))["stopped_at"]
+    assert prefill.run([("p-mid2", prompt, 1, pair.send_params(transfer))], until=("p-mid2", "mid_prefill"))[
+        "stopped_at"
+    ]
     decode.start("run", [], ("d-mid2", "waiting_for_blocks"), None)  # aborted right away
     prefill.run([])
     assert decode.result()["outputs"]["d-mid2"]["finish_reason"] == "abort"
@@ -369,8 +441,16 @@ def test_decode_aborted_after_the_transfer(engines: Any) -> None:
     prefill, decode, plain, hello = engines
     pair = Pair(prefill, decode, hello)
     prompt, transfer = prompt_of(120, 15), uuid.uuid4().hex
-    decode.start("run", [("d-after", prompt, 50, {"kvferry": {"op": "recv", "transfer": transfer}})], ("d-after", "decoding"), None)
-    assert prefill.run([("p-after", prompt, 1, pair.send_params(transfer))])["outputs"]["p-after"]["finish_reason"] == "length"
+    decode.start(
+        "run",
+        [("d-after", prompt, 50, {"kvferry": {"op": "recv", "transfer": transfer}})],
+        ("d-after", "decoding"),
+        None,
+    )
+    assert (
+        prefill.run([("p-after", prompt, 1, pair.send_params(transfer))])["outputs"]["p-after"]["finish_reason"]
+        == "length"
+    )
     assert decode.result()["outputs"]["d-after"]["finish_reason"] == "abort"
     no_blocks_used(prefill, decode)
 
@@ -391,8 +471,13 @@ def test_dead_prefill_server_fails_the_decode_request(engines: Any, model: str) 
     pair = Pair(doomed, decode, hello)
     prompt, transfer = prompt_of(200, 17), uuid.uuid4().hex
     try:
-        assert decode.run([("d-orphan", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-orphan", "waiting_for_blocks"))["stopped_at"]
-        assert doomed.run([("p-orphan", prompt, 1, pair.send_params(transfer))], until=("p-orphan", "mid_prefill"))["stopped_at"]
+        assert decode.run(
+            [("d-orphan", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})],
+            until=("d-orphan", "waiting_for_blocks"),
+        )["stopped_at"]
+        assert doomed.run([("p-orphan", prompt, 1, pair.send_params(transfer))], until=("p-orphan", "mid_prefill"))[
+            "stopped_at"
+        ]
     finally:
         doomed.process.kill()  # mid-transfer: its staging connection ends with it
         doomed.process.join(30)
@@ -405,11 +490,18 @@ def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -
     prefill, decode, plain, hello = engines
     doomed = Engine(model, "kv_consumer")
     try:
-        theirs = doomed.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"]["kvferry"]
+        theirs = doomed.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"][
+            "kv_transfer_params"
+        ]["kvferry"]
         pair = Pair(prefill, doomed, theirs)
         prompt, transfer = prompt_of(200, 18), uuid.uuid4().hex
-        assert doomed.run([("d-dies", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})], until=("d-dies", "waiting_for_blocks"))["stopped_at"]
-        assert prefill.run([("p-alone", prompt, 1, pair.send_params(transfer))], until=("p-alone", "mid_prefill"))["stopped_at"]
+        assert doomed.run(
+            [("d-dies", prompt, OUT, {"kvferry": {"op": "recv", "transfer": transfer}})],
+            until=("d-dies", "waiting_for_blocks"),
+        )["stopped_at"]
+        assert prefill.run([("p-alone", prompt, 1, pair.send_params(transfer))], until=("p-alone", "mid_prefill"))[
+            "stopped_at"
+        ]
     finally:
         doomed.process.kill()
         doomed.process.join(30)
@@ -439,12 +531,16 @@ def test_hello_and_served_answers_carry_no_key(engines: Any) -> None:
     got = Pair(prefill, decode, hello).turn("nokey", prompt)
     assert got["decode"]["finish_reason"] == "length" and got["prefill"]["finish_reason"] == "length", got
     answers = [hello, got["prefill"]["kv_transfer_params"], got["decode"]["kv_transfer_params"]]
-    assert got["prefill"]["kv_transfer_params"] == {"kvferry": {"op": "send", "transfer": got["prefill"]["kv_transfer_params"]["kvferry"]["transfer"]}}
+    assert got["prefill"]["kv_transfer_params"] == {
+        "kvferry": {"op": "send", "transfer": got["prefill"]["kv_transfer_params"]["kvferry"]["transfer"]}
+    }
     assert not any(_holds_key(a, key) for a in answers), answers
 
 
 @needs_vllm
-def test_prefill_with_another_key_fails_its_request_and_keeps_serving(engines: Any, model: str, tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+def test_prefill_with_another_key_fails_its_request_and_keeps_serving(
+    engines: Any, model: str, tmp_path: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     prefill, decode, plain, hello = engines
     other = tmp_path / "other.key"
     other.write_bytes(os.urandom(32))
@@ -454,11 +550,19 @@ def test_prefill_with_another_key_fails_its_request_and_keeps_serving(engines: A
     extra = {"authkey_file": str(other), "trusted_peers": [hello["peer"]]}
     stranger = Engine(model, "kv_producer", extra, max_num_batched_tokens=64)
     try:
-        out = stranger.run([("p-stranger", prompt_of(70, 61), 1, Pair(stranger, decode, hello).send_params(uuid.uuid4().hex)), ("good", prompt_of(40, 62), 1, None)])["outputs"]
+        out = stranger.run(
+            [
+                ("p-stranger", prompt_of(70, 61), 1, Pair(stranger, decode, hello).send_params(uuid.uuid4().hex)),
+                ("good", prompt_of(40, 62), 1, None),
+            ]
+        )["outputs"]
         assert out["p-stranger"]["finish_reason"] == "error", out
         # vLLM gives a failed request no kv_transfer_params: the reason is in the engine's log.
         log = capfd.readouterr().err
-        assert f"authentication failed with the decode server's rendezvous at {hello['peer']!r}: the two servers hold different keys" in log, log[-3000:]
+        assert (
+            f"authentication failed with the decode server's rendezvous at {hello['peer']!r}: the two servers hold different keys"
+            in log
+        ), log[-3000:]
         assert out["good"]["finish_reason"] == "length"
         no_blocks_used(stranger, decode)
     finally:
@@ -547,9 +651,13 @@ def test_bad_params_fail_only_their_request_on_the_prefill_engine(engines: Any, 
     bad = [
         {"kvferry": {"op": "send", "transfer": "t6", "peer": bait_url}},
         {"kvferry": {"op": "send", "transfer": "t7", "peer": bait_url, "peer_mac": forged}},
-        {"kvferry": {"op": "send", "transfer": "t8", "peer": bait_url, "peer_mac": hello["peer_mac"]}},  # another URL's signature
+        {
+            "kvferry": {"op": "send", "transfer": "t8", "peer": bait_url, "peer_mac": hello["peer_mac"]}
+        },  # another URL's signature
         {"kvferry": {"op": "send", "transfer": "t1", "peer": str(tmp_path / "nobody.sock")}},  # unknown peer
-        {"kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}},  # a key in a request: refused
+        {
+            "kvferry": {"op": "send", "transfer": "t2", "peer": hello["peer"], "authkey": "ab" * 16}
+        },  # a key in a request: refused
         {"kvferry": {"op": "send", "transfer": "t3", "peer": ""}},
         {"kvferry": {"op": "send", "transfer": "t4", "peer": 5}},
         {"kvferry": {"op": "recv", "transfer": "t5"}},  # recv on a producer
@@ -584,17 +692,29 @@ def test_status_tells_how_each_side_ended(engines: Any) -> None:
     pair = Pair(prefill, decode, hello)
     prompt, served = prompt_of(100, 50), uuid.uuid4().hex
     decode.start("run", [("d-served", prompt, OUT, {"kvferry": {"op": "recv", "transfer": served}})], None, None)
-    assert prefill.run([("p-served", prompt, 1, pair.send_params(served))])["outputs"]["p-served"]["finish_reason"] == "length"
+    assert (
+        prefill.run([("p-served", prompt, 1, pair.send_params(served))])["outputs"]["p-served"]["finish_reason"]
+        == "length"
+    )
     assert decode.result()["outputs"]["d-served"]["finish_reason"] == "length"
     assert status_of(decode, served) == {"op": "status", "transfer": served, "state": "done"}
     assert status_of(prefill, served) == {"op": "status", "transfer": served, "state": "done"}
     gone = uuid.uuid4().hex
-    prefill.run([("p-quit", prompt_of(150, 51), 1, pair.send_params(gone))], abort=("p-quit", "waiting_for_destination"))
+    prefill.run(
+        [("p-quit", prompt_of(150, 51), 1, pair.send_params(gone))], abort=("p-quit", "waiting_for_destination")
+    )
     d = decode.run([("d-quit", prompt_of(150, 51), OUT, {"kvferry": {"op": "recv", "transfer": gone}})])
     assert d["outputs"]["d-quit"]["finish_reason"] == "error"
     theirs = status_of(prefill, gone)
-    assert theirs["state"] == "failed" and re.fullmatch(r"prefill request p-quit\S* ended before its first chunk", theirs["error"]), theirs
-    assert status_of(decode, gone) == {"op": "status", "transfer": gone, "state": "failed", "error": f"the prefill side gave up: {theirs['error']}"}
+    assert theirs["state"] == "failed" and re.fullmatch(
+        r"prefill request p-quit\S* ended before its first chunk", theirs["error"]
+    ), theirs
+    assert status_of(decode, gone) == {
+        "op": "status",
+        "transfer": gone,
+        "state": "failed",
+        "error": f"the prefill side gave up: {theirs['error']}",
+    }
     assert status_of(decode, "never-seen") == {"op": "status", "transfer": "never-seen", "state": "unknown"}
     no_blocks_used(prefill, decode)
 
@@ -611,10 +731,23 @@ def test_status_answers_from_a_bounded_record() -> None:
     from kvferry.vllm.metadata import Outcome
 
     manager = SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9],))
-    side = scheduler.SchedulerSide(ConnectorConfig(), block_size=BLOCK, role="kv_consumer", engine_id="e", kv_cache_manager_getter=lambda: manager, authkey=b"k" * 32)
+    side = scheduler.SchedulerSide(
+        ConnectorConfig(),
+        block_size=BLOCK,
+        role="kv_consumer",
+        engine_id="e",
+        kv_cache_manager_getter=lambda: manager,
+        authkey=b"k" * 32,
+    )
 
     def request(rid: str, ours: dict[str, Any], n: int = 70) -> Any:
-        return SimpleNamespace(request_id=rid, num_tokens=n, num_prompt_tokens=n, prompt_token_ids=list(range(n)), kv_transfer_params={"kvferry": ours})
+        return SimpleNamespace(
+            request_id=rid,
+            num_tokens=n,
+            num_prompt_tokens=n,
+            prompt_token_ids=list(range(n)),
+            kv_transfer_params={"kvferry": ours},
+        )
 
     def status(transfer: str) -> dict[str, Any]:
         delay, answer = side.request_finished(request("st", {"op": "status", "transfer": transfer}, 1), [])
@@ -625,7 +758,10 @@ def test_status_answers_from_a_bounded_record() -> None:
     assert side.get_num_new_matched_tokens(recv, 0) == (70, True)
     side.update_state_after_alloc(recv, None, 70)
     assert status("live") == {"op": "status", "transfer": "live", "state": "active"}
-    assert side.get_num_new_matched_tokens(request("s1", {"op": "status", "transfer": "live"}, 1), 0) == (0, False)  # computes nothing
+    assert side.get_num_new_matched_tokens(request("s1", {"op": "status", "transfer": "live"}, 1), 0) == (
+        0,
+        False,
+    )  # computes nothing
     bad = request("d2", {"op": "send", "transfer": "wrong-side", "peer": "/p"})
     assert side.get_num_new_matched_tokens(bad, 0) == (1, True)
     assert status("wrong-side") == {"op": "status", "transfer": "wrong-side", "state": "failed",
@@ -662,9 +798,9 @@ def test_register_by_name_is_idempotent() -> None:
 @needs_vllm
 def test_entry_point_names_the_register_function() -> None:
     import importlib
-    import tomllib
 
     import kvferry.vllm
+    import tomllib
 
     with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
@@ -679,10 +815,9 @@ def test_stats_aggregate_and_reach_prometheus() -> None:
     import functools
     from types import SimpleNamespace
 
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
     from kvferry.vllm.connector import KvferryConnector
     from kvferry.vllm.stats import Tally
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     registry = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
@@ -764,15 +899,27 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         rng = random.Random(5)
         system = [rng.randrange(3, 500) for _ in range(96)]
         # The prefill server alone sees the system prompt first (decode-cold for the pair).
-        assert testbed.call(bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}).status == 200
+        assert (
+            testbed.call(
+                bed.prefills[0].url, "/v1/completions", {"model": "tiny", "prompt": system, "max_tokens": 1}
+            ).status
+            == 200
+        )
         prompt = system + [rng.randrange(3, 500) for _ in range(50)]
         for _ in range(2):
-            answer = testbed.call(bed.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            answer = testbed.call(
+                bed.url,
+                "/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             assert answer.status == 200 and len(answer.token_ids) == 8, answer.body
             prompt = prompt + answer.token_ids + [rng.randrange(3, 500) for _ in range(40)]
         # vLLM publishes connector stats with the engine's next stats record: wait for them
         # (bounded), not for a fixed time.
-        wait_until(lambda: _metric(bed.prefills[0].metrics(), "vllm:kvferry_transfers_total") >= 2, "the prefill server's stats of both transfers")
+        wait_until(
+            lambda: _metric(bed.prefills[0].metrics(), "vllm:kvferry_transfers_total") >= 2,
+            "the prefill server's stats of both transfers",
+        )
         p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
         assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
         assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
@@ -780,7 +927,10 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         assert _metric(p_text, "vllm:kvferry_held_blocks_total") > 0  # turn 2: the decode server held turn 1
         assert _metric(p_text, "vllm:kvferry_hidden_fraction_count") == 2
         assert _metric(d_text, "vllm:kvferry_recv_seconds_count") == 2
-        assert "vllm:kvferry_duplicates_refused_total" in d_text and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+        assert (
+            "vllm:kvferry_duplicates_refused_total" in d_text
+            and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+        )
         for server in bed.servers():
             assert server.kv_blocks()[0] == 0, server.name
 
@@ -832,7 +982,9 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
         server.withdraw("T", "its blocks arrived")
         with pytest.raises(TransferError, match="ended on the decode server: its blocks arrived"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
-        with pytest.raises(TransferError, match="authentication failed with the decode server's rendezvous.*different keys"):
+        with pytest.raises(
+            TransferError, match="authentication failed with the decode server's rendezvous.*different keys"
+        ):
             rendezvous.lookup(server.address, os.urandom(32), "U", 0, "P1")  # a wrong key
         with pytest.raises(TransferError, match="cannot reach"):
             rendezvous.lookup("/bare/path.sock", key, "U", 0, "P1")  # not a unix:// or tcp:// URL
@@ -846,7 +998,9 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
             rendezvous.lookup(server.address, key, "W", 0, "P1")
     finally:
         server.close()
-    broken = rendezvous.Rendezvous(key, lambda sender: (_ for _ in ()).throw(RuntimeError("no room")), str(tmp_path), listen=listen)
+    broken = rendezvous.Rendezvous(
+        key, lambda sender: (_ for _ in ()).throw(RuntimeError("no room")), str(tmp_path), listen=listen
+    )
     try:
         broken.publish("X", _published(4))
         with pytest.raises(TransferError, match="no endpoint for prefill engine 'P1': no room"):
@@ -872,7 +1026,9 @@ def test_rendezvous_refuses_what_its_frames_cannot_carry(tmp_path: Any) -> None:
             (_published(1, block_size=0), "block_size"),
         ]:
             # A TransferError too: the decode worker fails that request by it (worker._expect).
-            with pytest.raises(rendezvous.InvalidDestinationError, match=f"invalid destination for transfer 'T': .*invalid {field}=") as refused:
+            with pytest.raises(
+                rendezvous.InvalidDestinationError, match=f"invalid destination for transfer 'T': .*invalid {field}="
+            ) as refused:
                 server.publish("T", bad)
             assert isinstance(refused.value, TransferError) and isinstance(refused.value, InvalidArgumentError)
         with pytest.raises(rendezvous.InvalidDestinationError, match=r"missing \['engine'\], unknown \['extra'\]"):
@@ -1033,7 +1189,16 @@ def test_destination_is_checked_against_the_request() -> None:
 
     prompt = list(range(1, 71))  # 3 blocks of 32
     request = SimpleNamespace(num_prompt_tokens=70, prompt_token_ids=prompt)
-    good = {"prompt_len": 70, "digest": prompt_digest(prompt), "block_size": 32, "dst_blocks": [4, 5, 6], "held_blocks": 1, "request_id": 9, "epoch": 1, "endpoint": "staging+unix:///s"}
+    good = {
+        "prompt_len": 70,
+        "digest": prompt_digest(prompt),
+        "block_size": 32,
+        "dst_blocks": [4, 5, 6],
+        "held_blocks": 1,
+        "request_id": 9,
+        "epoch": 1,
+        "endpoint": "staging+unix:///s",
+    }
     assert _check_destination(dict(good), request, 32)["dst_blocks"] == [4, 5, 6]
     for change, named in [
         ({"digest": prompt_digest(prompt[:-1] + [0])}, "another prompt"),
@@ -1060,7 +1225,6 @@ def test_destination_is_checked_against_the_request() -> None:
 def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
     import numpy as np
     import torch
-
     from kvferry import BlockRange, InvalidArgumentError, UnknownRequestError
     from kvferry.hook import TransferHook
     from kvferry.layout import PagedKV
@@ -1076,7 +1240,9 @@ def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
     hook = TransferHook(KVSender(src, InProcessTransport(receiver)))
     # Reused prefix of 8 tokens (blocks 0, 1); the engine allocated only those so far.
     table, dests = [9, 3, 12, 5], [0, 7, 2, 11]
-    hook.add_request(1, 14, reused_len=8, src_blocks=[9, 3, -1, -1], dst_blocks=dests, held=[BlockRange(0, 1)], epoch=epoch)
+    hook.add_request(
+        1, 14, reused_len=8, src_blocks=[9, 3, -1, -1], dst_blocks=dests, held=[BlockRange(0, 1)], epoch=epoch
+    )
     assert [n.start for n in hook.before_forward([1])] == [1]  # block 1 early; block 0 held
     hook.update_src_blocks(1, table[:3])  # the first chunk [8, 12) allocated block 2
     hook.after_forward([1], [8], [12])
@@ -1108,8 +1274,8 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     from kvferry.errors import TransferTimeoutError
     from kvferry.transports.registry import Served
     from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.metadata import RecvSpec
     from kvferry.vllm.decode_worker import DecodeWorker, _Recv
+    from kvferry.vllm.metadata import RecvSpec
     from kvferry.vllm.worker import WorkerCommon
 
     class Receiver:
@@ -1133,7 +1299,9 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         def withdraw(self, transfer: str, reason: str) -> None:
             self.withdrawn.append(transfer)
 
-    side = DecodeWorker(WorkerCommon(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, authkey=b"k" * 32))
+    side = DecodeWorker(
+        WorkerCommon(ConnectorConfig(transport=transport), block_size=32, num_blocks=8, authkey=b"k" * 32)
+    )
     side.receiver, side.rendezvous = Receiver(), Rendezvous()  # type: ignore[assignment]
     peers = [object()]  # the sender's authenticated connection
     endpoint = SimpleNamespace(connected=lambda: bool(peers))

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvferry import trace
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
@@ -33,9 +32,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     servers and two layer groups on the prefill side; 64-token chunks."""
     if not HAVE_VLLM:
         pytest.skip("vLLM not importable")
-    from vllm_harness import wait_until
-
     from kvferry.vllm import testbed
+    from vllm_harness import wait_until
 
     root = tmp_path_factory.mktemp("ops")
     tiny = testbed.build_tiny_llama(root)

@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import random
-import re
 import socket
 import sys
 import threading
@@ -28,7 +27,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this venv (make set
 pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (it comes with vLLM)")
 
 from aiohttp import web  # noqa: E402
-
 from kvferry.vllm import testbed, trust  # noqa: E402
 from kvferry.vllm.config import load_authkey  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
@@ -55,11 +53,15 @@ def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tes
 
 
 @pytest.fixture(scope="module", params=sorted(testbed.CONNECTORS))
-def servers(request: pytest.FixtureRequest, plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[testbed.Server, Testbed]]:
+def servers(
+    request: pytest.FixtureRequest, plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[testbed.Server, Testbed]]:
     """The plain server and a prefill/decode pair of one connector behind the proxy (one pair
     at a time: each connector's tests run together)."""
     prefill_config, decode_config = testbed.CONNECTORS[request.param]
-    with Testbed(model, tmp_path_factory.mktemp(request.param), prefill_config, decode_config, proxy_connector=request.param) as bed:
+    with Testbed(
+        model, tmp_path_factory.mktemp(request.param), prefill_config, decode_config, proxy_connector=request.param
+    ) as bed:
         testbed.wait_ready([plain])
         yield plain, bed
 
@@ -68,7 +70,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, testbed.VOCAB) for _ in range(n)]
 
 
-def _conversation(base: str, path: str, stream: bool, seed: int, turns: int = 3, headers: dict[str, str] | None = None) -> list[Answer]:
+def _conversation(
+    base: str, path: str, stream: bool, seed: int, turns: int = 3, headers: dict[str, str] | None = None
+) -> list[Answer]:
     """A multi-turn session: each turn's prompt is the last prompt, the last answer and new
     tokens (completions: token ids; chat: messages)."""
     rng = random.Random(seed)
@@ -76,11 +80,19 @@ def _conversation(base: str, path: str, stream: bool, seed: int, turns: int = 3,
     prompt: list[int] = _tokens(rng, 200)
     messages: list[dict[str, str]] = [{"role": "system", "content": "you are a tool-using agent " * 8}]
     for turn in range(turns):
-        body: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
         if path == COMPLETIONS:
             body["prompt"] = prompt
         else:
-            messages.append({"role": "user", "content": f"tool output {seed}-{turn}: " + "data " * rng.randrange(20, 60)})
+            messages.append(
+                {"role": "user", "content": f"tool output {seed}-{turn}: " + "data " * rng.randrange(20, 60)}
+            )
             body["messages"] = messages
         answer = call(base, path, body, headers=headers)
         assert answer.status == 200, answer.body
@@ -144,7 +156,10 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     # running gauge going to zero with no request finished. A first request makes the proxy's
     # one-off requests (kvferry's hello) happen before the count is taken; vLLM records a
     # request's stats before its answer leaves.
-    assert call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 2, "temperature": 0}).status == 200
+    assert (
+        call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 2, "temperature": 0}).status
+        == 200
+    )
     finished = _counter(decode.metrics(), "vllm:request_success_total")
     host, port = bed.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -161,12 +176,17 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     assert decode.kv_blocks()[0] > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_until(lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request")
+    wait_until(
+        lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request"
+    )
     assert _counter(decode.metrics(), "vllm:request_success_total") == finished  # aborted, not run to the end
     wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
     wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
     # And the proxy still serves.
-    assert call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).status == 200
+    assert (
+        call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).status
+        == 200
+    )
 
 
 def _error_of(a: Answer) -> dict[str, Any]:
@@ -204,12 +224,19 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
             error = _error_of(a)
             transfer = quitter.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]
             assert error["leg"] == "decode" and error["transfer"] == transfer and "server" not in error
-            assert error["message"].startswith(f"decode server: transfer {transfer} failed: the prefill side gave up: the stub prefill server gave up"), error
+            assert error["message"].startswith(
+                f"decode server: transfer {transfer} failed: the prefill side gave up: the stub prefill server gave up"
+            ), error
     finally:
         proxy.stop()
         quitter.stop()
     # The decode server answers status itself: the failure, an unknown id, bad input refused.
-    assert _status(decode.url, transfer) == {"op": "status", "transfer": transfer, "state": "failed", "error": "the prefill side gave up: the stub prefill server gave up"}
+    assert _status(decode.url, transfer) == {
+        "op": "status",
+        "transfer": transfer,
+        "state": "failed",
+        "error": "the prefill side gave up: the stub prefill server gave up",
+    }
     assert _status(decode.url, "never-seen") == {"op": "status", "transfer": "never-seen", "state": "unknown"}
     # The prefill side: the decode peer it is sent to is unreachable.
     nobody = f"unix://{tmp_path / 'nobody.sock'}"
@@ -220,11 +247,18 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
             # What the proxy knows of the decode server (its hello answer) names a dead address.
             # Signed with the servers' key: an unsigned address would be refused before any connection.
             signed = trust.sign_peer(load_authkey(), nobody)
-            lost.proxy.flow.peers[decode.url] = {"role": "kv_consumer", "peer": nobody, "peer_mac": signed, "engine": "gone"}  # type: ignore[attr-defined]
+            lost.proxy.flow.peers[decode.url] = {
+                "role": "kv_consumer",
+                "peer": nobody,
+                "peer_mac": signed,
+                "engine": "gone",
+            }  # type: ignore[attr-defined]
             error = _error_of(call(lost.url, COMPLETIONS, dict(body, stream=stream)))
             transfer = error["transfer"]
             assert error["leg"] == "prefill", error
-            assert error["message"].startswith(f"prefill server: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "), error
+            assert error["message"].startswith(
+                f"prefill server: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "
+            ), error
             # The reason, without the internal address (the proxy logs it).
             assert "cannot reach the decode server's rendezvous at '<address>'" in error["message"], error
             assert nobody not in error["message"] and prefill.url not in error["message"], error
@@ -238,7 +272,16 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
 
 
 def _status(url: str, transfer: Any) -> dict[str, Any]:
-    a = call(url, COMPLETIONS, {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer}}})
+    a = call(
+        url,
+        COMPLETIONS,
+        {
+            "model": "tiny",
+            "prompt": [0],
+            "max_tokens": 1,
+            "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer}},
+        },
+    )
     assert a.status == 200, a.body
     return dict(a.body["kv_transfer_params"]["kvferry"])
 
@@ -253,9 +296,16 @@ def test_status_op_refuses_bad_input(servers: tuple[testbed.Server, Testbed]) ->
         ({"op": "status"}, "invalid kv_transfer_params.kvferry.transfer=None"),
         ({"op": "status", "transfer": 7}, "invalid kv_transfer_params.kvferry.transfer=7"),
         ({"op": "status", "transfer": ""}, "invalid kv_transfer_params.kvferry.transfer=''"),
-        ({"op": "status", "transfer": "t", "peer": "/x"}, "invalid kv_transfer_params.kvferry keys ['peer'] for op 'status'"),
+        (
+            {"op": "status", "transfer": "t", "peer": "/x"},
+            "invalid kv_transfer_params.kvferry keys ['peer'] for op 'status'",
+        ),
     ]:
-        a = call(decode.url, COMPLETIONS, {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": params}})
+        a = call(
+            decode.url,
+            COMPLETIONS,
+            {"model": "tiny", "prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvferry": params}},
+        )
         assert a.status == 500, a.body
         wait_until(lambda: named in decode.log_tail(200000), f"the decode server's log to name {named!r}")
     assert _status(decode.url, "t")["state"] == "unknown"  # a refused status request marks nothing failed
@@ -323,7 +373,9 @@ def _dead_upstreams(bed: Testbed, body: dict[str, Any], want: Any, dead: str, de
     finally:
         lone.stop()
     # With a live server next to each dead one, every request is served, whatever the order.
-    mixed = ProxyThread([dead, bed.prefills[0].url], [dead_decode, bed.decodes[0].url], connector=bed.proxy_connector or "")
+    mixed = ProxyThread(
+        [dead, bed.prefills[0].url], [dead_decode, bed.decodes[0].url], connector=bed.proxy_connector or ""
+    )
     mixed.start()
     try:
         for i in range(3):
@@ -367,7 +419,9 @@ class _Stub:
         self._runner = web.AppRunner(app, handler_cancellation=True)
         asyncio.run_coroutine_threadsafe(self._runner.setup(), self._loop).result(10)
         self.port = testbed.free_port()
-        asyncio.run_coroutine_threadsafe(web.TCPSite(self._runner, "127.0.0.1", self.port).start(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(web.TCPSite(self._runner, "127.0.0.1", self.port).start(), self._loop).result(
+            10
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -381,13 +435,20 @@ class _Stub:
             transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
             self.status_asked.append(transfer)
             known = self.outcomes.get(transfer, {"state": "unknown"})
-            return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer, **known}}})
+            return web.json_response(
+                {"choices": [], "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer, **known}}}
+            )
         self.seen.append(body)
         self.got.set()
         if op == "recv" and self.fail_recv is not None:
             if self.remember:
-                self.outcomes[body["kv_transfer_params"]["kvferry"]["transfer"]] = {"state": "failed", "error": self.fail_recv}
-            vllm_error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+                self.outcomes[body["kv_transfer_params"]["kvferry"]["transfer"]] = {
+                    "state": "failed",
+                    "error": self.fail_recv,
+                }
+            vllm_error = {
+                "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+            }
             if not body.get("stream"):
                 return web.json_response(vllm_error, status=500)
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -399,9 +460,16 @@ class _Stub:
             from kvferry.vllm.config import load_authkey
 
             ours = body["kv_transfer_params"]["kvferry"]
-            await asyncio.get_running_loop().run_in_executor(None, rendezvous.abandon, ours["peer"], load_authkey(), ours["transfer"], self.abandon)
+            await asyncio.get_running_loop().run_in_executor(
+                None, rendezvous.abandon, ours["peer"], load_authkey(), ours["transfer"], self.abandon
+            )
             answer = {"op": "send", "transfer": ours["transfer"], "error": self.abandon}
-            return web.json_response({"choices": [{"index": 0, "text": "", "token_ids": [1], "finish_reason": "length"}], "kv_transfer_params": {"kvferry": answer}})
+            return web.json_response(
+                {
+                    "choices": [{"index": 0, "text": "", "token_ids": [1], "finish_reason": "length"}],
+                    "kv_transfer_params": {"kvferry": answer},
+                }
+            )
         if op == "recv" and self.hang_recv:
             try:
                 await asyncio.Event().wait()
@@ -412,7 +480,14 @@ class _Stub:
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
         choice = {"index": 0, "text": self.role, "token_ids": [1], "finish_reason": "length"}
         if op == "send":
-            return web.json_response({"choices": [choice], "kv_transfer_params": {"kvferry": {"op": "send", "transfer": body["kv_transfer_params"]["kvferry"]["transfer"]}}})
+            return web.json_response(
+                {
+                    "choices": [choice],
+                    "kv_transfer_params": {
+                        "kvferry": {"op": "send", "transfer": body["kv_transfer_params"]["kvferry"]["transfer"]}
+                    },
+                }
+            )
         if self.role == "prefill":
             return web.json_response({"choices": [choice], "kv_transfer_params": {"remote_engine_id": self.url}})
         if not body.get("stream"):
@@ -446,6 +521,7 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
     proxy = ProxyThread([s.url for s in prefills], [s.url for s in decodes])
     proxy.start()
     try:
+
         def owner(body: dict[str, Any], headers: dict[str, str]) -> int:
             counts = [len(d.seen) for d in decodes]
             a = call(proxy.url, COMPLETIONS, body, headers=headers)
@@ -471,8 +547,14 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
         assert owner(dict(base, prompt=start + [9] * 40), {}) == server
         # The decode server got the prefill server's kv_transfer_params; the prefill leg was
         # cut to one token and not streamed.
-        assert all(b["kv_transfer_params"]["remote_engine_id"] in {p.url for p in prefills} for d in decodes for b in d.seen)
-        assert all(b["max_tokens"] == 1 and b["stream"] is False and b["kv_transfer_params"]["do_remote_decode"] for p in prefills for b in p.seen)
+        assert all(
+            b["kv_transfer_params"]["remote_engine_id"] in {p.url for p in prefills} for d in decodes for b in d.seen
+        )
+        assert all(
+            b["max_tokens"] == 1 and b["stream"] is False and b["kv_transfer_params"]["do_remote_decode"]
+            for p in prefills
+            for b in p.seen
+        )
         assert min(len(p.seen) for p in prefills) > 0  # the prefill servers share the work
     finally:
         proxy.stop()
@@ -483,7 +565,15 @@ def test_prefill_leg_runs_one_sample() -> None:
     sample per prefill request would race to send one transfer)."""
     from kvferry.vllm.proxy import _one_token
 
-    body = {"model": "tiny", "prompt": [1, 2], "n": 3, "best_of": 4, "max_tokens": 9, "stream": True, "temperature": 0.7}
+    body = {
+        "model": "tiny",
+        "prompt": [1, 2],
+        "n": 3,
+        "best_of": 4,
+        "max_tokens": 9,
+        "stream": True,
+        "temperature": 0.7,
+    }
     assert _one_token(body) == {"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "stream": False, "temperature": 0.7}
     assert body["n"] == 3 and body["best_of"] == 4  # the client's request is left as it was
 
@@ -494,7 +584,9 @@ def test_session_of_order() -> None:
     assert session_of({}, {"prompt": list(range(64)) + [1]}) == session_of({}, {"prompt": list(range(64)) + [2, 3]})
     assert session_of({}, {"prompt": [1, 2]}) != session_of({}, {"prompt": [1, 3]})
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    assert session_of({}, {"messages": msgs}) == session_of({}, {"messages": msgs + [{"role": "assistant", "content": "a"}]})
+    assert session_of({}, {"messages": msgs}) == session_of(
+        {}, {"messages": msgs + [{"role": "assistant", "content": "a"}]}
+    )
 
 
 def test_decode_dying_mid_stream_ends_stream_with_error_event() -> None:
@@ -546,7 +638,12 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
         prompt = [1] * 40
         streams = (False, True, True, True, False, True)
         for turn, stream in enumerate(streams):
-            a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream}, headers={SESSION_HEADER: "agent"})
+            a = call(
+                proxy.url,
+                COMPLETIONS,
+                {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream},
+                headers={SESSION_HEADER: "agent"},
+            )
             assert a.status == 200 and a.token_ids == [1]
             assert a.timing["decode-start"] > 0
             prompt = prompt + a.token_ids + [turn + 2] * 30
@@ -564,7 +661,10 @@ def test_kvferry_flow_pairs_legs_and_discovers_once(stubs: tuple[list[_Stub], li
         assert len({r["transfer"] for r in recvs}) == n
         # No key; the decode server's signature of its address passed on with it (kvferry.vllm.trust).
         mac = f"{decodes[0].port:064x}"
-        assert all(s == {"op": "send", "transfer": s["transfer"], "peer": f"/tmp/peer-{decodes[0].port}", "peer_mac": mac} for s in sends)
+        assert all(
+            s == {"op": "send", "transfer": s["transfer"], "peer": f"/tmp/peer-{decodes[0].port}", "peer_mac": mac}
+            for s in sends
+        )
         assert all(b["max_tokens"] == 1 and b["stream"] is False for b in prefills[0].seen)
         assert [b["prompt"] for b in prefills[0].seen] == [b["prompt"] for b in decodes[0].seen]
     finally:
@@ -607,7 +707,9 @@ def test_kvferry_flow_failed_transfer_names_its_reason(stream: bool) -> None:
         assert a.status == (200 if stream else 502)
         error = _error_of(a)
         assert error["leg"] == "decode" and error["transfer"] == transfer and error["code"] == 502
-        assert error["message"] == f"decode server: transfer {transfer} failed: its blocks did not all arrive within 2.0 s"
+        assert (
+            error["message"] == f"decode server: transfer {transfer} failed: its blocks did not all arrive within 2.0 s"
+        )
         assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # a failure: asked again next time
         # A server that no longer knows the transfer: the client still learns which one failed.
         decode.remember = False
@@ -628,7 +730,10 @@ def test_kvferry_flow_failed_transfer_names_its_reason(stream: bool) -> None:
     [
         (["proxy", "--prefill", "localhost:1", "--decode", "http://a", "--port", "8000"], "expected http:// URLs"),
         (["proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "70000"], "must be in [1, 65535]"),
-        (["proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "1", "--connector", "x"], "invalid choice"),
+        (
+            ["proxy", "--prefill", "http://a", "--decode", "http://b", "--port", "1", "--connector", "x"],
+            "invalid choice",
+        ),
         (["proxy", "--prefill", "http://a", "--decode", "http://b"], "--port"),
         (["bench", "vllm", "--configs", "nixl,bogus"], "unknown configuration ['bogus']"),
         (["bench", "vllm", "--layer-groups", "9", "--layers", "8"], "--layer-groups 9 must be <= --layers 8"),

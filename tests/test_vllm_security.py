@@ -58,7 +58,6 @@ def test_a_relayed_handshake_to_a_rendezvous_fails() -> None:
     from kvferry.errors import TransferError
     from kvferry.transports import wire
     from kvferry.vllm import rendezvous
-
     from test_attacks import Relay
 
     key = secrets.token_bytes(32)

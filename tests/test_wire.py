@@ -15,7 +15,6 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import torch
-
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
@@ -23,7 +22,6 @@ from kvferry.transports import wire
 from kvferry.transports.base import Write
 from kvferry.transports.frames import Challenge, Proof
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
-
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
 
 
@@ -55,7 +53,9 @@ def shm_rig(address: str = "unix://", **options: object) -> Iterator[tuple[KVRec
     "listen, host",
     [
         ("tcp://127.0.0.1:0", "127.0.0.1"),
-        pytest.param("tcp://[::1]:0", "[::1]", marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")),
+        pytest.param(
+            "tcp://[::1]:0", "[::1]", marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+        ),
         ("unix://", None),
     ],
 )
@@ -88,7 +88,9 @@ def test_a_transfer_over_each_address_family(listen: str, host: str | None) -> N
 
 
 def test_a_wildcard_bind_advertises_the_host_it_is_told() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0': a wildcard bind needs advertise="):
+    with pytest.raises(
+        InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0': a wildcard bind needs advertise="
+    ):
         with shm_rig("tcp://0.0.0.0:0"):
             pass
     with shm_rig("tcp://0.0.0.0:0", advertise="127.0.0.1") as (receiver, endpoint, authkey):
@@ -195,7 +197,9 @@ def test_a_pickle_on_the_wire_executes_nothing(tmp_path: pathlib.Path, listen: s
             raw.sendall(struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing
             raw.settimeout(SLACK)
             assert until(lambda: endpoint.error_count == 1)
-        assert "refused: not a kvferry handshake: the peer's first bytes are not a kvferry frame" in str(endpoint.errors[-1])
+        assert "refused: not a kvferry handshake: the peer's first bytes are not a kvferry frame" in str(
+            endpoint.errors[-1]
+        )
 
         # One request per rogue: a second rogue announcing the first's request could race the
         # first connection's end (which fails that request) and be refused for another reason.
@@ -232,7 +236,9 @@ def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
             with wire.connect(address, SLACK) as raw:
                 raw.sendall(data)
                 assert until(lambda: endpoint.error_count == n)
-            assert isinstance(endpoint.errors[-1], wire.AuthenticationError) and why in str(endpoint.errors[-1]), str(endpoint.errors[-1])
+            assert isinstance(endpoint.errors[-1], wire.AuthenticationError) and why in str(endpoint.errors[-1]), str(
+                endpoint.errors[-1]
+            )
         assert len(receiver) == 0 and receiver.refused_count == 0
         _serves(receiver, endpoint, authkey, 1)
 
@@ -276,22 +282,31 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
             rogue = ShmTransport(endpoint.address, authkey=authkey)
             notice = Notice(1, 0, 0, 2, True, e1)
-            pending = rogue.write(engine, Write(src, np.array([0, 1]), np.array([10, 12]), [notice]))  # 12: another request's
+            pending = rogue.write(
+                engine, Write(src, np.array([0, 1]), np.array([10, 12]), [notice])
+            )  # 12: another request's
             assert pending.wait(SLACK) and pending.error() is None
             rogue.post([notice])
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
-            with pytest.raises(TransferError, match=r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the lease holds \[10, 11\]"):
+            with pytest.raises(
+                TransferError,
+                match=r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the lease holds \[10, 11\]",
+            ):
                 receiver.wait(1, timeout=SLACK)
             refusal = receiver.refused()[-1]
             assert isinstance(refusal.error, LeaseError) and refusal.notice == notice
             rogue.close()
             assert receiver.release(1, timeout=SLACK).claimed_blocks == 0
 
-            good = _lease_keeper_lands(ShmTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [20, 21])
+            good = _lease_keeper_lands(
+                ShmTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [20, 21]
+            )
             # A notice that names no blocks at all (a post without its write) is refused too.
             e3 = receiver.expect(3, 8, dst_blocks=[30, 31])
             good.post([Notice(3, 0, 0, 2, True, e3)])
-            with pytest.raises(TransferError, match="request 3 failed: .*names no destination blocks, and the lease holds \\[30, 31\\]"):
+            with pytest.raises(
+                TransferError, match="request 3 failed: .*names no destination blocks, and the lease holds \\[30, 31\\]"
+            ):
                 receiver.wait(3, timeout=SLACK)
             good.close()
             receiver.release(2)
@@ -339,13 +354,14 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
         rogue.close()
         receiver.release(1, timeout=SLACK)
 
-        good = _lease_keeper_lands(StagingTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [6, 7])
+        good = _lease_keeper_lands(
+            StagingTransport(endpoint.address, authkey=authkey), engine, src, receiver, 2, [6, 7]
+        )
         good.close()
         receiver.release(2)
     finally:
         endpoint.close()
         engine.close()
-
 
 
 def _snapshot(pool: Any, blocks: list[int]) -> list[Any]:
@@ -368,12 +384,16 @@ def test_a_staged_write_past_its_lease_moves_no_byte_and_ends_the_connection() -
     authkey = secrets.token_bytes(32)
     endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, address="tcp://127.0.0.1:0")
     try:
-        good = _lease_keeper_lands(StagingTransport(endpoint.address, authkey=authkey), engine, random_pool(5), receiver, 2, [6, 7])
+        good = _lease_keeper_lands(
+            StagingTransport(endpoint.address, authkey=authkey), engine, random_pool(5), receiver, 2, [6, 7]
+        )
         before = _snapshot(receiver.pool, [4, 5, 6, 7])
         e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
         rogue = StagingTransport(endpoint.address, authkey=authkey)
         notice = Notice(1, 0, 0, 3, True, e1)
-        assert rogue.write(engine, Write(random_pool(6), np.array([0, 1, 2]), np.array([4, 5, 6]), [notice])).wait(SLACK)
+        assert rogue.write(engine, Write(random_pool(6), np.array([0, 1, 2]), np.array([4, 5, 6]), [notice])).wait(
+            SLACK
+        )
         with contextlib.suppress(TransferError):  # post reads the frees after sending: the goodbye may be there already
             rogue.post([notice])
         assert until(lambda: receiver.refused_count == 1)  # the batch was handled
@@ -405,7 +425,9 @@ def test_a_one_sided_notice_past_its_lease_ends_the_connection() -> None:
             e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
             rogue = ShmTransport(endpoint.address, authkey=authkey)
             notice = Notice(1, 0, 0, 3, True, e1)
-            assert rogue.write(engine, Write(random_pool(3), np.array([0, 1, 2]), np.array([10, 11, 12]), [notice])).wait(SLACK)
+            assert rogue.write(
+                engine, Write(random_pool(3), np.array([0, 1, 2]), np.array([10, 11, 12]), [notice])
+            ).wait(SLACK)
             rogue.post([notice])
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
             refusal = receiver.refused()[-1]
@@ -414,6 +436,7 @@ def test_a_one_sided_notice_past_its_lease_ends_the_connection() -> None:
             receiver.release(1, timeout=SLACK)
     finally:
         engine.close()
+
 
 @pytest.mark.parametrize(
     "dst_blocks, why",
@@ -455,7 +478,10 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
         rogue.announce([(1, e1)])
         pending = rogue.write(engine, Write(src, np.array([0, 1]), np.array([4, 6]), [notice]))
         assert pending.wait(SLACK) and pending.error() is None
-        with pytest.raises(TransferError, match=r"request 1 failed: invalid dst_ids for request 1: .*\[4, 6\], the lease holds \[4, 5\]"):
+        with pytest.raises(
+            TransferError,
+            match=r"request 1 failed: invalid dst_ids for request 1: .*\[4, 6\], the lease holds \[4, 5\]",
+        ):
             receiver.wait(1, timeout=SLACK)
         assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
         rogue.close()
@@ -499,8 +525,8 @@ def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.M
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     from kvferry.layout import PagedKV
-    from kvferry.transports.frames import Agent, Announce
     from kvferry.transports.control import PeerConnection
+    from kvferry.transports.frames import Agent, Announce
     from kvferry.transports.nixl import NixlEndpoint
 
     receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))

@@ -42,7 +42,12 @@ def digest(pool: Any, ids: list[int]) -> str:
 
 
 def _error(err: BaseException) -> dict[str, Any]:
-    return {"ok": False, "error": f"{type(err).__name__}: {err}", "type": type(err).__name__, "request_ids": list(getattr(err, "request_ids", ()))}
+    return {
+        "ok": False,
+        "error": f"{type(err).__name__}: {err}",
+        "type": type(err).__name__,
+        "request_ids": list(getattr(err, "request_ids", ())),
+    }
 
 
 # Replies go to the original stdout; anything else printing there (a library's log) goes to
@@ -90,7 +95,14 @@ def receiver(address: str) -> None:
                 rx.release(cmd["rid"], timeout=cmd["timeout"])
                 _reply({"ok": True})
             elif op == "state":
-                _reply({"ok": True, "live": len(rx), "errors": [str(e) for e in served.endpoint.errors], "error_count": served.endpoint.error_count})
+                _reply(
+                    {
+                        "ok": True,
+                        "live": len(rx),
+                        "errors": [str(e) for e in served.endpoint.errors],
+                        "error_count": served.endpoint.error_count,
+                    }
+                )
             else:
                 _reply({"ok": False, "error": f"unknown op {op!r}"})
         except Exception as err:  # reported to the test, which asserts on it
@@ -111,7 +123,9 @@ class _Sender:
 
         transport = registry.connect(cmd["url"], authkey=bytes.fromhex(cmd["key"]), src=self.src, handshake_timeout=2.0)
         groups = 2 if cmd.get("mode") == "layer" else 1
-        self.sender = KVSender(self.src, transport, pipelined=cmd.get("mode") != "chunk", timeout=cmd.get("timeout"), layer_groups=groups)
+        self.sender = KVSender(
+            self.src, transport, pipelined=cmd.get("mode") != "chunk", timeout=cmd.get("timeout"), layer_groups=groups
+        )
         return {"ok": True}
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +184,12 @@ class _Sender:
                 sender.remove(rid)
             except Exception:
                 sender.cancel(rid, timeout=30)
-        return {"ok": True, "failed": failed, "leased": [r for r in cmd["rids"] if sender.leased(r)], "book": len(sender.book)}
+        return {
+            "ok": True,
+            "failed": failed,
+            "leased": [r for r in cmd["rids"] if sender.leased(r)],
+            "book": len(sender.book),
+        }
 
     def close(self) -> dict[str, Any]:
         if self.sender is not None:

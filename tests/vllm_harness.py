@@ -58,16 +58,23 @@ def _enter_netns(name: str) -> None:
         raise OSError(ctypes.get_errno(), "mounting /sys in the network namespace failed")
 
 
-def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw: dict[str, Any], netns: Optional[str] = None, env: Optional[dict[str, str]] = None) -> None:
+def _serve(
+    conn: Any,
+    model: str,
+    kv_config: Optional[dict[str, Any]],
+    engine_kw: dict[str, Any],
+    netns: Optional[str] = None,
+    env: Optional[dict[str, str]] = None,
+) -> None:
     if netns is not None:
         _enter_netns(netns)
     os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm import EngineArgs, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
 
     kw = dict(
@@ -122,7 +129,9 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
             return "decoding"
         return status.lower()
 
-    def run(requests: list[tuple], abort: Optional[tuple[str, str]], until: Optional[tuple[str, str]]) -> dict[str, Any]:
+    def run(
+        requests: list[tuple], abort: Optional[tuple[str, str]], until: Optional[tuple[str, str]]
+    ) -> dict[str, Any]:
         for rid, prompt, max_tokens, params, *more in requests:
             extra = {"kv_transfer_params": params} if params is not None else None
             sampling = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
@@ -164,12 +173,16 @@ def _serve(conn: Any, model: str, kv_config: Optional[dict[str, Any]], engine_kw
                 connector = get_kv_transfer_group() if has_kv_transfer_group() else None
                 worker = None if connector is None else connector._worker
                 served = {} if connector is None or connector._decode is None else connector._decode.endpoints
-                reply = {} if worker is None else {
-                    "counts": dict(worker.tally.totals),
-                    "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
-                    "endpoints": sorted(served),
-                    "endpoint_urls": sorted(s.url for s in served.values()),
-                }
+                reply = (
+                    {}
+                    if worker is None
+                    else {
+                        "counts": dict(worker.tally.totals),
+                        "observed": {k: list(v) for k, v in worker.tally.all_observed.items()},
+                        "endpoints": sorted(served),
+                        "endpoint_urls": sorted(s.url for s in served.values()),
+                    }
+                )
             elif cmd == "stop":
                 conn.send("bye")
                 return
@@ -201,7 +214,12 @@ class Engine:
         ``kv_load_failure_policy`` ("fail" when not given)."""
         kv = None
         if role is not None:
-            kv = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role, "kv_connector_extra_config": extra or {}}
+            kv = {
+                "kv_connector": "KvferryConnector",
+                "kv_connector_module_path": "kvferry.vllm",
+                "kv_role": role,
+                "kv_connector_extra_config": extra or {},
+            }
             if policy is not None:
                 kv["kv_load_failure_policy"] = policy
         ctx = multiprocessing.get_context("spawn")
@@ -224,7 +242,9 @@ class Engine:
         self.start(cmd, *arg)
         return self.result()
 
-    def run(self, requests: list[tuple], abort: Optional[tuple[str, str]] = None, until: Optional[tuple[str, str]] = None) -> dict[str, Any]:
+    def run(
+        self, requests: list[tuple], abort: Optional[tuple[str, str]] = None, until: Optional[tuple[str, str]] = None
+    ) -> dict[str, Any]:
         return self.call("run", requests, abort, until)
 
     def close(self) -> None:

@@ -13,9 +13,8 @@ step_report.py, which times the same things.
 
 from __future__ import annotations
 
-import pytest
-
 import kvferry
+import pytest
 import step_workload as w
 
 RUST_PLAN_ROUNDS = 2000

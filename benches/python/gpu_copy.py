@@ -20,7 +20,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-
 from kvferry import _triton_copy
 from kvferry.copy import checked_pairs, copy_blocks, copy_blocks_torch
 from kvferry.layout import PagedKV
@@ -28,7 +27,9 @@ from kvferry.layout import PagedKV
 POISON = 0x7B  # a byte pattern no random fill is likely to leave everywhere
 
 
-def _median_event_ms(fn: Callable[[], None], reps: int, *, calls: int = 1, queued: bool = False, warmup: int = 5) -> float:
+def _median_event_ms(
+    fn: Callable[[], None], reps: int, *, calls: int = 1, queued: bool = False, warmup: int = 5
+) -> float:
     """Median CUDA-event time of ``calls`` back-to-back calls of ``fn``, divided by ``calls``.
     ``queued``: a sleep kernel keeps the GPU busy while the host issues the calls, so the
     events bracket device work only (a copy queued behind a forward on its stream)."""
@@ -95,7 +96,9 @@ def host_overhead_us(src: PagedKV, dst: PagedKV, device: str, n: int = 8, calls:
     ids = torch.from_numpy(np.stack([s_ids, d_ids])).to(device)
     steps: dict[str, Callable[[], object]] = {
         "validate": lambda: checked_pairs(src, dst, s_ids, d_ids),
-        "ids_pinned_async": lambda: torch.from_numpy(np.stack([s_ids, d_ids])).pin_memory().to(device, non_blocking=True),
+        "ids_pinned_async": lambda: (
+            torch.from_numpy(np.stack([s_ids, d_ids])).pin_memory().to(device, non_blocking=True)
+        ),
         "ids_pageable": lambda: torch.from_numpy(np.stack([s_ids, d_ids])).to(device),
         "launch": lambda: _triton_copy.copy_blocks(src, dst, ids),
         "launch_triton_jit": lambda: _jit_launch(src, dst, ids),
@@ -179,7 +182,7 @@ def main() -> int:
     # Ceiling: a large contiguous copy, bytes read + written.
     big = torch.empty(4 * 1024**3, dtype=torch.uint8, device=device)
     big2 = torch.empty_like(big)
-    ms = time_ms(lambda: big2.copy_(big), reps)
+    ms = time_ms(lambda: big2.copy_(big), reps)  # noqa: F821 (deleted below, after its last call)
     ceiling = 2 * big.numel() / ms / 1e9  # TB/s (read + write)
     del big, big2
     print(f"ceiling: device-to-device copy {ceiling:.2f} TB/s read+write ({ceiling / 2:.2f} TB/s payload)")
@@ -216,7 +219,19 @@ def main() -> int:
         if not verify(src, dst, s_ids, d_ids):
             failures.append(f"{n} blocks: copied bytes differ from the source")
         row = {"blocks": n, "payload_mb": payload / 1e6, "best_config": best.__dict__}
-        for key, t in (("best", best_t), ("default", default_t), ("kernel_b2b", kernel_b2b), ("api", api_t), ("api_device_ids", api_devids_t), ("api_no_graphs", api_nographs_t), ("api_device_ids_queued", api_devids_queued_t), ("api_b2b", api_b2b), ("queued", queued_t), ("api_queued", api_queued_t), ("torch", torch_t)):
+        for key, t in (
+            ("best", best_t),
+            ("default", default_t),
+            ("kernel_b2b", kernel_b2b),
+            ("api", api_t),
+            ("api_device_ids", api_devids_t),
+            ("api_no_graphs", api_nographs_t),
+            ("api_device_ids_queued", api_devids_queued_t),
+            ("api_b2b", api_b2b),
+            ("queued", queued_t),
+            ("api_queued", api_queued_t),
+            ("torch", torch_t),
+        ):
             row[f"{key}_ms"] = t
             row[f"{key}_tbps"] = payload / t / 1e9
         row["default_config"] = _triton_copy.pick_config(payload).__dict__
@@ -229,7 +244,9 @@ def main() -> int:
     print("host time per call (us, median of 200):", {k: round(v, 1) for k, v in overhead.items()})
     print()
     print(f"ceiling {ceiling:.2f} TB/s read+write; payload TB/s below (share = 2 x payload / ceiling)")
-    print("| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU | one call, no graph |")
+    print(
+        "| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU | one call, no graph |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
@@ -239,7 +256,18 @@ def main() -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": props.name, "ceiling_tbps_rw": ceiling, "rows": rows, "host_overhead_us": overhead, "sweep": sweep, "correctness_failures": failures}, f, indent=2)
+            json.dump(
+                {
+                    "device": props.name,
+                    "ceiling_tbps_rw": ceiling,
+                    "rows": rows,
+                    "host_overhead_us": overhead,
+                    "sweep": sweep,
+                    "correctness_failures": failures,
+                },
+                f,
+                indent=2,
+            )
     return 1 if failures else 0
 
 

@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 import torch
-
 from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama, new_kv_pool
 
@@ -25,7 +24,10 @@ TPB = 32
 
 
 def _setup(layers: int, context: int) -> tuple[TinyLlama, Any, torch.Tensor]:
-    cfg = ModelConfig(Geometry(vocab=1024, hidden=4096, layers=layers, heads=32, kv_heads=8, head_dim=128, ffn=14336), dtype=torch.bfloat16)
+    cfg = ModelConfig(
+        Geometry(vocab=1024, hidden=4096, layers=layers, heads=32, kv_heads=8, head_dim=128, ffn=14336),
+        dtype=torch.bfloat16,
+    )
     model = TinyLlama(cfg, "cuda")
     blocks = -(-(context + 1) // TPB)
     pool = new_kv_pool(cfg, blocks, TPB, "cuda")
@@ -58,7 +60,11 @@ def prefill_repeats(layers: int, context: int, new: int, backend: str, repeats: 
 
     model, pool, table = _setup(layers, context + new)
     tokens = torch.randint(0, model.cfg.geometry.vocab, (new,), generator=torch.Generator().manual_seed(2)).cuda()
-    chosen = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
+    chosen = {
+        "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+        "cudnn": [SDPBackend.CUDNN_ATTENTION],
+        "math": [SDPBackend.MATH],
+    }
     runs = []
     for _ in range(repeats):
         if backend == "default":
@@ -80,7 +86,11 @@ def sdpa_repeats(context: int, repeats: int = 20) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q = torch.randn(1, 32, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16).transpose(0, 1)[None]
+    q = (
+        torch.randn(1, 32, 128, generator=gen, device="cuda", dtype=torch.float32)
+        .to(torch.bfloat16)
+        .transpose(0, 1)[None]
+    )
     keys = torch.randn(context, 8, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
     values = torch.randn(context, 8, 128, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
     k = keys.repeat_interleave(4, dim=1).transpose(0, 1)[None]
@@ -96,9 +106,15 @@ def sdpa_repeats(context: int, repeats: int = 20) -> None:
         "h2d copy engine": lambda: big[: 1 << 30].copy_(host, non_blocking=True),
         "matmul": lambda: a @ a,
     }
-    backends = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    backends = {
+        "default": None,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     outputs = {}
     for name, backend in backends.items():
+
         def attend() -> torch.Tensor:
             if backend is None:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -121,7 +137,9 @@ def sdpa_repeats(context: int, repeats: int = 20) -> None:
                 got = attend()
                 torch.cuda.synchronize()
                 equal += bool(torch.equal(got, ref))
-            print(f"sdpa {name:<9} decode over {context} keys, {load_name:<16}: {equal}/{repeats} runs bit-equal to the first")
+            print(
+                f"sdpa {name:<9} decode over {context} keys, {load_name:<16}: {equal}/{repeats} runs bit-equal to the first"
+            )
     for name, out in outputs.items():
         if name != "default":
             print(f"sdpa default output bit-equal to {name}: {torch.equal(outputs['default'], out)}")
@@ -162,13 +180,15 @@ def sdpa_surroundings(context: int, repeats: int = 5) -> None:
                     v = placed(values, offset, fill).transpose(0, 1)[None]
                     q = placed(query, offset, fill).transpose(0, 1)[None]
                     mask = torch.ones(1, 1, 1, context, dtype=torch.bool, device="cuda")
-                    with (sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()):
+                    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                     ref = out.clone() if ref is None else ref
                     results.append((offset, fill, bool(torch.equal(out, ref)), bool(torch.isnan(out).any())))
         bad = [(o, f) for o, f, same, _ in results if not same]
         nans = sorted({(o, f) for o, f, _, n in results if n})
-        print(f"sdpa {name:<9} over {context} keys: {len(results) - len(bad)}/{len(results)} runs equal the first; differing (offset, tail): {sorted(set(bad))}; NaN outputs: {nans}")
+        print(
+            f"sdpa {name:<9} over {context} keys: {len(results) - len(bad)}/{len(results)} runs equal the first; differing (offset, tail): {sorted(set(bad))}; NaN outputs: {nans}"
+        )
 
 
 def _child(conn: Any, layers: int, context: int, env: dict[str, str]) -> None:
@@ -200,7 +220,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=34820)
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill repeatability checks")
-    parser.add_argument("--sdpa", action="store_true", help="only one decode step's attention, per backend, next to other streams' work")
+    parser.add_argument(
+        "--sdpa", action="store_true", help="only one decode step's attention, per backend, next to other streams' work"
+    )
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.layers} layers, context {args.context}")
     if args.sdpa:
@@ -210,7 +232,9 @@ def main() -> None:
     for backend in ("default", "efficient", "cudnn"):
         try:
             same = prefill_repeats(args.layers, args.context - 2048, 2048, backend)
-            print(f"prefill of 2048 tokens after {args.context - 2048}, SDPA {backend:<9}: repeats bit-equal to the first: {same}")
+            print(
+                f"prefill of 2048 tokens after {args.context - 2048}, SDPA {backend:<9}: repeats bit-equal to the first: {same}"
+            )
         except RuntimeError as err:  # a backend that cannot run this shape
             print(f"prefill, SDPA {backend}: not available here ({str(err).splitlines()[0][:100]})")
         torch.cuda.empty_cache()
@@ -220,8 +244,15 @@ def main() -> None:
     ref = local[0]
     for i, got in enumerate(local[1:], 1):
         _describe(f"same process, repeat {i}", ref, got)
-    _describe("same process, copy running on another stream", ref, decode_logits(args.layers, args.context, 1, side_copy=True)[0])
-    for name, env in (("another process", {}), ("another process, CUBLAS_WORKSPACE_CONFIG", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})):
+    _describe(
+        "same process, copy running on another stream",
+        ref,
+        decode_logits(args.layers, args.context, 1, side_copy=True)[0],
+    )
+    for name, env in (
+        ("another process", {}),
+        ("another process, CUBLAS_WORKSPACE_CONFIG", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    ):
         for i, got in enumerate(_in_child(args.layers, args.context, env)):
             _describe(f"{name}, run {i}", ref, got)
 

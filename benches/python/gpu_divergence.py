@@ -63,7 +63,9 @@ def analyse(trace_dir: Path) -> list[str]:
                 f"{[(r['pid'], r['pool']) for r in group]} top {b['top']} blocks {b['blocks']}: first difference at {first_difference(a, b)}"
             )
     same = sum(1 for records in steps.values() if len({r["logits"] for r in records}) == 1 and len(records) > 1)
-    lines.append(f"{same} decode steps seen in several workers with identical logits; {len(lines)} with different logits")
+    lines.append(
+        f"{same} decode steps seen in several workers with identical logits; {len(lines)} with different logits"
+    )
     return lines
 
 

@@ -25,7 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 TOTAL = 18 << 20
 REPS = 6
 # name -> (seconds between asks, whether the loop spins in between instead of sleeping)
-LOOPS = {"no-pause": (0.0, False), "sleep-0.2ms": (2e-4, False), "sleep-1ms": (1e-3, False), "spin-ask-0.5ms": (5e-4, True), "spin-ask-2ms": (2e-3, True)}
+LOOPS = {
+    "no-pause": (0.0, False),
+    "sleep-0.2ms": (2e-4, False),
+    "sleep-1ms": (1e-3, False),
+    "spin-ask-0.5ms": (5e-4, True),
+    "spin-ask-2ms": (2e-3, True),
+}
 
 
 def side(role: str, mode: str, loop: str, desc_kib: int, core: int, folder: str) -> None:
@@ -83,7 +89,9 @@ def side(role: str, mode: str, loop: str, desc_kib: int, core: int, folder: str)
             agent.send_notif(name, b"ack")
     if initiator:
         m = statistics.median(times)
-        print(f"{mode:5} {loop:15} desc {desc_kib} KiB: median {m * 1e3:.1f} ms ({TOTAL / m / 1e6:.0f} MB/s)", flush=True)
+        print(
+            f"{mode:5} {loop:15} desc {desc_kib} KiB: median {m * 1e3:.1f} ms ({TOTAL / m / 1e6:.0f} MB/s)", flush=True
+        )
 
 
 def main() -> int:
@@ -111,7 +119,24 @@ def main() -> int:
             for loop in args.loops.split(","):
                 with tempfile.TemporaryDirectory() as folder:
                     procs = [
-                        subprocess.Popen(hosts.command(h, [sys.executable, __file__, "--side", r, mode, loop, str(args.desc_kib), str(core), folder]), env=env, stderr=subprocess.DEVNULL)
+                        subprocess.Popen(
+                            hosts.command(
+                                h,
+                                [
+                                    sys.executable,
+                                    __file__,
+                                    "--side",
+                                    r,
+                                    mode,
+                                    loop,
+                                    str(args.desc_kib),
+                                    str(core),
+                                    folder,
+                                ],
+                            ),
+                            env=env,
+                            stderr=subprocess.DEVNULL,
+                        )
                         for h, r, core in ((hosts.a, "a", 0), (hosts.b, "b", 1 % os.cpu_count()))  # type: ignore[operator]
                     ]
                     for p in procs:

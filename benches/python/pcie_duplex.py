@@ -39,7 +39,11 @@ def _median_gbps(fn: Callable[[], None], nbytes: int, reps: int) -> float:
 
 def _one_leg(direction: str, nbytes: int, start: Any, done: Any, reps: int) -> None:
     host, dev = _buffers(nbytes)
-    copy = (lambda: dev.copy_(host, non_blocking=True)) if direction == "h2d" else (lambda: host.copy_(dev, non_blocking=True))
+    copy = (
+        (lambda: dev.copy_(host, non_blocking=True))
+        if direction == "h2d"
+        else (lambda: host.copy_(dev, non_blocking=True))
+    )
     copy()
     torch.cuda.synchronize()
     for _ in range(reps):
@@ -59,14 +63,15 @@ def main() -> None:
     host_a, dev_a = _buffers(nbytes)
     host_b, dev_b = _buffers(nbytes)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    h2d = _median_gbps(lambda: dev_a.copy_(host_a, non_blocking=True), nbytes, args.reps)
-    d2h = _median_gbps(lambda: host_b.copy_(dev_b, non_blocking=True), nbytes, args.reps)
+    # The buffers are deleted below, after the last call of these closures.
+    h2d = _median_gbps(lambda: dev_a.copy_(host_a, non_blocking=True), nbytes, args.reps)  # noqa: F821
+    d2h = _median_gbps(lambda: host_b.copy_(dev_b, non_blocking=True), nbytes, args.reps)  # noqa: F821
 
     def both() -> None:
         with torch.cuda.stream(s1):
-            dev_a.copy_(host_a, non_blocking=True)
+            dev_a.copy_(host_a, non_blocking=True)  # noqa: F821
         with torch.cuda.stream(s2):
-            host_b.copy_(dev_b, non_blocking=True)
+            host_b.copy_(dev_b, non_blocking=True)  # noqa: F821
 
     together = _median_gbps(both, 2 * nbytes, args.reps)
     del host_a, dev_a, host_b, dev_b

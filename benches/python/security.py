@@ -23,7 +23,6 @@ import threading
 import time
 
 import torch
-
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.transports.staging import StagingEndpoint, StagingTransport

@@ -18,7 +18,6 @@ import sys
 import time
 
 import torch
-
 from kvferry.refengine.soak import Soak, SoakConfig, SoakReport
 from kvferry.transports import registry
 

@@ -18,9 +18,8 @@ import statistics
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
-
 import kvferry
+import numpy as np
 import step_workload as w
 
 Setup = Optional[Callable[[], tuple[Any, ...]]]
@@ -66,9 +65,7 @@ def one_run(rounds: int, ref_rounds: int, pair_rounds: int) -> dict[str, tuple[f
     # Planning a mixed step, and its two calls apart.
     r["plan"] = measure(w.rust_plan_step, lambda: (w.rust_book(step), step), rounds)
     r["plan_ref"] = measure(w.ref_plan_step, lambda: (w.ref_book(step), lists), ref_rounds)
-    r["plan_early"] = measure(
-        lambda b: b.plan_early(step.early_ids), lambda: (w.rust_book(step),), rounds
-    )
+    r["plan_early"] = measure(lambda b: b.plan_early(step.early_ids), lambda: (w.rust_book(step),), rounds)
     r["plan_chunks"] = measure(
         lambda b: b.plan_chunks(step.chunk_ids, step.chunk_starts, step.chunk_ends),
         lambda: (w.rust_book(step),),
@@ -80,9 +77,7 @@ def one_run(rounds: int, ref_rounds: int, pair_rounds: int) -> dict[str, tuple[f
 
     # Pairs of 256 early slices (239,872 pairs): the call alone, and planning + pairs.
     src, dst = rnd
-    r["plan256"] = measure(
-        lambda b: b.plan_early(all_ids), lambda: (w.all_early_book(all_ids),), rounds
-    )
+    r["plan256"] = measure(lambda b: b.plan_early(all_ids), lambda: (w.all_early_book(all_ids),), rounds)
     r["plan256_pairs"] = measure(
         lambda b: kvferry.block_pairs(b.plan_early(all_ids), src, dst),
         lambda: (w.all_early_book(all_ids),),
@@ -132,8 +127,7 @@ def report(runs: list[dict[str, tuple[float, float]]], num_pairs: int) -> str:
         ratio = f"{med([run[ref_key][0] / run[key][0] for run in runs]):.0f}x" if ref_key else ""
         npp = f"{med(p50s) * 1e3 / num_pairs:.2f}" if per_pair else ""
         lines.append(
-            f"| {label} | {med(p50s):.1f} | {med(p90s):.1f} | {min(p50s):.1f}..{max(p50s):.1f} "
-            f"| {ratio} | {npp} |"
+            f"| {label} | {med(p50s):.1f} | {med(p90s):.1f} | {min(p50s):.1f}..{max(p50s):.1f} | {ratio} | {npp} |"
         )
     on_top = [(run["plan256_pairs"][0] - run["plan256"][0]) * 1e3 / num_pairs for run in runs]
     lines.append("")

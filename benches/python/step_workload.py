@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import kvferry
+import numpy as np
 
 # The reference planner lives with the tests it is an oracle for; the benches borrow it.
 _TESTS = Path(__file__).resolve().parents[2] / "tests"

@@ -31,7 +31,9 @@ def main() -> int:
     parser.add_argument("--rate-mbit", type=float, default=2000.0, help="tc rate of each end of the veth (Mbit/s)")
     parser.add_argument("--out", default="two-hosts", help="directory for the JSON and tables")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--benches", default="copy,agentic", help="which of copy, agentic, vllm to run (default: %(default)s)")
+    parser.add_argument(
+        "--benches", default="copy,agentic", help="which of copy, agentic, vllm to run (default: %(default)s)"
+    )
     parser.add_argument("--vllm-args", default="", help="more arguments for kvferry bench vllm (default: none)")
     args = parser.parse_args()
     chosen = [b.strip() for b in args.benches.split(",") if b.strip()]

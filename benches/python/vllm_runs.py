@@ -26,7 +26,11 @@ def table(runs: list[dict], case: str) -> str:
     for name in names:
         per = [r["configs"][name][case] for r in runs]
         ttft = [f["ttft_ms_p50"] for f in per]
-        ratios = [f["ttft_ms_p50"] / r["configs"]["nixl"][case]["ttft_ms_p50"] for f, r in zip(per, runs) if "nixl" in r["configs"]]
+        ratios = [
+            f["ttft_ms_p50"] / r["configs"]["nixl"][case]["ttft_ms_p50"]
+            for f, r in zip(per, runs)
+            if "nixl" in r["configs"]
+        ]
         held = per[0]["held_blocks_per_turn"]
         out.append(
             f"| {name} | {statistics.median(ttft):.0f} ms | {', '.join(f'{t:.0f}' for t in ttft)} | "
@@ -42,11 +46,16 @@ def main(paths: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     runs = [json.load(open(p)) for p in paths]
-    print(f"{len(runs)} runs: {', '.join(r['date'] for r in runs)}; {runs[0]['machine']}; {runs[0].get('placement', 'one host')}")
+    print(
+        f"{len(runs)} runs: {', '.join(r['date'] for r in runs)}; {runs[0]['machine']}; {runs[0].get('placement', 'one host')}"
+    )
     for case in CASES:
         print()
         print(table(runs, case))
-    left = {p: {n: c["kv_blocks_left"] for n, c in r["configs"].items() if any(c["kv_blocks_left"])} for p, r in zip(paths, runs)}
+    left = {
+        p: {n: c["kv_blocks_left"] for n, c in r["configs"].items() if any(c["kv_blocks_left"])}
+        for p, r in zip(paths, runs)
+    }
     print()
     print(f"KV blocks left allocated: {({p: v for p, v in left.items() if v}) or 'none, in every run'}")
     return 0

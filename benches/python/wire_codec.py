@@ -14,7 +14,6 @@ import statistics
 import timeit
 
 import numpy as np
-
 from kvferry import _core
 from kvferry.notice import Notice
 

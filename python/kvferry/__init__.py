@@ -9,13 +9,6 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
-from kvferry.errors import (
-    DuplicateTransferError,
-    InvalidArgumentError,
-    KvFerryError,
-    MissingDependencyError,
-    UnknownRequestError,
-)
 from kvferry._core import (
     MAX_LEDGER_BLOCKS,
     BlockPairs,
@@ -30,6 +23,13 @@ from kvferry._core import (
     chunk_blocks,
     early_prefix_blocks,
     select_early,
+)
+from kvferry.errors import (
+    DuplicateTransferError,
+    InvalidArgumentError,
+    KvFerryError,
+    MissingDependencyError,
+    UnknownRequestError,
 )
 
 

@@ -20,8 +20,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -119,7 +120,9 @@ def copy_blocks(src: PagedKV, dst: PagedKV, ids: torch.Tensor, config: LaunchCon
     _launch(src, dst, ids.numel() // 2, ids.data_ptr(), lambda: ids, config)
 
 
-def _launch(src: PagedKV, dst: PagedKV, n: int, ids_ptr: int, ids: Callable[[], torch.Tensor], config: LaunchConfig | None) -> None:
+def _launch(
+    src: PagedKV, dst: PagedKV, n: int, ids_ptr: int, ids: Callable[[], torch.Tensor], config: LaunchConfig | None
+) -> None:
     """``ids_ptr``: the address of the ``(2, n)`` ids, readable by the GPU; ``ids()`` gives
     them as a tensor, needed only when Triton compiles (a tensor argument is what tells Triton
     the pointer's type)."""
@@ -132,7 +135,16 @@ def _launch(src: PagedKV, dst: PagedKV, n: int, ids_ptr: int, ids: Callable[[], 
     src_base, src_off = src.pointer_table
     dst_base, dst_off = dst.pointer_table
     grid = (n, src.num_layers, src.segments * chunks_per_seg)
-    rest = (n, src.num_blocks * seg_words, dst.num_blocks * seg_words, seg_words, chunks_per_seg, chunk, block, config.cache_hints)
+    rest = (
+        n,
+        src.num_blocks * seg_words,
+        dst.num_blocks * seg_words,
+        seg_words,
+        chunks_per_seg,
+        chunk,
+        block,
+        config.cache_hints,
+    )
     # Switching devices costs microseconds a launch: only when the pool is not on the current
     # one. CPU tensors reach here only under TRITON_INTERPRET=1 (how CI runs the kernel).
     on_current = src.device.type != "cuda" or src.device.index in (None, torch.cuda.current_device())
@@ -144,9 +156,24 @@ def _launch(src: PagedKV, dst: PagedKV, n: int, ids_ptr: int, ids: Callable[[], 
         compiled = _compiled.get(key)
         if compiled is not None:
             # Plain addresses: the launcher then skips a driver query per tensor argument.
-            compiled[grid](src_base.data_ptr(), dst_base.data_ptr(), src_off.data_ptr(), dst_off.data_ptr(), ids_ptr, *rest)
+            compiled[grid](
+                src_base.data_ptr(), dst_base.data_ptr(), src_off.data_ptr(), dst_off.data_ptr(), ids_ptr, *rest
+            )
             return
-        kernel = _copy_kernel[grid](src_base, dst_base, src_off, dst_off, ids(), *rest[:3], SEG_WORDS=seg_words, CHUNKS_PER_SEG=chunks_per_seg, CHUNK=chunk, BLOCK=block, CACHE_HINTS=config.cache_hints, num_warps=config.num_warps)
+        kernel = _copy_kernel[grid](
+            src_base,
+            dst_base,
+            src_off,
+            dst_off,
+            ids(),
+            *rest[:3],
+            SEG_WORDS=seg_words,
+            CHUNKS_PER_SEG=chunks_per_seg,
+            CHUNK=chunk,
+            BLOCK=block,
+            CACHE_HINTS=config.cache_hints,
+            num_warps=config.num_warps,
+        )
         if _FAST_LAUNCH and isinstance(kernel, CompiledKernel):
             _compiled[key] = kernel
 
@@ -279,7 +306,15 @@ class LaunchGraphs:
         config = pick_config(bucket * src.num_layers * src.block_bytes)
         seg_words = src.segment_bytes // WORD_BYTES
         chunk = min(config.chunk_words, triton.next_power_of_2(seg_words))
-        key = (src.device, seg_words, triton.cdiv(seg_words, chunk), chunk, min(config.block_words, chunk), config, True)
+        key = (
+            src.device,
+            seg_words,
+            triton.cdiv(seg_words, chunk),
+            chunk,
+            min(config.block_words, chunk),
+            config,
+            True,
+        )
         if key not in _compiled:
             return None
         # Nothing may allocate or copy from pageable memory while capturing: build both pools'

@@ -178,14 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the transfer plan of one request")
-    plan.add_argument("--tokens-per-block", type=_positive, required=True, metavar="N", help="tokens per KV block (required)")
+    plan.add_argument(
+        "--tokens-per-block", type=_positive, required=True, metavar="N", help="tokens per KV block (required)"
+    )
     plan.add_argument("--prompt", type=_positive, required=True, metavar="TOKENS", help="prompt length (required)")
     plan.add_argument("--reused", type=_non_negative, default=0, metavar="TOKENS", help="reused prefix length")
     plan.add_argument(
         "--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)"
     )
     plan.add_argument("--no-early", action="store_true", help="send the prefix with the first chunk instead")
-    plan.add_argument("--window", type=_positive, default=None, metavar="TOKENS", help="sliding attention window (default: full attention)")
+    plan.add_argument(
+        "--window",
+        type=_positive,
+        default=None,
+        metavar="TOKENS",
+        help="sliding attention window (default: full attention)",
+    )
     plan.add_argument(
         "--block-bytes",
         type=_positive,
@@ -196,10 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     proxy = sub.add_parser("proxy", help="OpenAI-compatible front for prefill/decode vLLM servers (docs/vllm.md)")
-    proxy.add_argument("--prefill", type=_urls, required=True, metavar="URL[,URL...]", help="prefill servers (required)")
+    proxy.add_argument(
+        "--prefill", type=_urls, required=True, metavar="URL[,URL...]", help="prefill servers (required)"
+    )
     proxy.add_argument("--decode", type=_urls, required=True, metavar="URL[,URL...]", help="decode servers (required)")
-    proxy.add_argument("--connector", choices=("nixl", "kvferry"), default="kvferry",
-                       help="the servers' KV connector: kvferry's KvferryConnector or vLLM's NixlConnector (default %(default)s)")
+    proxy.add_argument(
+        "--connector",
+        choices=("nixl", "kvferry"),
+        default="kvferry",
+        help="the servers' KV connector: kvferry's KvferryConnector or vLLM's NixlConnector (default %(default)s)",
+    )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s, loopback only)")
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
     proxy.set_defaults(func=_cmd_proxy)
@@ -208,128 +222,361 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="what this host can run: versions, transports, UCX, limits, session key (changes nothing)"
     )
     doc.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/operations.md)")
-    doc.add_argument("--authkey-file", default=None, metavar="PATH",
-                     help="the session key file the servers use (default: the per-user default file)")
+    doc.add_argument(
+        "--authkey-file",
+        default=None,
+        metavar="PATH",
+        help="the session key file the servers use (default: the per-user default file)",
+    )
     doc.add_argument("--no-ucx", action="store_true", help="skip UCX's put probes (a child process, a few seconds)")
-    doc.add_argument("--peer", default=None, metavar="URL",
-                     help="also handshake with, and send a small bit-exact transfer to, the probe at URL")
+    doc.add_argument(
+        "--peer",
+        default=None,
+        metavar="URL",
+        help="also handshake with, and send a small bit-exact transfer to, the probe at URL",
+    )
     doc.add_argument("--serve", action="store_true", help="serve probes for --peer (until interrupted); no report")
-    doc.add_argument("--listen", default="tcp://127.0.0.1:0", metavar="URL",
-                     help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH")
-    doc.add_argument("--advertise", default=None, metavar="HOST",
-                     help="--serve: the host a wildcard --listen is reached by (default: none)")
+    doc.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:0",
+        metavar="URL",
+        help="--serve: where the probe listens, tcp://HOST:PORT or unix:///PATH",
+    )
+    doc.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="--serve: the host a wildcard --listen is reached by (default: none)",
+    )
     from kvferry.doctor import PROBE_TRANSPORTS
 
     doc.add_argument("--transport", default="staging", choices=PROBE_TRANSPORTS, help="--serve: how blocks move")
     doc.set_defaults(func=_cmd_doctor)
 
     tr = sub.add_parser("trace", help="merge both servers' trace files into one timeline per transfer (docs/vllm.md)")
-    tr.add_argument("files", nargs="+", metavar="FILE",
-                    help="the servers' trace files (kv_connector_extra_config trace), or logs holding trace lines")
-    tr.add_argument("--transfer", action="append", default=None, metavar="ID",
-                    help="only this transfer (repeatable; default: every transfer)")
-    tr.add_argument("--png", default="kvferry-trace.png", metavar="PATH",
-                    help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
+    tr.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="the servers' trace files (kv_connector_extra_config trace), or logs holding trace lines",
+    )
+    tr.add_argument(
+        "--transfer",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="only this transfer (repeatable; default: every transfer)",
+    )
+    tr.add_argument(
+        "--png",
+        default="kvferry-trace.png",
+        metavar="PATH",
+        help="timeline picture; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)",
+    )
     tr.set_defaults(func=_cmd_trace)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
-    copy.add_argument("--transport", type=_names, default=None, metavar="A,B", help=f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they serve; default: all but nixl on CUDA")
-    copy.add_argument("--blocks", type=_int_list, default=(8, 64, 1024, 4096), metavar="N,N", help="blocks per transfer (a comma-separated list)")
-    copy.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
-    copy.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 64 on cpu, 128 on cuda)")
-    copy.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported")
     copy.add_argument(
-        "--contiguous", action="store_true",
+        "--transport",
+        type=_names,
+        default=None,
+        metavar="A,B",
+        help=f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they serve; default: all but nixl on CUDA",
+    )
+    copy.add_argument(
+        "--blocks",
+        type=_int_list,
+        default=(8, 64, 1024, 4096),
+        metavar="N,N",
+        help="blocks per transfer (a comma-separated list)",
+    )
+    copy.add_argument(
+        "--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)"
+    )
+    copy.add_argument(
+        "--block-kib",
+        type=_positive,
+        default=None,
+        metavar="KIB",
+        help="KiB per block per layer (default: 64 on cpu, 128 on cuda)",
+    )
+    copy.add_argument(
+        "--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported"
+    )
+    copy.add_argument(
+        "--contiguous",
+        action="store_true",
         help="transports: each transfer's blocks consecutive on both sides (default: random blocks)",
     )
     copy.add_argument(
-        "--write-mib", type=_positive, default=None, metavar="MIB",
+        "--write-mib",
+        type=_positive,
+        default=None,
+        metavar="MIB",
         help="staging: the most MiB one write carries (default: 512, at most half the ring)",
     )
     _placement_flags(copy)
-    copy.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)")
+    copy.add_argument(
+        "--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)"
+    )
     copy.set_defaults(func=_cmd_bench_copy)
 
-    agentic = bench.add_parser("agentic", help="early versus baseline transfer on an agentic multi-turn workload (the main job)")
-    agentic.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live")
-    agentic.add_argument("--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (one request each per turn, prefilled as one batch)")
-    agentic.add_argument("--turns", type=_positive, default=4, metavar="N", help="measured turns, after one warm-up turn that fills the prefix cache; the ratio is their median")
-    agentic.add_argument("--cached", type=_positive, default=3072, metavar="TOKENS", help="conversation length before the first measured turn")
+    agentic = bench.add_parser(
+        "agentic", help="early versus baseline transfer on an agentic multi-turn workload (the main job)"
+    )
+    agentic.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live"
+    )
+    agentic.add_argument(
+        "--sessions",
+        type=_positive,
+        default=3,
+        metavar="N",
+        help="concurrent conversations (one request each per turn, prefilled as one batch)",
+    )
+    agentic.add_argument(
+        "--turns",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="measured turns, after one warm-up turn that fills the prefix cache; the ratio is their median",
+    )
+    agentic.add_argument(
+        "--cached",
+        type=_positive,
+        default=3072,
+        metavar="TOKENS",
+        help="conversation length before the first measured turn",
+    )
     agentic.add_argument("--new", type=_positive, default=256, metavar="TOKENS", help="new tokens per turn")
     agentic.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn")
     agentic.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N", help="tokens per KV block")
-    agentic.add_argument("--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)")
-    agentic.add_argument("--transport", choices=registry.names(), default="in-process",
-                         help="how the generation worker is reached; any but in-process runs it in another process")
+    agentic.add_argument(
+        "--chunk", type=_positive, default=None, metavar="TOKENS", help="prefill chunk size (default: unchunked)"
+    )
+    agentic.add_argument(
+        "--transport",
+        choices=registry.names(),
+        default="in-process",
+        help="how the generation worker is reached; any but in-process runs it in another process",
+    )
     _placement_flags(agentic)
-    agentic.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)")
+    agentic.add_argument(
+        "--link-gbps",
+        type=_rate,
+        default=0.5,
+        metavar="GB/S",
+        help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)",
+    )
     _geometry_flags(agentic, AGENTIC_MODEL)
-    agentic.add_argument("--aware", action="store_true", help="also run early transfer with receiver prefix awareness (held blocks never cross)")
+    agentic.add_argument(
+        "--aware",
+        action="store_true",
+        help="also run early transfer with receiver prefix awareness (held blocks never cross)",
+    )
     # A bare --layerwise (const 0) means one group per layer; resolved against --layers below.
-    agentic.add_argument("--layerwise", nargs="?", type=_positive, const=0, default=None, metavar="GROUPS",
-                         help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: not run; a bare --layerwise: one group per layer)")
-    agentic.add_argument("--check-kv", action="store_true", help="hash every transferred block on both workers and report differing blocks (slow)")
-    agentic.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
-    agentic.add_argument("--png", default="agentic-timeline.png", metavar="PATH", help="timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)")
+    agentic.add_argument(
+        "--layerwise",
+        nargs="?",
+        type=_positive,
+        const=0,
+        default=None,
+        metavar="GROUPS",
+        help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: not run; a bare --layerwise: one group per layer)",
+    )
+    agentic.add_argument(
+        "--check-kv",
+        action="store_true",
+        help="hash every transferred block on both workers and report differing blocks (slow)",
+    )
+    agentic.add_argument(
+        "--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)"
+    )
+    agentic.add_argument(
+        "--png",
+        default="agentic-timeline.png",
+        metavar="PATH",
+        help="timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)",
+    )
     agentic.set_defaults(func=_cmd_bench_agentic)
 
-    vllm = bench.add_parser("vllm", help="the agentic workload through real vLLM prefill/decode servers: NixlConnector and KvferryConnector side by side")
-    vllm.add_argument("--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (default: %(default)s)")
-    vllm.add_argument("--turns", type=_positive, default=2, metavar="N", help="measured turns, after one warm-up turn (default: %(default)s)")
-    vllm.add_argument("--cached", type=_positive, default=2048, metavar="TOKENS", help="conversation length before the first measured turn (default: %(default)s)")
-    vllm.add_argument("--new", type=_positive, default=128, metavar="TOKENS", help="new tokens per turn (default: %(default)s)")
-    vllm.add_argument("--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn (default: %(default)s)")
+    vllm = bench.add_parser(
+        "vllm",
+        help="the agentic workload through real vLLM prefill/decode servers: NixlConnector and KvferryConnector side by side",
+    )
+    vllm.add_argument(
+        "--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (default: %(default)s)"
+    )
+    vllm.add_argument(
+        "--turns",
+        type=_positive,
+        default=2,
+        metavar="N",
+        help="measured turns, after one warm-up turn (default: %(default)s)",
+    )
+    vllm.add_argument(
+        "--cached",
+        type=_positive,
+        default=2048,
+        metavar="TOKENS",
+        help="conversation length before the first measured turn (default: %(default)s)",
+    )
+    vllm.add_argument(
+        "--new", type=_positive, default=128, metavar="TOKENS", help="new tokens per turn (default: %(default)s)"
+    )
+    vllm.add_argument(
+        "--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn (default: %(default)s)"
+    )
     # 32 or 64: what vLLM's CPU attention kernel takes.
     _geometry_flags(vllm, VLLM_BENCH_MODEL, head_dims=(32, 64))
-    vllm.add_argument("--layer-groups", type=_positive, default=4, metavar="G", help="layer groups of the kvferry-layers configuration (default: %(default)s)")
-    vllm.add_argument("--chunk", type=_positive, default=512, metavar="TOKENS", help="max_num_batched_tokens: the prefill chunk (default %(default)s)")
-    vllm.add_argument("--configs", type=_vllm_configs, default=None, metavar="A,B", help="configurations to run (default: all)")
-    vllm.add_argument("--workdir", default=None, metavar="DIR", help="model and server logs (default: a fresh temp dir)")
+    vllm.add_argument(
+        "--layer-groups",
+        type=_positive,
+        default=4,
+        metavar="G",
+        help="layer groups of the kvferry-layers configuration (default: %(default)s)",
+    )
+    vllm.add_argument(
+        "--chunk",
+        type=_positive,
+        default=512,
+        metavar="TOKENS",
+        help="max_num_batched_tokens: the prefill chunk (default %(default)s)",
+    )
+    vllm.add_argument(
+        "--configs", type=_vllm_configs, default=None, metavar="A,B", help="configurations to run (default: all)"
+    )
+    vllm.add_argument(
+        "--workdir", default=None, metavar="DIR", help="model and server logs (default: a fresh temp dir)"
+    )
     vllm.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
-    vllm.add_argument("--png", default="vllm-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)")
-    vllm.add_argument("--decode-netns", default=None, metavar="NAME", help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)")
-    vllm.add_argument("--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)")
-    vllm.add_argument("--prefill-host", default="127.0.0.1", metavar="IP", help="the prefill server's address, in this process's namespace (default: %(default)s)")
-    vllm.add_argument("--scrape", default=None, metavar="PATH",
-                      help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
-                           "python -m kvferry.bench.dashboard (default: not sampled)")
-    vllm.add_argument("--stress", action="store_true", help="instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client hang-ups; docs/benchmarks.md)")
-    vllm.add_argument("--stress-sessions", type=_positive, default=48, metavar="N", help="--stress: concurrent multi-turn sessions (default: %(default)s)")
+    vllm.add_argument(
+        "--png", default="vllm-timeline.png", metavar="PATH", help="timeline picture (default %(default)s)"
+    )
+    vllm.add_argument(
+        "--decode-netns",
+        default=None,
+        metavar="NAME",
+        help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)",
+    )
+    vllm.add_argument(
+        "--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)"
+    )
+    vllm.add_argument(
+        "--prefill-host",
+        default="127.0.0.1",
+        metavar="IP",
+        help="the prefill server's address, in this process's namespace (default: %(default)s)",
+    )
+    vllm.add_argument(
+        "--scrape",
+        default=None,
+        metavar="PATH",
+        help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
+        "python -m kvferry.bench.dashboard (default: not sampled)",
+    )
+    vllm.add_argument(
+        "--stress",
+        action="store_true",
+        help="instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client hang-ups; docs/benchmarks.md)",
+    )
+    vllm.add_argument(
+        "--stress-sessions",
+        type=_positive,
+        default=48,
+        metavar="N",
+        help="--stress: concurrent multi-turn sessions (default: %(default)s)",
+    )
     vllm.set_defaults(func=_cmd_bench_vllm)
 
-    fanout = bench.add_parser("fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup")
-    fanout.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live")
+    fanout = bench.add_parser(
+        "fanout", help="in-flight dedup: concurrent requests sharing one prefix, with and without dedup"
+    )
+    fanout.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the KV pools live"
+    )
     fanout.add_argument("--requests", type=_positive, default=8, metavar="N", help="concurrent requests")
     fanout.add_argument("--prefix", type=_positive, default=8192, metavar="TOKENS", help="shared prefix")
     fanout.add_argument("--suffix", type=_positive, default=32, metavar="TOKENS", help="each request's own tokens")
     fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS", help="output tokens per request")
     fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N", help="tokens per KV block")
     fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size")
-    fanout.add_argument("--transport", choices=registry.names(), default="in-process",
-                        help="how the generation worker is reached; any but in-process runs it in another process")
-    fanout.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
-    fanout.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
+    fanout.add_argument(
+        "--transport",
+        choices=registry.names(),
+        default="in-process",
+        help="how the generation worker is reached; any but in-process runs it in another process",
+    )
+    fanout.add_argument(
+        "--link-gbps",
+        type=_rate,
+        default=0.5,
+        metavar="GB/S",
+        help="CPU, in-process and shm: emulated link rate (0: raw copies)",
+    )
+    fanout.add_argument(
+        "--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)"
+    )
     fanout.set_defaults(func=_cmd_bench_fanout)
 
-    tiers = bench.add_parser("tiers", help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send")
-    tiers.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the device tier and the receiver's pool live")
-    tiers.add_argument("--transport", choices=registry.names(), default=None,
-                       help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process")
+    tiers = bench.add_parser(
+        "tiers",
+        help="early send of a reused prefix split across device and host tiers: direct versus onboard-then-send",
+    )
+    tiers.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the device tier and the receiver's pool live"
+    )
+    tiers.add_argument(
+        "--transport",
+        choices=registry.names(),
+        default=None,
+        help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process",
+    )
     tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix")
-    tiers.add_argument("--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier")
-    tiers.add_argument("--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)")
-    tiers.add_argument("--block-kib", type=_positive, default=None, metavar="KIB", help="KiB per block per layer (default: 32 on cpu, 128 on cuda)")
-    tiers.add_argument("--link-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU, in-process and shm: emulated link rate (0: raw copies)")
-    tiers.add_argument("--host-gbps", type=_rate, default=0.5, metavar="GB/S", help="CPU: emulated host-to-device rate of the onboarding (0: raw copies)")
-    tiers.add_argument("--reps", type=_positive, default=5, metavar="N", help="timed repetitions of each mode, after one warm-up; the median is reported")
+    tiers.add_argument(
+        "--host-fraction", type=_fraction, default=0.5, metavar="F", help="share of them in the host tier"
+    )
+    tiers.add_argument(
+        "--layers", type=_positive, default=None, metavar="N", help="layers (default: 8 on cpu, 32 on cuda)"
+    )
+    tiers.add_argument(
+        "--block-kib",
+        type=_positive,
+        default=None,
+        metavar="KIB",
+        help="KiB per block per layer (default: 32 on cpu, 128 on cuda)",
+    )
+    tiers.add_argument(
+        "--link-gbps",
+        type=_rate,
+        default=0.5,
+        metavar="GB/S",
+        help="CPU, in-process and shm: emulated link rate (0: raw copies)",
+    )
+    tiers.add_argument(
+        "--host-gbps",
+        type=_rate,
+        default=0.5,
+        metavar="GB/S",
+        help="CPU: emulated host-to-device rate of the onboarding (0: raw copies)",
+    )
+    tiers.add_argument(
+        "--reps",
+        type=_positive,
+        default=5,
+        metavar="N",
+        help="timed repetitions of each mode, after one warm-up; the median is reported",
+    )
     tiers.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON (default: not written)")
     tiers.set_defaults(func=_cmd_bench_tiers)
     return parser
 
 
-def _geometry_flags(parser: argparse.ArgumentParser, default: Geometry, head_dims: Optional[tuple[int, ...]] = None) -> None:
+def _geometry_flags(
+    parser: argparse.ArgumentParser, default: Geometry, head_dims: Optional[tuple[int, ...]] = None
+) -> None:
     """The model's geometry as flags, one per `Geometry` field (``--kv-heads`` for ``kv_heads``),
     defaulting to the bench's own geometry; `_geometry` reads them back."""
     for f in fields(Geometry):
@@ -337,7 +584,9 @@ def _geometry_flags(parser: argparse.ArgumentParser, default: Geometry, head_dim
         kind: dict[str, Any] = {"type": _non_negative if f.name == "seed" else _positive, "metavar": "N"}
         if f.name == "head_dim" and head_dims is not None:
             kind = {"type": int, "choices": head_dims}
-        parser.add_argument(flag, default=getattr(default, f.name), help=f"{GEOMETRY_HELP[f.name]} (default: %(default)s)", **kind)
+        parser.add_argument(
+            flag, default=getattr(default, f.name), help=f"{GEOMETRY_HELP[f.name]} (default: %(default)s)", **kind
+        )
 
 
 def _geometry(args: argparse.Namespace) -> Geometry | str:
@@ -351,8 +600,18 @@ def _geometry(args: argparse.Namespace) -> Geometry | str:
 
 def _placement_flags(parser: argparse.ArgumentParser) -> None:
     """Where a receiver in another process runs: a second host on one machine."""
-    parser.add_argument("--listen", default="unix://", metavar="URL", help="where the receiver's endpoint listens: unix:// (default) or tcp://HOST:PORT (port 0: any)")
-    parser.add_argument("--receiver-netns", default=None, metavar="NAME", help="run the receiver process in this network namespace (ip netns), standing for a second host (default: none, the sender's own)")
+    parser.add_argument(
+        "--listen",
+        default="unix://",
+        metavar="URL",
+        help="where the receiver's endpoint listens: unix:// (default) or tcp://HOST:PORT (port 0: any)",
+    )
+    parser.add_argument(
+        "--receiver-netns",
+        default=None,
+        metavar="NAME",
+        help="run the receiver process in this network namespace (ip netns), standing for a second host (default: none, the sender's own)",
+    )
 
 
 def _across_hosts(args: argparse.Namespace) -> bool:
@@ -362,7 +621,9 @@ def _across_hosts(args: argparse.Namespace) -> bool:
 
     where = parse_address(args.listen, "--listen")
     if args.receiver_netns is not None and where.scheme != "tcp":
-        raise ValueError(f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://")
+        raise ValueError(
+            f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://"
+        )
     return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in LOOPBACK)
 
 
@@ -427,7 +688,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"kvferry proxy: error: {err} (the proxy runs in vLLM's venv: make setup-vllm)", file=sys.stderr)
         return 2
-    print(f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}", file=sys.stderr)
+    print(
+        f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}",
+        file=sys.stderr,
+    )
     serve(args.prefill, args.decode, host=args.host, port=args.port, connector=args.connector)
     return 0
 
@@ -446,17 +710,33 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError as err:
-        return _refuse(f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli")
-    from kvferry.bench.vllm import CONFIGS, VllmBenchConfig, draw_timeline, format_vllm_bench, progress_to_stderr, run_vllm_bench, write_json
+        return _refuse(
+            f"bench vllm needs vLLM ({err}): make setup-vllm, then run it with .venv-vllm/bin/python -m kvferry.cli"
+        )
+    from kvferry.bench.vllm import (
+        CONFIGS,
+        VllmBenchConfig,
+        draw_timeline,
+        format_vllm_bench,
+        progress_to_stderr,
+        run_vllm_bench,
+        write_json,
+    )
 
     if args.stress:
         from kvferry.bench.stress import StressConfig, format_stress, run_stress
 
-        stressed = run_stress(StressConfig(sessions=args.stress_sessions, workdir=args.workdir), progress=progress_to_stderr)
+        stressed = run_stress(
+            StressConfig(sessions=args.stress_sessions, workdir=args.workdir), progress=progress_to_stderr
+        )
         print(format_stress(stressed))
         if args.json:
             write_json(stressed, args.json)
-        return 0 if stressed["mismatches"] == 0 and not any(stressed["leaked_blocks"].values()) and stressed["serves_after"] else 1
+        return (
+            0
+            if stressed["mismatches"] == 0 and not any(stressed["leaked_blocks"].values()) and stressed["serves_after"]
+            else 1
+        )
     model = _geometry(args)
     if isinstance(model, str):
         return _refuse(model)
@@ -465,9 +745,13 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
     if args.decode_netns is not None and (args.decode_host in LOOPBACK or args.prefill_host in LOOPBACK):
-        return _refuse(f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})")
+        return _refuse(
+            f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})"
+        )
     if args.decode_netns is None and args.decode_host not in LOOPBACK:
-        return _refuse(f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this host's loopback")
+        return _refuse(
+            f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this host's loopback"
+        )
     cfg = VllmBenchConfig(
         sessions=args.sessions,
         turns=args.turns,
@@ -523,9 +807,16 @@ def _cmd_bench_tiers(args: argparse.Namespace) -> int:
     # The sender's device pool (prefix, last block, onboarding room), its host tier and the
     # receiver's pool.
     pool = cfg.block_kib * 1024 * cfg.layers
-    if _too_big(args.device, (2 * cfg.blocks + 2 + cfg.host_blocks) * pool, "the device pool and the receiver's pool need at least", "--blocks/--layers/--block-kib"):
+    if _too_big(
+        args.device,
+        (2 * cfg.blocks + 2 + cfg.host_blocks) * pool,
+        "the device pool and the receiver's pool need at least",
+        "--blocks/--layers/--block-kib",
+    ):
         return 2
-    if _too_big("cpu", cfg.host_blocks * pool, "the host tier needs at least", "--blocks/--host-fraction/--layers/--block-kib"):
+    if _too_big(
+        "cpu", cfg.host_blocks * pool, "the host tier needs at least", "--blocks/--host-fraction/--layers/--block-kib"
+    ):
         return 2
     result = run_tiers(cfg, progress=progress_to_stderr)
     print(format_tiers(result))
@@ -578,16 +869,22 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         return refused
     if _across_hosts(args):
         if not registry.spec(args.transport).has_endpoint:
-            return _refuse(f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint")
+            return _refuse(
+                f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint"
+            )
         _check_reach([args.transport])
     model = _geometry(args)
     if isinstance(model, str):
         return _refuse(model)
     if args.new > args.cached:
-        return _refuse(f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)")
+        return _refuse(
+            f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)"
+        )
     layer_groups = args.layers if args.layerwise == 0 else args.layerwise
     if layer_groups is not None and layer_groups > args.layers:
-        return _refuse(f"--layerwise {layer_groups} must be <= --layers {args.layers} (a layer group holds at least one layer)")
+        return _refuse(
+            f"--layerwise {layer_groups} must be <= --layers {args.layers} (a layer group holds at least one layer)"
+        )
     cfg = AgenticConfig(
         device=args.device,
         sessions=args.sessions,
@@ -606,7 +903,12 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         listen=args.listen,
         receiver_netns=args.receiver_netns,
     )
-    if _too_big(args.device, _agentic_bytes(cfg), "the model and its KV pools need at least", "--layers/--hidden/--ffn/--vocab/--sessions/--cached"):
+    if _too_big(
+        args.device,
+        _agentic_bytes(cfg),
+        "the model and its KV pools need at least",
+        "--layers/--hidden/--ffn/--vocab/--sessions/--cached",
+    ):
         return 2
     if args.png:  # checked before the run, not after it
         require("matplotlib", "the timeline PNG (--png; --png '' skips it)")
@@ -694,7 +996,13 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     transports = args.transport or default_transports(args.device)
     if _across_hosts(args):
         if args.transport is None:  # the defaults that reach another host
-            transports = tuple(n for n in transports if n not in registry.names() or not registry.spec(n).has_endpoint or registry.spec(n).reach >= registry.Reach.NETWORK)
+            transports = tuple(
+                n
+                for n in transports
+                if n not in registry.names()
+                or not registry.spec(n).has_endpoint
+                or registry.spec(n).reach >= registry.Reach.NETWORK
+            )
         _check_reach(transports)
     cfg = CopyBenchConfig(
         listen=args.listen,
@@ -712,7 +1020,9 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     # buffers of the ceiling copy), each sized to the largest batch plus 64 blocks as in
     # run_copy_bench.
     pool = (max(cfg.blocks) + 64) * cfg.block_kib * 1024 * cfg.layers
-    if _too_big(args.device, 2 * pool, "a source and a destination pool need at least", "--blocks/--layers/--block-kib"):
+    if _too_big(
+        args.device, 2 * pool, "a source and a destination pool need at least", "--blocks/--layers/--block-kib"
+    ):
         return 2
     result = run_copy_bench(cfg, progress=progress_to_stderr)
     print(format_table(result))

@@ -7,8 +7,9 @@ one scatter per layer (index_copy_ on uint8 is about 5x slower than on int64).
 
 from __future__ import annotations
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 import torch
 
 from kvferry._core import pack_pairs
@@ -72,7 +73,9 @@ def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> Non
         dv.index_copy_(1, d_dev, gathered)
 
 
-def _copy_cpu_chunked(src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s: torch.Tensor, d: torch.Tensor) -> None:
+def _copy_cpu_chunked(
+    src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s: torch.Tensor, d: torch.Tensor
+) -> None:
     segments, _, words = src_views[0].shape
     per_block = segments * words * src_views[0].element_size()
     step = max(1, min(s.numel(), GATHER_BYTES // per_block))

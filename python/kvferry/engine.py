@@ -22,8 +22,9 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 import torch
 
 from kvferry.copy import checked_pairs, copy_blocks
@@ -66,7 +67,9 @@ class Pending(ABC):
 
 
 class CopyEngine(ABC):
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()) -> Pending:
+    def submit(
+        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+    ) -> Pending:
         """Queues ``copy_blocks(src, dst, src_ids, dst_ids)`` after the caller's pending work
         and after every signal in ``after``."""
         nbytes = len(src_ids) * src.block_bytes * src.num_layers
@@ -129,11 +132,15 @@ class ThreadCopyEngine(CopyEngine):
             raise ValueError(f"invalid link_gbps={link_gbps}: must be > 0")
         self.link_gbps = link_gbps
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kvferry-copy", initializer=_lowest_priority if link_gbps is not None else None
+            max_workers=1,
+            thread_name_prefix="kvferry-copy",
+            initializer=_lowest_priority if link_gbps is not None else None,
         )
         self._closing = threading.Event()
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()) -> Pending:
+    def submit(
+        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+    ) -> Pending:
         if self.link_gbps is None or src.device.type != "cpu" or dst.device.type != "cpu":
             return super().submit(src, dst, src_ids, dst_ids, after=after)
         return self._run(lambda: _paced_copy(src, dst, src_ids, dst_ids, self.link_gbps or 0.0), 0, tuple(after))
@@ -224,7 +231,12 @@ class _FailedPending(Pending):
 
 
 class _EventPending(Pending):
-    def __init__(self, event: torch.cuda.Event, started: Optional[torch.cuda.Event] = None, clock: Optional[tuple[torch.cuda.Event, float]] = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event,
+        started: Optional[torch.cuda.Event] = None,
+        clock: Optional[tuple[torch.cuda.Event, float]] = None,
+    ) -> None:
         self._event = event
         self._started = started
         self._clock = clock
@@ -293,7 +305,9 @@ class CudaCopyEngine(CopyEngine):
             job = _Deferred(work, waits, pending_host)
             self._deferred.append(job)
             if self._launcher is None:
-                self._launcher = threading.Thread(target=self._launch_deferred, name="kvferry-copy-launcher", daemon=True)
+                self._launcher = threading.Thread(
+                    target=self._launch_deferred, name="kvferry-copy-launcher", daemon=True
+                )
                 self._launcher.start()
             self._waiting.notify()
             return job.pending

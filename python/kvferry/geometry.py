@@ -55,7 +55,9 @@ class Geometry:
         if self.heads % self.kv_heads:
             raise InvalidArgumentError(f"invalid heads={self.heads}: must be a multiple of kv_heads={self.kv_heads}")
         if self.head_dim % 2:
-            raise InvalidArgumentError(f"invalid head_dim={self.head_dim}: must be even (rotary embeddings rotate pairs)")
+            raise InvalidArgumentError(
+                f"invalid head_dim={self.head_dim}: must be even (rotary embeddings rotate pairs)"
+            )
 
     def replace(self, **changes: Any) -> Geometry:
         """A copy with ``changes`` applied (and checked)."""

@@ -85,7 +85,9 @@ class TransferHook:
         rows = (_block_ids("src_blocks", src_blocks, blocks), _block_ids("dst_blocks", dst_blocks, blocks))
         if isinstance(self.sender, KVSender):
             if peer is not None:
-                raise InvalidArgumentError(f"invalid peer={peer!r}: this hook's KVSender has one receiver; a MultiPeerSender routes by peer")
+                raise InvalidArgumentError(
+                    f"invalid peer={peer!r}: this hook's KVSender has one receiver; a MultiPeerSender routes by peer"
+                )
             self.sender.add(request_id, spec)
         else:
             self.sender.add(request_id, spec, peer=peer)
@@ -118,7 +120,9 @@ class TransferHook:
         return ids
 
     def _raise_unknown(self, request_id: int) -> None:
-        raise UnknownRequestError(f"unknown request_id={request_id}: never added to the hook, or already finished or cancelled")
+        raise UnknownRequestError(
+            f"unknown request_id={request_id}: never added to the hook, or already finished or cancelled"
+        )
 
     def __len__(self) -> int:
         """Requests added and not yet finished or cancelled."""
@@ -140,7 +144,9 @@ class TransferHook:
         early slices as `before_forward`; it never waits on batch n's transfers."""
         return self.before_forward(request_ids)
 
-    def after_forward(self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int]) -> list[Notice]:
+    def after_forward(
+        self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int]
+    ) -> list[Notice]:
         """After the batch's context forward: each request finished ``[start, end)``."""
         ids = self._known(request_ids)
         src, dst = self._tables(ids)
@@ -148,7 +154,9 @@ class TransferHook:
         # where np.asarray here would truncate or raise numpy's own error.
         return self.sender.send_chunks(np.asarray(ids, dtype=np.int64), chunk_starts, chunk_ends, src, dst)
 
-    def after_layer(self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int], layer: int) -> list[Notice]:
+    def after_layer(
+        self, request_ids: Sequence[int], chunk_starts: Sequence[int], chunk_ends: Sequence[int], layer: int
+    ) -> list[Notice]:
         """During the batch's context forward, right after layer ``layer`` wrote the chunk's
         K and V (on CUDA: once that write is queued on the current stream; the copy is
         ordered after it). When ``layer`` is the last of its layer group, sends that group's
@@ -159,7 +167,9 @@ class TransferHook:
         starts, ends = list(chunk_starts), list(chunk_ends)
         for name, values in (("chunk_starts", starts), ("chunk_ends", ends)):
             if len(values) != len(ids):
-                raise InvalidArgumentError(f"invalid {name}=<{len(values)} values>: must hold one per request ({len(ids)})")
+                raise InvalidArgumentError(
+                    f"invalid {name}=<{len(values)} values>: must hold one per request ({len(ids)})"
+                )
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         num_layers = self.sender.pool.num_layers

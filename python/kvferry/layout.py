@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 import torch
 
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -170,7 +171,9 @@ class PagedKV:
         theirs = other._geometry if isinstance(other, PagedKV) else other
         for key, value in self._geometry.items():
             if theirs.get(key) != value:
-                raise LayoutMismatchError(f"layout mismatch: {key} is {value} on the source and {theirs.get(key)} on the destination")
+                raise LayoutMismatchError(
+                    f"layout mismatch: {key} is {value} on the source and {theirs.get(key)} on the destination"
+                )
 
     def group_layers(self, group: int, groups: int) -> tuple[int, int]:
         """The layers ``[lo, hi)`` of layer group ``group`` of ``groups``: consecutive
@@ -180,7 +183,9 @@ class PagedKV:
         _check_int("groups", groups)
         _check_int("group", group)
         if not 1 <= groups <= self.num_layers:
-            raise InvalidArgumentError(f"invalid groups={groups}: must be in [1, {self.num_layers}] (the pool's layers)")
+            raise InvalidArgumentError(
+                f"invalid groups={groups}: must be in [1, {self.num_layers}] (the pool's layers)"
+            )
         if not 0 <= group < groups:
             raise InvalidArgumentError(f"invalid group={group}: must be in [0, {groups})")
         return group * self.num_layers // groups, (group + 1) * self.num_layers // groups
@@ -192,7 +197,9 @@ class PagedKV:
         if (lo, hi) == (0, self.num_layers):
             return self
         if not 0 <= lo < hi <= self.num_layers:
-            raise InvalidArgumentError(f"invalid layers=[{lo}, {hi}): must be a non-empty range within [0, {self.num_layers})")
+            raise InvalidArgumentError(
+                f"invalid layers=[{lo}, {hi}): must be a non-empty range within [0, {self.num_layers})"
+            )
         slices = self._slices
         view = slices.get((lo, hi))
         if view is None:

@@ -44,4 +44,6 @@ class Notice:
     def from_tuple(cls, values: NoticeTuple) -> Notice:
         """Refuses (``ValueError``, ``TypeError``) anything but eight integer-like values."""
         request_id, slice_id, start, end, last, epoch, group, groups = values
-        return cls(int(request_id), int(slice_id), int(start), int(end), bool(last), int(epoch), int(group), int(groups))
+        return cls(
+            int(request_id), int(slice_id), int(start), int(end), bool(last), int(epoch), int(group), int(groups)
+        )

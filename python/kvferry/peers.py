@@ -59,7 +59,9 @@ class _LentEngine(CopyEngine):
             self._pending.append(pending)
         return pending
 
-    def submit(self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()) -> Pending:
+    def submit(
+        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+    ) -> Pending:
         return self._keep(self._engine.submit(src, dst, src_ids, dst_ids, after=after))
 
     def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
@@ -78,7 +80,14 @@ class MultiPeerSender:
     .connect`); the other keyword arguments are `KVSender`'s, applied to every peer. The
     copy engine (``engine``, default the pool's) is shared and closed by `close`."""
 
-    def __init__(self, pool: PagedKV, transports: Mapping[Hashable, Transport], *, engine: Optional[CopyEngine] = None, **options: object) -> None:
+    def __init__(
+        self,
+        pool: PagedKV,
+        transports: Mapping[Hashable, Transport],
+        *,
+        engine: Optional[CopyEngine] = None,
+        **options: object,
+    ) -> None:
         if not transports:
             raise InvalidArgumentError("invalid transports={}: name at least one peer")
         self.pool = pool
@@ -119,13 +128,19 @@ class MultiPeerSender:
         `KVSender.add`): request ids are unique across peers."""
         spec = request_spec(spec, fields)
         if peer not in self.peers:
-            raise InvalidArgumentError(f"invalid peer={peer!r}: not one of this sender's peers ({', '.join(map(repr, self.peers))})")
+            raise InvalidArgumentError(
+                f"invalid peer={peer!r}: not one of this sender's peers ({', '.join(map(repr, self.peers))})"
+            )
         if request_id in self._peer_of:
-            raise InvalidArgumentError(f"invalid request_id={request_id}: already registered for peer {self._peer_of[request_id]!r}")
+            raise InvalidArgumentError(
+                f"invalid request_id={request_id}: already registered for peer {self._peer_of[request_id]!r}"
+            )
         self.peers[peer].add(request_id, spec)
         self._peer_of[int(request_id)] = peer
 
-    def _split(self, request_ids: IntArray, columns: Sequence[tuple[str, IntArray]]) -> list[tuple[Hashable, np.ndarray]]:
+    def _split(
+        self, request_ids: IntArray, columns: Sequence[tuple[str, IntArray]]
+    ) -> list[tuple[Hashable, np.ndarray]]:
         """The batch's rows, grouped by peer (in the peers' order), after checking that every
         id is registered and every per-request argument holds one entry per request."""
         ids = np.asarray(request_ids)
@@ -140,7 +155,9 @@ class MultiPeerSender:
             peer_rows.setdefault(self.peer_of(rid), []).append(row)
         return [(p, np.asarray(peer_rows[p], dtype=np.int64)) for p in self.peers if p in peer_rows]
 
-    def _each(self, parts: list[tuple[Hashable, np.ndarray]], call: Callable[[KVSender, np.ndarray], list[Notice]]) -> list[Notice]:
+    def _each(
+        self, parts: list[tuple[Hashable, np.ndarray]], call: Callable[[KVSender, np.ndarray], list[Notice]]
+    ) -> list[Notice]:
         """Runs ``call`` for every peer's rows. A peer that is lost (or whose write failed)
         does not stop the others: their parts go out, then its error is raised. A refused
         argument is raised at once (the peers before it were dispatched)."""
@@ -162,21 +179,42 @@ class MultiPeerSender:
         parts = self._split(ids, (("src_block_table", src), ("dst_block_table", dst)))
         return self._each(parts, lambda s, rows: s.send_early(ids[rows], src[rows], dst[rows]))
 
-    def send_chunks(self, request_ids: IntArray, chunk_starts: IntArray, chunk_ends: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
+    def send_chunks(
+        self,
+        request_ids: IntArray,
+        chunk_starts: IntArray,
+        chunk_ends: IntArray,
+        src_block_table: IntArray,
+        dst_block_table: IntArray,
+    ) -> list[Notice]:
         """After a context forward: the blocks each finished chunk completed (`KVSender.send_chunks`)."""
         ids, src, dst = np.asarray(request_ids), np.asarray(src_block_table), np.asarray(dst_block_table)
         starts, ends = np.asarray(chunk_starts), np.asarray(chunk_ends)
-        parts = self._split(ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst)))
-        return self._each(parts, lambda s, rows: s.send_chunks(ids[rows], starts[rows], ends[rows], src[rows], dst[rows]))
+        parts = self._split(
+            ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst))
+        )
+        return self._each(
+            parts, lambda s, rows: s.send_chunks(ids[rows], starts[rows], ends[rows], src[rows], dst[rows])
+        )
 
     def send_layers(
-        self, request_ids: IntArray, chunk_starts: IntArray, chunk_ends: IntArray, group: int, src_block_table: IntArray, dst_block_table: IntArray
+        self,
+        request_ids: IntArray,
+        chunk_starts: IntArray,
+        chunk_ends: IntArray,
+        group: int,
+        src_block_table: IntArray,
+        dst_block_table: IntArray,
     ) -> list[Notice]:
         """During a context forward: layer group ``group`` of the blocks each chunk completes (`KVSender.send_layers`)."""
         ids, src, dst = np.asarray(request_ids), np.asarray(src_block_table), np.asarray(dst_block_table)
         starts, ends = np.asarray(chunk_starts), np.asarray(chunk_ends)
-        parts = self._split(ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst)))
-        return self._each(parts, lambda s, rows: s.send_layers(ids[rows], starts[rows], ends[rows], group, src[rows], dst[rows]))
+        parts = self._split(
+            ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst))
+        )
+        return self._each(
+            parts, lambda s, rows: s.send_layers(ids[rows], starts[rows], ends[rows], group, src[rows], dst[rows])
+        )
 
     def order_after(self, src_ids: IntArray, signal: Signal) -> None:
         """The tier is writing source blocks ``src_ids`` until ``signal``: every peer's later
@@ -240,4 +278,6 @@ def _combined(errors: list[TransferError]) -> TransferError:
         return errors[0]
     ids = sorted({r for e in errors for r in e.request_ids})
     peers = "; ".join(str(e.peer) for e in errors)
-    return TransferError(f"{len(errors)} peers failed: " + " | ".join(str(e) for e in errors), request_ids=ids, peer=peers)
+    return TransferError(
+        f"{len(errors)} peers failed: " + " | ".join(str(e) for e in errors), request_ids=ids, peer=peers
+    )

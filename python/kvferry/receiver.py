@@ -195,7 +195,9 @@ class KVReceiver:
                 raise InvalidArgumentError(f"invalid request_id={request_id}: already expected")
             for owner, _ in awaits:
                 if owner not in self._requests or owner == request_id:
-                    raise InvalidArgumentError(f"invalid awaits: owner request_id={owner} is not another expected request")
+                    raise InvalidArgumentError(
+                        f"invalid awaits: owner request_id={owner} is not another expected request"
+                    )
             epoch = self._next_epoch
             self._next_epoch += 1
             expected = _Expected(ledger, epoch, awaits=list(awaits), dst_blocks=lease)
@@ -212,19 +214,25 @@ class KVReceiver:
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"invalid dst_blocks: not an array of block ids ({err})") from None
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise InvalidArgumentError(f"invalid dst_blocks: a 1-d array of integer block ids, got shape {ids.shape} of {ids.dtype}")
+            raise InvalidArgumentError(
+                f"invalid dst_blocks: a 1-d array of integer block ids, got shape {ids.shape} of {ids.dtype}"
+            )
         ids = ids.astype(np.int64)
         if len(ids) != num_blocks:
             raise InvalidArgumentError(f"invalid dst_blocks: {len(ids)} ids, the request has {num_blocks} blocks")
         outside = ids[(ids < 0) | (ids >= self.pool.num_blocks)]
         if outside.size:
-            raise InvalidArgumentError(f"invalid dst_blocks: block {int(outside[0])} is outside the pool's [0, {self.pool.num_blocks})")
+            raise InvalidArgumentError(
+                f"invalid dst_blocks: block {int(outside[0])} is outside the pool's [0, {self.pool.num_blocks})"
+            )
         if len(np.unique(ids)) != len(ids):
             raise InvalidArgumentError("invalid dst_blocks: a destination block appears twice")
         return ids
 
     @staticmethod
-    def _lease_mismatch(expected: _Expected, notice: Notice, dst_ids: Optional[np.ndarray], source: Optional[Hashable]) -> Optional[str]:
+    def _lease_mismatch(
+        expected: _Expected, notice: Notice, dst_ids: Optional[np.ndarray], source: Optional[Hashable]
+    ) -> Optional[str]:
         """Why the blocks a notice's write used are not its lease's, or ``None`` (also when
         the lease records no blocks). A range that runs past the lease is a mismatch: its
         write may have landed in another request's blocks."""
@@ -261,7 +269,9 @@ class KVReceiver:
         if epoch == 0:  # the sender was given no epoch: nothing to compare
             return None
         if not 0 < epoch < self._next_epoch:
-            raise InvalidArgumentError(f"invalid epoch={epoch} for request {request_id}: never issued by this receiver (last issued: {self._next_epoch - 1})")
+            raise InvalidArgumentError(
+                f"invalid epoch={epoch} for request {request_id}: never issued by this receiver (last issued: {self._next_epoch - 1})"
+            )
         if expected is None:
             return f"epoch {epoch} of request {request_id}, which was released"
         if expected.epoch != epoch:
@@ -319,7 +329,9 @@ class KVReceiver:
             )
         return None
 
-    def deliver(self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None) -> bool:
+    def deliver(
+        self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None
+    ) -> bool:
         """Records a notice; returns whether the request is now complete. A stale notice (an
         old epoch, a request cancelled here or revoked by its sender) is discarded: kept in
         `discarded`, nothing else changes. A notice for an unknown request, for no blocks or
@@ -347,7 +359,9 @@ class KVReceiver:
             self._ask_cancel(notice.request_id, expected)
         return False
 
-    def _claim(self, expected: _Expected, notice: Notice, source: Optional[Hashable], dst_ids: Optional[np.ndarray] = None) -> bool:
+    def _claim(
+        self, expected: _Expected, notice: Notice, source: Optional[Hashable], dst_ids: Optional[np.ndarray] = None
+    ) -> bool:
         if source is not None and expected.source is None:
             expected.source = source  # bound even if refused below: it may have written
         mismatch = self._lease_mismatch(expected, notice, dst_ids, source)
@@ -394,7 +408,9 @@ class KVReceiver:
                 return False
             return dst_ids is None or self._lease_mismatch(expected, notice, dst_ids, source) is None
 
-    def _refuse(self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected], error: KvFerryError) -> KvFerryError:
+    def _refuse(
+        self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected], error: KvFerryError
+    ) -> KvFerryError:
         """Records a refused notice and fails its request, unless the notice came from a
         sender the request does not belong to; returns the error to raise."""
         self._refused.append(Refusal(notice, error, _name(source)))
@@ -618,7 +634,9 @@ class KVReceiver:
                 expected = self._get(request_id)
                 if expected.error is not None:
                     peer = getattr(expected.error, "peer", None)
-                    raise TransferError(f"request {request_id} failed: {expected.error}", request_ids=(request_id,), peer=peer) from expected.error
+                    raise TransferError(
+                        f"request {request_id} failed: {expected.error}", request_ids=(request_id,), peer=peer
+                    ) from expected.error
                 if expected.ledger.is_complete and self._settle_awaits(request_id, expected):
                     assert expected.arrived_at is not None
                     return max(expected.arrived_at, expected.awaited_at)
@@ -627,7 +645,11 @@ class KVReceiver:
                 # notification of a write that finished may arrive after the socket's EOF.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    missing = expected.ledger.missing() if not expected.ledger.is_complete else [blocks for _, blocks in expected.awaits]
+                    missing = (
+                        expected.ledger.missing()
+                        if not expected.ledger.is_complete
+                        else [blocks for _, blocks in expected.awaits]
+                    )
                     raise TransferTimeoutError(
                         f"request {request_id}: blocks {missing} did not arrive within {timeout} s; {self._known(expected)} (epoch {expected.epoch})",
                         request_ids=(request_id,),
@@ -662,16 +684,23 @@ class KVReceiver:
         none is left. An owner that failed or was forgotten first fails this request."""
         for owner, blocks in list(expected.awaits):
             theirs = self._requests.get(owner)
-            missing = theirs is not None and any(m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing())
+            missing = theirs is not None and any(
+                m.start < blocks.end and blocks.start < m.end for m in theirs.ledger.missing()
+            )
             if theirs is None or theirs.error is not None:
                 why = "was released" if theirs is None else f"failed ({theirs.error})"
                 expected.error = TransferError(
-                    f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did", request_ids=(request_id,)
+                    f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did",
+                    request_ids=(request_id,),
                 )
-                raise TransferError(f"request {request_id} failed: {expected.error}", request_ids=(request_id,)) from expected.error
+                raise TransferError(
+                    f"request {request_id} failed: {expected.error}", request_ids=(request_id,)
+                ) from expected.error
             if not missing:
                 expected.awaits.remove((owner, blocks))
-                expected.awaited_at = max(expected.awaited_at, time.monotonic() if theirs.arrived_at is None else theirs.arrived_at)
+                expected.awaited_at = max(
+                    expected.awaited_at, time.monotonic() if theirs.arrived_at is None else theirs.arrived_at
+                )
         return not expected.awaits
 
     def release(self, request_id: int, timeout: Optional[float] = RELEASE_SECONDS) -> TransferLedger:
@@ -691,7 +720,9 @@ class KVReceiver:
                     return expected.ledger
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    who = "no sender has announced it" if expected.source is None else f"its sender is {expected.source}"
+                    who = (
+                        "no sender has announced it" if expected.source is None else f"its sender is {expected.source}"
+                    )
                     raise TransferTimeoutError(
                         f"request {request_id} (epoch {expected.epoch}): no fence within {timeout} s ({who}), so a write may still land in its "
                         f"destination blocks; they are not released: call release again, or release_unfenced once no sender can write them",

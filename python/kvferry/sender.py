@@ -169,7 +169,9 @@ class KVSender:
         if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
             raise TypeError(f"layer_groups must be an int, got {type(layer_groups).__name__} {layer_groups!r}")
         if not 1 <= layer_groups <= pool.num_layers:
-            raise InvalidArgumentError(f"invalid layer_groups={layer_groups}: must be in [1, {pool.num_layers}] (the pool's layers)")
+            raise InvalidArgumentError(
+                f"invalid layer_groups={layer_groups}: must be in [1, {pool.num_layers}] (the pool's layers)"
+            )
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"invalid timeout={timeout}: must be > 0 or None")
         self.host_pool = host_pool
@@ -204,7 +206,12 @@ class KVSender:
         if progress:
             # The thread holds the sender only weakly: a sender dropped without `close` is
             # collected, and its thread ends (the finalizer wakes it).
-            self._progress = threading.Thread(target=_announcer, args=(weakref.ref(self), self._wake, self._closing), name="kvferry-sender-progress", daemon=True)
+            self._progress = threading.Thread(
+                target=_announcer,
+                args=(weakref.ref(self), self._wake, self._closing),
+                name="kvferry-sender-progress",
+                daemon=True,
+            )
             weakref.finalize(self, self._wake.set)
             self._progress.start()
 
@@ -289,7 +296,9 @@ class KVSender:
         """Before the context forward: the complete reused blocks of the eligible requests."""
         with self._lock:
             self._refuse_revoked(request_ids)
-            return self._dispatch(self.book.plan_early(request_ids, **self._tables(src_block_table, dst_block_table)), "early")
+            return self._dispatch(
+                self.book.plan_early(request_ids, **self._tables(src_block_table, dst_block_table)), "early"
+            )
 
     def send_chunks(
         self,
@@ -302,7 +311,9 @@ class KVSender:
         """After a context forward: the blocks each finished chunk completed."""
         with self._lock:
             self._refuse_revoked(request_ids)
-            plan = self.book.plan_chunks(request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table))
+            plan = self.book.plan_chunks(
+                request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table)
+            )
             return self._dispatch(plan, "chunk")
 
     def send_layers(
@@ -320,7 +331,9 @@ class KVSender:
         chunk's `send_chunks` afterwards sends only the blocks no group sent."""
         with self._lock:
             self._refuse_revoked(request_ids)
-            plan = self.book.plan_layers(request_ids, chunk_starts, chunk_ends, group, **self._tables(src_block_table, dst_block_table))
+            plan = self.book.plan_layers(
+                request_ids, chunk_starts, chunk_ends, group, **self._tables(src_block_table, dst_block_table)
+            )
             return self._dispatch(plan, "layer", int(group))
 
     def _tables(self, src_block_table: IntArray, dst_block_table: IntArray) -> _Tables:
@@ -415,16 +428,28 @@ class KVSender:
                 raise
             # Claimed in the book but never queued: those requests cannot complete any more.
             ids = sorted({n.request_id for n in piece} | {r for r, _, _ in slices[at:]})
-            failed = type(err)(f"{err}; requests {ids} failed (claimed, never written)", request_ids=ids, peer=self._peer_name())
+            failed = type(err)(
+                f"{err}; requests {ids} failed (claimed, never written)", request_ids=ids, peer=self._peer_name()
+            )
             raise self._fail(ids, failed) from err
         return notices
 
-    def _queue(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], kind: str, nbytes: int, layers: Optional[tuple[int, int]]) -> None:
+    def _queue(
+        self,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        notices: list[Notice],
+        kind: str,
+        nbytes: int,
+        layers: Optional[tuple[int, int]],
+    ) -> None:
         pending, submitted = self._write(src_ids, dst_ids, notices, layers)
         self._inflight.append(_Job(pending, tuple(notices), submitted, kind, nbytes))
         self._wake.set()
 
-    def _write(self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]) -> tuple[Pending, float]:
+    def _write(
+        self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]
+    ) -> tuple[Pending, float]:
         """Queues a write; returns it and when it was handed to the transport (before: the
         engine may start it at once, and a record must not show it starting before it was
         submitted). A transport out of room gets the oldest writes posted (so its receiver
@@ -519,7 +544,11 @@ class KVSender:
             job = self._inflight[0]
             if not job.pending.wait(left):
                 ids = sorted({n.request_id for n in job.notices})
-                raise TransferTimeoutError(f"copies for requests {ids} did not finish within {timeout} s (peer: {self._peer_name()})", request_ids=ids, peer=self._peer_name())
+                raise TransferTimeoutError(
+                    f"copies for requests {ids} did not finish within {timeout} s (peer: {self._peer_name()})",
+                    request_ids=ids,
+                    peer=self._peer_name(),
+                )
             posted.extend(self._finish(self._inflight.popleft()))
         return posted
 
@@ -533,7 +562,11 @@ class KVSender:
         if error is not None:
             self._abandon(job)
             self._check_peer()  # a write fails when its receiver died: then every request fails
-            err = TransferError(f"write of requests {ids} failed: {error} (peer: {self._peer_name()})", request_ids=ids, peer=self._peer_name())
+            err = TransferError(
+                f"write of requests {ids} failed: {error} (peer: {self._peer_name()})",
+                request_ids=ids,
+                peer=self._peer_name(),
+            )
             raise self._fail(ids, err) from error
         revoked = frozenset(rid for rid in ids if self._drops(rid))
         try:
@@ -558,7 +591,9 @@ class KVSender:
 
     def _reading(self, request_id: int) -> bool:
         """Whether a queued copy that carries the request's blocks has not finished."""
-        return any(not job.pending.done() for job in self._inflight if any(n.request_id == request_id for n in job.notices))
+        return any(
+            not job.pending.done() for job in self._inflight if any(n.request_id == request_id for n in job.notices)
+        )
 
     def leased(self, request_id: int) -> bool:
         """Whether the request's source blocks are leased to the sender: it is registered (a
@@ -612,7 +647,11 @@ class KVSender:
         if ids:
             ids = sorted(set(ids))
             peer = self._peer_name()
-            err = TransferError(f"requests {ids} cancelled by the {peer}: revoked, their fences follow their last copies", request_ids=ids, peer=peer)
+            err = TransferError(
+                f"requests {ids} cancelled by the {peer}: revoked, their fences follow their last copies",
+                request_ids=ids,
+                peer=peer,
+            )
             self._defer(self._fail(ids, err))
 
     def _sending_under(self, request_id: int, epoch: int) -> bool:
@@ -650,7 +689,9 @@ class KVSender:
             if rec.registered and (r in unposted or self.in_flight(r) or not self.book.is_complete(r))
         )
         self._fences.clear()
-        self._lost = TransferError(f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name())
+        self._lost = TransferError(
+            f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name()
+        )
         self._fail(ids, self._lost)
         deadline = time.monotonic() + (self.timeout if self.timeout is not None else LOST_PEER_WAIT_SECONDS)
         while self._inflight:
@@ -790,7 +831,9 @@ class KVSender:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not job.pending.wait(left):
                     raise TransferTimeoutError(
-                        f"request {request_id}: copies reading its blocks still running after {timeout} s", request_ids=(request_id,), peer=self._peer_name()
+                        f"request {request_id}: copies reading its blocks still running after {timeout} s",
+                        request_ids=(request_id,),
+                        peer=self._peer_name(),
                     )
 
     def remove(self, request_id: int) -> TransferLedger:

@@ -36,9 +36,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
 import numpy as np
 import numpy.typing as npt
-import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 import torch
 
 from kvferry.errors import InvalidArgumentError, TransferError
@@ -68,7 +69,9 @@ def check_signal(signal: object, name: str = "signal") -> None:
     event that was never recorded (waiting on it would not wait for anything)."""
     if isinstance(signal, torch.cuda.Event):
         if not getattr(signal, "cuda_event", 0):
-            raise InvalidArgumentError(f"invalid {name}=<torch.cuda.Event never recorded>: record it on the stream of the tier's copy, after that copy, first")
+            raise InvalidArgumentError(
+                f"invalid {name}=<torch.cuda.Event never recorded>: record it on the stream of the tier's copy, after that copy, first"
+            )
         return
     if not isinstance(signal, (threading.Event, concurrent.futures.Future)):
         raise TypeError(f"{name} must be {SIGNAL_TYPES}, got {type(signal).__name__} {signal!r}"[:200])
@@ -160,7 +163,9 @@ class TieredSource:
 
     def layer_slice(self, lo: int, hi: int) -> TieredSource:
         """Both tiers restricted to layers ``[lo, hi)`` (a layer slice's write)."""
-        return TieredSource(self.device.layer_slice(lo, hi), self.host.layer_slice(lo, hi), self.host_view.layer_slice(lo, hi))
+        return TieredSource(
+            self.device.layer_slice(lo, hi), self.host.layer_slice(lo, hi), self.host_view.layer_slice(lo, hi)
+        )
 
 
 Source = Union[PagedKV, TieredSource]
@@ -184,11 +189,15 @@ def tiered_source(pool: PagedKV, host_pool: object) -> TieredSource:
     if not isinstance(host_pool, PagedKV):
         raise TypeError(f"host_pool must be a PagedKV, got {type(host_pool).__name__}")
     if host_pool.device.type != "cpu":
-        raise InvalidArgumentError(f"invalid host_pool=<pool on {host_pool.device}>: must be a CPU pool (the engine's host tier)")
+        raise InvalidArgumentError(
+            f"invalid host_pool=<pool on {host_pool.device}>: must be a CPU pool (the engine's host tier)"
+        )
     mine, theirs = pool.geometry(), host_pool.geometry()
     for key, value in mine.items():
         if theirs[key] != value:
-            raise LayoutMismatchError(f"invalid host_pool: its {key} is {theirs[key]}, the device pool's is {value} (both tiers must hold blocks of one layout)")
+            raise LayoutMismatchError(
+                f"invalid host_pool: its {key} is {theirs[key]}, the device pool's is {value} (both tiers must hold blocks of one layout)"
+            )
     if pool.device.type != "cuda":
         return TieredSource(pool, host_pool, host_pool)
     unpinned = [i for i, t in enumerate(host_pool.layers) if not t.is_pinned()]
@@ -207,7 +216,14 @@ class _DeviceArray:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         nbytes = tensor.numel() * tensor.element_size()
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (tensor.data_ptr(), False), "version": 3, "strides": None, "stream": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
@@ -220,9 +236,13 @@ def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
             try:
                 view = torch.as_tensor(_DeviceArray(t), device=device)
             except (RuntimeError, TypeError, ValueError) as err:  # torch could not map it
-                raise InvalidArgumentError(f"invalid host_pool: layer {i} cannot be read in place from {device}: {err}") from err
+                raise InvalidArgumentError(
+                    f"invalid host_pool: layer {i} cannot be read in place from {device}: {err}"
+                ) from err
             if view.data_ptr() != t.data_ptr() or view.device != device:
-                raise InvalidArgumentError(f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to {view.device})")
+                raise InvalidArgumentError(
+                    f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to {view.device})"
+                )
             layers.append(view.view(t.dtype).view(t.shape))
     return PagedKV(tuple(layers), pool.tokens_per_block, pool.block_dim)
 
@@ -234,7 +254,9 @@ def source_ids(name: str, ids: npt.ArrayLike, device_blocks: int, host_blocks: i
     total = device_blocks + host_blocks
     bad = array[(array < 0) | (array >= total)]
     if bad.size:
-        tiers = f"device blocks [0, {device_blocks})" + (f", host blocks [{device_blocks}, {total})" if host_blocks else ", no host pool")
+        tiers = f"device blocks [0, {device_blocks})" + (
+            f", host blocks [{device_blocks}, {total})" if host_blocks else ", no host pool"
+        )
         raise InvalidArgumentError(f"invalid {name}=<block id {int(bad[0])}>: must be in [0, {total}) ({tiers})")
     return array
 

@@ -29,7 +29,6 @@ def _checksum(t: Any) -> Optional[int]:
 
 def _install(trace_dir: Path) -> None:
     import torch
-
     from kvferry.refengine import model
 
     current: dict[str, Any] = {"record": None}
@@ -41,7 +40,9 @@ def _install(trace_dir: Path) -> None:
         out = sdpa(q, k, v, *args, **kwargs)
         record = current["record"]
         if record is not None:
-            record["attn"].append([_checksum(q), _checksum(k), _checksum(v), _checksum(kwargs.get("attn_mask")), _checksum(out)])
+            record["attn"].append(
+                [_checksum(q), _checksum(k), _checksum(v), _checksum(kwargs.get("attn_mask")), _checksum(out)]
+            )
         return out
 
     def traced_rms(self: Any, x: Any, weight: Any) -> Any:
@@ -55,7 +56,14 @@ def _install(trace_dir: Path) -> None:
         if tokens.numel() != 1:
             return forward(self, tokens, start, kv, block_table, *args, **kwargs)
         tpb = kv.tokens_per_block
-        record: dict[str, Any] = {"pid": os.getpid(), "pool": id(kv), "start": int(start), "token": int(tokens[0]), "attn": [], "norm": []}
+        record: dict[str, Any] = {
+            "pid": os.getpid(),
+            "pool": id(kv),
+            "start": int(start),
+            "token": int(tokens[0]),
+            "attn": [],
+            "norm": [],
+        }
         record["blocks"] = [int(b) for b in block_table[: -(-(start + 1) // tpb)][-2:].tolist()]
         current["record"] = record
         try:

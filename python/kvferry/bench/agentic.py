@@ -30,9 +30,9 @@ import torch
 from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
 from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import AGENTIC_MODEL, Geometry
+from kvferry.notice import Notice
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
-from kvferry.notice import Notice
 from kvferry.sender import TransferRecord
 
 __all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
@@ -72,7 +72,11 @@ class AgenticConfig:
     @property
     def modes(self) -> tuple[str, ...]:
         """The disaggregated runs, in order."""
-        return ("baseline", "early") + (("aware",) if self.aware else ()) + (("layerwise",) if self.layer_groups is not None else ())
+        return (
+            ("baseline", "early")
+            + (("aware",) if self.aware else ())
+            + (("layerwise",) if self.layer_groups is not None else ())
+        )
 
     def model_config(self) -> ModelConfig:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
@@ -100,12 +104,18 @@ class RequestFigures:
     bars: dict[str, Any] = field(default_factory=dict)
 
 
-def _conversations(cfg: AgenticConfig, advance: Callable[[str], None]) -> tuple[list[list[Turn]], dict[int, TurnResult]]:
+def _conversations(
+    cfg: AgenticConfig, advance: Callable[[str], None]
+) -> tuple[list[list[Turn]], dict[int, TurnResult]]:
     """Runs the whole workload aggregated: the turns (prompts) and the reference results."""
     rng = random.Random(cfg.seed)
     model = TinyLlama(cfg.model_config(), cfg.device)
-    agg = Aggregated(model, num_blocks=_pool_blocks(cfg), tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size)
-    convs = [[rng.randrange(cfg.model.vocab) for _ in range(cfg.cached_tokens - cfg.new_tokens)] for _ in range(cfg.sessions)]
+    agg = Aggregated(
+        model, num_blocks=_pool_blocks(cfg), tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size
+    )
+    convs = [
+        [rng.randrange(cfg.model.vocab) for _ in range(cfg.cached_tokens - cfg.new_tokens)] for _ in range(cfg.sessions)
+    ]
     all_turns, outputs, rid = [], {}, 0
     for _ in range(cfg.turns + 1):
         turns = []
@@ -188,7 +198,11 @@ def duplicate_blocks(notices: list[Notice], layers: int) -> int:
 
 def _units(rec: TransferRecord, layers: int, request_id: Optional[int] = None) -> int:
     """(block, layer) units a record carries, of one request or of all."""
-    return sum((n.end - n.start) * len(_layer_units(n, layers)) for n in rec.notices if request_id is None or n.request_id == request_id)
+    return sum(
+        (n.end - n.start) * len(_layer_units(n, layers))
+        for n in rec.notices
+        if request_id is None or n.request_id == request_id
+    )
 
 
 def ideal_bound(request_id: int, records: list[TransferRecord], layers: int, admitted: float) -> float:
@@ -245,10 +259,16 @@ def _figures(
         # Prefill as the decode side sees it: until the batch forward holding the last chunk ended.
         prefill_s = r.step_done - r.prefill_start
         per_block = lambda rec: rec.nbytes / max(1, sum(n.end - n.start for n in rec.notices))  # noqa: E731
-        own_bytes = lambda recs: int(sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in recs))  # noqa: E731
+        own_bytes = lambda recs: int(  # noqa: E731
+            sum(per_block(rec) * sum(n.end - n.start for n in rec.notices if n.request_id == rid) for rec in recs)
+        )
         figures.append(
             RequestFigures(
-                mode, turn, rid, r.prompt_len, r.reused_len,
+                mode,
+                turn,
+                rid,
+                r.prompt_len,
+                r.reused_len,
                 prefill_ms=prefill_s * 1e3,
                 prefix_transfer_ms=prefix_s * 1e3,
                 tail_transfer_ms=tail_s * 1e3,
@@ -364,12 +384,23 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                     got, want = results[turn.request_id].outputs, ref.outputs
                     kv_mismatch_blocks += results[turn.request_id].kv_mismatch_blocks
                     if cfg.check_kv:  # the context worker's prefill against the aggregated one's
-                        prefill_mismatch_blocks += sum(a != b for a, b in zip(results[turn.request_id].digests, ref.digests))
+                        prefill_mismatch_blocks += sum(
+                            a != b for a, b in zip(results[turn.request_id].digests, ref.digests)
+                        )
                         reuse_mismatches += results[turn.request_id].reused_len != ref.reused_len
                     if got != want:
                         outputs_match = False
                         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                        divergences.append({"mode": mode, "turn": t, "request_id": turn.request_id, "first_token": at, "got": got, "want": want})
+                        divergences.append(
+                            {
+                                "mode": mode,
+                                "turn": t,
+                                "request_id": turn.request_id,
+                                "first_token": at,
+                                "got": got,
+                                "want": want,
+                            }
+                        )
                 if t == 0:
                     continue
                 figures, hid, total = _figures(mode, t, results, list(records), cfg.model.layers)
@@ -377,10 +408,19 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                 hidden[mode][0] += hid
                 hidden[mode][1] += total
                 # The batch's prefill: the same computation in every mode.
-                spans[mode] = (max(r.step_done for r in results.values()) - min(r.prefill_start for r in results.values())) * 1e3
+                spans[mode] = (
+                    max(r.step_done for r in results.values()) - min(r.prefill_start for r in results.values())
+                ) * 1e3
                 kv_ready[mode] = statistics.median(f.kv_ready_ms for f in figures)
             if t:
-                per_turn.append({"turn": t, "prefill_ms": spans, "kv_ready_ms_p50": kv_ready, "early_over_baseline": kv_ready["early"] / kv_ready["baseline"]})
+                per_turn.append(
+                    {
+                        "turn": t,
+                        "prefill_ms": spans,
+                        "kv_ready_ms_p50": kv_ready,
+                        "early_over_baseline": kv_ready["early"] / kv_ready["baseline"],
+                    }
+                )
     finally:
         for engine in engines.values():
             engine.close()
@@ -390,7 +430,11 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
 
     def summary(mode: str, key: str) -> dict[str, float]:
         values = [getattr(f, key) for f in per_request if f.mode == mode]
-        return {f"{key}_p50": statistics.median(values), f"{key}_p90": percentile(values, 0.9), f"{key}_mean": statistics.fmean(values)}
+        return {
+            f"{key}_p50": statistics.median(values),
+            f"{key}_p90": percentile(values, 0.9),
+            f"{key}_mean": statistics.fmean(values),
+        }
 
     result: dict[str, Any] = {
         "config": {k: v for k, v in asdict(cfg).items()},
@@ -412,7 +456,14 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     }
     for mode in modes:
         mode_summary: dict[str, float] = {}
-        for key in ("kv_ready_ms", "ttft_gen_ms", "prefill_ms", "prefix_transfer_ms", "tail_transfer_ms", "ideal_kv_ready_ms"):
+        for key in (
+            "kv_ready_ms",
+            "ttft_gen_ms",
+            "prefill_ms",
+            "prefix_transfer_ms",
+            "tail_transfer_ms",
+            "ideal_kv_ready_ms",
+        ):
             mode_summary.update(summary(mode, key))
         for key in ("early_bytes", "after_bytes", "layer_bytes", "duplicate_blocks"):
             mode_summary[key] = sum(getattr(f, key) for f in per_request if f.mode == mode)
@@ -437,7 +488,11 @@ def turns_phrase(cfg: dict[str, Any]) -> str:
 def format_agentic(result: dict[str, Any]) -> str:
     cfg = result["config"]
     modes = [m for m in ("baseline", "early", "aware", "layerwise") if m in result]
-    link = f", emulated link {cfg['link_gbps']} GB/s" if cfg["link_gbps"] and emulated_link(cfg["device"], cfg["transport"]) else ""
+    link = (
+        f", emulated link {cfg['link_gbps']} GB/s"
+        if cfg["link_gbps"] and emulated_link(cfg["device"], cfg["transport"])
+        else ""
+    )
     lines = [
         f"{result['machine']}, {result['date']}: {turns_phrase(cfg)}, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
@@ -490,7 +545,9 @@ def format_agentic(result: dict[str, Any]) -> str:
             f"({result['reuse_mismatches']} requests reused a different length)"
         )
     for d in result.get("output_divergences", []):
-        lines.append(f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}")
+        lines.append(
+            f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}"
+        )
     load = result["load"]
     if load["busy"]:
         lines.append(
@@ -530,7 +587,9 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
                 spans = [(a, max(b - a, 0.05)) for a, b in bars.get(kind, ())]
                 if spans:
                     handles[f"{kind} transfer"] = ax.broken_barh(spans, (y + 0.05, 0.3), color=color)
-            (handles["KV ready"],) = ax.plot([bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, linestyle="none")
+            (handles["KV ready"],) = ax.plot(
+                [bars["kv_ready"]], [y + 0.2], marker="|", color="black", markersize=14, linestyle="none"
+            )
             (handles["decode starts"],) = ax.plot([bars["decode"]], [y], marker=">", color="#c44e52", linestyle="none")
         ax.set_yticks(range(len(rows)), [f"req {f['request_id']}" for f in rows])
         ax.set_ylim(-0.6, len(rows) - 0.4)
@@ -543,7 +602,9 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
     axes[-1, 0].set_xlabel(f"ms since turn {last}'s requests were admitted")
     order = ["prefill", "early transfer", "chunk transfer", "layer transfer", "KV ready", "decode starts"]
     names = [n for n in order if n in handles]
-    fig.legend([handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
+    fig.legend(
+        [handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False
+    )
     fig.tight_layout(rect=(0, 0, 0.81, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

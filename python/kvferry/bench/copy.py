@@ -77,7 +77,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_seconds(fn: Callable[[], object], reps: int, device: str, setup: Optional[Callable[[], None]] = None) -> float:
+def _median_seconds(
+    fn: Callable[[], object], reps: int, device: str, setup: Optional[Callable[[], None]] = None
+) -> float:
     """Median wall time of ``fn`` (device synchronised before and after), after one warm-up."""
     times = []
     for i in range(reps + 1):
@@ -141,7 +143,19 @@ class _RemoteReceiver:
         self._conn, child = ctx.Pipe()
         self._authkey = secrets.token_bytes(32)
         self._proc = ctx.Process(
-            target=_remote_receiver_main, args=(child, kind, cfg.device, self._authkey, cfg.layers, num_blocks, cfg.block_kib, cfg.listen, cfg.receiver_netns), daemon=True
+            target=_remote_receiver_main,
+            args=(
+                child,
+                kind,
+                cfg.device,
+                self._authkey,
+                cfg.layers,
+                num_blocks,
+                cfg.block_kib,
+                cfg.listen,
+                cfg.receiver_netns,
+            ),
+            daemon=True,
         )
         self._proc.start()
         reply = self._conn.recv()
@@ -172,14 +186,35 @@ class _RemoteReceiver:
 
 
 def _remote_receiver_main(
-    conn: Any, kind: str, device: str, authkey: bytes, layers: int, num_blocks: int, block_kib: int, listen: str = "unix://", netns: Optional[str] = None
+    conn: Any,
+    kind: str,
+    device: str,
+    authkey: bytes,
+    layers: int,
+    num_blocks: int,
+    block_kib: int,
+    listen: str = "unix://",
+    netns: Optional[str] = None,
 ) -> None:
     try:
         enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
         # make_pool's geometry, zeroed (in shared memory where the transport maps it).
-        pool = registry.receiver_pool(kind, num_layers=layers, shape=(num_blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device)
+        pool = registry.receiver_pool(
+            kind,
+            num_layers=layers,
+            shape=(num_blocks, block_kib * 256),
+            dtype=torch.float32,
+            tokens_per_block=16,
+            device=device,
+        )
         receiver = KVReceiver(pool.pool)
-        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
+        served = registry.serve(
+            kind,
+            receiver,
+            authkey=authkey,
+            address=listen,
+            **({"shared": pool.shared} if pool.shared is not None else {}),
+        )
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return
@@ -202,7 +237,16 @@ def _remote_receiver_main(
     pool.close()
 
 
-def _sender_rows(cfg: CopyBenchConfig, name: str, src: PagedKV, tx: Transport, expect: Callable[[int, int], object], wait: Callable[[int], None], pool_blocks: int, ceiling: float) -> list[Row]:
+def _sender_rows(
+    cfg: CopyBenchConfig,
+    name: str,
+    src: PagedKV,
+    tx: Transport,
+    expect: Callable[[int, int], object],
+    wait: Callable[[int], None],
+    pool_blocks: int,
+    ceiling: float,
+) -> list[Row]:
     """End to end through a KVSender: plan, copy, notice, receiver complete."""
     sender = KVSender(src, tx)
     rng = np.random.default_rng(cfg.seed)
@@ -246,7 +290,9 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         raise ValueError(f"invalid transport={sorted(unknown)}: choose from {', '.join(names())}")
     pool_blocks = max(cfg.blocks) + 64
     block_bytes = cfg.block_kib * 1024
-    progress(f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}")
+    progress(
+        f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}"
+    )
     ceiling = ceiling_gbps(cfg.device, pool_blocks * block_bytes * cfg.layers, cfg.reps)
     host_link = None
     if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
@@ -255,7 +301,10 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     tcp_link = None
     host = cfg.tcp_host()
     if host is not None:
-        progress(f"ceiling of the link: a raw TCP stream of 256 MiB to {host}" + (f" (namespace {cfg.receiver_netns})" if cfg.receiver_netns else ""))
+        progress(
+            f"ceiling of the link: a raw TCP stream of 256 MiB to {host}"
+            + (f" (namespace {cfg.receiver_netns})" if cfg.receiver_netns else "")
+        )
         tcp_link = tcp_stream_gbps(host, 256 << 20, netns=cfg.receiver_netns, reps=cfg.reps)
     src = make_pool(cfg, pool_blocks, fill=True)
     rows: list[Row] = []
@@ -280,7 +329,16 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
                 receiver.wait(request_id, timeout=120)
                 receiver.release(request_id)
 
-            rows += _sender_rows(cfg, name, src, registry.connect(name, receiver=receiver), receiver.expect, arrived, pool_blocks, ceiling)
+            rows += _sender_rows(
+                cfg,
+                name,
+                src,
+                registry.connect(name, receiver=receiver),
+                receiver.expect,
+                arrived,
+                pool_blocks,
+                ceiling,
+            )
         else:  # a receiver in another process
             remote = _RemoteReceiver(name, cfg, pool_blocks)
             try:
@@ -309,9 +367,15 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
     ]
     if result.get("tcp_link_gbps"):
-        lines.insert(1, f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of every transport to another process here)")
+        lines.insert(
+            1,
+            f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of every transport to another process here)",
+        )
     if result.get("host_link_gbps"):
-        lines.insert(1, f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})")
+        lines.insert(
+            1,
+            f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})",
+        )
     for r in result["rows"]:
         lines.append(
             f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB {r['seconds'] * 1e3:>7.2f} ms "

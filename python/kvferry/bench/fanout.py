@@ -59,11 +59,18 @@ def _pool_blocks(cfg: FanoutConfig) -> int:
 def run_fanout(cfg: FanoutConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     prefix = [rng.randrange(cfg.model.vocab) for _ in range(cfg.prefix_tokens)]
-    turns = [Turn(i + 1, tuple(prefix + [rng.randrange(cfg.model.vocab) for _ in range(cfg.suffix_tokens)]), cfg.output_tokens) for i in range(cfg.requests)]
+    turns = [
+        Turn(
+            i + 1, tuple(prefix + [rng.randrange(cfg.model.vocab) for _ in range(cfg.suffix_tokens)]), cfg.output_tokens
+        )
+        for i in range(cfg.requests)
+    ]
     model = TinyLlama(cfg.model_config(), cfg.device)
     blocks = _pool_blocks(cfg)
     progress(f"reference: aggregated serving of {cfg.requests} requests sharing a {cfg.prefix_tokens}-token prefix")
-    reference = Aggregated(model, num_blocks=blocks, tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size).run(turns)
+    reference = Aggregated(
+        model, num_blocks=blocks, tokens_per_block=cfg.tokens_per_block, chunk_size=cfg.chunk_size
+    ).run(turns)
     emulated = cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None
     result: dict[str, Any] = {
         "config": asdict(cfg),

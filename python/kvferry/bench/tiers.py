@@ -152,7 +152,11 @@ def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None
     checked: dict[str, Optional[bool]] = {mode: None for mode in MODES}
     progress(
         f"{n}-block prefix ({n * block_bytes / 2**20:.0f} MiB), {h} blocks in the host tier, over {cfg.transport}"
-        + (f" (link emulated at {cfg.link_gbps} GB/s, host->device at {cfg.host_gbps or 'raw'} GB/s)" if emulated else "")
+        + (
+            f" (link emulated at {cfg.link_gbps} GB/s, host->device at {cfg.host_gbps or 'raw'} GB/s)"
+            if emulated
+            else ""
+        )
     )
     try:
         for rep in range(cfg.reps + 1):  # rep 0 warms allocators, kernels and connections
@@ -189,7 +193,11 @@ def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None
                 seconds = time.perf_counter() - start
                 sender.flush()
                 if receiver is not None and checked[mode] is None:  # once per mode: bit exact
-                    expected = [block_of(device_pool, host_pool, n + 1 + h, int(b), layer) for layer in range(cfg.layers) for b in src]
+                    expected = [
+                        block_of(device_pool, host_pool, n + 1 + h, int(b), layer)
+                        for layer in range(cfg.layers)
+                        for b in src
+                    ]
                     got = [receiver.pool.layers[layer][int(d)] for layer in range(cfg.layers) for d in dst]
                     checked[mode] = _digest(expected) == _digest(got)
                 if receiver is not None:
@@ -197,7 +205,14 @@ def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None
                 sender.remove(rid)
                 if rep:
                     times[mode].append(seconds * 1e3)
-            progress(f"rep {rep}/{cfg.reps}" + (" (warm-up)" if not rep else f": direct {times['direct'][-1]:.1f} ms, onboard-then-send {times['onboard_then_send'][-1]:.1f} ms"))
+            progress(
+                f"rep {rep}/{cfg.reps}"
+                + (
+                    " (warm-up)"
+                    if not rep
+                    else f": direct {times['direct'][-1]:.1f} ms, onboard-then-send {times['onboard_then_send'][-1]:.1f} ms"
+                )
+            )
     finally:
         sender.close()
         onboarder.close()
@@ -239,7 +254,11 @@ def format_tiers(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: {cfg['blocks']}-block reused prefix ({mib(cfg['blocks'] * result['block_bytes'])}), "
         f"{result['host_blocks']} blocks ({100 * cfg['host_fraction']:.0f}%) in the host tier, {cfg['layers']} layers x {cfg['block_kib']} KiB, "
         f"transport {cfg['transport']}"
-        + (f", link emulated at {cfg['link_gbps']} GB/s, host->device at {cfg['host_gbps'] or 'raw'} GB/s" if result["emulated"] else ""),
+        + (
+            f", link emulated at {cfg['link_gbps']} GB/s, host->device at {cfg['host_gbps'] or 'raw'} GB/s"
+            if result["emulated"]
+            else ""
+        ),
         f"{'mode':<18} {'KV-ready median':>16} {'reps (ms)':<40} {'link':>11} {'of it from host':>16} {'host->device':>13} {'bit exact':>9}",
     ]
     for mode in MODES:

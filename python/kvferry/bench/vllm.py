@@ -72,16 +72,29 @@ class Configuration:
             return nixl_config("kv_producer"), nixl_config("kv_consumer")
         if cross_host is None:
             return kvferry_config("kv_producer", **self.extra), kvferry_config("kv_consumer")
-        return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config("kv_consumer", transport="nixl", listen=f"tcp://{url_host(cross_host)}:0")
+        return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config(
+            "kv_consumer", transport="nixl", listen=f"tcp://{url_host(cross_host)}:0"
+        )
 
 
 def configurations(layer_groups: int) -> list[Configuration]:
     return [
-        Configuration("nixl", "nixl", note="vLLM's NixlConnector: decode READs after the prefill (skips what the decode server holds)"),
-        Configuration("kvferry-baseline", "kvferry", {"early": False}, "early send off, no decode-side awareness", aware=False),
+        Configuration(
+            "nixl",
+            "nixl",
+            note="vLLM's NixlConnector: decode READs after the prefill (skips what the decode server holds)",
+        ),
+        Configuration(
+            "kvferry-baseline", "kvferry", {"early": False}, "early send off, no decode-side awareness", aware=False
+        ),
         Configuration("kvferry-early", "kvferry", {"early": True}, "early send, no decode-side awareness", aware=False),
         Configuration("kvferry-aware", "kvferry", {"early": True}, "early send + decode-side awareness"),
-        Configuration("kvferry-layers", "kvferry", {"early": True, "layer_groups": layer_groups}, f"early send + awareness + {layer_groups} layer groups"),
+        Configuration(
+            "kvferry-layers",
+            "kvferry",
+            {"early": True, "layer_groups": layer_groups},
+            f"early send + awareness + {layer_groups} layer groups",
+        ),
     ]
 
 
@@ -188,7 +201,9 @@ def _reset_prefix_cache(decode: Any, timeout_s: float = 30.0) -> None:
             return
         if time.monotonic() > deadline:
             used, _ = decode.kv_blocks()
-            raise RuntimeError(f"{decode.url}/reset_prefix_cache answered {answer} for {timeout_s:.0f} s ({used} KV blocks still held): the decode-cold turn would run warm")
+            raise RuntimeError(
+                f"{decode.url}/reset_prefix_cache answered {answer} for {timeout_s:.0f} s ({used} KV blocks still held): the decode-cold turn would run warm"
+            )
         time.sleep(0.05)  # polling the server until its last blocks are freed (no event to wait on)
 
 
@@ -222,10 +237,24 @@ def _scripts(cfg: VllmBenchConfig, plain_url: str, case: str, progress: Callable
 
 
 def _body(prompt: list[int], output: int, stream: bool) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": output,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
-def _run_case(cfg: VllmBenchConfig, conf: Configuration, bed: Any, case: str, script: list[list[_Turn]], progress: Callable[[str], None]) -> dict[str, Any]:
+def _run_case(
+    cfg: VllmBenchConfig,
+    conf: Configuration,
+    bed: Any,
+    case: str,
+    script: list[list[_Turn]],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
     from kvferry.vllm.proxy import SESSION_HEADER
     from kvferry.vllm.testbed import call
 
@@ -281,7 +310,9 @@ def _run_case(cfg: VllmBenchConfig, conf: Configuration, bed: Any, case: str, sc
         "outputs_equal": equal,
         "turns": rows,
     }
-    progress(f"{conf.name} {case}: TTFT p50 {out['ttft_ms_p50']:.0f} ms, link {link / n / 2**20:.1f} MiB/turn, outputs equal: {equal}")
+    progress(
+        f"{conf.name} {case}: TTFT p50 {out['ttft_ms_p50']:.0f} ms, link {link / n / 2**20:.1f} MiB/turn, outputs equal: {equal}"
+    )
     return out
 
 
@@ -299,7 +330,9 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         max_model_len=spec.max_positions,
     )
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache for the decode-cold case (loopback only)
-    progress(f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV bytes/token; plain reference server")
+    progress(
+        f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV bytes/token; plain reference server"
+    )
     with testbed.single_server(model, work, engine) as plain:
         scripts = {case: _scripts(cfg, plain.url, case, progress) for case in CASES}
     result: dict[str, Any] = {
@@ -311,7 +344,9 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     }
     cross = cfg.decode_netns is not None
     result["placement"] = (
-        f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy at {cfg.prefill_host}" if cross else "one host, loopback"
+        f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy at {cfg.prefill_host}"
+        if cross
+        else "one host, loopback"
     )
     for conf in configurations(cfg.layer_groups):
         if conf.name not in cfg.configs:
@@ -331,7 +366,15 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
                 figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
             leaks = [s.kv_blocks()[0] for s in bed.servers()]
             hellos = getattr(bed.proxy.proxy.flow, "hellos", None) if bed.proxy is not None else None
-        result["configs"][conf.name] = {"note": conf.note, "connector": conf.connector, "extra": conf.extra, "aware": conf.aware, **figures, "kv_blocks_left": leaks, "hellos": hellos}
+        result["configs"][conf.name] = {
+            "note": conf.note,
+            "connector": conf.connector,
+            "extra": conf.extra,
+            "aware": conf.aware,
+            **figures,
+            "kv_blocks_left": leaks,
+            "hellos": hellos,
+        }
     return result
 
 
@@ -364,14 +407,24 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
                 f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB {held:>9}{wire} {str(f['outputs_equal']):>6}"
             )
     lines.append("")
-    lines.append("TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's (higher is faster);")
+    lines.append(
+        "TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's (higher is faster);"
+    )
     lines.append("vs nixl: this one's TTFT p50 over NixlConnector's (lower is faster).")
-    lines.append("KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start + the decode server's queue time).")
-    lines.append("link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: blocks not sent, the decode server had them.")
+    lines.append(
+        "KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start + the decode server's queue time)."
+    )
+    lines.append(
+        "link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: blocks not sent, the decode server had them."
+    )
     if cross:
-        lines.append("veth: bytes the prefill side's namespace sent on the veth per turn (KV and HTTP), from /proc/net/dev.")
+        lines.append(
+            "veth: bytes the prefill side's namespace sent on the veth per turn (KV and HTTP), from /proc/net/dev."
+        )
     lines.append("equal: every output equals the plain single server's, token for token.")
-    lines.append("Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and kvferry-early, on in the other rows.")
+    lines.append(
+        "Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and kvferry-early, on in the other rows."
+    )
     left = {n: c["kv_blocks_left"] for n, c in result["configs"].items() if any(c["kv_blocks_left"])}
     lines.append(f"KV blocks left allocated after each run: {left or 'none'}")
     return "\n".join(lines)
@@ -395,8 +448,17 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
             for k, r in enumerate(f["turns"]):
                 start = 1e3 * (r["start_s"] - t0)
                 ax.broken_barh([(start, r["ttft_ms"])], (y - 0.35, 0.7), color=colors[y % len(colors)])
-                ax.broken_barh([(start + r["ttft_ms"], r["total_ms"] - r["ttft_ms"])], (y - 0.35, 0.7), color=colors[y % len(colors)], alpha=0.35)
-        ax.set_yticks(range(len(names)), [f"{n}\nTTFT p50 {result['configs'][n][case]['ttft_ms_p50']:.0f} ms" for n in names], fontsize=7)
+                ax.broken_barh(
+                    [(start + r["ttft_ms"], r["total_ms"] - r["ttft_ms"])],
+                    (y - 0.35, 0.7),
+                    color=colors[y % len(colors)],
+                    alpha=0.35,
+                )
+        ax.set_yticks(
+            range(len(names)),
+            [f"{n}\nTTFT p50 {result['configs'][n][case]['ttft_ms_p50']:.0f} ms" for n in names],
+            fontsize=7,
+        )
         ax.set_title(f"{case}: measured turns (dark: to first token, light: the rest of the answer)", fontsize=9)
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel("ms since the first measured turn")

@@ -24,8 +24,8 @@ from typing import Any, Optional, Sequence
 
 from kvferry._core import BlockRange
 from kvferry.receiver import KVReceiver
-from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.cache import PrefixCache
+from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
@@ -91,7 +91,13 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Sequence[int], inflight: Optional[InflightBlocks] = None) -> Allocation:
+def _allocate(
+    worker: Worker,
+    receiver: KVReceiver,
+    request_id: int,
+    prompt: Sequence[int],
+    inflight: Optional[InflightBlocks] = None,
+) -> Allocation:
     """With a prefix cache (prefix awareness on), the prompt's leading full blocks that this
     worker still holds from an earlier turn are mapped into the request and expected as held.
     With ``inflight`` (dedup on), full blocks that another request's transfer is already
@@ -121,7 +127,13 @@ def _allocate(worker: Worker, receiver: KVReceiver, request_id: int, prompt: Seq
     held = [(0, len(shared))] if shared else []
     awaits = [(owner, BlockRange(s, e)) for owner, idx in borrowed.items() for s, e in _runs(idx)]
     # The lease names the request's blocks: a notice whose write used others is refused.
-    epoch = receiver.expect(request_id, len(prompt), held=[BlockRange(s, e) for s, e in held], awaits=awaits, dst_blocks=[int(b) for b in blocks if b is not None])
+    epoch = receiver.expect(
+        request_id,
+        len(prompt),
+        held=[BlockRange(s, e) for s, e in held],
+        awaits=awaits,
+        dst_blocks=[int(b) for b in blocks if b is not None],
+    )
     if inflight is not None:
         inflight.add(request_id, [(hashes[i], blocks[i]) for i in fresh_at if i < len(hashes)])  # type: ignore[misc]
     never_sent = sorted(held + [(r.start, r.end) for _, r in awaits])
@@ -139,7 +151,12 @@ class GenerationOutcome:
 
 
 def _finish(
-    worker: Worker, receiver: KVReceiver, blocks: dict[int, list[int]], items: Sequence[FinishItem], digests: bool, inflight: Optional[InflightBlocks] = None
+    worker: Worker,
+    receiver: KVReceiver,
+    blocks: dict[int, list[int]],
+    items: Sequence[FinishItem],
+    digests: bool,
+    inflight: Optional[InflightBlocks] = None,
 ) -> dict[int, GenerationOutcome]:
     """Waits for each request's KV, then decodes the batch one token per request per step."""
     outcomes = {}
@@ -174,7 +191,9 @@ def _finish(
 class LocalGeneration:
     """A generation worker in this process; the transport is in-process."""
 
-    def __init__(self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, aware: bool = False, dedup: bool = False) -> None:
+    def __init__(
+        self, model: TinyLlama, *, num_blocks: int, tokens_per_block: int, aware: bool = False, dedup: bool = False
+    ) -> None:
         """``aware``: keep a prefix cache and advertise the blocks it still holds; ``dedup``:
         map full blocks another request is already bringing instead of receiving them again."""
         self.worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, prefix_cache=aware)
@@ -216,11 +235,17 @@ class RemoteGeneration:
         """``listen``: where its endpoint listens (`registry.serve`'s ``address``); ``netns``:
         the network namespace the process runs in (a second host on one machine; None: this one)."""
         if not registry.check(transport, device=device).has_endpoint:
-            raise ValueError(f"invalid transport={transport!r}: the generation worker runs in another process; choose from {', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}")
+            raise ValueError(
+                f"invalid transport={transport!r}: the generation worker runs in another process; choose from {', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}"
+            )
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(target=_generation_main, args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup, listen, netns), daemon=True)
+        self._proc = ctx.Process(
+            target=_generation_main,
+            args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup, listen, netns),
+            daemon=True,
+        )
         self._proc.start()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
@@ -249,7 +274,17 @@ class RemoteGeneration:
 
 
 def _generation_main(
-    conn: Any, cfg: ModelConfig, device: str, num_blocks: int, tpb: int, kind: str, authkey: bytes, aware: bool, dedup: bool, listen: str = "unix://", netns: Optional[str] = None
+    conn: Any,
+    cfg: ModelConfig,
+    device: str,
+    num_blocks: int,
+    tpb: int,
+    kind: str,
+    authkey: bytes,
+    aware: bool,
+    dedup: bool,
+    listen: str = "unix://",
+    netns: Optional[str] = None,
 ) -> None:
     try:
         if netns is not None:  # first: the endpoint's sockets and NIXL's threads then live there
@@ -259,10 +294,18 @@ def _generation_main(
         model = TinyLlama(cfg, device)
         # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
         shape = cfg.kv_layer_shape(num_blocks, tpb)
-        pool = registry.receiver_pool(kind, num_layers=cfg.geometry.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device)
+        pool = registry.receiver_pool(
+            kind, num_layers=cfg.geometry.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device
+        )
         worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool.pool)
         receiver = KVReceiver(worker.pool)
-        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **({"shared": pool.shared} if pool.shared is not None else {}))
+        served = registry.serve(
+            kind,
+            receiver,
+            authkey=authkey,
+            address=listen,
+            **({"shared": pool.shared} if pool.shared is not None else {}),
+        )
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return

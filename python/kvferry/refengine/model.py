@@ -111,7 +111,12 @@ class TinyLlama:
 
     @torch.no_grad()
     def forward(
-        self, tokens: torch.Tensor, start: int, kv: PagedKV, block_table: torch.Tensor, on_layer: Optional[Callable[[int], None]] = None
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        kv: PagedKV,
+        block_table: torch.Tensor,
+        on_layer: Optional[Callable[[int], None]] = None,
     ) -> torch.Tensor:
         """Runs tokens at positions ``[start, start + len(tokens))`` of one request, writing
         their K and V into ``kv`` at the blocks of ``block_table`` and attending over

@@ -76,7 +76,14 @@ class Aggregated:
         for turn in turns:
             admitted = time.monotonic()
             state = self.worker.admit(turn.request_id, turn.prompt)
-            result = TurnResult(turn.request_id, [], state.prompt_len, state.reused_len, admitted=admitted, prefill_start=time.monotonic())
+            result = TurnResult(
+                turn.request_id,
+                [],
+                state.prompt_len,
+                state.reused_len,
+                admitted=admitted,
+                prefill_start=time.monotonic(),
+            )
             for _, end in _chunks(state.reused_len, state.prompt_len, self.chunk_size):
                 logits = self.worker.forward(turn.request_id, end)
             result.prefill_done = result.kv_ready = time.monotonic()
@@ -130,10 +137,21 @@ class Disaggregated:
         device = "cuda" if model.device.type == "cuda" else "cpu"
         remote = registry.check(transport, device=device).has_endpoint
         if not remote:
-            self.generation = LocalGeneration(model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware, dedup=dedup)
+            self.generation = LocalGeneration(
+                model, num_blocks=num_blocks, tokens_per_block=tokens_per_block, aware=aware, dedup=dedup
+            )
         else:
             self.generation = RemoteGeneration(
-                model.cfg, device=device, num_blocks=num_blocks, tokens_per_block=tokens_per_block, transport=transport, src_pool=self.ctx.pool, aware=aware, dedup=dedup, listen=listen, netns=netns
+                model.cfg,
+                device=device,
+                num_blocks=num_blocks,
+                tokens_per_block=tokens_per_block,
+                transport=transport,
+                src_pool=self.ctx.pool,
+                aware=aware,
+                dedup=dedup,
+                listen=listen,
+                netns=netns,
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:
@@ -169,7 +187,13 @@ class Disaggregated:
             allocation = self.generation.allocate(rid, turn.prompt)
             held = [BlockRange(s, e) for s, e in allocation.held]
             self.hook.add_request(
-                rid, state.prompt_len, reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=allocation.blocks, held=held, epoch=allocation.epoch
+                rid,
+                state.prompt_len,
+                reused_len=state.reused_len,
+                src_blocks=state.blocks,
+                dst_blocks=allocation.blocks,
+                held=held,
+                epoch=allocation.epoch,
             )
             results[rid] = TurnResult(rid, [], state.prompt_len, state.reused_len, admitted=admitted)
             plans[rid] = _chunks(state.reused_len, state.prompt_len, self.chunk_size)
@@ -223,7 +247,11 @@ class Disaggregated:
         for rid, outcome in outcomes.items():
             result = results[rid]
             result.kv_ready, result.first_decode = outcome.kv_ready, outcome.first_decode
-            result.first_token_at_gen, result.outputs, result.notices = outcome.first_token_at_gen, outcome.outputs, outcome.notices
+            result.first_token_at_gen, result.outputs, result.notices = (
+                outcome.first_token_at_gen,
+                outcome.outputs,
+                outcome.notices,
+            )
             if check_kv:
                 result.digests = src_digests[rid]
                 result.kv_mismatch_blocks = sum(a != b for a, b in zip(src_digests[rid], outcome.digests))

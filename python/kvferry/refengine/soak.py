@@ -41,12 +41,12 @@ import torch
 
 from kvferry.engine import ThreadCopyEngine
 from kvferry.errors import DuplicateTransferError, KvFerryError, TransferError, TransferTimeoutError
+from kvferry.geometry import Geometry
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.cache import BlockAllocator
-from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
@@ -232,7 +232,12 @@ class SoakReport:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         model = self.config.model
-        out["config"]["model"] = {**asdict(model.geometry), "rope_theta": model.rope_theta, "norm_eps": model.norm_eps, "dtype": str(model.dtype)}
+        out["config"]["model"] = {
+            **asdict(model.geometry),
+            "rope_theta": model.rope_theta,
+            "norm_eps": model.norm_eps,
+            "dtype": str(model.dtype),
+        }
         out["cancelled"] = dict(self.cancelled)
         out["rss_growth"] = self.rss_growth
         out["py_blocks_per_request"] = self.py_blocks_per_request
@@ -303,15 +308,26 @@ class Soak:
         # Both workers in this process; the generation pool as the transport serves it (in a
         # shared segment for shm) and, for any but in-process, an endpoint in front of it.
         self._pool = registry.receiver_pool(
-            config.transport, num_layers=m.geometry.layers, shape=m.kv_layer_shape(config.gen_blocks, tpb), dtype=m.dtype, tokens_per_block=tpb
+            config.transport,
+            num_layers=m.geometry.layers,
+            shape=m.kv_layer_shape(config.gen_blocks, tpb),
+            dtype=m.dtype,
+            tokens_per_block=tpb,
         )
-        self.gen = Worker(model, num_blocks=config.gen_blocks, tokens_per_block=tpb, prefix_cache=False, pool=self._pool.pool)
+        self.gen = Worker(
+            model, num_blocks=config.gen_blocks, tokens_per_block=tpb, prefix_cache=False, pool=self._pool.pool
+        )
         self.receiver = KVReceiver(self.gen.pool)
         self._authkey = secrets.token_bytes(32)
         self._endpoint: Any = None
         self._url = config.transport
         if registry.spec(config.transport).has_endpoint:
-            served = registry.serve(config.transport, self.receiver, authkey=self._authkey, **({"shared": self._pool.shared} if self._pool.shared is not None else {}))
+            served = registry.serve(
+                config.transport,
+                self.receiver,
+                authkey=self._authkey,
+                **({"shared": self._pool.shared} if self._pool.shared is not None else {}),
+            )
             self._endpoint, self._url = served.endpoint, served.url
         fast = KVSender(self.ctx.pool, self._transport(), engine=ThreadCopyEngine())
         slow = KVSender(
@@ -324,7 +340,9 @@ class Soak:
         # A request's context blocks stay referenced while either lane's transfer reads them.
         self.ctx.leased = lambda rid: any(lane.hook.leased(rid) for lane in self.lanes)
         self.sessions = [_Session() for _ in range(config.sessions)]
-        self.systems = [[self.rng.randrange(config.model.geometry.vocab) for _ in range(self.rng.randint(1, 60))] for _ in range(4)]
+        self.systems = [
+            [self.rng.randrange(config.model.geometry.vocab) for _ in range(self.rng.randint(1, 60))] for _ in range(4)
+        ]
         self.running: list[_Live] = []
         # Requests the receiver gave up on: the sender reports each once it revoked it.
         # Bounded: the report comes within a step or two.
@@ -389,7 +407,9 @@ class Soak:
                 else:
                     live.cancel_at = rng.choice([CancelAt.BEFORE_EARLY, CancelAt.AFTER_EARLY, CancelAt.AFTER_LAST])
             self._take_owed_role(live, state.reused_len)
-            live.lane.hook.add_request(rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst, epoch=epoch)
+            live.lane.hook.add_request(
+                rid, len(prompt), reused_len=state.reused_len, src_blocks=state.blocks, dst_blocks=dst, epoch=epoch
+            )
             self.report.chunked += chunked or len(live.chunks) > 1
             self.report.unaligned_reuse += state.reused_len % cfg.tokens_per_block != 0
             session.busy = True
@@ -566,7 +586,9 @@ class Soak:
         r.lane.hook.finish(rid)
         self.receiver.wait(rid, timeout=30)
         self._check_ledger(r, complete=True)
-        self.report.kv_mismatch_blocks += mismatched_blocks(self.ctx.pool, self.gen.pool, self.ctx.requests[rid].blocks, r.dst, prompt_len)
+        self.report.kv_mismatch_blocks += mismatched_blocks(
+            self.ctx.pool, self.gen.pool, self.ctx.requests[rid].blocks, r.dst, prompt_len
+        )
         self.report.kv_checked += 1
         self.receiver.release(rid)
         self.ctx.finish(rid, cache_tokens=prompt_len)
@@ -582,7 +604,9 @@ class Soak:
         seen = Counter(b for n in notices for b in range(n.start, n.end))
         self.report.duplicate_blocks += sum(c - 1 for c in seen.values())
         if complete and sorted(seen) != list(range(len(r.dst))):
-            self.report.errors.append(f"request {r.rid}: blocks {sorted(set(range(len(r.dst))) - set(seen))} never arrived")
+            self.report.errors.append(
+                f"request {r.rid}: blocks {sorted(set(range(len(r.dst))) - set(seen))} never arrived"
+            )
         if len({n.slice_id for n in notices}) != len(notices):
             self.report.errors.append(f"request {r.rid}: a slice id arrived twice in {notices}")
 
@@ -624,7 +648,9 @@ class Soak:
         for refusal in refusals:
             if isinstance(refusal.error, DuplicateTransferError):
                 self.report.duplicate_blocks += refusal.notice.end - refusal.notice.start
-            self.report.errors.append(f"receiver refused {refusal.notice}: {type(refusal.error).__name__}: {refusal.error}")
+            self.report.errors.append(
+                f"receiver refused {refusal.notice}: {type(refusal.error).__name__}: {refusal.error}"
+            )
         # The endpoint records the refusals above too (the same exception objects), and
         # whatever else went wrong on its side (handshakes, broken messages). It keeps the
         # last few only; its count says how many there were.
@@ -657,13 +683,17 @@ class Soak:
             self.report.errors.append(f"receiver keeps {len(self.receiver)} requests")
         self.ctx.reap()
         if self.ctx.parked:
-            self.report.errors.append(f"context worker keeps the blocks of {sorted(self.ctx.parked)} leased after every transfer ended")
+            self.report.errors.append(
+                f"context worker keeps the blocks of {sorted(self.ctx.parked)} leased after every transfer ended"
+            )
         alloc = self.ctx.alloc
         evicted = alloc.allocate(alloc.available)
         alloc.release(evicted, [False] * len(evicted))
         assert self.ctx.cache is not None
         if self.ctx.cache.index_entries:
-            self.report.errors.append(f"prefix cache index keeps {self.ctx.cache.index_entries} entries after every block was evicted")
+            self.report.errors.append(
+                f"prefix cache index keeps {self.ctx.cache.index_entries} entries after every block was evicted"
+            )
         for name, a in (("context", alloc), ("generation", self.gen.alloc)):
             if len(a.free_ids()) != a.num_blocks:
                 self.report.leaked_blocks = max(self.report.leaked_blocks, a.num_blocks - len(set(a.free_ids())))

@@ -60,7 +60,9 @@ class Worker:
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.tpb = tokens_per_block
-        self.pool: PagedKV = pool if pool is not None else new_kv_pool(model.cfg, num_blocks, tokens_per_block, model.device)
+        self.pool: PagedKV = (
+            pool if pool is not None else new_kv_pool(model.cfg, num_blocks, tokens_per_block, model.device)
+        )
         self.alloc = BlockAllocator(num_blocks)
         self.cache: Optional[PrefixCache] = PrefixCache(tokens_per_block, self.alloc) if prefix_cache else None
         self.requests: dict[int, RequestState] = {}
@@ -85,7 +87,9 @@ class Worker:
         self.requests[request_id] = state
         return state
 
-    def admit_with_blocks(self, request_id: int, prompt: Sequence[int], blocks: Sequence[int], computed: int) -> RequestState:
+    def admit_with_blocks(
+        self, request_id: int, prompt: Sequence[int], blocks: Sequence[int], computed: int
+    ) -> RequestState:
         """A request whose KV arrives from elsewhere (the generation side of disaggregation)."""
         state = RequestState(request_id, list(prompt), len(prompt), 0, list(blocks), computed)
         self.requests[request_id] = state

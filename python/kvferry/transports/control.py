@@ -47,17 +47,19 @@ import time
 from collections import deque
 from typing import AbstractSet, Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
-from kvferry.transports.base import Transport, Write, kept
 from kvferry.transports import guard, wire
-from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Hello as HelloFrame, Notices, Revoke
+from kvferry.transports.base import Transport, Write, kept
+from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Notices, Revoke
+from kvferry.transports.frames import Hello as HelloFrame
 from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, AuthenticationError
 
 __all__ = ["LocalEndpoint", "LocalTransport", "PeerConnection", "pool_hello"]
@@ -167,7 +169,9 @@ class LocalEndpoint:
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.reclaimed_count = 0  # idle connections closed to make room
         where = wire.parse_address(address)
-        self._handshake_timeout = wire.check_timeout(HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout)
+        self._handshake_timeout = wire.check_timeout(
+            HANDSHAKE_SECONDS if handshake_timeout is None else handshake_timeout
+        )
         self.receiver = receiver
         self._hello = hello
         if not callable(hello):
@@ -213,7 +217,11 @@ class LocalEndpoint:
             try:
                 peer.send(Cancel([(int(request_id), int(epoch))]))
             except OSError as err:  # the connection is ending: its end fences the request
-                self._record(TransferError(f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)))
+                self._record(
+                    TransferError(
+                        f"{peer}: could not pass on the cancellation of request {request_id}: {err!r}", peer=str(peer)
+                    )
+                )
 
     def _serve(self) -> None:
         guard.accept_loop(
@@ -292,7 +300,11 @@ class LocalEndpoint:
                 self.dispatch(peer, frame)
         except KvFerryError as err:  # a frame that broke the protocol: the peer cannot be trusted further
             reason = f"it broke the protocol: {err}"
-            self._record(err if isinstance(err, wire.ProtocolError) else wire.ProtocolError(f"{peer}: {err}; disconnected", peer=str(peer)))
+            self._record(
+                err
+                if isinstance(err, wire.ProtocolError)
+                else wire.ProtocolError(f"{peer}: {err}; disconnected", peer=str(peer))
+            )
             if peer.channel is not None:
                 peer.channel.goodbye(f"disconnected: {err}")
         except (EOFError, OSError) as err:
@@ -365,7 +377,9 @@ class LocalEndpoint:
         """A sender's connection ended: its unfinished requests can get no more notices.
         Unless the endpoint itself is closing (the sender may then still be writing), the
         sender can write nothing more either: what it owned is fenced."""
-        self.receiver.fail_source(peer.source, f"{peer} went away before all its blocks arrived: {reason}", fenced=not self._closing.is_set())
+        self.receiver.fail_source(
+            peer.source, f"{peer} went away before all its blocks arrived: {reason}", fenced=not self._closing.is_set()
+        )
 
     def _on_announce(self, peer: Any, frame: Announce) -> None:
         """Binds requests to the sender before their first notice."""
@@ -428,7 +442,11 @@ class LocalEndpoint:
             except KvFerryError as err:  # refused and recorded; a known request failed
                 self._record(err)
         if outside is not None:
-            raise wire.ProtocolError(f"{_name(source)} wrote outside a request's lease: {outside}", request_ids=getattr(outside, "request_ids", ()), peer=_name(source))
+            raise wire.ProtocolError(
+                f"{_name(source)} wrote outside a request's lease: {outside}",
+                request_ids=getattr(outside, "request_ids", ()),
+                peer=_name(source),
+            )
 
     def close(self) -> None:
         """Stops serving; unfinished requests of connected senders fail ("the endpoint
@@ -665,4 +683,10 @@ class LocalTransport(Transport):
 def pool_hello(pool: PagedKV, kind: str, **fields: Any) -> Hello:
     """The hello fields every transport's hello shares (the pool's geometry and size), and
     ``kind``'s own."""
-    return {"geometry": pool.geometry(), "num_blocks": pool.num_blocks, "block_dim": pool.block_dim, "kind": kind, **fields}
+    return {
+        "geometry": pool.geometry(),
+        "num_blocks": pool.num_blocks,
+        "block_dim": pool.block_dim,
+        "kind": kind,
+        **fields,
+    }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
 import torch
 
 from kvferry.errors import InvalidArgumentError, TransferError
@@ -82,7 +83,12 @@ class CudaIpcEndpoint(LocalEndpoint):
         pool = receiver.pool
         if pool.device.type != "cuda":
             raise InvalidArgumentError(f"invalid receiver: its pool is on {pool.device}, CUDA IPC needs a CUDA pool")
-        super().__init__(receiver, lambda: pool_hello(pool, "cuda_ipc", layers=[_share_layer(t) for t in pool.layers]), authkey=authkey, **options)
+        super().__init__(
+            receiver,
+            lambda: pool_hello(pool, "cuda_ipc", layers=[_share_layer(t) for t in pool.layers]),
+            authkey=authkey,
+            **options,
+        )
 
 
 def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:

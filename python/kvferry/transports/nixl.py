@@ -49,13 +49,13 @@ from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.transports import wire
-from kvferry.transports.frames import TRANSPORT, Agent, Announce, Frame, Notices, Revoke
-from kvferry.transports.control import Handler, LocalEndpoint, PeerConnection, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.tiers import Signal, Source, TieredSource, signal_done, signal_error, source_parts
+from kvferry.transports import wire
 from kvferry.transports.base import Transport, Write
+from kvferry.transports.control import Handler, LocalEndpoint, PeerConnection, pool_hello
+from kvferry.transports.frames import TRANSPORT, Agent, Announce, Frame, Notices, Revoke
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
@@ -93,10 +93,14 @@ def _mem_type(pool: PagedKV) -> str:
 def block_descriptors(pool: PagedKV) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer, segment, block), in that
     order: row ``(layer * segments + segment) * num_blocks + block``."""
-    return layer_descriptors([t.data_ptr() for t in pool.layers], pool.segments, pool.segment_bytes, pool.num_blocks, pool.device.index or 0)
+    return layer_descriptors(
+        [t.data_ptr() for t in pool.layers], pool.segments, pool.segment_bytes, pool.num_blocks, pool.device.index or 0
+    )
 
 
-def layer_descriptors(bases: Sequence[int], segments: int, segment_bytes: int, num_blocks: int, device: int) -> np.ndarray:
+def layer_descriptors(
+    bases: Sequence[int], segments: int, segment_bytes: int, num_blocks: int, device: int
+) -> np.ndarray:
     """`block_descriptors` of a pool known by its layers' addresses (a remote one)."""
     seg = segment_bytes
     base = np.array(bases, dtype=np.uint64)
@@ -122,7 +126,6 @@ def descriptor_indices(ids: np.ndarray, layers: tuple[int, int], segments: int, 
         )
     rows = np.arange(lo * segments, hi * segments, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
     return rows.ravel().astype(np.int32)
-
 
 
 def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -476,12 +479,22 @@ class NixlTransport(Transport):
     if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
     and the receiver's."""
 
-    def __init__(self, address: str, *, authkey: bytes, src: PagedKV, host_src: Optional[PagedKV] = None, handshake_timeout: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        authkey: bytes,
+        src: PagedKV,
+        host_src: Optional[PagedKV] = None,
+        handshake_timeout: Optional[float] = None,
+    ) -> None:
         if host_src is not None:
             if not isinstance(host_src, PagedKV):
                 raise TypeError(f"host_src must be a PagedKV, got {type(host_src).__name__}")
             if host_src.device.type != "cpu":
-                raise InvalidArgumentError(f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)")
+                raise InvalidArgumentError(
+                    f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)"
+                )
         # The socket stays open for its EOF: the cheapest sign that the receiver died.
         self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
@@ -513,10 +526,18 @@ class NixlTransport(Transport):
         self._local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors, _mem_type(src))
         self._host_side = None
         if host_src is not None and self._split:
-            self._host_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src))
+            self._host_side = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", block_descriptors(host_src), _mem_type(host_src)
+            )
         self._remote_bases = list(hello["bases"])
         self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
-        remote = layer_descriptors(hello["bases"], int(self._geometry["segments"]), int(self._geometry["segment_bytes"]), self._remote_blocks, hello["device"])
+        remote = layer_descriptors(
+            hello["bases"],
+            int(self._geometry["segments"]),
+            int(self._geometry["segment_bytes"]),
+            self._remote_blocks,
+            hello["device"],
+        )
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
     @property
@@ -533,7 +554,9 @@ class NixlTransport(Transport):
             if src.device is not self._src:
                 raise InvalidArgumentError("invalid pool: not the pool this NIXL transport registered as src")
             if src.host is not self._host_src:
-                raise InvalidArgumentError("invalid host_pool: not registered with this NIXL transport: create it as NixlTransport(..., src=pool, host_src=host_pool)")
+                raise InvalidArgumentError(
+                    "invalid host_pool: not registered with this NIXL transport: create it as NixlTransport(..., src=pool, host_src=host_pool)"
+                )
         elif src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
 
@@ -576,7 +599,9 @@ class NixlTransport(Transport):
                     handles.append(self.agent.initialize_xfer("WRITE", local, remote, self._remote_name, message))
             else:
                 for local, rows, remote in sides:
-                    handles.append(self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message))
+                    handles.append(
+                        self.agent.make_prepped_xfer("WRITE", local, rows, self._remote_side, remote, message)
+                    )
         except Exception as err:  # a receiver already gone: the write fails, not the caller
             return _XferPending(self.agent, handles, [], self.peer, failure=err)
         ready: list[Signal] = list(job.after)
@@ -638,7 +663,9 @@ class NixlTransport(Transport):
         try:
             self.agent.send_notif(self._remote_name, _encode_revoke(request_id, epoch))
         except Exception as err:  # a receiver already gone
-            raise TransferError(f"fence of request {request_id} to {self.peer} failed: {err!r}", peer=self.peer) from err
+            raise TransferError(
+                f"fence of request {request_id} to {self.peer} failed: {err!r}", peer=self.peer
+            ) from err
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         """The notices arrived with the write's notification (a cancelled request's notices

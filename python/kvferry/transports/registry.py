@@ -97,7 +97,11 @@ class TransportSpec:
 def names(*, device: Optional[str] = None, reach: Optional[Reach] = None) -> tuple[str, ...]:
     """Every transport's name, in the table's order; only those serving ``device`` pools and
     reaching at least ``reach`` when given."""
-    return tuple(s.name for s in _SPECS.values() if (device is None or device in s.devices) and (reach is None or s.reach >= reach))
+    return tuple(
+        s.name
+        for s in _SPECS.values()
+        if (device is None or device in s.devices) and (reach is None or s.reach >= reach)
+    )
 
 
 def spec(name: str, *, argument: str = "transport") -> TransportSpec:
@@ -108,7 +112,14 @@ def spec(name: str, *, argument: str = "transport") -> TransportSpec:
     return found
 
 
-def check(name: str, *, device: Optional[str] = None, reach: Optional[Reach] = None, argument: str = "transport", device_argument: str = "device") -> TransportSpec:
+def check(
+    name: str,
+    *,
+    device: Optional[str] = None,
+    reach: Optional[Reach] = None,
+    argument: str = "transport",
+    device_argument: str = "device",
+) -> TransportSpec:
     """The transport called ``name``, refused with `InvalidArgumentError` (naming the
     arguments and their values, and what would do) when it cannot serve ``device`` pools or
     cannot run with its sides ``reach`` apart."""
@@ -161,7 +172,15 @@ class ReceiverPool:
             self.shared = None
 
 
-def receiver_pool(name: str, *, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, tokens_per_block: int, device: str = "cpu") -> ReceiverPool:
+def receiver_pool(
+    name: str,
+    *,
+    num_layers: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    tokens_per_block: int,
+    device: str = "cpu",
+) -> ReceiverPool:
     """``num_layers`` zeroed tensors of ``shape`` (blocks first), served by transport
     ``name`` (checked against ``device``)."""
     import torch
@@ -175,7 +194,9 @@ def receiver_pool(name: str, *, num_layers: int, shape: tuple[int, ...], dtype: 
         shared = SharedPool.create(num_layers=num_layers, shape=shape, dtype=dtype, tokens_per_block=tokens_per_block)
         assert shared.pool is not None
         return ReceiverPool(shared.pool, shared)
-    return ReceiverPool(PagedKV(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)), tokens_per_block))
+    return ReceiverPool(
+        PagedKV(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)), tokens_per_block)
+    )
 
 
 @dataclass
@@ -229,7 +250,9 @@ def _options(name: str, options: dict[str, Any], side: str, allowed: tuple[str, 
     """``options`` with every key in ``allowed``; else `InvalidArgumentError` naming the first other."""
     for key in sorted(options):
         if key not in allowed:
-            raise InvalidArgumentError(f"invalid option {key}={options[key]!r}: the {name} {side} takes {', '.join(allowed) or 'no options'}")
+            raise InvalidArgumentError(
+                f"invalid option {key}={options[key]!r}: the {name} {side} takes {', '.join(allowed) or 'no options'}"
+            )
     return options
 
 
@@ -237,8 +260,12 @@ def _serve_shm(receiver: KVReceiver, authkey: bytes, shared: Any = None, **optio
     from kvferry.transports.shm import ShmEndpoint
 
     if shared is None or shared.pool is not receiver.pool:
-        raise InvalidArgumentError(f"invalid shared={shared!r}: the shm endpoint serves the receiver's pool from shared memory; make it with receiver_pool('shm', ...) and pass its .shared")
-    return ShmEndpoint(receiver, shared, authkey=authkey, **_options("shm", options, "endpoint", ENDPOINT_OPTIONS + ("shared",)))
+        raise InvalidArgumentError(
+            f"invalid shared={shared!r}: the shm endpoint serves the receiver's pool from shared memory; make it with receiver_pool('shm', ...) and pass its .shared"
+        )
+    return ShmEndpoint(
+        receiver, shared, authkey=authkey, **_options("shm", options, "endpoint", ENDPOINT_OPTIONS + ("shared",))
+    )
 
 
 def _serve_cuda_ipc(receiver: KVReceiver, authkey: bytes, **options: Any) -> Any:
@@ -251,7 +278,12 @@ def _serve_staging(receiver: KVReceiver, authkey: bytes, capacity_blocks: Option
     from kvferry.transports.staging import StagingEndpoint
 
     capacity = receiver.pool.num_blocks if capacity_blocks is None else capacity_blocks
-    return StagingEndpoint(receiver, authkey=authkey, capacity_blocks=capacity, **_options("staging", options, "endpoint", ENDPOINT_OPTIONS + ("capacity_blocks",)))
+    return StagingEndpoint(
+        receiver,
+        authkey=authkey,
+        capacity_blocks=capacity,
+        **_options("staging", options, "endpoint", ENDPOINT_OPTIONS + ("capacity_blocks",)),
+    )
 
 
 def _serve_nixl(receiver: KVReceiver, authkey: bytes, **options: Any) -> Any:
@@ -269,7 +301,9 @@ def serve(name: str, receiver: KVReceiver, *, authkey: bytes, **options: Any) ->
     (staging: ring size, default the pool's size)."""
     s = check(name, device=receiver.pool.device.type, device_argument="receiver.pool.device")
     if not s.has_endpoint:
-        raise InvalidArgumentError(f"invalid transport={name!r} for serve: {name} has no endpoint; hand the sender the receiver itself, connect({name!r}, receiver=...)")
+        raise InvalidArgumentError(
+            f"invalid transport={name!r} for serve: {name} has no endpoint; hand the sender the receiver itself, connect({name!r}, receiver=...)"
+        )
     if "address" in options:
         _check_reach(name, options["address"], "address")
     assert s._serve is not None
@@ -297,14 +331,20 @@ def connect(
     if not s.has_endpoint:
         _options(name, options, "transport", ())
         if receiver is None or address is not None:
-            raise InvalidArgumentError(f"invalid url={url!r}: the in-process transport takes no address; pass receiver=")
+            raise InvalidArgumentError(
+                f"invalid url={url!r}: the in-process transport takes no address; pass receiver="
+            )
         from kvferry.transports.inprocess import InProcessTransport
 
         return InProcessTransport(receiver)
     if address is None:
-        raise InvalidArgumentError(f"invalid url={url!r}: {name} needs the endpoint's address, '{name}+<address>' (Served.url)")
+        raise InvalidArgumentError(
+            f"invalid url={url!r}: {name} needs the endpoint's address, '{name}+<address>' (Served.url)"
+        )
     if receiver is not None:
-        raise InvalidArgumentError(f"invalid receiver={receiver!r}: {name} reaches its receiver at {address}, not in this process")
+        raise InvalidArgumentError(
+            f"invalid receiver={receiver!r}: {name} reaches its receiver at {address}, not in this process"
+        )
     if authkey is None:
         raise InvalidArgumentError(f"invalid authkey=None: {name} authenticates both sides with the session key")
     _check_reach(name, address, "url", url)
@@ -312,39 +352,88 @@ def connect(
     return s._connect(address, authkey, src, host_src, **options)
 
 
-def _connect_shm(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
+def _connect_shm(
+    address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any
+) -> Transport:
     from kvferry.transports.shm import ShmTransport
 
     return ShmTransport(address, authkey=authkey, **_options("shm", options, "transport", TRANSPORT_OPTIONS))
 
 
-def _connect_cuda_ipc(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
+def _connect_cuda_ipc(
+    address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any
+) -> Transport:
     from kvferry.transports.cuda_ipc import CudaIpcTransport
 
     return CudaIpcTransport(address, authkey=authkey, **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS))
 
 
-def _connect_staging(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], write_bytes: Optional[int] = None, **options: Any) -> Transport:
+def _connect_staging(
+    address: str,
+    authkey: bytes,
+    src: Optional[PagedKV],
+    host_src: Optional[PagedKV],
+    write_bytes: Optional[int] = None,
+    **options: Any,
+) -> Transport:
     from kvferry.transports.staging import StagingTransport
 
-    return StagingTransport(address, authkey=authkey, write_bytes=write_bytes, **_options("staging", options, "transport", TRANSPORT_OPTIONS))
+    return StagingTransport(
+        address,
+        authkey=authkey,
+        write_bytes=write_bytes,
+        **_options("staging", options, "transport", TRANSPORT_OPTIONS),
+    )
 
 
-def _connect_nixl(address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any) -> Transport:
+def _connect_nixl(
+    address: str, authkey: bytes, src: Optional[PagedKV], host_src: Optional[PagedKV], **options: Any
+) -> Transport:
     from kvferry.transports.nixl import NixlTransport
 
     if src is None:
         raise InvalidArgumentError("invalid src=None: a NIXL transport registers the sender's pool; pass src=")
-    return NixlTransport(address, authkey=authkey, src=src, host_src=host_src, **_options("nixl", options, "transport", TRANSPORT_OPTIONS))
+    return NixlTransport(
+        address,
+        authkey=authkey,
+        src=src,
+        host_src=host_src,
+        **_options("nixl", options, "transport", TRANSPORT_OPTIONS),
+    )
 
 
 # The table: every transport, where it runs, its builders. The one place that lists them.
 _SPECS: dict[str, TransportSpec] = {
     s.name: s
     for s in (
-        TransportSpec("in-process", ("cpu", "cuda"), Reach.PROCESS, True, False, "both pools in one process; writes are direct copies"),
-        TransportSpec("shm", ("cpu",), Reach.HOST, True, True, "the receiver's CPU pool in POSIX shared memory, mapped by the sender", _serve=_serve_shm, _connect=_connect_shm),
-        TransportSpec("cuda-ipc", ("cuda",), Reach.HOST, True, False, "the receiver's CUDA pool mapped by the sender through CUDA IPC handles", _serve=_serve_cuda_ipc, _connect=_connect_cuda_ipc),
+        TransportSpec(
+            "in-process",
+            ("cpu", "cuda"),
+            Reach.PROCESS,
+            True,
+            False,
+            "both pools in one process; writes are direct copies",
+        ),
+        TransportSpec(
+            "shm",
+            ("cpu",),
+            Reach.HOST,
+            True,
+            True,
+            "the receiver's CPU pool in POSIX shared memory, mapped by the sender",
+            _serve=_serve_shm,
+            _connect=_connect_shm,
+        ),
+        TransportSpec(
+            "cuda-ipc",
+            ("cuda",),
+            Reach.HOST,
+            True,
+            False,
+            "the receiver's CUDA pool mapped by the sender through CUDA IPC handles",
+            _serve=_serve_cuda_ipc,
+            _connect=_connect_cuda_ipc,
+        ),
         TransportSpec(
             "staging",
             ("cpu", "cuda"),
@@ -357,6 +446,15 @@ _SPECS: dict[str, TransportSpec] = {
             _serve=_serve_staging,
             _connect=_connect_staging,
         ),
-        TransportSpec("nixl", ("cpu", "cuda"), Reach.NETWORK, False, False, "one-sided NIXL writes; notices ride on the writes", _serve=_serve_nixl, _connect=_connect_nixl),
+        TransportSpec(
+            "nixl",
+            ("cpu", "cuda"),
+            Reach.NETWORK,
+            False,
+            False,
+            "one-sided NIXL writes; notices ride on the writes",
+            _serve=_serve_nixl,
+            _connect=_connect_nixl,
+        ),
     )
 }

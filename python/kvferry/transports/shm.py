@@ -27,13 +27,13 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable, Optional, Sequence
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
 import torch
 
-from kvferry.errors import InvalidArgumentError
+from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.errors import TransferError
-from kvferry.transports.control import LocalEndpoint, LocalTransport, pool_hello
 from kvferry.receiver import KVReceiver
+from kvferry.transports.control import LocalEndpoint, LocalTransport, pool_hello
 
 __all__ = ["SharedPool", "ShmEndpoint", "ShmTransport"]
 
@@ -103,11 +103,16 @@ class SharedPool:
         dtype = _dtype(descriptor["dtype"])
         layer_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layer_bytes * descriptor["num_layers"])
-        layers = tuple(flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(shape) for i in range(descriptor["num_layers"]))
+        layers = tuple(
+            flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(shape)
+            for i in range(descriptor["num_layers"])
+        )
         self.pool: Optional[PagedKV] = PagedKV(layers, descriptor["tokens_per_block"], descriptor["block_dim"])
 
     @classmethod
-    def create(cls, *, num_layers: int, shape: Sequence[int], dtype: torch.dtype, tokens_per_block: int, block_dim: int = 0) -> SharedPool:
+    def create(
+        cls, *, num_layers: int, shape: Sequence[int], dtype: torch.dtype, tokens_per_block: int, block_dim: int = 0
+    ) -> SharedPool:
         """A zero-filled pool in a new segment with an unguessable name. Its pages are
         written once here, so transfers never pay for first-touch faults."""
         if num_layers <= 0:
@@ -198,7 +203,9 @@ class ShmEndpoint(LocalEndpoint):
     (see the module doc); over ``tcp://`` senders open it by name."""
 
     def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes, **options: Any) -> None:
-        super().__init__(receiver, pool_hello(receiver.pool, "shm", segment=shared.descriptor), authkey=authkey, **options)
+        super().__init__(
+            receiver, pool_hello(receiver.pool, "shm", segment=shared.descriptor), authkey=authkey, **options
+        )
         self._shared = shared
         if self._bound.scheme == "unix":
             shared.remove_name()

@@ -30,22 +30,23 @@ import contextlib
 import threading
 from typing import AbstractSet, Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
 
-import numpy as np
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
+import numpy as np
 import torch
 
 from kvferry.copy import copy_blocks, packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
-from kvferry.transports import wire
-from kvferry.transports.frames import Frame, Freed, Hello, Staged
-from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
-from kvferry.transports.shm import SharedPool
 from kvferry.tiers import source_layers, source_parts
+from kvferry.transports import wire
 from kvferry.transports.base import TransportFull, Write, kept
+from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
+from kvferry.transports.frames import Frame, Freed, Hello, Staged
+from kvferry.transports.shm import SharedPool
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
 
@@ -79,7 +80,15 @@ class _Scratch:
 
     def like(self, pool: PagedKV) -> PagedKV:
         dim = pool.block_dim
-        key = (pool.num_layers, pool.shape[:dim], pool.shape[dim + 1 :], dim, pool.dtype, pool.device, pool.tokens_per_block)
+        key = (
+            pool.num_layers,
+            pool.shape[:dim],
+            pool.shape[dim + 1 :],
+            dim,
+            pool.dtype,
+            pool.device,
+            pool.tokens_per_block,
+        )
         scratch = self._pools.get(key)
         if scratch is None:
             shape = list(pool.shape)
@@ -207,7 +216,15 @@ class StagingEndpoint(LocalEndpoint):
     `DEFAULT_MAX_SENDERS`); one more is refused after its handshake with a goodbye naming
     the bound, and changes nothing."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes, capacity_blocks: int, max_senders: int = DEFAULT_MAX_SENDERS, **options: Any) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        *,
+        authkey: bytes,
+        capacity_blocks: int,
+        max_senders: int = DEFAULT_MAX_SENDERS,
+        **options: Any,
+    ) -> None:
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks!r}: must be an int > 0")
         if isinstance(max_senders, bool) or not isinstance(max_senders, int) or max_senders <= 0:
@@ -222,7 +239,20 @@ class StagingEndpoint(LocalEndpoint):
         self._rings_closed = False
         # The hello is checked by the codec here, with a stand-in ring name, so a pool the
         # codec cannot describe is refused now rather than at the first connection.
-        wire.encode(Hello(self._hello_fields({"name": "kvferry-" + "0" * 32, "num_layers": pool.num_layers, "shape": list(_staging_shape(pool.geometry(), capacity_blocks)), "dtype": str(torch.uint8), "tokens_per_block": pool.tokens_per_block, "block_dim": 1})))
+        wire.encode(
+            Hello(
+                self._hello_fields(
+                    {
+                        "name": "kvferry-" + "0" * 32,
+                        "num_layers": pool.num_layers,
+                        "shape": list(_staging_shape(pool.geometry(), capacity_blocks)),
+                        "dtype": str(torch.uint8),
+                        "tokens_per_block": pool.tokens_per_block,
+                        "block_dim": 1,
+                    }
+                )
+            )
+        )
         super().__init__(receiver, self._open_ring, authkey=authkey, **options)
 
     def _hello_fields(self, segment: dict[str, Any]) -> dict[str, Any]:
@@ -253,7 +283,10 @@ class StagingEndpoint(LocalEndpoint):
         except Exception as err:  # no memory for it (shared memory, page-locking): this peer only
             with self._rings_lock:
                 self._opening -= 1
-            self._refuse(peer, f"refused: the receiver could not create a staging ring of {self.ring_bytes} bytes for it: {err!r}")
+            self._refuse(
+                peer,
+                f"refused: the receiver could not create a staging ring of {self.ring_bytes} bytes for it: {err!r}",
+            )
         except BaseException:
             with self._rings_lock:
                 self._opening -= 1
@@ -304,7 +337,13 @@ class StagingEndpoint(LocalEndpoint):
     HANDLERS: ClassVar[Mapping[type[Frame], Handler]] = {**LocalEndpoint.HANDLERS, Staged: _on_staged}
 
     def stage(
-        self, staging: _Ring, notices: Sequence[Notice], lo: int, freed: int, picked: Optional[np.ndarray], dst_ids: np.ndarray
+        self,
+        staging: _Ring,
+        notices: Sequence[Notice],
+        lo: int,
+        freed: int,
+        picked: Optional[np.ndarray],
+        dst_ids: np.ndarray,
     ) -> None:
         """Slots of the sender's own ring from ``lo`` hold a batch of ``len(dst_ids)`` blocks
         (or more, of which those at ``picked`` go), the blocks of ``notices`` in order;
@@ -316,9 +355,13 @@ class StagingEndpoint(LocalEndpoint):
         lengths = np.array([n.end - n.start for n in notices], dtype=np.int64)
         n = len(dst_ids) if picked is None else int(picked[-1]) + 1 if len(picked) else 0
         if lo + n > staging.capacity or freed > staging.capacity:
-            raise wire.ProtocolError(f"invalid staging batch: slots [{lo}, {lo + n}) and {freed} freed in a ring of {staging.capacity}")
+            raise wire.ProtocolError(
+                f"invalid staging batch: slots [{lo}, {lo + n}) and {freed} freed in a ring of {staging.capacity}"
+            )
         if len(dst_ids) and int(dst_ids.max()) >= self.receiver.pool.num_blocks:
-            raise wire.ProtocolError(f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's {self.receiver.pool.num_blocks}")
+            raise wire.ProtocolError(
+                f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's {self.receiver.pool.num_blocks}"
+            )
         source = self.current_source()
         named = dst_ids  # what the sender said it wrote, for the receiver's lease check
         bounds = np.concatenate([[0], np.cumsum(lengths)])
@@ -335,7 +378,9 @@ class StagingEndpoint(LocalEndpoint):
         assert ring is not None
         groups = {(n.group, n.groups) for n in notices}
         if len(groups) > 1:
-            raise InvalidArgumentError(f"invalid staging batch: notices of several layer groups {sorted(groups)} in one write")
+            raise InvalidArgumentError(
+                f"invalid staging batch: notices of several layer groups {sorted(groups)} in one write"
+            )
         if groups and not notices[0].whole:  # a layer slice: only its layers were staged
             layers = pool.group_layers(notices[0].group, notices[0].groups)
             ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
@@ -377,7 +422,14 @@ class StagingTransport(LocalTransport):
     engine's stream, then posts notices with their slots. A full ring raises
     `TransportFull`; the sender then posts finished writes and waits for frees."""
 
-    def __init__(self, address: str, *, authkey: bytes, write_bytes: Optional[int] = None, handshake_timeout: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        authkey: bytes,
+        write_bytes: Optional[int] = None,
+        handshake_timeout: Optional[float] = None,
+    ) -> None:
         if write_bytes is not None and write_bytes <= 0:
             raise InvalidArgumentError(f"invalid write_bytes={write_bytes}: must be > 0")
         self._write_bytes = write_bytes
@@ -422,7 +474,9 @@ class StagingTransport(LocalTransport):
         keep them contiguous (freed by the receiver together with this batch). Raises
         `TransportFull` (changing nothing) when the receiver has not freed enough yet."""
         if n > self.capacity:
-            raise InvalidArgumentError(f"invalid batch: {n} blocks exceed the staging ring's {self.capacity} (raise capacity_blocks)")
+            raise InvalidArgumentError(
+                f"invalid batch: {n} blocks exceed the staging ring's {self.capacity} (raise capacity_blocks)"
+            )
         self._collect_frees()
         if self._used == 0:
             self._head = 0  # an empty ring starts over: the whole ring is one free run
@@ -461,7 +515,9 @@ class StagingTransport(LocalTransport):
             scratch = self._scratch.like(parts[0].pool)
             step = scratch.num_blocks
             at = [
-                np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions, dtype=np.int64)
+                np.arange(len(p.src_ids), dtype=np.int64)
+                if p.positions is None
+                else np.asarray(p.positions, dtype=np.int64)
                 for p in parts
             ]
             for first in range(0, n, step):
@@ -475,7 +531,14 @@ class StagingTransport(LocalTransport):
 
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
-        return engine.submit_call(stage, after=job.after, nbytes=n * int(self._geometry["num_layers"]) * int(self._geometry["segments"]) * int(self._geometry["segment_bytes"]))
+        return engine.submit_call(
+            stage,
+            after=job.after,
+            nbytes=n
+            * int(self._geometry["num_layers"])
+            * int(self._geometry["segments"])
+            * int(self._geometry["segment_bytes"]),
+        )
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.

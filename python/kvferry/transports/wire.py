@@ -104,7 +104,9 @@ def check_authkey(authkey: object, name: str = "authkey") -> bytes:
     if not isinstance(authkey, (bytes, bytearray)):
         raise TypeError(f"{name} must be bytes, got {type(authkey).__name__}")
     if len(authkey) < MIN_AUTHKEY_BYTES:
-        raise InvalidArgumentError(f"invalid {name}: {len(authkey)} bytes, need at least {MIN_AUTHKEY_BYTES} (secrets.token_bytes(32))")
+        raise InvalidArgumentError(
+            f"invalid {name}: {len(authkey)} bytes, need at least {MIN_AUTHKEY_BYTES} (secrets.token_bytes(32))"
+        )
     return bytes(authkey)
 
 
@@ -151,7 +153,9 @@ def parse_address(text: object, name: str = "address") -> Address:
     if text.startswith("unix://"):
         path = text[len("unix://") :]
         if path and not path.startswith("/"):
-            raise InvalidArgumentError(f"invalid {name}={text!r}: a unix address takes an absolute path (unix:///run/kvferry.sock)")
+            raise InvalidArgumentError(
+                f"invalid {name}={text!r}: a unix address takes an absolute path (unix:///run/kvferry.sock)"
+            )
         if "\0" in path:
             raise InvalidArgumentError(f"invalid {name}={text!r}: NUL in the path")
         return Address("unix", path=path)
@@ -166,11 +170,15 @@ def parse_address(text: object, name: str = "address") -> Address:
                 if ipaddress.ip_address(host).version != 6:
                     raise ValueError(host)
             except ValueError:
-                raise InvalidArgumentError(f"invalid {name}={text!r}: {host!r} inside brackets is not an IPv6 address") from None
+                raise InvalidArgumentError(
+                    f"invalid {name}={text!r}: {host!r} inside brackets is not an IPv6 address"
+                ) from None
         else:
             host, sep, port_text = rest.rpartition(":")
             if not sep or ":" in host:
-                raise InvalidArgumentError(f"invalid {name}={text!r}: expected tcp://host:port (IPv6 in brackets: tcp://[::1]:port)")
+                raise InvalidArgumentError(
+                    f"invalid {name}={text!r}: expected tcp://host:port (IPv6 in brackets: tcp://[::1]:port)"
+                )
             host = host or "127.0.0.1"  # tcp://:port: loopback, as an endpoint binds unless told otherwise
         if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
             raise InvalidArgumentError(f"invalid {name}={text!r}: the port must be a number in [0, 65535]")
@@ -180,7 +188,9 @@ def parse_address(text: object, name: str = "address") -> Address:
     raise InvalidArgumentError(f"invalid {name}={text!r}: expected unix:///path or tcp://host:port")
 
 
-def listen(address: Address, *, advertise: Optional[str] = None, backlog: int = 64) -> tuple[socket.socket, Address, Optional[str]]:
+def listen(
+    address: Address, *, advertise: Optional[str] = None, backlog: int = 64
+) -> tuple[socket.socket, Address, Optional[str]]:
     """A listening socket for ``address``; returns it, the address peers are to use (the
     bound port, the advertised host), and for ``unix://`` the private directory it made (the
     caller removes it)."""
@@ -203,7 +213,9 @@ def listen(address: Address, *, advertise: Optional[str] = None, backlog: int = 
         return sock, address, directory
     if advertise is not None:
         if not isinstance(advertise, str) or not advertise or any(c in advertise for c in "/[] "):
-            raise InvalidArgumentError(f"invalid advertise={advertise!r}: a host name or IP address peers reach this endpoint by")
+            raise InvalidArgumentError(
+                f"invalid advertise={advertise!r}: a host name or IP address peers reach this endpoint by"
+            )
     elif address.wildcard:
         raise InvalidArgumentError(
             f"invalid address={address.url()!r}: a wildcard bind needs advertise= (the host name or IP address peers reach this endpoint by)"

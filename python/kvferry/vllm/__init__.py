@@ -26,6 +26,7 @@ def __getattr__(name: str) -> Any:
         return KvferryConnector
     raise AttributeError(f"module 'kvferry.vllm' has no attribute {name!r}")
 
+
 CONNECTOR_NAME = "KvferryConnector"
 
 

@@ -26,7 +26,11 @@ OPS = ("hello", "recv", "send", "status")
 # How blocks move (kvferry.transports.registry builds both sides): the registry's transports
 # that write vLLM's plain CPU KV tensors from another process, so no shared pool (staging on
 # one host, nixl across hosts too).
-TRANSPORTS = tuple(n for n in registry.names(device="cpu", reach=registry.Reach.HOST) if registry.spec(n).has_endpoint and not registry.spec(n).shared_pool)
+TRANSPORTS = tuple(
+    n
+    for n in registry.names(device="cpu", reach=registry.Reach.HOST)
+    if registry.spec(n).has_endpoint and not registry.spec(n).shared_pool
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,9 @@ class ConnectorConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
         if unknown:
-            raise InvalidArgumentError(f"invalid kv_connector_extra_config keys {unknown}: known keys are {sorted(known)}")
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config keys {unknown}: known keys are {sorted(known)}"
+            )
         values: dict[str, Any] = {}
         for name, value in extra.items():
             default = getattr(cls, name)
@@ -70,29 +76,45 @@ class ConnectorConfig:
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif isinstance(default, bool):
                 if not isinstance(value, bool):
-                    raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be true or false")
+                    raise InvalidArgumentError(
+                        f"invalid kv_connector_extra_config {name}={value!r}: must be true or false"
+                    )
             elif isinstance(default, int):
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a positive integer")
+                    raise InvalidArgumentError(
+                        f"invalid kv_connector_extra_config {name}={value!r}: must be a positive integer"
+                    )
             elif isinstance(default, float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-                    raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a positive number of seconds")
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not (value > 0 and math.isfinite(value))
+                ):
+                    raise InvalidArgumentError(
+                        f"invalid kv_connector_extra_config {name}={value!r}: must be a positive number of seconds"
+                    )
                 value = float(value)
             values[name] = value
         config = cls(**values)
         if config.transport not in TRANSPORTS:
-            raise InvalidArgumentError(f"invalid kv_connector_extra_config transport={config.transport!r}: choose from {', '.join(TRANSPORTS)}")
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config transport={config.transport!r}: choose from {', '.join(TRANSPORTS)}"
+            )
         from kvferry.transports import registry, wire
 
         where = wire.parse_address(config.listen, "kv_connector_extra_config listen")
         if where.scheme == "unix" and config.advertise is not None:
-            raise InvalidArgumentError(f"invalid kv_connector_extra_config advertise={config.advertise!r}: only for a tcp:// listen address")
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config advertise={config.advertise!r}: only for a tcp:// listen address"
+            )
         if where.scheme == "tcp" and where.wildcard and config.advertise is None:
             raise InvalidArgumentError(
                 f"invalid kv_connector_extra_config listen={config.listen!r}: a wildcard bind needs advertise (the host name or IP address prefill servers reach it by)"
             )
         if where.scheme == "tcp" and not _loopback(where.host):  # reaches other hosts: only a transport that does
-            registry.check(config.transport, reach=registry.Reach.NETWORK, argument="kv_connector_extra_config transport")
+            registry.check(
+                config.transport, reach=registry.Reach.NETWORK, argument="kv_connector_extra_config transport"
+            )
         return config
 
     def authkey(self) -> bytes:
@@ -121,7 +143,9 @@ def default_authkey_path() -> str:
 
 def _private(st: os.stat_result, what: str, path: str) -> None:
     if st.st_uid != os.geteuid():
-        raise InvalidArgumentError(f"invalid {what} {path!r}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+        )
     if st.st_mode & 0o077:
         raise InvalidArgumentError(
             f"invalid {what} {path!r}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others in; it must be readable by its owner only (chmod {'700' if what.endswith('directory') else '600'})"
@@ -176,9 +200,13 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
         _private(st, what, path)
         key = f.read(MAX_KEY_BYTES + 1)
     if len(key) < MIN_KEY_BYTES:
-        raise InvalidArgumentError(f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > FILE)")
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > FILE)"
+        )
     if len(key) > MAX_KEY_BYTES:
-        raise InvalidArgumentError(f"invalid {what} {path!r}: holds more than {MAX_KEY_BYTES} bytes; a key is 32 to {MAX_KEY_BYTES} bytes")
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: holds more than {MAX_KEY_BYTES} bytes; a key is 32 to {MAX_KEY_BYTES} bytes"
+        )
     return key
 
 
@@ -221,15 +249,25 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         return RequestParams("hello")
     transfer = ours.get("transfer")
     if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 characters")
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 characters"
+        )
     if op == "status":
         extra = sorted(set(ours) - {"op", "transfer"})
         if extra:
-            raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry keys {extra} for op 'status': it takes op and transfer only")
+            raise InvalidArgumentError(
+                f"invalid kv_transfer_params.kvferry keys {extra} for op 'status': it takes op and transfer only"
+            )
         return RequestParams("status", transfer)
     timeout = ours.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 and math.isfinite(timeout))):
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (timeout > 0 and math.isfinite(timeout))
+    ):
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds"
+        )
     if op == "recv":
         if "peer_mac" in ours:
             raise InvalidArgumentError(
@@ -238,7 +276,9 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
-        raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer")
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer"
+        )
     mac = ours.get("peer_mac")
     hexdigits = "0123456789abcdef"
     if mac is not None and (not isinstance(mac, str) or len(mac) != 64 or any(c not in hexdigits for c in mac)):

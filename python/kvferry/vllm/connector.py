@@ -21,11 +21,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvferry.errors import InvalidArgumentError
 from kvferry.vllm.config import ConnectorConfig
+from kvferry.vllm.decode_worker import DecodeWorker
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
+from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.scheduler import SchedulerSide
 from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
-from kvferry.vllm.decode_worker import DecodeWorker
-from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.worker import WorkerCommon
 
 if TYPE_CHECKING:
@@ -36,7 +36,9 @@ __all__ = ["KvferryConnector"]
 
 
 class KvferryConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Optional[KVCacheConfig] = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Optional[KVCacheConfig] = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
@@ -46,7 +48,9 @@ class KvferryConnector(KVConnectorBase_V1):
         authkey = self.config.authkey()
         tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
         if tp != 1:
-            raise InvalidArgumentError(f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline parallel size 1)")
+            raise InvalidArgumentError(
+                f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline parallel size 1)"
+            )
         kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         self._sched: Optional[SchedulerSide] = None
@@ -55,10 +59,19 @@ class KvferryConnector(KVConnectorBase_V1):
         self._decode: Optional[DecodeWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             engine_id = str(transfer.engine_id)
-            self._sched = SchedulerSide(self.config, block_size=block_size, role=kv_role, engine_id=engine_id, kv_cache_manager_getter=lambda: self._kv_cache_manager, authkey=authkey)
+            self._sched = SchedulerSide(
+                self.config,
+                block_size=block_size,
+                role=kv_role,
+                engine_id=engine_id,
+                kv_cache_manager_getter=lambda: self._kv_cache_manager,
+                authkey=authkey,
+            )
         else:
             assert kv_cache_config is not None
-            self._worker = WorkerCommon(self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, authkey=authkey)
+            self._worker = WorkerCommon(
+                self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, authkey=authkey
+            )
             if kv_role in ("kv_producer", "kv_both"):
                 self._prefill = PrefillWorker(self._worker)
             if kv_role in ("kv_consumer", "kv_both"):
@@ -174,5 +187,7 @@ class KvferryConnector(KVConnectorBase_V1):
         return KvferryStats(data=dict(data) if data is not None else {})
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KvferryPromMetrics:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> KvferryPromMetrics:
         return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

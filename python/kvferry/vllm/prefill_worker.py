@@ -265,7 +265,9 @@ class PrefillWorker:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
         may then free them)."""
         if not st.added or st.peer is None:
-            self.common.ended("prefill", st.spec.transfer, st.spec.req_id, "failed", st.error or "it never started sending")
+            self.common.ended(
+                "prefill", st.spec.transfer, st.spec.req_id, "failed", st.error or "it never started sending"
+            )
             return True
         hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
         if st.error is None and kv in sender.failures():

@@ -182,7 +182,12 @@ class NixlFlow(Flow):
         answer = await ex.prefill(first)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            raise UpstreamError("prefill", ex.prefill_url, 502, "answer has no kv_transfer_params (is it running NixlConnector as kv_producer?)")
+            raise UpstreamError(
+                "prefill",
+                ex.prefill_url,
+                502,
+                "answer has no kv_transfer_params (is it running NixlConnector as kv_producer?)",
+            )
         # Any decode server can read the KV the prefill server holds, so a refused connection
         # fails over to the next one.
         return await ex.decode(dict(copy.deepcopy(ex.body), kv_transfer_params=params), failover=True)
@@ -211,7 +216,11 @@ class KvferryFlow(Flow):
             known = self.peers.get(server.url)
             if known is not None:
                 return known
-            hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
+            hello: dict[str, Any] = {
+                "prompt": [0],
+                "max_tokens": 1,
+                "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}},
+            }
             if "model" in ex.body:
                 hello["model"] = ex.body["model"]
             self.hellos += 1
@@ -282,7 +291,11 @@ class KvferryFlow(Flow):
     async def _status(self, ex: Exchange, leg: str, server: Upstream, transfer: str) -> dict[str, Any]:
         """The server's ``status`` answer for ``transfer`` (docs/vllm.md): a one-token request
         that computes and moves nothing, like ``hello``."""
-        body: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "status", "transfer": transfer}}}
+        body: dict[str, Any] = {
+            "prompt": [0],
+            "max_tokens": 1,
+            "kv_transfer_params": {PARAMS_KEY: {"op": "status", "transfer": transfer}},
+        }
         if "model" in ex.body:
             body["model"] = ex.body["model"]
         self.statuses += 1
@@ -301,10 +314,16 @@ class KvferryFlow(Flow):
         what it answered and what its status said."""
         if status.get("state") in ("failed", "aborted") and status.get("error"):
             return f"transfer {transfer} {status['state']}: {status['error']}"
-        said = status.get("error") if status.get("state") == "unavailable" else f"the server reports it {status.get('state')!r}"
+        said = (
+            status.get("error")
+            if status.get("state") == "unavailable"
+            else f"the server reports it {status.get('state')!r}"
+        )
         return f"{err.message} (transfer {transfer}: {said})"
 
-    async def _explain_decode(self, ex: Exchange, server: Upstream, transfer: str, prefill: asyncio.Future[dict[str, Any]], err: UpstreamError) -> UpstreamError:
+    async def _explain_decode(
+        self, ex: Exchange, server: Upstream, transfer: str, prefill: asyncio.Future[dict[str, Any]], err: UpstreamError
+    ) -> UpstreamError:
         """The decode server answered an error (vLLM says only "Internal server error" for a
         request it finished with finish_reason "error"): the reason, from its ``status``, and
         the prefill leg's own error if it has one by now. The peer is dropped here, before the
@@ -325,7 +344,12 @@ class KvferryFlow(Flow):
     async def _explain_prefill(self, ex: Exchange, err: BaseException, transfer: str) -> BaseException:
         """The prefill leg failed: an error answer (vLLM's "Internal server error" for a
         refused send, an unreachable peer, ...) gets the reason from that server's ``status``."""
-        if not isinstance(err, UpstreamError) or err.upstream_status is None or err.upstream_status < 500 or ex.prefill_server is None:
+        if (
+            not isinstance(err, UpstreamError)
+            or err.upstream_status is None
+            or err.upstream_status < 500
+            or ex.prefill_server is None
+        ):
             return err
         why = self._why(await self._status(ex, "prefill", ex.prefill_server, transfer), transfer, err)
         return UpstreamError("prefill", err.url, 502, why, err.upstream_status, transfer, detail=str(err))
@@ -429,7 +453,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 class Proxy:
     """The aiohttp application and its upstream client session."""
 
-    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", timeout_s: float = 3600.0
+    ) -> None:
         if not prefills:
             raise ValueError(f"prefills must name at least one server, got {list(prefills)!r}")
         if not decodes:
@@ -468,7 +494,9 @@ class Proxy:
             return web.json_response(err.body(), status=err.status)
         return web.json_response(answer)
 
-    async def _post_json(self, leg: str, server: Upstream, path: str, body: Optional[dict[str, Any]], retry: bool = False) -> dict[str, Any]:
+    async def _post_json(
+        self, leg: str, server: Upstream, path: str, body: Optional[dict[str, Any]], retry: bool = False
+    ) -> dict[str, Any]:
         """One non-streaming call; a transport failure marks the server down. ``retry``: a
         refused connection raises _Refused (the caller tries another server)."""
         assert self.client is not None
@@ -549,7 +577,9 @@ class Exchange:
         (``prefill``) and the decode leg was sent (``decode-start``), in ms since arrival."""
         return ", ".join(f"{name};dur={ms:.3f}" for name, ms in self.timing.items())
 
-    async def post_json(self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False) -> dict[str, Any]:
+    async def post_json(
+        self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False
+    ) -> dict[str, Any]:
         return await self.proxy._post_json(leg, server, path, body, retry)
 
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -638,7 +668,11 @@ class Exchange:
                     status = r.status if 400 <= r.status < 500 else 502
                     raise UpstreamError("decode", server.url, status, _http_reason(r.status, text), detail=text[:2000])
                 out = web.StreamResponse(
-                    headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache", "Server-Timing": self.server_timing()}
+                    headers={
+                        "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
+                        "Cache-Control": "no-cache",
+                        "Server-Timing": self.server_timing(),
+                    }
                 )
                 await out.prepare(self.request)
                 self.out = out
@@ -685,7 +719,9 @@ async def start(proxy: Proxy, host: str, port: int) -> web.AppRunner:
     return runner
 
 
-def serve(prefills: Sequence[str], decodes: Sequence[str], host: str = "127.0.0.1", port: int = 8000, connector: str = "nixl") -> None:
+def serve(
+    prefills: Sequence[str], decodes: Sequence[str], host: str = "127.0.0.1", port: int = 8000, connector: str = "nixl"
+) -> None:
     """Runs the proxy until interrupted."""
     proxy = Proxy(prefills, decodes, connector)
 
@@ -703,7 +739,9 @@ def serve(prefills: Sequence[str], decodes: Sequence[str], host: str = "127.0.0.
 class ProxyThread:
     """The proxy on a free loopback port in a thread of this process (tests and benches)."""
 
-    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", host: str = "127.0.0.1"
+    ) -> None:
         self.proxy = Proxy(prefills, decodes, connector)
         self.host = host
         self.url = ""

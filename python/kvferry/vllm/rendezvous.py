@@ -86,7 +86,13 @@ class Rendezvous:
     collects the transfers prefill sides abandoned."""
 
     def __init__(
-        self, authkey: bytes, endpoint_for: Callable[[str], str], directory: Optional[str] = None, *, listen: str = "unix://", advertise: Optional[str] = None
+        self,
+        authkey: bytes,
+        endpoint_for: Callable[[str], str],
+        directory: Optional[str] = None,
+        *,
+        listen: str = "unix://",
+        advertise: Optional[str] = None,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
@@ -220,13 +226,17 @@ class Rendezvous:
                 try:
                     frame = channel.recv()
                 except wire.ProtocolError as err:
-                    logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err)
+                    logger.warning(
+                        "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err
+                    )
                     channel.goodbye(f"disconnected: {err}")
                     return
                 handler = self.HANDLERS.get(type(frame))
                 if handler is None:
                     why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup and abandon)"
-                    logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why)
+                    logger.warning(
+                        "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why
+                    )
                     channel.goodbye(f"disconnected: {why}")
                     return
                 channel.send_frame(handler(self, frame))
@@ -325,7 +335,9 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     try:
         sock = wire.connect(where, timeout)
     except OSError as err:
-        raise TransferError(f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address) from err
+        raise TransferError(
+            f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address
+        ) from err
     try:
         wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
@@ -367,9 +379,13 @@ def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: s
     try:
         answer = _ask(sock, data, wait_s + HANDSHAKE_SECONDS)
     except TimeoutError as err:
-        raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address) from err
+        raise TransferError(
+            f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address
+        ) from err
     except Exception as err:
-        raise TransferError(f"transfer {transfer!r}: the decode server at {address!r} went away: {err!r}", peer=address) from err
+        raise TransferError(
+            f"transfer {transfer!r}: the decode server at {address!r} went away: {err!r}", peer=address
+        ) from err
     finally:
         sock.close()
     if isinstance(answer, Destination):
@@ -385,12 +401,16 @@ def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
     try:
         data = wire.encode(Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES)), RENDEZVOUS)
     except (InvalidArgumentError, TypeError) as err:
-        raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)) from err
+        raise TransferError(
+            f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)
+        ) from err
     sock = _connect(address, authkey)
     try:
         answer = _ask(sock, data, HANDSHAKE_SECONDS)
     except Exception as err:
-        raise TransferError(f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err!r}", peer=address) from err
+        raise TransferError(
+            f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err!r}", peer=address
+        ) from err
     finally:
         sock.close()
     if not isinstance(answer, Abandoned):

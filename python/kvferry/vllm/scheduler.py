@@ -62,7 +62,16 @@ class _Sending:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, *, block_size: int, role: str, engine_id: str, kv_cache_manager_getter: Any, authkey: bytes) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        block_size: int,
+        role: str,
+        engine_id: str,
+        kv_cache_manager_getter: Any,
+        authkey: bytes,
+    ) -> None:
         self.config = config
         self._authkey = authkey  # read at startup (config.load_authkey); never in a request or answer
         self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
@@ -102,10 +111,14 @@ class SchedulerSide:
                 return 0, False
             if params.op == "recv":
                 if self.role == "kv_producer":
-                    raise KvFerryError("op 'recv' on a kv_producer server: send decode requests to a kv_consumer (or kv_both) server")
+                    raise KvFerryError(
+                        "op 'recv' on a kv_producer server: send decode requests to a kv_consumer (or kv_both) server"
+                    )
                 return self._claim(params.transfer or "", remaining)
             if self.role == "kv_consumer":
-                raise KvFerryError("op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server")
+                raise KvFerryError(
+                    "op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server"
+                )
             return self._destination(request, params, num_computed_tokens)
         except KvFerryError as err:
             return self._refuse(rid, str(err), request), True
@@ -139,7 +152,14 @@ class SchedulerSide:
             trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
-            args = (found, params.peer, self._authkey, params.transfer, params.timeout_s or self.config.destination_timeout_s, self.engine_id)
+            args = (
+                found,
+                params.peer,
+                self._authkey,
+                params.transfer,
+                params.timeout_s or self.config.destination_timeout_s,
+                self.engine_id,
+            )
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
             return None, False  # vLLM asks again next step; the request waits for its destination
@@ -153,7 +173,15 @@ class SchedulerSide:
             _tell_abandon(params, self._authkey, f"prefill request refused the destination: {err}")
             raise
         timeout = params.timeout_s or self.config.transfer_timeout_s
-        spec = SendSpec(rid, params.transfer or "", request.num_prompt_tokens, num_computed_tokens, params.peer or "", destination, timeout)
+        spec = SendSpec(
+            rid,
+            params.transfer or "",
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            params.peer or "",
+            destination,
+            timeout,
+        )
         self._sending[rid] = _Sending(spec)
         return 0, False
 
@@ -174,7 +202,16 @@ class SchedulerSide:
         assert kv_id < MAX_KV_ID
         timeout = params.timeout_s or self.config.transfer_timeout_s
         self._meta.recvs.append(
-            RecvSpec(rid, kv_id, params.transfer, prompt_len, list(table[: math.ceil(prompt_len / self.block_size)]), held, prompt_digest(request.prompt_token_ids), timeout)
+            RecvSpec(
+                rid,
+                kv_id,
+                params.transfer,
+                prompt_len,
+                list(table[: math.ceil(prompt_len / self.block_size)]),
+                held,
+                prompt_digest(request.prompt_token_ids),
+                timeout,
+            )
         )
         self._receiving[rid] = params.transfer
         self._claimed[params.transfer] = None
@@ -251,7 +288,9 @@ class SchedulerSide:
         overwritten by a success of the same id (a kv_both server holds both halves)."""
         for outcome in outcomes:
             known = self._outcomes.pop(outcome.transfer, None)
-            self._outcomes[outcome.transfer] = known if known is not None and known.state != "done" and outcome.state == "done" else outcome
+            self._outcomes[outcome.transfer] = (
+                known if known is not None and known.state != "done" and outcome.state == "done" else outcome
+            )
         while len(self._outcomes) > MAX_OUTCOMES:
             self._outcomes.popitem(last=False)
 
@@ -313,17 +352,23 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def _check_destination(destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging") -> dict[str, Any]:
+def _check_destination(
+    destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging"
+) -> dict[str, Any]:
     """The decode side's published destination, checked against this request: the same
     prompt, one destination block per prompt block, sane ids."""
     prompt_len = request.num_prompt_tokens
     blocks = math.ceil(prompt_len / block_size)
-    if destination.get("prompt_len") != prompt_len or destination.get("digest") != prompt_digest(request.prompt_token_ids):
+    if destination.get("prompt_len") != prompt_len or destination.get("digest") != prompt_digest(
+        request.prompt_token_ids
+    ):
         raise KvFerryError(
             f"the decode request of this transfer has another prompt ({destination.get('prompt_len')!r} tokens there, {prompt_len} here, or other token ids)"
         )
     if destination.get("block_size") != block_size:
-        raise KvFerryError(f"the decode server's block_size is {destination.get('block_size')!r}, this server's is {block_size}")
+        raise KvFerryError(
+            f"the decode server's block_size is {destination.get('block_size')!r}, this server's is {block_size}"
+        )
     dst = destination.get("dst_blocks")
     if not isinstance(dst, list) or len(dst) != blocks:
         raise KvFerryError(f"invalid destination dst_blocks: must list the {blocks} blocks of the prompt")
@@ -337,5 +382,7 @@ def _check_destination(destination: dict[str, Any], request: Any, block_size: in
         raise KvFerryError(f"invalid destination endpoint={endpoint!r}: must be a '<transport>+<address>' URL")
     theirs, _ = registry.parse_url(endpoint)
     if theirs != transport:
-        raise KvFerryError(f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's kv_connector_extra_config transport is {transport!r}")
+        raise KvFerryError(
+            f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's kv_connector_extra_config transport is {transport!r}"
+        )
     return destination

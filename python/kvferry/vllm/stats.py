@@ -24,9 +24,18 @@ COUNTERS = {
 }
 # name -> (help, buckets); each becomes the histogram vllm:kvferry_<name>.
 HISTOGRAMS = {
-    "transfer_seconds": ("Seconds from a request's first write to its last landing (prefill side).", (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)),
-    "hidden_fraction": ("Per request: the fraction of its bytes that landed before its last forward ended.", (0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)),
-    "recv_seconds": ("Seconds from a decode request's blocks being expected to their arrival.", (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)),
+    "transfer_seconds": (
+        "Seconds from a request's first write to its last landing (prefill side).",
+        (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0),
+    ),
+    "hidden_fraction": (
+        "Per request: the fraction of its bytes that landed before its last forward ended.",
+        (0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+    ),
+    "recv_seconds": (
+        "Seconds from a decode request's blocks being expected to their arrival.",
+        (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0),
+    ),
 }
 
 # The counter vllm:kvferry_failures_total{reason=...}: transfers that failed on either side, by
@@ -113,15 +122,27 @@ class KvferryStats(KVConnectorStats):
 
 
 class KvferryPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {
-            name: create_metric_per_engine(self._counter_cls(name=f"vllm:kvferry_{name}", documentation=doc, labelnames=labelnames), per_engine_labelvalues)
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvferry_{name}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
             for name, doc in COUNTERS.items()
         }
         self.histograms = {
             name: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:kvferry_{name}", documentation=doc, buckets=list(buckets), labelnames=labelnames), per_engine_labelvalues
+                self._histogram_cls(
+                    name=f"vllm:kvferry_{name}", documentation=doc, buckets=list(buckets), labelnames=labelnames
+                ),
+                per_engine_labelvalues,
             )
             for name, (doc, buckets) in HISTOGRAMS.items()
         }
@@ -146,4 +167,3 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             if name in self.histograms:
                 for value in values:
                     self.histograms[name][engine_idx].observe(value)
-

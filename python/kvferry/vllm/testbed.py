@@ -143,12 +143,16 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return str(part.get("content") or "")
 
 
-def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str, str]] = None, timeout_s: float = 600.0) -> Answer:
+def call(
+    base: str, path: str, body: dict[str, Any], headers: Optional[dict[str, str]] = None, timeout_s: float = 600.0
+) -> Answer:
     """POSTs an OpenAI request (``body["stream"]`` picks the mode) with ``return_token_ids``
     on; a non-200 answer comes back with its status and JSON body, not raised."""
     body = dict(body, return_token_ids=True)
     data = json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        base + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     t0 = time.perf_counter()
     try:
         r = urllib.request.urlopen(req, timeout=timeout_s)
@@ -163,7 +167,16 @@ def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str,
             t = time.perf_counter() - t0
             choice = answer["choices"][0]
             timing = _server_timing(r.headers.get("Server-Timing"))
-            return Answer(list(choice.get("token_ids") or []), _choice_text(choice), t, t, r.status, answer, choice.get("finish_reason"), timing)
+            return Answer(
+                list(choice.get("token_ids") or []),
+                _choice_text(choice),
+                t,
+                t,
+                r.status,
+                answer,
+                choice.get("finish_reason"),
+                timing,
+            )
         ids: list[int] = []
         text, events, ttft, finish = "", [], 0.0, None
         for line in r:
@@ -182,7 +195,16 @@ def call(base: str, path: str, body: dict[str, Any], headers: Optional[dict[str,
                 ids += got
                 text += _choice_text(choice)
                 finish = choice.get("finish_reason") or finish
-        return Answer(ids, text, ttft, time.perf_counter() - t0, r.status, events, finish, _server_timing(r.headers.get("Server-Timing")))
+        return Answer(
+            ids,
+            text,
+            ttft,
+            time.perf_counter() - t0,
+            r.status,
+            events,
+            finish,
+            _server_timing(r.headers.get("Server-Timing")),
+        )
 
 
 def free_port() -> int:
@@ -240,7 +262,11 @@ def nixl_config(role: str, lease_s: int = 600) -> dict[str, Any]:
 def kvferry_config(role: str, **extra: Any) -> dict[str, Any]:
     """kvferry's KvferryConnector (docs/vllm.md); ``extra`` goes to kv_connector_extra_config
     (early, layer_groups, ...)."""
-    config: dict[str, Any] = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "kvferry.vllm", "kv_role": role}
+    config: dict[str, Any] = {
+        "kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.vllm",
+        "kv_role": role,
+    }
     if extra:
         config["kv_connector_extra_config"] = dict(extra)
     return config
@@ -365,7 +391,12 @@ def start_server(
     log = open(log_path, "wb")
     try:
         proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
     finally:
         log.close()
@@ -386,7 +417,9 @@ def wait_ready(servers: Sequence[Server], timeout_s: float = 240.0) -> None:
         for s in list(pending):
             code = s.proc.poll()
             if code is not None:
-                raise ServerError(f"{s.name} exited with status {code} before it was ready; log {s.log_path}:\n{s.log_tail()}")
+                raise ServerError(
+                    f"{s.name} exited with status {code} before it was ready; log {s.log_path}:\n{s.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(s.url + "/health", timeout=2) as r:
                     if r.status == 200:

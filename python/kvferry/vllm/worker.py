@@ -87,9 +87,7 @@ class WorkerCommon:
                 f"the model has {self.pool.num_layers} layers"
             )
 
-    def ended(
-        self, side: str, transfer: str, rid: str, state: str, error: Optional[str] = None, **landed: Any
-    ) -> None:
+    def ended(self, side: str, transfer: str, rid: str, state: str, error: Optional[str] = None, **landed: Any) -> None:
         """How ``transfer`` (request ``rid``) ended on ``side``: for the scheduler half's
         ``status`` answers, in the trace (``landed``: its bytes and time, when done) and, when it
         did not end done, in the failures metric by reason."""
