@@ -348,9 +348,11 @@ def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) ->
                 == plain.run([(f"r2-{p}", prompts[p], OUT, None)])["outputs"][f"r2-{p}"]["tokens"]
             )
         # Each prefill engine writes a staging ring of its own (a ring has one writer): the new
-        # engine made one; the shared one made one too unless an earlier test had made it.
+        # engine made one; the shared one made one too unless an earlier test had made it. (An
+        # endpoint of an earlier test's engine that no sender holds any more may have been swept
+        # meanwhile, DecodeWorker.sweep: so no claim on those.)
         after = set(decode.call("totals")["endpoints"])
-        assert before <= after and 1 <= len(after - before) <= 2 and len(after) >= 2, (before, after)
+        assert 1 <= len(after - before) <= 2 and len(after) >= 2, (before, after)
         no_blocks_used(prefill, other, decode)
     finally:
         other.close()
