@@ -22,6 +22,7 @@ from kvferry.errors import TransferError
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import guard, registry, wire
+from kvferry.transports.frames import Challenge
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
 
@@ -470,8 +471,8 @@ def _attacks(address: str, authkey: bytes) -> None:
         secrets.token_bytes(512),
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
         wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 1 << 30),
-        wire.frame("challenge", (wire.ROLE_SENDER, secrets.token_bytes(32)))[:7],
-        wire.frame("challenge", (wire.ROLE_ENDPOINT, secrets.token_bytes(32))),  # reflected
+        wire.encode(Challenge(wire.ROLE_SENDER, secrets.token_bytes(32)))[:7],
+        wire.encode(Challenge(wire.ROLE_ENDPOINT, secrets.token_bytes(32))),  # reflected
     ]
     for data in garbage:
         with _connect_raw(address) as raw:

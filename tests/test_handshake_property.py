@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvferry.transports import wire
+from kvferry.transports.frames import Challenge, Proof
 
 KEY = secrets.token_bytes(32)
 URL = "tcp://127.0.0.1:7000"
@@ -52,18 +53,18 @@ def _play(steps: list[str]) -> tuple[Any, bytes]:
     try:
         for s in steps:
             if s == "challenge":
-                peer.sendall(wire.frame("challenge", (wire.ROLE_SENDER, mine)))
+                peer.sendall(wire.encode(Challenge(wire.ROLE_SENDER, mine)))
             elif s == "challenge-endpoint-role":
-                peer.sendall(wire.frame("challenge", (wire.ROLE_ENDPOINT, mine)))
+                peer.sendall(wire.encode(Challenge(wire.ROLE_ENDPOINT, mine)))
             elif s.startswith("proof"):
                 key = secrets.token_bytes(32) if s == "proof-wrong-key" else KEY
                 url = OTHER if s == "proof-other-url" else URL
                 proof = wire._mac(key, wire.ROLE_SENDER, wire.binding(url), theirs, mine)  # noqa: SLF001
-                peer.sendall(wire.frame("proof", proof))
+                peer.sendall(wire.encode(Proof(proof)))
             elif s == "garbage":
                 peer.sendall(MARK + secrets.token_bytes(20))
             elif s == "truncated":
-                peer.sendall(wire.frame("challenge", (wire.ROLE_SENDER, mine))[:-5])
+                peer.sendall(wire.encode(Challenge(wire.ROLE_SENDER, mine))[:-5])
             elif s == "end":
                 peer.shutdown(socket.SHUT_WR)
                 break

@@ -81,7 +81,7 @@ def recv(transfer: str) -> dict[str, Any]:
 
 
 def send(hello: dict[str, Any], transfer: str) -> dict[str, Any]:
-    return {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"]}}
+    return {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "peer_mac": hello["peer_mac"]}}
 
 
 def no_blocks_used(*engines: Engine) -> None:
