@@ -94,6 +94,8 @@ def _stream(
 ) -> tuple[str, Any, Optional[float]]:
     """One streamed turn through the proxy: ("done", tokens, ttft), ("failed", reason, ttft)
     or ("hung_up", None, ttft) after ``hang_after`` events."""
+    from kvferry.vllm.testbed import sse_events
+
     host, port = base.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     body = {
@@ -119,14 +121,7 @@ def _stream(
             return "failed", f"HTTP {r.status}: {raw}", None
         ids: list[int] = []
         events = 0
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            event = json.loads(payload)
+        for event in sse_events(r):
             if "error" in event:
                 return "failed", f"stream error: {event['error'].get('message')}", ttft
             for choice in event.get("choices") or ():

@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from kvferry.geometry import VLLM_TEST_MODEL, Geometry
 
@@ -179,14 +179,7 @@ def call(
             )
         ids: list[int] = []
         text, events, ttft, finish = "", [], 0.0, None
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            event = json.loads(payload)
+        for event in sse_events(r):
             events.append(event)
             for choice in event.get("choices") or ():
                 got = list(choice.get("token_ids") or [])
@@ -205,6 +198,19 @@ def call(
             finish,
             _server_timing(r.headers.get("Server-Timing")),
         )
+
+
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI server's stream (server-sent events), up to its ``[DONE]``,
+    each as soon as its line arrives."""
+    for line in lines:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
 
 
 def free_port() -> int:
