@@ -27,7 +27,7 @@ needs_vllm = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, build_tiny_llama, wait_until  # noqa: E402
+from vllm_harness import BLOCK, Engine, model_with_own_key_dir, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -52,19 +52,7 @@ def test_import_without_vllm_names_the_extra() -> None:
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not HAVE_VLLM:
         pytest.skip("vLLM not importable")
-    # The engines (spawned: they inherit this environment) find the per-user default key
-    # file here, with no setting: the first to start makes it, the others re-use it.
-    runtime = tmp_path_factory.mktemp("runtime")
-    os.chmod(runtime, 0o700)
-    saved = os.environ.get("XDG_RUNTIME_DIR")
-    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-    try:
-        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-    finally:
-        if saved is None:
-            os.environ.pop("XDG_RUNTIME_DIR", None)
-        else:
-            os.environ["XDG_RUNTIME_DIR"] = saved
+    yield from model_with_own_key_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

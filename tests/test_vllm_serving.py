@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, build_tiny_llama  # noqa: E402
+from vllm_harness import BLOCK, Engine, model_with_own_key_dir  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -36,17 +36,7 @@ WAIT_S = 60.0  # what a decode request waits for its blocks at most
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    runtime = tmp_path_factory.mktemp("runtime")
-    os.chmod(runtime, 0o700)
-    saved = os.environ.get("XDG_RUNTIME_DIR")
-    os.environ["XDG_RUNTIME_DIR"] = str(runtime)  # the engines share the default key file there
-    try:
-        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-    finally:
-        if saved is None:
-            os.environ.pop("XDG_RUNTIME_DIR", None)
-        else:
-            os.environ["XDG_RUNTIME_DIR"] = saved
+    yield from model_with_own_key_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 BLOCK = 32
 
@@ -33,6 +33,24 @@ def build_tiny_llama(path: str) -> str:
     from kvferry.vllm import testbed
 
     return str(testbed.build_tiny_llama(Path(path)))
+
+
+def model_with_own_key_dir(tmp_path_factory: Any) -> Iterator[str]:
+    """A module fixture's body: builds the tiny model and, while the module's tests run, points
+    ``XDG_RUNTIME_DIR`` at a fresh 0700 directory, so that the engines (spawned: they inherit
+    this environment) find the per-user default key file there with no setting (the first to
+    start makes it, the others re-use it). Yields the model's folder."""
+    runtime = tmp_path_factory.mktemp("runtime")
+    os.chmod(runtime, 0o700)
+    saved = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = saved
 
 
 def _enter_netns(name: str) -> None:
