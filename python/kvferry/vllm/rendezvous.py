@@ -293,15 +293,21 @@ class Rendezvous:
                 self._cond.wait(left)
         try:  # outside the lock: making an endpoint (a ring, a listener) must not hold up other lookups
             endpoint = self._endpoint_for(sender)
-            # publish checked every other field: only the endpoint can be refused
+        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
+            return self._refuse_taken(transfer, sender, f"no endpoint for prefill engine {sender!r}: {err}")
+        try:  # publish checked every other field: only the endpoint can be refused
             return wire.encode(Destination(**dict(published, endpoint=endpoint)), RENDEZVOUS)
-        except Exception as err:  # no room for another endpoint, or an unusable one: this lookup fails, not the server
-            reason = f"no endpoint for prefill engine {sender!r}: {err}"
-            with self._cond:  # nothing can reach its blocks: its decode request fails now, not at its timeout
-                self._abandoned[transfer] = reason
-                if self._taken.get(transfer) == sender:
-                    del self._taken[transfer]
-            return refused(reason)
+        except (InvalidArgumentError, TypeError) as err:
+            return self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+
+    def _refuse_taken(self, transfer: str, sender: str, reason: str) -> bytes:
+        """Gives back a destination ``sender`` took but cannot use: nothing can reach its
+        blocks, so its decode request fails now (abandoned), not at its timeout."""
+        with self._cond:
+            self._abandoned[transfer] = reason
+            if self._taken.get(transfer) == sender:
+                del self._taken[transfer]
+        return wire.encode(Refused(_clip(reason, MAX_ERROR_BYTES)), RENDEZVOUS)
 
     def close(self) -> None:
         with self._cond:
