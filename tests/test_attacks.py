@@ -476,8 +476,12 @@ def _attacks(address: str, authkey: bytes) -> None:
     ]
     for data in garbage:
         with _connect_raw(address) as raw:
-            raw.sendall(data)
-            raw.shutdown(socket.SHUT_WR)
+            try:
+                raw.sendall(data)
+                raw.shutdown(socket.SHUT_WR)
+            except OSError as err:  # it refused and closed before our bytes or our FIN went out: fine
+                if err.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    raise
             got = b""
             with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread: a reset
                 while chunk := raw.recv(4096):
