@@ -398,15 +398,15 @@ from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool, ShmEndpoint
 from kvferry.transports.staging import StagingEndpoint
-key = bytes.fromhex(sys.argv[2])
+key, listen = bytes.fromhex(sys.argv[2]), sys.argv[3]
 if sys.argv[1] == "staging":
     receiver = KVReceiver(PagedKV(tuple(torch.zeros(4, 2, 4, 8) for _ in range(2)), 4))
-    endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=4)
+    endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=4, address=listen)
     segment = "-"
 else:
     shared = SharedPool.create(num_layers=2, shape=(4, 2, 4, 8), dtype=torch.float32, tokens_per_block=4)
     receiver = KVReceiver(shared.pool)
-    endpoint = ShmEndpoint(receiver, shared, authkey=key)
+    endpoint = ShmEndpoint(receiver, shared, authkey=key, address=listen)
     segment = shared.descriptor["name"]
 sys.stdout.write(endpoint.address + " " + segment + "\n"); sys.stdout.flush()
 threading.Event().wait()
@@ -428,21 +428,23 @@ threading.Event().wait()
 """
 
 
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
 @pytest.mark.parametrize("kind", ["staging", "shm"])
-def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str) -> None:
+def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str, listen: str) -> None:
     """A receiver (its endpoint, and the resource tracker its segments bring) and a connected
     sender, each in a process group of its own, both SIGKILLed: neither the staging ring the
-    connection had nor the shm endpoint's pool is left in /dev/shm."""
+    connection had nor the shm endpoint's pool is left in /dev/shm, over unix:// (the
+    descriptor travels) and tcp:// (the sender opens it where the receiver holds it)."""
     authkey = secrets.token_bytes(32)
     procs: list[subprocess.Popen[str]] = []
     names: set[str] = set()
     try:
-        argv = [sys.executable, "-c", _RECEIVER, kind, authkey.hex()]
+        argv = [sys.executable, "-c", _RECEIVER, kind, authkey.hex(), listen]
         receiver = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(receiver)
         assert receiver.stdout is not None
         address, segment = receiver.stdout.readline().split()
-        assert address.startswith("unix://"), address
+        assert address.startswith(listen.split(":")[0] + "://"), address
         argv = [sys.executable, "-c", _STAGER, kind, address, authkey.hex()]
         sender = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(sender)
@@ -552,3 +554,34 @@ def test_each_transport_survives_the_attacks_and_serves_bit_exact(
 
     assert until(lambda: not ours())
     assert _left_in_shm(segments) == set()
+
+
+def test_an_shm_hello_over_tcp_opens_only_the_receivers_nameless_kvferry_segment(tmp_path: Any) -> None:
+    """Over tcp:// the shm hello says where the receiver holds its nameless pool (pid, fd,
+    inode); a hello pointing at anything else (a file of this process, a segment with a name,
+    another inode) is refused by name before anything is mapped or written."""
+    from kvferry.errors import TransferError
+    from kvferry.transports import shm
+
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    other = open(tmp_path / "not-a-pool", "wb+")  # noqa: SIM115
+    try:
+        fd = shared.fileno()
+        name = shared.descriptor["name"]
+        holder = {"pid": os.getpid(), "fd": fd, "inode": os.fstat(fd).st_ino}
+        with pytest.raises(TransferError, match="not the receiver's nameless segment"):
+            shm._open_held(holder, shared.descriptor)  # still named: not what an endpoint hands out
+        shared.remove_name()
+        os.close(shm._open_held(holder, shared.descriptor))  # the real one opens
+        with pytest.raises(TransferError, match="not the receiver's segment"):
+            shm._open_held(dict(holder, inode=holder["inode"] + 1), shared.descriptor)
+        with pytest.raises(TransferError, match="not the receiver's nameless segment"):
+            shm._open_held(dict(holder, fd=other.fileno()), shared.descriptor)
+        with pytest.raises(TransferError, match="cannot open the receiver's shared pool at /proc/"):
+            shm._open_held(dict(holder, fd=2**20), shared.descriptor)
+        with pytest.raises(TransferError, match="invalid segment name"):
+            shm._open_held(holder, dict(shared.descriptor, name="../etc/passwd"))
+        assert name not in os.listdir("/dev/shm")
+    finally:
+        other.close()
+        shared.close()

@@ -294,6 +294,70 @@ def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
         worker.close()
 
 
+def test_made_up_sender_names_cannot_fill_the_endpoint_bound_within_the_grace(tmp_path: Any) -> None:
+    """Lookups with made-up sender names, all within one grace period (no sweep): one naming
+    a transfer no decode request published makes no endpoint; at the bound, one that took a
+    real destination reclaims the oldest idle endpoint at once, so a new prefill engine that
+    connects still gets one; engines connected or holding a destination are never reclaimed,
+    and only they can fill the bound (before: 64 made-up names did, for 30 s)."""
+    import torch
+    from kvferry.errors import TransferError
+    from kvferry.layout import PagedKV
+    from kvferry.transports import registry
+    from kvferry.vllm import decode_worker, rendezvous
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    key = b"k" * 32
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20), block_size=4, num_blocks=8, authkey=key
+    )
+    common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)
+    worker = DecodeWorker(common)
+    worker.start()
+    assert worker.rendezvous is not None
+    address = worker.rendezvous.address
+    destination = {"request_id": 1, "epoch": 1, "prompt_len": 8, "digest": "0" * 32, "block_size": 4,
+                   "dst_blocks": [1, 2], "held_blocks": 0, "engine": "decode-0"}  # fmt: skip
+    connected = None
+    try:
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):  # no such transfer: refused, no endpoint
+            with pytest.raises(TransferError, match="no decode request expected it"):
+                rendezvous.lookup(address, key, f"made-up-{i}", 0.0, f"fake-{i}")
+        assert worker.endpoints == {}
+        first = None
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):  # real destinations, then withdrawn
+            worker.rendezvous.publish(f"T{i}", destination)
+            found = rendezvous.lookup(address, key, f"T{i}", 5.0, f"fake-{i}")
+            first = first or found["endpoint"]
+            worker.rendezvous.withdraw(f"T{i}", "done")
+        assert len(worker.endpoints) == decode_worker.MAX_PREFILL_ENGINES
+        assert "fake-0" not in worker.endpoints  # the oldest idle ones made room
+        # A real prefill engine: takes a destination and connects; it stays while connected.
+        worker.rendezvous.publish("real", destination)
+        found = rendezvous.lookup(address, key, "real", 5.0, "real-engine")
+        connected = registry.connect(found["endpoint"], authkey=key, src=common.pool)
+        worker.rendezvous.withdraw("real", "done")
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):
+            worker.rendezvous.publish(f"U{i}", destination)
+            rendezvous.lookup(address, key, f"U{i}", 5.0, f"more-{i}")
+            worker.rendezvous.withdraw(f"U{i}", "done")
+        assert "real-engine" in worker.endpoints and first is not None
+        # Every endpoint connected or holding a destination: the bound holds, the lookup is refused.
+        for i, name in enumerate(list(worker.endpoints)):
+            if name != "real-engine":
+                worker.rendezvous._taken[f"held-{i}"] = name
+        worker.rendezvous.publish("over", destination)
+        with pytest.raises(TransferError, match="connected or holding a destination"):
+            rendezvous.lookup(address, key, "over", 5.0, "one-too-many")
+        assert worker.rendezvous.abandoned("over") is not None  # its decode request fails now
+    finally:
+        if connected is not None:
+            connected.close()
+        worker.close()
+
+
 def time_now() -> float:
     import time
 

@@ -7,8 +7,8 @@ use kvferry::wire::rendezvous::{
 };
 use kvferry::wire::{
     decode, decode_header, encode, Agent, Announce, Cancel, Challenge, CudaTensor, Frame, Freed,
-    Geometry, Goodbye, Hello, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment, Staged,
-    HEADER_BYTES, MAX_FRAME_BYTES,
+    Geometry, Goodbye, Hello, Holder, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment,
+    Staged, HEADER_BYTES, MAX_FRAME_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -128,7 +128,12 @@ fn hello() -> impl Strategy<Value = Hello> {
                 };
                 let n = layers as usize;
                 let access = prop_oneof![
-                    segment().prop_map(|segment| PoolAccess::Shm { segment }),
+                    (segment(), any::<u32>(), any::<u32>(), any::<u64>()).prop_map(
+                        |(segment, pid, fd, inode)| PoolAccess::Shm {
+                            segment,
+                            holder: Holder { pid, fd, inode },
+                        }
+                    ),
                     (segment(), 1u64..1 << 20)
                         .prop_map(|(ring, capacity)| PoolAccess::Staging { ring, capacity }),
                     vec(cuda_tensor(), n).prop_map(|layers| PoolAccess::CudaIpc { layers }),

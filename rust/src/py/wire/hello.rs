@@ -3,7 +3,7 @@
 //! ```text
 //! {"geometry": {num_layers, tokens_per_block, dtype, segments, segment_bytes},
 //!  "num_blocks", "block_dim", "kind": "shm" | "staging" | "cuda_ipc" | "nixl", and by kind:
-//!  shm: "segment" (a Segment dict); staging: "segment" (the ring), "capacity";
+//!  shm: "segment" (a Segment dict), "holder" (a Holder dict); staging: "segment" (the ring), "capacity";
 //!  cuda_ipc: "layers" (CudaTensor dicts); nixl: "agent_name", "agent_metadata" (bytes),
 //!  "mem_type" ("DRAM" | "VRAM"), "device", "bases"}
 //! ```
@@ -42,9 +42,10 @@ impl PyField for Hello {
         d.set_item("num_blocks", g.num_blocks)?;
         d.set_item("block_dim", g.block_dim)?;
         match self.access {
-            PoolAccess::Shm { segment } => {
+            PoolAccess::Shm { segment, holder } => {
                 d.set_item("kind", "shm")?;
                 d.set_item("segment", segment.to_py(py)?)?;
+                d.set_item("holder", holder.to_py(py)?)?;
             }
             PoolAccess::Staging { ring, capacity } => {
                 d.set_item("kind", "staging")?;
@@ -96,6 +97,7 @@ impl PyField for Hello {
         let access = match kind.as_str() {
             "shm" => PoolAccess::Shm {
                 segment: get(&d, "segment", "hello")?,
+                holder: get(&d, "holder", "hello")?,
             },
             "staging" => PoolAccess::Staging {
                 ring: get(&d, "segment", "hello")?,
