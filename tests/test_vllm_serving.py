@@ -488,3 +488,191 @@ def test_prefill_restart_frees_the_old_endpoint_and_serves_the_new_engine(model:
         for engine in (old, new, decode):
             if engine is not None:
                 engine.close()
+
+
+# -- admission, at the scheduler half (no engine) -------------------------------------------
+
+
+def test_admission_wait_is_checked_by_name() -> None:
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.vllm.config import ConnectorConfig
+
+    assert ConnectorConfig().admission_wait_s == 1.0
+    assert ConnectorConfig.from_extra({"admission_wait_s": 0}).admission_wait_s == 0.0
+    for value, named in [
+        (-1, r"admission_wait_s=-1: must be a number of seconds >= 0"),
+        (True, r"admission_wait_s=True: must be"),
+        ("1", r"admission_wait_s='1': must be"),
+        (float("nan"), r"admission_wait_s=nan: must be"),
+        (float("inf"), r"admission_wait_s=inf: must be"),
+        (60, r"admission_wait_s=60.0: must be less than destination_timeout_s \(60.0\)"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            ConnectorConfig.from_extra({"admission_wait_s": value})
+
+
+class _Status:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Request:
+    """What the scheduler half reads of vLLM's Request."""
+
+    def __init__(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        self.request_id, self.prompt_token_ids, self.kv_transfer_params = rid, prompt, params
+        self.num_prompt_tokens = self.num_tokens = len(prompt)
+        self.status = _Status("WAITING")
+
+
+class _Manager:
+    def __init__(self, tables: dict[str, list[int]]) -> None:
+        self.tables = tables
+
+    def get_block_ids(self, rid: str) -> tuple[list[int]]:
+        return (self.tables[rid],)
+
+
+def _step(scheduled: dict[str, tuple[int, int]]) -> Any:
+    """A SchedulerOutput with ``scheduled`` (req_id -> (computed before, tokens this step))."""
+    from types import SimpleNamespace
+
+    cached = SimpleNamespace(req_ids=list(scheduled), num_computed_tokens=[s for s, _ in scheduled.values()])
+    return SimpleNamespace(
+        preempted_req_ids=(),
+        num_scheduled_tokens={r: n for r, (_, n) in scheduled.items()},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+    )
+
+
+@pytest.fixture
+def half(tmp_path: Any) -> Any:
+    """A prefill scheduler half computing at once (``admission_wait_s`` 0) against a real
+    decode rendezvous (published by hand: the decode engine's admission is the test's)."""
+    from kvferry.vllm import rendezvous, trust
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    key = b"a" * 32
+    rdv = rendezvous.Rendezvous(key, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
+    manager = _Manager({})
+    side = SchedulerSide(
+        ConnectorConfig(admission_wait_s=0.0),
+        block_size=4,
+        role="kv_producer",
+        engine_id="prefill-engine",
+        kv_cache_manager_getter=lambda: manager,
+        authkey=key,
+    )
+    mac = trust.sign_peer(key, rdv.address)
+    yield side, rdv, manager, mac
+    rdv.close()
+
+
+def _publish(rdv: Any, transfer: str, prompt: list[int]) -> None:
+    from kvferry.vllm.config import prompt_digest
+
+    blocks = -(-len(prompt) // 4)
+    rdv.publish(
+        transfer,
+        {
+            "request_id": 1 << 32,
+            "epoch": 1,
+            "prompt_len": len(prompt),
+            "digest": prompt_digest(prompt),
+            "block_size": 4,
+            "dst_blocks": list(range(100, 100 + blocks)),
+            "held_blocks": 0,
+            "engine": "decode-engine",
+        },
+    )
+
+
+def _send_params(rdv: Any, mac: str, transfer: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    ours = {"op": "send", "transfer": transfer, "peer": rdv.address, "peer_mac": mac, "timeout_s": timeout_s}
+    return {"kvferry": ours}
+
+
+def test_destination_after_the_prompt_computed_goes_as_one_late_send(half: Any) -> None:
+    """Computed before its destination: the free is delayed, nothing is sent while the
+    lookup goes on; once the decode side publishes, the next step carries one finished
+    SendSpec and one chunk [0, L) over the finished request's blocks."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex  # 10 tokens, 3 blocks of 4
+    req = _Request("p1", prompt, _send_params(rdv, mac, transfer))
+    manager.tables["p1"] = [7, 8, 9]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # computes at once (before: None)
+    meta = side.build_connector_meta(_step({"p1": (0, 10)}))
+    assert meta.sends == [] and meta.chunks == []  # no destination: nothing to send yet
+    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(req, [7, 8, 9]) == (True, {"kvferry": {"op": "send", "transfer": transfer}})
+    assert side._status(transfer)["state"] == "active" and side.has_pending()
+    _publish(rdv, transfer, prompt)
+    (late,) = side._late.values()
+    assert late.lookup is not None and late.lookup.done.wait(30)
+    meta = side.build_connector_meta(_step({}))
+    (spec,) = meta.sends
+    assert (spec.req_id, spec.transfer, spec.reused_len, spec.finished) == ("p1", transfer, 0, True)
+    assert spec.destination["dst_blocks"] == [100, 101, 102]
+    assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [7, 8, 9])]
+    assert not side.has_pending() and side.build_connector_meta(_step({})).sends == []  # sent once
+
+
+def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:
+    """The destination comes while the prompt computes: its SendSpec goes with the next
+    scheduled chunk, ``reused_len`` where the computation stands (the blocks computed so
+    far leave early), and the request's end delays the free as for any send."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p2", prompt, _send_params(rdv, mac, transfer))
+    manager.tables["p2"] = [3, 4, 5]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.build_connector_meta(_step({"p2": (0, 4)})).sends == []
+    _publish(rdv, transfer, prompt)
+    assert side._computing["p2"].done.wait(30)
+    meta = side.build_connector_meta(_step({"p2": (4, 4)}))
+    (spec,) = meta.sends
+    assert (spec.reused_len, spec.finished) == (4, False)
+    assert [(c.start, c.end) for c in meta.chunks] == [(4, 8)]
+    assert [(c.start, c.end) for c in side.build_connector_meta(_step({"p2": (8, 2)})).chunks] == [(8, 10)]
+    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(req, [3, 4, 5])[0] is True
+
+
+def test_no_destination_within_the_bound_releases_and_abandons(half: Any) -> None:
+    """Computed, and no decode request published the transfer within the send's
+    ``timeout_s``: the next step releases the blocks (the worker reports them sent, vLLM
+    frees them), and the decode rendezvous marked the transfer abandoned, so a decode
+    request that names it later fails at once."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p3", prompt, _send_params(rdv, mac, transfer, timeout_s=0.5))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = _Status("FINISHED_STOPPED")
+    assert side.request_finished(req, [1, 2, 3])[0] is True
+    (late,) = side._late.values()
+    assert late.lookup is not None and late.lookup.done.wait(30)
+    meta = side.build_connector_meta(_step({}))
+    assert meta.sends == [] and meta.chunks == []
+    ((rid, named, why),) = meta.releases
+    assert (rid, named) == ("p3", transfer) and "no decode request expected it within 0.5 s" in why, why
+    assert rdv.abandoned(transfer) == "no destination within its 0.5 s wait"
+    assert not side.has_pending()
+
+
+def test_an_aborted_request_computing_before_its_destination_is_freed_at_once(half: Any) -> None:
+    """Aborted while it computed without a destination: nothing is kept (its blocks are
+    freed at once) and the decode side is told the transfer was abandoned."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p4", prompt, _send_params(rdv, mac, transfer))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = _Status("FINISHED_ABORTED")
+    delay, answer = side.request_finished(req, [1, 2])
+    assert (
+        delay is False
+        and answer["kvferry"]["error"] == "prefill request p4 ended (finished_aborted) before its destination came"
+    )
+    wait_until(lambda: rdv.abandoned(transfer) is not None, "the abandon to reach the rendezvous", 30)
+    assert not side.has_pending()
