@@ -307,7 +307,7 @@ class Rendezvous:
                     if not self._closing:
                         # The prefill side gives the transfer up with this answer: a decode
                         # request that names it later fails at once, not at its own timeout.
-                        self._abandoned[transfer] = f"no destination within its {wait:g} s wait"
+                        self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
                     return refused(why)
                 self._cond.wait(left)
 
