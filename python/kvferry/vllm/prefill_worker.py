@@ -60,6 +60,7 @@ class PrefillWorker:
         self._dead: list[_Peer] = []
         self._send: dict[str, _Send] = {}
         self._chunks: list[Chunk] = []
+        self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
 
     @property
     def pool(self) -> Any:
@@ -73,6 +74,7 @@ class PrefillWorker:
             self._preempted(rid)
 
     def bind(self, meta: KvferryMetadata) -> None:
+        self._released.extend(meta.releases)
         for send in meta.sends:
             self._add_send(send)
         self._chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].added]
@@ -112,6 +114,10 @@ class PrefillWorker:
     def results(self, finished_req_ids: set[str]) -> set[str]:
         """This step's finished_sending."""
         sending: set[str] = set()
+        for rid, transfer, why in self._released:  # nothing was sent: vLLM may free the blocks
+            self.common.ended("prefill", transfer, rid, "failed", why)
+            sending.add(rid)
+        self._released = []
         for rid in finished_req_ids:
             if rid in self._send:
                 self._send[rid].finishing = True
@@ -155,6 +161,7 @@ class PrefillWorker:
     def _add_send(self, spec: SendSpec) -> None:
         dest = spec.destination
         st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
+        st.finishing = spec.finished  # a late send: vLLM finished the request already
         self._send[spec.req_id] = st
         try:
             st.peer = self._peer(str(dest["endpoint"]))

@@ -7,7 +7,9 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
             <-- lookup (T, wait_ms, S)
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
-                                    within the wait, no endpoint for S)
+                                    within the wait, no endpoint for S). None within the
+                                    wait also marks T abandoned: the prefill side gives it
+                                    up, so a decode request publishing it later fails at once
             <-- abandon (T, reason)   the prefill side gave up before its worker wrote
                                       anything of T (it sends no abandon after): the
                                       decode side frees T's blocks at once, no fence due
@@ -289,7 +291,12 @@ class Rendezvous:
                     return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
-                    return refused(f"transfer {transfer!r}: no decode request expected it within {wait:g} s")
+                    why = f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
+                    if not self._closing:
+                        # The prefill side gives the transfer up with this answer: a decode
+                        # request that names it later fails at once, not at its own timeout.
+                        self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
+                    return refused(why)
                 self._cond.wait(left)
         try:  # outside the lock: making an endpoint (a ring, a listener) must not hold up other lookups
             endpoint = self._endpoint_for(sender)
