@@ -363,7 +363,7 @@ def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndp
     frames = [
         (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
         (2, wire.encode(Freed(3)), "a freed frame, which a sender does not send"),
-        (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
+        (3, wire.HEADER.pack(wire.MAGIC, 3, wire.NOTICES, 0), "unsupported wire version 3 .this side speaks 2."),
     ]
     for rid, raw, why in frames:
         rogue = ShmTransport(endpoint.address, authkey=authkey)
