@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
 import secrets
 import subprocess
 import sys
@@ -394,6 +395,21 @@ def test_blocks_of_another_order_are_refused_at_the_handshake(layouts: tuple[str
     assert bool((dst_cache.raw == -1).all())
 
 
+def test_nixl_refuses_block_outer_pools_by_their_strides() -> None:
+    """NIXL's peer builds descriptors from the geometry alone (a packed pool's addresses):
+    a block-outer pool is refused on either side before any agent or connection exists."""
+    from kvferry.transports.nixl import NixlEndpoint, NixlTransport
+
+    pool = register(vllm_views("BLNHC", *ATTN, torch.bfloat16, "cpu", poison))
+    with pytest.raises(
+        InvalidArgumentError, match="invalid receiver: its blocks lie at segment stride .* block stride 3072"
+    ):
+        NixlEndpoint(KVReceiver(pool), authkey=b"k" * 32)
+    with pytest.raises(InvalidArgumentError, match="invalid src: .*use the staging or cuda_ipc transport"):
+        NixlTransport("nixl+unix:///nonexistent", authkey=b"k" * 32, src=pool)
+    assert register(vllm_views("LBNHC", *ATTN, torch.bfloat16, "cpu", poison)).packed
+
+
 def test_the_data_path_does_not_import_vllm() -> None:
     """What the GPU tests drive imports no vLLM (vLLM cannot run on the GPU machine): a
     finder that refuses any ``vllm`` import makes the imports fail if one does."""
@@ -410,6 +426,36 @@ def test_the_data_path_does_not_import_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SLACK)
     assert done.returncode == 0, done.stderr
+
+
+KERNEL_CHECK = """
+import numpy as np, torch
+from kvferry import _triton_copy
+from test_kv_layouts import ATTN, DST_IDS, LAYOUTS, MIXED, MLA, SRC_IDS, assert_bytes_equal, poison, random_bytes
+from test_kv_layouts import reference, register, vllm_views
+ids = torch.from_numpy(np.stack([SRC_IDS, DST_IDS]))
+pairs = [*((x, x) for x in LAYOUTS), *MIXED]
+for shape, dtype, layouts in [(ATTN, torch.bfloat16, p) for p in pairs] + [(MLA, torch.uint8, ("LBNHC", "BLNHC"))]:
+    src = vllm_views(layouts[0], *shape, dtype, "cpu", random_bytes(1))
+    dst = vllm_views(layouts[1], *shape, dtype, "cpu", poison)
+    want = reference(src, dst)
+    a, b = register(src), register(dst)
+    assert _triton_copy.supports(a, b), layouts
+    _triton_copy.copy_blocks(a, b, ids, _triton_copy.LaunchConfig(32, 16, 4, True))
+    assert_bytes_equal(dst.raw, want)
+print("kernel ok")
+"""
+
+
+def test_fused_kernel_addresses_each_side_by_its_strides_under_the_interpreter() -> None:
+    """The Triton kernel (what `copy_blocks` runs on CUDA) on CPU under TRITON_INTERPRET=1:
+    every layout, and layer-outer <-> block-outer pairs, bit exact against the reference."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel ok" in proc.stdout
 
 
 # -- transfers on CUDA ----------------------------------------------------------------------

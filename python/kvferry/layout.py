@@ -428,7 +428,9 @@ def paged_kv_from_views(
                 f"invalid layers[{i}] ({_describe(t)}): must have the shape and strides of layers[0] ({_describe(first)})"
             )
         view = writable(t).permute(perm)
-        views.append(view[(Ellipsis, *([0] * len(ones)))] if ones else view)
+        for _ in ones:  # the trailing size-1 dimensions go
+            view = view.select(-1, 0)
+        views.append(view)
     try:
         return PagedKV(tuple(views), tokens_per_block, len(outer), label)
     except InvalidArgumentError as err:
