@@ -244,7 +244,7 @@ def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
                     f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to {view.device})"
                 )
             layers.append(view.view(t.dtype).view(t.shape))
-    return PagedKV(tuple(layers), pool.tokens_per_block, pool.block_dim)
+    return pool.with_layers(layers)
 
 
 def source_ids(name: str, ids: npt.ArrayLike, device_blocks: int, host_blocks: int) -> np.ndarray:

@@ -125,6 +125,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     segment_bytes: seg_bytes,
                     num_blocks: blocks,
                     block_dim,
+                    block_layout: "H8.N16.C256".to_string(),
                 };
                 let n = layers as usize;
                 let access = prop_oneof![
@@ -324,7 +325,7 @@ proptest! {
     #[test]
     fn a_header_is_refused_unless_magic_version_and_type_are_known(header in vec(any::<u8>(), HEADER_BYTES)) {
         if decode_header(&header, MAX_FRAME_BYTES).is_ok() {
-            prop_assert_eq!(&header[..6], b"KVFW\x01\x00");
+            prop_assert_eq!(&header[..6], b"KVFW\x02\x00");
         }
     }
 }

@@ -59,6 +59,8 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 /// - 2: the shm hello carries a `Holder` (the receiver's pid, the segment's descriptor there and
 ///   its inode) after its segment: over `tcp://` an shm endpoint's pool has no name either, and
 ///   a sender on its host opens it through `/proc/<pid>/fd/<fd>`.
+///   Also in 2: the hello's geometry carries the pool's block layout (`block_layout`), so pools
+///   whose blocks order their elements differently are refused at the handshake.
 pub const VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;

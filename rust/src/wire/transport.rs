@@ -162,6 +162,8 @@ record! {
         num_blocks: u64 = u64(),
         /// The layers' block dimension.
         block_dim: u32 = u32(),
+        /// The order of one block's elements (`PagedKV.block_layout`, e.g. `H8.N16.C256`).
+        block_layout: String = name(),
     }
 }
 
