@@ -304,7 +304,7 @@ def _generation_main(
             receiver,
             authkey=authkey,
             address=listen,
-            **({"shared": pool.shared} if pool.shared is not None else {}),
+            **pool.serve_options,
         )
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)

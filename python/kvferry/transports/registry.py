@@ -165,6 +165,12 @@ class ReceiverPool:
         self.pool = pool
         self.shared = shared
 
+    @property
+    def serve_options(self) -> dict[str, Any]:
+        """What `serve` needs to know of this pool: ``shared`` where it lives in shared memory
+        (``serve(name, receiver, authkey=k, **pool.serve_options)`` serves any transport's)."""
+        return {} if self.shared is None else {"shared": self.shared}
+
     def close(self) -> None:
         self.pool = None  # type: ignore[assignment]
         if self.shared is not None:
