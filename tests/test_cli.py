@@ -8,7 +8,20 @@ import subprocess
 import sys
 
 import pytest
+from helpers import TINY_MODEL, cli_argv
 from kvferry.cli import LLAMA8B_BYTES_PER_TOKEN, main, plan_request
+
+# A reference model small enough for a bench run in a test, over a slow simulated link, its KV
+# checked against the aggregated run's.
+CHECKED_SMALL_MODEL = {
+    "tokens_per_block": 16,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "link_gbps": 0.05,
+    "check_kv": True,
+}
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -149,39 +162,19 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
     import json
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = [
+    argv = cli_argv(
         "bench",
         "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "1",
-        "--cached",
-        "160",
-        "--new",
-        "40",
-        "--output",
-        "3",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--link-gbps",
-        "0.05",
-        "--check-kv",
-        "--json",
-        str(out),
-        "--png",
-        str(png),
-    ]
+        sessions=2,
+        turns=1,
+        cached=160,
+        new=40,
+        output=3,
+        layers=2,
+        **CHECKED_SMALL_MODEL,
+        json=str(out),
+        png=str(png),
+    )
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -218,38 +211,20 @@ def test_bench_agentic_layerwise_small_run(
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
     argv = [
-        "bench",
-        "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "1",
-        "--cached",
-        "160",
-        "--new",
-        "40",
-        "--output",
-        "2",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "3",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--link-gbps",
-        "0.05",
-        "--check-kv",
+        *cli_argv(
+            "bench",
+            "agentic",
+            sessions=2,
+            turns=1,
+            cached=160,
+            new=40,
+            output=2,
+            layers=3,
+            **CHECKED_SMALL_MODEL,
+            json=str(out),
+            png=str(png),
+        ),
         *flag,
-        "--json",
-        str(out),
-        "--png",
-        str(png),
     ]
     assert main(argv) == 0
     table = capsys.readouterr().out
@@ -279,24 +254,7 @@ def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) ->
     import json
 
     out = tmp_path / "fanout.json"
-    argv = [
-        "bench",
-        "fanout",
-        "--requests",
-        "3",
-        "--prefix",
-        "256",
-        "--suffix",
-        "8",
-        "--output",
-        "2",
-        "--chunk",
-        "64",
-        "--link-gbps",
-        "0",
-        "--json",
-        str(out),
-    ]
+    argv = cli_argv("bench", "fanout", requests=3, prefix=256, suffix=8, output=2, chunk=64, link_gbps=0, json=str(out))
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -315,26 +273,18 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     import json
 
     out = tmp_path / "tiers.json"
-    argv = [
+    argv = cli_argv(
         "bench",
         "tiers",
-        "--blocks",
-        "32",
-        "--host-fraction",
-        "0.25",
-        "--layers",
-        "2",
-        "--block-kib",
-        "64",
-        "--reps",
-        "2",
-        "--link-gbps",
-        "0.5",
-        "--host-gbps",
-        "0.5",
-        "--json",
-        str(out),
-    ]
+        blocks=32,
+        host_fraction=0.25,
+        layers=2,
+        block_kib=64,
+        reps=2,
+        link_gbps=0.5,
+        host_gbps=0.5,
+        json=str(out),
+    )
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -389,38 +339,7 @@ def test_help_renders_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [
-        "bench",
-        "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "2",
-        "--cached",
-        "64",
-        "--new",
-        "16",
-        "--output",
-        "2",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "16",
-        "--ffn",
-        "32",
-        "--vocab",
-        "64",
-        "--png",
-        "",
-    ]
+    argv = cli_argv("bench", "agentic", sessions=2, turns=2, cached=64, new=16, output=2, **TINY_MODEL, png="")
     assert main(argv) == 0
     out, err = capsys.readouterr()
     phrase = "2 sessions x 3 turns (1 warm-up + 2 measured)"

@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from helpers import Pools
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -24,24 +25,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, tor
 def random_pool(
     shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, layers: int = 3, device: str = "cpu", seed: int = 0
 ) -> PagedKV:
-    gen = torch.Generator().manual_seed(seed)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    tensors = tuple(
-        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape).to(device)
-        for _ in range(layers)
-    )
-    return PagedKV(tensors, 16, block_dim)
+    return Pools(shape, layers, 16, block_dim, dtype).random_bytes(seed, device)
 
 
 def poisoned(like: PagedKV, num_blocks: int) -> PagedKV:
-    shape = list(like.shape)
-    shape[like.block_dim] = num_blocks
-    nbytes = torch.Size(shape).numel() * like.layers[0].element_size()
-    tensors = tuple(
-        torch.full((nbytes,), POISON, dtype=torch.uint8, device=like.device).view(like.dtype).view(shape)
-        for _ in range(like.num_layers)
-    )
-    return PagedKV(tensors, like.tokens_per_block, like.block_dim)
+    return Pools.like(like, num_blocks=num_blocks).filled_bytes(POISON, like.device)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
