@@ -120,8 +120,10 @@ KERNEL_CHECK = textwrap.dedent(
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for block_dim, shape in ((0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))):
             for n in (1, 7):
-                for config in (_triton_copy.LaunchConfig(chunk_words=16, block_words=8, num_warps=4, cache_hints=True),
-                               _triton_copy.LaunchConfig(chunk_words=64, block_words=64, num_warps=4, cache_hints=False)):
+                for config in (
+                    _triton_copy.LaunchConfig(chunk_words=16, block_words=8, num_warps=4, cache_hints=True),
+                    _triton_copy.LaunchConfig(chunk_words=64, block_words=64, num_warps=4, cache_hints=False),
+                ):
                     src = random_pool(shape, dtype, block_dim, seed=n)
                     dst = poisoned(src, 41)
                     s, d = pick(n, 37, 41, seed=n)

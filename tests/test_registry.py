@@ -58,7 +58,10 @@ def test_unknown_names_are_refused_naming_the_argument_and_value() -> None:
 def test_a_transport_asked_to_run_where_it_cannot_is_refused() -> None:
     with pytest.raises(
         InvalidArgumentError,
-        match=r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from in-process, cuda-ipc, staging, nixl",
+        match=(
+            r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from "
+            r"in-process, cuda-ipc, staging, nixl"
+        ),
     ):
         registry.check("shm", device="cuda")
     with pytest.raises(
@@ -94,7 +97,10 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
         registry.serve("shm", receiver, authkey=secrets.token_bytes(32))
     with pytest.raises(
         InvalidArgumentError,
-        match=r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, capacity_blocks",
+        match=(
+            r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, "
+            r"capacity_blocks"
+        ),
     ):
         registry.serve("staging", receiver, authkey=secrets.token_bytes(32), ring=3)
     with pytest.raises(
@@ -119,7 +125,10 @@ def test_a_tcp_address_off_loopback_is_refused_for_a_one_host_transport() -> Non
     for name in ("shm", "staging"):
         with pytest.raises(
             InvalidArgumentError,
-            match=rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback reaches across hosts, and {name} runs only on one host; across hosts choose from nixl",
+            match=(
+                rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback "
+                rf"reaches across hosts, and {name} runs only on one host; across hosts choose from nixl"
+            ),
         ):
             registry.connect(f"{name}+tcp://10.9.8.1:5000", authkey=key)
     with pytest.raises(InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0' for transport 'staging'"):

@@ -319,7 +319,10 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
         )
         with pytest.raises(
             TransferError,
-            match=f"refused the connection: refused: this staging endpoint serves at most 2 senders at once \\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)",
+            match=(
+                "refused the connection: refused: this staging endpoint serves at most 2 senders at once "
+                f"\\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)"
+            ),
         ):
             StagingTransport(endpoint.address, authkey=authkey)
         assert any("at most 2 senders" in str(e) for e in endpoint.errors)

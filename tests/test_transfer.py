@@ -654,7 +654,10 @@ def test_a_wait_that_cannot_finish_says_why() -> None:
     receiver.deliver(Notice(1, 0, 0, 2, False, epoch), "sender A")
     with pytest.raises(
         TransferTimeoutError,
-        match=r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 notices arrived \(epoch 1\)",
+        match=(
+            r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 "
+            r"notices arrived \(epoch 1\)"
+        ),
     ):
         receiver.wait(1, timeout=0.01)
     assert receiver.revoked(1, epoch, "sender A")

@@ -277,7 +277,10 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
             with pytest.raises(
                 TransferError,
-                match=r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the lease holds \[10, 11\]",
+                match=(
+                    r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the "
+                    r"lease holds \[10, 11\]"
+                ),
             ):
                 receiver.wait(1, timeout=SLACK)
             refusal = receiver.refused()[-1]
