@@ -106,42 +106,30 @@ fn plan_batch(
     PySlicePlan::new(py, plan, pairs)
 }
 
-/// The arguments of a chunk-batch call (`plan_chunks`, `plan_layers`).
-struct ChunkBatch<'a, 'py> {
-    request_ids: &'a Bound<'py, PyAny>,
-    chunk_starts: &'a Bound<'py, PyAny>,
-    chunk_ends: &'a Bound<'py, PyAny>,
-    src_block_table: Option<&'a Bound<'py, PyAny>>,
-    dst_block_table: Option<&'a Bound<'py, PyAny>>,
-    src_blocks: Option<i64>,
-    dst_blocks: Option<i64>,
-}
-
-impl ChunkBatch<'_, '_> {
-    /// Plans the batch: chunk slices, or the layer slices of `layer_group` when given.
-    fn plan(
-        &self,
-        py: Python<'_>,
-        book: &mut TransferBook,
-        layer_group: Option<i64>,
-    ) -> PyResult<PySlicePlan> {
-        let (ids, starts, ends) = (
-            i64_vec(self.request_ids, "request_ids")?,
-            i64_vec(self.chunk_starts, "chunk_starts")?,
-            i64_vec(self.chunk_ends, "chunk_ends")?,
-        );
-        let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
-        plan_batch(
-            py,
-            ids.len(),
-            (self.src_block_table, self.dst_block_table),
-            (self.src_blocks, self.dst_blocks),
-            |check| match layer_group {
-                None => book.plan_chunks_then(ids, starts, ends, check),
-                Some(group) => book.plan_layers_then(ids, starts, ends, group, check),
-            },
-        )
-    }
+/// A chunk-batch call (`plan_chunks`, `plan_layers`): the chunk slices of `chunks`
+/// (request ids, starts, ends), or the layer slices of `layer_group` when given.
+fn plan_chunk_batch(
+    py: Python<'_>,
+    book: &mut TransferBook,
+    (request_ids, chunk_starts, chunk_ends): (
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+    ),
+    layer_group: Option<i64>,
+    tables: (Option<&Bound<'_, PyAny>>, Option<&Bound<'_, PyAny>>),
+    pools: (Option<i64>, Option<i64>),
+) -> PyResult<PySlicePlan> {
+    let (ids, starts, ends) = (
+        i64_vec(request_ids, "request_ids")?,
+        i64_vec(chunk_starts, "chunk_starts")?,
+        i64_vec(chunk_ends, "chunk_ends")?,
+    );
+    let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
+    plan_batch(py, ids.len(), tables, pools, |check| match layer_group {
+        None => book.plan_chunks_then(ids, starts, ends, check),
+        Some(group) => book.plan_layers_then(ids, starts, ends, group, check),
+    })
 }
 
 /// The transfer ledgers of every live request of one worker, planned a batch at a time.
@@ -346,16 +334,9 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
         #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
-        let chunks = ChunkBatch {
-            request_ids,
-            chunk_starts,
-            chunk_ends,
-            src_block_table,
-            dst_block_table,
-            src_blocks,
-            dst_blocks,
-        };
-        fence(|| chunks.plan(py, &mut self.0, None))
+        let chunks = (request_ids, chunk_starts, chunk_ends);
+        let (tables, pools) = ((src_block_table, dst_block_table), (src_blocks, dst_blocks));
+        fence(|| plan_chunk_batch(py, &mut self.0, chunks, None, tables, pools))
     }
 
     /// Plans and claims the layer slices of one layer group for a batch of prefill chunks
@@ -377,16 +358,9 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
         #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
-        let chunks = ChunkBatch {
-            request_ids,
-            chunk_starts,
-            chunk_ends,
-            src_block_table,
-            dst_block_table,
-            src_blocks,
-            dst_blocks,
-        };
-        fence(|| chunks.plan(py, &mut self.0, Some(layer_group)))
+        let chunks = (request_ids, chunk_starts, chunk_ends);
+        let (tables, pools) = ((src_block_table, dst_block_table), (src_blocks, dst_blocks));
+        fence(|| plan_chunk_batch(py, &mut self.0, chunks, Some(layer_group), tables, pools))
     }
 
     fn __len__(&self) -> usize {
