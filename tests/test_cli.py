@@ -6,6 +6,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from helpers import TINY_MODEL, cli_argv
@@ -158,7 +159,11 @@ def test_bench_copy_bad_options(capsys: pytest.CaptureFixture[str], argv: list[s
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _small_agentic_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, *flags: str, output: int, layers: int
+) -> tuple[dict[str, Any], str, Any]:
+    """``bench agentic`` on `CHECKED_SMALL_MODEL` (2 sessions of one turn, 160 cached + 40
+    new tokens) with ``flags``: its JSON result, its table, and the path of its PNG."""
     import json
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
@@ -169,15 +174,18 @@ def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -
         turns=1,
         cached=160,
         new=40,
-        output=3,
-        layers=2,
+        output=output,
+        layers=layers,
         **CHECKED_SMALL_MODEL,
         json=str(out),
         png=str(png),
     )
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    result = json.loads(out.read_text())
+    assert main([*argv, *flags]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out, png
+
+
+def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result, table, png = _small_agentic_run(capsys, tmp_path, output=3, layers=2)
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0
     assert result["kv_mismatch_blocks"] == 0 and result["output_divergences"] == []
     assert result["prefill_mismatch_blocks"] == 0 and result["reuse_mismatches"] == 0
@@ -207,28 +215,7 @@ def test_bench_agentic_layerwise_small_run(
     """A third run, early + layer-wise: its own figures in the JSON and the table, outputs and
     KV checked like the others, every byte sent once (early + layer slices + after the
     forward add up to what baseline sends)."""
-    import json
-
-    out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = [
-        *cli_argv(
-            "bench",
-            "agentic",
-            sessions=2,
-            turns=1,
-            cached=160,
-            new=40,
-            output=2,
-            layers=3,
-            **CHECKED_SMALL_MODEL,
-            json=str(out),
-            png=str(png),
-        ),
-        *flag,
-    ]
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    result = json.loads(out.read_text())
+    result, table, png = _small_agentic_run(capsys, tmp_path, *flag, output=2, layers=3)
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0 and result["output_divergences"] == []
     assert result["kv_mismatch_blocks"] == 0 and result["prefill_mismatch_blocks"] == 0
     lw, early, base = result["layerwise"], result["early"], result["baseline"]
