@@ -163,6 +163,16 @@ class Remote:
             self.proc.kill()
             self.proc.join(timeout=REPLY_SECONDS)
 
+    def close_after(self, sender: KVSender) -> None:
+        """The end of a clean run: the receiver holds no request and has every block back,
+        refused nothing and recorded no error; the sender leaks nothing; both close, and no
+        kvferry thread is left in the worker."""
+        state = self.call("status")
+        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], []), state
+        assert_nothing_leased(sender=sender)
+        sender.close()
+        assert self.close() == []
+
 
 @pytest.fixture
 def loopback_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -304,11 +314,7 @@ def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced(s
             layer[torch.tensor(rows)] = -1.0
         assert remote.call("release", 3, SLACK)[0] == "ok"
         assert remote.call("digest", dst[:2]) == want  # what the copy read was intact
-        state = remote.call("status")
-        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], [])
-        assert_nothing_leased(sender=sender)
-        sender.close()
-        assert remote.close() == []
+        remote.close_after(sender)
     finally:
         remote.cleanup()
 
@@ -382,11 +388,7 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         assert remote.call("wait", 7, SLACK) == ("ok", digest(src, rows))
         assert remote.call("release", 7, 0)[0] == "ok"
         assert sender.remove(7).is_complete
-        state = remote.call("status")
-        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], [])
-        assert_nothing_leased(sender=sender)
-        sender.close()
-        assert remote.close() == []
+        remote.close_after(sender)
     finally:
         remote.cleanup()
     assert_nothing_leased(threads=before)
