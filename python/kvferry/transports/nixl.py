@@ -568,7 +568,10 @@ class NixlTransport(Transport):
                 raise InvalidArgumentError("invalid pool: not the pool this NIXL transport registered as src")
             if src.host is not self._host_src:
                 raise InvalidArgumentError(
-                    "invalid host_pool: not registered with this NIXL transport: create it as NixlTransport(..., src=pool, host_src=host_pool)"
+                    (
+                        "invalid host_pool: not registered with this NIXL transport: create it as "
+                        "NixlTransport(..., src=pool, host_src=host_pool)"
+                    )
                 )
         elif src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")
