@@ -134,7 +134,8 @@ def bench_sched_step(benchmark: Any, running: int) -> None:
     for rid in rids:
         manager.tables[rid] = list(range(64))
     for rid in rids[:SENDS_PER_STEP]:
-        spec = SendSpec(rid, f"T-{rid}", 8192, 0, "unix:///p", {}, 60.0)
+        # The same step is replayed every round: a prompt long enough that each round has its chunk.
+        spec = SendSpec(rid, f"T-{rid}", 1 << 50, 0, "unix:///p", {}, 60.0)
         side._sending[rid] = _Sending(spec, emitted=True)
     computed = [512 if rid in side._sending else 1000 for rid in rids]
     cached = CachedRequestData(
