@@ -813,23 +813,24 @@ def test_stats_aggregate_and_reach_prometheus() -> None:
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     prom = KvferryConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
     tally = Tally()
-    tally.add("early_bytes", 4096)
+    tally.add("early_issued_bytes", 4096)
     tally.add("held_blocks", 3)
     tally.observe("hidden_fraction", 0.75)
     first = KvferryConnector.build_kv_connector_stats(tally.take())
     assert tally.take() == {"counts": {}, "observed": {}}  # taken once
-    tally.add("early_bytes", 1024)
+    tally.add("early_issued_bytes", 1024)
     tally.add("duplicates_refused", 0)  # a zero is not an observation
     tally.observe("hidden_fraction", 0.25)
     both = first.aggregate(KvferryConnector.build_kv_connector_stats(tally.take()))
-    assert both.reduce() == {"early_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
+    assert both.reduce() == {"early_issued_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
     assert KvferryConnector.build_kv_connector_stats({}).is_empty()
     prom.observe(both.data, 0)
     text = generate_latest(registry).decode()
-    assert 'vllm:kvferry_early_bytes_total{engine="0"} 5120.0' in text
+    assert 'vllm:kvferry_early_issued_bytes_total{engine="0"} 5120.0' in text
     assert 'vllm:kvferry_held_blocks_total{engine="0"} 3.0' in text
     assert 'vllm:kvferry_hidden_fraction_count{engine="0"} 2.0' in text
-    for name in ("chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total", "transfer_seconds_count"):
+    for name in ("early_landed_bytes_total", "chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total",
+                 "notices_refused_total", "transfer_seconds_count"):  # fmt: skip
         assert f"vllm:kvferry_{name}" in text
 
 
@@ -912,7 +913,7 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         )
         p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
         assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
-        assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
+        assert _metric(p_text, "vllm:kvferry_early_issued_bytes_total") > 0  # turn 1: the system prompt
         assert _metric(p_text, "vllm:kvferry_chunk_bytes_total") > 0
         assert _metric(p_text, "vllm:kvferry_held_blocks_total") > 0  # turn 2: the decode server held turn 1
         assert _metric(p_text, "vllm:kvferry_hidden_fraction_count") == 2
@@ -920,6 +921,7 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         assert (
             "vllm:kvferry_duplicates_refused_total" in d_text
             and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+            and _metric(d_text, "vllm:kvferry_notices_refused_total") == 0
         )
         for server in bed.servers():
             assert server.kv_blocks()[0] == 0, server.name
