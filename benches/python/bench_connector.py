@@ -208,6 +208,9 @@ def bench_prefill_settle(benchmark: Any, sends: int) -> None:
     worker = PrefillWorker(src)
 
     def setup() -> tuple[tuple[set[str]], dict[str, Any]]:
+        # One live sender at a time: the last round's threads would contend for the GIL.
+        for old in worker._peers.values():
+            old.sender.close()
         sender = KVSender(src.pool, InProcessTransport(receiver), record=True, progress=True)
         peer = _Peer("inprocess", sender, TransferHook(sender))
         worker._peers = {"inprocess": peer}
@@ -233,4 +236,8 @@ def bench_prefill_settle(benchmark: Any, sends: int) -> None:
 
     benchmark.group = "prefill-settle"
     benchmark.extra_info.update(sends=sends)
-    benchmark.pedantic(settle, setup=setup, rounds=10)
+    try:
+        benchmark.pedantic(settle, setup=setup, rounds=10)
+    finally:
+        for peer in worker._peers.values():
+            peer.sender.close()
