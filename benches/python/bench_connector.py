@@ -10,6 +10,8 @@ Groups (each benchmark's extra_info names its sizes):
 ``digest``            `prompt_digest` of a 1k/32k/128k-token prompt (both schedulers run it per
                       new request: the decode side in update_state_after_alloc, the prefill
                       side when it checks the destination);
+                      ``bench_vllm_request`` in the same group is the baseline: vLLM's own
+                      Request with its prefix-cache block hashes, on the same thread;
 ``admit-recv``        one new decode request through get_num_new_matched_tokens +
                       update_state_after_alloc (1k/32k/128k tokens);
 ``sched-step``        build_connector_meta + update_connector_output on a server running
@@ -99,6 +101,25 @@ def bench_digest(benchmark: Any, tokens: int) -> None:
     benchmark.group = "digest"
     benchmark.extra_info.update(tokens=tokens)
     benchmark(prompt_digest, prompt)
+
+
+@pytest.mark.parametrize("tokens", PROMPTS)
+def bench_vllm_request(benchmark: Any, tokens: int) -> None:
+    """The baseline: what vLLM itself does for a new request on the same thread, its Request
+    with the prefix cache's block hashes (vLLM's default algorithm, sha256, 16-token blocks)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(TPB, hash_fn)
+    prompt = _prompt(tokens)
+    sampling = SamplingParams(max_tokens=1)
+    benchmark.group = "digest"
+    benchmark.extra_info.update(tokens=tokens)
+    benchmark.pedantic(
+        lambda: Request("r", prompt, sampling, None, block_hasher=hasher), rounds=30 if tokens > 32_000 else 100
+    )
 
 
 @pytest.mark.parametrize("tokens", PROMPTS)
@@ -211,6 +232,8 @@ def bench_prefill_settle(benchmark: Any, sends: int) -> None:
         # One live sender at a time: the last round's threads would contend for the GIL.
         for old in worker._peers.values():
             old.sender.close()
+        for kv in list(receiver._requests):  # the last round's, complete: the decode side's part, untimed
+            receiver.release(kv, 0)
         sender = KVSender(src.pool, InProcessTransport(receiver), record=True, progress=True)
         peer = _Peer("inprocess", sender, TransferHook(sender))
         worker._peers = {"inprocess": peer}
@@ -231,8 +254,6 @@ def bench_prefill_settle(benchmark: Any, sends: int) -> None:
     def settle(finished: set[str]) -> None:
         done = worker.results(finished)
         assert done == finished, (len(done), len(finished))
-        for rid in finished:
-            receiver.release(int(rid[1:]), 0)
 
     benchmark.group = "prefill-settle"
     benchmark.extra_info.update(sends=sends)
