@@ -160,13 +160,16 @@ def test_sessions_equal_a_single_engine(engines: Any) -> None:
     p0, d0 = prefill.call("totals"), decode.call("totals")
     prompt_blocks = sessions(pair, plain, system)
     p, d = delta(p0, prefill.call("totals")), delta(d0, decode.call("totals"))
-    assert p.get("early_bytes", 0) > 0, p  # the system prompt's blocks left before the forward
+    assert p.get("early_issued_bytes", 0) > 0, p  # the system prompt's blocks left before the forward
     assert p.get("chunk_bytes", 0) > 0, p
     assert p.get("held_blocks", 0) > 0, p  # later turns: the decode engine held the earlier prompt
-    assert d.get("duplicates_refused", 0) == 0, d
+    assert d.get("duplicates_refused", 0) == 0 and d.get("notices_refused", 0) == 0, d
+    assert p.get("early_landed_bytes", 0) <= p["early_issued_bytes"], (
+        p
+    )  # landed before the forward ended: of those issued
     assert p.get("failed_transfers", 0) == 0 and p["transfers"] == 6, p
     # Exact once: every prompt block was either held by the decode engine or sent, once.
-    sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+    sent = p.get("early_issued_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
     assert sent == (prompt_blocks - p["held_blocks"]) * BLOCK_BYTES, (p, prompt_blocks)
     no_blocks_used(prefill, decode)
 
@@ -184,13 +187,13 @@ def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any])
         d0 = decode.call("totals")
         prompt_blocks = sessions(pair, plain, system, turns=2, tag=str(extra))
         p, d = prefill.call("totals")["counts"], delta(d0, decode.call("totals"))
-        sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+        sent = p.get("early_issued_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
         assert sent == (prompt_blocks - p.get("held_blocks", 0)) * BLOCK_BYTES, (p, prompt_blocks)
         assert d.get("duplicates_refused", 0) == 0
         if extra.get("early") is False:
-            assert p.get("early_bytes", 0) == 0, p  # the control: nothing before the forward
+            assert p.get("early_issued_bytes", 0) == 0, p  # the control: nothing before the forward
         else:
-            assert p.get("early_bytes", 0) > 0 and p.get("layer_bytes", 0) > 0, p
+            assert p.get("early_issued_bytes", 0) > 0 and p.get("layer_bytes", 0) > 0, p
         no_blocks_used(prefill, decode)
     finally:
         prefill.close()
@@ -222,7 +225,7 @@ def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: st
         )
         sent = delta(before, prefill.call("totals"))
         assert (
-            sent.get("early_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0)
+            sent.get("early_issued_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0)
             == blocks(len(prompt)) * BLOCK_BYTES
         ), sent
         urls = decode.call("totals")["endpoint_urls"]
