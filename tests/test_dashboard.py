@@ -59,7 +59,8 @@ def test_every_panel_query_parses_and_the_picture_is_drawn(tmp_path: Path) -> No
     pytest.importorskip("matplotlib")
     dash = json.loads((ROOT / "docs" / "grafana" / "kvferry.json").read_text())
     samples = [
-        _sample(float(t), "prefill0", f'vllm:kvferry_early_bytes_total{{engine="0"}} {t * 1000}\n') for t in range(5)
+        _sample(float(t), "prefill0", f'vllm:kvferry_early_issued_bytes_total{{engine="0"}} {t * 1000}\n')
+        for t in range(5)
     ]
     for panel in dash["panels"]:
         for target in panel["targets"]:
@@ -73,7 +74,7 @@ def test_every_panel_query_parses_and_the_picture_is_drawn(tmp_path: Path) -> No
                     "t": s["t"],
                     "config": "c",
                     "server": s["server"],
-                    "text": f'vllm:kvferry_early_bytes_total{{engine="0"}} {s["t"] * 1000}\n',
+                    "text": f'vllm:kvferry_early_issued_bytes_total{{engine="0"}} {s["t"] * 1000}\n',
                 }
             )
             + "\n"

@@ -160,13 +160,16 @@ def test_sessions_equal_a_single_engine(engines: Any) -> None:
     p0, d0 = prefill.call("totals"), decode.call("totals")
     prompt_blocks = sessions(pair, plain, system)
     p, d = delta(p0, prefill.call("totals")), delta(d0, decode.call("totals"))
-    assert p.get("early_bytes", 0) > 0, p  # the system prompt's blocks left before the forward
+    assert p.get("early_issued_bytes", 0) > 0, p  # the system prompt's blocks left before the forward
     assert p.get("chunk_bytes", 0) > 0, p
     assert p.get("held_blocks", 0) > 0, p  # later turns: the decode engine held the earlier prompt
-    assert d.get("duplicates_refused", 0) == 0, d
+    assert d.get("duplicates_refused", 0) == 0 and d.get("notices_refused", 0) == 0, d
+    assert p.get("early_landed_bytes", 0) <= p["early_issued_bytes"], (
+        p
+    )  # landed before the forward ended: of those issued
     assert p.get("failed_transfers", 0) == 0 and p["transfers"] == 6, p
     # Exact once: every prompt block was either held by the decode engine or sent, once.
-    sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+    sent = p.get("early_issued_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
     assert sent == (prompt_blocks - p["held_blocks"]) * BLOCK_BYTES, (p, prompt_blocks)
     no_blocks_used(prefill, decode)
 
@@ -184,13 +187,13 @@ def test_sessions_with_variants(engines: Any, model: str, extra: dict[str, Any])
         d0 = decode.call("totals")
         prompt_blocks = sessions(pair, plain, system, turns=2, tag=str(extra))
         p, d = prefill.call("totals")["counts"], delta(d0, decode.call("totals"))
-        sent = p.get("early_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
+        sent = p.get("early_issued_bytes", 0) + p.get("chunk_bytes", 0) + p.get("layer_bytes", 0)
         assert sent == (prompt_blocks - p.get("held_blocks", 0)) * BLOCK_BYTES, (p, prompt_blocks)
         assert d.get("duplicates_refused", 0) == 0
         if extra.get("early") is False:
-            assert p.get("early_bytes", 0) == 0, p  # the control: nothing before the forward
+            assert p.get("early_issued_bytes", 0) == 0, p  # the control: nothing before the forward
         else:
-            assert p.get("early_bytes", 0) > 0 and p.get("layer_bytes", 0) > 0, p
+            assert p.get("early_issued_bytes", 0) > 0 and p.get("layer_bytes", 0) > 0, p
         no_blocks_used(prefill, decode)
     finally:
         prefill.close()
@@ -222,7 +225,7 @@ def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: st
         )
         sent = delta(before, prefill.call("totals"))
         assert (
-            sent.get("early_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0)
+            sent.get("early_issued_bytes", 0) + sent.get("chunk_bytes", 0) + sent.get("layer_bytes", 0)
             == blocks(len(prompt)) * BLOCK_BYTES
         ), sent
         urls = decode.call("totals")["endpoint_urls"]
@@ -813,23 +816,24 @@ def test_stats_aggregate_and_reach_prometheus() -> None:
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     prom = KvferryConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
     tally = Tally()
-    tally.add("early_bytes", 4096)
+    tally.add("early_issued_bytes", 4096)
     tally.add("held_blocks", 3)
     tally.observe("hidden_fraction", 0.75)
     first = KvferryConnector.build_kv_connector_stats(tally.take())
     assert tally.take() == {"counts": {}, "observed": {}}  # taken once
-    tally.add("early_bytes", 1024)
+    tally.add("early_issued_bytes", 1024)
     tally.add("duplicates_refused", 0)  # a zero is not an observation
     tally.observe("hidden_fraction", 0.25)
     both = first.aggregate(KvferryConnector.build_kv_connector_stats(tally.take()))
-    assert both.reduce() == {"early_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
+    assert both.reduce() == {"early_issued_bytes": 5120, "held_blocks": 3, "hidden_fraction_mean": 0.5}
     assert KvferryConnector.build_kv_connector_stats({}).is_empty()
     prom.observe(both.data, 0)
     text = generate_latest(registry).decode()
-    assert 'vllm:kvferry_early_bytes_total{engine="0"} 5120.0' in text
+    assert 'vllm:kvferry_early_issued_bytes_total{engine="0"} 5120.0' in text
     assert 'vllm:kvferry_held_blocks_total{engine="0"} 3.0' in text
     assert 'vllm:kvferry_hidden_fraction_count{engine="0"} 2.0' in text
-    for name in ("chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total", "transfer_seconds_count"):
+    for name in ("early_landed_bytes_total", "chunk_bytes_total", "layer_bytes_total", "duplicates_refused_total",
+                 "notices_refused_total", "transfer_seconds_count"):  # fmt: skip
         assert f"vllm:kvferry_{name}" in text
 
 
@@ -912,7 +916,7 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         )
         p_text, d_text = bed.prefills[0].metrics(), bed.decodes[0].metrics()
         assert _metric(p_text, "vllm:kvferry_transfers_total") == 2, p_text
-        assert _metric(p_text, "vllm:kvferry_early_bytes_total") > 0  # turn 1: the system prompt
+        assert _metric(p_text, "vllm:kvferry_early_issued_bytes_total") > 0  # turn 1: the system prompt
         assert _metric(p_text, "vllm:kvferry_chunk_bytes_total") > 0
         assert _metric(p_text, "vllm:kvferry_held_blocks_total") > 0  # turn 2: the decode server held turn 1
         assert _metric(p_text, "vllm:kvferry_hidden_fraction_count") == 2
@@ -920,6 +924,7 @@ def test_real_servers_show_kvferry_metrics(tmp_path: Any) -> None:
         assert (
             "vllm:kvferry_duplicates_refused_total" in d_text
             and _metric(d_text, "vllm:kvferry_duplicates_refused_total") == 0
+            and _metric(d_text, "vllm:kvferry_notices_refused_total") == 0
         )
         for server in bed.servers():
             assert server.kv_blocks()[0] == 0, server.name

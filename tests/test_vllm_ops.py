@@ -204,7 +204,7 @@ def test_dashboard_is_grafana_json_over_kvferry_and_vllm_metrics() -> None:
     wanted = {
         f"vllm:kvferry_{n}"
         for n in (
-            "early_bytes",
+            "early_issued_bytes",
             "chunk_bytes",
             "layer_bytes",
             "hidden_fraction",

@@ -57,7 +57,14 @@ from typing import Callable, Hashable, Optional, Sequence
 import numpy as np
 
 from kvferry._core import BlockRange, TransferLedger
-from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import (
+    DuplicateTransferError,
+    InvalidArgumentError,
+    KvFerryError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+)
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
@@ -104,6 +111,7 @@ class ReceiverStage(enum.IntEnum):
 
 @dataclass
 class _Expected:
+    request_id: int
     ledger: TransferLedger
     epoch: int
     stage: ReceiverStage = ReceiverStage.PENDING
@@ -157,12 +165,16 @@ class KVReceiver:
         self._next_epoch = 1
         self._refused: deque[Refusal] = deque(maxlen=REFUSALS_KEPT)
         self.refused_count = 0
+        self.duplicate_count = 0  # of refused_count: notices for blocks that had already arrived
         self._discarded: deque[Discard] = deque(maxlen=DISCARDS_KEPT)
         self.discarded_count = 0
         self._cancel_handlers: list[CancelHandler] = []
         # owner -> requests awaiting some of its blocks (in-flight dedup), so forgetting a
         # request visits only its dependents, not every live request.
         self._dependents: dict[int, set[int]] = {}
+        # Requests whose `wait` may now return or raise at once, since the last `take_settled`
+        # (live ones only: `_forget` drops an id, so a receiver nobody polls does not grow it).
+        self._settled: set[int] = set()
 
     def expect(
         self,
@@ -200,7 +212,7 @@ class KVReceiver:
                     )
             epoch = self._next_epoch
             self._next_epoch += 1
-            expected = _Expected(ledger, epoch, awaits=list(awaits), dst_blocks=lease)
+            expected = _Expected(request_id, ledger, epoch, awaits=list(awaits), dst_blocks=lease)
             for owner, _ in awaits:
                 self._dependents.setdefault(owner, set()).add(request_id)
             if ledger.is_complete:  # everything was held: nothing will arrive
@@ -390,6 +402,8 @@ class KVReceiver:
         complete = expected.ledger.is_complete
         if complete:
             self._to_complete(expected)
+        # Blocks that requests await (in-flight dedup) may have arrived with this notice.
+        self._settled.update(self._dependents.get(notice.request_id, ()))
         # Every arrival: a request awaiting these blocks (in-flight dedup) may be done too.
         self._cond.notify_all()
         return complete
@@ -421,6 +435,8 @@ class KVReceiver:
         sender the request does not belong to; returns the error to raise."""
         self._refused.append(Refusal(notice, error, _name(source)))
         self.refused_count += 1
+        if isinstance(error, DuplicateTransferError):
+            self.duplicate_count += 1
         if expected is not None and (source is None or expected.source in (None, source)):
             self._fail_locked(expected, error)
         return error
@@ -431,6 +447,8 @@ class KVReceiver:
         if expected.error is not None:
             return False
         expected.error = error
+        self._settled.add(expected.request_id)
+        self._settled.update(self._dependents.get(expected.request_id, ()))  # their waits raise too
         self._cond.notify_all()
         return True
 
@@ -439,6 +457,7 @@ class KVReceiver:
     def _to_complete(self, expected: _Expected) -> None:
         expected.stage = ReceiverStage.COMPLETE
         expected.arrived_at = time.monotonic()
+        self._settled.add(expected.request_id)
 
     def _to_cancelled(self, expected: _Expected) -> None:
         """PENDING -> CANCELLED, ENDED -> FENCED (a sender that is gone has nothing to stop)."""
@@ -617,6 +636,16 @@ class KVReceiver:
                 failed.append(rid)
         return failed
 
+    def take_settled(self) -> set[int]:
+        """The ids of the requests that completed or failed since the last call: a poller
+        waits (``wait(request_id, 0)``) on these only, so a step costs O(changes), not one
+        wait per request still arriving. Each such request is named at least once (a request
+        awaiting another's blocks may be named before it is done: `wait` decides); a request
+        released since may be among them."""
+        with self._cond:
+            settled, self._settled = self._settled, set()
+        return settled
+
     def is_complete(self, request_id: int) -> bool:
         with self._cond:
             return self._get(request_id).ledger.is_complete
@@ -679,6 +708,7 @@ class KVReceiver:
         """Drops a request (lock held). Requests awaiting its blocks keep those that arrived;
         the others fail at their next `wait`."""
         for other in self._dependents.pop(request_id, ()):
+            self._settled.add(other)  # its awaited blocks arrived, or it fails at its next wait
             theirs = self._requests.get(other)
             if theirs is not None and theirs.awaits:
                 try:
@@ -686,6 +716,7 @@ class KVReceiver:
                 except TransferError:
                     pass  # recorded on that request: its wait raises
         del self._requests[request_id]
+        self._settled.discard(request_id)  # so the set holds live requests only, taken or not
         self._cond.notify_all()
 
     def _settle_awaits(self, request_id: int, expected: _Expected) -> bool:

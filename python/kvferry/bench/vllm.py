@@ -136,7 +136,7 @@ METRICS = {
         "kv_wait_n": ("decode", "vllm:nixl_xfer_time_seconds_count"),
     },
     "kvferry": {
-        "early_bytes": ("prefill", "vllm:kvferry_early_bytes_total"),
+        "early_bytes": ("prefill", "vllm:kvferry_early_issued_bytes_total"),
         "chunk_bytes": ("prefill", "vllm:kvferry_chunk_bytes_total"),
         "layer_bytes": ("prefill", "vllm:kvferry_layer_bytes_total"),
         "held_blocks": ("prefill", "vllm:kvferry_held_blocks_total"),

@@ -5,11 +5,13 @@ plain data, and the tests check them without an engine.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import math
 import os
 import secrets
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
@@ -305,8 +307,18 @@ def parse_params(params: Any) -> Optional[RequestParams]:
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
     """A digest of the prompt's token ids: both halves of a transfer must carry the same
-    prompt (a proxy bug must fail the request, not feed the decode side another prompt's KV)."""
-    h = hashlib.sha256()
-    for t in token_ids:
-        h.update(int(t).to_bytes(8, "little", signed=True))
-    return h.hexdigest()[:32]
+    prompt (a proxy bug must fail the request, not feed the decode side another prompt's KV).
+
+    SHA-256 of the ids as little-endian int64, in one C-speed pass: both schedulers run it for
+    each new request on their own thread, where a loop over a 128k-token prompt in Python took
+    ~19 ms and stalled every running decode (issue 22). `InvalidArgumentError` for an id that
+    is not an int64."""
+    try:
+        ids = array.array("q", token_ids)
+    except (TypeError, OverflowError) as err:
+        raise InvalidArgumentError(
+            f"invalid token_ids=<{len(token_ids)} ids>: each must be an integer in [-2**63, 2**63) ({err})"
+        ) from None
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.sha256(ids).hexdigest()[:32]

@@ -4,6 +4,7 @@ request's destination, and one endpoint per prefill engine."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -65,7 +66,15 @@ class DecodeWorker:
         self._ring_blocks = 0
         self.rendezvous: Optional[rendezvous.Rendezvous] = None
         self._recv: dict[str, _Recv] = {}
-        self._refused_seen = 0
+        # What `results` looks at, so a step costs O(changes), not one receiver wait per
+        # request still arriving: the receiver's settled requests (by kv id), abandoned
+        # transfers, due deadlines (a heap; entries of requests gone are skipped), and the
+        # requests given up and waiting for their fence.
+        self._rid_of_kv: dict[int, str] = {}
+        self._rid_of_transfer: dict[str, str] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._look: set[str] = set()  # looked at next step whatever happens (given up, or abandoned early)
+        self._refused_seen = self._duplicates_seen = 0
 
     def start(self) -> None:
         """After `WorkerCommon.register_kv_caches`: the receiver and the rendezvous."""
@@ -197,6 +206,10 @@ class DecodeWorker:
             self.common.fail_next(spec.req_id, spec.transfer, str(err))
             return
         self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
+        self._rid_of_kv[spec.kv_id] = self._rid_of_transfer[spec.transfer] = spec.req_id
+        heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
+        if self.rendezvous.abandoned(spec.transfer) is not None:
+            self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
         self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
                                 reused=spec.held_blocks * self.block_size, blocks=len(blocks), held=spec.held_blocks)  # fmt: skip
 
@@ -204,11 +217,13 @@ class DecodeWorker:
         recving: set[str] = set()
         failed: set[str] = set()
         assert self.receiver is not None and self.rendezvous is not None
-        refused = self.receiver.refused_count
-        self.tally.add("duplicates_refused", refused - self._refused_seen)
-        self._refused_seen = refused
+        refused, duplicates = self.receiver.refused_count, self.receiver.duplicate_count
+        self.tally.add("duplicates_refused", duplicates - self._duplicates_seen)
+        self.tally.add("notices_refused", (refused - duplicates) - (self._refused_seen - self._duplicates_seen))
+        self._refused_seen, self._duplicates_seen = refused, duplicates
         now = time.monotonic()
-        for rid, st in list(self._recv.items()):
+        for rid in self._to_look(finished_req_ids, now):
+            st = self._recv[rid]
             kv = st.spec.kv_id
             if st.giving_up is None:
                 if rid in finished_req_ids:
@@ -229,15 +244,16 @@ class DecodeWorker:
                         self.receiver.release(kv, 0)
                         self.rendezvous.withdraw(st.spec.transfer, "its blocks arrived")
                         self.tally.observe("recv_seconds", now - st.started)
-                        del self._recv[rid]
+                        self._forget(st)
                         recving.add(rid)
                         arrived = -(-st.spec.prompt_len // self.common.block_size) - st.spec.held_blocks
                         block = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # all layers
                         self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
                         continue
             if not self._release(st, now):
+                self._look.add(rid)  # given up, its fence not yet come: asked again next step
                 continue
-            del self._recv[rid]
+            self._forget(st)
             recving.add(rid)
             state = "aborted" if st.aborted else "failed"
             self.common.ended("decode", st.spec.transfer, rid, state, st.giving_up or "given up")
@@ -246,6 +262,27 @@ class DecodeWorker:
                 logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
         self.sweep(now)
         return recving, failed
+
+    def _to_look(self, finished_req_ids: set[str], now: float) -> set[str]:
+        """The requests this step must look at (see ``__init__``); the others are still
+        arriving, with nothing new to report."""
+        assert self.receiver is not None and self.rendezvous is not None
+        look, self._look = self._look, set()
+        look.update(self._rid_of_kv[kv] for kv in self.receiver.take_settled() if kv in self._rid_of_kv)
+        look.update(rid for rid in finished_req_ids if rid in self._recv)
+        gone = self.rendezvous.take_abandoned()
+        look.update(self._rid_of_transfer[t] for t in gone if t in self._rid_of_transfer)
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self._recv:
+                look.add(rid)
+        return {rid for rid in look if rid in self._recv}
+
+    def _forget(self, st: _Recv) -> None:
+        del self._recv[st.spec.req_id]
+        self._rid_of_kv.pop(st.spec.kv_id, None)
+        if self._rid_of_transfer.get(st.spec.transfer) == st.spec.req_id:
+            del self._rid_of_transfer[st.spec.transfer]
 
     def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
         assert self.receiver is not None

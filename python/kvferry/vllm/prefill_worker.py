@@ -45,6 +45,7 @@ class _Send:
     finishing: bool = False
     error: Optional[str] = None
     forward_done: Optional[float] = None  # when the last chunk's forward ended
+    first_forward_done: Optional[float] = None  # when the first chunk's forward ended (early writes landed by then?)
     writes: list[tuple[str, float, float, int]] = field(default_factory=list)  # kind, submitted, finished, bytes
 
 
@@ -106,6 +107,8 @@ class PrefillWorker:
             assert st.peer is not None
             self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
             self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
+            if st.first_forward_done is None:
+                st.first_forward_done = time.monotonic()
             if c.end == st.spec.prompt_len:
                 st.forward_done = time.monotonic()
         self._chunks = []
@@ -122,10 +125,17 @@ class PrefillWorker:
             if rid in self._send:
                 self._send[rid].finishing = True
         self._poll_peers()
-        for rid, st in list(self._send.items()):
-            if st.finishing and self._settle_send(st):
-                del self._send[rid]
-                sending.add(rid)
+        finishing = [st for st in self._send.values() if st.finishing]
+        if finishing:
+            # Once per step, not per settle (that was quadratic in the sends): the sends by
+            # (peer, kv id), for the late records a settle takes, and each peer's failures.
+            by_kv = self._by_kv()
+            peers = {id(st.peer): st.peer for st in finishing if st.peer is not None}
+            failures = {key: peer.sender.failures() for key, peer in peers.items()}
+            for st in finishing:
+                if self._settle_send(st, by_kv, failures.get(id(st.peer), {})):
+                    del self._send[st.spec.req_id]
+                    sending.add(st.spec.req_id)
         self._drop_dead_peers()
         return sending
 
@@ -213,8 +223,11 @@ class PrefillWorker:
             st.error = str(err)
             logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
 
+    def _by_kv(self) -> dict[tuple[int, int], _Send]:
+        return {(id(st.peer), st.kv_id): st for st in self._send.values() if st.peer is not None}
+
     def _poll_peers(self) -> None:
-        by_kv = {(id(st.peer), st.kv_id): st for st in self._send.values() if st.peer is not None}
+        by_kv = self._by_kv()
         for peer in [*self._peers.values(), *self._dead]:
             try:
                 peer.hook.poll()
@@ -265,10 +278,13 @@ class PrefillWorker:
                     "prefill", st.spec.transfer, st.spec.req_id, rec.kind, notice, nbytes, rec.submitted, rec.finished
                 )
                 self.tally.add(
-                    {"early": "early_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes
+                    {"early": "early_issued_bytes", "chunk": "chunk_bytes", "layer": "layer_bytes"}[rec.kind], nbytes
                 )
+                # Taken before the first forward ended (no stamp yet): it landed before it, too.
+                if rec.kind == "early" and (st.first_forward_done is None or rec.finished <= st.first_forward_done):
+                    self.tally.add("early_landed_bytes", nbytes)
 
-    def _settle_send(self, st: _Send) -> bool:
+    def _settle_send(self, st: _Send, by_kv: dict[tuple[int, int], _Send], failures: dict[int, TransferError]) -> bool:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
         may then free them)."""
         if not st.added or st.peer is None:
@@ -277,8 +293,9 @@ class PrefillWorker:
             )
             return True
         hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
-        if st.error is None and kv in sender.failures():
-            st.error = str(sender.failures()[kv])
+        failure = failures.get(kv) if st.error is None else None
+        if failure is not None:
+            st.error = str(failure)
         if st.error is None and not sender.book.is_complete(kv):
             st.error = "the prefill request ended before all its blocks were sent (aborted)"
         if st.error is not None:
@@ -301,7 +318,7 @@ class PrefillWorker:
             return False
         # Its last write was posted after this step's poll took the records: take them now,
         # or its bytes would be missing from the tally and its hidden fraction.
-        self._take_records(st.peer, {(id(p.peer), p.kv_id): p for p in self._send.values() if p.peer is not None})
+        self._take_records(st.peer, by_kv)
         hook.finish(kv)
         self._observe(st)
         last = max((w[2] for w in st.writes), default=time.monotonic())

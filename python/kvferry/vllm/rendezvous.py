@@ -48,7 +48,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -118,6 +118,7 @@ class Rendezvous:
         self._taken: dict[str, str] = {}  # transfer -> the prefill engine that took it
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
+        self._abandons: deque[str] = deque(maxlen=GONE_KEPT)  # abandoned since the last take_abandoned
         self._closing = False
         self._stop = threading.Event()  # the accept loop's: set with _closing
         self._admission = guard.Admission()
@@ -180,6 +181,14 @@ class Rendezvous:
         """Why the prefill side gave ``transfer`` up, or ``None``."""
         with self._cond:
             return self._abandoned.get(transfer)
+
+    def take_abandoned(self) -> list[str]:
+        """The transfers abandoned since the last call: the decode worker looks at these each
+        step, not at every transfer it holds (one it publishes later it asks `abandoned`)."""
+        with self._cond:
+            taken = list(self._abandons)
+            self._abandons.clear()
+        return taken
 
     def _serve(self) -> None:
         guard.accept_loop(
@@ -264,6 +273,7 @@ class Rendezvous:
             # Kept even before the decode request published it (the prefill request may be
             # aborted first): the decode worker asks about each transfer it holds.
             self._abandoned[transfer] = reason or "no reason given"
+            self._abandons.append(transfer)
             while len(self._abandoned) > GONE_KEPT:
                 del self._abandoned[next(iter(self._abandoned))]
 

@@ -86,6 +86,7 @@ class _Late:
 class _Sending:
     spec: SendSpec
     emitted: bool = False  # the worker knows it (its SendSpec left in a step's metadata)
+    next_start: int = 0  # once emitted: where its next scheduled chunk starts (tokens computed so far)
 
 
 class SchedulerSide:
@@ -275,19 +276,36 @@ class SchedulerSide:
             self._claimed.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
+        """This step's metadata. It walks the sends (and the new requests) only, not every
+        scheduled request: a send's chunk starts where its last one ended (``next_start``);
+        only a resumed one (preempted, then scheduled again) is looked up in the step's list.
+
+        ```
+        tokens:  |<- reused ->|<- chunk of step k ->|<- chunk of step k+1 ->| ... prompt_len
+                 0            start_k               next_start = start_k + scheduled_k
+        ```"""
         meta, self._meta = self._meta, KvferryMetadata()
         self._destinations_arrived(meta)
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._sending and self._sending[rid].emitted:
                 meta.preempted.append(rid)
+        if not self._sending:
+            return meta
         scheduled = scheduler_output.num_scheduled_tokens
-        starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        new = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs if r.req_id in self._sending
+        }
         cached = scheduler_output.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid, start in starts.items():
-            sending = self._sending.get(rid)
-            if sending is None or rid not in scheduled:
+        for rid, sending in self._sending.items():
+            if rid not in scheduled:
                 continue
+            if rid in new:
+                start = new[rid]
+            elif not sending.emitted or rid in cached.resumed_req_ids:
+                start = cached.num_computed_tokens[cached.req_ids.index(rid)]
+            else:
+                start = sending.next_start
+            sending.next_start = start + scheduled[rid]
             spec = sending.spec
             if not sending.emitted:
                 sending.emitted = True
