@@ -309,7 +309,9 @@ class KVSender:
                     self._check_peer()
                 while self._inflight and self._inflight[0].pending.done():
                     self._finish(self._inflight.popleft())
-                starved = self._submit_backlog(block=True) and not self._inflight
+                # Only tried, as on the executor's thread: a thread holding ``_wire`` may be
+                # waiting for ``_lock`` (a failed send losing the receiver).
+                starved = self._submit_backlog(block=False) and not self._inflight
                 self._time_out_backlog()
                 result = (False, self._inflight[0].pending if self._inflight else None, starved, watching, next_check)
             except TransferError as err:  # its requests are failed already; later writes still post
