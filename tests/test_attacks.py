@@ -14,47 +14,29 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Optional
 
 import pytest
 import torch
+from helpers import POOLS, SLACK, assert_nothing_leased, left_in_shm, open_fds, serve, shm_endpoint, until
 from kvferry.errors import TransferError
+from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import guard, registry, wire
 from kvferry.transports.frames import Challenge
-from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
-from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
+from kvferry.transports.shm import ShmEndpoint, ShmTransport
+
+LAYERS, SHAPE, TPB = POOLS.layers, POOLS.shape, POOLS.tpb
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _left_in_shm(names: set[str]) -> set[str]:
-    """Which of ``names`` are still in /dev/shm (others' tests share it: only our own count)."""
-    return names & set(os.listdir("/dev/shm"))
-
-
-@contextlib.contextmanager
-def rig(address: str) -> Iterator[tuple[KVReceiver, ShmEndpoint, bytes]]:
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey, address=address)
-    try:
-        yield receiver, endpoint, authkey
-    finally:
-        endpoint.close()
-        del receiver
-        shared.close()
-
-
-def transfer_bit_exact(receiver: KVReceiver, endpoint: ShmEndpoint, authkey: bytes, rid: int) -> None:
-    """A legitimate sender moves a request's blocks; they arrive bit exact."""
-    src = random_pool(rid)
-    sender = KVSender(src, ShmTransport(endpoint.address, authkey=authkey))
+def transfer_bit_exact(
+    receiver: KVReceiver, transport: Any, rid: int, src: Optional[PagedKV] = None, **sender_options: Any
+) -> None:
+    """A legitimate sender of ``src`` (random unless given) moves a request's blocks over
+    ``transport``; they arrive bit exact, and the sender holds nothing of it afterwards."""
+    src = src if src is not None else POOLS.random(rid)
+    sender = KVSender(src, transport, **sender_options)
     try:
         dst = [5, 9, 2, 11]
         epoch = receiver.expect(rid, 4 * TPB)
@@ -64,10 +46,15 @@ def transfer_bit_exact(receiver: KVReceiver, endpoint: ShmEndpoint, authkey: byt
         receiver.wait(rid, timeout=SLACK)
         for layer_src, layer_dst in zip(src.layers, receiver.pool.layers):
             assert torch.equal(layer_src[:4], layer_dst[dst])
-        receiver.release(rid)
+        receiver.release(rid, timeout=SLACK)
         sender.remove(rid)
+        assert_nothing_leased(sender=sender)
     finally:
         sender.close()
+
+
+def shm_transfer_bit_exact(receiver: KVReceiver, endpoint: Any, authkey: bytes, rid: int) -> None:
+    transfer_bit_exact(receiver, ShmTransport(endpoint.address, authkey=authkey), rid)
 
 
 class Relay:
@@ -127,7 +114,7 @@ def test_a_relayed_handshake_to_an_endpoint_fails() -> None:
     """A sender told a relay's address (as a forged kv_transfer_params.kvferry.peer would tell
     a prefill server) reaches a real endpoint through it: the handshake fails on both sides,
     the relay never sees the hello (the segment name), and a direct sender is served."""
-    with rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+    with shm_endpoint("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
         segment = endpoint._hello["segment"]["name"]  # noqa: SLF001
         before_errors = endpoint.error_count
         relay = Relay(wire.parse_address(endpoint.address))
@@ -140,7 +127,7 @@ def test_a_relayed_handshake_to_an_endpoint_fails() -> None:
         assert segment.encode() not in relay.from_target
         assert until(lambda: endpoint.error_count > before_errors)
         assert "meant another endpoint" in str(endpoint.errors[-1])
-        transfer_bit_exact(receiver, endpoint, authkey, 1)
+        shm_transfer_bit_exact(receiver, endpoint, authkey, 1)
 
 
 # -- pre-auth denial of service -----------------------------------------------------------------
@@ -168,13 +155,13 @@ def test_a_thousand_idle_or_trickling_connections_lock_out_no_sender(listen: str
     they close, threads, descriptors and /dev/shm are back to what they were."""
     n = 1000
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = _fds() + 2 * n + 256
+    need = open_fds() + 2 * n + 256
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
-    fds_before = _fds()
+    fds_before = open_fds()
     threads_before = set(threading.enumerate())
     try:
-        with rig(listen) as (receiver, endpoint, authkey):
+        with shm_endpoint(listen) as (receiver, endpoint, authkey):
             segments = {endpoint._hello["segment"]["name"]}  # noqa: SLF001
             held = []
             try:
@@ -187,14 +174,13 @@ def test_a_thousand_idle_or_trickling_connections_lock_out_no_sender(listen: str
                 # Every one of them was accepted; all but the newest `bound` were cut off.
                 assert until(lambda: endpoint._admission.evicted >= n - bound)  # noqa: SLF001
                 assert len(endpoint._admission) <= bound and _notices_threads() <= bound + 1  # noqa: SLF001
-                transfer_bit_exact(receiver, endpoint, authkey, 1)
+                shm_transfer_bit_exact(receiver, endpoint, authkey, 1)
             finally:
                 for sock in held:
                     sock.close()
             assert until(lambda: _notices_threads() == 0)
         assert [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()] == []
-        assert until(lambda: _fds() == fds_before), (_fds(), fds_before)
-        assert _left_in_shm(segments) == set()
+        assert_nothing_leased(threads=threads_before, fds=fds_before, segments=segments)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
@@ -202,7 +188,7 @@ def test_a_thousand_idle_or_trickling_connections_lock_out_no_sender(listen: str
 def test_the_accept_loop_survives_failing_to_start_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads cannot be started for a while (a pids or memory limit): those connections are
     dropped, the accept loop backs off and serves on, and the next sender is served."""
-    with rig("unix://") as (receiver, endpoint, authkey):
+    with shm_endpoint("unix://") as (receiver, endpoint, authkey):
         real = threading.Thread.start
         refused: list[str] = []
 
@@ -217,7 +203,7 @@ def test_the_accept_loop_survives_failing_to_start_a_thread(monkeypatch: pytest.
             with _connect_raw(endpoint.address) as sock:
                 assert sock.recv(1) == b""  # closed by the endpoint, no thread for it
         assert len(refused) == 3
-        transfer_bit_exact(receiver, endpoint, authkey, 1)
+        shm_transfer_bit_exact(receiver, endpoint, authkey, 1)
 
 
 _SENDER = r"""
@@ -235,7 +221,7 @@ def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
     """The receiver's process is out of descriptors while a peer sits in its handshake (for
     an hour, as far as its timeout goes): accept fails with EMFILE, the endpoint cuts off the
     oldest handshake to get a descriptor back, and a sender (another process) is served."""
-    with rig("unix://") as (receiver, endpoint, authkey):
+    with shm_endpoint("unix://") as (receiver, endpoint, authkey):
         endpoint._handshake_timeout = 3600.0  # noqa: SLF001  (the stalled peer would hold its slot)
         stalled = _connect_raw(endpoint.address)
         assert until(lambda: len(endpoint._peers) == 1)  # noqa: SLF001  (accepted, in its handshake)
@@ -264,7 +250,7 @@ def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
             got += chunk
         assert len(got) == wire.HEADER.size + wire.HANDSHAKE_LIMIT  # its challenge, then the end: cut off
         stalled.close()
-        transfer_bit_exact(receiver, endpoint, authkey, 1)
+        shm_transfer_bit_exact(receiver, endpoint, authkey, 1)
 
 
 def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
@@ -285,25 +271,6 @@ def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
 # -- idle authenticated peers -------------------------------------------------------------------
 
 
-def _staging_transfer(receiver: KVReceiver, transport: object, rid: int) -> None:
-    """A request's blocks through a connected staging sender, bit exact."""
-    from kvferry.sender import KVSender
-
-    src = random_pool(rid)
-    sender = KVSender(src, transport)  # type: ignore[arg-type]
-    dst = [5, 9, 2, 11]
-    epoch = receiver.expect(rid, 4 * TPB)
-    sender.add(rid, 4 * TPB, reused_len=0, epoch=epoch)
-    sender.send_chunks([rid], [0], [4 * TPB], [list(range(4))], [dst])
-    sender.flush(timeout=SLACK)
-    receiver.wait(rid, timeout=SLACK)
-    for layer_src, layer_dst in zip(src.layers, receiver.pool.layers):
-        assert torch.equal(layer_src[:4], layer_dst[dst])
-    receiver.release(rid)
-    sender.remove(rid)
-    sender.close()
-
-
 def _until_lost(transport: object) -> None:
     """Reads what the receiver sent until the connection's end raises (bounded by SLACK)."""
     assert not until(lambda: transport.check_peer() is not None, timeout=SLACK)  # type: ignore[attr-defined]
@@ -313,12 +280,10 @@ def test_idle_senders_do_not_lock_out_the_seventeenth() -> None:
     """16 authenticated senders hold every staging ring and stay silent: the 17th takes the
     place of the one silent longest that owns no unfinished request (the one that does is
     kept), is served bit exact, and the one closed is told why. Rings and threads come back."""
-    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
-    pool = random_pool(99)
-    receiver = KVReceiver(pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, max_senders=16, idle_reclaim_s=0)
+    served = serve("staging", POOLS.random(99), capacity_blocks=8, max_senders=16, idle_reclaim_s=0)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     rings: set[str] = set()
     try:
         busy = StagingTransport(endpoint.address, authkey=authkey)
@@ -334,13 +299,14 @@ def test_idle_senders_do_not_lock_out_the_seventeenth() -> None:
         with pytest.raises(TransferError, match="idle for .* while another sender needed its place"):
             _until_lost(idle[0])
         busy.check_peer()  # still connected
-        _staging_transfer(receiver, seventeenth, 1)
+        transfer_bit_exact(receiver, seventeenth, 1)
         for t in idle[1:] + [busy]:
             t.close()
         idle[0].close()
+        assert_nothing_leased(endpoint=endpoint, segments=rings)
     finally:
-        endpoint.close()
-    assert endpoint.ring_names() == [] and _left_in_shm(rings) == set()
+        served.close()
+    assert endpoint.ring_names() == [] and left_in_shm(rings) == set()
     assert _notices_threads() == 0 or until(lambda: _notices_threads() == 0)
 
 
@@ -348,12 +314,7 @@ def test_idle_senders_do_not_lock_out_the_seventeenth() -> None:
 def test_max_peers_bounds_authenticated_connections(idle_reclaim_s: float) -> None:
     """``max_peers=1``: a second authenticated sender is refused by name while the first has
     not been idle ``idle_reclaim_s``; once it has, the second takes its place."""
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey, max_peers=1, idle_reclaim_s=idle_reclaim_s)
-    try:
+    with shm_endpoint(max_peers=1, idle_reclaim_s=idle_reclaim_s) as (receiver, endpoint, authkey):
         first = ShmTransport(endpoint.address, authkey=authkey)
         if idle_reclaim_s:
             with pytest.raises(TransferError, match=r"at most 1 senders at once \(max_peers\), none idle for 3600 s"):
@@ -367,10 +328,7 @@ def test_max_peers_bounds_authenticated_connections(idle_reclaim_s: float) -> No
             first.close()
             second.close()
             assert endpoint.reclaimed_count == 1
-    finally:
-        endpoint.close()
-        del receiver
-        shared.close()
+        assert_nothing_leased(receiver, endpoint=endpoint)
 
 
 @pytest.mark.parametrize(
@@ -380,7 +338,7 @@ def test_max_peers_bounds_authenticated_connections(idle_reclaim_s: float) -> No
 def test_bad_connection_bounds_are_refused_by_name(option: str, value: object) -> None:
     from kvferry.errors import InvalidArgumentError
 
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    shared = POOLS.shared()
     assert shared.pool is not None
     try:
         with pytest.raises(InvalidArgumentError, match=f"invalid {option}="):
@@ -398,15 +356,15 @@ from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.transports.shm import SharedPool, ShmEndpoint
 from kvferry.transports.staging import StagingEndpoint
-key = bytes.fromhex(sys.argv[2])
+key, listen = bytes.fromhex(sys.argv[2]), sys.argv[3]
 if sys.argv[1] == "staging":
     receiver = KVReceiver(PagedKV(tuple(torch.zeros(4, 2, 4, 8) for _ in range(2)), 4))
-    endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=4)
+    endpoint = StagingEndpoint(receiver, authkey=key, capacity_blocks=4, address=listen)
     segment = "-"
 else:
     shared = SharedPool.create(num_layers=2, shape=(4, 2, 4, 8), dtype=torch.float32, tokens_per_block=4)
     receiver = KVReceiver(shared.pool)
-    endpoint = ShmEndpoint(receiver, shared, authkey=key)
+    endpoint = ShmEndpoint(receiver, shared, authkey=key, address=listen)
     segment = shared.descriptor["name"]
 sys.stdout.write(endpoint.address + " " + segment + "\n"); sys.stdout.flush()
 threading.Event().wait()
@@ -428,21 +386,23 @@ threading.Event().wait()
 """
 
 
+@pytest.mark.parametrize("listen", ["unix://", "tcp://127.0.0.1:0"])
 @pytest.mark.parametrize("kind", ["staging", "shm"])
-def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str) -> None:
+def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str, listen: str) -> None:
     """A receiver (its endpoint, and the resource tracker its segments bring) and a connected
     sender, each in a process group of its own, both SIGKILLed: neither the staging ring the
-    connection had nor the shm endpoint's pool is left in /dev/shm."""
+    connection had nor the shm endpoint's pool is left in /dev/shm, over unix:// (the
+    descriptor travels) and tcp:// (the sender opens it where the receiver holds it)."""
     authkey = secrets.token_bytes(32)
     procs: list[subprocess.Popen[str]] = []
     names: set[str] = set()
     try:
-        argv = [sys.executable, "-c", _RECEIVER, kind, authkey.hex()]
+        argv = [sys.executable, "-c", _RECEIVER, kind, authkey.hex(), listen]
         receiver = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(receiver)
         assert receiver.stdout is not None
         address, segment = receiver.stdout.readline().split()
-        assert address.startswith("unix://"), address
+        assert address.startswith(listen.split(":")[0] + "://"), address
         argv = [sys.executable, "-c", _STAGER, kind, address, authkey.hex()]
         sender = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(sender)
@@ -455,7 +415,7 @@ def test_a_sigkill_of_both_process_groups_leaves_no_segment(kind: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(SLACK)
-    left = _left_in_shm(names)
+    left = left_in_shm(names)
     for name in left:  # the old code's leak: not left for the next test
         os.unlink(f"/dev/shm/{name}")
     assert left == set()
@@ -476,8 +436,12 @@ def _attacks(address: str, authkey: bytes) -> None:
     ]
     for data in garbage:
         with _connect_raw(address) as raw:
-            raw.sendall(data)
-            raw.shutdown(socket.SHUT_WR)
+            try:
+                raw.sendall(data)
+                raw.shutdown(socket.SHUT_WR)
+            except OSError as err:  # it refused and closed before our bytes or our FIN went out: fine
+                if err.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    raise
             got = b""
             with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread: a reset
                 while chunk := raw.recv(4096):
@@ -504,7 +468,6 @@ def test_each_transport_survives_the_attacks_and_serves_bit_exact(
 ) -> None:
     """Each attack against a real endpoint of each transport, then a legitimate transfer that
     arrives bit exact; the endpoint's threads end with it and none of its segments is left."""
-    from kvferry.sender import KVSender
 
     if name == "nixl":
         pytest.importorskip("nixl")
@@ -513,38 +476,52 @@ def test_each_transport_survives_the_attacks_and_serves_bit_exact(
     rpool = registry.receiver_pool(name, num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
     receiver = KVReceiver(rpool.pool)
     authkey = secrets.token_bytes(32)
-    options: dict[str, object] = {"address": listen}
-    if rpool.shared is not None:
-        options["shared"] = rpool.shared
-    served = registry.serve(name, receiver, authkey=authkey, **options)
+    served = registry.serve(name, receiver, authkey=authkey, address=listen, **rpool.serve_options)
     segments: set[str] = set()
     try:
         if rpool.shared is not None:
             segments.add(rpool.shared.descriptor["name"])
         _attacks(served.endpoint.address, authkey)
-        src = random_pool(3)
+        src = POOLS.random(3)
         transport = registry.connect(served.url, authkey=authkey, src=src)
         segments.update(n for n in [getattr(transport, "ring_name", None)] if n)
-        sender = KVSender(src, transport, timeout=SLACK)
-        dst = [5, 9, 2, 11]
-        epoch = receiver.expect(1, 4 * TPB)
-        sender.add(1, 4 * TPB, reused_len=0, epoch=epoch)
-        sender.send_chunks([1], [0], [4 * TPB], [list(range(4))], [dst])
-        sender.flush(timeout=SLACK)
-        receiver.wait(1, timeout=SLACK)
-        for layer_src, layer_dst in zip(src.layers, receiver.pool.layers):
-            assert torch.equal(layer_src[:4], layer_dst[dst])
-        receiver.release(1, timeout=SLACK)
-        sender.remove(1)
-        sender.close()
+        transfer_bit_exact(receiver, transport, 1, src, timeout=SLACK)
         assert served.endpoint.error_count >= 6  # each attack was refused and recorded
     finally:
         served.endpoint.close()
         del receiver
         rpool.close()
 
-    def ours() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t not in threads_before and t.name.startswith("kvferry")]
+    assert_nothing_leased(threads=threads_before, segments=segments)
 
-    assert until(lambda: not ours())
-    assert _left_in_shm(segments) == set()
+
+def test_an_shm_hello_over_tcp_opens_only_the_receivers_nameless_kvferry_segment(tmp_path: Any) -> None:
+    """Over tcp:// the shm hello says where the receiver holds its nameless pool (pid, fd,
+    inode); a hello pointing at anything else (a file of this process, a segment with a name,
+    another inode) is refused by name before anything is mapped or written."""
+    from kvferry.errors import TransferError
+    from kvferry.transports import shm
+    from kvferry.transports.shm import SharedPool
+
+    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    other = open(tmp_path / "not-a-pool", "wb+")  # noqa: SIM115
+    try:
+        fd = shared.fileno()
+        name = shared.descriptor["name"]
+        holder = {"pid": os.getpid(), "fd": fd, "inode": os.fstat(fd).st_ino}
+        with pytest.raises(TransferError, match="not the receiver's nameless segment"):
+            shm._open_held(holder, shared.descriptor)  # still named: not what an endpoint hands out
+        shared.remove_name()
+        os.close(shm._open_held(holder, shared.descriptor))  # the real one opens
+        with pytest.raises(TransferError, match="not the receiver's segment"):
+            shm._open_held(dict(holder, inode=holder["inode"] + 1), shared.descriptor)
+        with pytest.raises(TransferError, match="not the receiver's nameless segment"):
+            shm._open_held(dict(holder, fd=other.fileno()), shared.descriptor)
+        with pytest.raises(TransferError, match="cannot open the receiver's shared pool at /proc/"):
+            shm._open_held(dict(holder, fd=2**20), shared.descriptor)
+        with pytest.raises(TransferError, match="invalid segment name"):
+            shm._open_held(holder, dict(shared.descriptor, name="../etc/passwd"))
+        assert name not in os.listdir("/dev/shm")
+    finally:
+        other.close()
+        shared.close()

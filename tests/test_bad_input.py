@@ -22,6 +22,7 @@ import kvferry
 import numpy as np
 import pytest
 import torch
+from helpers import Pools, in_process_pair
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -136,9 +137,8 @@ def pool(
     inner: int = 4,
     block_dim: int = 0,
 ) -> PagedKV:
-    gen = torch.Generator().manual_seed(blocks)
     shape: tuple[int, ...] = (blocks, 2, tpb, inner) if block_dim == 0 else (2, blocks, tpb, inner)
-    return PagedKV(tuple((torch.randn(shape, generator=gen) * 100).to(dtype) for _ in range(layers)), tpb, block_dim)
+    return Pools(shape, layers, tpb, block_dim, dtype).random(blocks, scale=100)
 
 
 def new_book() -> TransferBook:
@@ -193,9 +193,8 @@ def dst_bytes(pools: tuple[PagedKV, PagedKV]) -> bytes:
 def new_sender() -> tuple[KVSender, KVReceiver]:
     """A sender over 8 blocks to a receiver of 6; request 1 (16 tokens, 8 reused) added at
     both ends."""
-    receiver = KVReceiver(pool(6))
+    sender, receiver = in_process_pair(pool(8), pool(6))
     receiver.expect(1, 16)
-    sender = KVSender(pool(8), InProcessTransport(receiver))
     sender.add(1, 16, reused_len=8)
     return sender, receiver
 
@@ -216,9 +215,8 @@ TABLE = np.arange(4, dtype=np.int64)[None, :]  # request 1's blocks 0..3 on both
 
 def new_tiered_sender() -> tuple[KVSender, KVReceiver]:
     """As `new_sender`, with a host tier of 12 blocks: source ids 8..19 name host blocks."""
-    receiver = KVReceiver(pool(6))
+    sender, receiver = in_process_pair(pool(8), pool(6), host_pool=pool(12))
     receiver.expect(1, 16)
-    sender = KVSender(pool(8), InProcessTransport(receiver), host_pool=pool(12))
     sender.add(1, 16, reused_len=8)
     return sender, receiver
 
@@ -228,11 +226,11 @@ def tiered_state(ctx: tuple[KVSender, KVReceiver]) -> object:
 
 
 def meta_pool(blocks: int) -> PagedKV:
-    return PagedKV(tuple(torch.empty((blocks, 2, TPB, 4), device="meta") for _ in range(2)), TPB)
+    return Pools((blocks, 2, TPB, 4), 2, TPB).full(0.0, "meta")
 
 
 def sender_with_host(host_pool: Any) -> KVSender:
-    return KVSender(pool(8), InProcessTransport(KVReceiver(pool(6))), host_pool=host_pool)
+    return in_process_pair(pool(8), pool(6), host_pool=host_pool)[0]
 
 
 def cuda_sender_with_unpinned_host() -> KVSender:
@@ -270,9 +268,8 @@ def leased_state(receiver: KVReceiver) -> object:
 
 def new_hook() -> tuple[TransferHook, KVSender, KVReceiver]:
     """As `new_sender`, with request 1 added through the hook instead."""
-    receiver = KVReceiver(pool(6))
+    sender, receiver = in_process_pair(pool(8), pool(6))
     receiver.expect(1, 16)
-    sender = KVSender(pool(8), InProcessTransport(receiver))
     hook = TransferHook(sender)
     hook.add_request(1, 16, reused_len=8, src_blocks=[0, 1, 2, 3], dst_blocks=[3, 2, 1, 0])
     return hook, sender, receiver
@@ -2471,16 +2468,16 @@ ROWS: list[Row] = [
     Row(
         "wire-decode-version",
         "_core.wire_decode",
-        "version 2",
-        lambda _: wire_decode(b"KVFW\x02\x00\x04\x00" + bytes(4), 1 << 20),
+        "version 3",
+        lambda _: wire_decode(b"KVFW\x03\x00\x04\x00" + bytes(4), 1 << 20),
         InvalidArgumentError,
-        "invalid frame: unsupported wire version 2 (this side speaks 1)",
+        "invalid frame: unsupported wire version 3 (this side speaks 2)",
     ),
     Row(
         "wire-decode-type",
         "_core.wire_decode",
         "frame type 99",
-        lambda _: wire_decode(b"KVFW\x01\x00\x63\x00" + bytes(4), 1 << 20),
+        lambda _: wire_decode(b"KVFW\x02\x00\x63\x00" + bytes(4), 1 << 20),
         InvalidArgumentError,
         "invalid frame: unknown frame type 99",
     ),
@@ -2488,7 +2485,7 @@ ROWS: list[Row] = [
         "wire-decode-limit",
         "_core.wire_decode",
         "a body past the connection's limit",
-        lambda _: wire_decode(b"KVFW\x01\x00\x04\x00\x00\x01\x00\x00" + bytes(256), 33),
+        lambda _: wire_decode(b"KVFW\x02\x00\x04\x00\x00\x01\x00\x00" + bytes(256), 33),
         InvalidArgumentError,
         "invalid frame: frame of 256 bytes exceeds the limit of 33",
     ),
@@ -2496,7 +2493,7 @@ ROWS: list[Row] = [
         "wire-decode-count",
         "_core.wire_decode",
         "a count of 2**32-1 notices in 4 bytes",
-        lambda _: wire_decode(b"KVFW\x01\x00\x04\x00\x04\x00\x00\x00\xff\xff\xff\xff", 1 << 20),
+        lambda _: wire_decode(b"KVFW\x02\x00\x04\x00\x04\x00\x00\x00\xff\xff\xff\xff", 1 << 20),
         InvalidArgumentError,
         "invalid frame: invalid notices=<4294967295 items>",
     ),

@@ -6,9 +6,23 @@ import argparse
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+from helpers import TINY_MODEL, cli_argv
 from kvferry.cli import LLAMA8B_BYTES_PER_TOKEN, main, plan_request
+
+# A reference model small enough for a bench run in a test, over a slow simulated link, its KV
+# checked against the aggregated run's.
+CHECKED_SMALL_MODEL = {
+    "tokens_per_block": 16,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "link_gbps": 0.05,
+    "check_kv": True,
+}
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -145,46 +159,33 @@ def test_bench_copy_bad_options(capsys: pytest.CaptureFixture[str], argv: list[s
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _small_agentic_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, *flags: str, output: int, layers: int
+) -> tuple[dict[str, Any], str, Any]:
+    """``bench agentic`` on `CHECKED_SMALL_MODEL` (2 sessions of one turn, 160 cached + 40
+    new tokens) with ``flags``: its JSON result, its table, and the path of its PNG."""
     import json
 
     out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = [
+    argv = cli_argv(
         "bench",
         "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "1",
-        "--cached",
-        "160",
-        "--new",
-        "40",
-        "--output",
-        "3",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--link-gbps",
-        "0.05",
-        "--check-kv",
-        "--json",
-        str(out),
-        "--png",
-        str(png),
-    ]
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    result = json.loads(out.read_text())
+        sessions=2,
+        turns=1,
+        cached=160,
+        new=40,
+        output=output,
+        layers=layers,
+        **CHECKED_SMALL_MODEL,
+        json=str(out),
+        png=str(png),
+    )
+    assert main([*argv, *flags]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out, png
+
+
+def test_bench_agentic_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result, table, png = _small_agentic_run(capsys, tmp_path, output=3, layers=2)
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0
     assert result["kv_mismatch_blocks"] == 0 and result["output_divergences"] == []
     assert result["prefill_mismatch_blocks"] == 0 and result["reuse_mismatches"] == 0
@@ -214,46 +215,7 @@ def test_bench_agentic_layerwise_small_run(
     """A third run, early + layer-wise: its own figures in the JSON and the table, outputs and
     KV checked like the others, every byte sent once (early + layer slices + after the
     forward add up to what baseline sends)."""
-    import json
-
-    out, png = tmp_path / "agentic.json", tmp_path / "timeline.png"
-    argv = [
-        "bench",
-        "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "1",
-        "--cached",
-        "160",
-        "--new",
-        "40",
-        "--output",
-        "2",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "3",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--link-gbps",
-        "0.05",
-        "--check-kv",
-        *flag,
-        "--json",
-        str(out),
-        "--png",
-        str(png),
-    ]
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    result = json.loads(out.read_text())
+    result, table, png = _small_agentic_run(capsys, tmp_path, *flag, output=2, layers=3)
     assert result["outputs_match"] is True and result["duplicate_blocks"] == 0 and result["output_divergences"] == []
     assert result["kv_mismatch_blocks"] == 0 and result["prefill_mismatch_blocks"] == 0
     lw, early, base = result["layerwise"], result["early"], result["baseline"]
@@ -279,24 +241,7 @@ def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) ->
     import json
 
     out = tmp_path / "fanout.json"
-    argv = [
-        "bench",
-        "fanout",
-        "--requests",
-        "3",
-        "--prefix",
-        "256",
-        "--suffix",
-        "8",
-        "--output",
-        "2",
-        "--chunk",
-        "64",
-        "--link-gbps",
-        "0",
-        "--json",
-        str(out),
-    ]
+    argv = cli_argv("bench", "fanout", requests=3, prefix=256, suffix=8, output=2, chunk=64, link_gbps=0, json=str(out))
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -315,26 +260,18 @@ def test_bench_tiers_small_run(capsys: pytest.CaptureFixture[str], tmp_path) -> 
     import json
 
     out = tmp_path / "tiers.json"
-    argv = [
+    argv = cli_argv(
         "bench",
         "tiers",
-        "--blocks",
-        "32",
-        "--host-fraction",
-        "0.25",
-        "--layers",
-        "2",
-        "--block-kib",
-        "64",
-        "--reps",
-        "2",
-        "--link-gbps",
-        "0.5",
-        "--host-gbps",
-        "0.5",
-        "--json",
-        str(out),
-    ]
+        blocks=32,
+        host_fraction=0.25,
+        layers=2,
+        block_kib=64,
+        reps=2,
+        link_gbps=0.5,
+        host_gbps=0.5,
+        json=str(out),
+    )
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -389,38 +326,7 @@ def test_help_renders_defaults(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [
-        "bench",
-        "agentic",
-        "--sessions",
-        "2",
-        "--turns",
-        "2",
-        "--cached",
-        "64",
-        "--new",
-        "16",
-        "--output",
-        "2",
-        "--tokens-per-block",
-        "16",
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--head-dim",
-        "16",
-        "--ffn",
-        "32",
-        "--vocab",
-        "64",
-        "--png",
-        "",
-    ]
+    argv = cli_argv("bench", "agentic", sessions=2, turns=2, cached=64, new=16, output=2, **TINY_MODEL, png="")
     assert main(argv) == 0
     out, err = capsys.readouterr()
     phrase = "2 sessions x 3 turns (1 warm-up + 2 measured)"

@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from helpers import Pools
 from kvferry.copy import copy_blocks, copy_blocks_torch
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -24,24 +25,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, tor
 def random_pool(
     shape: tuple[int, ...], dtype: torch.dtype, block_dim: int, layers: int = 3, device: str = "cpu", seed: int = 0
 ) -> PagedKV:
-    gen = torch.Generator().manual_seed(seed)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    tensors = tuple(
-        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape).to(device)
-        for _ in range(layers)
-    )
-    return PagedKV(tensors, 16, block_dim)
+    return Pools(shape, layers, 16, block_dim, dtype).random_bytes(seed, device)
 
 
 def poisoned(like: PagedKV, num_blocks: int) -> PagedKV:
-    shape = list(like.shape)
-    shape[like.block_dim] = num_blocks
-    nbytes = torch.Size(shape).numel() * like.layers[0].element_size()
-    tensors = tuple(
-        torch.full((nbytes,), POISON, dtype=torch.uint8, device=like.device).view(like.dtype).view(shape)
-        for _ in range(like.num_layers)
-    )
-    return PagedKV(tensors, like.tokens_per_block, like.block_dim)
+    return Pools.like(like, num_blocks=num_blocks).filled_bytes(POISON, like.device)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -132,8 +120,10 @@ KERNEL_CHECK = textwrap.dedent(
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
         for block_dim, shape in ((0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))):
             for n in (1, 7):
-                for config in (_triton_copy.LaunchConfig(chunk_words=16, block_words=8, num_warps=4, cache_hints=True),
-                               _triton_copy.LaunchConfig(chunk_words=64, block_words=64, num_warps=4, cache_hints=False)):
+                for config in (
+                    _triton_copy.LaunchConfig(chunk_words=16, block_words=8, num_warps=4, cache_hints=True),
+                    _triton_copy.LaunchConfig(chunk_words=64, block_words=64, num_warps=4, cache_hints=False),
+                ):
                     src = random_pool(shape, dtype, block_dim, seed=n)
                     dst = poisoned(src, 41)
                     s, d = pick(n, 37, 41, seed=n)

@@ -10,71 +10,40 @@ in spawned processes and take commands over a pipe; test_peer_auth.py uses them 
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import secrets
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
-import torch
+from helpers import (
+    POOLS,
+    SLACK,
+    Blocks,
+    assert_nothing_leased,
+    digest,
+    kvferry_threads,
+    serve,
+    tables,
+    until,
+)
 from kvferry.copy import copy_blocks
 from kvferry.engine import Pending, ThreadCopyEngine
 from kvferry.errors import TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
-from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 
-TPB = 4
-LAYERS = 2
-NUM_BLOCKS = 64
-SHAPE = (NUM_BLOCKS, 2, TPB, 16)  # 2 x 4 tokens x 16 floats per block and layer
-# Upper bounds only: how long a failure may take on a loaded 2-core machine. A test that
+TPB, LAYERS, NUM_BLOCKS, SHAPE = POOLS.tpb, POOLS.layers, POOLS.num_blocks, POOLS.shape
+# SLACK (helpers) bounds how long a failure may take on a loaded 2-core machine. A test that
 # proves "at once rather than at the timeout" compares against a much longer timeout.
-SLACK = 20.0
 REPLY_SECONDS = 60.0
 HANG_SECONDS = 900.0  # a bound for a hung worker, not a timing expectation
 LONG_TIMEOUT = 30.0
-
-
-class Blocks:
-    """A pool's free list, as an engine keeps one: a block handed out twice or freed twice is
-    a bug the test should see, and ``free == total`` at the end means nothing leaked."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self._free = list(range(total - 1, -1, -1))
-
-    def take(self, n: int) -> list[int]:
-        assert n <= len(self._free), f"pool exhausted: {n} wanted, {len(self._free)} free"
-        return [self._free.pop() for _ in range(n)]
-
-    def give(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            assert b not in self._free, f"block {b} freed twice"
-            self._free.append(b)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-
-def digest(pool: PagedKV, blocks: Iterable[int]) -> str:
-    """The bytes of ``blocks`` (in that order) over every layer."""
-    h = hashlib.sha256()
-    ids = torch.tensor(list(blocks), dtype=torch.int64)
-    for layer in pool.layers:
-        h.update(layer.index_select(0, ids).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def kvferry_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvferry"))
 
 
 def reply_from(conn: Any, proc: Any, who: str) -> Any:
@@ -88,71 +57,20 @@ def reply_from(conn: Any, proc: Any, who: str) -> Any:
     return conn.recv()
 
 
-def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
-    """Waits for a condition the library reaches on another thread with no event a test can
-    wait on (a NIXL notification taken in by UCX's progress): ``timeout`` only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _still_running(pick: Callable[[threading.Thread], bool], timeout: float = SLACK) -> list[threading.Thread]:
-    """Joins the live threads ``pick`` selects, looking again after each round (one may start
-    after a look: a connection accepted late); returns those still running after ``timeout``
-    (a bound on a hang, not an expectation of speed)."""
-    deadline = time.monotonic() + timeout
-    while (alive := [t for t in threading.enumerate() if pick(t)]) and time.monotonic() < deadline:
-        for t in alive:
-            t.join(max(0.0, deadline - time.monotonic()))
-    return [t for t in threading.enumerate() if pick(t)]
-
-
-def threads_ended(name: str, timeout: float = SLACK) -> bool:
-    """Whether every thread called ``name`` has ended (joined, within ``timeout``)."""
-    return not _still_running(lambda t: t.name == name, timeout)
-
-
-def no_new_threads(before: set[threading.Thread]) -> list[str]:
-    """The kvferry threads started since ``before`` that are still alive after a bounded wait
-    (threads being joined by a close may take a moment to be gone)."""
-    return sorted(t.name for t in _still_running(lambda t: t not in before and t.name.startswith("kvferry")))
-
-
 # --- the generation worker (receiver) -------------------------------------------------------
 
 
 def generation_worker(conn: Any, authkey: bytes, kind: str) -> None:
     """A receiver process: a pool with its own free list, a receiver and an endpoint; serves
     commands until ``close``. Every reply is plain data."""
-    shared = None
-    segment = None  # the shared-memory segment a kill would leave behind
-    if kind == "shm":
-        from kvferry.transports.shm import SharedPool, ShmEndpoint
-
-        shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-        assert shared.pool is not None
-        receiver = KVReceiver(shared.pool)
-        endpoint: Any = ShmEndpoint(receiver, shared, authkey=authkey)
-        segment = shared.descriptor["name"]
-    elif kind == "staging":
-        from kvferry.transports.staging import StagingEndpoint
-
-        receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-        endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
-        # Each sender's ring is created when it connects: the test adds their names
-        # (`StagingTransport.ring_name`) to `Generation.segments`.
-    else:
-        from kvferry.transports.nixl import NixlEndpoint
-
-        shape = (NUM_BLOCKS, 2, TPB, 16 << 10) if kind == "nixl-big" else SHAPE  # 1 MiB blocks
-        receiver = KVReceiver(PagedKV(tuple(torch.zeros(shape) for _ in range(LAYERS)), TPB))
-        endpoint = NixlEndpoint(receiver, authkey=authkey)
+    pools = POOLS.but(shape=(NUM_BLOCKS, 2, TPB, 16 << 10)) if kind == "nixl-big" else POOLS  # 1 MiB blocks
+    # A staging sender's ring is created when it connects: the test adds their names
+    # (`StagingTransport.ring_name`) to `Generation.segments`.
+    served = serve("nixl" if kind.startswith("nixl") else kind, authkey=authkey, pools=pools)
+    receiver, endpoint = served.receiver, served.endpoint
     blocks = Blocks(NUM_BLOCKS)
     owned: dict[int, list[int]] = {}
-    conn.send(("ready", endpoint.address, segment, os.getpid()))
+    conn.send(("ready", endpoint.address, served.segment, os.getpid()))
     while True:
         command, *args = conn.recv()
         if command == "expect":
@@ -185,12 +103,8 @@ def generation_worker(conn: Any, authkey: bytes, kind: str) -> None:
                 }
             )
         elif command == "close":
-            endpoint.close()
-            left = kvferry_threads()
-            receiver = None  # type: ignore[assignment]
-            if shared is not None:
-                shared.close()
-            conn.send(left)
+            served.close()
+            conn.send(kvferry_threads())
             return
 
 
@@ -252,7 +166,7 @@ class Generation:
 def context_worker(conn: Any, address: str, authkey: bytes, kind: str) -> None:
     """A sender process with a random pool; runs the commands it is sent, replying after
     each; ``hold`` leaves the next write running (blocked) so the test can kill it mid-copy."""
-    src = PagedKV(tuple(torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)) for _ in range(LAYERS)), TPB)
+    src = POOLS.random(7)
     engine = GatedEngine()
     if kind == "shm":
         from kvferry.transports.shm import ShmTransport
@@ -365,19 +279,6 @@ class Context:
             self.proc.join(timeout=REPLY_SECONDS)
 
 
-def tables(*rows: list[int]) -> np.ndarray:
-    width = max(len(r) for r in rows)
-    table = np.full((len(rows), width), -1, dtype=np.int64)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = row
-    return table
-
-
-def random_pool(seed: int) -> PagedKV:
-    gen = torch.Generator().manual_seed(seed)
-    return PagedKV(tuple(torch.randn(SHAPE, generator=gen) for _ in range(LAYERS)), TPB)
-
-
 def expect_failed_soon(call: Callable[[], Any], bound: float) -> tuple[TransferError, float]:
     """Calls ``call`` until it raises `TransferError` (at most ``bound`` seconds). The failure
     is one the sender finds by its own clock (a write past its timeout, the receiver's socket
@@ -412,7 +313,7 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
     before = set(threading.enumerate())
     gen = Generation(kind)
     try:
-        src, src_blocks = random_pool(1), Blocks(NUM_BLOCKS)
+        src, src_blocks = POOLS.random(1), Blocks(NUM_BLOCKS)
         engine = GatedEngine()
         timeout = 5.0
         transport = (ShmTransport if kind == "shm" else StagingTransport)(gen.address, authkey=gen.authkey)
@@ -444,11 +345,12 @@ def test_receiver_killed_mid_transfer_fails_and_releases_the_sender(kind: str, p
         for rid in rows:  # the executor acknowledges and frees the source blocks
             assert sender.cancel(rid).claimed_blocks == 3  # early [0, 2) and the chunk's block
             src_blocks.give(rows[rid][0])
-        assert sender.failures() == {} and src_blocks.free == NUM_BLOCKS
+        assert src_blocks.free == NUM_BLOCKS
+        assert_nothing_leased(sender=sender)
         sender.close()
     finally:
         gen.cleanup()
-    assert no_new_threads(before) == []
+    assert_nothing_leased(threads=before)
     assert mp.active_children() == []
 
 
@@ -459,7 +361,7 @@ def test_receiver_killed_between_writes_is_found_by_the_next_poll() -> None:
 
     gen = Generation("shm")
     try:
-        sender = KVSender(random_pool(1), ShmTransport(gen.address, authkey=gen.authkey), timeout=5.0)
+        sender = KVSender(POOLS.random(1), ShmTransport(gen.address, authkey=gen.authkey), timeout=5.0)
         dst = gen.call("expect", 5, 16)
         sender.add(5, 16, reused_len=8)
         sender.send_early([5], tables([0, 1, 2, 3]), tables(dst))
@@ -470,7 +372,8 @@ def test_receiver_killed_between_writes_is_found_by_the_next_poll() -> None:
         assert sender.poll() == []  # raised once; nothing left to post
         with pytest.raises(TransferError, match="went away"):
             sender.send_chunks([5], [8], [16], tables([0, 1, 2, 3]), tables(dst))
-        assert sender.remove(5).claimed_blocks == 2 and len(sender.book) == 0
+        assert sender.remove(5).claimed_blocks == 2
+        assert_nothing_leased(sender=sender)
         sender.close()
     finally:
         gen.cleanup()
@@ -488,7 +391,7 @@ def test_nixl_receiver_killed_fails_the_sender(loopback_ucx: None) -> None:
     before = set(threading.enumerate())
     gen = Generation("nixl")
     try:
-        src = random_pool(1)
+        src = POOLS.random(1)
         sender = KVSender(src, NixlTransport(gen.address, authkey=gen.authkey, src=src), timeout=5.0)
         dst = gen.call("expect", 3, 16)
         sender.add(3, 16, reused_len=8)
@@ -505,10 +408,11 @@ def test_nixl_receiver_killed_fails_the_sender(loopback_ucx: None) -> None:
         assert err.request_ids == (3,) and f"pid {gen.pid}" in str(err.peer)
         assert len(sender.book) == 0 and not sender.in_flight(3)
         assert sender.remove(3).claimed_blocks >= 2
+        assert_nothing_leased(sender=sender)
         sender.close()
     finally:
         gen.cleanup()
-    assert no_new_threads(before) == []
+    assert_nothing_leased(threads=before)
 
 
 def test_nixl_hung_receiver_is_aborted_at_the_sender_timeout(
@@ -523,8 +427,7 @@ def test_nixl_hung_receiver_is_aborted_at_the_sender_timeout(
     gen = Generation("nixl-big")
     stopped = False
     try:
-        shape = (NUM_BLOCKS, 2, TPB, 16 << 10)
-        src = PagedKV(tuple(torch.ones(shape) for _ in range(LAYERS)), TPB)
+        src = POOLS.but(shape=(NUM_BLOCKS, 2, TPB, 16 << 10)).full(1.0)
         timeout = 1.0
         sender = KVSender(src, NixlTransport(gen.address, authkey=gen.authkey, src=src), timeout=timeout)
         warm = gen.call("expect", 5, 2 * TPB)  # one write while the peer runs: UCX connects
@@ -559,14 +462,9 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
     connection end and fails, at once rather than at their timeout, the requests that
     sender announced or sent notices for; a request it finished stays complete; a request it
     never mentioned is left to its own timeout. The destination blocks are then released."""
-    from kvferry.transports.shm import SharedPool, ShmEndpoint
-
     before = set(threading.enumerate())
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    served = serve("shm")
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     dst_blocks = Blocks(NUM_BLOCKS)
     ctx = Context(endpoint.address, authkey)
     try:
@@ -599,16 +497,14 @@ def test_sender_killed_mid_transfer_fails_its_requests_at_once() -> None:
             receiver.release(3, timeout=0.05)
         receiver.release_unfenced(3)  # the test never handed its blocks to anyone
         dst_blocks.give(dst[3])
-        assert len(receiver) == 0 and dst_blocks.free == NUM_BLOCKS
+        assert dst_blocks.free == NUM_BLOCKS
         # The dead sender's connection thread is gone without the endpoint closing.
-        assert threads_ended("kvferry-notices")
+        assert_nothing_leased(receiver, endpoint=endpoint)
         assert list(endpoint.errors) == []
     finally:
         ctx.cleanup()
-        endpoint.close()
-        receiver = None  # type: ignore[assignment]
-        shared.close()
-    assert no_new_threads(before) == []
+        served.close()
+    assert_nothing_leased(threads=before)
     assert mp.active_children() == []
 
 
@@ -616,13 +512,10 @@ def test_nixl_sender_killed_fails_by_the_receiver_timeout(loopback_ucx: None) ->
     """NIXL's notices do not travel on the socket, so its EOF does not fail requests (it may
     overtake the notifications of finished writes): the receiver's wait times out cleanly,
     the request is released, and nothing is left running."""
-    from kvferry.transports.nixl import NixlEndpoint
-
     before = set(threading.enumerate())
-    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-    authkey = secrets.token_bytes(32)
-    endpoint = NixlEndpoint(receiver, authkey=authkey)
-    ctx = Context(endpoint.address, authkey, kind="nixl")
+    served = serve("nixl")
+    receiver = served.receiver
+    ctx = Context(served.endpoint.address, served.authkey, kind="nixl")
     try:
         receiver.expect(1, 24)
         receiver.expect(2, 8)
@@ -643,12 +536,11 @@ def test_nixl_sender_killed_fails_by_the_receiver_timeout(loopback_ucx: None) ->
         assert receiver.wait(2, timeout=1)  # complete before the kill: stays complete
         receiver.release(1)
         receiver.release(2)
-        assert len(receiver) == 0
-        assert threads_ended("kvferry-notices")
+        assert_nothing_leased(receiver, endpoint=served.endpoint)
     finally:
         ctx.cleanup()
-        endpoint.close()
-    assert no_new_threads(before) == []
+        served.close()
+    assert_nothing_leased(threads=before)
 
 
 # --- cancellation at every stage -------------------------------------------------------------
@@ -670,7 +562,7 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
     before = set(threading.enumerate())
     gen = Generation("shm")
     try:
-        src, src_blocks = random_pool(11), Blocks(NUM_BLOCKS)
+        src, src_blocks = POOLS.random(11), Blocks(NUM_BLOCKS)
         engine = GatedEngine()
         # No announcer: the notices C got before its cancel are exactly those the test's own
         # flushes returned (an announcer would post some of them on its own thread).
@@ -732,9 +624,7 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
             assert gen.call("release", s)
             assert sender.remove(s).is_complete
             src_blocks.give(rows[s][0])
-            assert len(sender.book) == 0 and not sender._requests, (
-                stage
-            )  # a stale record would drop a later request's notices
+            assert_nothing_leased(sender=sender)  # a stale record would drop a later request's notices
             state = gen.call("status")
             assert (state["requests"], state["free"], state["errors"]) == (0, NUM_BLOCKS, []), (stage, state)
             assert src_blocks.free == NUM_BLOCKS, stage
@@ -742,5 +632,5 @@ def test_cancel_at_every_stage_leaks_nothing() -> None:
         assert gen.close() == []  # no kvferry thread left in the generation worker
     finally:
         gen.cleanup()
-    assert no_new_threads(before) == []
+    assert_nothing_leased(threads=before)
     assert mp.active_children() == []

@@ -14,7 +14,7 @@ Each known failure is reproduced and shown not to happen:
   `test_staging_never_applies_ring_data_the_receiver_would_not_take`,
   `test_nixl_fences_travel_with_the_notifications`), request ids reused included.
 
-Copies are gated, so every interleaving is forced, not hoped for: `_GatedEngine` (test_transfer)
+Copies are gated, so every interleaving is forced, not hoped for: `ManualEngine` (tests/helpers.py)
 runs a copy when the test opens it; `GatedEngine` (test_faults) runs real copies on the engine
 thread and holds them at will. Receivers that need a peer live in a spawned process
 (`fencing_worker`).
@@ -33,10 +33,23 @@ import numpy as np
 import pytest
 import torch
 from conftest import FakeClock
+from helpers import (
+    POOLS,
+    SLACK,
+    Blocks,
+    ManualEngine,
+    assert_nothing_leased,
+    digest,
+    in_process_pair,
+    kvferry_threads,
+    serve,
+    shm_endpoint,
+    tables,
+    until,
+)
 from kvferry.engine import Pending
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.hook import TransferHook
-from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, ReceiverStage
 from kvferry.refengine.model import TinyLlama, new_kv_pool
@@ -45,25 +58,7 @@ from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender, SenderStage
 from kvferry.transports.base import Write
 from kvferry.transports.inprocess import InProcessTransport
-from test_faults import (
-    LAYERS,
-    NUM_BLOCKS,
-    REPLY_SECONDS,
-    SHAPE,
-    SLACK,
-    TPB,
-    Blocks,
-    GatedEngine,
-    digest,
-    expect_failed_soon,
-    kvferry_threads,
-    no_new_threads,
-    random_pool,
-    reply_from,
-    tables,
-    until,
-)
-from test_transfer import _GatedEngine
+from test_faults import NUM_BLOCKS, REPLY_SECONDS, TPB, GatedEngine, expect_failed_soon, reply_from
 
 # --- a receiver in its own process -----------------------------------------------------------
 
@@ -71,24 +66,8 @@ from test_transfer import _GatedEngine
 def fencing_worker(conn: Any, authkey: bytes, kind: str) -> None:
     """A generation worker: a pool with its own free list, a receiver and an endpoint (shm,
     staging or NIXL); runs the test's commands until ``close``. Every reply is plain data."""
-    shared = None
-    if kind == "shm":
-        from kvferry.transports.shm import SharedPool, ShmEndpoint
-
-        shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-        assert shared.pool is not None
-        receiver = KVReceiver(shared.pool)
-        endpoint: Any = ShmEndpoint(receiver, shared, authkey=authkey)
-    elif kind == "staging":
-        from kvferry.transports.staging import StagingEndpoint
-
-        receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-        endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
-    else:
-        from kvferry.transports.nixl import NixlEndpoint
-
-        receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-        endpoint = NixlEndpoint(receiver, authkey=authkey)
+    served = serve(kind, authkey=authkey)  # a staging ring of 12 blocks
+    receiver, endpoint = served.receiver, served.endpoint
     pool = receiver.pool
     blocks = Blocks(NUM_BLOCKS)
     owned: dict[int, list[int]] = {}
@@ -146,12 +125,8 @@ def fencing_worker(conn: Any, authkey: bytes, kind: str) -> None:
                     }
                 )
             elif command == "close":
-                endpoint.close()
-                left = kvferry_threads()
-                receiver = pool = None  # type: ignore[assignment]
-                if shared is not None:
-                    shared.close()
-                conn.send(left)
+                served.close()
+                conn.send(kvferry_threads())
                 return
         except Exception as err:  # reported to the test, which fails with it
             conn.send(("error", repr(err)))
@@ -188,6 +163,16 @@ class Remote:
             self.proc.kill()
             self.proc.join(timeout=REPLY_SECONDS)
 
+    def close_after(self, sender: KVSender) -> None:
+        """The end of a clean run: the receiver holds no request and has every block back,
+        refused nothing and recorded no error; the sender leaks nothing; both close, and no
+        kvferry thread is left in the worker."""
+        state = self.call("status")
+        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], []), state
+        assert_nothing_leased(sender=sender)
+        sender.close()
+        assert self.close() == []
+
 
 @pytest.fixture
 def loopback_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,11 +187,11 @@ P2 = P1 + [20, 21, 22]  # the next turn: reuses the 3 full blocks and 1 token of
 FRESH = [40 + i % 20 for i in range(40)]  # 10 blocks of a prompt that shares nothing
 
 
-def _context_rig() -> tuple[Worker, TransferHook, KVReceiver, _GatedEngine]:
+def _context_rig() -> tuple[Worker, TransferHook, KVReceiver, ManualEngine]:
     model = TinyLlama(SOAK_MODEL)
     ctx = Worker(model, num_blocks=12, tokens_per_block=TPB)
     receiver = KVReceiver(new_kv_pool(model.cfg, 12, TPB, "cpu"))
-    engine = _GatedEngine()
+    engine = ManualEngine()
     hook = TransferHook(KVSender(ctx.pool, InProcessTransport(receiver), engine=engine))
     ctx.leased = hook.leased  # as Disaggregated does: blocks stay referenced while leased
     ctx.admit(1, P1)
@@ -301,7 +286,7 @@ def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced(s
     from kvferry.transports.shm import ShmTransport
 
     try:
-        src, src_blocks = random_pool(3), Blocks(NUM_BLOCKS)
+        src, src_blocks = POOLS.random(3), Blocks(NUM_BLOCKS)
         engine = GatedEngine()
         sender = KVSender(src, ShmTransport(remote.address, authkey=remote.authkey), engine=engine, timeout=0.05)
         rows = src_blocks.take(6)
@@ -329,10 +314,7 @@ def test_a_timed_out_copy_keeps_its_source_leased_and_its_destination_unfenced(s
             layer[torch.tensor(rows)] = -1.0
         assert remote.call("release", 3, SLACK)[0] == "ok"
         assert remote.call("digest", dst[:2]) == want  # what the copy read was intact
-        state = remote.call("status")
-        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], [])
-        sender.close()
-        assert remote.close() == []
+        remote.close_after(sender)
     finally:
         remote.cleanup()
 
@@ -352,7 +334,7 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
     before = set(threading.enumerate())
     remote = Remote("shm")
     try:
-        src = random_pool(7)
+        src = POOLS.random(7)
         engine = GatedEngine()
         sender = KVSender(src, ShmTransport(remote.address, authkey=remote.authkey), engine=engine, timeout=30)
         rows = list(range(6))
@@ -406,13 +388,10 @@ def test_release_waits_for_the_fence_of_a_write_still_in_flight() -> None:
         assert remote.call("wait", 7, SLACK) == ("ok", digest(src, rows))
         assert remote.call("release", 7, 0)[0] == "ok"
         assert sender.remove(7).is_complete
-        state = remote.call("status")
-        assert (state["requests"], state["free"], state["refused"], state["errors"]) == (0, NUM_BLOCKS, [], [])
-        sender.close()
-        assert remote.close() == []
+        remote.close_after(sender)
     finally:
         remote.cleanup()
-    assert no_new_threads(before) == []
+    assert_nothing_leased(threads=before)
 
 
 def test_without_the_fence_a_late_one_sided_write_lands_in_the_new_owners_blocks() -> None:
@@ -426,7 +405,7 @@ def test_without_the_fence_a_late_one_sided_write_lands_in_the_new_owners_blocks
     remote = Remote("shm")
     try:
         engine = GatedEngine()
-        sender = KVSender(random_pool(8), ShmTransport(remote.address, authkey=remote.authkey), engine=engine)
+        sender = KVSender(POOLS.random(8), ShmTransport(remote.address, authkey=remote.authkey), engine=engine)
         dst, old = remote.call("expect", 7, 8)
         sender.add(7, 8, epoch=old)
         engine.hold()
@@ -468,7 +447,7 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
     remote = Remote("staging")
     engine = ThreadCopyEngine()
     try:
-        src = random_pool(9)
+        src = POOLS.random(9)
         rogue = StagingTransport(remote.address, authkey=remote.authkey)
 
         def write(notice: Notice, dst: list[int]) -> Pending:
@@ -485,9 +464,7 @@ def test_staging_never_applies_ring_data_the_receiver_would_not_take() -> None:
         write(Notice(8, 0, 0, 2, True, e8), dst8)
         rogue.post([Notice(8, 0, 0, 2, True, e8)])
         assert until(lambda: any(d[:2] == ("notice", 8) for d in remote.call("status")["discarded"]))
-        assert remote.call("digest", dst8) == digest(
-            PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB), range(2)
-        )  # still zeros
+        assert remote.call("digest", dst8) == digest(POOLS.zeros(), range(2))  # still zeros
 
         # Request 5: its old write is staged, the sender fences it, the receiver releases it
         # and gives id 5 and its blocks to a new owner; then the old write is posted.
@@ -527,7 +504,7 @@ def test_nixl_fences_travel_with_the_notifications(loopback_ucx: None) -> None:
 
     remote = Remote("nixl")
     try:
-        src = random_pool(4)
+        src = POOLS.random(4)
         transport = NixlTransport(remote.address, authkey=remote.authkey, src=src)
         # progress=False: the receiver's cancellation below is heard at the executor's next
         # poll, not by the announcer, so the first release times out for sure.
@@ -566,18 +543,13 @@ def test_nixl_fences_travel_with_the_notifications(loopback_ucx: None) -> None:
 # --- epochs and fences at the receiver, in one process ----------------------------------------
 
 
-def _pair(timeout: float | None = None, progress: bool = True) -> tuple[KVSender, KVReceiver, _GatedEngine]:
-    receiver = KVReceiver(random_pool(1))
-    engine = _GatedEngine()
-    return (
-        KVSender(random_pool(0), InProcessTransport(receiver), engine=engine, timeout=timeout, progress=progress),
-        receiver,
-        engine,
-    )
+def _pair(timeout: float | None = None, progress: bool = True) -> tuple[KVSender, KVReceiver, ManualEngine]:
+    engine = ManualEngine()
+    return (*in_process_pair(engine=engine, timeout=timeout, progress=progress), engine)
 
 
 def test_epochs_are_issued_per_receiver_and_stale_notices_are_discarded() -> None:
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     e1 = receiver.expect(1, 16)
     e2 = receiver.expect(2, 16)
     assert 0 < e1 < e2 and receiver.epoch(2) == e2
@@ -695,12 +667,12 @@ def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing(
     """A `TransferError` from `transport.write` (the staging ring reading a closed socket)
     is the receiver gone: every request fails at once, with its id, and no slice stays
     claimed without a write; the sender refuses to send from then on."""
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     for rid in (1, 2):
         receiver.expect(rid, 16)
     transport = _BrokenWrite(receiver, fail_at=2)
     transport.max_write_blocks = 2  # the plan below needs two writes: the second one fails
-    sender = KVSender(random_pool(0), transport)
+    sender = KVSender(POOLS.random(0), transport)
     for rid in (1, 2):
         sender.add(rid, 16, reused_len=8)
     table = np.arange(8).reshape(2, 4)
@@ -712,6 +684,7 @@ def test_a_write_that_loses_the_receiver_fails_every_request_and_claims_nothing(
     with pytest.raises(TransferError, match="receiver closed its socket"):
         sender.add(3, 16)
     assert sender.cancel(1).claimed_blocks == 2 and sender.cancel(2).claimed_blocks == 2
+    assert_nothing_leased(sender=sender)
     sender.close()
 
 
@@ -732,15 +705,15 @@ def test_the_transport_interface_needs_no_optional_methods() -> None:
         def revoke(self, request_id: int, epoch: int) -> None:
             self.receiver.revoked(request_id, epoch)
 
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     epoch = receiver.expect(1, 16)
-    sender = KVSender(random_pool(0), Minimal(receiver))
+    sender = KVSender(POOLS.random(0), Minimal(receiver))
     sender.add(1, 16, epoch=epoch)
     table = np.arange(4)[None, :]
     sender.send_chunks([1], [0], [16], table, table)
     sender.flush(timeout=10)
     assert receiver.wait(1, timeout=10) and sender.remove(1).is_complete
-    assert _GatedEngine().submit_call(lambda: None).abort() is False
+    assert ManualEngine().submit_call(lambda: None).abort() is False
     assert Minimal(receiver).peer == "receiver" and Minimal(receiver).cancel_requests() == []
     sender.close()
 
@@ -748,15 +721,11 @@ def test_the_transport_interface_needs_no_optional_methods() -> None:
 def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
     """`KVSender.add` announces the request with its epoch: a sender killed before it sent
     anything fails the request at once (not at its timeout), and fences it."""
-    from kvferry.transports.shm import SharedPool, ShmEndpoint
     from test_faults import Context
 
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    ctx = Context(endpoint.address, authkey)
+    served = serve("shm")
+    receiver = served.receiver
+    ctx = Context(served.endpoint.address, served.authkey)
     try:
         receiver.expect(1, 24)
         assert ctx.call("add", 1, 24, 9) == "ok"  # no notice, only the announce
@@ -766,47 +735,38 @@ def test_add_announces_so_a_dead_sender_fails_its_requests_at_once() -> None:
             receiver.wait(1, timeout=SLACK * 2)
         assert time.monotonic() - start < SLACK and receiver.fenced(1)
         receiver.release(1, timeout=0)
+        assert_nothing_leased(receiver, endpoint=served.endpoint)
     finally:
         ctx.cleanup()
-        endpoint.close()
-        del receiver
-        shared.close()
+        served.close()
 
 
 def test_endpoint_errors_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender that keeps sending refused notices cannot grow the endpoint: it keeps the
     last few errors and counts them all. Stale notices are no errors at all."""
     import kvferry.transports.control
-    from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+    from kvferry.transports.shm import ShmTransport
 
     monkeypatch.setattr(kvferry.transports.control, "ERRORS_KEPT", 8)
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    try:
+    with shm_endpoint() as (receiver, endpoint, authkey):
         rogue = ShmTransport(endpoint.address, authkey=authkey)
         old = receiver.expect(1, 8)
         receiver.release_unfenced(1)
         for i in range(20):
             rogue.post([Notice(100 + i, 0, 0, 1, True)])  # unknown requests: refused
             rogue.post([Notice(1, i, 0, 1, True, old)])  # a released epoch: discarded
-        assert until(lambda: endpoint.error_count == 20 and receiver.discarded_count == 20)  # noqa: F821 (del: finally)
+        assert until(lambda: endpoint.error_count == 20 and receiver.discarded_count == 20)
         assert len(endpoint.errors) == 8 and receiver.refused_count == 20
         assert all(isinstance(e, UnknownRequestError) for e in endpoint.errors)
         rogue.close()
-    finally:
-        endpoint.close()
-        del receiver
-        shared.close()
+        assert_nothing_leased(receiver, endpoint=endpoint)
 
 
 def test_a_cancel_before_any_announce_reaches_the_sender_that_announces_later() -> None:
     """The receiver may give up before the request's announce arrived: nobody to ask but
     in-process senders then; the sender that announces it later is asked at once, and
     only once."""
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     asked: list[tuple[Any, int, int]] = []
     receiver.on_cancel(lambda source, rid, epoch: asked.append((source, rid, epoch)))
     epoch = receiver.expect(1, 16)
@@ -823,7 +783,7 @@ def test_release_returns_once_the_fence_arrives() -> None:
     """A release of an unfenced request asks its sender to cancel and waits: another
     sender's fence does not end the wait, its own sender's does (well before the release's
     own timeout, which would raise instead)."""
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     epoch = receiver.expect(1, 16)
     receiver.bind(1, "sender A", epoch)
     asked = threading.Event()
@@ -847,7 +807,7 @@ def test_release_returns_once_the_fence_arrives() -> None:
 def test_receiver_stages_follow_the_diagram() -> None:
     """Each edge of `ReceiverStage`'s diagram, and what each stage does with a notice:
     PENDING and ENDED count it, CANCELLED and FENCED discard it; fenced is ``>= ENDED``."""
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     epochs = {rid: receiver.expect(rid, 8) for rid in (1, 2, 3, 4)}  # 2 blocks each
     for rid, epoch in epochs.items():
         receiver.bind(rid, "sender A", epoch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import Pools
 from kvferry.copy import checked_pairs
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -17,7 +18,7 @@ def pool(
     tpb: int = 4,
     block_dim: int = 0,
 ) -> PagedKV:
-    return PagedKV(tuple(torch.zeros(shape, dtype=dtype) for _ in range(layers)), tpb, block_dim)
+    return Pools(shape, layers, tpb, block_dim, dtype).zeros()
 
 
 def test_geometry_block_dim_0() -> None:

@@ -19,14 +19,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pytest
 import torch
+from helpers import TRANSFER_POOLS
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports.staging import StagingEndpoint, StagingTransport
-from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
 
+POOLS = TRANSFER_POOLS
+TPB, LAYERS, SHAPE = POOLS.tpb, POOLS.layers, POOLS.shape
 GUARD = 30.0  # deadlock guard on every wait: never reached when the code is right
 RING = 4  # staging ring slots: a write is at most 2 blocks
 PREFIX_BLOCKS = 16 * RING  # the early send: 16 times the ring
@@ -87,7 +89,7 @@ def assert_exactly_once(notices: Sequence[Notice], blocks: int) -> None:
 
 
 def staging_pair(src: PagedKV, paused: bool) -> tuple[KVReceiver, StagingEndpoint, KVSender]:
-    receiver = KVReceiver(nan_pool())
+    receiver = KVReceiver(POOLS.nan())
     authkey = secrets.token_bytes(32)
     kind = PausedStaging if paused else StagingEndpoint
     endpoint = kind(receiver, authkey=authkey, capacity_blocks=RING)
@@ -101,7 +103,7 @@ def test_an_early_send_many_times_the_ring_returns_before_any_slot_frees() -> No
     a cancel of a backlogged one) return while the link stays stalled; a second sender to a
     healthy receiver completes meanwhile. Resumed, the stalled request lands bit exact,
     each block once, and the cancelled one gets its fence, none of its blocks."""
-    src = random_pool(0)
+    src = POOLS.random(0)
     prompt = PREFIX_BLOCKS * TPB + 3  # the prefix, and a partial block the forward writes
     src_ids, dst_ids = list(range(PREFIX_BLOCKS + 1)), list(range(10, 11 + PREFIX_BLOCKS))
     receiver, endpoint, sender = staging_pair(src, paused=True)
@@ -159,17 +161,21 @@ def test_a_backlog_past_its_bound_fails_the_request_that_hit_it() -> None:
     """``backlog_blocks`` bounds what waits for room: the send that would pass it fails its
     request at once with an error naming the bound; nothing blocks, and the request already
     backlogged is untouched."""
-    src = random_pool(1)
-    receiver = KVReceiver(nan_pool())
+    src = POOLS.random(1)
+    receiver = KVReceiver(POOLS.nan())
     authkey = secrets.token_bytes(32)
     endpoint = PausedStaging(receiver, authkey=authkey, capacity_blocks=RING)
-    sender = KVSender(src, StagingTransport(endpoint.address, authkey=authkey), backlog_blocks=8)
+    # Request 1 fits whatever part of it the ring took at once (a write meeting the
+    # announcer holding the transport goes to the backlog, and every write after it):
+    # the ring holds at most RING blocks, so at least 8 of its 12 wait, and request 2's 12
+    # more pass the bound.
+    sender = KVSender(src, StagingTransport(endpoint.address, authkey=authkey), backlog_blocks=12)
     try:
         for rid in (1, 2):
             sender.add(rid, 12 * TPB, epoch=receiver.expect(rid, 12 * TPB))
         returns(lambda: sender.send_chunks([1], [0], [12 * TPB], table(range(12)), table(range(12))))
-        assert 0 < sender.backlogged <= 8
-        with pytest.raises(TransferError, match=r"backlog is full \(backlog_blocks=8\)") as caught:
+        assert 12 - RING <= sender.backlogged <= 12
+        with pytest.raises(TransferError, match=r"backlog is full \(backlog_blocks=12\)") as caught:
             returns(lambda: sender.send_chunks([2], [0], [12 * TPB], table(range(20, 32)), table(range(20, 32))))
         assert caught.value.request_ids == (2,) and 2 in sender.failures() and 1 not in sender.failures()
         endpoint.resume.set()
@@ -200,14 +206,14 @@ def test_a_post_stuck_on_the_network_stalls_no_executor_call() -> None:
     """The announcer's post blocks (a receiver that stopped reading its socket): sends,
     polls, a new request, the receiver check and a cancel on that sender all return, as
     they only touch local state; the request completes once the post goes through."""
-    from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+    from kvferry.transports.shm import ShmEndpoint, ShmTransport
 
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
+    shared = POOLS.shared()
     assert shared.pool is not None
     receiver = KVReceiver(shared.pool)
     authkey = secrets.token_bytes(32)
     endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    src = random_pool(2)
+    src = POOLS.random(2)
     transport = ShmTransport(endpoint.address, authkey=authkey)
     stuck = _StuckPosts(transport)
     sender = KVSender(src, transport, timeout=GUARD * 4)
@@ -252,9 +258,9 @@ def test_prefill_worker_steps_never_wait_on_a_stalled_decode_endpoint() -> None:
 
     authkey = secrets.token_bytes(32)
     common = WorkerCommon(ConnectorConfig(transport="staging"), block_size=TPB, num_blocks=SHAPE[0], authkey=authkey)
-    src = common.pool = random_pool(3)
+    src = common.pool = POOLS.random(3)
     worker = PrefillWorker(common)
-    stalled_rx, healthy_rx = KVReceiver(nan_pool()), KVReceiver(nan_pool())
+    stalled_rx, healthy_rx = KVReceiver(POOLS.nan()), KVReceiver(POOLS.nan())
     stalled = PausedStaging(stalled_rx, authkey=authkey, capacity_blocks=RING)
     healthy = StagingEndpoint(healthy_rx, authkey=authkey, capacity_blocks=RING)
     nowhere = "unix:///nonexistent/kvferry-rendezvous.sock"  # abandons fail, logged, off-thread

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import kvferry
 import pytest
+from helpers import TINY_MODEL, cli_argv
 from kvferry._optional import EXTRAS, missing_message, require
 from kvferry.errors import KvFerryError, MissingDependencyError
 
@@ -133,36 +134,7 @@ except kvferry.MissingDependencyError as err:
         ("torch", ["bench", "copy"], "kvferry[torch]"),
         (
             "matplotlib",
-            [
-                "bench",
-                "agentic",
-                "--sessions",
-                "1",
-                "--turns",
-                "1",
-                "--cached",
-                "64",
-                "--new",
-                "16",
-                "--output",
-                "2",
-                "--tokens-per-block",
-                "16",
-                "--layers",
-                "1",
-                "--hidden",
-                "32",
-                "--heads",
-                "2",
-                "--kv-heads",
-                "1",
-                "--head-dim",
-                "16",
-                "--ffn",
-                "32",
-                "--vocab",
-                "64",
-            ],
+            cli_argv("bench", "agentic", sessions=1, turns=1, cached=64, new=16, output=2, **TINY_MODEL),
             "kvferry[bench]",
         ),
         (

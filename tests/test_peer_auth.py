@@ -6,7 +6,6 @@ hostile) sender can fail only the requests it holds, and never make blocks count
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
@@ -19,6 +18,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import POOLS, SLACK, digest, shm_endpoint, tables, until
 from kvferry.errors import (
     DuplicateTransferError,
     InvalidArgumentError,
@@ -33,7 +33,7 @@ from kvferry.transports import wire
 from kvferry.transports.frames import Freed, Notices, Revoke
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.wire import AuthenticationError
-from test_faults import LAYERS, SHAPE, SLACK, TPB, Generation, digest, random_pool, tables, until
+from test_faults import TPB, Generation
 
 # "kvferry-" and 32 hex digits: 128 random bits (secrets.token_hex(16)).
 SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
@@ -80,7 +80,7 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         assert _recv_exact(raw, 1) == b""  # closed without another byte: no proof, no hello
         raw.close()
 
-        src = random_pool(3)
+        src = POOLS.random(3)
         sender = KVSender(src, ShmTransport(gen.address, authkey=gen.authkey))
         dst = gen.call("expect", 1, 24)
         sender.add(1, 24, reused_len=9)
@@ -170,7 +170,7 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
     from kvferry.transports.staging import StagingEndpoint
 
     pools = [SharedPool.create(num_layers=1, shape=(4, 8), dtype=torch.float32, tokens_per_block=TPB) for _ in range(8)]
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     from kvferry.transports.staging import StagingTransport
 
     authkey = secrets.token_bytes(32)
@@ -199,23 +199,6 @@ def test_segment_names_are_unguessable_and_segments_private() -> None:
 
 
 # --- the receiver's checks, over a real socket ------------------------------------------------
-
-
-@contextlib.contextmanager
-def shm_endpoint() -> Iterator[tuple[KVReceiver, ShmEndpoint, bytes]]:
-    """A receiver with a shared pool and its endpoint in this process: notices from the
-    test's transports still cross a real socket and the endpoint's connection threads."""
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    try:
-        yield receiver, endpoint, authkey
-    finally:
-        endpoint.close()
-        del receiver
-        shared.close()
 
 
 @pytest.fixture
@@ -363,7 +346,11 @@ def test_a_malformed_frame_drops_only_that_sender(rig: tuple[KVReceiver, ShmEndp
     frames = [
         (1, wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.NOTICES, 3) + b"\1\2\3", "truncated frame"),
         (2, wire.encode(Freed(3)), "a freed frame, which a sender does not send"),
-        (3, wire.HEADER.pack(wire.MAGIC, 2, wire.NOTICES, 0), "unsupported wire version 2 .this side speaks 1."),
+        (
+            3,
+            wire.HEADER.pack(wire.MAGIC, wire.VERSION + 1, wire.NOTICES, 0),
+            f"unsupported wire version {wire.VERSION + 1} .this side speaks {wire.VERSION}.",
+        ),
     ]
     for rid, raw, why in frames:
         rogue = ShmTransport(endpoint.address, authkey=authkey)

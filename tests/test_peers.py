@@ -12,6 +12,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 import pytest
 import torch
+from helpers import TRANSFER_POOLS as POOLS
 from kvferry.engine import CopyEngine, Pending, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError, TransferError, UnknownRequestError
 from kvferry.hook import TransferHook
@@ -23,7 +24,7 @@ from kvferry.sender import KVSender, as_table
 from kvferry.tiers import Signal
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
-from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
+from test_transfer import LAYERS, SHAPE, TPB
 
 # (request id, prompt, reused, peer): every peer gets requests, with and without a prefix.
 REQUESTS = [
@@ -75,7 +76,7 @@ class _Peers:
                 self.served[name] = served
                 self.transports[name] = registry.connect(served.url, authkey=self.authkey)
             else:
-                receiver = KVReceiver(nan_pool())
+                receiver = KVReceiver(POOLS.nan())
                 self.transports[name] = registry.connect("in-process", receiver=receiver)
             self.receivers[name] = receiver
 
@@ -172,7 +173,7 @@ def _check_arrived(
 def test_one_step_call_dispatches_to_every_peer_bit_exact_and_exactly_once() -> None:
     peers = _Peers()
     engine = _CountingEngine()
-    src_pool = random_pool(21)
+    src_pool = POOLS.random(21)
     sender = MultiPeerSender(src_pool, peers.transports, engine=engine)
     try:
         src, dst, ids, early = _start(peers, sender, REQUESTS, seed=22)
@@ -199,7 +200,7 @@ def test_one_step_call_dispatches_to_every_peer_bit_exact_and_exactly_once() -> 
 def test_a_closed_peer_fails_only_its_own_requests() -> None:
     peers = _Peers(names=("a", "b", "c"), shm=("b", "c"))
     requests = [r for r in REQUESTS if r[3] in ("a", "b", "c")]
-    src_pool = random_pool(31)
+    src_pool = POOLS.random(31)
     sender = MultiPeerSender(src_pool, peers.transports)
     try:
         src, dst, ids, _ = _start(peers, sender, requests, seed=32)
@@ -233,7 +234,7 @@ def test_a_closed_peer_fails_only_its_own_requests() -> None:
 def test_hook_routes_each_request_to_its_peer() -> None:
     peers = _Peers(names=("a", "c"), shm=("c",))
     requests = [r for r in REQUESTS if r[3] in ("a", "c")]
-    src_pool = random_pool(41)
+    src_pool = POOLS.random(41)
     hook = TransferHook(MultiPeerSender(src_pool, peers.transports))
     try:
         _expect_all(peers, requests)
@@ -261,7 +262,7 @@ def test_hook_routes_each_request_to_its_peer() -> None:
 
 def test_bad_peer_arguments_are_refused_by_name() -> None:
     peers = _Peers(names=("a",), shm=())
-    sender = MultiPeerSender(random_pool(51), peers.transports)
+    sender = MultiPeerSender(POOLS.random(51), peers.transports)
     try:
         with pytest.raises(InvalidArgumentError, match=r"invalid peer='z': not one of this sender's peers \('a'\)"):
             sender.add(1, 8, peer="z")
@@ -275,11 +276,11 @@ def test_bad_peer_arguments_are_refused_by_name() -> None:
         ):
             sender.send_early(np.array([1, 1]), np.zeros((2, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64))
         with pytest.raises(InvalidArgumentError, match=r"invalid transports=\{\}"):
-            MultiPeerSender(random_pool(52), {})
+            MultiPeerSender(POOLS.random(52), {})
     finally:
         sender.close()
         peers.close()
-    single = KVSender(random_pool(53), registry.connect("in-process", receiver=KVReceiver(nan_pool())))
+    single = KVSender(POOLS.random(53), registry.connect("in-process", receiver=KVReceiver(POOLS.nan())))
     with pytest.raises(InvalidArgumentError, match=r"invalid peer='a': this hook's KVSender has one receiver"):
         TransferHook(single).add_request(1, 8, reused_len=0, src_blocks=[0, 1], dst_blocks=[0, 1], peer="a")
     single.close()
@@ -309,7 +310,7 @@ def test_a_killed_peer_process_fails_only_its_own_requests() -> None:
         daemon=True,
     )
     proc.start()
-    src_pool = random_pool(61)
+    src_pool = POOLS.random(61)
     try:
         peers.transports["b"] = registry.connect(parent.recv(), authkey=peers.authkey)
         sender = MultiPeerSender(src_pool, peers.transports)

@@ -4,7 +4,7 @@ executor hook checked against aggregated serving (outputs token for token, KV bi
 from __future__ import annotations
 
 import random
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -74,6 +74,20 @@ def _sessions(seed: int, n: int, turns: int, *, system: int, new: tuple[int, int
             convs[s] += outputs[turn.request_id]
 
 
+def _both(agg: Aggregated, dis: Disaggregated, sessions: Any) -> Iterator[tuple[list[Turn], dict, dict]]:  # type: ignore[type-arg]
+    """Each turn of ``sessions`` (`_sessions`) served aggregated and disaggregated (the KV
+    checked): yields the turns and both results, then feeds the aggregated outputs back."""
+    turns = next(sessions)
+    while True:
+        got_a = agg.run(turns)
+        got_d = dis.run(turns, check_kv=True)
+        yield turns, got_a, got_d
+        try:
+            turns = sessions.send({r: got_a[r].outputs for r in got_a})
+        except StopIteration:
+            return
+
+
 @pytest.mark.parametrize("chunk", [None, 24], ids=["unchunked", "chunk24"])
 @pytest.mark.parametrize("early", [True, False], ids=["early", "baseline"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
@@ -83,11 +97,8 @@ def test_disaggregated_matches_aggregated_over_multi_turn_sessions(
     agg = Aggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk)
     dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, overlap=overlap)
     gen = _sessions(seed=7, n=3, turns=3, system=90, new=(5, 30), out=5)
-    turns = next(gen)
     reused, early_slices = [], 0
-    while True:
-        got_a = agg.run(turns)
-        got_d = dis.run(turns, check_kv=True)
+    for turns, got_a, got_d in _both(agg, dis, gen):
         for turn in turns:
             a, d = got_a[turn.request_id], got_d[turn.request_id]
             assert d.outputs == a.outputs, f"request {turn.request_id}"
@@ -99,10 +110,6 @@ def test_disaggregated_matches_aggregated_over_multi_turn_sessions(
             if d.reused_len >= TPB:  # the first slice to arrive is the early prefix, or not
                 first = (d.notices[0].start, d.notices[0].end)
                 early_slices += first == (0, d.reused_len // TPB)
-        try:
-            turns = gen.send({r: got_a[r].outputs for r in got_a})
-        except StopIteration:
-            break
     assert any(r % TPB for r in reused), "no unaligned reuse boundary was exercised"
     assert any(r >= TPB for r in reused)
     assert (early_slices > 0) == early
@@ -130,19 +137,13 @@ def _assert_serving_matches(model: TinyLlama, transport: str, *, seed: int, laye
     )
     try:
         gen = _sessions(seed=seed, n=2, turns=2, system=70, new=(5, 25), out=4)
-        turns = next(gen)
-        while True:
-            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+        for turns, got_a, got_d in _both(agg, dis, gen):
             for turn in turns:
                 d = got_d[turn.request_id]
                 assert d.outputs == got_a[turn.request_id].outputs
                 assert d.kv_mismatch_blocks == 0
                 _assert_layers_cross_once(d.notices, -(-d.prompt_len // TPB))
                 assert any(not n.whole for n in d.notices) == ((layer_groups or 1) > 1)
-            try:
-                turns = gen.send({r: got_a[r].outputs for r in got_a})
-            except StopIteration:
-                break
     finally:
         dis.close()
 
@@ -206,10 +207,8 @@ def test_prefix_awareness_keeps_held_blocks_at_the_receiver(model: TinyLlama, tr
     dis = Disaggregated(model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, transport=transport, aware=True)
     try:
         gen = _sessions(seed=11, n=2, turns=3, system=90, new=(5, 30), out=5)
-        turns = next(gen)
         held_per_turn = []
-        while True:
-            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+        for turns, got_a, got_d in _both(agg, dis, gen):
             held = 0
             for turn in turns:
                 a, d = got_a[turn.request_id], got_d[turn.request_id]
@@ -222,10 +221,6 @@ def test_prefix_awareness_keeps_held_blocks_at_the_receiver(model: TinyLlama, tr
                 assert len(kept) * TPB <= d.prompt_len
                 held += len(kept)
             held_per_turn.append(held)
-            try:
-                turns = gen.send({r: got_a[r].outputs for r in got_a})
-            except StopIteration:
-                break
         assert held_per_turn[0] == 0 and all(h > 0 for h in held_per_turn[1:]), held_per_turn
     finally:
         dis.close()
@@ -303,13 +298,10 @@ def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, c
         model, num_blocks=256, tokens_per_block=TPB, chunk_size=chunk, early=early, layer_groups=groups, record=True
     )
     records = dis.hook.sender.records
-    assert records is not None
+    assert records is not None and records == []
     gen = _sessions(seed=13, n=2, turns=2, system=60, new=(5, 30), out=3)
-    turns = next(gen)
     try:
-        while True:
-            records.clear()
-            got_a, got_d = agg.run(turns), dis.run(turns, check_kv=True)
+        for turns, got_a, got_d in _both(agg, dis, gen):
             for turn in turns:
                 a, d = got_a[turn.request_id], got_d[turn.request_id]
                 assert d.outputs == a.outputs, f"request {turn.request_id}"
@@ -325,10 +317,7 @@ def test_layerwise_streaming_matches_aggregated(model: TinyLlama, groups: int, c
                     d.reused_len + (d.prompt_len - 1 - d.reused_len) // chunk * chunk if chunk else d.reused_len
                 )
                 assert all(n.whole and n.end <= last_start // TPB for n in mine("chunk")), (last_start, mine("chunk"))
-            try:
-                turns = gen.send({r: got_a[r].outputs for r in got_a})
-            except StopIteration:
-                break
+            records.clear()  # what the next turn sends
     finally:
         dis.close()
 

@@ -5,13 +5,13 @@ module outside the registry keeps a table of transport names."""
 from __future__ import annotations
 
 import ast
-import multiprocessing as mp
 import pathlib
 import secrets
 from typing import Any
 
 import pytest
 import torch
+from helpers import TRANSFER_POOLS as POOLS
 from kvferry.cli import build_parser
 from kvferry.errors import InvalidArgumentError
 from kvferry.receiver import KVReceiver
@@ -19,7 +19,7 @@ from kvferry.sender import KVSender
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
 from kvferry.transports.registry import Reach
-from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, block_tables, digest, drive, nan_pool, random_pool
+from test_transfer import LAYERS, REQUESTS, SHAPE, TPB, block_tables, digest, drive, run_with_receiver, serve_requests
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,10 @@ def test_unknown_names_are_refused_naming_the_argument_and_value() -> None:
 def test_a_transport_asked_to_run_where_it_cannot_is_refused() -> None:
     with pytest.raises(
         InvalidArgumentError,
-        match=r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from in-process, cuda-ipc, staging, nixl",
+        match=(
+            r"invalid transport='shm' for device='cuda': shm serves cpu pools; for cuda pools choose from "
+            r"in-process, cuda-ipc, staging, nixl"
+        ),
     ):
         registry.check("shm", device="cuda")
     with pytest.raises(
@@ -82,7 +85,7 @@ def test_a_transport_asked_to_run_where_it_cannot_is_refused() -> None:
 
 
 def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
-    receiver = KVReceiver(nan_pool())
+    receiver = KVReceiver(POOLS.nan())
     with pytest.raises(
         InvalidArgumentError, match=r"invalid transport='in-process' for serve: in-process has no endpoint"
     ):
@@ -94,7 +97,10 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
         registry.serve("shm", receiver, authkey=secrets.token_bytes(32))
     with pytest.raises(
         InvalidArgumentError,
-        match=r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, capacity_blocks",
+        match=(
+            r"invalid option ring=3: the staging endpoint takes address, advertise, handshake_timeout, "
+            r"capacity_blocks"
+        ),
     ):
         registry.serve("staging", receiver, authkey=secrets.token_bytes(32), ring=3)
     with pytest.raises(
@@ -114,12 +120,15 @@ def test_bad_builder_arguments_are_refused_before_anything_opens() -> None:
 
 
 def test_a_tcp_address_off_loopback_is_refused_for_a_one_host_transport() -> None:
-    receiver = KVReceiver(nan_pool())
+    receiver = KVReceiver(POOLS.nan())
     key = secrets.token_bytes(32)
     for name in ("shm", "staging"):
         with pytest.raises(
             InvalidArgumentError,
-            match=rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback reaches across hosts, and {name} runs only on one host; across hosts choose from nixl",
+            match=(
+                rf"invalid url='{name}\+tcp://10.9.8.1:5000' for transport '{name}': a tcp:// address off loopback "
+                rf"reaches across hosts, and {name} runs only on one host; across hosts choose from nixl"
+            ),
         ):
             registry.connect(f"{name}+tcp://10.9.8.1:5000", authkey=key)
     with pytest.raises(InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0' for transport 'staging'"):
@@ -138,7 +147,7 @@ def test_a_one_host_transport_over_loopback_tcp_is_bit_exact() -> None:
         assert served.url.startswith("staging+tcp://127.0.0.1:") and not served.url.endswith(":0")
         for rid, prompt, _ in REQUESTS:
             receiver.expect(rid, prompt)
-        src = random_pool(9)
+        src = POOLS.random(9)
         src_table, dst_table = block_tables(10)
         sender = KVSender(src, registry.connect(served.url, authkey=key, handshake_timeout=5.0), progress=True)
         drive(sender, src_table, dst_table)
@@ -154,11 +163,11 @@ def test_a_one_host_transport_over_loopback_tcp_is_bit_exact() -> None:
 
 
 def test_in_process_from_the_registry_is_bit_exact() -> None:
-    dst = nan_pool()
+    dst = POOLS.nan()
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
-    src = random_pool(5)
+    src = POOLS.random(5)
     src_table, dst_table = block_tables(6)
     sender = KVSender(src, registry.connect("in-process", receiver=receiver))
     drive(sender, src_table, dst_table)
@@ -169,58 +178,29 @@ def test_in_process_from_the_registry_is_bit_exact() -> None:
     sender.close()
 
 
-def _registry_receiver(conn: Any, kind: str, device: str, authkey: bytes) -> None:
+def _registry_receiver(conn: Any, authkey: bytes, kind: str, device: str) -> None:
     """A receiver process built only from the registry: its pool, its endpoint, its URL."""
     pool = registry.receiver_pool(
         kind, num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB, device=device
     )
     receiver = KVReceiver(pool.pool)
-    served = registry.serve(
-        kind, receiver, authkey=authkey, **({"shared": pool.shared} if pool.shared is not None else {})
-    )
-    for rid, prompt, _ in REQUESTS:
-        receiver.expect(rid, prompt)
-    conn.send(served.url)
-    dst_table = conn.recv()
-    try:
-        for rid, _, _ in REQUESTS:
-            receiver.wait(rid, timeout=60)
-        conn.send(("ok", digest(receiver.pool, dst_table)))
-    except Exception as err:  # reported to the test, which fails with it
-        conn.send(("error", repr(err)))
-    conn.recv()
+    served = registry.serve(kind, receiver, authkey=authkey, **pool.serve_options)
+    serve_requests(conn, receiver, served.url)
     served.close()
     receiver = None  # type: ignore[assignment]
     pool.close()
 
 
 def _cross_process(kind: str, device: str) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    authkey = secrets.token_bytes(32)
-    proc = ctx.Process(target=_registry_receiver, args=(child, kind, device, authkey), daemon=True)
-    proc.start()
-    try:
-        url = parent.recv()
+    src = POOLS.random(8, device)
+    src_table, dst_table = block_tables(7)
+
+    def connect(url: str, authkey: bytes) -> tuple[KVSender, str]:
         assert url.startswith(f"{kind}+unix:///")
-        src_table, dst_table = block_tables(7)
-        parent.send(dst_table)
-        src = random_pool(8, device)
         transport: Transport = registry.connect(url, authkey=authkey, src=src)
-        sender = KVSender(src, transport)
-        drive(sender, src_table, dst_table)
-        sender.flush(timeout=60)
-        assert parent.poll(60), "receiver did not report"
-        status, value = parent.recv()
-        assert status == "ok", value
-        assert value == digest(src, src_table)
-        sender.close()
-        parent.send("done")
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
+        return KVSender(src, transport), digest(src, src_table)
+
+    run_with_receiver(kind, (src_table, dst_table), connect, False, _registry_receiver, device)
 
 
 @pytest.mark.parametrize("kind", [n for n in registry.names(device="cpu") if registry.spec(n).has_endpoint])

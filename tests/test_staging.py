@@ -20,13 +20,15 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import TRANSFER_POOLS as POOLS
+from helpers import serve
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.transports.base import Write
 from kvferry.transports.staging import StagingEndpoint, StagingTransport
-from test_transfer import LAYERS, SHAPE, TPB, nan_pool, random_pool
+from test_transfer import LAYERS, SHAPE, TPB
 
 SLACK = 30.0
 BLOCKS = 6  # blocks per request
@@ -40,7 +42,7 @@ def _sender_process(conn: Any, address: str, authkey: bytes, seed: int, go: Any,
     from kvferry.engine import ThreadCopyEngine
     from kvferry.sender import KVSender
 
-    src = random_pool(seed, device)
+    src = POOLS.random(seed, device)
     engine: Any = ThreadCopyEngine()
     if device == "cuda":
         from kvferry.engine import CudaCopyEngine
@@ -127,13 +129,11 @@ def staging(request: pytest.FixtureRequest) -> Iterator[tuple[KVReceiver, Stagin
     has none), its staging endpoint, the key, the spawn context."""
     callspec = getattr(request.node, "callspec", None)
     device = callspec.params.get("device", "cpu") if callspec is not None else "cpu"
-    receiver = KVReceiver(nan_pool(device))
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY)
+    served = serve("staging", POOLS.nan(device), capacity_blocks=CAPACITY)
     try:
-        yield receiver, endpoint, authkey, mp.get_context("spawn")
+        yield served.receiver, served.endpoint, served.authkey, mp.get_context("spawn")  # type: ignore[misc]
     finally:
-        endpoint.close()
+        served.close()
 
 
 def _blocks(pool: PagedKV, ids: np.ndarray) -> list[torch.Tensor]:
@@ -143,7 +143,7 @@ def _blocks(pool: PagedKV, ids: np.ndarray) -> list[torch.Tensor]:
 def _check_bit_exact(receiver: KVReceiver, rid: int, seed: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
     """Every block of the request holds its sender's bytes (NaN-poisoned blocks differ from
     any bytes a write could leave); its one notice arrived once."""
-    for got, want in zip(_blocks(receiver.pool, dst_ids), _blocks(random_pool(seed), src_ids)):
+    for got, want in zip(_blocks(receiver.pool, dst_ids), _blocks(POOLS.random(seed), src_ids)):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
             f"request {rid}: blocks differ from sender {seed}'s"
         )
@@ -208,7 +208,7 @@ def test_concurrent_kvsenders_through_one_endpoint_bit_exact(staging: Any, sende
             assert proc.proc.exitcode == 0
         for rid, seed, src, dst in expected:
             receiver.wait(rid, timeout=SLACK)
-            for got, want in zip(_blocks(receiver.pool, dst), _blocks(random_pool(seed), src)):
+            for got, want in zip(_blocks(receiver.pool, dst), _blocks(POOLS.random(seed), src)):
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"request {rid}"
             notices = receiver.notices(rid)
             covered = np.zeros(12, dtype=np.int64)
@@ -235,7 +235,7 @@ def test_batches_posted_before_the_sender_closed_all_land() -> None:
             assert gate.wait(SLACK), "the gate was never opened"
             super().stage(*args)
 
-    receiver = KVReceiver(nan_pool())
+    receiver = KVReceiver(POOLS.nan())
     authkey = secrets.token_bytes(32)
     endpoint = Gated(receiver, authkey=authkey, capacity_blocks=CAPACITY)
     proc = Sender(mp.get_context("spawn"), endpoint.address, authkey, seed=40)
@@ -309,9 +309,8 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
     """With ``max_senders=2`` a third sender is refused after its handshake, by a goodbye
     naming the bound and the ring's cost (recorded at the endpoint); it creates no ring.
     Once a connected sender's connection ended, a new one is served."""
-    receiver = KVReceiver(nan_pool())
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=CAPACITY, max_senders=2)
+    served = serve("staging", POOLS.nan(), capacity_blocks=CAPACITY, max_senders=2)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
         assert endpoint.ring_bytes == CAPACITY * LAYERS * receiver.pool.block_bytes
         first, second = (
@@ -320,7 +319,10 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
         )
         with pytest.raises(
             TransferError,
-            match=f"refused the connection: refused: this staging endpoint serves at most 2 senders at once \\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)",
+            match=(
+                "refused the connection: refused: this staging endpoint serves at most 2 senders at once "
+                f"\\(max_senders\\), each with its own ring of {CAPACITY} blocks \\({endpoint.ring_bytes} bytes\\)"
+            ),
         ):
             StagingTransport(endpoint.address, authkey=authkey)
         assert any("at most 2 senders" in str(e) for e in endpoint.errors)
@@ -346,7 +348,7 @@ def test_max_senders_refuses_one_more_by_name_and_frees_its_place() -> None:
 def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> None:
     options: dict[str, Any] = {"capacity_blocks": 4, option: value}
     with pytest.raises(InvalidArgumentError, match=f"invalid {option}={value!r}: must be an int > 0"):
-        StagingEndpoint(KVReceiver(nan_pool()), authkey=secrets.token_bytes(32), **options)
+        StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), **options)
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])
@@ -361,15 +363,12 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
     from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
     from kvferry.transports import staging as staging_mod
 
-    shape = (40, 2, TPB, 8) if block_dim == 0 else (2, 40, TPB, 8)
-    gen = torch.Generator().manual_seed(3)
-    src = PagedKV(tuple(torch.randn(shape, generator=gen).to(device) for _ in range(LAYERS)), TPB, block_dim)
-    dst = PagedKV(tuple(torch.full(shape, float("nan"), device=device) for _ in range(LAYERS)), TPB, block_dim)
+    pools = POOLS.but(shape=(40, 2, TPB, 8) if block_dim == 0 else (2, 40, TPB, 8), block_dim=block_dim)
+    src, dst = pools.random(3, device), pools.nan(device)
     monkeypatch.setattr(staging_mod, "STAGE_CHUNK_BYTES", 2 * src.block_bytes * LAYERS + 1)
     engine: Any = CudaCopyEngine(torch.device("cuda")) if device == "cuda" else ThreadCopyEngine()
-    receiver = KVReceiver(dst)
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=16)
+    served = serve("staging", dst, capacity_blocks=16)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
         tx = StagingTransport(endpoint.address, authkey=authkey)
         src_ids = np.array([31, 2, 17, 5, 38, 11, 0])

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import FakeClock
+from helpers import TRANSFER_POOLS as POOLS
+from helpers import ManualEngine, in_process_pair
 from kvferry.engine import ThreadCopyEngine
 from kvferry.errors import TransferError
 from kvferry.hook import TransferHook
@@ -35,28 +37,36 @@ from test_transfer import (
     REQUESTS,
     SHAPE,
     TPB,
-    _GatedEngine,
     block_tables,
     check_layer_coverage,
     drive,
     in_process_receiver,
-    nan_pool,
     run_with_receiver,
 )
 
 DEVICE_BLOCKS = SHAPE[0]  # 96
 HOST_BLOCKS = 64
-HOST_SHAPE = (HOST_BLOCKS, *SHAPE[1:])
+HOST_POOLS = POOLS.but(shape=(HOST_BLOCKS, *SHAPE[1:]))
 
 
 def pools(seed: int, device: str = "cpu") -> tuple[PagedKV, PagedKV]:
     """A device pool and a host tier of random KV (the host pool pinned for CUDA)."""
-    gen = torch.Generator().manual_seed(seed)
-    dev = PagedKV(tuple(torch.randn(SHAPE, generator=gen).to(device) for _ in range(LAYERS)), TPB)
-    host_layers = [torch.randn(HOST_SHAPE, generator=gen) for _ in range(LAYERS)]
+    host = HOST_POOLS.random(seed + 1)
     if device == "cuda":
-        host_layers = [t.pin_memory() for t in host_layers]
-    return dev, PagedKV(tuple(host_layers), TPB)
+        host = HOST_POOLS.of(t.pin_memory() for t in host.layers)
+    return POOLS.random(seed, device), host
+
+
+def tiered_pair(
+    dev: PagedKV, host: PagedKV, *requests: tuple[int, int, int], device: str = "cpu", **sender_options: Any
+) -> tuple[KVReceiver, KVSender]:
+    """A NaN-poisoned receiver on ``device`` and a sender of ``dev`` with host tier ``host``
+    over an in-process transport, each ``(request id, prompt, reused)`` registered at both."""
+    sender, receiver = in_process_pair(dev, POOLS.nan(device), host_pool=host, **sender_options)
+    for rid, prompt, reused in requests:
+        receiver.expect(rid, prompt)
+        sender.add(rid, prompt, reused_len=reused)
+    return receiver, sender
 
 
 def tiered_tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,7 +146,7 @@ def test_hook_takes_host_ids_and_order_after(tier_waits: threading.Event) -> Non
     """Through the executor hook: ``src_blocks`` with host ids, the tier's copy declared with
     `TransferHook.order_after`."""
     dev, host = pools(3)
-    receiver = KVReceiver(nan_pool())
+    receiver = KVReceiver(POOLS.nan())
     sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
     hook = TransferHook(sender)
     epoch = receiver.expect(7, 17)
@@ -144,7 +154,7 @@ def test_hook_takes_host_ids_and_order_after(tier_waits: threading.Event) -> Non
     hook.add_request(7, 17, reused_len=12, src_blocks=src, dst_blocks=[0, 1, 2, 3, 4], epoch=epoch)
     written = threading.Event()
     hook.order_after([DEVICE_BLOCKS + 63], written)
-    final = [torch.full(HOST_SHAPE[1:], float(layer)) for layer in range(LAYERS)]
+    final = [torch.full(HOST_POOLS.shape[1:], float(layer)) for layer in range(LAYERS)]
     hook.before_forward([7])
     assert tier_waits.wait(10)
     assert not receiver.notices(7)  # the early copy waits for the tier
@@ -247,10 +257,7 @@ class SlowTierCopy:
 
 def _race_setup(seed: int) -> tuple[PagedKV, PagedKV, KVReceiver, KVSender]:
     dev, host = pools(seed)
-    receiver = KVReceiver(nan_pool())
-    receiver.expect(1, 17)
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
-    sender.add(1, 17, reused_len=16)  # 4 complete reused blocks leave early
+    receiver, sender = tiered_pair(dev, host, (1, 17, 16))  # 4 complete reused blocks leave early
     return dev, host, receiver, sender
 
 
@@ -427,10 +434,7 @@ def test_a_copy_waiting_for_the_tier_times_out_and_cancels_like_any_copy(sender_
     keeps the request leased while the copy has not run, and once the tier is done the copy
     ends, the cancel returns and the request is fenced with none of its notices posted."""
     dev, host = pools(16)
-    receiver = KVReceiver(nan_pool())
-    receiver.expect(1, 17)
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, timeout=0.05)
-    sender.add(1, 17, reused_len=16)
+    receiver, sender = tiered_pair(dev, host, (1, 17, 16), timeout=0.05)
     written = threading.Event()
     sender.order_after([DEVICE_BLOCKS + 3], written)
     sender.send_early([1], np.array([[DEVICE_BLOCKS + 3, 1, 2, 3, 4]]), np.array([[0, 1, 2, 3, 4]]))
@@ -450,11 +454,8 @@ def test_leases_cover_host_blocks() -> None:
     """A request whose blocks are all in the host tier stays leased while its copy is queued
     and after, until `remove`; the tier must keep those host blocks until then."""
     dev, host = pools(15)
-    receiver = KVReceiver(nan_pool())
-    receiver.expect(1, 8)
-    engine = _GatedEngine()
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host, engine=engine)
-    sender.add(1, 8)
+    engine = ManualEngine()
+    receiver, sender = tiered_pair(dev, host, (1, 8, 0), engine=engine)
     sender.send_chunks([1], [0], [8], np.array([[DEVICE_BLOCKS + 4, DEVICE_BLOCKS + 5]]), np.array([[0, 1]]))
     assert sender.leased(1)
     engine.gates[0].opened = True
@@ -492,21 +493,16 @@ def test_cuda_refuses_an_unpinned_host_tier() -> None:
     from kvferry.errors import InvalidArgumentError
 
     dev, _ = pools(22, "cuda")
-    host = PagedKV(tuple(torch.zeros(HOST_SHAPE) for _ in range(LAYERS)), TPB)
+    host = HOST_POOLS.zeros()
     with pytest.raises(InvalidArgumentError, match="not pinned"):
-        KVSender(dev, InProcessTransport(KVReceiver(nan_pool("cuda"))), host_pool=host)
+        KVSender(dev, InProcessTransport(KVReceiver(POOLS.nan("cuda"))), host_pool=host)
 
 
 def _cuda_race(kind: str, ordered: bool) -> None:
     """An offload (device 30 -> host 7) or an onboard (host 9 -> device 40) on a side stream,
     held back by a ~100 ms GPU sleep, signalled by a CUDA event; the send is queued meanwhile."""
     dev, host = pools(23, "cuda")
-    receiver = KVReceiver(nan_pool("cuda"))
-    receiver.expect(1, 17)
-    receiver.expect(2, 17)
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
-    sender.add(1, 17, reused_len=16)
-    sender.add(2, 17, reused_len=16)
+    receiver, sender = tiered_pair(dev, host, (1, 17, 16), (2, 17, 16), device="cuda")
     side = torch.cuda.Stream()
     done = torch.cuda.Event()
     if kind == "offload":
@@ -568,12 +564,7 @@ def test_cuda_engine_waits_for_a_host_signal_without_blocking_the_executor(tier_
     write of another request queues behind it; `send_*` never blocks (both return while the
     offload, which only the test can release, has not even started)."""
     dev, host = pools(24, "cuda")
-    receiver = KVReceiver(nan_pool("cuda"))
-    receiver.expect(1, 17)
-    receiver.expect(2, 9)
-    sender = KVSender(dev, InProcessTransport(receiver), host_pool=host)
-    sender.add(1, 17, reused_len=16)
-    sender.add(2, 9, reused_len=8)
+    receiver, sender = tiered_pair(dev, host, (1, 17, 16), (2, 9, 8), device="cuda")
     signal, complete = _signal("event")
     offload = SlowTierCopy(lambda layer: host.layers[layer][7].copy_(dev.layers[layer][30].cpu()), complete)
     sender.order_after([DEVICE_BLOCKS + 7], signal)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import FakeClock
+from helpers import TRANSFER_POOLS, ManualEngine, assert_nothing_leased, in_process_pair, serve
 from kvferry._core import BlockRange
-from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import (
     DuplicateTransferError,
     InvalidArgumentError,
@@ -26,25 +26,13 @@ from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender, as_table
-from kvferry.transports.control import LocalEndpoint
-from kvferry.transports.cuda_ipc import CudaIpcEndpoint, CudaIpcTransport
+from kvferry.transports.cuda_ipc import CudaIpcTransport
 from kvferry.transports.inprocess import InProcessTransport
-from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
+from kvferry.transports.shm import ShmTransport
 
-TPB = 4
-LAYERS = 3
-SHAPE = (96, 2, TPB, 8)  # 96 blocks of 2 x 4 tokens x 8 floats per layer
+POOLS = TRANSFER_POOLS
+TPB, LAYERS, SHAPE = POOLS.tpb, POOLS.layers, POOLS.shape
 REQUESTS = [(11, 30, 13), (12, 17, 0), (13, 40, 32), (14, 9, 5)]  # (id, prompt, reused)
-
-
-def random_pool(seed: int, device: str = "cpu") -> PagedKV:
-    gen = torch.Generator().manual_seed(seed)
-    return PagedKV(tuple(torch.randn(SHAPE, generator=gen).to(device) for _ in range(LAYERS)), TPB)
-
-
-def nan_pool(device: str = "cpu") -> PagedKV:
-    """A destination pool poisoned with NaN: a block no write reached never passes for one."""
-    return PagedKV(tuple(torch.full(SHAPE, float("nan"), device=device) for _ in range(LAYERS)), TPB)
 
 
 def in_process_receiver(
@@ -52,7 +40,7 @@ def in_process_receiver(
 ) -> tuple[PagedKV, KVReceiver, InProcessTransport]:
     """A NaN-poisoned destination pool, a receiver expecting every request of ``REQUESTS``,
     and an in-process transport to it (writes capped at ``max_write_blocks``)."""
-    dst = nan_pool(device)
+    dst = POOLS.nan(device)
     receiver = KVReceiver(dst)
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
@@ -126,7 +114,7 @@ def digest(pool: PagedKV, table: np.ndarray) -> str:
 def test_in_process_random_kv_bit_exact(max_write_blocks: Optional[int]) -> None:
     """Also with writes capped below a slice's size: slices are cut across writes, each
     part announced once with its own slice id, and only the very last part marked last."""
-    src = random_pool(1)
+    src = POOLS.random(1)
     dst, receiver, transport = in_process_receiver(max_write_blocks=max_write_blocks)
     sender = KVSender(src, transport, record=True)
     src_table, dst_table = block_tables(2)
@@ -150,11 +138,12 @@ def test_in_process_random_kv_bit_exact(max_write_blocks: Optional[int]) -> None
     for rid, _, _ in REQUESTS:
         assert sender.remove(rid).is_complete
         assert receiver.release(rid).is_complete
+    assert_nothing_leased(receiver, sender=sender)
     sender.close()
 
 
 def test_receiver_refuses_a_second_copy_and_unknown_requests() -> None:
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     receiver.expect(1, 16)
     assert not receiver.deliver(Notice(1, 0, 0, 2, False))
     with pytest.raises(DuplicateTransferError):
@@ -168,7 +157,7 @@ def test_receiver_refuses_a_second_copy_and_unknown_requests() -> None:
 def test_receiver_counts_held_blocks_and_times_out() -> None:
     from kvferry import BlockRange
 
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     receiver.expect(1, 32, held=[BlockRange(0, 5)])
     with pytest.raises(TransferTimeoutError, match=r"\[BlockRange\(5, 8\)\]"):
         receiver.wait(1, timeout=0.05)
@@ -177,14 +166,14 @@ def test_receiver_counts_held_blocks_and_times_out() -> None:
 
 
 def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
-    src = random_pool(0)
-    other = PagedKV(tuple(torch.zeros(96, 2, TPB, 4) for _ in range(LAYERS)), TPB)
+    src = POOLS.random(0)
+    other = POOLS.but(shape=(96, 2, TPB, 4)).zeros()
     with pytest.raises(LayoutMismatchError, match="segment_bytes"):
         KVSender(src, InProcessTransport(KVReceiver(other)))
 
 
 def test_sender_refuses_resend_and_bad_tables() -> None:
-    src, dst = random_pool(0), random_pool(1)
+    src, dst = POOLS.random(0), POOLS.random(1)
     receiver = KVReceiver(dst)
     receiver.expect(1, 16)
     sender = KVSender(src, InProcessTransport(receiver))
@@ -210,7 +199,7 @@ def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_
     2 groups of 3 layers): every (layer, block) arrives once, a request completes only once
     every group of its last blocks arrived, and the KV is bit exact; the chunk's own
     `send_chunks` then sends nothing more."""
-    src = random_pool(5)
+    src = POOLS.random(5)
     dst, receiver, transport = in_process_receiver(max_write_blocks=max_write_blocks)
     sender = KVSender(src, transport, record=True, layer_groups=layer_groups)
     src_table, dst_table = block_tables(6)
@@ -238,6 +227,7 @@ def test_layer_wise_streaming_in_process_bit_exact(layer_groups: int, max_write_
     for rid, _, _ in REQUESTS:
         assert sender.remove(rid).is_complete
         assert receiver.release(rid).is_complete
+    assert_nothing_leased(receiver, sender=sender)
     sender.close()
 
 
@@ -246,7 +236,7 @@ def test_layer_slices_count_at_the_receiver_per_group() -> None:
     every group of it arrived; a group twice, a whole block over a partly arrived one, a
     group of a whole block, or a group the pool cannot split into are refused and fail the
     request, changing nothing."""
-    pool = PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB)
+    pool = POOLS.zeros()
     r = KVReceiver(pool)
     r.expect(1, 8)  # two blocks
     assert not r.deliver(Notice(1, 0, 0, 2, False, 0, 0, 2))
@@ -277,31 +267,24 @@ def test_layer_slices_count_at_the_receiver_per_group() -> None:
 def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
     """The generation worker: a pool (shared memory, or CUDA shared by IPC), a receiver, an
     endpoint; reports the digest of its blocks once every request completed."""
-    shared = None
     if kind == "shm":
-        shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-        assert shared.pool is not None
-        receiver = KVReceiver(shared.pool)
-        endpoint: LocalEndpoint = ShmEndpoint(receiver, shared, authkey=authkey)
-    elif kind.startswith("staging"):
-        from kvferry.transports.staging import StagingEndpoint
+        served = serve("shm", authkey=authkey, pools=POOLS)
+    else:  # staging (a small ring: batches wrap around it and wait for frees), NIXL, CUDA IPC
+        device = "cuda" if "cuda" in kind else "cpu"  # staging-cuda, nixl-cuda, cuda-ipc
+        transport = kind if kind == "cuda-ipc" else kind.removesuffix("-cuda")
+        served = serve(transport, POOLS.nan(device), authkey=authkey, capacity_blocks=12)
+    serve_requests(conn, served.receiver, served.endpoint.address)
+    served.close()
 
-        device = "cuda" if kind == "staging-cuda" else "cpu"
-        receiver = KVReceiver(nan_pool(device))
-        # A small ring: batches wrap around it and wait for the receiver to free slots.
-        endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=12)
-    elif kind.startswith("nixl"):
-        from kvferry.transports.nixl import NixlEndpoint
 
-        device = "cuda" if kind == "nixl-cuda" else "cpu"
-        receiver = KVReceiver(nan_pool(device))
-        endpoint = NixlEndpoint(receiver, authkey=authkey)
-    else:
-        receiver = KVReceiver(nan_pool("cuda"))
-        endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
+def serve_requests(conn: Any, receiver: KVReceiver, address: str) -> None:
+    """A generation worker's part of `run_with_receiver`: expects every request of
+    `REQUESTS`, sends its ``address``, takes the destination table, reports the digest of
+    its blocks and the notices per request once every request completed (or the error), and
+    returns once the sender is done with the pool."""
     for rid, prompt, _ in REQUESTS:
         receiver.expect(rid, prompt)
-    conn.send(endpoint.address)
+    conn.send(address)
     dst_table = conn.recv()
     try:
         for rid, _, _ in REQUESTS:
@@ -310,10 +293,6 @@ def _receiver_process(conn: Any, authkey: bytes, kind: str) -> None:
     except Exception as err:  # reported to the test, which fails with it
         conn.send(("error", repr(err), []))
     conn.recv()  # the sender is done with the pool
-    endpoint.close()
-    receiver = None  # type: ignore[assignment]
-    if shared is not None:
-        shared.close()
 
 
 def run_with_receiver(
@@ -321,15 +300,18 @@ def run_with_receiver(
     tables: tuple[np.ndarray, np.ndarray],
     connect: Callable[[str, bytes], tuple[KVSender, str]],
     layerwise: bool,
+    worker: Callable[..., None] = _receiver_process,
+    *worker_args: Any,
 ) -> None:
-    """Spawns the generation worker `_receiver_process` of ``kind``, connects a sender to it
+    """Spawns the generation worker ``worker(conn, authkey, kind, *worker_args)`` (by default
+    `_receiver_process`; it ends with `serve_requests`), connects a sender to it
     (``connect(address, authkey)`` returns the sender and the digest the receiver's blocks
     must have), drives ``tables`` through it (`drive`) and checks what arrived: that digest,
     and every slice announced once."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     authkey = secrets.token_bytes(32)
-    proc = ctx.Process(target=_receiver_process, args=(child, authkey, kind), daemon=True)
+    proc = ctx.Process(target=worker, args=(child, authkey, kind, *worker_args), daemon=True)
     proc.start()
     try:
         address = parent.recv()
@@ -374,8 +356,8 @@ def _two_processes(
 
     def connect(address: str, authkey: bytes) -> tuple[KVSender, str]:
         with pytest.raises(TransferError, match="cannot reach the receiver"):
-            transport(address, authkey=secrets.token_bytes(32), **({"src": random_pool(0, device)} if nixl else {}))
-        src = random_pool(4, device)
+            transport(address, authkey=secrets.token_bytes(32), **({"src": POOLS.random(0, device)} if nixl else {}))
+        src = POOLS.random(4, device)
         link = transport(address, authkey=authkey, src=src) if nixl else transport(address, authkey=authkey)
         return KVSender(src, link, layer_groups=layer_groups), digest(src, tables[0])
 
@@ -499,8 +481,8 @@ def test_cuda_ipc_two_processes_bit_exact(layer_groups: int) -> None:
 def test_cuda_in_process_copies_wait_for_the_forward() -> None:
     """A copy queued right after a (slow) kernel that writes the source blocks sees the
     kernel's output: the copy stream waits for the producing stream."""
-    src = random_pool(1, "cuda")
-    dst = PagedKV(tuple(torch.zeros(SHAPE, device="cuda") for _ in range(LAYERS)), TPB)
+    src = POOLS.random(1, "cuda")
+    dst = POOLS.zeros("cuda")
     receiver = KVReceiver(dst)
     receiver.expect(1, 16)
     sender = KVSender(src, InProcessTransport(receiver))
@@ -518,7 +500,7 @@ def test_cuda_in_process_copies_wait_for_the_forward() -> None:
 
 @pytest.mark.cuda
 def test_cuda_in_process_random_kv_bit_exact() -> None:
-    src = random_pool(1, "cuda")
+    src = POOLS.random(1, "cuda")
     dst, receiver, transport = in_process_receiver("cuda")
     sender = KVSender(src, transport)
     src_table, dst_table = block_tables(2)
@@ -530,39 +512,9 @@ def test_cuda_in_process_random_kv_bit_exact() -> None:
     sender.close()
 
 
-class _Gate(Pending):
-    """A copy that finishes when the test says so (its work runs once, on whichever thread
-    asks first: the executor or the sender's announcer)."""
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self.opened = False
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        with self._lock:
-            if self.opened and self.work is not None:
-                self.work(), setattr(self, "work", None)
-            return self.opened
-
-    def wait(self, timeout: Any) -> bool:
-        return self.done()
-
-
-class _GatedEngine(CopyEngine):
-    def __init__(self) -> None:
-        self.gates: list[_Gate] = []
-
-    def submit_call(self, work: Any, *, after: Any = (), nbytes: int = 0) -> Pending:
-        gate = _Gate(work)
-        self.gates.append(gate)
-        return gate
-
-
-def _gated_pair() -> tuple[KVSender, KVReceiver, _GatedEngine]:
-    receiver = KVReceiver(random_pool(1))
-    engine = _GatedEngine()
-    sender = KVSender(random_pool(0), InProcessTransport(receiver), engine=engine, timeout=0.05)
+def _gated_pair() -> tuple[KVSender, KVReceiver, ManualEngine]:
+    engine = ManualEngine()
+    sender, receiver = in_process_pair(POOLS.random(0), POOLS.random(1), engine=engine, timeout=0.05)
     for rid in (1, 2):
         receiver.expect(rid, 16)
         sender.add(rid, 16, reused_len=8)
@@ -661,9 +613,9 @@ def test_by_default_a_finished_copy_reaches_the_receiver_without_further_calls()
     """The README's case: send, then wait at the receiver; nobody calls poll or flush. The
     announcer posts each write's notices in queue order; `poll` alongside it posts nothing
     twice."""
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     epoch = receiver.expect(1, 16)
-    sender = KVSender(random_pool(0), InProcessTransport(receiver))
+    sender = KVSender(POOLS.random(0), InProcessTransport(receiver))
     sender.add(1, 16, reused_len=8, epoch=epoch)
     table = np.arange(4)[None, :]
     sender.send_early([1], table, table)
@@ -675,9 +627,9 @@ def test_by_default_a_finished_copy_reaches_the_receiver_without_further_calls()
 
 
 def test_with_progress_off_only_the_executor_posts() -> None:
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     receiver.expect(1, 16)
-    sender = KVSender(random_pool(0), InProcessTransport(receiver), progress=False)
+    sender = KVSender(POOLS.random(0), InProcessTransport(receiver), progress=False)
     sender.add(1, 16)
     table = np.arange(4)[None, :]
     sender.send_chunks([1], [0], [16], table, table)
@@ -695,14 +647,17 @@ def test_a_wait_that_cannot_finish_says_why() -> None:
     """A request whose sender revoked it, or one awaiting blocks of a failed owner, fails its
     wait at once; one never expected is unknown; a wait that times out names what the
     receiver knows (its sender, the notices that came, the epoch)."""
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     epoch = receiver.expect(1, 16)
     receiver.expect(2, 16, awaits=[(1, BlockRange(0, 4))])
     receiver.bind(1, "sender A", epoch)
     receiver.deliver(Notice(1, 0, 0, 2, False, epoch), "sender A")
     with pytest.raises(
         TransferTimeoutError,
-        match=r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 notices arrived \(epoch 1\)",
+        match=(
+            r"request 1: blocks \[BlockRange\(2, 4\)\] did not arrive within 0.01 s; its sender is sender A; 1 "
+            r"notices arrived \(epoch 1\)"
+        ),
     ):
         receiver.wait(1, timeout=0.01)
     assert receiver.revoked(1, epoch, "sender A")
@@ -721,8 +676,8 @@ def test_blocks_the_receiver_holds_never_cross() -> None:
     sender: their destination blocks keep their own contents, the rest arrive bit exact."""
     from kvferry._core import BlockRange
 
-    src = random_pool(5)
-    dst = nan_pool()
+    src = POOLS.random(5)
+    dst = POOLS.nan()
     receiver = KVReceiver(dst)
     sender = KVSender(src, InProcessTransport(receiver))
     src_table, dst_table = block_tables(6)
@@ -767,7 +722,7 @@ def test_awaited_blocks_complete_with_their_owner() -> None:
     from kvferry._core import BlockRange
 
     def receiver() -> KVReceiver:
-        return KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
+        return KVReceiver(POOLS.zeros())
 
     r = receiver()
     owner = r.expect(1, 40)  # blocks [0, 10)
@@ -815,8 +770,8 @@ def test_hook_after_layer_streams_the_last_chunk_by_layer_group() -> None:
     then sends whole blocks only for the others."""
     from kvferry.hook import TransferHook
 
-    src = random_pool(7)
-    dst = nan_pool()
+    src = POOLS.random(7)
+    dst = POOLS.nan()
     receiver = KVReceiver(dst)
     hook = TransferHook(KVSender(src, InProcessTransport(receiver), layer_groups=2))
     for rid, prompt, blocks in [(1, 14, range(0, 4)), (2, 32, range(10, 18))]:
@@ -858,8 +813,8 @@ def test_cancel_between_layer_groups_fences_a_partly_arrived_request() -> None:
     """A request cancelled after one of its two layer groups arrived: the sender posts its
     fence, the receiver fails it (blocks half arrived never count as complete) and can
     release it at once; a later request with the same id and a new epoch streams whole."""
-    src = random_pool(8)
-    dst = nan_pool()
+    src = POOLS.random(8)
+    dst = POOLS.nan()
     receiver = KVReceiver(dst)
     sender = KVSender(src, InProcessTransport(receiver), layer_groups=2)
     table = np.arange(4)[None, :]
@@ -908,10 +863,10 @@ def test_a_lost_receiver_is_raised_once_whoever_found_it() -> None:
     """The announcer finds the receiver gone and queues the loss for the executor; the next
     send raises it. A later flush must not raise the same loss again (it did: the announcer's
     queued copy stayed behind; a multi-peer test caught it under load)."""
-    receiver = KVReceiver(random_pool(1))
+    receiver = KVReceiver(POOLS.random(1))
     receiver.expect(1, 16)
     transport = _VanishingReceiver(receiver)
-    sender = KVSender(random_pool(0), transport)  # the announcer is on by default
+    sender = KVSender(POOLS.random(0), transport)  # the announcer is on by default
     sender.add(1, 16)
     transport.gone.set()
     assert transport.seen.wait(30)  # the announcer's periodic look found it, with request 1 registered

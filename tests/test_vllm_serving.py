@@ -1,12 +1,16 @@
 """KvferryConnector under serving conditions (issue 19), in real vLLM engines
 (tests/vllm_harness.py): a decode engine whose small KV pool makes vLLM preempt running
 requests, a decode engine under ``kv_load_failure_policy: "recompute"`` whose prefill engine
-is killed mid-transfer, requests refused under that policy. Each scenario is forced and
-checked (the preemption count, the point a server is killed at), every completed request's
-greedy output equals a plain engine's, and no block stays allocated afterwards.
+is killed mid-transfer, requests refused under that policy, a decode engine held full while
+the prefill engine computes (admission), a prefill engine whose small pool makes vLLM preempt
+there, a prefill engine killed and replaced. Each scenario is forced and checked (the
+preemption count, the point a server is killed at, an engine stopped while full), every
+completed request's greedy output equals a plain engine's, and no block stays allocated
+afterwards.
 
 Bounds: a decode request waits at most its ``timeout_s`` (given per request below) for its
-blocks; every engine command here is bounded by `Engine.result`'s timeout.
+blocks, a prefill request at most ``destination_timeout_s`` (or its send's ``timeout_s``)
+for its destination; every engine command here is bounded by `Engine.result`'s timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, model_with_own_key_dir  # noqa: E402
+from vllm_harness import BLOCK, Engine, model_with_own_key_dir, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -294,7 +298,445 @@ def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
         worker.close()
 
 
+def test_made_up_sender_names_cannot_fill_the_endpoint_bound_within_the_grace(tmp_path: Any) -> None:
+    """Lookups with made-up sender names, all within one grace period (no sweep): one naming
+    a transfer no decode request published makes no endpoint; at the bound, one that took a
+    real destination reclaims the oldest idle endpoint at once, so a new prefill engine that
+    connects still gets one; engines connected or holding a destination are never reclaimed,
+    and only they can fill the bound (before: 64 made-up names did, for 30 s)."""
+    import torch
+    from kvferry.errors import TransferError
+    from kvferry.layout import PagedKV
+    from kvferry.transports import registry
+    from kvferry.vllm import decode_worker, rendezvous
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    key = b"k" * 32
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20), block_size=4, num_blocks=8, authkey=key
+    )
+    common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)
+    worker = DecodeWorker(common)
+    worker.start()
+    assert worker.rendezvous is not None
+    address = worker.rendezvous.address
+    destination = {"request_id": 1, "epoch": 1, "prompt_len": 8, "digest": "0" * 32, "block_size": 4,
+                   "dst_blocks": [1, 2], "held_blocks": 0, "engine": "decode-0"}  # fmt: skip
+    connected = None
+    try:
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):  # no such transfer: refused, no endpoint
+            with pytest.raises(TransferError, match="no decode request expected it"):
+                rendezvous.lookup(address, key, f"made-up-{i}", 0.0, f"fake-{i}")
+        assert worker.endpoints == {}
+        first = None
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):  # real destinations, then withdrawn
+            worker.rendezvous.publish(f"T{i}", destination)
+            found = rendezvous.lookup(address, key, f"T{i}", 5.0, f"fake-{i}")
+            first = first or found["endpoint"]
+            worker.rendezvous.withdraw(f"T{i}", "done")
+        assert len(worker.endpoints) == decode_worker.MAX_PREFILL_ENGINES
+        assert "fake-0" not in worker.endpoints  # the oldest idle ones made room
+        # A real prefill engine: takes a destination and connects; it stays while connected.
+        worker.rendezvous.publish("real", destination)
+        found = rendezvous.lookup(address, key, "real", 5.0, "real-engine")
+        connected = registry.connect(found["endpoint"], authkey=key, src=common.pool)
+        worker.rendezvous.withdraw("real", "done")
+        for i in range(decode_worker.MAX_PREFILL_ENGINES + 8):
+            worker.rendezvous.publish(f"U{i}", destination)
+            rendezvous.lookup(address, key, f"U{i}", 5.0, f"more-{i}")
+            worker.rendezvous.withdraw(f"U{i}", "done")
+        assert "real-engine" in worker.endpoints and first is not None
+        # Every endpoint connected or holding a destination: the bound holds, the lookup is refused.
+        for i, name in enumerate(list(worker.endpoints)):
+            if name != "real-engine":
+                worker.rendezvous._taken[f"held-{i}"] = name
+        worker.rendezvous.publish("over", destination)
+        with pytest.raises(TransferError, match="connected or holding a destination"):
+            rendezvous.lookup(address, key, "over", 5.0, "one-too-many")
+        assert worker.rendezvous.abandoned("over") is not None  # its decode request fails now
+    finally:
+        if connected is not None:
+            connected.close()
+        worker.close()
+
+
 def time_now() -> float:
     import time
 
     return time.monotonic()
+
+
+# -- admission: a saturated decode server (issue 19 item 5) ---------------------------------
+
+ADMISSION_WAIT_S = 0.2  # what a prefill request waits for its destination before computing anyway
+PREFILL_POOL = 20  # blocks: three 250-token prompts growing together outgrow it
+BUSY_OUT = 40  # output tokens of the request that keeps the one-sequence decode engine full
+
+
+@pytest.fixture(scope="module")
+def eager_prefill(model: str) -> Any:
+    """A prefill engine that computes a request whose destination has not come within
+    ``ADMISSION_WAIT_S``; a small pool, requests admitted by their first chunk and growing
+    32 tokens a step together (so that concurrent prompts outgrow it and vLLM preempts)."""
+    engine = Engine(
+        model,
+        "kv_producer",
+        {"admission_wait_s": ADMISSION_WAIT_S, "destination_timeout_s": WAIT_S, "transfer_timeout_s": WAIT_S},
+        kv_cache_memory_bytes=PREFILL_POOL * BLOCK_BYTES,
+        max_model_len=512,
+        max_num_batched_tokens=96,
+        scheduler_reserve_full_isl=False,
+        long_prefill_token_threshold=32,
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def one_seq_decode(model: str) -> Any:
+    """A decode engine that runs one request at a time: one running request saturates it."""
+    engine = Engine(model, "kv_consumer", {"transfer_timeout_s": WAIT_S}, max_num_seqs=1)
+    yield engine
+    engine.close()
+
+
+def status_of(engine: Engine, transfer: str) -> dict[str, Any]:
+    rid = f"status-{uuid.uuid4().hex[:8]}"
+    out = engine.run([(rid, [0], 1, {"kvferry": {"op": "status", "transfer": transfer}})])["outputs"][rid]
+    assert out["finish_reason"] == "length", out
+    return dict(out["kv_transfer_params"]["kvferry"])
+
+
+def saturate(decode: Engine, busy: str, queued: list[tuple]) -> None:
+    """Leaves ``decode`` stopped (it steps only while a command runs) with ``busy`` decoding
+    and ``queued`` in vLLM's waiting queue behind it (``max_num_seqs`` 1): not admitted, so
+    no destination is published for them."""
+    stopped = decode.run([(busy, prompt_of(64, 600), BUSY_OUT, None), *queued], until=(busy, "decoding"))
+    assert stopped.get("stopped_at"), stopped
+    for rid, *_ in queued:
+        assert decode.run([], until=(rid, "waiting")).get("stopped_at"), rid  # returns without a step
+
+
+def test_saturated_decode_prefill_computes_at_once_and_sends_late(
+    eager_prefill: Engine, one_seq_decode: Engine, plain: Engine
+) -> None:
+    """The decode engine is full (one running request, ``max_num_seqs`` 1) and stopped, so
+    the second request's destination cannot come: the prefill engine computes it anyway
+    after ``admission_wait_s`` and finishes it while the decode side is still full (it
+    waited for the destination until ``destination_timeout_s`` and then failed before),
+    keeps its blocks, and sends the whole prompt once the decode engine admits the request;
+    the output is a plain engine's and no block stays allocated."""
+    prefill, decode = eager_prefill, one_seq_decode
+    hello = hello_of(decode)
+    prompt, transfer = prompt_of(200, 61), uuid.uuid4().hex
+    saturate(decode, "d-busy", [("d-late", prompt, 6, recv(transfer))])
+    p = prefill.run([("p-late", prompt, 1, send(hello, transfer))], until=("p-late", "finished_length_capped"))
+    assert p.get("stopped_at") and p["outputs"]["p-late"]["finish_reason"] == "length", p
+    assert p["outputs"]["p-late"]["kv_transfer_params"] == {"kvferry": {"op": "send", "transfer": transfer}}
+    assert prefill.call("usage") == {"used": 7, "requests": 1}  # its 7 blocks wait for the destination
+    # (no status asked here: a one-token request on the prefill engine would step until the
+    # held request ended, as vLLM steps while a finished request keeps its blocks)
+    prefill.start("run", [], None, None)  # steps while its finished request holds blocks
+    got = decode.run([])["outputs"]  # the busy request ends, the queued one is admitted
+    sent = prefill.result(timeout=WAIT_S + 30)
+    want = plain.run([("r-late", prompt, 6, None)])["outputs"]["r-late"]
+    assert (got["d-late"]["tokens"], got["d-late"]["finish_reason"]) == (want["tokens"], "length"), (got, sent)
+    assert got["d-busy"]["finish_reason"] == "length"
+    assert status_of(prefill, transfer) == {"op": "status", "transfer": transfer, "state": "done"}
+    assert status_of(decode, transfer) == {"op": "status", "transfer": transfer, "state": "done"}
+    counts = prefill.call("totals")["counts"]
+    assert counts.get("chunk_bytes", 0) >= 7 * BLOCK_BYTES, counts  # the whole prompt went as one late chunk
+    no_blocks_used(prefill, decode)
+
+
+def test_saturated_decode_past_the_bound_frees_both_sides(
+    eager_prefill: Engine, one_seq_decode: Engine, plain: Engine
+) -> None:
+    """The decode engine stays full past the prefill request's bound (``timeout_s`` 3 s on
+    its send, as ``destination_timeout_s``): the prefill engine computed it, then releases
+    its blocks at the bound while the decode engine is still stopped, and the decode
+    rendezvous marks the transfer abandoned, so the decode request fails as soon as it is
+    admitted (with the reason in ``status``) instead of waiting ``transfer_timeout_s``; both
+    engines end with no block used and go on serving."""
+    prefill, decode = eager_prefill, one_seq_decode
+    hello = hello_of(decode)
+    prompt, transfer = prompt_of(200, 62), uuid.uuid4().hex
+    saturate(decode, "d-busy2", [("d-over", prompt, 6, recv(transfer))])
+    params = send(hello, transfer)
+    params["kvferry"]["timeout_s"] = 3.0
+    p = prefill.run([("p-over", prompt, 1, params)])  # returns once vLLM freed its blocks
+    assert p["outputs"]["p-over"]["finish_reason"] == "length", p  # computed, then released
+    no_blocks_used(prefill)  # while the decode engine is still full
+    mine = status_of(prefill, transfer)
+    assert mine["state"] == "failed" and "no decode request expected it within 3 s" in mine["error"], mine
+    got = decode.run([])["outputs"]
+    assert got["d-busy2"]["finish_reason"] == "length"
+    assert got["d-over"]["finish_reason"] == "error", got
+    theirs = status_of(decode, transfer)
+    assert theirs == {
+        "op": "status",
+        "transfer": transfer,
+        "state": "failed",
+        "error": "the prefill side gave up: no destination within its 3 s wait",
+    }, theirs
+    no_blocks_used(prefill, decode)
+    served(prefill, decode, plain, [prompt_of(90, 63)], 6, "adm-after")
+
+
+# -- prefill-side preemption ----------------------------------------------------------------
+
+
+def test_prefill_preemption_every_request_completes_or_fails_clearly(
+    eager_prefill: Engine, recompute_decode: Engine, plain: Engine
+) -> None:
+    """Three 250-token prompts (8 blocks each) growing together on a prefill pool of 20
+    blocks: nothing is freed until a prompt completes, so vLLM must preempt one on the prefill
+    side (its count checked). A request preempted mid-transfer gives its transfer up (the
+    prefill engine's ``status`` says so) and the decode engine recomputes it (policy
+    "recompute"); one preempted before its destination computes again. Every output is a
+    plain engine's, and no block stays allocated on either side."""
+    prefill, decode = eager_prefill, recompute_decode
+    hello = hello_of(decode)
+    prompts = [prompt_of(250, 70 + i) for i in range(3)]
+    transfers = [uuid.uuid4().hex for _ in prompts]
+    before = prefill.call("preemptions")
+    decode.start("run", [(f"d-pp{i}", p, 6, recv(t)) for i, (p, t) in enumerate(zip(prompts, transfers))], None, None)
+    sent = prefill.run([(f"p-pp{i}", p, 1, send(hello, t)) for i, (p, t) in enumerate(zip(prompts, transfers))])
+    got = decode.result(timeout=WAIT_S + 60)["outputs"]
+    assert prefill.call("preemptions") > before  # the scenario happened
+    want = plain.run([(f"r-pp{i}", p, 6, None) for i, p in enumerate(prompts)])["outputs"]
+    for i, transfer in enumerate(transfers):
+        assert (got[f"d-pp{i}"]["tokens"], got[f"d-pp{i}"]["finish_reason"]) == (
+            want[f"r-pp{i}"]["tokens"],
+            "length",
+        ), (
+            i,
+            got[f"d-pp{i}"],
+            sent["outputs"],
+        )
+        theirs = status_of(prefill, transfer)
+        assert theirs["state"] == "done" or "preempted by the prefill engine" in theirs.get("error", ""), theirs
+    no_blocks_used(prefill, decode)
+
+
+# -- a prefill server restarted -------------------------------------------------------------
+
+
+def test_prefill_restart_frees_the_old_endpoint_and_serves_the_new_engine(model: str, plain: Engine) -> None:
+    """A prefill engine is killed (SIGKILL) right after its first transfer landed, and a new
+    one starts (a new vLLM engine id, as a restarted server gets): the decode engine closes
+    the dead engine's endpoint once its grace passed (no connection, nothing taken), serves
+    the new engine's requests, and leaks no block. A regression test: the sweep works today."""
+    from kvferry.vllm import decode_worker
+
+    decode = Engine(model, "kv_consumer", {"transfer_timeout_s": WAIT_S})
+    old = Engine(model, "kv_producer", max_num_batched_tokens=64)
+    new = None
+    try:
+        served(old, decode, plain, [prompt_of(100, 80)], 6, "rs-old")  # returns once its writes landed
+        (dead,) = decode.call("totals")["endpoints"]
+        old.process.kill()
+        old.process.join(30)
+        new = Engine(model, "kv_producer", max_num_batched_tokens=64)
+        served(new, decode, plain, [prompt_of(100, 81)], 6, "rs-new")
+        live = [e for e in decode.call("totals")["endpoints"] if e != dead]
+        assert len(live) == 1, live
+        # The dead engine's endpoint goes at the first step past its grace (decode_worker.sweep).
+        deadline = decode_worker.ENDPOINT_GRACE_S + 60.0
+        wait_until(lambda: hello_of(decode) and decode.call("totals")["endpoints"] == live, "the sweep", deadline)
+        served(new, decode, plain, [prompt_of(120, 82)], 6, "rs-again")
+        no_blocks_used(new, decode)
+    finally:
+        for engine in (old, new, decode):
+            if engine is not None:
+                engine.close()
+
+
+# -- admission, at the scheduler half (no engine) -------------------------------------------
+
+
+def test_admission_wait_is_checked_by_name() -> None:
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.vllm.config import ConnectorConfig
+
+    assert ConnectorConfig().admission_wait_s == 1.0
+    assert ConnectorConfig.from_extra({"admission_wait_s": 0}).admission_wait_s == 0.0
+    for value, named in [
+        (-1, r"admission_wait_s=-1: must be a number of seconds >= 0"),
+        (True, r"admission_wait_s=True: must be"),
+        ("1", r"admission_wait_s='1': must be"),
+        (float("nan"), r"admission_wait_s=nan: must be"),
+        (float("inf"), r"admission_wait_s=inf: must be"),
+        (60, r"admission_wait_s=60.0: must be less than destination_timeout_s \(60.0\)"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            ConnectorConfig.from_extra({"admission_wait_s": value})
+
+
+class _Status:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Request:
+    """What the scheduler half reads of vLLM's Request."""
+
+    def __init__(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        self.request_id, self.prompt_token_ids, self.kv_transfer_params = rid, prompt, params
+        self.num_prompt_tokens = self.num_tokens = len(prompt)
+        self.status = _Status("WAITING")
+
+
+class _Manager:
+    def __init__(self, tables: dict[str, list[int]]) -> None:
+        self.tables = tables
+
+    def get_block_ids(self, rid: str) -> tuple[list[int]]:
+        return (self.tables[rid],)
+
+
+def _step(scheduled: dict[str, tuple[int, int]]) -> Any:
+    """A SchedulerOutput with ``scheduled`` (req_id -> (computed before, tokens this step))."""
+    from types import SimpleNamespace
+
+    cached = SimpleNamespace(req_ids=list(scheduled), num_computed_tokens=[s for s, _ in scheduled.values()])
+    return SimpleNamespace(
+        preempted_req_ids=(),
+        num_scheduled_tokens={r: n for r, (_, n) in scheduled.items()},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+    )
+
+
+@pytest.fixture
+def half(tmp_path: Any) -> Any:
+    """A prefill scheduler half computing at once (``admission_wait_s`` 0) against a real
+    decode rendezvous (published by hand: the decode engine's admission is the test's)."""
+    from kvferry.vllm import rendezvous, trust
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    key = b"a" * 32
+    rdv = rendezvous.Rendezvous(key, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
+    manager = _Manager({})
+    side = SchedulerSide(
+        ConnectorConfig(admission_wait_s=0.0),
+        block_size=4,
+        role="kv_producer",
+        engine_id="prefill-engine",
+        kv_cache_manager_getter=lambda: manager,
+        authkey=key,
+    )
+    mac = trust.sign_peer(key, rdv.address)
+    yield side, rdv, manager, mac
+    rdv.close()
+
+
+def _publish(rdv: Any, transfer: str, prompt: list[int]) -> None:
+    from kvferry.vllm.config import prompt_digest
+
+    blocks = -(-len(prompt) // 4)
+    rdv.publish(
+        transfer,
+        {
+            "request_id": 1 << 32,
+            "epoch": 1,
+            "prompt_len": len(prompt),
+            "digest": prompt_digest(prompt),
+            "block_size": 4,
+            "dst_blocks": list(range(100, 100 + blocks)),
+            "held_blocks": 0,
+            "engine": "decode-engine",
+        },
+    )
+
+
+def _send_params(rdv: Any, mac: str, transfer: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    ours = {"op": "send", "transfer": transfer, "peer": rdv.address, "peer_mac": mac, "timeout_s": timeout_s}
+    return {"kvferry": ours}
+
+
+def test_destination_after_the_prompt_computed_goes_as_one_late_send(half: Any) -> None:
+    """Computed before its destination: the free is delayed, nothing is sent while the
+    lookup goes on; once the decode side publishes, the next step carries one finished
+    SendSpec and one chunk [0, L) over the finished request's blocks."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex  # 10 tokens, 3 blocks of 4
+    req = _Request("p1", prompt, _send_params(rdv, mac, transfer))
+    manager.tables["p1"] = [7, 8, 9]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # computes at once (before: None)
+    meta = side.build_connector_meta(_step({"p1": (0, 10)}))
+    assert meta.sends == [] and meta.chunks == []  # no destination: nothing to send yet
+    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(req, [7, 8, 9]) == (True, {"kvferry": {"op": "send", "transfer": transfer}})
+    assert side._status(transfer)["state"] == "active" and side.has_pending()
+    _publish(rdv, transfer, prompt)
+    (late,) = side._late.values()
+    assert late.lookup is not None and late.lookup.done.wait(30)
+    meta = side.build_connector_meta(_step({}))
+    (spec,) = meta.sends
+    assert (spec.req_id, spec.transfer, spec.reused_len, spec.finished) == ("p1", transfer, 0, True)
+    assert spec.destination["dst_blocks"] == [100, 101, 102]
+    assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [7, 8, 9])]
+    assert not side.has_pending() and side.build_connector_meta(_step({})).sends == []  # sent once
+
+
+def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:
+    """The destination comes while the prompt computes: its SendSpec goes with the next
+    scheduled chunk, ``reused_len`` where the computation stands (the blocks computed so
+    far leave early), and the request's end delays the free as for any send."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p2", prompt, _send_params(rdv, mac, transfer))
+    manager.tables["p2"] = [3, 4, 5]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.build_connector_meta(_step({"p2": (0, 4)})).sends == []
+    _publish(rdv, transfer, prompt)
+    assert side._computing["p2"].done.wait(30)
+    meta = side.build_connector_meta(_step({"p2": (4, 4)}))
+    (spec,) = meta.sends
+    assert (spec.reused_len, spec.finished) == (4, False)
+    assert [(c.start, c.end) for c in meta.chunks] == [(4, 8)]
+    assert [(c.start, c.end) for c in side.build_connector_meta(_step({"p2": (8, 2)})).chunks] == [(8, 10)]
+    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(req, [3, 4, 5])[0] is True
+
+
+def test_no_destination_within_the_bound_releases_and_abandons(half: Any) -> None:
+    """Computed, and no decode request published the transfer within the send's
+    ``timeout_s``: the next step releases the blocks (the worker reports them sent, vLLM
+    frees them), and the decode rendezvous marked the transfer abandoned, so a decode
+    request that names it later fails at once."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p3", prompt, _send_params(rdv, mac, transfer, timeout_s=0.5))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = _Status("FINISHED_STOPPED")
+    assert side.request_finished(req, [1, 2, 3])[0] is True
+    (late,) = side._late.values()
+    assert late.lookup is not None and late.lookup.done.wait(30)
+    meta = side.build_connector_meta(_step({}))
+    assert meta.sends == [] and meta.chunks == []
+    ((rid, named, why),) = meta.releases
+    assert (rid, named) == ("p3", transfer) and "no decode request expected it within 0.5 s" in why, why
+    assert rdv.abandoned(transfer) == "no destination within its 0.5 s wait"
+    assert not side.has_pending()
+
+
+def test_an_aborted_request_computing_before_its_destination_is_freed_at_once(half: Any) -> None:
+    """Aborted while it computed without a destination: nothing is kept (its blocks are
+    freed at once) and the decode side is told the transfer was abandoned."""
+    side, rdv, manager, mac = half
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = _Request("p4", prompt, _send_params(rdv, mac, transfer))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = _Status("FINISHED_ABORTED")
+    delay, answer = side.request_finished(req, [1, 2])
+    assert (
+        delay is False
+        and answer["kvferry"]["error"] == "prefill request p4 ended (finished_aborted) before its destination came"
+    )
+    wait_until(lambda: rdv.abandoned(transfer) is not None, "the abandon to reach the rendezvous", 30)
+    assert not side.has_pending()

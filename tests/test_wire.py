@@ -10,19 +10,21 @@ import re
 import secrets
 import socket
 import struct
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import POOLS, SLACK, serve, shm_endpoint, until
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import wire
 from kvferry.transports.base import Write
 from kvferry.transports.frames import Challenge, Proof
-from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
-from test_faults import LAYERS, SHAPE, SLACK, TPB, random_pool, until
+from kvferry.transports.shm import ShmEndpoint, ShmTransport
+
+TPB = POOLS.tpb
 
 
 def _ipv6_loopback() -> bool:
@@ -32,21 +34,6 @@ def _ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def shm_rig(address: str = "unix://", **options: object) -> Iterator[tuple[KVReceiver, ShmEndpoint, bytes]]:
-    shared = SharedPool.create(num_layers=LAYERS, shape=SHAPE, dtype=torch.float32, tokens_per_block=TPB)
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey, address=address, **options)  # type: ignore[arg-type]
-    try:
-        yield receiver, endpoint, authkey
-    finally:
-        endpoint.close()
-        del receiver
-        shared.close()
 
 
 @pytest.mark.parametrize(
@@ -64,13 +51,13 @@ def test_a_transfer_over_each_address_family(listen: str, host: str | None) -> N
     to that URL is served end to end (the blocks land, the request completes)."""
     from kvferry.sender import KVSender
 
-    with shm_rig(listen) as (receiver, endpoint, authkey):
+    with shm_endpoint(listen) as (receiver, endpoint, authkey):
         if host is None:
             assert endpoint.address.startswith("unix:///") and endpoint.address.endswith("/notices.sock")
         else:
             prefix = f"tcp://{host}:"
             assert endpoint.address.startswith(prefix) and 0 < int(endpoint.address[len(prefix) :]) < 65536
-        src = random_pool(7)
+        src = POOLS.random(7)
         transport = ShmTransport(endpoint.address, authkey=authkey)
         assert endpoint.address in transport.peer
         sender = KVSender(src, transport)
@@ -91,9 +78,9 @@ def test_a_wildcard_bind_advertises_the_host_it_is_told() -> None:
     with pytest.raises(
         InvalidArgumentError, match=r"invalid address='tcp://0.0.0.0:0': a wildcard bind needs advertise="
     ):
-        with shm_rig("tcp://0.0.0.0:0"):
+        with shm_endpoint("tcp://0.0.0.0:0"):
             pass
-    with shm_rig("tcp://0.0.0.0:0", advertise="127.0.0.1") as (receiver, endpoint, authkey):
+    with shm_endpoint("tcp://0.0.0.0:0", advertise="127.0.0.1") as (receiver, endpoint, authkey):
         assert endpoint.address.startswith("tcp://127.0.0.1:")
         transport = ShmTransport(endpoint.address, authkey=authkey)
         receiver.expect(1, 8)
@@ -131,7 +118,7 @@ def test_address_round_trips() -> None:
 
 
 def test_a_tcp_endpoint_without_a_host_binds_loopback() -> None:
-    with shm_rig("tcp://:0") as (_, endpoint, _):
+    with shm_endpoint("tcp://:0") as (_, endpoint, _):
         address = wire.parse_address(endpoint.address)
         assert address.host == "127.0.0.1" and address.port > 0
         assert endpoint._listener.getsockname()[0] == "127.0.0.1"  # noqa: SLF001
@@ -140,7 +127,7 @@ def test_a_tcp_endpoint_without_a_host_binds_loopback() -> None:
 def test_bad_handshake_timeout_is_refused() -> None:
     for bad in (0, -1.0, float("inf"), "5", True):
         with pytest.raises(InvalidArgumentError, match="invalid handshake_timeout="):
-            with shm_rig(handshake_timeout=bad):
+            with shm_endpoint(handshake_timeout=bad):
                 pass
 
 
@@ -191,7 +178,7 @@ def test_a_pickle_on_the_wire_executes_nothing(tmp_path: pathlib.Path, listen: s
     assert marker.exists()
     marker.unlink()
 
-    with shm_rig(listen) as (receiver, endpoint, authkey):
+    with shm_endpoint(listen) as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         with wire.connect(address, SLACK) as raw:
             raw.sendall(struct.pack("!i", len(payload)) + payload)  # multiprocessing's framing
@@ -224,7 +211,7 @@ def test_a_pickle_on_the_wire_executes_nothing(tmp_path: pathlib.Path, listen: s
 def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
     """Random bytes, an HTTP request, a header announcing a huge frame and a proof before
     any challenge: each refused in the handshake (recorded, nothing else changed)."""
-    with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+    with shm_endpoint("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         garbage = [
             (secrets.token_bytes(4096), "first bytes are not a kvferry frame"),
@@ -246,7 +233,7 @@ def test_garbage_at_the_port_is_refused_and_the_endpoint_serves_on() -> None:
 def test_a_slow_handshake_is_dropped_within_its_timeout() -> None:
     """A peer that sends its challenge one byte at a time, never finishing: dropped once the
     whole handshake's timeout passed (each byte does not restart it)."""
-    with shm_rig("tcp://127.0.0.1:0", handshake_timeout=0.5) as (receiver, endpoint, authkey):
+    with shm_endpoint("tcp://127.0.0.1:0", handshake_timeout=0.5) as (receiver, endpoint, authkey):
         address = wire.parse_address(endpoint.address)
         with wire.connect(address, SLACK) as raw:
             challenge = wire.encode(Challenge(wire.ROLE_SENDER, secrets.token_bytes(32)))
@@ -277,8 +264,8 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
 
     engine = ThreadCopyEngine()
     try:
-        with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
-            src = random_pool(3)
+        with shm_endpoint("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+            src = POOLS.random(3)
             e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
             rogue = ShmTransport(endpoint.address, authkey=authkey)
             notice = Notice(1, 0, 0, 2, True, e1)
@@ -290,7 +277,10 @@ def test_a_one_sided_write_outside_the_lease_is_refused_before_it_counts() -> No
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
             with pytest.raises(
                 TransferError,
-                match=r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the lease holds \[10, 11\]",
+                match=(
+                    r"request 1 failed: invalid dst_ids for request 1: .*wrote destination blocks \[10, 12\], the "
+                    r"lease holds \[10, 11\]"
+                ),
             ):
                 receiver.wait(1, timeout=SLACK)
             refusal = receiver.refused()[-1]
@@ -331,15 +321,13 @@ def test_staging_copies_nothing_outside_the_lease() -> None:
     """Staging: the receiver copies from the ring itself, so a batch naming blocks outside
     its request's lease is refused before the copy: the pool's blocks keep their bytes."""
     from kvferry.engine import ThreadCopyEngine
-    from kvferry.layout import PagedKV
-    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     engine = ThreadCopyEngine()
-    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, address="tcp://127.0.0.1:0")
+    served = serve("staging", address="tcp://127.0.0.1:0", capacity_blocks=8)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
-        src = random_pool(5)
+        src = POOLS.random(5)
         e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
         rogue = StagingTransport(endpoint.address, authkey=authkey)
         notice = Notice(1, 0, 0, 2, True, e1)
@@ -376,22 +364,20 @@ def test_a_staged_write_past_its_lease_moves_no_byte_and_ends_the_connection() -
     bytes were copied over block 6, and only then did the ledger refuse, leaving the
     connection open)."""
     from kvferry.engine import ThreadCopyEngine
-    from kvferry.layout import PagedKV
-    from kvferry.transports.staging import StagingEndpoint, StagingTransport
+    from kvferry.transports.staging import StagingTransport
 
     engine = ThreadCopyEngine()
-    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-    authkey = secrets.token_bytes(32)
-    endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=8, address="tcp://127.0.0.1:0")
+    served = serve("staging", address="tcp://127.0.0.1:0", capacity_blocks=8)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
         good = _lease_keeper_lands(
-            StagingTransport(endpoint.address, authkey=authkey), engine, random_pool(5), receiver, 2, [6, 7]
+            StagingTransport(endpoint.address, authkey=authkey), engine, POOLS.random(5), receiver, 2, [6, 7]
         )
         before = _snapshot(receiver.pool, [4, 5, 6, 7])
         e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
         rogue = StagingTransport(endpoint.address, authkey=authkey)
         notice = Notice(1, 0, 0, 3, True, e1)
-        assert rogue.write(engine, Write(random_pool(6), np.array([0, 1, 2]), np.array([4, 5, 6]), [notice])).wait(
+        assert rogue.write(engine, Write(POOLS.random(6), np.array([0, 1, 2]), np.array([4, 5, 6]), [notice])).wait(
             SLACK
         )
         with contextlib.suppress(TransferError):  # post reads the frees after sending: the goodbye may be there already
@@ -421,12 +407,12 @@ def test_a_one_sided_notice_past_its_lease_ends_the_connection() -> None:
 
     engine = ThreadCopyEngine()
     try:
-        with shm_rig("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
+        with shm_endpoint("tcp://127.0.0.1:0") as (receiver, endpoint, authkey):
             e1 = receiver.expect(1, 8, dst_blocks=[10, 11])
             rogue = ShmTransport(endpoint.address, authkey=authkey)
             notice = Notice(1, 0, 0, 3, True, e1)
             assert rogue.write(
-                engine, Write(random_pool(3), np.array([0, 1, 2]), np.array([10, 11, 12]), [notice])
+                engine, Write(POOLS.random(3), np.array([0, 1, 2]), np.array([10, 11, 12]), [notice])
             ).wait(SLACK)
             rogue.post([notice])
             assert _closed_with(rogue, "it closed the connection: disconnected: .*wrote outside a request's lease")
@@ -450,7 +436,7 @@ def test_a_one_sided_notice_past_its_lease_ends_the_connection() -> None:
     ],
 )
 def test_bad_lease_blocks_are_refused_by_name(dst_blocks: object, why: str) -> None:
-    receiver = KVReceiver(random_pool(0))
+    receiver = KVReceiver(POOLS.random(0))
     with pytest.raises(InvalidArgumentError, match=f"invalid dst_blocks: .*{re.escape(why)}"):
         receiver.expect(1, 8, dst_blocks=dst_blocks)  # type: ignore[arg-type]
     assert len(receiver) == 0
@@ -463,15 +449,13 @@ def test_a_nixl_notification_outside_the_lease_is_refused(monkeypatch: pytest.Mo
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     from kvferry.engine import ThreadCopyEngine
-    from kvferry.layout import PagedKV
-    from kvferry.transports.nixl import NixlEndpoint, NixlTransport
+    from kvferry.transports.nixl import NixlTransport
 
     engine = ThreadCopyEngine()
-    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-    authkey = secrets.token_bytes(32)
-    endpoint = NixlEndpoint(receiver, authkey=authkey, address="tcp://127.0.0.1:0")
+    served = serve("nixl", address="tcp://127.0.0.1:0")
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
-        src = random_pool(6)
+        src = POOLS.random(6)
         e1 = receiver.expect(1, 8, dst_blocks=[4, 5])
         rogue = NixlTransport(endpoint.address, authkey=authkey, src=src)
         notice = Notice(1, 0, 0, 2, True, e1)
@@ -524,14 +508,11 @@ def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.M
     its agent and its requests (a thief's end fences nothing of theirs)."""
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    from kvferry.layout import PagedKV
     from kvferry.transports.control import PeerConnection
     from kvferry.transports.frames import Agent, Announce
-    from kvferry.transports.nixl import NixlEndpoint
 
-    receiver = KVReceiver(PagedKV(tuple(torch.zeros(SHAPE) for _ in range(LAYERS)), TPB))
-    authkey = secrets.token_bytes(32)
-    endpoint = NixlEndpoint(receiver, authkey=authkey, address="tcp://127.0.0.1:0")
+    served = serve("nixl", address="tcp://127.0.0.1:0")
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     conns: list[PeerConnection] = []
 
     def connect() -> PeerConnection:

@@ -9,7 +9,6 @@ digests it expects without asking.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -19,26 +18,15 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from helpers import Pools, digest
 
-LAYERS = 4
-TPB = 4
-SHAPE = (96, 2, TPB, 64)  # 96 blocks of 2 x 4 tokens x 64 floats per layer (4 KiB a block-layer)
+# 96 blocks of 2 x 4 tokens x 64 floats per layer (4 KiB a block-layer), 4 layers.
+POOLS = Pools(shape=(96, 2, 4, 64), layers=4, tpb=4)
+LAYERS, TPB, SHAPE = POOLS.layers, POOLS.tpb, POOLS.shape
 
 
 def source_pool(seed: int) -> Any:
-    from kvferry.layout import PagedKV
-
-    gen = torch.Generator().manual_seed(seed)
-    return PagedKV(tuple(torch.randn(SHAPE, generator=gen) for _ in range(LAYERS)), TPB)
-
-
-def digest(pool: Any, ids: list[int]) -> str:
-    """Hash of blocks ``ids`` over every layer, in that order."""
-    h = hashlib.sha256()
-    index = torch.tensor(ids, dtype=torch.int64)
-    for layer in pool.layers:
-        h.update(layer.index_select(0, index).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return POOLS.random(seed)
 
 
 def _error(err: BaseException) -> dict[str, Any]:

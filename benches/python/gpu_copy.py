@@ -245,14 +245,22 @@ def main() -> int:
     print()
     print(f"ceiling {ceiling:.2f} TB/s read+write; payload TB/s below (share = 2 x payload / ceiling)")
     print(
-        "| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU | one call, no graph |"
+        (
+            "| blocks | payload | device time, queued (share of ceiling) | copy_blocks() queued | one call incl. "
+            "host launch | kernel back-to-back | copy_blocks() one call | best of sweep | torch index ops | queued "
+            "vs torch | one call, ids copied to the GPU | queued, ids copied to the GPU | one call, no graph |"
+        )
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['blocks']} | {r['payload_mb']:.0f} MB | {r['queued_tbps']:.2f} ({100 * 2 * r['queued_tbps'] / ceiling:.0f}%, {r['queued_ms']:.3f} ms) "
-            f"| {r['api_queued_tbps']:.2f} | {r['default_tbps']:.2f} ({r['default_ms']:.3f} ms) | {r['kernel_b2b_tbps']:.2f} "
-            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | {r['torch_ms'] / r['queued_ms']:.1f}x | {r['api_device_ids_tbps']:.2f} | {r['api_device_ids_queued_tbps']:.2f} | {r['api_no_graphs_tbps']:.2f} |"
+            f"| {r['blocks']} | {r['payload_mb']:.0f} MB | {r['queued_tbps']:.2f} "
+            f"({100 * 2 * r['queued_tbps'] / ceiling:.0f}%, {r['queued_ms']:.3f} ms) "
+            f"| {r['api_queued_tbps']:.2f} | {r['default_tbps']:.2f} ({r['default_ms']:.3f} ms) | "
+            f"{r['kernel_b2b_tbps']:.2f} "
+            f"| {r['api_tbps']:.2f} ({r['api_ms']:.3f} ms) | {r['best_tbps']:.2f} | {r['torch_tbps']:.2f} | "
+            f"{r['torch_ms'] / r['queued_ms']:.1f}x | {r['api_device_ids_tbps']:.2f} | "
+            f"{r['api_device_ids_queued_tbps']:.2f} | {r['api_no_graphs_tbps']:.2f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -138,7 +138,10 @@ def sdpa_repeats(context: int, repeats: int = 20) -> None:
                 torch.cuda.synchronize()
                 equal += bool(torch.equal(got, ref))
             print(
-                f"sdpa {name:<9} decode over {context} keys, {load_name:<16}: {equal}/{repeats} runs bit-equal to the first"
+                (
+                    f"sdpa {name:<9} decode over {context} keys, {load_name:<16}: {equal}/{repeats} runs bit-equal "
+                    "to the first"
+                )
             )
     for name, out in outputs.items():
         if name != "default":
@@ -187,7 +190,10 @@ def sdpa_surroundings(context: int, repeats: int = 5) -> None:
         bad = [(o, f) for o, f, same, _ in results if not same]
         nans = sorted({(o, f) for o, f, _, n in results if n})
         print(
-            f"sdpa {name:<9} over {context} keys: {len(results) - len(bad)}/{len(results)} runs equal the first; differing (offset, tail): {sorted(set(bad))}; NaN outputs: {nans}"
+            (
+                f"sdpa {name:<9} over {context} keys: {len(results) - len(bad)}/{len(results)} runs equal the "
+                f"first; differing (offset, tail): {sorted(set(bad))}; NaN outputs: {nans}"
+            )
         )
 
 
@@ -211,7 +217,8 @@ def _describe(name: str, ref: torch.Tensor, got: torch.Tensor) -> None:
     top = got.topk(2)
     print(
         f"{name:<44} bit-equal {torch.equal(ref, got)!s:<5} max |diff| {float((ref - got).abs().max()):.3e} "
-        f"greedy {int(top.indices[0])} (margin {float(top.values[0] - top.values[1]):.3e}, reference {int(ref.argmax())})"
+        f"greedy {int(top.indices[0])} (margin {float(top.values[0] - top.values[1]):.3e}, reference "
+        f"{int(ref.argmax())})"
     )
 
 
@@ -233,7 +240,10 @@ def main() -> None:
         try:
             same = prefill_repeats(args.layers, args.context - 2048, 2048, backend)
             print(
-                f"prefill of 2048 tokens after {args.context - 2048}, SDPA {backend:<9}: repeats bit-equal to the first: {same}"
+                (
+                    f"prefill of 2048 tokens after {args.context - 2048}, SDPA {backend:<9}: repeats bit-equal to "
+                    f"the first: {same}"
+                )
             )
         except RuntimeError as err:  # a backend that cannot run this shape
             print(f"prefill, SDPA {backend}: not available here ({str(err).splitlines()[0][:100]})")

@@ -59,8 +59,10 @@ def analyse(trace_dir: Path) -> list[str]:
         for group in groups[1:]:
             b = group[0]
             lines.append(
-                f"position {start}, token {token}: workers {[(r['pid'], r['pool']) for r in groups[0]]} top {a['top']} blocks {a['blocks']} vs "
-                f"{[(r['pid'], r['pool']) for r in group]} top {b['top']} blocks {b['blocks']}: first difference at {first_difference(a, b)}"
+                f"position {start}, token {token}: workers {[(r['pid'], r['pool']) for r in groups[0]]} top "
+                f"{a['top']} blocks {a['blocks']} vs "
+                f"{[(r['pid'], r['pool']) for r in group]} top {b['top']} blocks {b['blocks']}: first "
+                f"difference at {first_difference(a, b)}"
             )
     same = sum(1 for records in steps.values() if len({r["logits"] for r in records}) == 1 and len(records) > 1)
     lines.append(

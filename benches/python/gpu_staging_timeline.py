@@ -92,12 +92,18 @@ def main() -> None:
         sender.remove(rid)
     payload = args.blocks * GEOMETRY["layers"] * GEOMETRY["block_kib"] * 1024
     print(
-        f"{args.blocks} blocks in writes of {args.write_mib} MiB: {total * 1e3:.1f} ms, {payload / total / 1e9:.1f} GB/s"
+        (
+            f"{args.blocks} blocks in writes of {args.write_mib} MiB: {total * 1e3:.1f} ms, "
+            f"{payload / total / 1e9:.1f} GB/s"
+        )
     )
     print("write  sender d2h start..end (ms)  receiver h2d+scatter start..end (ms)")
     for i, (r, (a, b)) in enumerate(zip(sender.records, spans)):
         print(
-            f"{i:5d}  {(r.started - t0) * 1e3:8.1f} .. {(r.finished - t0) * 1e3:8.1f}      {(a - t0) * 1e3:8.1f} .. {(b - t0) * 1e3:8.1f}"
+            (
+                f"{i:5d}  {(r.started - t0) * 1e3:8.1f} .. {(r.finished - t0) * 1e3:8.1f}      "
+                f"{(a - t0) * 1e3:8.1f} .. {(b - t0) * 1e3:8.1f}"
+            )
         )
     sender.close()
     conn.send("stop")

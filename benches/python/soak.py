@@ -2,7 +2,8 @@
 prefix reuse, chunking, cancellations, timeouts), audited after every request; the driver is
 kvferry.refengine.soak. Not part of CI (tests/test_soak.py runs a short variant):
 
-    python benches/python/soak.py [--requests 10000] [--seed 0] [--transport NAME (kvferry.transports.registry, CPU)] [--json PATH]
+    python benches/python/soak.py [--requests 10000] [--seed 0] [--json PATH]
+        [--transport NAME (kvferry.transports.registry, CPU)]
 
 Exits 1 when an invariant fails: a leaked or doubly owned block, a block delivered twice,
 KV that differs between the workers, an error, or resident memory growing by 5% or more

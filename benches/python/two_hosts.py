@@ -53,8 +53,8 @@ def main() -> int:
         runs = {
             "copy": ["bench", "copy", "--blocks", "64,1024", "--reps", str(args.reps), *place],
             "agentic": ["bench", "agentic", "--png", str(out / "agentic-timeline.png"), *place],
-            "vllm": ["bench", "vllm", "--decode-netns", hosts.b.namespace, "--decode-host", hosts.b.ip, "--prefill-host", hosts.a.ip,
-                     "--png", str(out / "vllm-timeline.png"), *args.vllm_args.split()],
+            "vllm": ["bench", "vllm", "--decode-netns", hosts.b.namespace, "--decode-host", hosts.b.ip,
+                     "--prefill-host", hosts.a.ip, "--png", str(out / "vllm-timeline.png"), *args.vllm_args.split()],
         }  # fmt: skip
         runs = {name: argv for name, argv in runs.items() if name in chosen}
         for name, argv in runs.items():
@@ -67,7 +67,10 @@ def main() -> int:
             if done.returncode:
                 print(done.stdout, file=sys.stderr)
                 return done.returncode
-            table = f"{' '.join(argv)}\nveth shaped to {args.rate_mbit:g} Mbit/s each way (tc tbf), UCX_TLS=tcp\n{done.stdout}"
+            table = (
+                f"{' '.join(argv)}\nveth shaped to {args.rate_mbit:g} Mbit/s each way (tc tbf), "
+                f"UCX_TLS=tcp\n{done.stdout}"
+            )
             (out / f"{name}.txt").write_text(table)
             result = json.loads(json_path.read_text())
             result["two_hosts"] = {"rate_mbit": args.rate_mbit, "seconds": time.monotonic() - start, "argv": argv}

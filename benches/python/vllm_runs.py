@@ -20,7 +20,10 @@ def table(runs: list[dict], case: str) -> str:
     out = [
         f"{case}:",
         "",
-        "| configuration | TTFT p50 (median of runs) | each run | vs NixlConnector (median of runs) | KV-ready p50 | link / turn | held blocks / turn | outputs equal |",
+        (
+            "| configuration | TTFT p50 (median of runs) | each run | vs NixlConnector (median of runs) | KV-ready "
+            "p50 | link / turn | held blocks / turn | outputs equal |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for name in names:
@@ -35,7 +38,8 @@ def table(runs: list[dict], case: str) -> str:
         out.append(
             f"| {name} | {statistics.median(ttft):.0f} ms | {', '.join(f'{t:.0f}' for t in ttft)} | "
             f"{statistics.median(ratios):.2f}x | {statistics.median(f['kv_ready_ms_p50'] for f in per):.0f} ms | "
-            f"{statistics.median(f['link_bytes_per_turn'] for f in per) / 2**20:.2f} MiB | {'-' if held is None else f'{held:.0f}'} | "
+            f"{statistics.median(f['link_bytes_per_turn'] for f in per) / 2**20:.2f} MiB | "
+            f"{'-' if held is None else f'{held:.0f}'} | "
             f"{'yes' if all(f['outputs_equal'] for f in per) else 'NO'} |"
         )
     return "\n".join(out)
@@ -47,7 +51,10 @@ def main(paths: list[str]) -> int:
         return 2
     runs = [json.load(open(p)) for p in paths]
     print(
-        f"{len(runs)} runs: {', '.join(r['date'] for r in runs)}; {runs[0]['machine']}; {runs[0].get('placement', 'one host')}"
+        (
+            f"{len(runs)} runs: {', '.join(r['date'] for r in runs)}; {runs[0]['machine']}; "
+            f"{runs[0].get('placement', 'one host')}"
+        )
     )
     for case in CASES:
         print()

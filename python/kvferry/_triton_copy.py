@@ -3,8 +3,10 @@
 ```
 grid:     (pairs, layers, segments * chunks_per_segment)
 program:  copies CHUNK words of one segment of one block of one layer
-address:  base + layer_offset[layer] + segment * segment_stride + block_id * segment_words + w
+address:  base + layer_offset[layer] + segment * segment_stride + block_id * block_stride + w
 ```
+Each side has its own strides (`PagedKV.segment_stride`, `block_stride`, here in words), so
+a copy between a layer-outer and a block-outer pool converts the layout as it goes.
 Layers are separate allocations, so each side passes its lowest-addressed layer as ``base``
 and every layer's distance from it (in 8-byte words) as ``layer_offset`` (see
 ``PagedKV.pointer_table``); one launch then reaches all layers without a pointer table.
@@ -56,7 +58,7 @@ def pick_config(payload_bytes: int) -> LaunchConfig:
     return LARGE if payload_bytes >= LARGE_FROM_BYTES else SMALL
 
 
-@triton.jit(do_not_specialize=["n_pairs", "src_seg_stride", "dst_seg_stride"])
+@triton.jit(do_not_specialize=["n_pairs", "src_seg_stride", "dst_seg_stride", "src_block_stride", "dst_block_stride"])
 def _copy_kernel(
     src_base,
     dst_base,
@@ -66,6 +68,8 @@ def _copy_kernel(
     n_pairs,
     src_seg_stride,
     dst_seg_stride,
+    src_block_stride,
+    dst_block_stride,
     SEG_WORDS: tl.constexpr,
     CHUNKS_PER_SEG: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -74,12 +78,12 @@ def _copy_kernel(
 ):
     pair = tl.program_id(0)
     layer = tl.program_id(1)
-    seg = tl.program_id(2) // CHUNKS_PER_SEG
+    seg = (tl.program_id(2) // CHUNKS_PER_SEG).to(tl.int64)
     chunk = tl.program_id(2) % CHUNKS_PER_SEG
     s_block = tl.load(ids + pair)
     d_block = tl.load(ids + n_pairs + pair)
-    s_row = tl.load(src_layer_off + layer) + seg * src_seg_stride + s_block * SEG_WORDS
-    d_row = tl.load(dst_layer_off + layer) + seg * dst_seg_stride + d_block * SEG_WORDS
+    s_row = tl.load(src_layer_off + layer) + seg * src_seg_stride + s_block * src_block_stride
+    d_row = tl.load(dst_layer_off + layer) + seg * dst_seg_stride + d_block * dst_block_stride
     # Every row starts 16-byte aligned (checked by `supports`), so loads can be 128 bits wide.
     s_row = tl.multiple_of(s_row, 2)
     d_row = tl.multiple_of(d_row, 2)
@@ -98,8 +102,8 @@ def _copy_kernel(
 
 
 def supports(src: PagedKV, dst: PagedKV) -> bool:
-    """The kernel needs 16-byte aligned segments and layer bases."""
-    if src.segment_bytes % ALIGN:
+    """The kernel needs 16-byte aligned segments, strides and layer bases."""
+    if any(n % ALIGN for p in (src, dst) for n in (p.segment_bytes, p.segment_stride, p.block_stride)):
         return False
     return all(t.data_ptr() % ALIGN == 0 for t in (*src.layers, *dst.layers))
 
@@ -137,8 +141,10 @@ def _launch(
     grid = (n, src.num_layers, src.segments * chunks_per_seg)
     rest = (
         n,
-        src.num_blocks * seg_words,
-        dst.num_blocks * seg_words,
+        src.segment_stride // WORD_BYTES,
+        dst.segment_stride // WORD_BYTES,
+        src.block_stride // WORD_BYTES,
+        dst.block_stride // WORD_BYTES,
         seg_words,
         chunks_per_seg,
         chunk,
@@ -166,7 +172,7 @@ def _launch(
             src_off,
             dst_off,
             ids(),
-            *rest[:3],
+            *rest[:5],
             SEG_WORDS=seg_words,
             CHUNKS_PER_SEG=chunks_per_seg,
             CHUNK=chunk,

@@ -283,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         default=None,
         metavar="A,B",
-        help=f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they serve; default: all but nixl on CUDA",
+        help=(
+            f"torch and copy (bare copies) and transports ({', '.join(registry.names())}) with the pools they "
+            "serve; default: all but nixl on CUDA"
+        ),
     )
     copy.add_argument(
         "--blocks",
@@ -384,7 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
         const=0,
         default=None,
         metavar="GROUPS",
-        help="also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of consecutive layers (default: not run; a bare --layerwise: one group per layer)",
+        help=(
+            "also run early transfer plus layer-wise streaming of the last prefill chunk, in GROUPS groups of "
+            "consecutive layers (default: not run; a bare --layerwise: one group per layer)"
+        ),
     )
     agentic.add_argument(
         "--check-kv",
@@ -398,13 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--png",
         default="agentic-timeline.png",
         metavar="PATH",
-        help="timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: %(default)s)",
+        help=(
+            "timeline picture of the last measured turn; '' skips it (needs matplotlib, kvferry[bench]) (default: "
+            "%(default)s)"
+        ),
     )
     agentic.set_defaults(func=_cmd_bench_agentic)
 
     vllm = bench.add_parser(
         "vllm",
-        help="the agentic workload through real vLLM prefill/decode servers: NixlConnector and KvferryConnector side by side",
+        help=(
+            "the agentic workload through real vLLM prefill/decode servers: NixlConnector and KvferryConnector "
+            "side by side"
+        ),
     )
     vllm.add_argument(
         "--sessions", type=_positive, default=3, metavar="N", help="concurrent conversations (default: %(default)s)"
@@ -459,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-netns",
         default=None,
         metavar="NAME",
-        help="run the decode server in this network namespace (ip netns, root), standing for a second host; needs --decode-host and --prefill-host (default: one host)",
+        help=(
+            "run the decode server in this network namespace (ip netns, root), standing for a second host; needs "
+            "--decode-host and --prefill-host (default: one host)"
+        ),
     )
     vllm.add_argument(
         "--decode-host", default="127.0.0.1", metavar="IP", help="the decode server's address (default: %(default)s)"
@@ -480,7 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument(
         "--stress",
         action="store_true",
-        help="instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client hang-ups; docs/benchmarks.md)",
+        help=(
+            "instead: KvferryConnector under serving load (small KV pools, preemption on both servers, client "
+            "hang-ups; docs/benchmarks.md)"
+        ),
     )
     vllm.add_argument(
         "--stress-sessions",
@@ -532,7 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport",
         choices=registry.names(),
         default=None,
-        help="how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it in another process",
+        help=(
+            "how the receiver is reached (default: in-process on cpu, staging on cuda); any but in-process runs it "
+            "in another process"
+        ),
     )
     tiers.add_argument("--blocks", type=_positive, default=512, metavar="N", help="blocks of the reused prefix")
     tiers.add_argument(
@@ -610,7 +631,10 @@ def _placement_flags(parser: argparse.ArgumentParser) -> None:
         "--receiver-netns",
         default=None,
         metavar="NAME",
-        help="run the receiver process in this network namespace (ip netns), standing for a second host (default: none, the sender's own)",
+        help=(
+            "run the receiver process in this network namespace (ip netns), standing for a second host (default: "
+            "none, the sender's own)"
+        ),
     )
 
 
@@ -622,7 +646,10 @@ def _across_hosts(args: argparse.Namespace) -> bool:
     where = parse_address(args.listen, "--listen")
     if args.receiver_netns is not None and where.scheme != "tcp":
         raise ValueError(
-            f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace is reached over tcp://"
+            (
+                f"invalid --listen={args.listen!r} with --receiver-netns {args.receiver_netns}: another namespace "
+                "is reached over tcp://"
+            )
         )
     return args.receiver_netns is not None or (where.scheme == "tcp" and where.host not in LOOPBACK)
 
@@ -689,7 +716,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         print(f"kvferry proxy: error: {err} (the proxy runs in vLLM's venv: make setup-vllm)", file=sys.stderr)
         return 2
     print(
-        f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}",
+        (
+            f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill "
+            f"{', '.join(args.prefill)}; decode {', '.join(args.decode)}"
+        ),
         file=sys.stderr,
     )
     serve(args.prefill, args.decode, host=args.host, port=args.port, connector=args.connector)
@@ -746,11 +776,17 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
     if args.decode_netns is not None and (args.decode_host in LOOPBACK or args.prefill_host in LOOPBACK):
         return _refuse(
-            f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})"
+            (
+                f"--decode-netns {args.decode_netns} puts the decode server on another host: give --decode-host "
+                f"and --prefill-host the two hosts' addresses (got {args.decode_host}, {args.prefill_host})"
+            )
         )
     if args.decode_netns is None and args.decode_host not in LOOPBACK:
         return _refuse(
-            f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this host's loopback"
+            (
+                f"--decode-host {args.decode_host} needs --decode-netns: without it both servers run on this "
+                "host's loopback"
+            )
         )
     cfg = VllmBenchConfig(
         sessions=args.sessions,
@@ -870,7 +906,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
     if _across_hosts(args):
         if not registry.spec(args.transport).has_endpoint:
             return _refuse(
-                f"--transport {args.transport} keeps the generation worker in this process: --listen/--receiver-netns need one with an endpoint"
+                (
+                    f"--transport {args.transport} keeps the generation worker in this process: "
+                    "--listen/--receiver-netns need one with an endpoint"
+                )
             )
         _check_reach([args.transport])
     model = _geometry(args)
@@ -878,7 +917,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         return _refuse(model)
     if args.new > args.cached:
         return _refuse(
-            f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of new tokens)"
+            (
+                f"--new {args.new} must be <= --cached {args.cached} (the cached conversation includes one turn of "
+                "new tokens)"
+            )
         )
     layer_groups = args.layers if args.layerwise == 0 else args.layerwise
     if layer_groups is not None and layer_groups > args.layers:

@@ -3,6 +3,10 @@
 CUDA pools on one device: one Triton kernel launch for all layers and blocks. Anything else
 (CPU pools, pools on different devices): torch index ops over 8-byte words, one gather and
 one scatter per layer (index_copy_ on uint8 is about 5x slower than on int64).
+
+Both paths address each pool through its own segment and block strides (`PagedKV`), so two
+pools whose blocks hold the same elements in the same order but lie differently (one vLLM
+engine's layer-outer layout, the other's block-outer one) are converted by the copy itself.
 """
 
 from __future__ import annotations
@@ -13,13 +17,9 @@ import numpy as np
 import torch
 
 from kvferry._core import pack_pairs
-from kvferry.layout import BlockIds, PagedKV
+from kvferry.layout import BlockIds, PagedKV, common_word
 
 __all__ = ["checked_pairs", "copy_blocks", "copy_blocks_torch", "packed_ids"]
-
-
-def _word(pool: PagedKV) -> torch.dtype:
-    return torch.int64 if pool.segment_bytes % 8 == 0 else torch.uint8
 
 
 def checked_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +58,7 @@ GATHER_BYTES = 4 << 20
 
 
 def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> None:
-    word = _word(src)
+    word = common_word(src, dst)
     s_dev = torch.from_numpy(s).to(src.device, non_blocking=True)
     d_dev = torch.from_numpy(d).to(dst.device, non_blocking=True)
     src_views, dst_views = src.segment_views(word), dst.segment_views(word)

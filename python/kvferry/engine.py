@@ -29,7 +29,7 @@ import torch
 
 from kvferry.copy import checked_pairs, copy_blocks
 from kvferry.errors import TransferError
-from kvferry.layout import PagedKV
+from kvferry.layout import PagedKV, common_word
 from kvferry.tiers import Signal, signal_done, signal_error, wait_signal
 
 __all__ = ["CopyEngine", "CudaCopyEngine", "Pending", "ThreadCopyEngine", "engine_for"]
@@ -186,7 +186,7 @@ def _paced_copy(src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.nda
     s, d = checked_pairs(src, dst, src_ids, dst_ids)
     if not s.size:
         return
-    word = torch.int64 if src.segment_bytes % 8 == 0 else torch.uint8
+    word = common_word(src, dst)
     # numpy views of the same memory; numpy's fancy indexing releases the GIL while it copies.
     src_views = [v.numpy() for v in src.segment_views(word)]
     dst_views = [v.numpy() for v in dst.segment_views(word)]

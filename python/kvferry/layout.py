@@ -4,18 +4,29 @@ An engine keeps its KV cache as torch tensors, one per layer or one stacked over
 one dimension indexing blocks. kvferry only needs to know where each block's bytes are:
 
 ```
-layer tensor:  shape (*outer, num_blocks, *inner), contiguous
+layer tensor:  shape (*outer, num_blocks, *inner)
                outer = prod(shape[:block_dim])   e.g. 2 for a (K|V, blocks, ...) layout
-               inner = prod(shape[block_dim+1:]) * itemsize bytes  ("segment")
+               inner = prod(shape[block_dim+1:]) * itemsize bytes  ("segment"), dense
 one block:     `outer` segments of `segment_bytes`, one per outer index, in every layer
+address:       data_ptr + segment * segment_stride + block * block_stride   (bytes)
 ```
+A contiguous layer has ``segment_stride = num_blocks * segment_bytes`` and ``block_stride =
+segment_bytes`` (`PagedKV.packed`). Engines that interleave layers or heads inside a block
+(vLLM's block-outer layouts, one allocation for every layer) give other strides: each
+layer's blocks are then read and written where they lie, with no copy of the cache.
+
+`paged_kv_from_views` turns an engine's logical per-layer views (vLLM's ``[B, H, N, C]``, in
+any of its physical orders) into a `PagedKV`; ``block_layout`` names the order of one
+block's elements, so two pools exchange blocks only when their blocks hold the same
+elements in the same order.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
@@ -25,7 +36,7 @@ import torch
 
 from kvferry.errors import InvalidArgumentError, KvFerryError
 
-__all__ = ["BlockIds", "LayoutMismatchError", "PagedKV"]
+__all__ = ["BlockIds", "LayoutMismatchError", "PagedKV", "common_word", "paged_kv_from_views", "writable"]
 
 BlockIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -62,14 +73,65 @@ def block_id_array(name: str, ids: object) -> np.ndarray:
     return array.astype(np.int64)
 
 
+# A block layout label crosses the wire in the hello (rust/src/wire/transport.rs, `Geometry`).
+_LABEL = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# The label of a pool that says nothing about its blocks' elements (built by kvferry itself,
+# or by an engine whose two sides allocate the same shapes): it matches only itself.
+ANY_LAYOUT = "any"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}"
+
+
+def _block_strides(t: torch.Tensor, block_dim: int) -> tuple[int, int] | str:
+    """``(segment_stride, block_stride)`` in bytes of a layer ``(*outer, blocks, *inner)``, or
+    why it has none: the inner dimensions must be dense (one run of bytes per segment), the
+    outer ones must fold into one strided axis, and no two segments may overlap."""
+    size = t.element_size()
+    shape, stride = t.shape, t.stride()
+    expect = 1
+    for d in reversed(range(block_dim + 1, t.dim())):
+        if shape[d] == 1:
+            continue
+        if stride[d] != expect:
+            return "its dimensions after the block dimension are not dense"
+        expect *= shape[d]
+    outer = [d for d in range(block_dim) if shape[d] > 1]
+    for a, b in zip(outer, outer[1:]):
+        if stride[a] != stride[b] * shape[b]:
+            return "its dimensions before the block dimension do not fold into one"
+    segments, blocks = math.prod(shape[:block_dim]), shape[block_dim]
+    seg_bytes = expect * size
+    block_stride = stride[block_dim] * size if blocks > 1 else seg_bytes
+    seg_stride = stride[outer[-1]] * size if outer else blocks * block_stride
+    if seg_stride <= 0 or block_stride <= 0:
+        return "it has a zero or negative stride"
+    if segments == 1:
+        disjoint = block_stride >= seg_bytes
+    else:
+        disjoint = (block_stride >= seg_bytes and seg_stride >= blocks * block_stride) or (
+            seg_stride >= seg_bytes and block_stride >= segments * seg_stride
+        )
+    if not disjoint:
+        return "its segments overlap"
+    return seg_stride, block_stride
+
+
 @dataclass(frozen=True, eq=False)
 class PagedKV:
     """A paged KV pool: ``layers[i]`` has shape ``(*outer, num_blocks, *inner)`` with the block
-    dimension at ``block_dim``. All layers share shape, dtype and device."""
+    dimension at ``block_dim``, dense inner dimensions and the same strides in every layer
+    (see the module doc). All layers share shape, strides, dtype and device. ``block_layout``
+    names the order of one block's elements (`paged_kv_from_views`); pools exchange blocks
+    only with a pool of the same label."""
 
     layers: tuple[torch.Tensor, ...]
     tokens_per_block: int
     block_dim: int = 0
+    block_layout: str = ANY_LAYOUT
+    # (segment_stride, block_stride) in bytes, derived from the layers.
+    _strides: tuple[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, torch.Tensor) or not isinstance(self.layers, (tuple, list)):
@@ -100,8 +162,20 @@ class PagedKV:
             ):
                 if got != want:
                     raise InvalidArgumentError(f"invalid layers[{i}].{what}={got}: must match layers[0] ({want})")
-            if not t.is_contiguous():
-                raise InvalidArgumentError(f"invalid layers[{i}]: must be contiguous (stride {t.stride()})")
+            strides = _block_strides(t, self.block_dim)
+            if isinstance(strides, str):
+                raise InvalidArgumentError(
+                    f"invalid layers[{i}]: must be contiguous within each block segment ({_describe(t)}): {strides}"
+                )
+            if t.stride() != first.stride():
+                raise InvalidArgumentError(
+                    f"invalid layers[{i}].stride={t.stride()}: must match layers[0] ({first.stride()})"
+                )
+        object.__setattr__(self, "_strides", strides)
+        if not isinstance(self.block_layout, str) or not _LABEL.fullmatch(self.block_layout):
+            raise InvalidArgumentError(
+                f"invalid block_layout={self.block_layout!r}: must be 1 to 128 characters of [A-Za-z0-9._-]"
+            )
 
     @classmethod
     def stacked(cls, tensor: torch.Tensor, *, tokens_per_block: int, block_dim: int) -> PagedKV:
@@ -148,6 +222,23 @@ class PagedKV:
         """Bytes of one block in one layer."""
         return self.segments * self.segment_bytes
 
+    @property
+    def segment_stride(self) -> int:
+        """Bytes from one segment of a block to the next (see the module doc)."""
+        return self._strides[0]
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from one block of a segment to the next."""
+        return self._strides[1]
+
+    @property
+    def packed(self) -> bool:
+        """Whether every layer is contiguous ``(segments, num_blocks, segment)`` bytes, the
+        only arrangement a remote writer that knows only the geometry can address."""
+        seg, block = self._strides
+        return block == self.segment_bytes and (self.segments == 1 or seg == self.num_blocks * self.segment_bytes)
+
     @functools.cached_property
     def _geometry(self) -> dict[str, object]:
         return self.geometry()
@@ -161,6 +252,7 @@ class PagedKV:
             "dtype": str(self.dtype),
             "segments": self.segments,
             "segment_bytes": self.segment_bytes,
+            "block_layout": self.block_layout,
         }
 
     def check_compatible(self, other: PagedKV | dict[str, object]) -> None:
@@ -203,17 +295,27 @@ class PagedKV:
         slices = self._slices
         view = slices.get((lo, hi))
         if view is None:
-            view = slices[(lo, hi)] = PagedKV(self.layers[lo:hi], self.tokens_per_block, self.block_dim)
+            view = slices[(lo, hi)] = self.with_layers(self.layers[lo:hi])
         return view
+
+    def with_layers(self, layers: Sequence[torch.Tensor]) -> PagedKV:
+        """A pool of the same tokens per block, block dimension and block layout over other
+        tensors (a layer slice, a host copy, a peer's mapping of this pool)."""
+        return PagedKV(tuple(layers), self.tokens_per_block, self.block_dim, self.block_layout)
 
     @functools.cached_property
     def _slices(self) -> dict[tuple[int, int], PagedKV]:
         return {}
 
     def segment_views(self, word: torch.dtype) -> list[torch.Tensor]:
-        """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``."""
-        words = self.segment_bytes // torch.empty((), dtype=word).element_size()
-        return [t.view(-1).view(word).view(self.segments, self.num_blocks, words) for t in self.layers]
+        """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``,
+        strided where the layer's blocks lie (no copy). ``word`` must divide the segment,
+        the strides and every layer's offset (`common_word`)."""
+        size = self.layers[0].element_size()
+        seg, block = self._strides
+        shape = (self.segments, self.num_blocks, self.segment_bytes // size)
+        strides = (seg // size, block // size, 1)
+        return [t.as_strided(shape, strides).view(word) for t in self.layers]
 
     @functools.cached_property
     def pointer_table(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,12 +324,114 @@ class PagedKV:
         reach every layer; cached because the engine's tensors do not move."""
         ptrs = [t.data_ptr() for t in self.layers]
         first = min(range(len(ptrs)), key=ptrs.__getitem__)
-        base = self.layers[first].view(-1).view(torch.uint8)
+        # One element at the layer's first byte: only its address and type reach the kernel.
+        base = self.layers[first].as_strided((1,), (1,)).view(torch.uint8)
         offsets = torch.tensor([(p - ptrs[first]) // 8 for p in ptrs], dtype=torch.int64)
         return base, offsets.to(self.device)
 
     def __repr__(self) -> str:
         return (
             f"PagedKV(<{self.num_layers} layers of {self.shape} {self.dtype} on {self.device}>, "
-            f"tokens_per_block={self.tokens_per_block}, block_dim={self.block_dim})"
+            f"tokens_per_block={self.tokens_per_block}, block_dim={self.block_dim}, "
+            f"block_layout={self.block_layout!r})"
         )
+
+
+def common_word(*pools: PagedKV) -> torch.dtype:
+    """The widest word (int64, else uint8) that divides every pool's segment, strides and
+    layer offsets: the element the copies move (index_copy_ on uint8 is about 5x slower)."""
+    for word, size in ((torch.int64, 8), (torch.uint8, 1)):
+        if all(
+            p.segment_bytes % size == 0
+            and p.segment_stride % size == 0
+            and p.block_stride % size == 0
+            and all(t.storage_offset() * t.element_size() % size == 0 for t in p.layers)
+            for p in pools
+        ):
+            return word
+    return torch.uint8
+
+
+def writable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor kvferry's copy threads may write: an engine that allocates its
+    KV cache under ``torch.inference_mode`` (vLLM) hands inference tensors, into which an
+    in-place write outside that mode is refused. The same view of the same storage, on any
+    device, with no copy: ``set_`` shares the storage, alive while either tensor is."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        return alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def paged_kv_from_views(
+    layers: Sequence[torch.Tensor], *, num_blocks: int, tokens_per_block: int, dims: str = "BHNC"
+) -> PagedKV:
+    """The pool of an engine's per-layer views, whatever their physical order: ``dims`` names
+    each dimension of the views (``B`` the blocks; vLLM 0.32's ``[B, H, N, C]`` by default:
+    KV heads, tokens, K|V content), and the views are read where they lie (no copy; an
+    inference tensor is taken as a `writable` alias).
+
+    ```
+    view:      [B, H, N, C], strides in any order (vLLM's KVCacheLayout)
+    physical:  the dimensions other than B by decreasing stride, e.g. N, H, C (LBNHC)
+    segment:   the longest dense run at the end (H, N, C);  outer: the rest (none, or H)
+    pool:      layers permuted to (*outer, B, *segment);  block_layout "N16.H8.C256"
+    ```
+    Dimensions of size 1 (MLA's single latent head) place nothing and are left out of the
+    label, so two pools whose blocks hold the same bytes in the same order get the same one.
+    Refuses, naming the shape, strides and dtype, views it cannot read block by block."""
+    layers = tuple(layers)
+    if not layers:
+        raise InvalidArgumentError("invalid layers=(): must hold at least one layer")
+    _check_int("num_blocks", num_blocks)
+    first = layers[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"layers[0] must be a torch.Tensor, got {type(first).__name__}")
+    if not isinstance(dims, str) or len(set(dims)) != len(dims) or dims.count("B") != 1:
+        raise InvalidArgumentError(f"invalid dims={dims!r}: must name each dimension once, with one 'B' (the blocks)")
+    if first.dim() != len(dims):
+        raise InvalidArgumentError(
+            f"invalid layers[0] ({_describe(first)}): {first.dim()} dimensions, dims={dims!r} names {len(dims)}"
+        )
+    b = dims.index("B")
+    if first.shape[b] != num_blocks:
+        raise InvalidArgumentError(
+            f"invalid layers[0] ({_describe(first)}): dimension {b} (B) holds {first.shape[b]} blocks, "
+            f"the engine has num_blocks={num_blocks}"
+        )
+    stride = first.stride()
+    placed = [d for d in range(first.dim()) if d != b and first.shape[d] > 1]
+    ones = [d for d in range(first.dim()) if d != b and first.shape[d] == 1]
+    physical = sorted(placed, key=lambda d: -stride[d])
+    inner: list[int] = []
+    expect = 1
+    for d in reversed(physical):
+        if stride[d] != expect:
+            break
+        inner.insert(0, d)
+        expect *= first.shape[d]
+    outer = physical[: len(physical) - len(inner)]
+    if not inner and physical:
+        raise InvalidArgumentError(
+            f"invalid layers[0] ({_describe(first)}): kvferry reads a block as dense runs of bytes, "
+            "and these views have none it can address"
+        )
+    perm = [*outer, b, *inner, *ones]
+    label = ".".join(f"{dims[d]}{first.shape[d]}" for d in physical)
+    views = []
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"layers[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != first.shape or t.stride() != stride:
+            raise InvalidArgumentError(
+                f"invalid layers[{i}] ({_describe(t)}): must have the shape and strides of layers[0] ({_describe(first)})"
+            )
+        view = writable(t).permute(perm)
+        for _ in ones:  # the trailing size-1 dimensions go
+            view = view.select(-1, 0)
+        views.append(view)
+    try:
+        return PagedKV(tuple(views), tokens_per_block, len(outer), label)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"invalid layers[0] ({_describe(first)}): {err}") from None

@@ -172,12 +172,20 @@ class MultiPeerSender:
             raise _combined(errors)
         return notices
 
+    def _by_peer(self, send: Callable[..., list[Notice]], request_ids: IntArray, **columns: IntArray) -> list[Notice]:
+        """``send(sender, ids, **rows)`` for every peer's sender, with that peer's request ids
+        and its rows of each per-request argument in ``columns`` (checked by `_split`)."""
+        ids = np.asarray(request_ids)
+        arrays = {name: np.asarray(values) for name, values in columns.items()}
+        parts = self._split(ids, tuple(arrays.items()))
+        return self._each(parts, lambda s, rows: send(s, ids[rows], **{n: a[rows] for n, a in arrays.items()}))
+
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests,
         each to its own peer (`KVSender.send_early`)."""
-        ids, src, dst = np.asarray(request_ids), np.asarray(src_block_table), np.asarray(dst_block_table)
-        parts = self._split(ids, (("src_block_table", src), ("dst_block_table", dst)))
-        return self._each(parts, lambda s, rows: s.send_early(ids[rows], src[rows], dst[rows]))
+        return self._by_peer(
+            KVSender.send_early, request_ids, src_block_table=src_block_table, dst_block_table=dst_block_table
+        )
 
     def send_chunks(
         self,
@@ -188,13 +196,13 @@ class MultiPeerSender:
         dst_block_table: IntArray,
     ) -> list[Notice]:
         """After a context forward: the blocks each finished chunk completed (`KVSender.send_chunks`)."""
-        ids, src, dst = np.asarray(request_ids), np.asarray(src_block_table), np.asarray(dst_block_table)
-        starts, ends = np.asarray(chunk_starts), np.asarray(chunk_ends)
-        parts = self._split(
-            ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst))
-        )
-        return self._each(
-            parts, lambda s, rows: s.send_chunks(ids[rows], starts[rows], ends[rows], src[rows], dst[rows])
+        return self._by_peer(
+            KVSender.send_chunks,
+            request_ids,
+            chunk_starts=chunk_starts,
+            chunk_ends=chunk_ends,
+            src_block_table=src_block_table,
+            dst_block_table=dst_block_table,
         )
 
     def send_layers(
@@ -206,14 +214,15 @@ class MultiPeerSender:
         src_block_table: IntArray,
         dst_block_table: IntArray,
     ) -> list[Notice]:
-        """During a context forward: layer group ``group`` of the blocks each chunk completes (`KVSender.send_layers`)."""
-        ids, src, dst = np.asarray(request_ids), np.asarray(src_block_table), np.asarray(dst_block_table)
-        starts, ends = np.asarray(chunk_starts), np.asarray(chunk_ends)
-        parts = self._split(
-            ids, (("chunk_starts", starts), ("chunk_ends", ends), ("src_block_table", src), ("dst_block_table", dst))
-        )
-        return self._each(
-            parts, lambda s, rows: s.send_layers(ids[rows], starts[rows], ends[rows], group, src[rows], dst[rows])
+        """During a context forward: layer group ``group`` of the blocks each chunk completes
+        (`KVSender.send_layers`)."""
+        return self._by_peer(
+            lambda sender, ids, **rows: sender.send_layers(ids, group=group, **rows),
+            request_ids,
+            chunk_starts=chunk_starts,
+            chunk_ends=chunk_ends,
+            src_block_table=src_block_table,
+            dst_block_table=dst_block_table,
         )
 
     def order_after(self, src_ids: IntArray, signal: Signal) -> None:

@@ -246,7 +246,10 @@ class KVReceiver:
             return f"names no destination blocks, and the lease holds {want.tolist()}"
         got = np.asarray(dst_ids, dtype=np.int64)
         if got.shape != want.shape or not np.array_equal(got, want):
-            return f"wrote destination blocks {got.tolist()[:16]}, the lease holds {want.tolist()[:16]} for blocks [{notice.start}, {notice.end})"
+            return (
+                f"wrote destination blocks {got.tolist()[:16]}, the lease holds {want.tolist()[:16]} for blocks "
+                f"[{notice.start}, {notice.end})"
+            )
         return None
 
     def lease_admits(self, notice: Notice, dst_ids: np.ndarray) -> bool:
@@ -270,7 +273,10 @@ class KVReceiver:
             return None
         if not 0 < epoch < self._next_epoch:
             raise InvalidArgumentError(
-                f"invalid epoch={epoch} for request {request_id}: never issued by this receiver (last issued: {self._next_epoch - 1})"
+                (
+                    f"invalid epoch={epoch} for request {request_id}: never issued by this receiver (last issued: "
+                    f"{self._next_epoch - 1})"
+                )
             )
         if expected is None:
             return f"epoch {epoch} of request {request_id}, which was released"
@@ -651,7 +657,10 @@ class KVReceiver:
                         else [blocks for _, blocks in expected.awaits]
                     )
                     raise TransferTimeoutError(
-                        f"request {request_id}: blocks {missing} did not arrive within {timeout} s; {self._known(expected)} (epoch {expected.epoch})",
+                        (
+                            f"request {request_id}: blocks {missing} did not arrive within {timeout} s; "
+                            f"{self._known(expected)} (epoch {expected.epoch})"
+                        ),
                         request_ids=(request_id,),
                         peer=peer,
                     )
@@ -690,7 +699,10 @@ class KVReceiver:
             if theirs is None or theirs.error is not None:
                 why = "was released" if theirs is None else f"failed ({theirs.error})"
                 expected.error = TransferError(
-                    f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, which {why} before they did",
+                    (
+                        f"request {request_id}: blocks {blocks} were to arrive with request {owner}'s transfer, "
+                        f"which {why} before they did"
+                    ),
                     request_ids=(request_id,),
                 )
                 raise TransferError(
@@ -724,8 +736,10 @@ class KVReceiver:
                         "no sender has announced it" if expected.source is None else f"its sender is {expected.source}"
                     )
                     raise TransferTimeoutError(
-                        f"request {request_id} (epoch {expected.epoch}): no fence within {timeout} s ({who}), so a write may still land in its "
-                        f"destination blocks; they are not released: call release again, or release_unfenced once no sender can write them",
+                        f"request {request_id} (epoch {expected.epoch}): no fence within {timeout} s ({who}), "
+                        "so a write may still land in its "
+                        "destination blocks; they are not released: call release again, or release_unfenced "
+                        "once no sender can write them",
                         request_ids=(request_id,),
                         peer=None if expected.source is None else str(expected.source),
                     )

@@ -70,7 +70,10 @@ def check_signal(signal: object, name: str = "signal") -> None:
     if isinstance(signal, torch.cuda.Event):
         if not getattr(signal, "cuda_event", 0):
             raise InvalidArgumentError(
-                f"invalid {name}=<torch.cuda.Event never recorded>: record it on the stream of the tier's copy, after that copy, first"
+                (
+                    f"invalid {name}=<torch.cuda.Event never recorded>: record it on the stream of the tier's "
+                    "copy, after that copy, first"
+                )
             )
         return
     if not isinstance(signal, (threading.Event, concurrent.futures.Future)):
@@ -196,14 +199,20 @@ def tiered_source(pool: PagedKV, host_pool: object) -> TieredSource:
     for key, value in mine.items():
         if theirs[key] != value:
             raise LayoutMismatchError(
-                f"invalid host_pool: its {key} is {theirs[key]}, the device pool's is {value} (both tiers must hold blocks of one layout)"
+                (
+                    f"invalid host_pool: its {key} is {theirs[key]}, the device pool's is {value} (both tiers must "
+                    "hold blocks of one layout)"
+                )
             )
     if pool.device.type != "cuda":
         return TieredSource(pool, host_pool, host_pool)
     unpinned = [i for i, t in enumerate(host_pool.layers) if not t.is_pinned()]
     if unpinned:
         raise InvalidArgumentError(
-            f"invalid host_pool: layers {unpinned[:8]} are not pinned; a CUDA pool's host tier must be page-locked (tensor.pin_memory(), or cudaHostRegister)"
+            (
+                f"invalid host_pool: layers {unpinned[:8]} are not pinned; a CUDA pool's host tier must be "
+                "page-locked (tensor.pin_memory(), or cudaHostRegister)"
+            )
         )
     return TieredSource(pool, host_pool, cuda_view(host_pool, pool.device))
 
@@ -241,10 +250,13 @@ def cuda_view(pool: PagedKV, device: torch.device) -> PagedKV:
                 ) from err
             if view.data_ptr() != t.data_ptr() or view.device != device:
                 raise InvalidArgumentError(
-                    f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to {view.device})"
+                    (
+                        f"invalid host_pool: layer {i} cannot be read in place from {device} (torch mapped it to "
+                        f"{view.device})"
+                    )
                 )
             layers.append(view.view(t.dtype).view(t.shape))
-    return PagedKV(tuple(layers), pool.tokens_per_block, pool.block_dim)
+    return pool.with_layers(layers)
 
 
 def source_ids(name: str, ids: npt.ArrayLike, device_blocks: int, host_blocks: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from kvferry.errors import InvalidArgumentError
 
-__all__ = ["SCHEMA", "STAGES", "Timeline", "Tracer", "draw", "format_timelines", "merge", "read"]
+__all__ = ["SCHEMA", "STAGES", "Timeline", "Tracer", "draw", "format_timelines", "merge", "read", "save_with_legend"]
 
 VERSION = 1
 # stage -> the fields it carries beyond the common ones (docs/vllm.md lists them too).
@@ -276,6 +276,21 @@ def format_timelines(timelines: Sequence[Timeline]) -> str:
     return "\n".join(out)
 
 
+def save_with_legend(fig: Any, handles: dict[str, Any], order: Sequence[str], path: str) -> None:
+    """Writes a timeline figure to the PNG ``path`` with its legend right of the lanes: the
+    entries of ``handles`` in ``order`` (those drawn), then closes it (``bench agentic``'s
+    timeline and `draw` share the look)."""
+    import matplotlib.pyplot as plt
+
+    names = [n for n in order if n in handles]
+    fig.legend(
+        [handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False
+    )
+    fig.tight_layout(rect=(0, 0, 0.81, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw(timelines: Sequence[Timeline], path: str) -> None:
     """One row per transfer: the prefill side's writes as bars from issued to landed (early,
     chunk, layer colours as in ``bench agentic``'s timeline), its stage marks above, the
@@ -328,10 +343,4 @@ def draw(timelines: Sequence[Timeline], path: str) -> None:
         "freed",
         "failed",
     ]
-    names = [n for n in order if n in handles]
-    fig.legend(
-        [handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False
-    )
-    fig.tight_layout(rect=(0, 0, 0.81, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_with_legend(fig, handles, order, path)

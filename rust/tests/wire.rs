@@ -7,8 +7,8 @@ use kvferry::wire::rendezvous::{
 };
 use kvferry::wire::{
     decode, decode_header, encode, Agent, Announce, Cancel, Challenge, CudaTensor, Frame, Freed,
-    Geometry, Goodbye, Hello, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment, Staged,
-    HEADER_BYTES, MAX_FRAME_BYTES,
+    Geometry, Goodbye, Hello, Holder, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment,
+    Staged, HEADER_BYTES, MAX_FRAME_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -125,10 +125,16 @@ fn hello() -> impl Strategy<Value = Hello> {
                     segment_bytes: seg_bytes,
                     num_blocks: blocks,
                     block_dim,
+                    block_layout: "H8.N16.C256".to_string(),
                 };
                 let n = layers as usize;
                 let access = prop_oneof![
-                    segment().prop_map(|segment| PoolAccess::Shm { segment }),
+                    (segment(), any::<u32>(), any::<u32>(), any::<u64>()).prop_map(
+                        |(segment, pid, fd, inode)| PoolAccess::Shm {
+                            segment,
+                            holder: Holder { pid, fd, inode },
+                        }
+                    ),
                     (segment(), 1u64..1 << 20)
                         .prop_map(|(ring, capacity)| PoolAccess::Staging { ring, capacity }),
                     vec(cuda_tensor(), n).prop_map(|layers| PoolAccess::CudaIpc { layers }),
@@ -319,7 +325,7 @@ proptest! {
     #[test]
     fn a_header_is_refused_unless_magic_version_and_type_are_known(header in vec(any::<u8>(), HEADER_BYTES)) {
         if decode_header(&header, MAX_FRAME_BYTES).is_ok() {
-            prop_assert_eq!(&header[..6], b"KVFW\x01\x00");
+            prop_assert_eq!(&header[..6], b"KVFW\x02\x00");
         }
     }
 }

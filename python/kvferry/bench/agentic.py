@@ -34,6 +34,7 @@ from kvferry.notice import Notice
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.sender import TransferRecord
+from kvferry.trace import save_with_legend
 
 __all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
 
@@ -497,26 +498,39 @@ def format_agentic(result: dict[str, Any]) -> str:
         f"{result['machine']}, {result['date']}: {turns_phrase(cfg)}, "
         f"{cfg['cached_tokens']}+ cached / {cfg['new_tokens']} new / {cfg['output_tokens']} output tokens, "
         f"{cfg['tokens_per_block']} tokens/block, transport {cfg['transport']}{link}",
-        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill ms':>10} {'prefix ms':>9} {'tail ms':>8} {'KV-ready ms':>11} "
+        f"{'mode':<9} {'turn':>4} {'req':>4} {'prompt':>7} {'reused':>7} {'prefill ms':>10} {'prefix ms':>9} "
+        f"{'tail ms':>8} {'KV-ready ms':>11} "
         f"{'ideal ms':>8} {'TTFT@gen ms':>11} {'early MiB':>9} {'after MiB':>9} {'layer MiB':>9}",
     ]
     for f in sorted(result["requests"], key=lambda f: (modes.index(f["mode"]), f["turn"], f["request_id"])):
         lines.append(
             f"{f['mode']:<9} {f['turn']:>4} {f['request_id']:>4} {f['prompt_len']:>7} {f['reused_len']:>7} "
-            f"{f['prefill_ms']:>10.1f} {f['prefix_transfer_ms']:>9.1f} {f['tail_transfer_ms']:>8.1f} {f['kv_ready_ms']:>11.1f} "
-            f"{f['ideal_kv_ready_ms']:>8.1f} {f['ttft_gen_ms']:>11.1f} {f['early_bytes'] / MIB:>9.1f} {f['after_bytes'] / MIB:>9.1f} {f['layer_bytes'] / MIB:>9.1f}"
+            f"{f['prefill_ms']:>10.1f} {f['prefix_transfer_ms']:>9.1f} {f['tail_transfer_ms']:>8.1f} "
+            f"{f['kv_ready_ms']:>11.1f} "
+            f"{f['ideal_kv_ready_ms']:>8.1f} {f['ttft_gen_ms']:>11.1f} {f['early_bytes'] / MIB:>9.1f} "
+            f"{f['after_bytes'] / MIB:>9.1f} {f['layer_bytes'] / MIB:>9.1f}"
         )
     b, e, i = result["baseline"], result["early"], result["ideal"]
     per_turn = ", ".join(f"{p['early_over_baseline']:.2f}" for p in result["turns"])
     lines += [
         "",
         f"KV-ready p50/p90 ms: baseline {b['kv_ready_ms_p50']:.1f}/{b['kv_ready_ms_p90']:.1f}, "
-        f"early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, early's ideal bound {i['kv_ready_ms_p50']:.1f}/{i['kv_ready_ms_p90']:.1f} "
+        f"early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, early's ideal bound "
+        f"{i['kv_ready_ms_p50']:.1f}/{i['kv_ready_ms_p90']:.1f} "
         f"(early/ideal {e['kv_ready_ms_p50'] / i['kv_ready_ms_p50']:.2f})",
-        f"early/baseline KV-ready {result['early_over_baseline']:.2f}: the median over {len(result['turns'])} measured turns ({per_turn})",
+        (
+            f"early/baseline KV-ready {result['early_over_baseline']:.2f}: the median over {len(result['turns'])} "
+            f"measured turns ({per_turn})"
+        ),
         f"TTFT at the generation worker p50 ms: baseline {b['ttft_gen_ms_p50']:.1f}, early {e['ttft_gen_ms_p50']:.1f}",
-        f"sent early {e['early_bytes'] / MIB:.1f} MiB, after prefill {e['after_bytes'] / MIB:.1f} MiB (baseline: all {b['after_bytes'] / MIB:.1f} MiB after)",
-        f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; outputs match aggregated: {result['outputs_match']}",
+        (
+            f"sent early {e['early_bytes'] / MIB:.1f} MiB, after prefill {e['after_bytes'] / MIB:.1f} MiB "
+            f"(baseline: all {b['after_bytes'] / MIB:.1f} MiB after)"
+        ),
+        (
+            f"hidden fraction {result['hidden_fraction']:.2f}; duplicate blocks {result['duplicate_blocks']}; "
+            f"outputs match aggregated: {result['outputs_match']}"
+        ),
     ]
     if result.get("tcp_link_gbps"):
         lines.append(f"link: one raw TCP stream to the generation worker {result['tcp_link_gbps']:.3f} GB/s (same run)")
@@ -524,18 +538,25 @@ def format_agentic(result: dict[str, Any]) -> str:
         w = result["aware"]
         lines.insert(
             -1,
-            f"with receiver prefix awareness: KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms, "
-            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / MIB:.1f} MiB early + {w['after_bytes'] / MIB:.1f} MiB after prefill",
+            "with receiver prefix awareness: KV-ready p50/p90 "
+            f"{w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms, "
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms, sent {w['early_bytes'] / MIB:.1f} MiB early + "
+            f"{w['after_bytes'] / MIB:.1f} MiB after prefill",
         )
     if "layerwise" in result:
         w = result["layerwise"]
         lines.insert(
             -1,
-            f"layer-wise ({w['layer_groups']} layer groups): KV-ready p50/p90 {w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms "
-            f"(early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, layer-wise/early {w['kv_ready_ms_p50'] / e['kv_ready_ms_p50']:.2f}), "
-            f"its ideal bound {w['ideal_kv_ready_ms_p50']:.1f}/{w['ideal_kv_ready_ms_p90']:.1f}; post-prefill tail p50/p90 "
-            f"{w['tail_transfer_ms_p50']:.1f}/{w['tail_transfer_ms_p90']:.1f} ms (early {e['tail_transfer_ms_p50']:.1f}/{e['tail_transfer_ms_p90']:.1f}); "
-            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms; sent {w['early_bytes'] / MIB:.1f} MiB early + {w['layer_bytes'] / MIB:.1f} MiB in layer slices "
+            f"layer-wise ({w['layer_groups']} layer groups): KV-ready p50/p90 "
+            f"{w['kv_ready_ms_p50']:.1f}/{w['kv_ready_ms_p90']:.1f} ms "
+            f"(early {e['kv_ready_ms_p50']:.1f}/{e['kv_ready_ms_p90']:.1f}, layer-wise/early "
+            f"{w['kv_ready_ms_p50'] / e['kv_ready_ms_p50']:.2f}), "
+            f"its ideal bound {w['ideal_kv_ready_ms_p50']:.1f}/{w['ideal_kv_ready_ms_p90']:.1f}; post-prefill "
+            "tail p50/p90 "
+            f"{w['tail_transfer_ms_p50']:.1f}/{w['tail_transfer_ms_p90']:.1f} ms (early "
+            f"{e['tail_transfer_ms_p50']:.1f}/{e['tail_transfer_ms_p90']:.1f}); "
+            f"TTFT@gen p50 {w['ttft_gen_ms_p50']:.1f} ms; sent {w['early_bytes'] / MIB:.1f} MiB early + "
+            f"{w['layer_bytes'] / MIB:.1f} MiB in layer slices "
             f"+ {w['after_bytes'] / MIB:.1f} MiB after the forward; hidden fraction {w['hidden_fraction']:.2f}",
         )
     if result.get("kv_mismatch_blocks") is not None:
@@ -551,14 +572,18 @@ def format_agentic(result: dict[str, Any]) -> str:
     load = result["load"]
     if load["busy"]:
         lines.append(
-            f"WARNING: the machine was too busy for these figures to mean anything: each turn's prefill, the same computation "
+            "WARNING: the machine was too busy for these figures to mean anything: each turn's prefill, the "
+            "same computation "
             f"in every mode, took a median {load['prefill_spread']:.2f}x longer in one mode than in another (up to "
-            f"{load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x something else took the cores); rerun on an idle machine"
+            f"{load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x "
+            "something else took the cores); rerun on an idle machine"
         )
     else:
         lines.append(
-            f"load: the modes' prefill of a turn, the same computation, agreed within a median {load['prefill_spread']:.2f}x "
-            f"(worst {load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x the figures would not mean anything)"
+            "load: the modes' prefill of a turn, the same computation, agreed within a median "
+            f"{load['prefill_spread']:.2f}x "
+            f"(worst {load['worst_spread']:.2f}x in turn {load['worst_turn']}; above {load['threshold']:.2f}x "
+            "the figures would not mean anything)"
         )
     return "\n".join(lines)
 
@@ -601,13 +626,7 @@ def draw_timeline(result: dict[str, Any], path: str) -> None:
         )
     axes[-1, 0].set_xlabel(f"ms since turn {last}'s requests were admitted")
     order = ["prefill", "early transfer", "chunk transfer", "layer transfer", "KV ready", "decode starts"]
-    names = [n for n in order if n in handles]
-    fig.legend(
-        [handles[n] for n in names], names, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False
-    )
-    fig.tight_layout(rect=(0, 0, 0.81, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_with_legend(fig, handles, order, path)
 
 
 progress_to_stderr = stderr_progress("bench agentic")

@@ -213,7 +213,7 @@ def _remote_receiver_main(
             receiver,
             authkey=authkey,
             address=listen,
-            **({"shared": pool.shared} if pool.shared is not None else {}),
+            **pool.serve_options,
         )
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
@@ -363,22 +363,32 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous copy, bytes copied per second)",
+        (
+            f"{result['machine']}, {result['date']}: ceiling {result['ceiling_gbps']:.1f} GB/s (one contiguous "
+            "copy, bytes copied per second)"
+        ),
         f"{'transport':<12} {'blocks':>7} {'payload':>10} {'median':>10} {'GB/s':>8} {'of ceiling':>10}",
     ]
     if result.get("tcp_link_gbps"):
         lines.insert(
             1,
-            f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of every transport to another process here)",
+            (
+                f"link: one raw TCP stream to the receiver {result['tcp_link_gbps']:.3f} GB/s (the ceiling of "
+                "every transport to another process here)"
+            ),
         )
     if result.get("host_link_gbps"):
         lines.insert(
             1,
-            f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: {', '.join(HOST_LINK)})",
+            (
+                f"host link: pinned host-to-device copy {result['host_link_gbps']:.1f} GB/s (the ceiling of: "
+                f"{', '.join(HOST_LINK)})"
+            ),
         )
     for r in result["rows"]:
         lines.append(
-            f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB {r['seconds'] * 1e3:>7.2f} ms "
+            f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB "
+            f"{r['seconds'] * 1e3:>7.2f} ms "
             f"{r['gbps']:>8.2f} {100 * r['share_of_ceiling']:>9.0f}%"
         )
     return "\n".join(lines)

@@ -113,18 +113,21 @@ def run_fanout(cfg: FanoutConfig, progress: Callable[[str], None] = lambda s: No
 def format_fanout(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [
-        f"{result['machine']}, {result['date']}: {cfg['requests']} concurrent requests, {cfg['prefix_tokens']}-token shared prefix + "
+        f"{result['machine']}, {result['date']}: {cfg['requests']} concurrent requests, "
+        f"{cfg['prefix_tokens']}-token shared prefix + "
         f"{cfg['suffix_tokens']} own tokens, tpb {cfg['tokens_per_block']}, transport {cfg['transport']}",
         f"{'':<15} {'bytes on wire':>14} {'blocks sent':>12} {'KV-ready p50':>13} {'p90':>9} {'max':>9}",
     ]
     for mode in ("without_dedup", "with_dedup"):
         m = result[mode]
         lines.append(
-            f"{mode.replace('_', ' '):<15} {m['bytes_on_wire'] / 1e6:>11.1f} MB {m['blocks_sent']:>12} {m['kv_ready_ms_p50']:>10.1f} ms "
+            f"{mode.replace('_', ' '):<15} {m['bytes_on_wire'] / 1e6:>11.1f} MB {m['blocks_sent']:>12} "
+            f"{m['kv_ready_ms_p50']:>10.1f} ms "
             f"{m['kv_ready_ms_p90']:>6.1f} ms {m['kv_ready_ms_max']:>6.1f} ms"
         )
     lines.append(
-        f"dedup moves {100 * result['bytes_ratio']:.1f}% of the bytes; KV blocks differing between the workers: {result['kv_mismatch_blocks']}; "
+        f"dedup moves {100 * result['bytes_ratio']:.1f}% of the bytes; KV blocks differing between the "
+        f"workers: {result['kv_mismatch_blocks']}; "
         f"outputs match aggregated: {result['outputs_match']}"
     )
     return "\n".join(lines)

@@ -210,7 +210,10 @@ def run_tiers(cfg: TiersConfig, progress: Callable[[str], None] = lambda s: None
                 + (
                     " (warm-up)"
                     if not rep
-                    else f": direct {times['direct'][-1]:.1f} ms, onboard-then-send {times['onboard_then_send'][-1]:.1f} ms"
+                    else (
+                        f": direct {times['direct'][-1]:.1f} ms, onboard-then-send "
+                        f"{times['onboard_then_send'][-1]:.1f} ms"
+                    )
                 )
             )
     finally:
@@ -251,15 +254,20 @@ def format_tiers(result: dict[str, Any]) -> str:
     cfg = result["config"]
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     lines = [
-        f"{result['machine']}, {result['date']}: {cfg['blocks']}-block reused prefix ({mib(cfg['blocks'] * result['block_bytes'])}), "
-        f"{result['host_blocks']} blocks ({100 * cfg['host_fraction']:.0f}%) in the host tier, {cfg['layers']} layers x {cfg['block_kib']} KiB, "
+        f"{result['machine']}, {result['date']}: {cfg['blocks']}-block reused prefix "
+        f"({mib(cfg['blocks'] * result['block_bytes'])}), "
+        f"{result['host_blocks']} blocks ({100 * cfg['host_fraction']:.0f}%) in the host tier, {cfg['layers']} "
+        f"layers x {cfg['block_kib']} KiB, "
         f"transport {cfg['transport']}"
         + (
             f", link emulated at {cfg['link_gbps']} GB/s, host->device at {cfg['host_gbps'] or 'raw'} GB/s"
             if result["emulated"]
             else ""
         ),
-        f"{'mode':<18} {'KV-ready median':>16} {'reps (ms)':<40} {'link':>11} {'of it from host':>16} {'host->device':>13} {'bit exact':>9}",
+        (
+            f"{'mode':<18} {'KV-ready median':>16} {'reps (ms)':<40} {'link':>11} {'of it from host':>16} "
+            f"{'host->device':>13} {'bit exact':>9}"
+        ),
     ]
     for mode in MODES:
         m = result[mode]

@@ -202,7 +202,10 @@ def _reset_prefix_cache(decode: Any, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             used, _ = decode.kv_blocks()
             raise RuntimeError(
-                f"{decode.url}/reset_prefix_cache answered {answer} for {timeout_s:.0f} s ({used} KV blocks still held): the decode-cold turn would run warm"
+                (
+                    f"{decode.url}/reset_prefix_cache answered {answer} for {timeout_s:.0f} s ({used} KV blocks "
+                    "still held): the decode-cold turn would run warm"
+                )
             )
         time.sleep(0.05)  # polling the server until its last blocks are freed (no event to wait on)
 
@@ -283,9 +286,10 @@ def _run_case(
                 # KV-ready: from the client's send to the decode server holding the request's
                 # whole KV = when the proxy sent the decode leg + the decode server's wait.
                 decode_start = a.timing.get("decode-start", 0.0)
-                rows.append({"session": step.session, "turn": turn, "prompt_tokens": len(step.prompt), "start_s": start,
-                             "ttft_ms": 1e3 * a.ttft_s, "total_ms": 1e3 * a.total_s, "prefill_leg_ms": a.timing.get("prefill"),
-                             "decode_start_ms": decode_start, "kv_ready_ms": decode_start + 1e3 * queued, "equal": same})  # fmt: skip
+                rows.append({"session": step.session, "turn": turn, "prompt_tokens": len(step.prompt),
+                             "start_s": start, "ttft_ms": 1e3 * a.ttft_s, "total_ms": 1e3 * a.total_s,
+                             "prefill_leg_ms": a.timing.get("prefill"), "decode_start_ms": decode_start,
+                             "kv_ready_ms": decode_start + 1e3 * queued, "equal": same})  # fmt: skip
     # Connector metrics land when the transfer's last step is reported: the proxy has no
     # requests left in flight and the servers have stepped since.
     after = _read(bed, conf.connector)
@@ -311,7 +315,10 @@ def _run_case(
         "turns": rows,
     }
     progress(
-        f"{conf.name} {case}: TTFT p50 {out['ttft_ms_p50']:.0f} ms, link {link / n / 2**20:.1f} MiB/turn, outputs equal: {equal}"
+        (
+            f"{conf.name} {case}: TTFT p50 {out['ttft_ms_p50']:.0f} ms, link {link / n / 2**20:.1f} MiB/turn, "
+            f"outputs equal: {equal}"
+        )
     )
     return out
 
@@ -331,7 +338,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     )
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache for the decode-cold case (loopback only)
     progress(
-        f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV bytes/token; plain reference server"
+        (
+            f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV "
+            "bytes/token; plain reference server"
+        )
     )
     with testbed.single_server(model, work, engine) as plain:
         scripts = {case: _scripts(cfg, plain.url, case, progress) for case in CASES}
@@ -344,7 +354,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     }
     cross = cfg.decode_netns is not None
     result["placement"] = (
-        f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy at {cfg.prefill_host}"
+        (
+            f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy "
+            f"at {cfg.prefill_host}"
+        )
         if cross
         else "one host, loopback"
     )
@@ -354,8 +367,9 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
         progress(f"{conf.name}: starting a prefill and a decode server ({conf.note})")
         decode_engine = replace(engine, prefix_caching=conf.aware)
-        with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine, proxy_connector=conf.connector, env=env,
-                             prefill_host=cfg.prefill_host, decode_host=cfg.decode_host, decode_netns=cfg.decode_netns,
+        with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine,
+                             proxy_connector=conf.connector, env=env, prefill_host=cfg.prefill_host,
+                             decode_host=cfg.decode_host, decode_netns=cfg.decode_netns,
                              decode_engine=decode_engine) as bed:  # fmt: skip
             # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
             # first-transfer setup (NIXL's handshake) stay out of the figures.
@@ -382,8 +396,10 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
     cfg = result["config"]
     cross = cfg.get("decode_netns") is not None
     lines = [
-        f"kvferry bench vllm: {cfg['sessions']} sessions x {cfg['turns']} measured turns, {cfg['cached_tokens']} cached + "
-        f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['model']['layers']} layers, hidden {cfg['model']['hidden']} "
+        f"kvferry bench vllm: {cfg['sessions']} sessions x {cfg['turns']} measured turns, "
+        f"{cfg['cached_tokens']} cached + "
+        f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['model']['layers']} "
+        f"layers, hidden {cfg['model']['hidden']} "
         f"({result['kv_bytes_per_token']} KV bytes/token); {result['machine']}, {result['date']}",
         f"placement: {result.get('placement', 'one host, loopback')}",
     ]
@@ -392,8 +408,9 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
     for case in CASES:
         lines.append("")
         lines.append(f"[{case}]")
-        header = (f"{'configuration':<18} {'TTFT p50':>9} {'p90':>8} {'vs base':>8} {'vs nixl':>8} {'KV-ready p50':>12} {'p90':>8} "
-                  f"{'link/turn':>10} {'early/turn':>10} {'held/turn':>9}" + (f" {'veth/turn':>10}" if cross else "") + f" {'equal':>6}")  # fmt: skip
+        header = (f"{'configuration':<18} {'TTFT p50':>9} {'p90':>8} {'vs base':>8} {'vs nixl':>8} "
+                  f"{'KV-ready p50':>12} {'p90':>8} {'link/turn':>10} {'early/turn':>10} {'held/turn':>9}"
+                  + (f" {'veth/turn':>10}" if cross else "") + f" {'equal':>6}")  # fmt: skip
         lines.append(header)
         lines.append("-" * len(header))
         for name, c in result["configs"].items():
@@ -403,19 +420,30 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
             held = "-" if f["held_blocks_per_turn"] is None else f"{f['held_blocks_per_turn']:.0f}"
             wire = f" {f['wire_tx_bytes_per_turn'] / 2**20:>6.2f} MiB" if cross else ""
             lines.append(
-                f"{name:<18} {f['ttft_ms_p50']:>6.0f} ms {f['ttft_ms_p90']:>5.0f} ms {ratio:>8} {vs_nixl:>8} {f['kv_ready_ms_p50']:>9.0f} ms {f['kv_ready_ms_p90']:>5.0f} ms "
-                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB {held:>9}{wire} {str(f['outputs_equal']):>6}"
+                f"{name:<18} {f['ttft_ms_p50']:>6.0f} ms {f['ttft_ms_p90']:>5.0f} ms {ratio:>8} {vs_nixl:>8} "
+                f"{f['kv_ready_ms_p50']:>9.0f} ms {f['kv_ready_ms_p90']:>5.0f} ms "
+                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB "
+                f"{held:>9}{wire} {str(f['outputs_equal']):>6}"
             )
     lines.append("")
     lines.append(
-        "TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's (higher is faster);"
+        (
+            "TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's "
+            "(higher is faster);"
+        )
     )
     lines.append("vs nixl: this one's TTFT p50 over NixlConnector's (lower is faster).")
     lines.append(
-        "KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start + the decode server's queue time)."
+        (
+            "KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start "
+            "+ the decode server's queue time)."
+        )
     )
     lines.append(
-        "link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: blocks not sent, the decode server had them."
+        (
+            "link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: "
+            "blocks not sent, the decode server had them."
+        )
     )
     if cross:
         lines.append(
@@ -423,7 +451,10 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
         )
     lines.append("equal: every output equals the plain single server's, token for token.")
     lines.append(
-        "Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and kvferry-early, on in the other rows."
+        (
+            "Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and "
+            "kvferry-early, on in the other rows."
+        )
     )
     left = {n: c["kv_blocks_left"] for n, c in result["configs"].items() if any(c["kv_blocks_left"])}
     lines.append(f"KV blocks left allocated after each run: {left or 'none'}")

@@ -236,7 +236,10 @@ class RemoteGeneration:
         the network namespace the process runs in (a second host on one machine; None: this one)."""
         if not registry.check(transport, device=device).has_endpoint:
             raise ValueError(
-                f"invalid transport={transport!r}: the generation worker runs in another process; choose from {', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}"
+                (
+                    f"invalid transport={transport!r}: the generation worker runs in another process; choose from "
+                    f"{', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}"
+                )
             )
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -304,7 +307,7 @@ def _generation_main(
             receiver,
             authkey=authkey,
             address=listen,
-            **({"shared": pool.shared} if pool.shared is not None else {}),
+            **pool.serve_options,
         )
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)

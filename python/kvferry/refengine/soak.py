@@ -326,7 +326,7 @@ class Soak:
                 config.transport,
                 self.receiver,
                 authkey=self._authkey,
-                **({"shared": self._pool.shared} if self._pool.shared is not None else {}),
+                **self._pool.serve_options,
             )
             self._endpoint, self._url = served.endpoint, served.url
         fast = KVSender(self.ctx.pool, self._transport(), engine=ThreadCopyEngine())

@@ -95,7 +95,8 @@ def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
     if hello["kind"] != "cuda_ipc":
         raise TransferError(f"the receiver serves a {hello['kind']} pool, not CUDA IPC handles")
     layers = tuple(_open_layer(fields) for fields in hello["layers"])
-    pool = PagedKV(layers, hello["geometry"]["tokens_per_block"], hello["block_dim"])
+    geometry = hello["geometry"]
+    pool = PagedKV(layers, geometry["tokens_per_block"], hello["block_dim"], geometry["block_layout"])
     pool.check_compatible(hello["geometry"])
     return pool, lambda: None
 

@@ -90,6 +90,17 @@ def _mem_type(pool: PagedKV) -> str:
     return "VRAM" if pool.device.type == "cuda" else "DRAM"
 
 
+def _need_packed(pool: PagedKV, what: str) -> None:
+    """A peer addresses a NIXL pool's blocks from its geometry alone (`layer_descriptors`):
+    a pool whose blocks lie strided (an engine's block-outer layout) cannot be served."""
+    if not pool.packed:
+        raise InvalidArgumentError(
+            f"invalid {what}: its blocks lie at segment stride {pool.segment_stride} and block stride "
+            f"{pool.block_stride} bytes (a block-outer layout), which NIXL descriptors built from the "
+            "geometry cannot address; use the staging or cuda_ipc transport"
+        )
+
+
 def block_descriptors(pool: PagedKV) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer, segment, block), in that
     order: row ``(layer * segments + segment) * num_blocks + block``."""
@@ -221,6 +232,7 @@ class NixlEndpoint(LocalEndpoint):
 
     def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
         pool = receiver.pool
+        _need_packed(pool, "receiver")
         self.agent = _agent("rx")
         self._registered = self.agent.register_memory(list(pool.layers))
         hello = pool_hello(
@@ -497,6 +509,7 @@ class NixlTransport(Transport):
                 raise InvalidArgumentError(
                     f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)"
                 )
+        _need_packed(src, "src")  # before connecting: nothing to close
         # The socket stays open for its EOF: the cheapest sign that the receiver died.
         self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
@@ -557,7 +570,10 @@ class NixlTransport(Transport):
                 raise InvalidArgumentError("invalid pool: not the pool this NIXL transport registered as src")
             if src.host is not self._host_src:
                 raise InvalidArgumentError(
-                    "invalid host_pool: not registered with this NIXL transport: create it as NixlTransport(..., src=pool, host_src=host_pool)"
+                    (
+                        "invalid host_pool: not registered with this NIXL transport: create it as "
+                        "NixlTransport(..., src=pool, host_src=host_pool)"
+                    )
                 )
         elif src is not self._src:
             raise InvalidArgumentError("invalid src: not the pool this NIXL transport registered")

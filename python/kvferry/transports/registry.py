@@ -127,7 +127,10 @@ def check(
     if device is not None and device not in s.devices:
         fits = names(device=device, reach=reach)
         raise InvalidArgumentError(
-            f"invalid {argument}={name!r} for {device_argument}={device!r}: {name} serves {' and '.join(s.devices)} pools"
+            (
+                f"invalid {argument}={name!r} for {device_argument}={device!r}: {name} serves "
+                f"{' and '.join(s.devices)} pools"
+            )
             + (f"; for {device} pools choose from {', '.join(fits)}" if fits else "")
         )
     if reach is not None and s.reach < reach:
@@ -164,6 +167,12 @@ class ReceiverPool:
     def __init__(self, pool: PagedKV, shared: Any = None) -> None:
         self.pool = pool
         self.shared = shared
+
+    @property
+    def serve_options(self) -> dict[str, Any]:
+        """What `serve` needs to know of this pool: ``shared`` where it lives in shared memory
+        (``serve(name, receiver, authkey=k, **pool.serve_options)`` serves any transport's)."""
+        return {} if self.shared is None else {"shared": self.shared}
 
     def close(self) -> None:
         self.pool = None  # type: ignore[assignment]
@@ -261,7 +270,10 @@ def _serve_shm(receiver: KVReceiver, authkey: bytes, shared: Any = None, **optio
 
     if shared is None or shared.pool is not receiver.pool:
         raise InvalidArgumentError(
-            f"invalid shared={shared!r}: the shm endpoint serves the receiver's pool from shared memory; make it with receiver_pool('shm', ...) and pass its .shared"
+            (
+                f"invalid shared={shared!r}: the shm endpoint serves the receiver's pool from shared memory; make "
+                "it with receiver_pool('shm', ...) and pass its .shared"
+            )
         )
     return ShmEndpoint(
         receiver, shared, authkey=authkey, **_options("shm", options, "endpoint", ENDPOINT_OPTIONS + ("shared",))
@@ -302,7 +314,10 @@ def serve(name: str, receiver: KVReceiver, *, authkey: bytes, **options: Any) ->
     s = check(name, device=receiver.pool.device.type, device_argument="receiver.pool.device")
     if not s.has_endpoint:
         raise InvalidArgumentError(
-            f"invalid transport={name!r} for serve: {name} has no endpoint; hand the sender the receiver itself, connect({name!r}, receiver=...)"
+            (
+                f"invalid transport={name!r} for serve: {name} has no endpoint; hand the sender the receiver "
+                f"itself, connect({name!r}, receiver=...)"
+            )
         )
     if "address" in options:
         _check_reach(name, options["address"], "address")

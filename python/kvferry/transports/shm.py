@@ -7,10 +7,12 @@ as soon as that sender mapped it (`SharedPool.attach` with ``unlink=True``): fro
 the two mappings keep it, so the kernel frees it when both processes are gone, however they
 end (a SIGKILL of both process groups takes the receiver's resource tracker with it, which
 would otherwise have been the one to remove it). A pool many senders map over time (an
-`ShmEndpoint`'s) has no name either when the endpoint listens on a Unix socket: the endpoint
-removes it at once and passes each sender the segment's descriptor itself (``SCM_RIGHTS``,
-with the hello). Over ``tcp://`` (one host still) a descriptor cannot travel, so such a pool
-keeps its name while the receiver lives (docs/security.md).
+`ShmEndpoint`'s) loses its name when the endpoint starts: on a Unix socket the endpoint passes
+each sender the segment's descriptor itself (``SCM_RIGHTS``, with the hello); over ``tcp://``
+(one host still) a descriptor cannot travel, so the hello names where the receiver holds it
+(its pid, the descriptor's number, the segment's inode: a `Holder`) and the sender opens
+``/proc/<pid>/fd/<fd>``, checked to be that kvferry segment in /dev/shm. So nothing of an
+shm endpoint's is left in /dev/shm however both sides end.
 """
 
 from __future__ import annotations
@@ -198,20 +200,52 @@ class SharedPool:
 
 
 class ShmEndpoint(LocalEndpoint):
-    """Serves a shared pool's descriptor; see `LocalEndpoint`. On a Unix socket the pool's
-    name is removed at once and each sender gets the segment's descriptor with its hello
-    (see the module doc); over ``tcp://`` senders open it by name."""
+    """Serves a shared pool; see `LocalEndpoint`. The pool's name is removed at once; each
+    sender gets the segment's descriptor with its hello on a Unix socket (and uses it), and
+    where this process holds it, for a sender over ``tcp://`` (see the module doc)."""
 
     def __init__(self, receiver: KVReceiver, shared: SharedPool, *, authkey: bytes, **options: Any) -> None:
+        fd = shared.fileno()  # where this process holds the pool, for senders over tcp://
+        holder = {"pid": os.getpid(), "fd": fd, "inode": os.fstat(fd).st_ino}
         super().__init__(
-            receiver, pool_hello(receiver.pool, "shm", segment=shared.descriptor), authkey=authkey, **options
+            receiver,
+            pool_hello(receiver.pool, "shm", segment=shared.descriptor, holder=holder),
+            authkey=authkey,
+            **options,
         )
         self._shared = shared
-        if self._bound.scheme == "unix":
-            shared.remove_name()
+        shared.remove_name()
 
     def hello_fds(self) -> list[int]:
         return [self._shared.fileno()] if self._bound.scheme == "unix" else []
+
+
+def _open_held(holder: dict[str, Any], segment: dict[str, Any]) -> int:
+    """A descriptor of the nameless segment the receiver holds (`Holder`), opened through
+    /proc and checked to be that kvferry segment in /dev/shm (nothing else of the
+    receiver's, or of this process's, is ever mapped and written)."""
+    name = str(segment["name"])
+    path = f"/proc/{int(holder['pid'])}/fd/{int(holder['fd'])}"
+    if not SEGMENT_NAME.fullmatch(name):
+        raise TransferError(f"invalid segment name {name[:80]!r}: not one kvferry makes (kvferry- and 32 hex digits)")
+    try:
+        target = os.readlink(path)
+        if target != f"/dev/shm/{name} (deleted)":
+            raise TransferError(f"{path} is {target[:120]!r}, not the receiver's nameless segment {name}")
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as err:
+        raise TransferError(
+            f"cannot open the receiver's shared pool at {path}: {err.strerror or err}: an shm endpoint over "
+            "tcp:// needs its senders on its host, in its PID namespace, run by its user (else use unix:// "
+            "or the staging transport)"
+        ) from err
+    st = os.fstat(fd)
+    if st.st_ino != int(holder["inode"]) or st.st_dev != os.stat("/dev/shm").st_dev:
+        os.close(fd)
+        raise TransferError(
+            f"{path} is not the receiver's segment (inode {st.st_ino}, the hello says {holder['inode']})"
+        )
+    return fd
 
 
 def _open_shared(hello: dict[str, Any], fds: Sequence[int] = ()) -> tuple[PagedKV, Callable[[], None]]:
@@ -219,7 +253,16 @@ def _open_shared(hello: dict[str, Any], fds: Sequence[int] = ()) -> tuple[PagedK
         raise TransferError(f"the receiver serves a {hello['kind']} pool, not a shared-memory one")
     if len(fds) > 1:
         raise TransferError(f"the receiver passed {len(fds)} descriptors with its hello, a shared pool takes one")
-    shared = SharedPool.attach_fd(fds[0], hello["segment"]) if fds else SharedPool.attach(hello["segment"])
+    if fds:
+        shared = SharedPool.attach_fd(fds[0], hello["segment"])
+    elif hello["holder"]["pid"]:
+        fd = _open_held(hello["holder"], hello["segment"])
+        try:
+            shared = SharedPool.attach_fd(fd, hello["segment"])
+        finally:
+            os.close(fd)
+    else:
+        raise TransferError("the receiver's shm hello passed neither the segment's descriptor nor where it holds it")
     assert shared.pool is not None
     try:
         shared.pool.check_compatible(hello["geometry"])

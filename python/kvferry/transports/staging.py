@@ -88,13 +88,14 @@ class _Scratch:
             pool.dtype,
             pool.device,
             pool.tokens_per_block,
+            pool.block_layout,
         )
         scratch = self._pools.get(key)
         if scratch is None:
             shape = list(pool.shape)
             shape[pool.block_dim] = max(1, STAGE_CHUNK_BYTES // (pool.block_bytes * pool.num_layers))
             layers = tuple(torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers))
-            scratch = self._pools[key] = PagedKV(layers, pool.tokens_per_block, pool.block_dim)
+            scratch = self._pools[key] = pool.with_layers(layers)
         return scratch
 
 

@@ -218,7 +218,10 @@ def listen(
             )
     elif address.wildcard:
         raise InvalidArgumentError(
-            f"invalid address={address.url()!r}: a wildcard bind needs advertise= (the host name or IP address peers reach this endpoint by)"
+            (
+                f"invalid address={address.url()!r}: a wildcard bind needs advertise= (the host name or IP address "
+                "peers reach this endpoint by)"
+            )
         )
     sock = socket.socket(address.family, socket.SOCK_STREAM)
     try:

@@ -42,6 +42,9 @@ class ConnectorConfig:
     layer_groups: int = 1  # >1: the last chunk leaves layer group by layer group
     transfer_timeout_s: float = 120.0  # a decode request waits at most this for its blocks
     destination_timeout_s: float = 60.0  # a prefill request waits at most this for its destination
+    # How long a prefill request waits for its destination before it computes anyway (its
+    # blocks then wait, at most until destination_timeout_s); 0: compute at once.
+    admission_wait_s: float = 1.0
     fence_timeout_s: float = 10.0  # after giving up, how long the decode side waits for the fence
     staging_bytes: int = 64 << 20  # the staging ring's size
     authkey_file: Optional[str] = None  # a file holding the endpoints' key (else: the per-user default file)
@@ -84,6 +87,12 @@ class ConnectorConfig:
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be a positive integer"
                     )
+            elif name == "admission_wait_s":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                    raise InvalidArgumentError(
+                        f"invalid kv_connector_extra_config {name}={value!r}: must be a number of seconds >= 0"
+                    )
+                value = float(value)
             elif isinstance(default, float):
                 if (
                     isinstance(value, bool)
@@ -96,6 +105,11 @@ class ConnectorConfig:
                 value = float(value)
             values[name] = value
         config = cls(**values)
+        if config.admission_wait_s >= config.destination_timeout_s:
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config admission_wait_s={config.admission_wait_s!r}: must be less than"
+                f" destination_timeout_s ({config.destination_timeout_s!r}), past which the request fails"
+            )
         if config.transport not in TRANSPORTS:
             raise InvalidArgumentError(
                 f"invalid kv_connector_extra_config transport={config.transport!r}: choose from {', '.join(TRANSPORTS)}"

@@ -27,7 +27,9 @@ logger = logging.getLogger("kvferry.vllm")
 # once no sender is connected to it, no destination it was handed is still taken, and
 # ENDPOINT_GRACE_S passed since it was made (the time a prefill engine has to connect after
 # its lookup): prefill restarts (a new vLLM engine id each) and made-up sender names free
-# theirs, so only 64 engines connected at once can reach the bound.
+# theirs. An endpoint is made only for a lookup that took a destination, and at the bound the
+# oldest idle one (no connection, no destination taken) is closed at once, grace or not, so only
+# 64 engines connected or holding a destination at once can reach the bound.
 MAX_PREFILL_ENGINES = 64
 ENDPOINT_GRACE_S = 30.0
 
@@ -95,14 +97,23 @@ class DecodeWorker:
         return options
 
     def _endpoint_for(self, sender: str) -> str:
-        """The URL of prefill engine ``sender``'s endpoint (called on the rendezvous thread)."""
-        with self._endpoints_lock:
-            endpoint = self.endpoints.get(sender)
-            if endpoint is None:
+        """The URL of prefill engine ``sender``'s endpoint (called on the rendezvous thread,
+        once a lookup of ``sender`` took a destination). At the bound, the oldest endpoint
+        that no sender is connected to and that holds no taken destination is closed to make
+        room, grace or not: only MAX_PREFILL_ENGINES engines really sending can fill it."""
+        evicted: Optional[tuple[str, registry.Served]] = None
+        try:
+            with self._endpoints_lock:
+                endpoint = self.endpoints.get(sender)
+                if endpoint is not None:
+                    return endpoint.url
                 if len(self.endpoints) >= MAX_PREFILL_ENGINES:
-                    raise KvFerryError(
-                        f"already {len(self.endpoints)} prefill engines, the most this decode server serves"
-                    )
+                    evicted = self._idlest()
+                    if evicted is None:
+                        raise KvFerryError(
+                            f"already {len(self.endpoints)} prefill engines connected or holding a destination, "
+                            "the most this decode server serves"
+                        )
                 assert self.receiver is not None
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
                     endpoint = registry.serve(
@@ -111,7 +122,24 @@ class DecodeWorker:
                 self.endpoints[sender] = endpoint
                 self._made[sender] = time.monotonic()
                 logger.info("kvferry: endpoint %s for prefill engine %s", endpoint.url, sender)
-            return endpoint.url
+                return endpoint.url
+        finally:
+            if evicted is not None:
+                evicted[1].close()
+                logger.info("kvferry: closed the idle endpoint %s of prefill engine %s (room for %s)",
+                            evicted[1].url, evicted[0], sender)  # fmt: skip
+
+    def _idlest(self) -> Optional[tuple[str, registry.Served]]:
+        """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected
+        to and whose engine holds no destination, or returns ``None`` when there is none."""
+        assert self.rendezvous is not None
+        busy = self.rendezvous.takers()
+        for sender in sorted(self.endpoints, key=self._made.__getitem__):
+            served = self.endpoints[sender]
+            if sender not in busy and not served.endpoint.connected():
+                del self.endpoints[sender], self._made[sender]
+                return sender, served
+        return None
 
     def sweep(self, now: float) -> list[str]:
         """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);

@@ -42,6 +42,9 @@ class SendSpec:
     peer: str
     destination: dict[str, Any]
     timeout_s: float
+    # A late send: the request finished (its whole prompt computed) before its destination
+    # came; vLLM keeps its blocks until the worker reports finished_sending.
+    finished: bool = False
 
 
 @dataclass
@@ -66,6 +69,10 @@ class KvferryMetadata(KVConnectorMetadata):
     # Prefill requests vLLM preempted this step (their blocks are freed and may be
     # overwritten by this step's forward): their transfers are given up first.
     preempted: list[str] = field(default_factory=list)
+    # Finished prefill requests whose blocks waited for a destination that did not come:
+    # (req_id, transfer, why). The worker reports them finished_sending (vLLM frees the
+    # blocks) and how they ended.
+    releases: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 @dataclass

@@ -81,6 +81,7 @@ class PrefillWorker:
         self._chunks: list[Chunk] = []
         self._connecting: dict[str, Future[_Peer]] = {}  # by endpoint address
         self._bg = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill")
+        self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
 
     @property
     def pool(self) -> Any:
@@ -95,14 +96,24 @@ class PrefillWorker:
 
     def bind(self, meta: KvferryMetadata) -> None:
         self._adopt()
+        self._released.extend(meta.releases)
         for send in meta.sends:
             self._add_send(send)
-        self._chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].error is None]
-        for c in self._chunks:
+        chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].error is None]
+        self._chunks = []
+        for c in chunks:
             st = self._send[c.req_id]
             st.src_blocks = c.src_blocks
+            if st.spec.finished:
+                # A late send: its prompt was computed in earlier steps, so its one chunk is
+                # queued now (no forward of this step writes it); sent once it is added.
+                st.queued.append((c.start, c.end))
+                self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
+                st.forward_done = time.monotonic()
+            else:
+                self._chunks.append(c)
             if st.added:
-                self._issue(st)  # the early send leaves here, before the forward
+                self._issue(st)  # the early send (or a late send) leaves here, before the forward
 
     def save_layer(self, layer_name: str) -> None:
         if self.config.layer_groups == 1 or not self._chunks:
@@ -131,6 +142,10 @@ class PrefillWorker:
     def results(self, finished_req_ids: set[str]) -> set[str]:
         """This step's finished_sending."""
         sending: set[str] = set()
+        for rid, transfer, why in self._released:  # nothing was sent: vLLM may free the blocks
+            self.common.ended("prefill", transfer, rid, "failed", why)
+            sending.add(rid)
+        self._released = []
         for rid in finished_req_ids:
             if rid in self._send:
                 self._send[rid].finishing = True
@@ -205,6 +220,7 @@ class PrefillWorker:
         dest = spec.destination
         st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
         st.address = str(dest["endpoint"])
+        st.finishing = spec.finished  # a late send: vLLM finished the request already
         self._send[spec.req_id] = st
         self._start(st)
 

@@ -7,7 +7,9 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
             <-- lookup (T, wait_ms, S)
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
-                                    within the wait, no endpoint for S)
+                                    within the wait, no endpoint for S). None within the
+                                    wait also marks T abandoned: the prefill side gives it
+                                    up, so a decode request publishing it later fails at once
             <-- abandon (T, reason)   the prefill side gave up before its worker wrote
                                       anything of T (it sends no abandon after): the
                                       decode side frees T's blocks at once, no fence due
@@ -266,18 +268,13 @@ class Rendezvous:
                 del self._abandoned[next(iter(self._abandoned))]
 
     def _lookup(self, transfer: str, wait_ms: int, sender: str) -> bytes:
-        """The encoded answer to one lookup: its destination, or a refusal saying why."""
+        """The encoded answer to one lookup: its destination, or a refusal saying why. The
+        sender's endpoint is made (or found) only once a published destination was taken,
+        so a lookup naming a transfer that does not exist costs no endpoint."""
 
         def refused(why: str) -> bytes:
             return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
 
-        try:
-            endpoint = self._endpoint_for(sender)
-        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
-            reason = f"no endpoint for prefill engine {sender!r}: {err}"
-            with self._cond:  # nothing can reach its blocks: its decode request fails now, not at its timeout
-                self._abandoned[transfer] = reason
-            return refused(reason)
         wait = wait_ms / 1000
         deadline = time.monotonic() + wait
         with self._cond:
@@ -287,22 +284,37 @@ class Rendezvous:
                 if transfer in self._taken:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 if transfer in self._published:
-                    try:  # publish checked every other field: only the endpoint can be refused
-                        destination = Destination(**dict(self._published[transfer], endpoint=endpoint))
-                        answer = wire.encode(destination, RENDEZVOUS)
-                    except (InvalidArgumentError, TypeError) as err:
-                        reason = f"no usable endpoint for prefill engine {sender!r}: {err}"
-                        self._abandoned[transfer] = reason
-                        return refused(reason)
-                    del self._published[transfer]
+                    published = self._published.pop(transfer)
                     self._taken[transfer] = sender
-                    return answer
+                    break
                 if transfer in self._gone:
                     return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
-                    return refused(f"transfer {transfer!r}: no decode request expected it within {wait:g} s")
+                    why = f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
+                    if not self._closing:
+                        # The prefill side gives the transfer up with this answer: a decode
+                        # request that names it later fails at once, not at its own timeout.
+                        self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
+                    return refused(why)
                 self._cond.wait(left)
+        try:  # outside the lock: making an endpoint (a ring, a listener) must not hold up other lookups
+            endpoint = self._endpoint_for(sender)
+        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
+            return self._refuse_taken(transfer, sender, f"no endpoint for prefill engine {sender!r}: {err}")
+        try:  # publish checked every other field: only the endpoint can be refused
+            return wire.encode(Destination(**dict(published, endpoint=endpoint)), RENDEZVOUS)
+        except (InvalidArgumentError, TypeError) as err:
+            return self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+
+    def _refuse_taken(self, transfer: str, sender: str, reason: str) -> bytes:
+        """Gives back a destination ``sender`` took but cannot use: nothing can reach its
+        blocks, so its decode request fails now (abandoned), not at its timeout."""
+        with self._cond:
+            self._abandoned[transfer] = reason
+            if self._taken.get(transfer) == sender:
+                del self._taken[transfer]
+        return wire.encode(Refused(_clip(reason, MAX_ERROR_BYTES)), RENDEZVOUS)
 
     def close(self) -> None:
         with self._cond:

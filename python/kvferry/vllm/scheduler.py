@@ -6,9 +6,20 @@ decode request (op recv), prompt L, own prefix hit h (block aligned):
   update_state_after_alloc   -> RecvSpec(kv id, its block table, held) to the worker, which
                                 expects it and publishes the destination under T
 prefill request (op send), own prefix hit r:
-  get_num_new_matched_tokens -> None (wait) until the destination of T is looked up, then (0, sync)
-  build_connector_meta       -> SendSpec once (reused_len r), then a Chunk per scheduled step
+  get_num_new_matched_tokens -> None (wait) until the destination of T is looked up, then (0, sync);
+                                past admission_wait_s without one: (0, sync) anyway, the
+                                lookup goes on (off the engine thread) while the prompt computes
+  build_connector_meta       -> SendSpec once (reused_len r, or where the prompt's computation
+                                stood when its destination came), then a Chunk per scheduled step
   request_finished           -> delay the free until the worker reports finished_sending
+computed before its destination (the decode server had not admitted its request):
+  request_finished           -> delay the free; the blocks wait, at most until the lookup's
+                                own deadline (destination_timeout_s after the request arrived)
+  build_connector_meta       -> destination found: a late SendSpec (finished) + one Chunk
+                                [0, L) over the finished request's blocks; the worker sends it
+                                and reports finished_sending. None within the deadline: a
+                                release (the worker reports finished_sending at once, vLLM
+                                frees the blocks; the decode rendezvous marked T abandoned)
 ```
 A request whose parameters are refused is turned into a failed load: it asks to load its
 remaining tokens asynchronously, the worker reports that load failed, and vLLM finishes it
@@ -27,6 +38,7 @@ import logging
 import math
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -51,8 +63,23 @@ class _Lookup:
 
     done: threading.Event
     transfer: str
+    request: Any  # vLLM's Request (its prompt, to check the destination against)
+    params: RequestParams
+    started: float  # time.monotonic() of the request's first ask
     destination: Optional[dict[str, Any]] = None
     error: Optional[str] = None
+
+
+@dataclass
+class _Late:
+    """A prefill request that computed its whole prompt before its destination came (the
+    decode server had not admitted its request): vLLM keeps its blocks (request_finished
+    delayed their free) until the lookup ends; then one late send covers the prompt, or the
+    blocks are released."""
+
+    block_ids: list[int]
+    lookup: Optional[_Lookup]  # still looking
+    spec: Optional[SendSpec] = None  # the destination came, not sent yet
 
 
 @dataclass
@@ -83,8 +110,12 @@ class SchedulerSide:
         # never means two requests to a decode server's receiver across restarts.
         self._kv_ids = itertools.count((secrets.randbits(29) + 1) << 32)
         self._refused: dict[str, str] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, _Lookup] = {}  # prefill requests waiting (up to admission_wait_s) for a destination
+        # Prefill requests computing before their destination (their lookup goes on).
+        self._computing: dict[str, _Lookup] = {}
         self._sending: dict[str, _Sending] = {}
+        self._late: dict[str, _Late] = {}  # finished prefill requests whose blocks wait for a destination
+        self._lost: dict[str, str] = {}  # computing prefill requests whose lookup failed: why
         self._receiving: dict[str, str] = {}  # req_id -> transfer
         # Requests whose one load was handed to the worker (a RecvSpec, or a refusal reported
         # as a failed load). vLLM asks again for a request it preempted, or whose load failed
@@ -144,14 +175,21 @@ class SchedulerSide:
 
     def _destination(self, request: Any, params: RequestParams, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         rid = request.request_id
-        if rid in self._sending:
+        if rid in self._sending or rid in self._lost:
+            return 0, False
+        found = self._computing.get(rid)
+        if found is not None:  # preempted while it computed before its destination: computes again
+            if not found.done.is_set():
+                return 0, False
+            del self._computing[rid]
+            self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
             # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
             trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
-            found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer or "")
             assert params.peer is not None and params.transfer is not None
+            found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer, request, params, time.monotonic())
             args = (
                 found,
                 params.peer,
@@ -162,28 +200,46 @@ class SchedulerSide:
             )
             threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
-            return None, False  # vLLM asks again next step; the request waits for its destination
+            if time.monotonic() - found.started < self.config.admission_wait_s:
+                return None, False  # vLLM asks again next step; the request waits for its destination
+            # The decode server has not admitted its request yet (saturated, or its half is
+            # late): compute now rather than idle; the blocks wait for the destination instead.
+            self._computing[rid] = self._lookups.pop(rid)
+            logger.info(
+                "kvferry: prefill request %s (transfer %s): no destination within admission_wait_s=%s;"
+                " computing before it",
+                rid,
+                params.transfer,
+                self.config.admission_wait_s,
+            )
+            return 0, False
         del self._lookups[rid]
+        self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
+        return 0, False
+
+    def _send_spec(self, found: _Lookup, reused_len: int) -> SendSpec:
+        """The SendSpec of a finished lookup, its destination checked against the request
+        (refused: the decode side is told, off this thread, and the request fails);
+        `KvFerryError` says why."""
+        request, params = found.request, found.params
         if found.error is not None:
             raise TransferError(f"no destination for transfer {params.transfer!r}: {found.error}")
         assert found.destination is not None
         try:
             destination = _check_destination(found.destination, request, self.block_size, self.config.transport)
         except KvFerryError as err:
-            _tell_abandon(params, self._authkey, f"prefill request refused the destination: {err}")
+            why = f"prefill request refused the destination: {err}"
+            threading.Thread(target=_tell_abandon, args=(params, self._authkey, why), daemon=True).start()
             raise
-        timeout = params.timeout_s or self.config.transfer_timeout_s
-        spec = SendSpec(
-            rid,
+        return SendSpec(
+            request.request_id,
             params.transfer or "",
             request.num_prompt_tokens,
-            num_computed_tokens,
+            reused_len,
             params.peer or "",
             destination,
-            timeout,
+            params.timeout_s or self.config.transfer_timeout_s,
         )
-        self._sending[rid] = _Sending(spec)
-        return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -220,6 +276,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
         meta, self._meta = self._meta, KvferryMetadata()
+        self._destinations_arrived(meta)
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._sending and self._sending[rid].emitted:
                 meta.preempted.append(rid)
@@ -243,6 +300,37 @@ class SchedulerSide:
                 meta.chunks.append(Chunk(rid, start, end, list(table)))
         return meta
 
+    def _destinations_arrived(self, meta: KvferryMetadata) -> None:
+        """The lookups of requests computing without a destination that ended since the last
+        step: a running request gets its SendSpec (emitted at its next scheduled chunk, with
+        ``reused_len`` where its computation stands then); a finished one a late send of its
+        whole prompt, or, with no destination, a release of its blocks."""
+        for rid, found in list(self._computing.items()):
+            if found.done.is_set():
+                del self._computing[rid]
+                try:
+                    self._sending[rid] = _Sending(self._send_spec(found, 0))
+                except KvFerryError as err:
+                    self._lost[rid] = str(err)
+                    logger.error("kvferry: prefill request %s (transfer %s): %s", rid, found.transfer, err)
+        for rid, late in list(self._late.items()):
+            if late.spec is None:
+                pending = late.lookup
+                assert pending is not None
+                if not pending.done.is_set():
+                    continue
+                try:
+                    late.spec = self._send_spec(pending, 0)
+                except KvFerryError as err:
+                    del self._late[rid]
+                    meta.releases.append((rid, pending.transfer, str(err)))
+                    continue
+            del self._late[rid]
+            spec = late.spec
+            spec.reused_len, spec.finished = 0, True
+            meta.sends.append(spec)
+            meta.chunks.append(Chunk(rid, 0, spec.prompt_len, late.block_ids))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
         self._loaded.discard(rid)
@@ -260,15 +348,31 @@ class SchedulerSide:
             return False, {"kvferry": self._status(params.transfer)}
         self._receiving.pop(rid, None)  # its blocks: vLLM delays their free while it waits for them
         lookup = self._lookups.pop(rid, None)
+        computing = self._computing.pop(rid, None)
         sending = self._sending.pop(rid, None)
+        lost = self._lost.pop(rid, None)
         if params is None or params.op != "send":
             return False, None
         answer = {"op": "send", "transfer": params.transfer}
         if sending is not None and sending.emitted:
             return True, {"kvferry": answer}  # freed once the worker reports finished_sending
+        computed = request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+        if computed and (sending is not None or computing is not None):
+            # Its whole prompt is computed, its destination not used yet: the blocks wait
+            # for it (build_connector_meta sends them late, or releases them).
+            self._late[rid] = _Late(list(block_ids), computing, None if sending is None else sending.spec)
+            return True, {"kvferry": answer}
+        if lost is not None:
+            answer["error"] = lost  # its lookup failed while it computed (recorded below)
+            assert params.transfer is not None
+            self.record([Outcome(params.transfer, "failed", lost)])
+            return False, {"kvferry": answer}
         # Never scheduled: nothing was sent; the decode side must not wait for it.
-        if lookup is not None or sending is not None:
-            reason = f"prefill request {rid} ended before its first chunk"
+        if lookup is not None or computing is not None or sending is not None:
+            if computing is not None:
+                reason = f"prefill request {rid} ended ({request.status.name.lower()}) before its destination came"
+            else:
+                reason = f"prefill request {rid} ended before its first chunk"
             threading.Thread(target=_tell_abandon, args=(params, self._authkey, reason), daemon=True).start()
             answer["error"] = reason
             assert params.transfer is not None
@@ -308,13 +412,15 @@ class SchedulerSide:
         active = (
             transfer in self._receiving.values()
             or any(s.spec.transfer == transfer for s in self._sending.values())
-            or any(found.transfer == transfer for found in self._lookups.values())
+            or any(found.transfer == transfer for found in [*self._lookups.values(), *self._computing.values()])
+            or any(late.spec is not None and late.spec.transfer == transfer for late in self._late.values())
+            or any(late.lookup is not None and late.lookup.transfer == transfer for late in self._late.values())
         )
         answer["state"] = "active" if active else "unknown"
         return answer
 
     def has_pending(self) -> bool:
-        return bool(self._lookups)
+        return bool(self._lookups or self._computing or self._late)
 
 
 def _named_transfer(params: Any) -> Optional[str]:

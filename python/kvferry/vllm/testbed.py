@@ -490,8 +490,8 @@ class Testbed:
         for i in range(self.decode_count):
             self.decodes.append(
                 start_server(f"decode{i}", self.model, self.workdir, kv_transfer_config=self.decode_config,
-                             engine=self.decode_engine or self.engine, cores=assign[self.prefill_count + i], env=self.env,
-                             host=self.decode_host, netns=self.decode_netns)
+                             engine=self.decode_engine or self.engine, cores=assign[self.prefill_count + i],
+                             env=self.env, host=self.decode_host, netns=self.decode_netns)
             )  # fmt: skip
         wait_ready(self.prefills + self.decodes)
         if self.proxy_connector is not None:

@@ -27,25 +27,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kvferry.errors import KvFerryError
-from kvferry.layout import PagedKV
+from kvferry.errors import InvalidArgumentError, KvFerryError
+from kvferry.layout import PagedKV, paged_kv_from_views
 from kvferry.trace import Tracer
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.metadata import KvferryWorkerMeta, Outcome
 from kvferry.vllm.stats import Tally
 
 logger = logging.getLogger("kvferry.vllm")
-
-
-def _writable(t: torch.Tensor) -> torch.Tensor:
-    """vLLM allocates its KV cache under ``torch.inference_mode``; kvferry's copy threads run
-    outside it, where an in-place write into an inference tensor is refused. On the CPU the
-    same memory is taken as a plain tensor (no copy)."""
-    if not t.is_inference():
-        return t
-    if t.device.type != "cpu":
-        raise KvFerryError(f"kvferry: KV cache on {t.device} is an inference tensor; this version handles CPU caches")
-    return torch.from_numpy(t.numpy())
 
 
 class WorkerCommon:
@@ -70,16 +59,17 @@ class WorkerCommon:
         self._fail_next: dict[str, tuple[Optional[str], str]] = {}  # req_id -> (transfer, reason)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
+        """vLLM 0.32 hands one ``[B, H, N, C]`` view per layer (blocks, KV heads or MLA's one
+        latent head, tokens, K|V content) of one allocation, in the physical order of its
+        resolved KVCacheLayout (docs/vllm.md, "KV cache layouts"): the pool reads them where
+        they lie (`paged_kv_from_views`: no copy; vLLM's inference tensors are taken as plain
+        aliases of the same memory, which kvferry's copy threads may write)."""
         names = sorted(kv_caches, key=layer_index)
-        tensors = tuple(_writable(kv_caches[n]) for n in names)
-        shape = tuple(tensors[0].shape)
-        # CPU: (blocks, heads, block_size, 2 * head_dim); CUDA: (2, blocks, ...).
-        block_dim = 0 if shape[0] == self.num_blocks else 1
-        if shape[block_dim] != self.num_blocks:
-            raise KvFerryError(
-                f"kvferry: KV cache tensors of shape {shape} have no dimension of {self.num_blocks} blocks"
-            )
-        self.pool = PagedKV(tensors, self.block_size, block_dim)
+        tensors = tuple(kv_caches[n] for n in names)
+        try:
+            self.pool = paged_kv_from_views(tensors, num_blocks=self.num_blocks, tokens_per_block=self.block_size)
+        except InvalidArgumentError as err:
+            raise KvFerryError(f"kvferry: cannot register vLLM's KV cache: {err}") from None
         self.layer_of = {n: i for i, n in enumerate(names)}
         if self.config.layer_groups > self.pool.num_layers:
             raise KvFerryError(

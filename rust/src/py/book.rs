@@ -79,46 +79,57 @@ const DETACH_REQUESTS: usize = 4096;
 /// tens of microseconds of work (a reused prefix is hundreds of blocks per request).
 const DETACH_REQUESTS_WITH_PAIRS: usize = 16;
 
-/// The arguments of a chunk-batch call (`plan_chunks`, `plan_layers`).
-struct ChunkBatch<'a, 'py> {
-    request_ids: &'a Bound<'py, PyAny>,
-    chunk_starts: &'a Bound<'py, PyAny>,
-    chunk_ends: &'a Bound<'py, PyAny>,
-    src_block_table: Option<&'a Bound<'py, PyAny>>,
-    dst_block_table: Option<&'a Bound<'py, PyAny>>,
-    src_blocks: Option<i64>,
-    dst_blocks: Option<i64>,
+/// What checks a plan's block pairs against the call's tables and pools (`pairs_if`).
+type PairsCheck<'a> = dyn Fn(&SlicePlan) -> crate::Result<Option<BlockPairs>> + Sync + 'a;
+
+/// The part every planning call shares: borrows the block tables (both or neither), checks
+/// the pool sizes go with them, runs `plan` (the book's call, given the pairs check) with
+/// the GIL released for a large batch of `requests`, and hands the plan to Python.
+fn plan_batch(
+    py: Python<'_>,
+    requests: usize,
+    (src_block_table, dst_block_table): (Option<&Bound<'_, PyAny>>, Option<&Bound<'_, PyAny>>),
+    (src_blocks, dst_blocks): (Option<i64>, Option<i64>),
+    plan: impl Send + FnOnce(&PairsCheck<'_>) -> crate::Result<(SlicePlan, Option<BlockPairs>)>,
+) -> PyResult<PySlicePlan> {
+    let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
+    let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
+    let with_pairs = views.is_some();
+    let pools = Pools::new(src_blocks, dst_blocks, with_pairs)?;
+    let check = move |plan: &SlicePlan| pairs_if(plan, views, pools);
+    let run = || plan(&check);
+    let (plan, pairs) = if detach(requests, with_pairs) {
+        py.detach(run)
+    } else {
+        run()
+    }?;
+    PySlicePlan::new(py, plan, pairs)
 }
 
-impl ChunkBatch<'_, '_> {
-    /// Plans the batch: chunk slices, or the layer slices of `layer_group` when given.
-    fn plan(
-        &self,
-        py: Python<'_>,
-        book: &mut TransferBook,
-        layer_group: Option<i64>,
-    ) -> PyResult<PySlicePlan> {
-        let (ids, starts, ends) = (
-            i64_vec(self.request_ids, "request_ids")?,
-            i64_vec(self.chunk_starts, "chunk_starts")?,
-            i64_vec(self.chunk_ends, "chunk_ends")?,
-        );
-        let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
-        let tables = BorrowedTables::borrow_optional(self.src_block_table, self.dst_block_table)?;
-        let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
-        let pools = Pools::new(self.src_blocks, self.dst_blocks, views.is_some())?;
-        let check = |plan: &SlicePlan| pairs_if(plan, views, pools);
-        let mut run = || match layer_group {
-            None => book.plan_chunks_then(ids, starts, ends, check),
-            Some(group) => book.plan_layers_then(ids, starts, ends, group, check),
-        };
-        let (plan, pairs) = if detach(ids.len(), views.is_some()) {
-            py.detach(run)
-        } else {
-            run()
-        }?;
-        PySlicePlan::new(py, plan, pairs)
-    }
+/// A chunk-batch call (`plan_chunks`, `plan_layers`): the chunk slices of `chunks`
+/// (request ids, starts, ends), or the layer slices of `layer_group` when given.
+fn plan_chunk_batch(
+    py: Python<'_>,
+    book: &mut TransferBook,
+    (request_ids, chunk_starts, chunk_ends): (
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+    ),
+    layer_group: Option<i64>,
+    tables: (Option<&Bound<'_, PyAny>>, Option<&Bound<'_, PyAny>>),
+    pools: (Option<i64>, Option<i64>),
+) -> PyResult<PySlicePlan> {
+    let (ids, starts, ends) = (
+        i64_vec(request_ids, "request_ids")?,
+        i64_vec(chunk_starts, "chunk_starts")?,
+        i64_vec(chunk_ends, "chunk_ends")?,
+    );
+    let (ids, starts, ends) = (slice(&ids)?, slice(&starts)?, slice(&ends)?);
+    plan_batch(py, ids.len(), tables, pools, |check| match layer_group {
+        None => book.plan_chunks_then(ids, starts, ends, check),
+        Some(group) => book.plan_layers_then(ids, starts, ends, group, check),
+    })
 }
 
 /// The transfer ledgers of every live request of one worker, planned a batch at a time.
@@ -297,17 +308,14 @@ impl PyTransferBook {
         fence(|| {
             let ids = i64_vec(request_ids, "request_ids")?;
             let ids = slice(&ids)?;
-            let tables = BorrowedTables::borrow_optional(src_block_table, dst_block_table)?;
-            let views = tables.as_ref().map(BorrowedTables::views).transpose()?;
-            let pools = Pools::new(src_blocks, dst_blocks, views.is_some())?;
             let book = &mut self.0;
-            let mut run = || book.plan_early_then(ids, |plan| pairs_if(plan, views, pools));
-            let (plan, pairs) = if detach(ids.len(), views.is_some()) {
-                py.detach(run)
-            } else {
-                run()
-            }?;
-            PySlicePlan::new(py, plan, pairs)
+            plan_batch(
+                py,
+                ids.len(),
+                (src_block_table, dst_block_table),
+                (src_blocks, dst_blocks),
+                |check| book.plan_early_then(ids, check),
+            )
         })
     }
 
@@ -326,16 +334,9 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
         #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
-        let chunks = ChunkBatch {
-            request_ids,
-            chunk_starts,
-            chunk_ends,
-            src_block_table,
-            dst_block_table,
-            src_blocks,
-            dst_blocks,
-        };
-        fence(|| chunks.plan(py, &mut self.0, None))
+        let chunks = (request_ids, chunk_starts, chunk_ends);
+        let (tables, pools) = ((src_block_table, dst_block_table), (src_blocks, dst_blocks));
+        fence(|| plan_chunk_batch(py, &mut self.0, chunks, None, tables, pools))
     }
 
     /// Plans and claims the layer slices of one layer group for a batch of prefill chunks
@@ -357,16 +358,9 @@ impl PyTransferBook {
         #[pyo3(from_py_with = args::opt_src_blocks)] src_blocks: Option<i64>,
         #[pyo3(from_py_with = args::opt_dst_blocks)] dst_blocks: Option<i64>,
     ) -> PyResult<PySlicePlan> {
-        let chunks = ChunkBatch {
-            request_ids,
-            chunk_starts,
-            chunk_ends,
-            src_block_table,
-            dst_block_table,
-            src_blocks,
-            dst_blocks,
-        };
-        fence(|| chunks.plan(py, &mut self.0, Some(layer_group)))
+        let chunks = (request_ids, chunk_starts, chunk_ends);
+        let (tables, pools) = ((src_block_table, dst_block_table), (src_blocks, dst_blocks));
+        fence(|| plan_chunk_batch(py, &mut self.0, chunks, Some(layer_group), tables, pools))
     }
 
     fn __len__(&self) -> usize {

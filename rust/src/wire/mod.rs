@@ -56,7 +56,12 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 ///   then the rendezvous's lookup, destination, refused, abandon, abandoned (types 12-16),
 ///   added within version 1 as new types (no existing frame changed, and a peer that does
 ///   not know them refuses them as unknown types).
-pub const VERSION: u16 = 1;
+/// - 2: the shm hello carries a `Holder` (the receiver's pid, the segment's descriptor there and
+///   its inode) after its segment: over `tcp://` an shm endpoint's pool has no name either, and
+///   a sender on its host opens it through `/proc/<pid>/fd/<fd>`.
+///   Also in 2: the hello's geometry carries the pool's block layout (`block_layout`), so pools
+///   whose blocks order their elements differently are refused at the handshake.
+pub const VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// The largest body a frame may carry (a caller may set a lower limit per connection).

@@ -102,6 +102,20 @@ record! {
 }
 
 record! {
+    /// Where a sender on the receiver's host opens a shared pool that has no name:
+    /// `/proc/<pid>/fd/<fd>`, checked to be the segment of that inode. All zero: the
+    /// descriptor itself comes with the hello (`SCM_RIGHTS` on a Unix socket).
+    pub struct Holder {
+        /// The receiver's process id.
+        pid: u32 = u32(),
+        /// The segment's descriptor in that process.
+        fd: u32 = u32(),
+        /// The segment's inode (what the opened file must be).
+        inode: u64 = u64(),
+    }
+}
+
+record! {
     /// The fields torch shares a CUDA tensor's storage by (`_share_cuda_`) and the view on it.
     pub struct CudaTensor {
         /// The GPU.
@@ -148,6 +162,8 @@ record! {
         num_blocks: u64 = u64(),
         /// The layers' block dimension.
         block_dim: u32 = u32(),
+        /// The order of one block's elements (`PagedKV.block_layout`, e.g. `H8.N16.C256`).
+        block_layout: String = name(),
     }
 }
 
@@ -164,8 +180,8 @@ pub enum MemType {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[allow(missing_docs)]
 pub enum PoolAccess {
-    /// Maps the pool's segment and writes into it.
-    Shm { segment: Segment },
+    /// Maps the pool's segment (named, or held by the receiver: `holder`) and writes into it.
+    Shm { segment: Segment, holder: Holder },
     /// Writes into a staging ring of `capacity` blocks; the receiver copies into its pool.
     Staging { ring: Segment, capacity: u64 },
     /// Opens each layer from its CUDA IPC handle.
@@ -187,6 +203,7 @@ impl Record for PoolAccess {
         Ok(match r.u8("pool kind")? {
             0 => Self::Shm {
                 segment: r.record("segment")?,
+                holder: r.record("holder")?,
             },
             1 => Self::Staging {
                 ring: r.record("ring")?,
@@ -220,9 +237,10 @@ impl Record for PoolAccess {
 
     fn write(&self, w: &mut Writer) {
         match self {
-            Self::Shm { segment } => {
+            Self::Shm { segment, holder } => {
                 w.u8(&0);
                 w.record(segment);
+                w.record(holder);
             }
             Self::Staging { ring, capacity } => {
                 w.u8(&1);
@@ -360,7 +378,7 @@ impl Check for Hello {
         }
         check_name("dtype", &g.dtype)?;
         match &self.access {
-            PoolAccess::Shm { segment } => check_segment("segment", segment),
+            PoolAccess::Shm { segment, .. } => check_segment("segment", segment),
             PoolAccess::Staging { ring, capacity } => {
                 check_segment("ring", ring)?;
                 if *capacity == 0 {
@@ -522,7 +540,7 @@ impl Check for Staged {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{decode_header, HEADER_BYTES, MAX_FRAME_BYTES, MAX_REASON_BYTES};
+    use super::super::{decode_header, HEADER_BYTES, MAX_FRAME_BYTES, MAX_REASON_BYTES, VERSION};
     use super::*;
 
     fn notices_frame() -> Frame {
@@ -539,9 +557,13 @@ mod tests {
     fn header_fields_are_checked_in_order() {
         let mut bytes = encode(&notices_frame()).unwrap();
         assert!(decode(&bytes, MAX_FRAME_BYTES).is_ok());
-        bytes[4] = 2;
-        assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Err(WireError::Version(2)));
-        bytes[4] = 1;
+        let version = VERSION as u8;
+        bytes[4] = version + 1;
+        assert_eq!(
+            decode(&bytes, MAX_FRAME_BYTES),
+            Err(WireError::Version(VERSION + 1))
+        );
+        bytes[4] = version;
         bytes[6] = 99;
         assert_eq!(
             decode(&bytes, MAX_FRAME_BYTES),

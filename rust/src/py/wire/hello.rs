@@ -1,9 +1,9 @@
 //! The hello's Python form: one flat dict, as `kvferry.transports` builds and reads it.
 //!
 //! ```text
-//! {"geometry": {num_layers, tokens_per_block, dtype, segments, segment_bytes},
+//! {"geometry": {num_layers, tokens_per_block, dtype, segments, segment_bytes, block_layout},
 //!  "num_blocks", "block_dim", "kind": "shm" | "staging" | "cuda_ipc" | "nixl", and by kind:
-//!  shm: "segment" (a Segment dict); staging: "segment" (the ring), "capacity";
+//!  shm: "segment" (a Segment dict), "holder" (a Holder dict); staging: "segment" (the ring), "capacity";
 //!  cuda_ipc: "layers" (CudaTensor dicts); nixl: "agent_name", "agent_metadata" (bytes),
 //!  "mem_type" ("DRAM" | "VRAM"), "device", "bases"}
 //! ```
@@ -38,13 +38,15 @@ impl PyField for Hello {
         geometry.set_item("dtype", g.dtype)?;
         geometry.set_item("segments", g.segments)?;
         geometry.set_item("segment_bytes", g.segment_bytes)?;
+        geometry.set_item("block_layout", g.block_layout)?;
         d.set_item("geometry", geometry)?;
         d.set_item("num_blocks", g.num_blocks)?;
         d.set_item("block_dim", g.block_dim)?;
         match self.access {
-            PoolAccess::Shm { segment } => {
+            PoolAccess::Shm { segment, holder } => {
                 d.set_item("kind", "shm")?;
                 d.set_item("segment", segment.to_py(py)?)?;
+                d.set_item("holder", holder.to_py(py)?)?;
             }
             PoolAccess::Staging { ring, capacity } => {
                 d.set_item("kind", "staging")?;
@@ -91,11 +93,13 @@ impl PyField for Hello {
             segment_bytes: get(&geometry, "segment_bytes", "geometry")?,
             num_blocks: get(&d, "num_blocks", "hello")?,
             block_dim: get(&d, "block_dim", "hello")?,
+            block_layout: get(&geometry, "block_layout", "geometry")?,
         };
         let kind: String = get(&d, "kind", "hello")?;
         let access = match kind.as_str() {
             "shm" => PoolAccess::Shm {
                 segment: get(&d, "segment", "hello")?,
+                holder: get(&d, "holder", "hello")?,
             },
             "staging" => PoolAccess::Staging {
                 ring: get(&d, "segment", "hello")?,

@@ -160,35 +160,22 @@ fn int_error(name: &str, expected: &str, obj: &Bound<'_, PyAny>) -> PyErr {
     type_error(name, expected, kind_and_value(obj))
 }
 
-impl PyField for u8 {
-    fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-        Ok(self.into_pyobject(py)?.into_any())
-    }
-    fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
-        obj.extract()
-            .map_err(|_| int_error(name, "an int in [0, 255]", obj))
-    }
+/// The unsigned ints: `extract` refuses a value out of the type's range, and the
+/// error names the field and the range.
+macro_rules! unsigned_field {
+    ($($ty:ty => $range:literal),* $(,)?) => {$(
+        impl PyField for $ty {
+            fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+                Ok(self.into_pyobject(py)?.into_any())
+            }
+            fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
+                obj.extract().map_err(|_| int_error(name, $range, obj))
+            }
+        }
+    )*};
 }
 
-impl PyField for u32 {
-    fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-        Ok(self.into_pyobject(py)?.into_any())
-    }
-    fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
-        obj.extract()
-            .map_err(|_| int_error(name, "an int in [0, 2**32)", obj))
-    }
-}
-
-impl PyField for u64 {
-    fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-        Ok(self.into_pyobject(py)?.into_any())
-    }
-    fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
-        obj.extract()
-            .map_err(|_| int_error(name, "an int >= 0", obj))
-    }
-}
+unsigned_field!(u8 => "an int in [0, 255]", u32 => "an int in [0, 2**32)", u64 => "an int >= 0");
 
 impl PyField for i64 {
     fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
