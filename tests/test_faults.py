@@ -185,6 +185,9 @@ def context_worker(conn: Any, address: str, authkey: bytes, kind: str) -> None:
             conn.send("ok")
         elif command == "add":
             sender.add(*args[:2], reused_len=args[2])
+            # The announce leaves from the sender's announcer thread: on the wire before the
+            # reply, so a kill after it is a kill after the announce.
+            sender.flush(timeout=REPLY_SECONDS)
             conn.send("ok")
         elif command == "digest":
             conn.send(digest(src, args[0]))

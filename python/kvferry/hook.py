@@ -11,9 +11,12 @@ eligible request of the batch (context-only, not cancelled, first chunk, a compl
 block, pipelined transfer on); ``after_forward`` sends what each finished chunk completed.
 ``after_layer`` (layer-wise streaming, a sender with ``layer_groups > 1``) sends, during the
 last chunk's forward, each layer group's layers of the chunk's blocks as soon as the group's
-last layer wrote its K and V. None of them waits on earlier transfers: copies are queued, and
-each one's notices are posted once it landed (by the sender's announcer thread; with
-``KVSender(progress=False)`` by `poll`).
+last layer wrote its K and V. None of them waits on earlier transfers, on room in the
+transport or on the network: copies are queued (or kept in the sender's backlog while a
+staging ring is full), and each one's notices are posted once it landed (by the sender's
+announcer thread; with ``KVSender(progress=False)`` by `poll`). A `cancel` with
+``timeout=0`` revokes at once (its backlogged writes dropped) and raises only while a copy
+already running still reads the request's blocks.
 
 Leases: a request's source blocks belong to the transfer from `add_request` until `finish`
 or `cancel` returns (`leased` says so); the engine keeps its references to them (so that no

@@ -26,16 +26,18 @@ request's lease covers its blocks in either pool.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, Iterator, Mapping, NoReturn, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvferry._core import RequestSpec, SlicePlan, TransferBook, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
@@ -44,6 +46,7 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
 from kvferry.transports.base import Transport, TransportFull, Write, kept
+from kvferry.transports.inprocess import InProcessTransport
 
 __all__ = ["KVSender", "SenderStage", "TransferRecord"]
 
@@ -56,6 +59,12 @@ PEER_CHECK_SECONDS = 5e-3
 # How long losing the receiver waits for local copies still reading source blocks, when the
 # sender has no timeout of its own.
 LOST_PEER_WAIT_SECONDS = 5.0
+# Blocks a sender keeps waiting for room in its transport (the backlog: writes planned and
+# numbered, not yet handed to the transport) unless told otherwise; a send past it fails the
+# requests of its plan with an error naming the bound. A backlogged write holds only ids.
+BACKLOG_BLOCKS = 1 << 16
+# How long `close` waits for the backlog and the queued copies when the sender has no timeout.
+CLOSE_SECONDS = 30.0
 
 
 class _Tables(TypedDict):
@@ -121,6 +130,33 @@ class _Job:
     nbytes: int
 
 
+@dataclass
+class _Held:
+    """A write in the backlog: planned, its notices numbered, waiting for room in the
+    transport (no byte of it was read yet)."""
+
+    write: Write
+    queued_at: float
+    kind: str
+    nbytes: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.write.src_ids)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One network call into the transport, queued in the outbox: ``call(*args)``; a failure
+    loses the receiver, naming ``request_ids`` as unposted (unless ``quiet``: an abandon,
+    whose receiver holds nothing of ours once it is gone)."""
+
+    call: Any
+    args: tuple[Any, ...]
+    request_ids: tuple[int, ...] = ()
+    quiet: bool = False
+
+
 @dataclass(frozen=True)
 class TransferRecord:
     """One finished write, for benchmarks and timelines (``KVSender(record=True)``)."""
@@ -137,7 +173,23 @@ class KVSender:
     """Owned by the executor thread. ``send_*`` return at once with the notices they will
     post; each is posted once its copy finished (by the announcer thread, or by `poll` with
     ``progress=False``), in the order the copies were queued; a block can never leave twice,
-    because every slice is claimed in the book first."""
+    because every slice is claimed in the book first.
+
+    The executor's calls never wait on the network or on room in the transport:
+
+    ```
+    send_*  -> plan (book) -> write fits the transport? -- yes --> transport.write (a local copy queued)
+                                    | no (a full staging ring), or writes already wait
+                                    v
+                              backlog (in order, notices numbered) --> the announcer submits
+                                                                       each as room frees
+    notices, fences, announces --> outbox (in order) --> sent by the announcer alone
+    ```
+    Two locks: ``_lock`` guards the sender's state and is never held across network I/O;
+    ``_wire`` serialises every call into the transport (a socket is not shared between two
+    threads' reads) and is only ever *tried* by the executor's thread, which leaves the
+    write to the backlog (or skips the receiver check) when the announcer holds it. With
+    ``progress=False`` there is no announcer: the executor's own calls do that I/O."""
 
     def __init__(
         self,
@@ -151,6 +203,7 @@ class KVSender:
         progress: bool = True,
         layer_groups: int = 1,
         host_pool: Optional[PagedKV] = None,
+        backlog_blocks: int = BACKLOG_BLOCKS,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
@@ -164,8 +217,12 @@ class KVSender:
         separately (`send_layers`).
         ``host_pool``: the engine's host tier, a CPU pool of ``pool``'s block layout (pinned
         when ``pool`` is on CUDA); source ids from ``pool.num_blocks`` on name its blocks
-        (see the module doc), which are read from it directly."""
+        (see the module doc), which are read from it directly.
+        ``backlog_blocks``: how many blocks of planned writes may wait for room in the
+        transport (see the class doc); the timeout counts a backlogged write's wait too."""
         pool.check_compatible(transport.geometry())
+        if isinstance(backlog_blocks, bool) or not isinstance(backlog_blocks, (int, np.integer)) or backlog_blocks < 0:
+            raise InvalidArgumentError(f"invalid backlog_blocks={backlog_blocks!r}: must be an int >= 0")
         if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
             raise TypeError(f"layer_groups must be an int, got {type(layer_groups).__name__} {layer_groups!r}")
         if not 1 <= layer_groups <= pool.num_layers:
@@ -189,12 +246,26 @@ class KVSender:
         # One record per request (`_Request`); the rest below is the sender's, not a request's.
         self._requests: dict[int, _Request] = {}
         self._inflight: deque[_Job] = deque()  # the queue of writes, in the order they were queued
+        # Writes planned and numbered that the transport had no room for yet, oldest first;
+        # every write after one of them waits behind it (the transport sees them in order).
+        self._backlog: deque[_Held] = deque()
+        self._backlogged = 0  # blocks in the backlog
+        self.backlog_blocks = int(backlog_blocks)
+        # What goes to the receiver over the network (posts, abandons, fences, announces), in
+        # the order it was decided: `_send_outbox` sends it, holding ``_wire`` and not ``_lock``.
+        self._outbox: deque[_Op] = deque()
+        self._cuda = pool.device.type == "cuda"
+        # Both pools in this process: a post is a method call, which the executor's calls
+        # make themselves (as they always did) rather than wait for the announcer.
+        self._local_io = isinstance(transport, InProcessTransport)
         # The queue of fences: requests given up before their last notice, in the order they
         # were; each fence is posted once no unfinished copy touches its request.
         self._fences: dict[int, _Request] = {}
         self.records: Optional[list[TransferRecord]] = [] if record else None
         # The executor thread and the announcer thread share the queue of writes.
         self._lock = threading.RLock()
+        self._wire = threading.Lock()  # held by whoever calls into the transport (class doc)
+        self._changed = threading.Condition(self._lock)  # the announcer made progress
         # Errors found where they could not be raised (the announcer thread, a cancel that
         # posted other requests' writes): each raised by one of the executor's next polls or
         # flushes, oldest first.
@@ -215,18 +286,22 @@ class KVSender:
             weakref.finalize(self, self._wake.set)
             self._progress.start()
 
-    def _announce_step(self, next_check: float) -> tuple[bool, Optional[Pending], bool, float]:
+    def _announce_step(self, next_check: float) -> tuple[bool, Optional[Pending], bool, bool, float]:
         """One pass of the announcer (`_announcer`): asks the transport about the receiver
         (at most every ``PEER_CHECK_SECONDS``, while requests are registered or writes
-        queued), posts every finished write at the head of the queue, in order, under the
-        same lock as `poll`. Returns whether to stop, the oldest unfinished write, whether
-        anything is registered or queued, and when to check the receiver next."""
+        queued), moves every finished write at the head of the queue to the outbox, in
+        order, hands backlogged writes to the transport while it has room, times out a
+        backlogged write that waited past the sender's timeout, then sends the outbox
+        (after letting go of ``_lock``: a receiver that stops reading stalls this thread
+        only). Returns whether to stop, the oldest unfinished write, whether the backlog
+        waits for room with nothing in flight, whether anything is registered or queued,
+        and when to check the receiver next."""
         # The error is queued under the same hold of the lock that found it: a flush on the
         # executor thread that took the lock in between would find neither the write nor its
         # error, and return as if the write had landed.
         with self._lock:
             try:
-                watching = bool(self._inflight) or any(r.registered for r in self._requests.values())
+                watching = bool(self._inflight or self._backlog) or any(r.registered for r in self._requests.values())
                 if watching and time.monotonic() >= next_check:
                     # The receiver's cancellations are taken here too, so that a request it
                     # gave up on gets its fence without waiting for the executor.
@@ -234,13 +309,141 @@ class KVSender:
                     self._check_peer()
                 while self._inflight and self._inflight[0].pending.done():
                     self._finish(self._inflight.popleft())
-                return False, self._inflight[0].pending if self._inflight else None, watching, next_check
+                # Only tried, as on the executor's thread: a thread holding ``_wire`` may be
+                # waiting for ``_lock`` (a failed send losing the receiver).
+                starved = self._submit_backlog(block=False) and not self._inflight
+                self._time_out_backlog()
+                result = (False, self._inflight[0].pending if self._inflight else None, starved, watching, next_check)
             except TransferError as err:  # its requests are failed already; later writes still post
                 self._defer(err)
-                return self._lost is not None, None, True, next_check  # lost: nothing can be posted
+                # Lost: nothing can be posted; the thread stays while copies still read
+                # source blocks, to settle their requests when they end.
+                head = self._inflight[0].pending if self._inflight else None
+                result = (self._lost is not None and head is None, head, False, True, next_check)
             except BaseException as err:  # handed to the executor thread at its next call
                 self._defer(err)
-                return True, None, False, next_check
+                return True, None, False, False, next_check
+        self._send_outbox(raising=False)
+        with self._lock:
+            self._changed.notify_all()
+        return result
+
+    def _wait_for_room(self, timeout: float) -> bool:
+        """The announcer, with backlogged writes and none in flight: waits (holding
+        ``_wire`` only) until the transport's receiver released room or ``timeout`` passed;
+        returns whether it did."""
+        with self._wire:
+            try:
+                return self.transport.wait_for_room(timeout)
+            except TransferError as err:
+                with self._lock:
+                    ids = sorted({n.request_id for h in self._backlog for n in h.write.notices})
+                    self._defer(self._lose_peer(err, unposted=ids))
+                return True
+
+    def _announcing(self) -> bool:
+        """Whether the announcer thread runs (and so does the network I/O)."""
+        return self._progress is not None and self._progress.is_alive() and not self._closing.is_set()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """An executor call: under ``_lock``, then `_kick` (without raising a lost receiver
+        over an error already on its way out)."""
+        try:
+            with self._lock:
+                yield
+        except BaseException:
+            self._kick(raising=False)
+            raise
+        self._kick(raising=True)
+
+    def _kick(self, raising: bool) -> None:
+        """After an executor call queued something: the announcer sends it; with no
+        announcer (``progress=False``), or a transport that does no network I/O (in-process:
+        its posts are method calls), the caller sends the outbox itself."""
+        if self._announcing():
+            self._wake.set()  # it watches the receiver while requests are registered
+            if not self._local_io:
+                return
+        try:
+            self._send_outbox(raising=True)
+        except TransferError:
+            if raising:
+                raise
+
+    def _send_outbox(self, raising: bool) -> None:
+        """Sends the outbox in order: the one place that posts, abandons, fences and
+        announces. Holds ``_wire`` (and ``_lock`` only to pop, never across a send). A
+        failure loses the receiver: raised (``raising``, the executor's thread) or kept
+        for the executor's next call."""
+        with self._wire:
+            while self._outbox:
+                op = self._outbox.popleft()
+                try:
+                    op.call(*op.args)
+                except TransferError as err:
+                    if op.quiet:
+                        continue  # an abandon: the receiver holds nothing of ours any more
+                    with self._lock:
+                        self._outbox.clear()
+                        lost = self._lose_peer(err, unposted=op.request_ids)
+                        if not raising:
+                            self._defer(lost)
+                    if raising:
+                        raise lost from err
+                    return
+
+    def _submit(self, held: _Held) -> bool:
+        """Hands one write to the transport (the caller holds ``_wire``); False, changing
+        nothing, when it has no room."""
+        ids = sorted({n.request_id for n in held.write.notices})
+        try:
+            submitted = time.monotonic()
+            pending = self.transport.write(self.engine, held.write)
+        except TransportFull:
+            return False
+        except TransferError as err:  # its receiver is gone (the staging ring reading a closed socket)
+            raise self._lose_peer(err, unposted=ids) from err
+        self._inflight.append(_Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes))
+        self._wake.set()
+        return True
+
+    def _submit_backlog(self, block: bool) -> bool:
+        """Hands backlogged writes to the transport, oldest first, while it has room
+        (``block``: waits for ``_wire``; the executor's thread only tries it). Returns
+        whether writes still wait for room."""
+        if not self._backlog or self._lost is not None:
+            return False
+        if not self._wire.acquire(blocking=block):
+            return True
+        try:
+            while self._backlog:
+                if not self._submit(self._backlog[0]):
+                    return True
+                self._backlogged -= self._backlog.popleft().blocks
+            return False
+        finally:
+            self._wire.release()
+
+    def _time_out_backlog(self) -> None:
+        """Fails the requests of the oldest backlogged write once it waited for room past
+        the sender's timeout (nothing of it was read: it is dropped, and so are their other
+        backlogged writes). Raises the error (`TransferTimeoutError`)."""
+        if not self._backlog or self.timeout is None:
+            return
+        held = self._backlog[0]
+        age = time.monotonic() - held.queued_at
+        if age <= self.timeout:
+            return
+        ids = sorted({n.request_id for n in held.write.notices})
+        err = TransferTimeoutError(
+            f"write of requests {ids} waited {age:.3f} s for room in the transport (timeout {self.timeout} s;"
+            f" {self._backlogged} blocks backlogged): never started; the requests failed and were released"
+            f" (peer: {self._peer_name()})",
+            request_ids=ids,
+            peer=self._peer_name(),
+        )
+        raise self._fail(ids, err)
 
     def _defer(self, err: BaseException) -> None:
         # Each error is raised once, in the order found (a lost receiver is one error however
@@ -270,7 +473,7 @@ class KVSender:
         notice cannot be told from a fresh one). Its source blocks are leased from now on
         (`leased`). Nothing is registered if any argument is refused or the receiver is gone."""
         spec = request_spec(spec, fields)
-        with self._lock:
+        with self._call():
             self._check_peer()
             if self._lost is not None:
                 raise self._raising(self._lost)
@@ -281,20 +484,15 @@ class KVSender:
                     f"invalid request_id={request_id}: its previous transfer is not settled (copies still queued, or its failure not acknowledged)"
                 )
             self.book.add_spec(request_id, spec)  # with its held blocks, all or nothing
-            try:
-                self.transport.announce([(request_id, spec.epoch)])
-            except TransferError as err:  # the receiver is gone
-                self.book.remove(request_id)
-                raise self._lose_peer(err) from err
-            except BaseException:
-                self.book.remove(request_id)
-                raise
             self._requests[int(request_id)] = _Request(spec.epoch)
-            self._wake.set()  # the announcer watches for the receiver's cancellations now
+            # Sent before any of its notices (the outbox keeps order); a receiver lost by
+            # then fails the request with the others.
+            rid = int(request_id)
+            self._outbox.append(_Op(self.transport.announce, ([(rid, int(spec.epoch))],), (rid,)))
 
     def send_early(self, request_ids: IntArray, src_block_table: IntArray, dst_block_table: IntArray) -> list[Notice]:
         """Before the context forward: the complete reused blocks of the eligible requests."""
-        with self._lock:
+        with self._call():
             self._refuse_revoked(request_ids)
             return self._dispatch(
                 self.book.plan_early(request_ids, **self._tables(src_block_table, dst_block_table)), "early"
@@ -309,7 +507,7 @@ class KVSender:
         dst_block_table: IntArray,
     ) -> list[Notice]:
         """After a context forward: the blocks each finished chunk completed."""
-        with self._lock:
+        with self._call():
             self._refuse_revoked(request_ids)
             plan = self.book.plan_chunks(
                 request_ids, chunk_starts, chunk_ends, **self._tables(src_block_table, dst_block_table)
@@ -329,7 +527,7 @@ class KVSender:
         group's layers of the blocks each chunk ``[start, end)`` completes (layer-wise
         streaming, normally on the last chunk). Each block crosses once per group; the
         chunk's `send_chunks` afterwards sends only the blocks no group sent."""
-        with self._lock:
+        with self._call():
             self._refuse_revoked(request_ids)
             plan = self.book.plan_layers(
                 request_ids, chunk_starts, chunk_ends, group, **self._tables(src_block_table, dst_block_table)
@@ -443,57 +641,42 @@ class KVSender:
         nbytes: int,
         layers: Optional[tuple[int, int]],
     ) -> None:
-        pending, submitted = self._write(src_ids, dst_ids, notices, layers)
-        self._inflight.append(_Job(pending, tuple(notices), submitted, kind, nbytes))
-        self._wake.set()
-
-    def _write(
-        self, src_ids: np.ndarray, dst_ids: np.ndarray, notices: list[Notice], layers: Optional[tuple[int, int]]
-    ) -> tuple[Pending, float]:
-        """Queues a write; returns it and when it was handed to the transport (before: the
-        engine may start it at once, and a record must not show it starting before it was
-        submitted). A transport out of room gets the oldest writes posted (so its receiver
-        can release them) and is waited on, within the sender's timeout. A transport that
-        finds its receiver gone (the staging ring reading a closed socket) fails every
-        request here and now, this write's included."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        ids = sorted({n.request_id for n in notices})
+        """Hands a write to the transport when it has room and no earlier write waits (the
+        executor only tries ``_wire``: if the announcer holds it, the write waits its turn),
+        else appends it to the backlog, which the announcer submits in order as room frees.
+        Never waits. A backlog past ``backlog_blocks`` refuses the write (`TransferError`
+        naming the bound: `_dispatch` fails the requests of its plan)."""
         after = self._ordering.signals_for(src_ids)  # tier copies still writing what it reads
-        while True:
+        held = _Held(Write(self.source, src_ids, dst_ids, notices, after, layers), time.monotonic(), kind, nbytes)
+        if not self._backlog and self._wire.acquire(blocking=False):
             try:
-                submitted = time.monotonic()
-                return self.transport.write(
-                    self.engine, Write(self.source, src_ids, dst_ids, notices, after, layers)
-                ), submitted
-            except TransportFull as full:
-                left = 30.0 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(f"transport stayed full past the sender's timeout: {full}") from full
-                if self._inflight:
-                    job = self._inflight[0]
-                    if job.pending.wait(left):
-                        try:
-                            self._finish(self._inflight.popleft())
-                        except TransferError as err:  # that write's requests failed, not these
-                            if self._lost is not None:
-                                raise
-                            self._defer(err)
-                    continue
-                try:
-                    room = self.transport.wait_for_room(left)
-                except TransferError as err:
-                    raise self._lose_peer(err, unposted=ids) from err
-                if not room and deadline is None:
-                    raise TransferTimeoutError(f"transport full and nothing in flight to wait for: {full}") from full
-            except TransferError as err:
-                raise self._lose_peer(err, unposted=ids) from err
+                if self._submit(held):
+                    return
+            finally:
+                self._wire.release()
+        if self._backlogged + held.blocks > self.backlog_blocks:
+            raise TransferError(
+                f"the sender's backlog is full (backlog_blocks={self.backlog_blocks}): {self._backlogged} blocks"
+                f" wait for room in the transport, {held.blocks} more refused",
+                request_ids=sorted({n.request_id for n in notices}),
+                peer=self._peer_name(),
+            )
+        if self._cuda:
+            # Submitted later, from the announcer's thread: ordered after the work queued on
+            # this (the executor's) stream so far, the forward that produced the blocks.
+            event = torch.cuda.current_stream(self.pool.device).record_event()
+            held.write = dataclasses.replace(held.write, after=(*held.write.after, event))
+        self._backlog.append(held)
+        self._backlogged += held.blocks
+        self._wake.set()
 
     def poll(self) -> list[Notice]:
         """Posts the notices of every finished copy not posted yet, oldest first, and returns
         them (with the announcer on, usually none: it posted them already). Raises an error
         the announcer found (a failed write, the receiver's cancellation, a lost receiver),
-        and `TransferTimeoutError` when the oldest copy has run past the sender's timeout."""
-        with self._lock:
+        and `TransferTimeoutError` when the oldest copy has run past the sender's timeout, or
+        the oldest backlogged write waited for room past it (its requests then fail)."""
+        with self._call():
             return self._poll()
 
     def _poll(self) -> list[Notice]:
@@ -502,6 +685,8 @@ class KVSender:
         posted: list[Notice] = []
         while self._inflight and self._inflight[0].pending.done():
             posted.extend(self._finish(self._inflight.popleft()))
+        self._submit_backlog(block=False)
+        self._time_out_backlog()
         if self._inflight and self.timeout is not None:
             job = self._inflight[0]
             age = time.monotonic() - job.submitted_at
@@ -530,7 +715,8 @@ class KVSender:
         return posted
 
     def flush(self, timeout: Optional[float] = None) -> list[Notice]:
-        """Waits for every queued copy and posts its notices."""
+        """Waits for every backlogged write to be handed to the transport, every queued
+        copy to finish and its notices to be sent, within ``timeout`` seconds."""
         with self._lock:
             return self._flush(timeout)
 
@@ -539,18 +725,45 @@ class KVSender:
         self._raise_deferred_error()
         deadline = None if timeout is None else time.monotonic() + timeout
         posted: list[Notice] = []
-        while self._inflight:
+        while self._backlog or self._inflight or self._outbox:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            job = self._inflight[0]
-            if not job.pending.wait(left):
-                ids = sorted({n.request_id for n in job.notices})
-                raise TransferTimeoutError(
-                    f"copies for requests {ids} did not finish within {timeout} s (peer: {self._peer_name()})",
-                    request_ids=ids,
-                    peer=self._peer_name(),
-                )
-            posted.extend(self._finish(self._inflight.popleft()))
+            if left == 0.0:
+                self._raise_flush_timeout(timeout)
+            if self._announcing():  # it posts and submits: wait for its progress
+                self._wake.set()
+                self._changed.wait(PEER_CHECK_SECONDS if left is None else min(left, PEER_CHECK_SECONDS))
+                self._raise_deferred_error()
+                continue
+            starved = self._submit_backlog(block=True)
+            self._time_out_backlog()
+            if self._inflight:
+                job = self._inflight[0]
+                if not job.pending.wait(left):
+                    self._raise_flush_timeout(timeout)
+                posted.extend(self._finish(self._inflight.popleft()))
+            elif starved:
+                with self._wire:
+                    try:
+                        self.transport.wait_for_room(
+                            PEER_CHECK_SECONDS if left is None else min(left, PEER_CHECK_SECONDS)
+                        )
+                    except TransferError as err:
+                        ids = sorted({n.request_id for h in self._backlog for n in h.write.notices})
+                        raise self._lose_peer(err, unposted=ids) from err
+            self._send_outbox(raising=True)
         return posted
+
+    def _raise_flush_timeout(self, timeout: Optional[float]) -> NoReturn:
+        notices = (
+            self._inflight[0].notices if self._inflight else self._backlog[0].write.notices if self._backlog else ()
+        )
+        ids = sorted({n.request_id for n in notices})
+        raise TransferTimeoutError(
+            f"copies for requests {ids} did not finish within {timeout} s"
+            f" ({len(self._backlog)} writes backlogged; peer: {self._peer_name()})",
+            request_ids=ids,
+            peer=self._peer_name(),
+        )
 
     def _finish(self, job: _Job) -> tuple[Notice, ...]:
         ids = sorted({n.request_id for n in job.notices})
@@ -568,11 +781,11 @@ class KVSender:
                 peer=self._peer_name(),
             )
             raise self._fail(ids, err) from error
+        # Judged now, after the copy finished: a request revoked while its copy ran (a
+        # preemption whose forward overwrote the blocks it read) has its notices dropped,
+        # so the receiver never counts blocks read after the revoke.
         revoked = frozenset(rid for rid in ids if self._drops(rid))
-        try:
-            self.transport.post(job.notices, revoked)
-        except TransferError as err:  # the transport lost its receiver
-            raise self._lose_peer(err, unposted=ids) from err
+        self._outbox.append(_Op(self.transport.post, (job.notices, revoked), tuple(ids)))
         if self.records is not None:
             started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
             self.records.append(TransferRecord(job.kind, job.notices, job.nbytes, job.submitted_at, started, finished))
@@ -584,10 +797,12 @@ class KVSender:
         return notices
 
     def in_flight(self, request_id: int) -> bool:
-        """Whether a queued copy still carries blocks of the request (finished copies count
-        until their notices are posted)."""
+        """Whether a queued copy, or a backlogged write, still carries blocks of the request
+        (finished copies count until their notices are posted)."""
         with self._lock:
-            return any(n.request_id == request_id for job in self._inflight for n in job.notices)
+            return any(n.request_id == request_id for job in self._inflight for n in job.notices) or any(
+                n.request_id == request_id for held in self._backlog for n in held.write.notices
+            )
 
     def _reading(self, request_id: int) -> bool:
         """Whether a queued copy that carries the request's blocks has not finished."""
@@ -639,11 +854,18 @@ class KVSender:
         for, so one meant for an earlier request with the same id is ignored."""
         if self._lost is not None:
             return
+        # Only tried: while the announcer talks to the receiver (a send that may block on a
+        # receiver that stopped reading), it is the one that checks.
+        if not self._wire.acquire(blocking=False):
+            return
         try:
             self.transport.check_peer()
+            cancels = self.transport.cancel_requests()
         except TransferError as lost:
             raise self._lose_peer(lost) from lost
-        ids = [rid for rid, epoch in self.transport.cancel_requests() if epoch and self._sending_under(rid, epoch)]
+        finally:
+            self._wire.release()
+        ids = [rid for rid, epoch in cancels if epoch and self._sending_under(rid, epoch)]
         if ids:
             ids = sorted(set(ids))
             peer = self._peer_name()
@@ -653,6 +875,20 @@ class KVSender:
                 peer=peer,
             )
             self._defer(self._fail(ids, err))
+
+    def check_peer(self) -> None:
+        """Raises `TransferError` once the receiver is known to be gone (asking the transport
+        when no other thread is talking to it); never blocks on the network."""
+        with self._lock:
+            self._check_peer()
+            if self._lost is not None:
+                raise self._lost
+
+    @property
+    def backlogged(self) -> int:
+        """Blocks of planned writes waiting for room in the transport (see the class doc)."""
+        with self._lock:
+            return self._backlogged
 
     def _sending_under(self, request_id: int, epoch: int) -> bool:
         record = self._requests.get(request_id)
@@ -671,10 +907,8 @@ class KVSender:
                 continue
             del self._fences[request_id]
             self._tidy(request_id)
-            try:
-                self.transport.revoke(request_id, record.epoch)
-            except TransferError as err:
-                raise self._lose_peer(err) from err
+            # After every notice of the request in the outbox (sent in order).
+            self._outbox.append(_Op(self.transport.revoke, (request_id, record.epoch), (request_id,)))
 
     def _lose_peer(self, cause: TransferError, unposted: Sequence[int] = ()) -> TransferError:
         """The receiver is gone: every request fails (a sender has one receiver) except those
@@ -692,7 +926,8 @@ class KVSender:
         self._lost = TransferError(
             f"{cause}; requests {ids} failed and were released", request_ids=ids, peer=self._peer_name()
         )
-        self._fail(ids, self._lost)
+        self._fail(ids, self._lost)  # their backlogged writes (every one: all are in flight) dropped
+        self._outbox.clear()  # nothing can be sent any more
         deadline = time.monotonic() + (self.timeout if self.timeout is not None else LOST_PEER_WAIT_SECONDS)
         while self._inflight:
             job = self._inflight[0]
@@ -718,10 +953,34 @@ class KVSender:
     # that settle, cancel and remove share, `_tidy` forgets what has nothing left to do.
 
     def _to_revoked(self, request_id: int, record: _Request) -> None:
-        """SENDING -> REVOKED: nothing more is planned; its fence is due once its copies end."""
+        """SENDING -> REVOKED: nothing more is planned, its backlogged writes are dropped
+        (never started: they read nothing); its fence is due once its copies end."""
         self.book.cancel(request_id)
         record.stage = SenderStage.REVOKED
         self._fences[request_id] = record
+        self._unbacklog(request_id)
+
+    def _unbacklog(self, request_id: int) -> None:
+        """Takes a request's part out of every backlogged write (a write of several
+        requests keeps the others' blocks and notices, in order)."""
+        kept: deque[_Held] = deque()
+        for held in self._backlog:
+            write = held.write
+            mine = [n.request_id == request_id for n in write.notices]
+            if not any(mine):
+                kept.append(held)
+                continue
+            self._backlogged -= held.blocks
+            if all(mine):
+                continue
+            lengths = [n.end - n.start for n in write.notices]
+            keep = np.repeat(~np.array(mine), lengths)
+            rest = [n for n, m in zip(write.notices, mine) if not m]
+            nbytes = held.nbytes * int(keep.sum()) // held.blocks
+            write = dataclasses.replace(write, src_ids=write.src_ids[keep], dst_ids=write.dst_ids[keep], notices=rest)
+            kept.append(_Held(write, held.queued_at, held.kind, nbytes))
+            self._backlogged += kept[-1].blocks
+        self._backlog = kept
 
     def _leave_book(self, request_id: int, record: _Request) -> TransferLedger:
         """REVOKED or SENDING -> SETTLED (failed) or DRAINING: out of the book; returns its
@@ -764,10 +1023,7 @@ class KVSender:
         return job.pending.abort()
 
     def _abandon(self, job: _Job) -> None:
-        try:
-            self.transport.abandon(job.notices)
-        except TransferError:
-            pass  # the receiver is gone: it holds nothing of ours any more
+        self._outbox.append(_Op(self.transport.abandon, (job.notices,), quiet=True))
 
     def _drain(self) -> None:
         """Posts finished writes; their failures (and a lost receiver) are kept for the next
@@ -796,12 +1052,13 @@ class KVSender:
         return record.ledger
 
     def cancel(self, request_id: int, timeout: Optional[float] = 5.0) -> TransferLedger:
-        """Revokes a request: nothing more is planned or announced for it. Waits up to
+        """Revokes a request: nothing more is planned or announced for it, and its
+        backlogged writes are dropped at once (they never started). Waits up to
         ``timeout`` seconds for queued copies that read its blocks, then forgets it and
         returns its ledger; its source blocks are the caller's to free once this returns.
         If those copies outlive the wait, raises `TransferTimeoutError` and keeps the request
         revoked (call again before freeing the blocks)."""
-        with self._lock:
+        with self._call():
             return self._cancel(request_id, timeout)
 
     def _cancel(self, request_id: int, timeout: Optional[float]) -> TransferLedger:
@@ -840,7 +1097,7 @@ class KVSender:
         """Forgets a request whose copies have all finished (or that failed: acknowledges its
         failure); returns its ledger. A request removed before all its blocks were sent gets
         its fence: nothing more will come for it."""
-        with self._lock:
+        with self._call():
             return self._remove(request_id)
 
     def _remove(self, request_id: int) -> TransferLedger:
@@ -863,17 +1120,21 @@ class KVSender:
             self._progress.join(timeout=5)
         try:
             with self._lock:
-                if self._lost is None and self._inflight:
-                    self._flush(self.timeout)
+                if self._lost is None and (self._inflight or self._backlog or self._outbox):
+                    self._flush(self.timeout if self.timeout is not None else CLOSE_SECONDS)
                 elif self._lost is None:
                     self._raise_deferred_error()
         finally:
             with self._lock:
                 for job in self._inflight:
                     self._abort(job)  # must not run on into a closed transport
+                self._backlog.clear()  # never started: their requests get their fences below
+                self._backlogged = 0
             self.engine.close()  # waits for local copies: none reads or writes after this
             with self._lock:
                 self._fence_remaining()
+            with contextlib.suppress(TransferError):  # the receiver is gone: nothing to tell it
+                self._send_outbox(raising=True)
             self.transport.close()
 
     def _fence_remaining(self) -> None:
@@ -887,29 +1148,33 @@ class KVSender:
                 record.drops_notices or self.in_flight(request_id) or not self.book.is_complete(request_id)
             ):
                 self._fences.setdefault(request_id, record)
-        try:
-            self._post_fences()
-        except TransferError:
-            pass  # the receiver is gone: nothing to tell it
+        self._post_fences()
 
 
 def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, closing: threading.Event) -> None:
     """The sender's announcer thread: posts each write's notices as soon as the write
-    finished (`KVSender._announce_step`). It sleeps in the oldest write's `Pending.wait`
-    where the engine wakes it on completion (a CPU copy's future), else looks every
-    ``PROGRESS_SECONDS`` (a CUDA event has no timed wait); with no write queued it sleeps
-    until one is, waking every ``PEER_CHECK_SECONDS`` while requests are registered to take
-    the receiver's cancellations."""
+    finished, and submits backlogged writes as room frees (`KVSender._announce_step`). It
+    sleeps in the oldest write's `Pending.wait` where the engine wakes it on completion (a
+    CPU copy's future), else looks every ``PROGRESS_SECONDS`` (a CUDA event has no timed
+    wait); with only backlogged writes it waits for the receiver's frees; with no write
+    queued it sleeps until one is, waking every ``PEER_CHECK_SECONDS`` while requests are
+    registered to take the receiver's cancellations."""
     next_check = 0.0
     while not closing.is_set():
         wake.clear()  # before looking: a write queued after the look sets it again
         sender = ref()
         if sender is None:
             return
-        stop, head, watching, next_check = sender._announce_step(next_check)
-        del sender  # not kept alive while this thread sleeps
+        stop, head, starved, watching, next_check = sender._announce_step(next_check)
         if stop:
             return
+        # Backlogged writes, nothing in flight: the receiver's frees make room.
+        room = sender._wait_for_room(PEER_CHECK_SECONDS) if starved else False
+        del sender  # not kept alive while this thread sleeps
+        if starved:
+            if not room:  # a transport that cannot wait for room: look again shortly
+                wake.wait(PROGRESS_SECONDS)
+            continue
         if head is not None and head.wakes_on_done:
             head.wait(PEER_CHECK_SECONDS)
         elif head is not None:

@@ -61,6 +61,10 @@ class Transport(ABC):
     max_write_blocks: Optional[int] = None
     # Names the receiver in errors (a cross-process transport says which socket and pid).
     peer: str = "receiver"
+    # Whether a write's notices leave with the write itself (NIXL's notification) rather than
+    # by `post` after its copy finished: then revoking a request cannot drop the notices of a
+    # write already issued, and whoever overwrites its source blocks waits for that write.
+    carries_notices: bool = False
 
     def check_peer(self) -> None:
         """Raises `TransferError` naming the receiver once it is known to be gone; never

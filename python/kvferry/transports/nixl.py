@@ -491,6 +491,8 @@ class NixlTransport(Transport):
     if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
     and the receiver's."""
 
+    carries_notices = True  # the notification leaves with the write (`Transport.carries_notices`)
+
     def __init__(
         self,
         address: str,

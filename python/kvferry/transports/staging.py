@@ -11,7 +11,7 @@ when the connection ends; the sender's slot accounting is then the whole truth a
 ring, and two senders can never write the same slots. A ring lives in POSIX shared memory
 (kvferry.transports.shm) and is page-locked in both processes, so both copies run at PCIe
 speed. Slots are freed in order by the receiver once its host-to-device copy finished; a
-sender that finds its ring full waits (bounded) for frees. CPU pools work too (no
+sender that finds its ring full keeps the write in its backlog (`KVSender`) until frees come. CPU pools work too (no
 pinning): that is how CI exercises the protocol.
 
 The cost is memory per connection: ``capacity_blocks`` blocks of every layer for each
@@ -421,7 +421,8 @@ class StagingEndpoint(LocalEndpoint):
 class StagingTransport(LocalTransport):
     """The sender's side: copies blocks device-to-host into free ring slots on the copy
     engine's stream, then posts notices with their slots. A full ring raises
-    `TransportFull`; the sender then posts finished writes and waits for frees."""
+    `TransportFull`; the sender then keeps the write (and every later one) in its backlog,
+    which its announcer thread submits as frees come."""
 
     def __init__(
         self,

@@ -1,11 +1,22 @@
 """The prefill worker of `KvferryConnector` (kvferry.vllm.worker draws both roles): one
-kvferry `KVSender` per decode server it sends to, fed chunk by chunk from vLLM's steps."""
+kvferry `KVSender` per decode server it sends to, fed chunk by chunk from vLLM's steps.
+
+Every call here runs on vLLM's engine thread and returns without waiting on the network:
+connecting to a new decode endpoint, telling a decode server that a transfer was given up
+(``rendezvous.abandon``) and closing a dead peer's sender run on a small pool of background
+threads; the senders post notices and fences and wait for ring room on their own threads
+(`KVSender`). A request whose endpoint is still being connected to keeps its chunks
+(``_Send.queued``) and sends them, in order, once the connection is up; if it cannot be
+made, the request fails and its transfer is abandoned. A slow or dead decode server
+delays only the requests that go to it.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -22,6 +33,9 @@ from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.worker import WorkerCommon
 
 logger = logging.getLogger("kvferry.vllm")
+# Background threads of one prefill worker: connections to new decode endpoints, abandons,
+# closing the senders of dead peers (each bounded by the handshake's timeout).
+BACKGROUND_THREADS = 4
 
 
 @dataclass
@@ -40,7 +54,12 @@ class _Send:
     kv_id: int
     peer: Optional[_Peer]
     blocks: int
-    added: bool = False
+    address: str = ""  # its decode endpoint
+    added: bool = False  # registered with its peer's hook (its connection is up)
+    # Until then (the connection being made): its latest block table and the chunks whose
+    # forward ran, sent in order once it is added (`_start`).
+    src_blocks: Optional[list[int]] = None
+    queued: list[tuple[int, int]] = field(default_factory=list)
     early_done: bool = False
     finishing: bool = False
     error: Optional[str] = None
@@ -61,6 +80,8 @@ class PrefillWorker:
         self._dead: list[_Peer] = []
         self._send: dict[str, _Send] = {}
         self._chunks: list[Chunk] = []
+        self._connecting: dict[str, Future[_Peer]] = {}  # by endpoint address
+        self._bg = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill")
         self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
 
     @property
@@ -75,20 +96,25 @@ class PrefillWorker:
             self._preempted(rid)
 
     def bind(self, meta: KvferryMetadata) -> None:
+        self._adopt()
         self._released.extend(meta.releases)
         for send in meta.sends:
             self._add_send(send)
-        self._chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].added]
-        for c in self._chunks:
+        chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].error is None]
+        self._chunks = []
+        for c in chunks:
             st = self._send[c.req_id]
-            peer = st.peer
-            assert peer is not None
-            self._call(st, peer.hook.update_src_blocks, st.kv_id, c.src_blocks[: st.blocks])
-            if not st.early_done:
-                st.early_done = True
-                reused_blocks = st.spec.reused_len // self.block_size
-                self.trace.event("prefill", "early_issued", st.spec.transfer, c.req_id, blocks=reused_blocks)
-                self._call(st, peer.hook.before_forward, [st.kv_id])
+            st.src_blocks = c.src_blocks
+            if st.spec.finished:
+                # A late send: its prompt was computed in earlier steps, so its one chunk is
+                # queued now (no forward of this step writes it); sent once it is added.
+                st.queued.append((c.start, c.end))
+                self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
+                st.forward_done = time.monotonic()
+            else:
+                self._chunks.append(c)
+            if st.added:
+                self._issue(st)  # the early send (or a late send) leaves here, before the forward
 
     def save_layer(self, layer_name: str) -> None:
         if self.config.layer_groups == 1 or not self._chunks:
@@ -98,20 +124,22 @@ class PrefillWorker:
             return
         for c in self._chunks:
             st = self._send[c.req_id]
-            if c.end == st.spec.prompt_len and st.peer is not None:
+            if c.end == st.spec.prompt_len and st.added and st.peer is not None:
                 self._call(st, st.peer.hook.after_layer, [st.kv_id], [c.start], [c.end], layer)
 
     def after_forward(self) -> None:
         for c in self._chunks:
             st = self._send[c.req_id]
-            assert st.peer is not None
             self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
-            self._call(st, st.peer.hook.after_forward, [st.kv_id], [c.start], [c.end])
             if st.first_forward_done is None:
                 st.first_forward_done = time.monotonic()
+            st.queued.append((c.start, c.end))
+            if st.added:
+                self._issue(st)
             if c.end == st.spec.prompt_len:
                 st.forward_done = time.monotonic()
         self._chunks = []
+        self._adopt()
         self._poll_peers()
 
     def results(self, finished_req_ids: set[str]) -> set[str]:
@@ -124,6 +152,7 @@ class PrefillWorker:
         for rid in finished_req_ids:
             if rid in self._send:
                 self._send[rid].finishing = True
+        self._adopt()
         self._poll_peers()
         finishing = [st for st in self._send.values() if st.finishing]
         if finishing:
@@ -141,42 +170,81 @@ class PrefillWorker:
 
     # -- sends ---------------------------------------------------------------------------
 
-    def _peer(self, address: str) -> _Peer:
+    def _ready_peer(self, address: str) -> Optional[_Peer]:
+        """The live peer at ``address``, or None while a connection to it is being made
+        (started here, on a background thread, when there is none: never on this thread)."""
         peer = self._peers.get(address)
         if peer is not None and not peer.lost:
             try:
                 # The endpoint may have closed the connection since its last use (an idle
                 # place reclaimed for another sender, a restart): a new request gets a new one.
-                peer.sender.transport.check_peer()
+                peer.sender.check_peer()  # never blocks: what the sender knows, or a look
                 return peer
             except TransferError as err:
                 peer.lost = True
                 logger.info("kvferry: reconnecting to %s: %s", address, err)
                 self._dead.append(self._peers.pop(address))
+        if address not in self._connecting:
+            self._connecting[address] = self._bg.submit(self._connect, address)
+        return None
+
+    def _connect(self, address: str) -> _Peer:
+        """On a background thread: the connection (TCP or Unix connect, handshake, hello)
+        and its sender."""
         assert self.pool is not None
         with torch.inference_mode(False):  # its ring view is written by the copy thread
             transport = registry.connect(address, authkey=self.authkey, src=self.pool)
-        sender = KVSender(
-            self.pool,
-            transport,
-            pipelined=self.config.early,
-            timeout=self.config.transfer_timeout_s,
-            record=True,
-            progress=True,
-            layer_groups=self.config.layer_groups,
-        )
-        peer = self._peers[address] = _Peer(address, sender, TransferHook(sender))
-        return peer
+        try:
+            sender = KVSender(
+                self.pool,
+                transport,
+                pipelined=self.config.early,
+                timeout=self.config.transfer_timeout_s,
+                record=True,
+                progress=True,
+                layer_groups=self.config.layer_groups,
+            )
+        except BaseException:
+            transport.close()
+            raise
+        return _Peer(address, sender, TransferHook(sender))
+
+    def _adopt(self) -> None:
+        """Takes the connections made since the last call, then starts the sends that waited
+        for them; a connection that failed fails its waiting sends."""
+        for address, future in list(self._connecting.items()):
+            if not future.done():
+                continue
+            del self._connecting[address]
+            try:
+                self._peers[address] = future.result()
+            except Exception as err:
+                for st in self._send.values():
+                    if st.address == address and not st.added and st.error is None:
+                        self._give_up(st, f"cannot send to the decode server: {err}")
+        for st in list(self._send.values()):
+            if not st.added and st.error is None and st.address not in self._connecting:
+                self._start(st)
 
     def _add_send(self, spec: SendSpec) -> None:
         dest = spec.destination
         st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
+        st.address = str(dest["endpoint"])
         st.finishing = spec.finished  # a late send: vLLM finished the request already
         self._send[spec.req_id] = st
+        self._start(st)
+
+    def _start(self, st: _Send) -> None:
+        """Registers the send with its peer once the connection is up (else it waits,
+        keeping its chunks), then issues what its chunks so far call for."""
+        spec, dest = st.spec, st.spec.destination
         try:
-            st.peer = self._peer(str(dest["endpoint"]))
+            peer = self._ready_peer(st.address)
+            if peer is None:
+                return  # connecting: its sends wait until the connection is up
+            st.peer = peer
             held = [BlockRange(0, int(dest["held_blocks"]))] if dest["held_blocks"] else []
-            st.peer.hook.add_request(
+            peer.hook.add_request(
                 st.kv_id,
                 spec.prompt_len,
                 reused_len=spec.reused_len,
@@ -185,32 +253,75 @@ class PrefillWorker:
                 held=held,
                 epoch=int(dest["epoch"]),
             )
-            st.added = True
-            self.tally.add("held_blocks", int(dest["held_blocks"]))
-            self.trace.event("prefill", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
-                             reused=spec.reused_len, blocks=st.blocks, held=int(dest["held_blocks"]))  # fmt: skip
         except KvFerryError as err:
-            st.error = f"cannot send to the decode server: {err}"
-            logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, st.error)
-            try:
-                rendezvous.abandon(spec.peer, self.authkey, spec.transfer, st.error)
-            except KvFerryError as why:
-                logger.warning("kvferry: %s", why)
+            self._give_up(st, f"cannot send to the decode server: {err}")
+            return
+        st.added = True
+        self.tally.add("held_blocks", int(dest["held_blocks"]))
+        self.trace.event("prefill", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
+                         reused=spec.reused_len, blocks=st.blocks, held=int(dest["held_blocks"]))  # fmt: skip
+        self._issue(st)
+
+    def _issue(self, st: _Send) -> None:
+        """The one place that sends a request's blocks: its block table so far, then the
+        early send (once, before the first forward it is issued for; a send that waited
+        for its connection issues it late, still before the chunks), then each chunk whose
+        forward ran, in order. None of it waits (`KVSender`)."""
+        peer = st.peer
+        assert peer is not None and st.added
+        if st.src_blocks is not None:
+            self._call(st, peer.hook.update_src_blocks, st.kv_id, st.src_blocks[: st.blocks])
+            if not st.early_done:
+                st.early_done = True
+                reused_blocks = st.spec.reused_len // self.block_size
+                self.trace.event("prefill", "early_issued", st.spec.transfer, st.spec.req_id, blocks=reused_blocks)
+                self._call(st, peer.hook.before_forward, [st.kv_id])
+        for start, end in st.queued:
+            self._call(st, peer.hook.after_forward, [st.kv_id], [start], [end])
+        st.queued = []
+
+    def _give_up(self, st: _Send, reason: str) -> None:
+        """Fails a send before its worker wrote anything and tells the decode server (from
+        a background thread), which frees its blocks at once."""
+        st.error = reason
+        spec = st.spec
+        logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, reason)
+        self._bg.submit(self._abandon, spec.peer, spec.transfer, reason)
+
+    def _abandon(self, address: str, transfer: str, reason: str) -> None:
+        try:
+            rendezvous.abandon(address, self.authkey, transfer, reason)
+        except KvFerryError as why:
+            logger.warning("kvferry: %s", why)
 
     def _preempted(self, rid: str) -> None:
         """vLLM preempted a prefill request: its blocks are free and this step's forward may
         overwrite them. Its transfer is given up (the decode side is told and fails it), and
         this waits, before the forward, until no copy reads those blocks any more."""
         st = self._send.get(rid)
-        if st is None or not st.added or st.peer is None or st.error is not None:
+        if st is None or st.error is not None:
             return
-        st.error = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
+        reason = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
+        if not st.added or st.peer is None:  # still connecting: nothing was written
+            self._give_up(st, reason)
+            return
+        st.error = reason
         logger.error("kvferry: prefill request %s (transfer %s): %s", rid, st.spec.transfer, st.error)
+        # The revoke takes effect at once (local state): its backlogged writes are dropped,
+        # and every copy still queued or running has its notices dropped when it ends,
+        # judged after its copy into the ring (or the receiver's pool) finished, so no
+        # decode request completes with blocks read after this step's forward overwrote
+        # them; its fence follows those copies, and the decode side frees its blocks only
+        # then. So nothing is waited for, except with a transport whose writes carry their
+        # notices (NIXL: the notification leaves with the write, reading the blocks as it
+        # goes): there, the writes reading the blocks now, within fence_timeout_s.
+        carries = st.peer.sender.transport.carries_notices
         try:
-            st.peer.hook.cancel(st.kv_id, timeout=self.config.fence_timeout_s)
+            st.peer.hook.cancel(st.kv_id, timeout=self.config.fence_timeout_s if carries else 0.0)
         except TransferTimeoutError as err:
-            # Its decode request is revoked: the staging endpoint will not apply those writes.
-            logger.error("kvferry: %s", err)
+            # Revoked; its copies' notices are dropped; released by a later step's settle.
+            if carries:
+                logger.error("kvferry: %s", err)
         except UnknownRequestError:
             pass
 
@@ -243,7 +354,7 @@ class PrefillWorker:
                             err,
                         )
             try:
-                peer.sender.transport.check_peer()
+                peer.sender.check_peer()
             except TransferError as err:
                 if not peer.lost:
                     peer.lost = True
@@ -288,9 +399,9 @@ class PrefillWorker:
         """A finished prefill request: True once no write reads its blocks any more (vLLM
         may then free them)."""
         if not st.added or st.peer is None:
-            self.common.ended(
-                "prefill", st.spec.transfer, st.spec.req_id, "failed", st.error or "it never started sending"
-            )
+            if st.error is None:
+                return False  # its connection is being made (bounded by its handshake timeout)
+            self.common.ended("prefill", st.spec.transfer, st.spec.req_id, "failed", st.error)
             return True
         hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
         failure = failures.get(kv) if st.error is None else None
@@ -341,16 +452,21 @@ class PrefillWorker:
         for peer in list(self._dead):
             if id(peer) not in live:
                 self._dead.remove(peer)
-                try:
-                    peer.sender.close()
-                except Exception as err:  # the receiver is gone: nothing to tell it
-                    logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
+                self._bg.submit(self._close_sender, peer)  # joins its threads: not on this one
+
+    def _close_sender(self, peer: _Peer) -> None:
+        try:
+            peer.sender.close()
+        except Exception as err:  # the receiver is gone: nothing to tell it
+            logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
 
     def close(self) -> None:
+        self._bg.shutdown(wait=True)  # connections under way end (made or failed), abandons sent
+        for future in self._connecting.values():
+            if future.exception() is None:
+                self._dead.append(future.result())
+        self._connecting.clear()
         for peer in [*self._peers.values(), *self._dead]:
-            try:
-                peer.sender.close()
-            except Exception as err:
-                logger.debug("kvferry: closing the sender of %s: %r", peer.address, err)
+            self._close_sender(peer)
         self._peers.clear()
         self._dead.clear()
