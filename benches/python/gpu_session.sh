@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 if [ "${1:-tests}" = tests ]; then
   # Each test file with its own limit and a per-test timeout (pytest-timeout is in the image),
   # so one slow or hung test shows by name and the others still run.
-  for f in tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
-      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py; do
+  for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
+      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
