@@ -21,9 +21,11 @@ if [ "${1:-tests}" = tests ]; then
   done
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
-  { echo "== copy, staging, cuda-ipc"; bench --transport copy,staging,cuda-ipc --blocks 64,1024,4096; } 2>&1 | tee "$OUT/copy.txt"
-  for t in cuda-ipc staging; do
-    timeout 240 python3 -m kvferry.cli bench agentic --device cuda --transport $t --sessions 2 --cached 32768 \
+  if [ -n "${COPY:-}" ]; then
+    { echo "== copy, staging, cuda-ipc"; bench --transport copy,staging,cuda-ipc --blocks 64,1024,4096; } 2>&1 | tee "$OUT/copy.txt"
+  fi
+  for t in ${TRANSPORTS:-cuda-ipc staging}; do
+    timeout "${LIMIT:-240}" python3 -m kvferry.cli bench agentic --device cuda --transport $t --sessions 2 --cached 32768 \
       --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
       --vocab 1024 --json "$OUT/agentic-$t.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 | tee "$OUT/agentic-$t.txt"
   done
