@@ -24,7 +24,8 @@ BLOCK = 32
 def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Path) -> None:
     cfg = VllmBenchConfig(
         sessions=1, turns=1, cached_tokens=256, new_tokens=64, output_tokens=4, model=VLLM_TEST_MODEL,
-        layer_groups=2, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, configs=("kvferry-early", "kvferry-aware"), workdir=str(tmp_path),
+        layer_groups=2, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20,
+        configs=("kvferry-early", "kvferry-aware"), workdir=str(tmp_path),
     )  # fmt: skip
     progress: list[str] = []
     result = run_vllm_bench(cfg, progress=progress.append)

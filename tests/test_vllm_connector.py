@@ -553,8 +553,8 @@ def test_prefill_with_another_key_fails_its_request_and_keeps_serving(
         # vLLM gives a failed request no kv_transfer_params: the reason is in the engine's log.
         log = capfd.readouterr().err
         assert (
-            f"authentication failed with the decode server's rendezvous at {hello['peer']!r}: the two servers hold different keys"
-            in log
+            f"authentication failed with the decode server's rendezvous at {hello['peer']!r}: the two servers hold "
+            "different keys" in log
         ), log[-3000:]
         assert out["good"]["finish_reason"] == "length"
         no_blocks_used(stranger, decode)
@@ -758,7 +758,8 @@ def test_status_answers_from_a_bounded_record() -> None:
     bad = request("d2", {"op": "send", "transfer": "wrong-side", "peer": "/p"})
     assert side.get_num_new_matched_tokens(bad, 0) == (1, True)
     assert status("wrong-side") == {"op": "status", "transfer": "wrong-side", "state": "failed",
-                                    "error": "request refused: op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server"}  # fmt: skip
+                                    "error": "request refused: op 'send' on a kv_consumer server: send prefill "
+                                             "requests to a kv_producer (or kv_both) server"}  # fmt: skip
     side.record([Outcome("wrong-side", "done")])
     assert status("wrong-side")["state"] == "failed"
     side.record([Outcome(f"t{i}", "done") for i in range(scheduler.MAX_OUTCOMES)])

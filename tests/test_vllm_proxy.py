@@ -257,7 +257,8 @@ def test_failed_transfer_reason_reaches_the_client(servers: tuple[testbed.Server
             transfer = error["transfer"]
             assert error["leg"] == "prefill", error
             assert error["message"].startswith(
-                f"prefill server: transfer {transfer} failed: request refused: no destination for transfer {transfer!r}: "
+                f"prefill server: transfer {transfer} failed: request refused: no destination for transfer "
+                f"{transfer!r}: "
             ), error
             # The reason, without the internal address (the proxy logs it).
             assert "cannot reach the decode server's rendezvous at '<address>'" in error["message"], error
@@ -430,7 +431,8 @@ class _Stub:
         if op == "hello":
             self.hellos += 1
             return web.json_response({"choices": [], "kv_transfer_params": {"kvferry": {
-                "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}", "peer_mac": f"{self.port:064x}", "engine": "e1"}}})  # fmt: skip
+                "op": "hello", "role": "kv_consumer", "peer": f"/tmp/peer-{self.port}",
+                "peer_mac": f"{self.port:064x}", "engine": "e1"}}})  # fmt: skip
         if op == "status":
             transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
             self.status_asked.append(transfer)

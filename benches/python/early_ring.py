@@ -107,13 +107,16 @@ def main() -> None:
     )
     print(f"  forward, no kvferry:                  {med['none'] * 1e3:8.2f} ms")
     print(
-        f"  early send (forward start delayed by): {med['early'] * 1e3:8.2f} ms  ({med['early'] / med['none']:.3f}x the forward)"
+        f"  early send (forward start delayed by): {med['early'] * 1e3:8.2f} ms  ({med['early'] / med['none']:.3f}x "
+        "the forward)"
     )
     print(
-        f"  early step (send + forward):           {med['early step'] * 1e3:8.2f} ms  ({med['early step'] / med['none']:.3f}x)"
+        f"  early step (send + forward):           {med['early step'] * 1e3:8.2f} ms  "
+        f"({med['early step'] / med['none']:.3f}x)"
     )
     print(
-        f"  send waiting for ring room (before):   {med['waited'] * 1e3:8.2f} ms  ({med['waited'] / med['none']:.3f}x the forward)"
+        f"  send waiting for ring room (before):   {med['waited'] * 1e3:8.2f} ms  ({med['waited'] / med['none']:.3f}x "
+        "the forward)"
     )
 
 

@@ -152,7 +152,8 @@ class PagedKV:
         first = self.layers[0]
         if not 0 <= self.block_dim < first.dim():
             raise InvalidArgumentError(
-                f"invalid block_dim={self.block_dim}: must be in [0, {first.dim()}) for layers of shape {tuple(first.shape)}"
+                f"invalid block_dim={self.block_dim}: must be in [0, {first.dim()}) for layers of shape "
+                f"{tuple(first.shape)}"
             )
         for i, t in enumerate(self.layers):
             for what, got, want in (
@@ -425,7 +426,8 @@ def paged_kv_from_views(
             raise TypeError(f"layers[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.shape != first.shape or t.stride() != stride:
             raise InvalidArgumentError(
-                f"invalid layers[{i}] ({_describe(t)}): must have the shape and strides of layers[0] ({_describe(first)})"
+                f"invalid layers[{i}] ({_describe(t)}): must have the shape and strides of layers[0] "
+                f"({_describe(first)})"
             )
         view = writable(t).permute(perm)
         for _ in ones:  # the trailing size-1 dimensions go

@@ -481,7 +481,8 @@ class KVSender:
             earlier = self._requests.get(request_id)
             if earlier is not None and earlier.stage != SenderStage.SENDING:  # a registered one: the book refuses it
                 raise InvalidArgumentError(
-                    f"invalid request_id={request_id}: its previous transfer is not settled (copies still queued, or its failure not acknowledged)"
+                    f"invalid request_id={request_id}: its previous transfer is not settled (copies still queued, or "
+                    "its failure not acknowledged)"
                 )
             self.book.add_spec(request_id, spec)  # with its held blocks, all or nothing
             self._requests[int(request_id)] = _Request(spec.epoch)
@@ -708,7 +709,8 @@ class KVSender:
                     )
                     raise self._fail(ids, err)
                 raise TransferTimeoutError(
-                    f"copies for requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): cancel them (peer: {self._peer_name()})",
+                    f"copies for requests {ids} still running after {age:.3f} s (timeout {self.timeout} s): cancel "
+                    f"them (peer: {self._peer_name()})",
                     request_ids=ids,
                     peer=self._peer_name(),
                 )

@@ -361,7 +361,8 @@ class StagingEndpoint(LocalEndpoint):
             )
         if len(dst_ids) and int(dst_ids.max()) >= self.receiver.pool.num_blocks:
             raise wire.ProtocolError(
-                f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's {self.receiver.pool.num_blocks}"
+                f"invalid staging batch: destination block {int(dst_ids.max())} outside the pool's "
+                f"{self.receiver.pool.num_blocks}"
             )
         source = self.current_source()
         named = dst_ids  # what the sender said it wrote, for the receiver's lease check

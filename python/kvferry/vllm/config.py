@@ -125,7 +125,8 @@ class ConnectorConfig:
             )
         if where.scheme == "tcp" and where.wildcard and config.advertise is None:
             raise InvalidArgumentError(
-                f"invalid kv_connector_extra_config listen={config.listen!r}: a wildcard bind needs advertise (the host name or IP address prefill servers reach it by)"
+                f"invalid kv_connector_extra_config listen={config.listen!r}: a wildcard bind needs advertise (the "
+                "host name or IP address prefill servers reach it by)"
             )
         if where.scheme == "tcp" and not _loopback(where.host):  # reaches other hosts: only a transport that does
             registry.check(
@@ -164,7 +165,8 @@ def _private(st: os.stat_result, what: str, path: str) -> None:
         )
     if st.st_mode & 0o077:
         raise InvalidArgumentError(
-            f"invalid {what} {path!r}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others in; it must be readable by its owner only (chmod {'700' if what.endswith('directory') else '600'})"
+            f"invalid {what} {path!r}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others in; it must be "
+            f"readable by its owner only (chmod {'700' if what.endswith('directory') else '600'})"
         )
 
 
@@ -217,7 +219,8 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
         key = f.read(MAX_KEY_BYTES + 1)
     if len(key) < MIN_KEY_BYTES:
         raise InvalidArgumentError(
-            f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > FILE)"
+            f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 "
+            "/dev/urandom > FILE)"
         )
     if len(key) > MAX_KEY_BYTES:
         raise InvalidArgumentError(
@@ -251,7 +254,8 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(f"invalid kv_transfer_params.kvferry={ours!r}: must be an object")
     if "authkey" in ours:
         raise InvalidArgumentError(
-            "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read it from kv_connector_extra_config.authkey_file (or the per-user default file)"
+            "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read "
+            "it from kv_connector_extra_config.authkey_file (or the per-user default file)"
         )
     unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s"})
     if unknown:
@@ -266,7 +270,8 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     transfer = ours.get("transfer")
     if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 characters"
+            f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 "
+            "characters"
         )
     if op == "status":
         extra = sorted(set(ours) - {"op", "transfer"})
@@ -293,7 +298,8 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello answer"
+            f"invalid kv_transfer_params.kvferry.peer={peer!r}: must be the decode server's address from its hello "
+            "answer"
         )
     mac = ours.get("peer_mac")
     hexdigits = "0123456789abcdef"

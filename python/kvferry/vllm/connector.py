@@ -49,7 +49,8 @@ class KvferryConnector(KVConnectorBase_V1):
         tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
         if tp != 1:
             raise InvalidArgumentError(
-                f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline parallel size 1)"
+                f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline "
+                "parallel size 1)"
             )
         kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size

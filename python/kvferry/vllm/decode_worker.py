@@ -211,7 +211,8 @@ class DecodeWorker:
         if self.rendezvous.abandoned(spec.transfer) is not None:
             self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
         self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
-                                reused=spec.held_blocks * self.block_size, blocks=len(blocks), held=spec.held_blocks)  # fmt: skip
+                                reused=spec.held_blocks * self.block_size, blocks=len(blocks),
+                                held=spec.held_blocks)  # fmt: skip
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving: set[str] = set()

@@ -133,7 +133,8 @@ class Rendezvous:
         keys = set(destination)
         if keys != DESTINATION_KEYS:
             raise InvalidDestinationError(
-                f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be {sorted(DESTINATION_KEYS)}"
+                f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be "
+                f"{sorted(DESTINATION_KEYS)}"
                 f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
             )
         try:  # checked now, not at the lookup: the endpoint is the only field added later
@@ -365,7 +366,8 @@ def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -
     except wire.AuthenticationError as err:
         sock.close()
         raise TransferError(
-            f"authentication failed with the decode server's rendezvous at {address!r}: the two servers hold different keys "
+            f"authentication failed with the decode server's rendezvous at {address!r}: the two servers hold different "
+            "keys "
             f"(kv_connector_extra_config.authkey_file must name a file with the same key on both): {err}",
             peer=address,
         ) from err

@@ -487,7 +487,8 @@ def _check_destination(
         request.prompt_token_ids
     ):
         raise KvFerryError(
-            f"the decode request of this transfer has another prompt ({destination.get('prompt_len')!r} tokens there, {prompt_len} here, or other token ids)"
+            f"the decode request of this transfer has another prompt ({destination.get('prompt_len')!r} tokens there, "
+            f"{prompt_len} here, or other token ids)"
         )
     if destination.get("block_size") != block_size:
         raise KvFerryError(
@@ -507,6 +508,7 @@ def _check_destination(
     theirs, _ = registry.parse_url(endpoint)
     if theirs != transport:
         raise KvFerryError(
-            f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's kv_connector_extra_config transport is {transport!r}"
+            f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's "
+            f"kv_connector_extra_config transport is {transport!r}"
         )
     return destination

@@ -16,8 +16,12 @@ __all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "KvferryPromMetrics", "K
 COUNTERS = {
     # Prefill side, per write, counted once its copy finished and its notice was posted: its
     # kind says when it was issued, not when it landed (early_landed_bytes says that).
-    "early_issued_bytes": "Bytes written for the prefix-cache hit, issued before the forward of the request's first chunk.",
-    "early_landed_bytes": "Of early_issued_bytes: bytes whose copy had finished before the first chunk's forward ended.",
+    "early_issued_bytes": (
+        "Bytes written for the prefix-cache hit, issued before the forward of the request's first chunk."
+    ),
+    "early_landed_bytes": (
+        "Of early_issued_bytes: bytes whose copy had finished before the first chunk's forward ended."
+    ),
     "chunk_bytes": "Bytes sent after the forward of the chunk that computed them.",
     "layer_bytes": "Bytes sent layer group by layer group during the last chunk's forward.",
     "held_blocks": "Prompt blocks not sent because the decode server's prefix cache held them.",
