@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, NoReturn, Optional, Sequence, TypedDict, Union
 
+import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
+
 import numpy as np
 import numpy.typing as npt
 import torch
