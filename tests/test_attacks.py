@@ -230,10 +230,16 @@ def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fillers: list[int] = []
         try:
             assert proc.stdout is not None and proc.stdin is not None
             assert proc.stdout.readline() == "ready\n"
-            lowest = os.dup(0)
+            # Fill every free descriptor below the highest open one (holes other tests' closes
+            # left): then the limit sits above every open descriptor, the stalled connection's
+            # too, and the one it frees when cut off is the only one below the limit.
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            while (lowest := os.dup(0)) <= top:
+                fillers.append(lowest)
             os.close(lowest)
             resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # the next descriptor: EMFILE
             proc.stdin.write("go\n")
@@ -241,6 +247,8 @@ def test_out_of_descriptors_the_oldest_handshake_gives_way() -> None:
             answer = proc.stdout.readline()
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            for fd in fillers:
+                os.close(fd)
             proc.wait(SLACK)
         assert answer == "served\n"
         assert any(isinstance(e, OSError) and e.errno == errno.EMFILE for e in endpoint.errors)
