@@ -87,14 +87,23 @@ def test_trace_merges_both_servers_into_one_timeline_per_transfer(run: Any) -> N
         d = [r for r in tl.rows if r["side"] == "decode"]
         stages = [r["stage"] for r in p]
         # The last chunk's issue can follow its layer groups' landing (they leave during its forward).
-        assert stages[0] == "plan" and stages[-1] == "freed" and stages.count("tail_landed") == 1, stages
+        # The plan is traced once the decode endpoint is connected (off the engine thread), so a
+        # chunk computed meanwhile can be traced before it; nothing is written or lands before it.
+        plan = stages.index("plan")
+        assert stages.count("plan") == 1 and stages[-1] == "freed" and stages.count("tail_landed") == 1, stages
+        assert all(s == "chunk_issued" for s in stages[:plan]), stages
         assert [r["stage"] for r in d] == ["plan", "tail_landed", "freed"], d
         chunks = [r for r in p if r["stage"] == "chunk_issued"]
         assert [c["chunk"] for c in chunks] == list(range(1, len(chunks) + 1)) and len(chunks) >= (
             2 if n == 0 else 1
         ), chunks
         # Two layer groups: the last chunk left group 1 then group 2.
-        assert sorted({(r["group"], r["groups"]) for r in p if r["stage"] == "layer_landed"}) == [(0, 2), (1, 2)], p
+        # (when the decode endpoint was connected by the last chunk's forward: it is connected off
+        # the engine thread, and a chunk computed before that is sent whole after its forward)
+        assert sorted({(r["group"], r["groups"]) for r in p if r["stage"] == "layer_landed"}) in (
+            [],
+            [(0, 2), (1, 2)],
+        ), p
         if n == 0:  # decode-cold: the prefix left before the first forward
             assert "early_issued" in stages and any(r["stage"] == "early_landed" for r in p), stages
         else:  # the decode server held the first turn's blocks: they never crossed

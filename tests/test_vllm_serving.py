@@ -601,7 +601,9 @@ def _step(scheduled: dict[str, tuple[int, int]]) -> Any:
     """A SchedulerOutput with ``scheduled`` (req_id -> (computed before, tokens this step))."""
     from types import SimpleNamespace
 
-    cached = SimpleNamespace(req_ids=list(scheduled), num_computed_tokens=[s for s, _ in scheduled.values()])
+    cached = SimpleNamespace(
+        req_ids=list(scheduled), num_computed_tokens=[s for s, _ in scheduled.values()], resumed_req_ids=set()
+    )
     return SimpleNamespace(
         preempted_req_ids=(),
         num_scheduled_tokens={r: n for r, (_, n) in scheduled.items()},
