@@ -123,3 +123,54 @@ def test_tight_pools_keep_every_turns_reuse_and_outputs() -> None:
     )
     result = run_agentic(cfg)
     assert result["outputs_match"] and result["reuse_mismatches"] == 0, result
+
+
+def test_every_mode_shares_one_generation_process_and_its_weights() -> None:
+    """Over a transport with an endpoint (staging here) the generation workers of all four
+    modes live in one process holding one copy of the weights: its pools are one per mode,
+    each of `_pool_blocks` blocks, and nothing else grows per mode; outputs and reuse
+    match aggregated serving."""
+    from kvferry.bench.agentic import AgenticConfig, _pool_blocks, run_agentic
+
+    cfg = AgenticConfig(
+        sessions=2,
+        turns=1,
+        cached_tokens=128,
+        new_tokens=32,
+        output_tokens=2,
+        tokens_per_block=16,
+        link_gbps=None,
+        aware=True,
+        layer_groups=2,
+        transport="staging",
+        check_kv=True,
+    )
+    result = run_agentic(cfg)
+    generation = result["generation"]
+    block_bytes = cfg.model_config().kv_bytes_per_token * cfg.tokens_per_block
+    assert generation["models"] == 1, generation
+    assert sorted(generation["pools"].values()) == [_pool_blocks(cfg)] * len(cfg.modes), generation
+    assert generation["pool_bytes"] == len(cfg.modes) * _pool_blocks(cfg) * block_bytes, generation
+    assert result["outputs_match"] and result["reuse_mismatches"] == 0, result
+
+
+def test_the_8b_run_over_a_transport_with_an_endpoint_fits_an_h200() -> None:
+    """`--sessions 2 --cached 32768 --new 2048 --aware --layerwise 8 --transport staging`
+    at Llama-8B geometry: eight pools and two copies of the weights (this process's and the
+    one generation process's; one process per mode held four) leave room on a 139 GiB H200."""
+    from kvferry.bench.agentic import AgenticConfig, pools_bytes
+    from kvferry.geometry import Geometry
+
+    cfg = AgenticConfig(
+        device="cuda",
+        sessions=2,
+        cached_tokens=32768,
+        new_tokens=2048,
+        aware=True,
+        layer_groups=8,
+        model=Geometry(**LLAMA8B),
+        transport="staging",
+    )
+    weights = cfg.model.weight_elements() * 2
+    assert pools_bytes(cfg) + 2 * weights < 125e9, (pools_bytes(cfg), weights)
+    assert pools_bytes(cfg) + (1 + len(cfg.modes)) * weights > 149e9  # what one process per mode needed

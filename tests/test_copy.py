@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import Pools
-from kvferry.copy import copy_blocks, copy_blocks_torch
+from kvferry.copy import BlockCopies, copy_blocks, copy_blocks_torch
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
 
@@ -112,6 +112,33 @@ def test_layout_mismatch_rejected_before_any_write() -> None:
     assert all(bool((as_bytes(t) == POISON).all()) for t in dst.layers)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_block_copies_land_each_piece_bit_exact_in_its_own_pool(device: str) -> None:
+    """`BlockCopies`: pieces between different pool pairs (two scratch pools taking turns, as
+    the staging pipeline uses them), planned together, issued one at a time, in any order."""
+    src = random_pool((37, 2, 16, 4, 8), torch.bfloat16, 0, device=device, seed=5)
+    a, b = poisoned(src, 12), poisoned(src, 12)
+    pieces = [(src, a, [4, 9, 30], [0, 1, 2]), (src, b, [1, 2], [11, 3]), (src, a, [36], [7])]
+    copies = BlockCopies(pieces)
+    assert len(copies) == 3
+    for i in (1, 0, 2):
+        copies.issue(i)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_copied(src, a, [4, 9, 30, 36], [0, 1, 2, 7])
+    assert_copied(src, b, [1, 2], [11, 3])
+
+
+def test_block_copies_validate_every_piece_before_any_moves() -> None:
+    src = random_pool((8, 2, 8), torch.bfloat16, 0)
+    dst = poisoned(src, 4)
+    with pytest.raises(InvalidArgumentError, match="4"):
+        BlockCopies([(src, dst, [0], [1]), (src, dst, [1], [4])])  # block 4 of a 4-block pool
+    with pytest.raises(LayoutMismatchError, match="dtype"):
+        BlockCopies([(src, dst, [0], [1]), (src, poisoned(random_pool((8, 2, 8), torch.float16, 0), 4), [1], [0])])
+    assert all(bool((as_bytes(t) == POISON).all()) for t in dst.layers)
+
+
 KERNEL_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
@@ -139,6 +166,12 @@ KERNEL_CHECK = textwrap.dedent(
     dst = poisoned(src, 9)
     _triton_copy.copy_blocks(src, dst, torch.tensor([[0, 8], [8, 0]]))
     assert_copied(src, dst, [0, 8], [8, 0])
+    # kvferry.copy.BlockCopies' launches: each copy's (2, n) ids a slice of one flat tensor.
+    flat = torch.tensor([3, 5, 0, 1, 7, 2, 4, 4, 6, 8])  # copy 0: 3->0, 5->1; copy 1: 7->4, 2->6, 4->8
+    dst = poisoned(src, 9)
+    _triton_copy.copy_blocks(src, dst, flat[:4])
+    _triton_copy.copy_blocks(src, dst, flat[4:10])
+    assert_copied(src, dst, [3, 5, 7, 2, 4], [0, 1, 4, 6, 8])
     assert _triton_copy.pick_config(1 << 30) == _triton_copy.LARGE
     assert _triton_copy.pick_config(34 << 20) == _triton_copy.SMALL
     print("kernel ok")

@@ -396,19 +396,88 @@ def test_blocks_of_another_order_are_refused_at_the_handshake(layouts: tuple[str
     assert bool((dst_cache.raw == -1).all())
 
 
-def test_nixl_refuses_block_outer_pools_by_their_strides() -> None:
-    """NIXL's peer builds descriptors from the geometry alone (a packed pool's addresses):
-    a block-outer pool is refused on either side before any agent or connection exists."""
-    from kvferry.transports.nixl import NixlEndpoint, NixlTransport
+def test_nixl_refuses_block_outer_receivers_by_their_strides() -> None:
+    """A NIXL sender builds the receiver's descriptors from its hello alone (a packed pool's
+    addresses): a block-outer receiving pool is refused before any agent or connection
+    exists. (A sender's own pool may be block-outer: the tests below.)"""
+    from kvferry.transports.nixl import NixlEndpoint
 
     pool = register(vllm_views("BLNHC", *ATTN, torch.bfloat16, "cpu", poison))
     with pytest.raises(
         InvalidArgumentError, match="invalid receiver: its blocks lie at segment stride .* block stride 3072"
     ):
         NixlEndpoint(KVReceiver(pool), authkey=b"k" * 32)
-    with pytest.raises(InvalidArgumentError, match="invalid src: .*use the staging or cuda_ipc transport"):
-        NixlTransport("nixl+unix:///nonexistent", authkey=b"k" * 32, src=pool)
     assert register(vllm_views("LBNHC", *ATTN, torch.bfloat16, "cpu", poison)).packed
+
+
+def nixl(src: PagedKV, dst: PagedKV, engine: CopyEngine) -> None:
+    from kvferry.transports.nixl import NixlEndpoint, NixlTransport
+
+    receiver = KVReceiver(dst)
+    authkey = secrets.token_bytes(32)
+    endpoint = NixlEndpoint(receiver, authkey=authkey)
+    try:
+        transport = NixlTransport(endpoint.address, authkey=authkey, src=src)
+        try:
+            write_through(transport, engine, receiver, src)
+        finally:
+            transport.close()
+    finally:
+        endpoint.close()
+
+
+# Into a layer-outer receiver from each layout a sender may have, its own strides included.
+NIXL_PAIRS = [("LBHNC", "LBHNC"), ("BLHNC", "LBHNC"), ("BLNHC", "LBNHC"), ("BHLNC", "LHBNC")]
+
+
+@pytest.mark.parametrize("layouts", NIXL_PAIRS, ids="->".join)
+def test_cpu_nixl_from_any_sender_layout_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
+    """NIXL (UCX on loopback) from a sender's pool of each layout (block-outer ones
+    registered by their spans and described block by block at their own strides) into a
+    layer-outer receiver: the destination's whole buffer equals the reference."""
+    pytest.importorskip("nixl")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    transfer(nixl, layouts, ATTN, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("layouts", NIXL_PAIRS, ids="->".join)
+def test_cpu_nixl_runs_from_any_sender_layout_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]
+) -> None:
+    """The same with blocks consecutive on both sides: one descriptor per run from a
+    layer-outer sender, one per block from a block-outer one (its consecutive blocks are
+    not adjacent); bit exact either way."""
+    pytest.importorskip("nixl")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "SRC_IDS", np.array([2, 3, 4, 5, 9, 10]))
+    monkeypatch.setattr(module, "DST_IDS", np.array([6, 7, 8, 9, 0, 1]))
+    transfer(nixl, layouts, ATTN, torch.bfloat16, "cpu")
+
+
+def test_nixl_registers_a_block_outer_pool_as_one_span_and_addresses_its_blocks() -> None:
+    """The layers of a block-outer pool are interleaved views of one allocation: registered
+    as one span covering them all; each (layer, segment, block) descriptor is where the
+    pool's strides put that block's bytes."""
+    from kvferry.transports.nixl import block_descriptors, registered_regions
+
+    cache = vllm_views("BLHNC", *ATTN, torch.bfloat16, "cpu", poison)
+    pool = register(cache)
+    assert not pool.packed
+    regions = registered_regions(pool)
+    assert regions.tolist() == [[cache.raw.data_ptr(), cache.raw.numel(), 0]]
+    rows = block_descriptors(pool)
+    for layer, view in enumerate(cache.views):
+        for block in (0, 5, BLOCKS - 1):
+            for seg in range(pool.segments):
+                address, length, _ = rows[(layer * pool.segments + seg) * pool.num_blocks + block]
+                assert int(length) == pool.segment_bytes
+                assert int(address) == view[block].data_ptr() + seg * pool.segment_stride
+    packed = register(vllm_views("LBHNC", *ATTN, torch.bfloat16, "cpu", poison))
+    # Layer-outer: each layer's own span, as when NIXL registered the layer tensors.
+    assert registered_regions(packed).tolist() == [
+        [v.data_ptr(), v.numel() * v.element_size(), 0] for v in packed.layers
+    ]
 
 
 def test_the_data_path_does_not_import_vllm() -> None:

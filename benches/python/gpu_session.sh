@@ -5,7 +5,14 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra
+# links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
+# staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
+# staging and cuda-ipc (and nixl, random and --contiguous blocks, when it imports); then
+# `bench agentic` at Llama-8B geometry with every mode (--aware --layerwise 8) over
+# ${TRANSPORT:-staging}, the generation workers of all modes in one process.
+# links-extra (about 4 minutes): staging at 256 and 1024 MiB writes, the staging timeline at
+# 512 and 256 MiB writes, the copy kernel's 80-configuration sweep.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=python PYTHONUNBUFFERED=1
@@ -19,6 +26,32 @@ if [ "${1:-tests}" = tests ]; then
     timeout "${LIMIT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
   done
+elif [ "$1" = links ]; then
+  timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_staging.py \
+    tests/test_copy.py tests/test_transfer.py -k "staging or copies or copy or pieces" 2>&1 | tee "$OUT/links-tests.txt" | tail -15
+  bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
+  {
+    echo "== copy, staging, cuda-ipc"; bench --transport copy,staging,cuda-ipc --blocks 8,64,1024,4096
+    if python3 -c "import nixl" 2>/dev/null; then
+      echo "== nixl, random blocks"; bench --transport copy,nixl --blocks 8,64,1024,4096
+      echo "== nixl, --contiguous"; bench --transport copy,nixl --blocks 8,64,1024,4096 --contiguous
+    else echo "== nixl: not importable here, skipped"; fi
+  } 2>&1 | tee "$OUT/links-copy.txt"
+  t=${TRANSPORT:-staging}
+  timeout "${LIMIT:-300}" python3 -m kvferry.cli bench agentic --device cuda --transport $t --sessions 2 --cached 32768 \
+    --new 2048 --output 4 --aware --layerwise 8 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
+    --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-$t.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -30 \
+    | tee "$OUT/agentic8b-$t.txt"
+elif [ "$1" = links-extra ]; then
+  bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
+  for mib in 256 1024; do
+    { echo "== staging, --write-mib $mib"; bench --transport staging --blocks 1024,4096 --write-mib $mib; } 2>&1 \
+      | tee -a "$OUT/links-extra.txt"
+  done
+  for mib in 512 256; do
+    timeout 60 python3 benches/python/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
+  done
+  timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then

@@ -1,7 +1,8 @@
 """Where the staging path's time goes on one GPU: a sender process writes one 1024-block
 request in writes of ``--write-mib``; prints each write's device-to-host interval (the
-sender's records) next to the receiver's host-to-device + scatter interval for the same
-batch (its connection thread), both on CLOCK_MONOTONIC, relative to the send call.
+sender's records) next to the receiver's interval for the same batch (its frame read ..
+the write delivered and its slots freed), both on CLOCK_MONOTONIC, relative to the send
+call.
 
     python benches/python/gpu_staging_timeline.py [--write-mib 128] [--blocks 1024]
 """
@@ -36,13 +37,19 @@ def _receiver(conn: Any, authkey: bytes, blocks: int) -> None:
     from kvferry.receiver import KVReceiver
     from kvferry.transports.staging import StagingEndpoint
 
-    spans: list[tuple[float, float]] = []
+    starts: list[float] = []
+    ends: list[float] = []
 
+    # A write's copies are queued when its frame is read (`stage`) and it is delivered, its
+    # slots freed, once they ended (`_reply`, in write order): the span between the two.
     class Timed(StagingEndpoint):
         def stage(self, *args: Any) -> None:
-            t0 = time.monotonic()
+            starts.append(time.monotonic())
             super().stage(*args)
-            spans.append((t0, time.monotonic()))
+
+        def _reply(self, freed: int) -> None:
+            ends.append(time.monotonic())
+            super()._reply(freed)
 
     receiver = KVReceiver(_pool(False))
     endpoint = Timed(receiver, authkey=authkey, capacity_blocks=GEOMETRY["pool_blocks"])
@@ -52,8 +59,9 @@ def _receiver(conn: Any, authkey: bytes, blocks: int) -> None:
         conn.send("expecting")
         receiver.wait(rid, timeout=120)
         receiver.release(rid)
-        conn.send(list(spans))
-        spans.clear()
+        conn.send(list(zip(starts, ends)))
+        starts.clear()
+        ends.clear()
     conn.recv()
     endpoint.close()
 
@@ -97,7 +105,7 @@ def main() -> None:
             f"{payload / total / 1e9:.1f} GB/s"
         )
     )
-    print("write  sender d2h start..end (ms)  receiver h2d+scatter start..end (ms)")
+    print("write  sender d2h start..end (ms)  receiver frame read..delivered (ms)")
     for i, (r, (a, b)) in enumerate(zip(sender.records, spans)):
         print(
             (

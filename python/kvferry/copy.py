@@ -11,6 +11,8 @@ engine's layer-outer layout, the other's block-outer one) are converted by the c
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch
 from kvferry._core import pack_pairs
 from kvferry.layout import BlockIds, PagedKV, common_word
 
-__all__ = ["checked_pairs", "copy_blocks", "copy_blocks_torch", "packed_ids"]
+__all__ = ["BlockCopies", "checked_pairs", "copy_blocks", "copy_blocks_torch", "packed_ids"]
 
 
 def checked_pairs(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds) -> tuple[np.ndarray, np.ndarray]:
@@ -102,3 +104,45 @@ def copy_blocks(src: PagedKV, dst: PagedKV, src_ids: BlockIds, dst_ids: BlockIds
             _triton_copy.copy_packed(src, dst, packed)
             return
     _copy_torch(src, dst, s, d)
+
+
+class BlockCopies:
+    """Several block copies planned together and queued one at a time (`issue`): a pipelined
+    transfer's pieces, each copy between its own pair of pools (a scratch buffer of two that
+    take turns). Every copy is validated here, before any byte moves. On CUDA, when every
+    copy can take the fused kernel, all their ids go to the device in one upload on the current
+    stream (no pinned buffer, id ring slot or graph per copy: a piece issued behind queued
+    work never waits on the host for an id slot), so `issue` must run on that stream or one
+    ordered after it (a stream that waited on an event recorded after this constructor)."""
+
+    def __init__(self, copies: Sequence[tuple[PagedKV, PagedKV, BlockIds, BlockIds]]) -> None:
+        self._copies = [(src, dst, _packed_pairs(src, dst, s, d)) for src, dst, s, d in copies]
+        self._ids: torch.Tensor | None = None
+        self._offsets: list[int] = []
+        fused = bool(self._copies) and all(
+            src.device.type == "cuda" and src.device == dst.device for src, dst, _ in self._copies
+        )
+        if fused:
+            from kvferry import _triton_copy
+
+            fused = all(_triton_copy.supports(src, dst) for src, dst, _ in self._copies)
+        if fused:
+            flat = np.concatenate([p.reshape(-1) for _, _, p in self._copies])
+            self._offsets = np.concatenate([[0], np.cumsum([p.size for _, _, p in self._copies])]).tolist()
+            device = self._copies[0][0].device
+            self._ids = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def issue(self, i: int) -> None:
+        """Queues copy ``i`` (on the current stream on CUDA; done on return on CPU)."""
+        src, dst, packed = self._copies[i]
+        if not packed.shape[1]:
+            return
+        if self._ids is None:
+            _copy_torch(src, dst, packed[0], packed[1])
+            return
+        from kvferry import _triton_copy
+
+        _triton_copy.copy_blocks(src, dst, self._ids[self._offsets[i] : self._offsets[i + 1]])

@@ -31,10 +31,12 @@ from kvferry.bench.util import emulated_link, machine, percentile, stderr_progre
 from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import AGENTIC_MODEL, Geometry
 from kvferry.notice import Notice
+from kvferry.refengine.generation import GenerationHost
 from kvferry.refengine.model import ModelConfig, TinyLlama
 from kvferry.refengine.serving import Aggregated, Disaggregated, Turn, TurnResult
 from kvferry.sender import TransferRecord
 from kvferry.trace import save_with_legend
+from kvferry.transports import registry
 
 __all__ = ["AgenticConfig", "run_agentic", "format_agentic", "draw_timeline"]
 
@@ -155,21 +157,30 @@ def pools_bytes(cfg: AgenticConfig) -> int:
     return 2 * len(cfg.modes) * _pool_blocks(cfg) * cfg.tokens_per_block * model.kv_bytes_per_token
 
 
+def _generation_stats(stats: dict[str, Any]) -> str:
+    return (
+        f"{stats['models']} copy of the weights, {len(stats['pools'])} pools of "
+        f"{', '.join(str(b) for b in stats['pools'].values())} blocks, {stats['pool_bytes'] / 1e9:.2f} GB"
+    )
+
+
 def _check_device_memory(cfg: AgenticConfig) -> None:
-    """On CUDA: refuses, before anything is allocated, a run whose KV pools and one copy of
-    the weights alone exceed the device's free memory (naming the figures), instead of an
-    out-of-memory error minutes into the run."""
+    """On CUDA: refuses, before anything is allocated, a run whose KV pools and copies of
+    the weights (one here, one in the generation process when the transport has one) alone
+    exceed the device's free memory (naming the figures), instead of an out-of-memory error
+    minutes into the run."""
     if cfg.device != "cuda":
         return
     free, _ = torch.cuda.mem_get_info()
     model = cfg.model_config()
-    weights = cfg.model.weight_elements() * model.element_size
+    copies = 2 if registry.check(cfg.transport, device=cfg.device).has_endpoint else 1
+    weights = copies * cfg.model.weight_elements() * model.element_size
     need = pools_bytes(cfg) + weights
     if need > free:
         raise InvalidArgumentError(
             f"invalid run: {len(cfg.modes)} modes x 2 pools of {_pool_blocks(cfg)} blocks "
-            f"({pools_bytes(cfg) / 1e9:.1f} GB) and "
-            f"{weights / 1e9:.1f} GB of weights exceed the device's free {free / 1e9:.1f} GB: "
+            f"({pools_bytes(cfg) / 1e9:.1f} GB) and {copies} copies of the "
+            f"{weights / copies / 1e9:.1f} GB of weights exceed the device's free {free / 1e9:.1f} GB: "
             "lower --sessions, --cached, --turns or --new, or run fewer modes"
         )
 
@@ -349,25 +360,36 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     divergences: list[dict[str, Any]] = []
     modes = cfg.modes
     hidden = {mode: [0.0, 0.0] for mode in modes}
-    engines = {
-        mode: Disaggregated(
-            model,
-            num_blocks=_pool_blocks(cfg),
-            tokens_per_block=cfg.tokens_per_block,
-            chunk_size=cfg.chunk_size,
-            early=mode != "baseline",
-            aware=mode == "aware",
-            layer_groups=cfg.layer_groups if mode == "layerwise" else None,
-            transport=cfg.transport,
-            link_gbps=cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None,
-            record=True,
-            listen=cfg.listen,
-            netns=cfg.receiver_netns,
-        )
-        for mode in modes
-    }
-    per_turn: list[dict[str, Any]] = []
+    # A generation worker in another process: every mode's lives in one process holding one
+    # copy of the weights (one process per mode held one copy each: 16 GB apiece at Llama-8B
+    # geometry, which with four modes did not fit a 140 GB GPU).
+    host = (
+        GenerationHost(cfg.model_config(), device=cfg.device, netns=cfg.receiver_netns)
+        if registry.check(cfg.transport, device=cfg.device).has_endpoint
+        else None
+    )
+    engines: dict[str, Disaggregated] = {}
     try:
+        for mode in modes:
+            engines[mode] = Disaggregated(
+                model,
+                num_blocks=_pool_blocks(cfg),
+                tokens_per_block=cfg.tokens_per_block,
+                chunk_size=cfg.chunk_size,
+                early=mode != "baseline",
+                aware=mode == "aware",
+                layer_groups=cfg.layer_groups if mode == "layerwise" else None,
+                transport=cfg.transport,
+                link_gbps=cfg.link_gbps if emulated_link(cfg.device, cfg.transport) else None,
+                record=True,
+                listen=cfg.listen,
+                netns=cfg.receiver_netns,
+                generation_host=host,
+            )
+        generation = host.stats() if host is not None else None
+        if generation is not None:
+            progress(f"generation workers: {len(engines)} in one process ({_generation_stats(generation)})")
+        per_turn: list[dict[str, Any]] = []
         for t, batch in enumerate(turns):
             # The modes take turns, in an order that alternates from turn to turn: a machine
             # that grows busy for a while slows each mode alike instead of the one running then.
@@ -425,6 +447,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
     finally:
         for engine in engines.values():
             engine.close()
+        if host is not None:
+            host.close()
 
     def fraction(mode: str) -> float:
         return hidden[mode][0] / hidden[mode][1] if hidden[mode][1] else 0.0
@@ -453,6 +477,8 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "early_over_baseline": statistics.median(p["early_over_baseline"] for p in per_turn),
         "load": busy_verdict(per_turn),
         "tcp_link_gbps": _tcp_link(cfg),
+        # The generation process, when the transport has one: copies of the weights and pools.
+        "generation": generation,
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:

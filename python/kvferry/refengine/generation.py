@@ -16,8 +16,10 @@ finish_batch(items) --control--------->   waits for each request's KV, checks it
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -30,7 +32,7 @@ from kvferry.refengine.worker import Worker
 from kvferry.transports import registry
 from kvferry.transports.base import Transport
 
-__all__ = ["Allocation", "FinishItem", "GenerationOutcome", "LocalGeneration", "RemoteGeneration"]
+__all__ = ["Allocation", "FinishItem", "GenerationHost", "GenerationOutcome", "LocalGeneration", "RemoteGeneration"]
 
 
 @dataclass(frozen=True)
@@ -214,9 +216,72 @@ class LocalGeneration:
         """Nothing to stop: the worker lives in this process."""
 
 
+class GenerationHost:
+    """A spawned process holding one copy of the model, in which any number of generation
+    workers live (`RemoteGeneration`, each with its own pool, receiver and endpoint): the
+    modes of a bench share the weights and the process instead of paying for them once
+    each (at Llama-8B geometry a copy of the weights is 16 GB)."""
+
+    def __init__(self, cfg: ModelConfig, *, device: str, netns: Optional[str] = None) -> None:
+        """``netns``: the network namespace the process runs in (a second host on one
+        machine; None: this one)."""
+        self.cfg, self.device = cfg, device
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._lock = threading.Lock()  # one request and its reply at a time on the pipe
+        self._keys = itertools.count(1)
+        self._proc = ctx.Process(target=_host_main, args=(child, cfg, device, netns), daemon=True)
+        self._proc.start()
+        self.call(("ready",))
+
+    def add(self, **spec: Any) -> int:
+        """A new worker (`_Spec`'s fields); its key for `call`."""
+        key = next(self._keys)
+        self.call(("add", key, _Spec(**spec)))
+        return key
+
+    def call(self, message: tuple) -> Any:
+        with self._lock:
+            self._conn.send(message)
+            reply = self._conn.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def stats(self) -> dict[str, Any]:
+        """What the process holds: ``models`` (copies of the weights), ``pools`` (blocks of
+        each live worker's pool, by key) and ``pool_bytes`` (their bytes in all)."""
+        return dict(self.call(("stats",)))
+
+    def close(self) -> None:
+        """Stops the process with every worker still in it."""
+        with self._lock:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One generation worker of a `GenerationHost`."""
+
+    num_blocks: int
+    tokens_per_block: int
+    transport: str
+    authkey: bytes
+    aware: bool = False
+    dedup: bool = False
+    listen: str = "unix://"
+
+
 class RemoteGeneration:
     """A generation worker in a spawned process, reached by ``transport``: any name of
-    `kvferry.transports.registry` with an endpoint that serves ``device`` pools."""
+    `kvferry.transports.registry` with an endpoint that serves ``device`` pools. The process
+    is ``host`` (shared with other workers, which it keeps running) or one of its own."""
 
     def __init__(
         self,
@@ -231,9 +296,10 @@ class RemoteGeneration:
         dedup: bool = False,
         listen: str = "unix://",
         netns: Optional[str] = None,
+        host: Optional[GenerationHost] = None,
     ) -> None:
         """``listen``: where its endpoint listens (`registry.serve`'s ``address``); ``netns``:
-        the network namespace the process runs in (a second host on one machine; None: this one)."""
+        the network namespace of the process it starts when no ``host`` is given."""
         if not registry.check(transport, device=device).has_endpoint:
             raise ValueError(
                 (
@@ -241,95 +307,143 @@ class RemoteGeneration:
                     f"{', '.join(n for n in registry.names(device=device) if registry.spec(n).has_endpoint)}"
                 )
             )
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        if host is not None and (host.cfg != cfg or host.device != device):
+            raise ValueError(
+                f"invalid host: it holds a {host.cfg} on {host.device}, this worker needs a {cfg} on {device}"
+            )
+        self._owned = host is None
+        self.host = host if host is not None else GenerationHost(cfg, device=device, netns=netns)
         authkey = secrets.token_bytes(32)
-        self._proc = ctx.Process(
-            target=_generation_main,
-            args=(child, cfg, device, num_blocks, tokens_per_block, transport, authkey, aware, dedup, listen, netns),
-            daemon=True,
-        )
-        self._proc.start()
-        reply = self._conn.recv()
-        if isinstance(reply, BaseException):
-            raise reply
-        self.transport = registry.connect(reply, authkey=authkey, src=src_pool)
+        try:
+            self._key = self.host.add(
+                num_blocks=num_blocks,
+                tokens_per_block=tokens_per_block,
+                transport=transport,
+                authkey=authkey,
+                aware=aware,
+                dedup=dedup,
+                listen=listen,
+            )
+            url = self.host.call(("url", self._key))
+        except BaseException:
+            if self._owned:
+                self.host.close()
+            raise
+        self.transport = registry.connect(url, authkey=authkey, src=src_pool)
 
     def allocate(self, request_id: int, prompt: Sequence[int]) -> Allocation:
-        return self._call(("allocate", request_id, tuple(prompt)))
+        return self.host.call(("allocate", self._key, request_id, tuple(prompt)))
 
     def finish_batch(self, items: Sequence[FinishItem], *, digests: bool = False) -> dict[int, GenerationOutcome]:
-        return self._call(("finish", list(items), digests))
-
-    def _call(self, message: tuple) -> Any:
-        self._conn.send(message)
-        reply = self._conn.recv()
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+        return self.host.call(("finish", self._key, list(items), digests))
 
     def close(self) -> None:
-        """Stops the process (the transport is closed by the sender that owns it)."""
-        self._conn.send(("stop",))
-        self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
+        """Removes this worker (its endpoint and pool) from the process, and stops the
+        process if it is this worker's own (the transport is closed by the sender that owns
+        it)."""
+        try:
+            self.host.call(("drop", self._key))
+        finally:
+            if self._owned:
+                self.host.close()
 
 
-def _generation_main(
-    conn: Any,
-    cfg: ModelConfig,
-    device: str,
-    num_blocks: int,
-    tpb: int,
-    kind: str,
-    authkey: bytes,
-    aware: bool,
-    dedup: bool,
-    listen: str = "unix://",
-    netns: Optional[str] = None,
-) -> None:
+@dataclass
+class _Hosted:
+    """A worker living in the host process."""
+
+    worker: Worker
+    receiver: KVReceiver
+    served: Any
+    pool: Any  # the registry's receiver pool (closed last)
+    inflight: Optional[InflightBlocks]
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.served.close()
+        self.receiver = self.worker = None  # type: ignore[assignment]
+        self.pool.close()
+
+
+def _host_main(conn: Any, cfg: ModelConfig, device: str, netns: Optional[str]) -> None:
     try:
-        if netns is not None:  # first: the endpoint's sockets and NIXL's threads then live there
+        if netns is not None:  # first: the endpoints' sockets and NIXL's threads then live there
             from kvferry.bench.util import enter_netns
 
             enter_netns(netns)
         model = TinyLlama(cfg, device)
-        # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
-        shape = cfg.kv_layer_shape(num_blocks, tpb)
-        pool = registry.receiver_pool(
-            kind, num_layers=cfg.geometry.layers, shape=shape, dtype=cfg.dtype, tokens_per_block=tpb, device=device
-        )
-        worker = Worker(model, num_blocks=num_blocks, tokens_per_block=tpb, prefix_cache=aware, pool=pool.pool)
-        receiver = KVReceiver(worker.pool)
-        served = registry.serve(
-            kind,
-            receiver,
-            authkey=authkey,
-            address=listen,
-            **pool.serve_options,
-        )
     except Exception as err:  # reported to the parent, which raises it
+        conn.recv()
         conn.send(err)
         return
-    conn.send(served.url)
-    blocks: dict[int, list[int]] = {}
-    inflight = InflightBlocks() if dedup else None
+    hosted: dict[int, _Hosted] = {}
     while True:
         message = conn.recv()
         try:
-            if message[0] == "stop":
+            op = message[0]
+            if op == "stop":
                 break
-            if message[0] == "allocate":
-                _, rid, prompt = message
-                allocation = _allocate(worker, receiver, rid, prompt, inflight)
-                blocks[rid] = allocation.blocks
+            if op == "ready":
+                conn.send(None)
+            elif op == "add":
+                _, key, spec = message
+                hosted[key] = _host_worker(model, cfg, device, spec)
+                conn.send(None)
+            elif op == "url":
+                conn.send(hosted[message[1]].served.url)
+            elif op == "drop":
+                gone = hosted.pop(message[1], None)
+                if gone is not None:
+                    gone.close()
+                conn.send(None)
+            elif op == "stats":
+                conn.send(
+                    {
+                        "models": 1,
+                        "pools": {key: h.worker.pool.num_blocks for key, h in hosted.items()},
+                        "pool_bytes": sum(
+                            h.worker.pool.num_blocks * h.worker.pool.num_layers * h.worker.pool.block_bytes
+                            for h in hosted.values()
+                        ),
+                    }
+                )
+            elif op == "allocate":
+                _, key, rid, prompt = message
+                h = hosted[key]
+                allocation = _allocate(h.worker, h.receiver, rid, prompt, h.inflight)
+                h.blocks[rid] = allocation.blocks
                 conn.send(allocation)
             else:
-                _, items, digests = message
-                conn.send(_finish(worker, receiver, blocks, items, digests, inflight))
+                _, key, items, digests = message
+                h = hosted[key]
+                conn.send(_finish(h.worker, h.receiver, h.blocks, items, digests, h.inflight))
         except Exception as err:  # reported to the parent, which raises it
             conn.send(err)
-    served.close()
-    del worker, receiver
-    pool.close()
+    for h in hosted.values():
+        h.close()
+
+
+def _host_worker(model: TinyLlama, cfg: ModelConfig, device: str, spec: _Spec) -> _Hosted:
+    # new_kv_pool's geometry, zeroed (in shared memory where the transport maps it).
+    tpb = spec.tokens_per_block
+    shape = cfg.kv_layer_shape(spec.num_blocks, tpb)
+    pool = registry.receiver_pool(
+        spec.transport,
+        num_layers=cfg.geometry.layers,
+        shape=shape,
+        dtype=cfg.dtype,
+        tokens_per_block=tpb,
+        device=device,
+    )
+    try:
+        worker = Worker(
+            model, num_blocks=spec.num_blocks, tokens_per_block=tpb, prefix_cache=spec.aware, pool=pool.pool
+        )
+        receiver = KVReceiver(worker.pool)
+        served = registry.serve(
+            spec.transport, receiver, authkey=spec.authkey, address=spec.listen, **pool.serve_options
+        )
+    except BaseException:
+        pool.close()
+        raise
+    return _Hosted(worker, receiver, served, pool, InflightBlocks() if spec.dedup else None)

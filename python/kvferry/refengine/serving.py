@@ -18,7 +18,7 @@ import torch
 from kvferry._core import BlockRange
 from kvferry.engine import ThreadCopyEngine
 from kvferry.hook import TransferHook
-from kvferry.refengine.generation import FinishItem, LocalGeneration, RemoteGeneration
+from kvferry.refengine.generation import FinishItem, GenerationHost, LocalGeneration, RemoteGeneration
 from kvferry.refengine.model import TinyLlama
 from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender
@@ -117,9 +117,12 @@ class Disaggregated:
         layer_groups: Optional[int] = None,
         listen: str = "unix://",
         netns: Optional[str] = None,
+        generation_host: Optional[GenerationHost] = None,
     ) -> None:
         """``listen`` and ``netns`` place a generation worker in another process (see
-        `RemoteGeneration`). ``link_gbps`` emulates a slower link for CPU pools (see `ThreadCopyEngine`);
+        `RemoteGeneration`); ``generation_host``: that process, shared with other engines'
+        generation workers (None: one of its own). ``link_gbps`` emulates a slower link for
+        CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
         turns on receiver prefix awareness (the generation worker keeps the prompts' blocks
         and advertises those it still holds, which then never cross); ``dedup`` turns on
@@ -152,6 +155,7 @@ class Disaggregated:
                 dedup=dedup,
                 listen=listen,
                 netns=netns,
+                host=generation_host,
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:

@@ -91,8 +91,10 @@ def _mem_type(pool: PagedKV) -> str:
 
 
 def _need_packed(pool: PagedKV, what: str) -> None:
-    """A peer addresses a NIXL pool's blocks from its geometry alone (`layer_descriptors`):
-    a pool whose blocks lie strided (an engine's block-outer layout) cannot be served."""
+    """A sender addresses the receiver's blocks from its hello alone (`layer_descriptors`:
+    the layers' addresses and the geometry, no strides): a receiving pool whose blocks lie
+    strided (an engine's block-outer layout) cannot be served. (A sender's own pool may lie
+    any way: it builds its descriptors from its own strides.)"""
     if not pool.packed:
         raise InvalidArgumentError(
             f"invalid {what}: its blocks lie at segment stride {pool.segment_stride} and block stride "
@@ -103,20 +105,37 @@ def _need_packed(pool: PagedKV, what: str) -> None:
 
 def block_descriptors(pool: PagedKV) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer, segment, block), in that
-    order: row ``(layer * segments + segment) * num_blocks + block``."""
+    order: row ``(layer * segments + segment) * num_blocks + block``, where the pool's own
+    strides put each block (a block-outer pool's included)."""
     return layer_descriptors(
-        [t.data_ptr() for t in pool.layers], pool.segments, pool.segment_bytes, pool.num_blocks, pool.device.index or 0
+        [t.data_ptr() for t in pool.layers],
+        pool.segments,
+        pool.segment_bytes,
+        pool.num_blocks,
+        pool.device.index or 0,
+        segment_stride=pool.segment_stride,
+        block_stride=pool.block_stride,
     )
 
 
 def layer_descriptors(
-    bases: Sequence[int], segments: int, segment_bytes: int, num_blocks: int, device: int
+    bases: Sequence[int],
+    segments: int,
+    segment_bytes: int,
+    num_blocks: int,
+    device: int,
+    *,
+    segment_stride: Optional[int] = None,
+    block_stride: Optional[int] = None,
 ) -> np.ndarray:
-    """`block_descriptors` of a pool known by its layers' addresses (a remote one)."""
+    """`block_descriptors` of a pool known by its layers' addresses (a remote one: packed,
+    the strides' defaults) or by its strides too (a local one)."""
     seg = segment_bytes
+    segment_stride = num_blocks * seg if segment_stride is None else segment_stride
+    block_stride = seg if block_stride is None else block_stride
     base = np.array(bases, dtype=np.uint64)
-    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(num_blocks * seg)
-    block_offsets = np.arange(num_blocks, dtype=np.uint64) * np.uint64(seg)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(segment_stride)
+    block_offsets = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_stride)
     addresses = (base[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
     return np.stack([addresses, np.full_like(addresses, seg), np.full_like(addresses, device)], axis=1)
 
@@ -159,18 +178,46 @@ def run_descriptors(
     device: int,
     starts: np.ndarray,
     lengths: np.ndarray,
+    segment_stride: Optional[int] = None,
 ) -> np.ndarray:
     """One ``(address, length, device)`` uint64 row per (layer of ``[lo, hi)``, segment, run):
     run ``i`` covers blocks ``[starts[i], starts[i] + lengths[i])`` of a pool whose layers
-    start at ``bases`` (`layer_descriptors`' layout), in one descriptor."""
+    start at ``bases`` (`layer_descriptors`' layout; consecutive blocks adjacent, see
+    `_runs_fit`), in one descriptor."""
     lo, hi = layers
     seg = np.uint64(segment_bytes)
     base = np.array(bases[lo:hi], dtype=np.uint64)
-    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(num_blocks) * seg
+    stride = np.uint64(num_blocks * segment_bytes if segment_stride is None else segment_stride)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * stride
     run_offsets = starts.astype(np.uint64)[None, None, :] * seg
     addresses = (base[:, None, None] + segment_offsets[None, :, None] + run_offsets).ravel()
     sizes = np.broadcast_to(lengths.astype(np.uint64) * seg, (hi - lo, segments, len(starts))).ravel()
     return np.stack([addresses, sizes, np.full_like(addresses, device)], axis=1)
+
+
+def _runs_fit(pool: PagedKV) -> bool:
+    """Whether a run of consecutive blocks of one layer and segment is one span of memory
+    (the block stride is the segment: layer-outer pools), so one descriptor covers it."""
+    return pool.block_stride == pool.segment_bytes
+
+
+def registered_regions(pool: PagedKV) -> np.ndarray:
+    """The ``(address, length, device)`` uint64 rows NIXL registers for ``pool``: each
+    layer's span, from its first byte to its last block's end, spans that overlap merged
+    (the layers of a block-outer pool are views into one allocation, interleaved)."""
+    spans = []
+    for t in pool.layers:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size)
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    spans.sort()
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    device = pool.device.index or 0
+    return np.array([(a, b - a, device) for a, b in merged], dtype=np.uint64)
 
 
 def offset_rows(rows: np.ndarray, offset: int) -> np.ndarray:
@@ -509,7 +556,6 @@ class NixlTransport(Transport):
                 raise InvalidArgumentError(
                     f"invalid host_src=<pool on {host_src.device}>: must be a CPU pool (the engine's host tier)"
                 )
-        _need_packed(src, "src")  # before connecting: nothing to close
         # The socket stays open for its EOF: the cheapest sign that the receiver died.
         self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
@@ -526,9 +572,10 @@ class NixlTransport(Transport):
         self._host_src = host_src
         self.agent = _agent("tx")
         self._conn.send(Agent(self.agent.name))  # before any announce
-        self._registered = [self.agent.register_memory(list(src.layers))]
+        # By spans, not by tensors: a block-outer pool's layer views are not contiguous.
+        self._registered = [self.agent.register_memory(registered_regions(src), _mem_type(src))]
         if host_src is not None:
-            self._registered.append(self.agent.register_memory(list(host_src.layers)))
+            self._registered.append(self.agent.register_memory(registered_regions(host_src), _mem_type(host_src)))
         self._remote = self.agent.add_remote_agent(hello["agent_metadata"])
         self._remote_name = hello["agent_name"]
         # Local descriptor lists: rows of the device pool's blocks, then (one list) the host
@@ -634,11 +681,14 @@ class NixlTransport(Transport):
     ) -> Optional[list[tuple[Any, Any]]]:
         """The write as descriptor lists of runs (`block_runs`), one ``(local, remote)`` pair
         per memory type of its parts; None when no two of its blocks are contiguous on both
-        sides (the prepared per-block lists are then cheaper)."""
+        sides (the prepared per-block lists are then cheaper), or when a source pool's
+        consecutive blocks are not adjacent (block-outer: one descriptor per block anyway)."""
         pool = self._src
         geometry = self._geometry
         segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
         parts = source_parts(src, s, d)
+        if not all(_runs_fit(pool if part.pool is pool else self._host_src) for part in parts):  # type: ignore[arg-type]
+            return None
         runs = [block_runs(part.src_ids, part.dst_ids) for part in parts]
         if sum(len(r[2]) for r in runs) >= len(s):
             return None
@@ -647,7 +697,9 @@ class NixlTransport(Transport):
             mine = pool if part.pool is pool else self._host_src
             assert mine is not None
             bases = [t.data_ptr() for t in mine.layers]
-            local = run_descriptors(bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n)
+            local = run_descriptors(
+                bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n, mine.segment_stride
+            )
             remote = run_descriptors(
                 self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n
             )

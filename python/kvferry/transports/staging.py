@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
@@ -35,9 +38,9 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 import numpy as np
 import torch
 
-from kvferry.copy import copy_blocks, packed_ids
+from kvferry.copy import BlockCopies, packed_ids
 from kvferry.engine import CopyEngine, Pending
-from kvferry.errors import InvalidArgumentError, TransferError
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
@@ -45,7 +48,7 @@ from kvferry.tiers import source_layers, source_parts
 from kvferry.transports import wire
 from kvferry.transports.base import TransportFull, Write, kept
 from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
-from kvferry.transports.frames import Frame, Freed, Hello, Staged
+from kvferry.transports.frames import Announce, Frame, Freed, Hello, Staged
 from kvferry.transports.shm import SharedPool
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
@@ -61,26 +64,47 @@ WRITE_BYTES = 512 << 20
 
 
 # A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
-# gathered by one fused copy (`kvferry.copy.copy_blocks`) into a scratch pool of the same
+# gathered by one fused copy (`kvferry.copy.BlockCopies`) into a scratch pool of the same
 # layout on the pool's device, then moved to its ring slots as contiguous runs: one DMA per
 # layer and segment, no kernel between them. The receiver does the reverse (one DMA per layer
 # and segment into its scratch pool, then one fused scatter). A per-layer gather kernel before
 # every per-layer copy (the code before) put 32 kernels per batch in each process; on one GPU
 # two processes' kernels are time-sliced, and every copy waited behind the other side's
 # kernels.
-STAGE_CHUNK_BYTES = 512 << 20
+#
+# On CUDA each side keeps two scratch pools that take turns, and its two kinds of work run on
+# two streams ordered by CUDA events, never by the host:
+#
+# ```
+# sender:   gather (copy stream)  [g0][g1]      [g2]      [g3] ...   g_k waits for d2h_{k-2}
+#           device-to-host stream     [ d2h0  ][ d2h1  ][ d2h2  ]    d2h_k waits for g_k
+# receiver: host-to-device stream [ h2d0  ][ h2d1  ][ h2d2  ] ...    h2d_k waits for s_{k-2}
+#           scatter stream                 [s0]     [s1]     [s2]    s_k waits for h2d_k
+# ```
+# so the copy engines move piece k+1 while piece k's kernel runs, and the link never waits for
+# a kernel. The receiver also does not wait for a write's copies before reading the next
+# write's frame: it queues them behind the first (`StagingEndpoint.stage`), so the host-to-
+# device leg runs back to back across writes while the sender's device-to-host leg fills the
+# next slots.
+STAGE_CHUNK_BYTES = 256 << 20
+
+# How often the receiver looks at its connection while a write's copies are still running
+# (each look is one poll(2) and one event query).
+APPLY_POLL_SECONDS = 50e-6
 
 
 class _Scratch:
-    """Scratch pools of `STAGE_CHUNK_BYTES`, one per pool layout (a layer slice has fewer
-    layers), made on first use and reused: the caller orders its uses on one stream."""
+    """Scratch pools of `STAGE_CHUNK_BYTES`, two per pool layout (a layer slice has fewer
+    layers; on CUDA two pieces are in flight, each in its own pool), made on first use and
+    reused: the caller orders their uses (`_Pipe`)."""
 
     def __init__(self) -> None:
         self._pools: dict[tuple[object, ...], PagedKV] = {}
 
-    def like(self, pool: PagedKV) -> PagedKV:
+    def like(self, pool: PagedKV, turn: int = 0) -> PagedKV:
         dim = pool.block_dim
         key = (
+            turn,
             pool.num_layers,
             pool.shape[:dim],
             pool.shape[dim + 1 :],
@@ -97,6 +121,32 @@ class _Scratch:
             layers = tuple(torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers))
             scratch = self._pools[key] = pool.with_layers(layers)
         return scratch
+
+
+class _Pipe:
+    """One side's two streams and two scratch pools (see `STAGE_CHUNK_BYTES`): piece ``k``
+    uses scratch ``k % 2``; its kernel and its copies are ordered by events. On CPU there is
+    one scratch pool and everything runs in order on the caller's thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.scratch = _Scratch()
+        # The DMA stream (device-to-host at the sender, host-to-device at the receiver) and
+        # the kernel stream (the receiver's scatter; the sender gathers on its engine's stream).
+        self.dma = torch.cuda.Stream(device) if self.cuda else None
+        self.kernel = torch.cuda.Stream(device) if self.cuda else None
+        # Recorded once a scratch pool's last reader finished: the next piece that writes it
+        # waits for it on the stream.
+        self.free = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
+
+    def pieces(self, pool: PagedKV) -> list[PagedKV]:
+        """The scratch pools pieces take turns in (two on CUDA), like ``pool``."""
+        return [self.scratch.like(pool, t) for t in range(2 if self.cuda else 1)]
+
+    def synchronize(self) -> None:
+        for stream in (self.dma, self.kernel):
+            if stream is not None:
+                stream.synchronize()
 
 
 def _ring_runs(ring: PagedKV, scratch: PagedKV, lo: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,8 +179,8 @@ def _staging_shape(geometry: dict[str, Any], capacity: int) -> tuple[int, int, i
 
 class _Ring:
     """One connection's staging ring: a shared-memory segment of ``capacity`` block slots
-    (a fresh 128-bit name), page-locked on a CUDA host, and the stream its host-to-device
-    copies run on. Only its connection's thread copies from it."""
+    (a fresh 128-bit name), page-locked on a CUDA host, and the streams and scratch pools its
+    copies into the pool use (`_Pipe`). Only its connection's thread copies from it."""
 
     def __init__(self, pool: PagedKV, capacity: int) -> None:
         self.shared = SharedPool.create(
@@ -144,7 +194,7 @@ class _Ring:
             assert self.shared.pool is not None
             self._unpin = _pin(self.shared.pool)
             try:
-                self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+                self.pipe = _Pipe(pool.device)  # used by the connection's thread alone
             except BaseException:
                 self._unpin()
                 raise
@@ -152,7 +202,9 @@ class _Ring:
             self.shared.close()
             raise
         self.capacity = capacity
-        self.scratch = _Scratch()  # used by the connection's thread alone, on ``stream``
+        # Writes whose copies are queued and whose notices are not delivered yet, oldest
+        # first (`StagingEndpoint.stage`).
+        self.applying: deque[_Applying] = deque()
 
     @property
     def name(self) -> str:
@@ -162,8 +214,7 @@ class _Ring:
         """Waits for copies still reading the ring (a batch that failed half way), then
         unpins, unmaps and unlinks it. A sender still mapping it keeps its own mapping."""
         try:
-            if self.stream is not None:
-                self.stream.synchronize()
+            self.pipe.synchronize()
         finally:
             try:
                 self._unpin()
@@ -171,26 +222,63 @@ class _Ring:
                 self.shared.close()
 
 
+@dataclass
+class _Applying:
+    """A write the receiver queued: its copies end at ``done`` (None: already done, CPU)."""
+
+    done: Optional[torch.cuda.Event]
+    notices: Sequence[Notice]
+    source: Any
+    named: np.ndarray  # the destination ids the sender named (for the lease check)
+    freed: int
+
+
 def _unstage(
-    ring: PagedKV, pool: PagedKV, scratch: PagedKV, lo: int, positions: np.ndarray, dst_ids: np.ndarray
-) -> None:
-    """Ring slot ``lo + positions[i]`` into pool block ``dst_ids[i]``, on the current stream:
-    piece by piece, each piece's slots copied to ``scratch`` as contiguous runs, then
-    scattered by one fused copy. ``positions`` increase (the codec checks ``picked``)."""
+    ring: PagedKV, pool: PagedKV, pipe: _Pipe, lo: int, positions: np.ndarray, dst_ids: np.ndarray
+) -> Optional[torch.cuda.Event]:
+    """Ring slot ``lo + positions[i]`` into pool block ``dst_ids[i]``, piece by piece: each
+    piece's slots copied to a scratch pool as contiguous runs, then scattered by one fused
+    copy. On CUDA the copies are only queued (see `STAGE_CHUNK_BYTES`) and the event returned
+    is recorded after the last; on CPU they are done on return (None). ``positions``
+    increase (the codec checks ``picked``)."""
     try:
         packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"invalid staging batch: {err}") from None
-    step = scratch.num_blocks
+    scratches = pipe.pieces(pool)
+    step = scratches[0].num_blocks
+    pieces = []  # (first position, slots, index range) of each piece
     start = 0
     while start < len(positions):
         first = int(positions[start])
         end = int(np.searchsorted(positions, first + step, side="left"))
-        k = int(positions[end - 1]) - first + 1
-        for staged, held in _ring_runs(ring, scratch, lo + first, k):
-            held.copy_(staged, non_blocking=True)
-        copy_blocks(scratch, pool, positions[start:end] - first, dst_ids[start:end])
+        pieces.append((first, int(positions[end - 1]) - first + 1, start, end))
         start = end
+    with torch.cuda.stream(pipe.kernel) if pipe.kernel is not None else contextlib.nullcontext():
+        scatters = BlockCopies(
+            [
+                (scratches[j % len(scratches)], pool, positions[a:b] - first, dst_ids[a:b])
+                for j, (first, _, a, b) in enumerate(pieces)
+            ]
+        )
+    for j, (first, k, _, _) in enumerate(pieces):
+        runs = _ring_runs(ring, scratches[j % len(scratches)], lo + first, k)
+        if pipe.dma is None or pipe.kernel is None:
+            for staged, held in runs:
+                held.copy_(staged)
+            scatters.issue(j)
+            continue
+        free = pipe.free[j % 2]
+        pipe.dma.wait_event(free)  # the scatter that last read this scratch pool
+        with torch.cuda.stream(pipe.dma):
+            for staged, held in runs:
+                held.copy_(staged, non_blocking=True)
+        pipe.kernel.wait_event(pipe.dma.record_event())
+        with torch.cuda.stream(pipe.kernel):
+            scatters.issue(j)
+        free.record(pipe.kernel)
+    # Every piece's scatter waited for its own loads: the last scatter ends the write.
+    return pipe.kernel.record_event() if pipe.kernel is not None else None
 
 
 class _Refused(EOFError):
@@ -323,11 +411,21 @@ class StagingEndpoint(LocalEndpoint):
 
     def lost(self, peer: Any, reason: str) -> None:
         """The connection's thread has returned from its last batch: nothing reads its ring
-        any more, so the ring goes first, then the sender's requests fail (`LocalEndpoint`)."""
+        any more, so the ring goes first, then the sender's requests fail (`LocalEndpoint`).
+        Writes read before the end are delivered first, as they were read (`_settle`)."""
         try:
-            self._close_ring(peer)
+            with self._rings_lock:
+                ring = self._rings.get(peer)
+            if ring is not None:
+                try:
+                    self._settle(ring, everything=True)
+                except KvFerryError as err:  # the connection ends anyway: recorded
+                    self._record(err)
         finally:
-            super().lost(peer, reason)
+            try:
+                self._close_ring(peer)
+            finally:
+                super().lost(peer, reason)
 
     def _on_staged(self, peer: Any, frame: Staged) -> None:
         with self._rings_lock:
@@ -386,15 +484,52 @@ class StagingEndpoint(LocalEndpoint):
         if groups and not notices[0].whole:  # a layer slice: only its layers were staged
             layers = pool.group_layers(notices[0].group, notices[0].groups)
             ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
+        done = None
         if len(dst_ids):
-            stream = staging.stream
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
-                _unstage(ring, pool, staging.scratch.like(pool), lo, at, np.asarray(dst_ids, dtype=np.int64))
-            if stream is not None:
-                stream.synchronize()
-        self.deliver(notices, source, dst_ids=named)
-        self._reply(freed)  # these slots are free again
+            at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
+            done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64))
+        staging.applying.append(_Applying(done, notices, source, named, int(freed)))
+        self._settle(staging, everything=False)
+
+    def _settle(self, staging: _Ring, *, everything: bool) -> None:
+        """Delivers the queued writes whose copies finished, oldest first, each followed by
+        the frame that frees its slots. ``everything``: waits for all of them. Otherwise it
+        waits for the oldest only until the sender's next frame is there: that frame's
+        copies are then queued behind it (the host-to-device leg never idles between two
+        writes for the host's round trip) and the wait goes on after it. A write read after
+        one whose delivery broke the protocol is dropped, as if never read (it was not, in
+        the order frames are read); its copies only touched blocks its notices were admitted
+        for."""
+        peer = getattr(self._local, "peer", None)
+        while staging.applying:
+            entry = staging.applying[0]
+            if entry.done is not None and not entry.done.query():
+                if everything or peer is None or peer.channel is None:
+                    entry.done.synchronize()
+                else:
+                    while not entry.done.query():
+                        if peer.channel.poll(0):
+                            return
+                        time.sleep(APPLY_POLL_SECONDS)
+            staging.applying.popleft()
+            try:
+                self.deliver(entry.notices, entry.source, dst_ids=entry.named)
+            except BaseException:
+                staging.applying.clear()
+                raise
+            self._reply(entry.freed)  # these slots are free again
+
+    def dispatch(self, peer: Any, frame: Frame) -> None:
+        """As `LocalEndpoint.dispatch`, but every queued write is delivered first, so a fence,
+        plain notices or the end of the connection act after the writes read before them,
+        as when each write was delivered before the next frame was read. An announcement
+        changes no request's data and passes queued writes (their copies keep running)."""
+        if not isinstance(frame, (Staged, Announce)):
+            with self._rings_lock:
+                ring = self._rings.get(peer)
+            if ring is not None:
+                self._settle(ring, everything=True)
+        super().dispatch(peer, frame)
 
     def _reply(self, freed: int) -> None:
         peer = getattr(self._local, "peer", None)
@@ -439,7 +574,7 @@ class StagingTransport(LocalTransport):
         super().__init__(address, authkey=authkey, open_pool=self._open, handshake_timeout=handshake_timeout)
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
-        self._scratch = _Scratch()  # used on the copy engine's stream only, in write order
+        self._pipes: dict[torch.device, _Pipe] = {}  # by pool device; used in write order only
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -515,22 +650,50 @@ class StagingTransport(LocalTransport):
         n = s.size
 
         def stage() -> None:
-            scratch = self._scratch.like(parts[0].pool)
-            step = scratch.num_blocks
+            device = parts[0].pool.device
+            pipe = self._pipes.get(device)
+            if pipe is None:
+                pipe = self._pipes[device] = _Pipe(device)
+            scratches = pipe.pieces(parts[0].pool)
+            step = scratches[0].num_blocks
             at = [
                 np.arange(len(p.src_ids), dtype=np.int64)
                 if p.positions is None
                 else np.asarray(p.positions, dtype=np.int64)
                 for p in parts
             ]
-            for first in range(0, n, step):
+            copies: list[tuple[PagedKV, PagedKV, np.ndarray, np.ndarray]] = []
+            pieces: list[tuple[int, int, list[int]]] = []  # (first, blocks, its gathers)
+            for j, first in enumerate(range(0, n, step)):
                 k = min(step, n - first)
+                gathers = []
                 for part, where in zip(parts, at):
                     sel = (where >= first) & (where < first + k)
                     if sel.any():
-                        copy_blocks(part.pool, scratch, part.src_ids[sel], where[sel] - first)
-                for staged, held in _ring_runs(ring, scratch, lo + first, k):
-                    staged.copy_(held, non_blocking=True)
+                        gathers.append(len(copies))
+                        copies.append((part.pool, scratches[j % len(scratches)], part.src_ids[sel], where[sel] - first))
+                pieces.append((first, k, gathers))
+            gather = BlockCopies(copies)  # its ids go up once, on the engine's stream
+            current = torch.cuda.current_stream(device) if pipe.dma is not None else None
+            for j, (first, k, gathers) in enumerate(pieces):
+                runs = _ring_runs(ring, scratches[j % len(scratches)], lo + first, k)
+                if current is None or pipe.dma is None:
+                    for i in gathers:
+                        gather.issue(i)
+                    for staged, held in runs:
+                        staged.copy_(held)
+                    continue
+                free = pipe.free[j % 2]
+                current.wait_event(free)  # the device-to-host copies that last read this scratch pool
+                for i in gathers:
+                    gather.issue(i)
+                pipe.dma.wait_event(current.record_event())
+                with torch.cuda.stream(pipe.dma):
+                    for staged, held in runs:
+                        staged.copy_(held, non_blocking=True)
+                free.record(pipe.dma)
+            if current is not None and pipe.dma is not None:
+                current.wait_stream(pipe.dma)  # the write is done (its Pending) once its slots are
 
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
