@@ -13,7 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["Chunk", "Handshake", "KvferryMetadata", "KvferryWorkerMeta", "Outcome", "RecvSpec", "SendSpec"]
+__all__ = [
+    "Chunk",
+    "Handshake",
+    "KvferryMetadata",
+    "KvferryWorkerMeta",
+    "Outcome",
+    "RecvSpec",
+    "SendLeg",
+    "SendSpec",
+    "leg_name",
+    "leg_rank",
+]
 
 
 @dataclass
@@ -28,6 +39,41 @@ class RecvSpec:
     held_blocks: int
     digest: str
     timeout_s: float
+
+
+LEG_MARK = "@p"
+
+
+def leg_name(name: str, prefill_rank: int, prefill_tp: int) -> str:
+    """The name of prefill rank ``prefill_rank``'s part of a transfer or of a prefill
+    engine (a sender): each rank of a tensor-parallel prefill server looks up its own
+    destination and writes through its own endpoint (a staging ring has one writer). The
+    name itself with one prefill rank, as without tensor parallelism."""
+    return name if prefill_tp == 1 else f"{name}{LEG_MARK}{prefill_rank}"
+
+
+def leg_rank(sender: str) -> int:
+    """The prefill rank a sender name of `leg_name` carries (0 without a mark)."""
+    head, mark, rank = sender.rpartition(LEG_MARK)
+    return int(rank) if mark and head and rank.isdigit() and len(rank) <= 3 else 0
+
+
+@dataclass
+class SendLeg:
+    """Under tensor parallelism, one (prefill rank, decode rank) link of a send
+    (kvferry.ranks): the prefill rank's local heads ``src_heads`` go into the decode rank's
+    ``dst_heads`` (``whole``: whole blocks), at ``destination`` (that decode rank's published
+    blocks, epoch and endpoint). ``rendezvous`` and ``transfer``: where and under which name
+    that decode rank published it (for an abandon)."""
+
+    prefill_rank: int
+    decode_rank: int
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+    whole: bool
+    rendezvous: str
+    transfer: str
+    destination: dict[str, Any]
 
 
 @dataclass
@@ -45,6 +91,9 @@ class SendSpec:
     # A late send: the request finished (its whole prompt computed) before its destination
     # came; vLLM keeps its blocks until the worker reports finished_sending.
     finished: bool = False
+    # Tensor parallelism on either side: every link of the send (kvferry.ranks), each
+    # prefill rank taking its own. None: one rank each side, ``destination`` is the one.
+    legs: Optional[list[SendLeg]] = None
 
 
 @dataclass
