@@ -384,3 +384,81 @@ def test_cuda_ipc_head_slice_bit_exact(layout: str) -> None:
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+# -- the decode worker's parts (no engine; needs vLLM's connector base classes) ---------------
+
+
+@pytest.fixture
+def decode_p2(tmp_path: Any) -> Any:
+    """A decode worker of TP 1 over vLLM's token-major cache of 2 KV heads, fed by prefill
+    servers of TP 2: one receiver per prefill rank, each over that rank's head."""
+    pytest.importorskip("vllm")
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), prefill_tp_size=2),
+        block_size=TOKENS,
+        num_blocks=BLOCKS,
+        authkey=b"k" * 32,
+        num_kv_heads=2,
+    )
+    common.pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def _recv_spec(rid: str, kv: int, transfer: str) -> Any:
+    from kvferry.vllm.metadata import RecvSpec
+
+    return RecvSpec(rid, kv, transfer, 2 * TOKENS, [3, 7], 0, "d", 60.0)
+
+
+def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
+    """Published once per prefill rank (``T@p0``, ``T@p1``), each with its own receiver's
+    epoch; a lookup of each part gets an endpoint of its own, and a prefill rank that writes
+    nothing here gets none; the request has arrived only once both parts did."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    assert sorted(worker.receivers) == [0, 1]
+    assert worker.receivers[0].pool.check_compatible(worker.common.pool.heads(0, 1)) is None
+    spec = _recv_spec("r", 11, "T")
+    worker.bind(KvferryMetadata(recvs=[spec]))
+    address = worker.rendezvous.address
+    dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}", 5, f"eng@p{p}") for p in (0, 1)]
+    assert dests[0]["endpoint"] != dests[1]["endpoint"]
+    assert [d["epoch"] for d in dests] == [worker.receivers[p].epoch(11) for p in (0, 1)]
+    worker.receivers[0].deliver(Notice(11, 0, 0, 2, True, dests[0]["epoch"]))
+    assert worker.results(set()) == (set(), set())  # prefill rank 1's head is still missing
+    worker.receivers[1].deliver(Notice(11, 0, 0, 2, True, dests[1]["epoch"]))
+    assert worker.results(set()) == ({"r"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("s", 12, "U")]))
+    with pytest.raises(Exception, match="prefill rank 5 of 2 writes nothing"):
+        rendezvous.lookup(address, b"k" * 32, "U@p0", 5, "eng@p5")
+
+
+def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any) -> None:
+    """Prefill rank 1 gives its part up before writing; rank 0 had taken its part: the request
+    fails, rank 1's part is freed at once, rank 0's at its sender's fence."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("r", 21, "T")]))
+    dest = rendezvous.lookup(worker.rendezvous.address, b"k" * 32, "T@p0", 5, "eng@p0")
+    rendezvous.abandon(worker.rendezvous.address, b"k" * 32, "T@p1", "preempted")
+    assert worker.results(set()) == (set(), set())  # given up; rank 0's part waits for its fence
+    assert len(worker.receivers[1]) == 0 and len(worker.receivers[0]) == 1
+    worker.receivers[0].revoked(21, dest["epoch"])  # rank 0's sender fences it
+    assert worker.results(set()) == ({"r"}, {"r"})
+    assert all(len(r) == 0 for r in worker.receivers.values())
