@@ -513,3 +513,51 @@ def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any
     worker.receivers[0].revoked(21, dest["epoch"])  # rank 0's sender fences it
     assert worker.results(set()) == ({"r"}, {"r"})
     assert all(len(r) == 0 for r in worker.receivers.values())
+
+
+def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None) -> Any:
+    from types import SimpleNamespace
+
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    transfer = SimpleNamespace(
+        kv_connector_extra_config={"authkey_file": str(key), **(extra or {})}, kv_role="kv_consumer", engine_id="e"
+    )
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2)
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=TOKENS),
+    )
+
+
+def test_pipeline_parallelism_is_refused_by_name(tmp_path: Any) -> None:
+    pytest.importorskip("vllm")
+    from kvferry.vllm.connector import KvferryConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(InvalidArgumentError, match="invalid pipeline_parallel_size=2: .* not pipeline parallelism"):
+        KvferryConnector(_vllm_config(tmp_path, pp=2, tp=2), KVConnectorRole.SCHEDULER)
+
+
+def test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name(tmp_path: Any) -> None:
+    """A decode server of TP 2 told its prefill servers run TP 3: refused at startup."""
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), prefill_tp_size=3),
+        block_size=TOKENS,
+        num_blocks=BLOCKS,
+        authkey=b"k" * 32,
+        tp_size=2,
+        num_kv_heads=2,
+    )
+    common.pool = rank_pool(rank_cache("LBHNC", 1, torch.bfloat16, "cpu", poison))
+    with pytest.raises(KvFerryError, match="prefill_tp_size=3 with this server's tensor_parallel_size=2"):
+        DecodeWorker(common).start()
