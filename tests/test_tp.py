@@ -472,7 +472,7 @@ def _recv_spec(rid: str, kv: int, transfer: str) -> Any:
 
 
 def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
-    """Published once per prefill rank (``T@p0``, ``T@p1``), each with its own receiver's
+    """Published once per prefill rank (``T@p0of2``, ``T@p1of2``), each with its own receiver's
     epoch; a lookup of each part gets an endpoint of its own, and a prefill rank that writes
     nothing here gets none; the request has arrived only once both parts did."""
     from kvferry.notice import Notice
@@ -485,7 +485,7 @@ def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
     spec = _recv_spec("r", 11, "T")
     worker.bind(KvferryMetadata(recvs=[spec]))
     address = worker.rendezvous.address
-    dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}", 5, f"eng@p{p}") for p in (0, 1)]
+    dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}of2", 5, f"eng@p{p}of2") for p in (0, 1)]
     assert dests[0]["endpoint"] != dests[1]["endpoint"]
     assert [d["epoch"] for d in dests] == [worker.receivers[p].epoch(11) for p in (0, 1)]
     worker.receivers[0].deliver(Notice(11, 0, 0, 2, True, dests[0]["epoch"]))
@@ -495,7 +495,12 @@ def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
     assert all(len(r) == 0 for r in worker.receivers.values())
     worker.bind(KvferryMetadata(recvs=[_recv_spec("s", 12, "U")]))
     with pytest.raises(Exception, match="prefill rank 5 of 2 writes nothing"):
-        rendezvous.lookup(address, b"k" * 32, "U@p0", 5, "eng@p5")
+        rendezvous.lookup(address, b"k" * 32, "U@p0of2", 5, "eng@p5of2")
+    # A prefill server of another tensor parallel size is refused at once, not at its timeout.
+    with pytest.raises(Exception, match="takes prefill servers of tensor parallel size 2 .* has 4"):
+        rendezvous.lookup(address, b"k" * 32, "U@p0of4", 3600, "eng@p0of4")
+    with pytest.raises(Exception, match="takes prefill servers of tensor parallel size 2 .* has 1"):
+        rendezvous.lookup(address, b"k" * 32, "U", 3600, "eng")
 
 
 def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any) -> None:
@@ -506,8 +511,8 @@ def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any
 
     worker = decode_p2
     worker.bind(KvferryMetadata(recvs=[_recv_spec("r", 21, "T")]))
-    dest = rendezvous.lookup(worker.rendezvous.address, b"k" * 32, "T@p0", 5, "eng@p0")
-    rendezvous.abandon(worker.rendezvous.address, b"k" * 32, "T@p1", "preempted")
+    dest = rendezvous.lookup(worker.rendezvous.address, b"k" * 32, "T@p0of2", 5, "eng@p0of2")
+    rendezvous.abandon(worker.rendezvous.address, b"k" * 32, "T@p1of2", "preempted")
     assert worker.results(set()) == (set(), set())  # given up; rank 0's part waits for its fence
     assert len(worker.receivers[1]) == 0 and len(worker.receivers[0]) == 1
     worker.receivers[0].revoked(21, dest["epoch"])  # rank 0's sender fences it

@@ -141,6 +141,7 @@ class DecodeWorker:
                 self.config.rendezvous_dir,
                 listen=_rank_address(self.config.listen, common.tp_rank),
                 advertise=self.config.advertise,
+                admit=self._admit,
             )
         logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
 
@@ -175,7 +176,7 @@ class DecodeWorker:
                             f"already {len(self.endpoints)} prefill engines connected or holding a destination, "
                             "the most this decode server serves"
                         )
-                p = leg_rank(sender) if self.prefill_tp > 1 else 0
+                p = self._prefill_rank(sender)
                 receiver = self.receivers.get(p)
                 if receiver is None:
                     raise KvFerryError(f"prefill rank {p} of {self.prefill_tp} writes nothing into this decode rank")
@@ -192,6 +193,24 @@ class DecodeWorker:
                 evicted[1].close()
                 logger.info("kvferry: closed the idle endpoint %s of prefill engine %s (room for %s)",
                             evicted[1].url, evicted[0], sender)  # fmt: skip
+
+    def _prefill_rank(self, sender: str) -> int:
+        """The prefill rank a lookup's sender name carries (`leg_name`); 0 with one rank."""
+        mark = leg_rank(sender)
+        return 0 if mark is None or self.prefill_tp == 1 else mark[0]
+
+    def _admit(self, sender: str) -> Optional[str]:
+        """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
+        of another tensor parallel size than ``prefill_tp_size`` would look up names this
+        server never publishes (and wait out its whole timeout)."""
+        mark = leg_rank(sender)
+        size = 1 if mark is None else mark[1]
+        if size != self.prefill_tp:
+            return (
+                f"this decode server takes prefill servers of tensor parallel size {self.prefill_tp} "
+                f"(its kv_connector_extra_config prefill_tp_size); prefill engine {sender!r} has {size}"
+            )
+        return None
 
     def _idlest(self) -> Optional[tuple[str, registry.Served]]:
         """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected

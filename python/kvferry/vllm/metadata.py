@@ -46,16 +46,21 @@ LEG_MARK = "@p"
 
 def leg_name(name: str, prefill_rank: int, prefill_tp: int) -> str:
     """The name of prefill rank ``prefill_rank``'s part of a transfer or of a prefill
-    engine (a sender): each rank of a tensor-parallel prefill server looks up its own
-    destination and writes through its own endpoint (a staging ring has one writer). The
-    name itself with one prefill rank, as without tensor parallelism."""
-    return name if prefill_tp == 1 else f"{name}{LEG_MARK}{prefill_rank}"
+    engine (a sender), ``<name>@p<rank>of<size>``: each rank of a tensor-parallel prefill
+    server looks up its own destination and writes through its own endpoint (a staging ring
+    has one writer), and the size in the name lets a decode server expecting another refuse
+    the lookup at once. The name itself with one prefill rank, as without tensor parallelism."""
+    return name if prefill_tp == 1 else f"{name}{LEG_MARK}{prefill_rank}of{prefill_tp}"
 
 
-def leg_rank(sender: str) -> int:
-    """The prefill rank a sender name of `leg_name` carries (0 without a mark)."""
-    head, mark, rank = sender.rpartition(LEG_MARK)
-    return int(rank) if mark and head and rank.isdigit() and len(rank) <= 3 else 0
+def leg_rank(sender: str) -> Optional[tuple[int, int]]:
+    """``(prefill rank, prefill tensor parallel size)`` of a sender name made by `leg_name`,
+    or None for a name without a mark (one prefill rank)."""
+    head, mark, tail = sender.rpartition(LEG_MARK)
+    rank, of, size = tail.partition("of")
+    if not (mark and head and of and rank.isdigit() and size.isdigit() and len(rank) <= 3 and len(size) <= 3):
+        return None
+    return int(rank), int(size)
 
 
 @dataclass
