@@ -566,3 +566,48 @@ def test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name(tmp_path: Any
     common.pool = rank_pool(rank_cache("LBHNC", 1, torch.bfloat16, "cpu", poison))
     with pytest.raises(KvFerryError, match="prefill_tp_size=3 with this server's tensor_parallel_size=2"):
         DecodeWorker(common).start()
+
+
+def test_the_hello_names_every_decode_rank_and_signs_them_together(tmp_path: Any) -> None:
+    """A TP-2 decode server's hello: both ranks' rendezvous in rank order, one signature over
+    both; a prefill scheduler plans one link per (prefill rank, decode rank) from it."""
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm import trust
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import Handshake
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    key = b"k" * 32
+
+    def side(tp: int) -> Any:
+        return SchedulerSide(
+            ConnectorConfig(),
+            block_size=TOKENS,
+            role="kv_both",
+            engine_id="e",
+            kv_cache_manager_getter=None,
+            authkey=key,
+            tp_size=tp,
+            num_kv_heads=2,
+        )
+
+    decode = side(2)
+    decode.set_handshakes({1: Handshake("e1", "unix:///r/b.sock"), 0: Handshake("e0", "unix:///r/a.sock")})
+    hello = decode._hello()
+    assert hello["peer"] == "unix:///r/a.sock unix:///r/b.sock" and hello["engine"] == "e0"
+    assert trust.check_peer(key, (), hello["peer"], hello["peer_mac"]) == hello["peer"]
+    with pytest.raises(trust.UntrustedPeerError):  # the ranks swapped: not what was signed
+        trust.check_peer(key, (), "unix:///r/b.sock unix:///r/a.sock", hello["peer_mac"])
+    assert trust.check_peer(key, ("unix:///r/a.sock", "unix:///r/b.sock"), hello["peer"], None)
+    with pytest.raises(trust.UntrustedPeerError):  # trusted_peers must list every rank's
+        trust.check_peer(key, ("unix:///r/a.sock",), hello["peer"], None)
+    plan = side(2)._plan(hello["peer"])
+    assert plan is not None and [(k.prefill_rank, k.decode_rank, a) for k, a in plan] == [
+        (0, 0, "unix:///r/a.sock"),
+        (1, 1, "unix:///r/b.sock"),
+    ]
+    assert side(1)._plan("unix:///r/a.sock") is None  # one rank each side: one lookup, as before
+    assert [k.prefill_rank for k, _ in side(2)._plan("unix:///r/a.sock") or ()] == [0, 1]
+    with pytest.raises(KvFerryError, match="3 tensor-parallel ranks"):
+        side(2)._plan("unix:///a unix:///b unix:///c")
