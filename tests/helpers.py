@@ -330,6 +330,24 @@ def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
     return True
 
 
+# A bound for a spawned worker that hangs, not a timing expectation: on a loaded 2-core machine a
+# spawned process that imports torch may take minutes to answer its first call.
+HANG_SECONDS = 900.0
+
+
+def reply_from(conn: Any, proc: Any, who: str) -> Any:
+    """A spawned worker process's next reply on ``conn``, waited for as long as ``proc`` lives
+    (its death ends the wait at once, naming it); ``HANG_SECONDS`` only stops a hung test."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + HANG_SECONDS
+    while not conn.poll():
+        assert proc.exitcode is None, f"the {who} exited (code {proc.exitcode}) without answering"
+        assert time.monotonic() < deadline, f"the {who} did not answer within {HANG_SECONDS} s"
+        wait([conn, proc.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+    return conn.recv()
+
+
 def kvferry_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvferry"))
 
@@ -471,6 +489,7 @@ def assert_nothing_leased(
 
 __all__ = [
     "POOLS",
+    "HANG_SECONDS",
     "SLACK",
     "TRANSFER_POOLS",
     "Blocks",
@@ -486,6 +505,7 @@ __all__ = [
     "left_in_shm",
     "no_new_threads",
     "open_fds",
+    "reply_from",
     "serve",
     "shm_endpoint",
     "tables",

@@ -27,6 +27,7 @@ from helpers import (
     assert_nothing_leased,
     digest,
     kvferry_threads,
+    reply_from,
     serve,
     tables,
     until,
@@ -42,19 +43,7 @@ TPB, LAYERS, NUM_BLOCKS, SHAPE = POOLS.tpb, POOLS.layers, POOLS.num_blocks, POOL
 # SLACK (helpers) bounds how long a failure may take on a loaded 2-core machine. A test that
 # proves "at once rather than at the timeout" compares against a much longer timeout.
 REPLY_SECONDS = 60.0
-HANG_SECONDS = 900.0  # a bound for a hung worker, not a timing expectation
 LONG_TIMEOUT = 30.0
-
-
-def reply_from(conn: Any, proc: Any, who: str) -> Any:
-    """A worker process's next reply, waited for as long as the process lives: on a loaded
-    machine a spawned worker that imports torch may take minutes to answer its first call.
-    ``HANG_SECONDS`` only stops a hung test."""
-    deadline = time.monotonic() + HANG_SECONDS
-    while not conn.poll(1.0):
-        assert proc.is_alive(), f"the {who} exited (code {proc.exitcode}) without answering"
-        assert time.monotonic() < deadline, f"the {who} did not answer within {HANG_SECONDS} s"
-    return conn.recv()
 
 
 # --- the generation worker (receiver) -------------------------------------------------------

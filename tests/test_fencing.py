@@ -42,6 +42,7 @@ from helpers import (
     digest,
     in_process_pair,
     kvferry_threads,
+    reply_from,
     serve,
     shm_endpoint,
     tables,
@@ -58,7 +59,7 @@ from kvferry.refengine.worker import Worker
 from kvferry.sender import KVSender, SenderStage
 from kvferry.transports.base import Write
 from kvferry.transports.inprocess import InProcessTransport
-from test_faults import NUM_BLOCKS, REPLY_SECONDS, TPB, GatedEngine, expect_failed_soon, reply_from
+from test_faults import NUM_BLOCKS, REPLY_SECONDS, TPB, GatedEngine, expect_failed_soon
 
 # --- a receiver in its own process -----------------------------------------------------------
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from helpers import reply_from
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -491,16 +492,14 @@ def cuda_ipc(layouts: tuple[str, str], shape: tuple[int, int], dtype: torch.dtyp
     proc = ctx.Process(target=_ipc_receiver, args=(child, authkey, layouts[1], shape, dtype), daemon=True)
     proc.start()
     try:
-        assert parent.poll(SLACK), "the receiver did not start"
-        address, epoch = parent.recv()
+        address, epoch = reply_from(parent, proc, "receiver")
         transport = CudaIpcTransport(address, authkey=authkey)
         engine = CudaCopyEngine(torch.device("cuda"))
         notice = Notice(5, 0, 0, len(DST_IDS), True, epoch)
         transport.announce([(5, epoch)])
         assert transport.write(engine, Write(register(src_cache), SRC_IDS, DST_IDS, [notice])).wait(SLACK)
         transport.post([notice])
-        assert parent.poll(SLACK), "the receiver did not report"
-        status, got = parent.recv()
+        status, got = reply_from(parent, proc, "receiver")
         assert status == "ok", got
         assert_bytes_equal(torch.from_numpy(got), want)
         transport.close()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import TRANSFER_POOLS as POOLS
-from helpers import serve
+from helpers import reply_from, serve
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
@@ -101,8 +101,7 @@ class Sender:
         self.ring_name = self.expect("ready")
 
     def expect(self, what: str) -> Any:
-        assert self._conn.poll(SLACK), f"sender {self.seed} did not answer ({what})"
-        kind, value = self._conn.recv()
+        kind, value = reply_from(self._conn, self.proc, f"sender {self.seed} (waiting for {what!r})")
         assert kind == what, (kind, value)
         return value
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FakeClock
-from helpers import TRANSFER_POOLS, ManualEngine, assert_nothing_leased, in_process_pair, serve
+from helpers import TRANSFER_POOLS, ManualEngine, assert_nothing_leased, in_process_pair, reply_from, serve
 from kvferry._core import BlockRange
 from kvferry.errors import (
     DuplicateTransferError,
@@ -314,14 +314,13 @@ def run_with_receiver(
     proc = ctx.Process(target=worker, args=(child, authkey, kind, *worker_args), daemon=True)
     proc.start()
     try:
-        address = parent.recv()
+        address = reply_from(parent, proc, "receiver")
         src_table, dst_table = tables
         parent.send(dst_table)
         sender, expected = connect(address, authkey)
         sent = drive(sender, src_table, dst_table, layerwise=layerwise)
         sender.flush(timeout=60)
-        assert parent.poll(60), "receiver did not report"
-        status, value, counts = parent.recv()
+        status, value, counts = reply_from(parent, proc, "receiver")
         assert status == "ok", value
         assert value == expected
         assert sum(counts) == len(sent)  # every slice announced once, none lost
