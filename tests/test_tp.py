@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import SLACK, assert_nothing_leased
+from helpers import SLACK, assert_nothing_leased, reply_from
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -415,15 +415,13 @@ def test_cuda_ipc_head_slice_bit_exact(layout: str) -> None:
     proc = ctx.Process(target=_ipc_decode_rank, args=(child, authkey, layout, 4, link.dst_heads), daemon=True)
     proc.start()
     try:
-        assert parent.poll(SLACK), "the decode rank did not start"
-        address, epoch = parent.recv()
+        address, epoch = reply_from(parent, proc, "decode rank")
         engine = CudaCopyEngine(torch.device("cuda"))
         sender = KVSender(
             rank_pool(src_cache).heads(*link.src_heads), CudaIpcTransport(address, authkey=authkey), engine=engine
         )
         send_one(sender, epoch)
-        assert parent.poll(SLACK), "the decode rank did not report"
-        status, got = parent.recv()
+        status, got = reply_from(parent, proc, "decode rank")
         assert status == "ok", got
         diff = (torch.from_numpy(got) != want).nonzero()
         assert diff.numel() == 0, f"{diff.shape[0]} bytes differ"
