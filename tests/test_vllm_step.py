@@ -227,8 +227,9 @@ def test_early_bytes_issued_and_landed_before_the_forward() -> None:
         TransferRecord("early", (notice,), 0, 1.0, 1.0, 20.0),  # landed after it
         TransferRecord("chunk", (notice,), 0, 11.0, 11.0, 21.0),
     ]
-    peer = SimpleNamespace(sender=SimpleNamespace(records=records))
-    st = _Send(SimpleNamespace(transfer="T", req_id="r"), 7, peer, 2, added=True, first_forward_done=10.0)  # type: ignore[arg-type]
+    peer = SimpleNamespace(sender=SimpleNamespace(records=records), pool=common.pool)
+    spec = SimpleNamespace(transfer="T", req_id="r")
+    st = _Send(spec, 7, peer, 2, {}, common.pool, "T", "p", added=True, first_forward_done=10.0)  # type: ignore[arg-type]
     worker._take_records(peer, {(id(peer), 7): st})  # type: ignore[arg-type]
     per = 2 * common.pool.block_bytes * common.pool.num_layers
     counts = worker.tally.take()["counts"]
@@ -256,20 +257,24 @@ def test_prefill_settle_scans_each_peer_once_per_step() -> None:
     receiver = KVReceiver(_pool(n))
     sender = KVSender(common.pool, InProcessTransport(receiver), record=True, progress=True)
     worker = PrefillWorker(common)
-    peer = worker._peers["p"] = _Peer("p", sender, TransferHook(sender))
+    peer = worker._peers["p"] = _Peer("p", sender, TransferHook(sender), common.pool)
     try:
         for kv in range(n):
             epoch = receiver.expect(kv, TPB)
             peer.hook.add_request(kv, TPB, reused_len=0, src_blocks=np.array([kv]), dst_blocks=[kv], epoch=epoch)
             peer.hook.after_forward([kv], [0], [TPB])
             spec = SendSpec(f"s{kv}", f"T{kv}", TPB, 0, "p", {"request_id": kv, "held_blocks": 0}, 60.0)
-            worker._send[spec.req_id] = _Send(spec, kv, peer, 1, added=True, early_done=True)
+            dest = spec.destination
+            worker._send[(spec.req_id, 0)] = _Send(
+                spec, kv, peer, 1, dest, common.pool, spec.transfer, "p", added=True, early_done=True
+            )
+            worker._reqs[spec.req_id] = [(spec.req_id, 0)]
         for kv in range(n):
             receiver.wait(kv, timeout=30)
         scans: list[int] = []
         real = sender.failures
         sender.failures = lambda: scans.append(1) or real()  # type: ignore[method-assign]
-        finished = set(worker._send)
+        finished = set(worker._reqs)
         assert worker.results(finished) == finished
         assert len(scans) == 1
         assert worker.tally.take()["counts"]["chunk_bytes"] == n * common.pool.block_bytes

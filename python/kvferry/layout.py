@@ -27,7 +27,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 
@@ -308,6 +308,39 @@ class PagedKV:
     def _slices(self) -> dict[tuple[int, int], PagedKV]:
         return {}
 
+    def heads(self, lo: int, hi: int) -> PagedKV:
+        """The pool of KV heads ``[lo, hi)`` of every block (the same memory, no copy), for
+        a pool made by `paged_kv_from_views`: its segments are cut where the heads start
+        (``paged_kv_from_views(..., heads=)`` draws the picture), so the slice of one pool
+        exchanges blocks with a slice of the same width of another pool of the same physical
+        order, whatever their full head counts. Cached per range."""
+        source = self.__dict__.get("_views")
+        if source is None:
+            raise InvalidArgumentError(
+                "invalid pool for heads(): only a pool made by paged_kv_from_views knows its heads"
+            )
+        cache = self._head_slices
+        view = cache.get((lo, hi))
+        if view is None:
+            views, dims = source
+            view = cache[(lo, hi)] = paged_kv_from_views(
+                views, num_blocks=self.num_blocks, tokens_per_block=self.tokens_per_block, dims=dims, heads=(lo, hi)
+            )
+        return view
+
+    @property
+    def num_heads(self) -> int:
+        """The KV heads of a pool made by `paged_kv_from_views` (1 for MLA's latent head)."""
+        source = self.__dict__.get("_views")
+        if source is None or "H" not in source[1]:
+            raise InvalidArgumentError("invalid pool for num_heads: only a pool made by paged_kv_from_views knows it")
+        views, dims = source
+        return int(views[0].shape[dims.index("H")])
+
+    @functools.cached_property
+    def _head_slices(self) -> dict[tuple[int, int], PagedKV]:
+        return {}
+
     def segment_views(self, word: torch.dtype) -> list[torch.Tensor]:
         """Each layer as ``(segments, num_blocks, segment_bytes / word_size)`` of ``word``,
         strided where the layer's blocks lie (no copy). ``word`` must divide the segment,
@@ -366,7 +399,12 @@ def writable(t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_kv_from_views(
-    layers: Sequence[torch.Tensor], *, num_blocks: int, tokens_per_block: int, dims: str = "BHNC"
+    layers: Sequence[torch.Tensor],
+    *,
+    num_blocks: int,
+    tokens_per_block: int,
+    dims: str = "BHNC",
+    heads: Optional[tuple[int, int]] = None,
 ) -> PagedKV:
     """The pool of an engine's per-layer views, whatever their physical order: ``dims`` names
     each dimension of the views (``B`` the blocks; vLLM 0.32's ``[B, H, N, C]`` by default:
@@ -381,7 +419,22 @@ def paged_kv_from_views(
     ```
     Dimensions of size 1 (MLA's single latent head) place nothing and are left out of the
     label, so two pools whose blocks hold the same bytes in the same order get the same one.
-    Refuses, naming the shape, strides and dtype, views it cannot read block by block."""
+    Refuses, naming the shape, strides and dtype, views it cannot read block by block.
+
+    ``heads=(lo, hi)``: the pool of KV heads ``[lo, hi)`` only (tensor parallelism: a rank
+    moves a slice of its heads to a rank of another split; kvferry.ranks). Its segments
+    are cut where the heads start, whether the slice is all of them or not, and the label
+    names ``H`` even for one head, so that two head slices of the same width and physical
+    order agree, whatever each side's full head count:
+
+    ```
+    head-major (H, N, C):   block = [h0 N C][h1 N C]...   slice [1, 2): one run inside each block
+    token-major (N, H, C):  block = [t0: h0 C, h1 C][t1: h0 C, h1 C]...
+                            slice [1, 2): one segment per token, outer N, inner (h, C)
+    ```
+    A head dimension of size 1 has no stride of its own in memory; vLLM gives it (as any
+    allocation does) the product of the sizes inside it, which places it just inside the
+    dimension whose stride it shares."""
     layers = tuple(layers)
     if not layers:
         raise InvalidArgumentError("invalid layers=(): must hold at least one layer")
@@ -402,16 +455,33 @@ def paged_kv_from_views(
             f"the engine has num_blocks={num_blocks}"
         )
     stride = first.stride()
-    placed = [d for d in range(first.dim()) if d != b and first.shape[d] > 1]
-    ones = [d for d in range(first.dim()) if d != b and first.shape[d] == 1]
-    physical = sorted(placed, key=lambda d: -stride[d])
+    h = -1
+    if heads is not None:
+        if "H" not in dims:
+            raise InvalidArgumentError(f"invalid heads={heads!r}: dims={dims!r} names no 'H' (the KV heads)")
+        h = dims.index("H")
+        lo, hi = heads
+        _check_int("heads[0]", lo)
+        _check_int("heads[1]", hi)
+        if not 0 <= lo < hi <= first.shape[h]:
+            raise InvalidArgumentError(
+                f"invalid heads=({lo}, {hi}): must be a non-empty range within [0, {first.shape[h]}) (the views' heads)"
+            )
+        layers = tuple(t.narrow(h, lo, hi - lo) if isinstance(t, torch.Tensor) else t for t in layers)
+        first = layers[0]
+    placed = [d for d in range(first.dim()) if d != b and (first.shape[d] > 1 or d == h)]
+    ones = [d for d in range(first.dim()) if d != b and d not in placed]
+    # A size-1 dimension ties, by stride, with the one just outside it: it goes inside.
+    physical = sorted(placed, key=lambda d: (-stride[d], first.shape[d] == 1))
     inner: list[int] = []
     expect = 1
     for d in reversed(physical):
-        if stride[d] != expect:
+        if stride[d] != expect and first.shape[d] > 1:
             break
         inner.insert(0, d)
         expect *= first.shape[d]
+    if h in inner:  # a head slice's segments start at its heads (see the doc)
+        inner = inner[inner.index(h) :]
     outer = physical[: len(physical) - len(inner)]
     if not inner and physical:
         raise InvalidArgumentError(
@@ -424,7 +494,7 @@ def paged_kv_from_views(
     for i, t in enumerate(layers):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"layers[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != first.shape or t.stride() != stride:
+        if t.shape != first.shape or t.stride() != first.stride():
             raise InvalidArgumentError(
                 f"invalid layers[{i}] ({_describe(t)}): must have the shape and strides of layers[0] "
                 f"({_describe(first)})"
@@ -434,6 +504,10 @@ def paged_kv_from_views(
             view = view.select(-1, 0)
         views.append(view)
     try:
-        return PagedKV(tuple(views), tokens_per_block, len(outer), label)
+        pool = PagedKV(tuple(views), tokens_per_block, len(outer), label)
     except InvalidArgumentError as err:
         raise InvalidArgumentError(f"invalid layers[0] ({_describe(first)}): {err}") from None
+    if heads is None:
+        # What `PagedKV.heads` slices: the engine's own views (a pool of it reads them again).
+        object.__setattr__(pool, "_views", (layers, dims))
+    return pool

@@ -57,6 +57,10 @@ class ConnectorConfig:
     # Decode servers' rendezvous URLs a prefill server connects to without a peer_mac (the
     # decode server's signature of its URL, which its hello answer carries): kvferry.vllm.trust.
     trusted_peers: tuple[str, ...] = ()
+    # Decode side: the tensor parallel size of the prefill servers that send here (each of
+    # their ranks writes its heads; a request has arrived once every one of them landed;
+    # kvferry.ranks). A power of two that divides, or is divided by, this server's own.
+    prefill_tp_size: int = 1
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:

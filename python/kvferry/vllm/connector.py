@@ -46,12 +46,18 @@ class KvferryConnector(KVConnectorBase_V1):
         # Read here, at startup, by both halves: a missing, too-open or too-short key file
         # stops the server naming the path (docs/vllm.md, "The key").
         authkey = self.config.authkey()
-        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
-        if tp != 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            # Each stage holds only its layers: the decode side would need every stage's
+            # writes, and the scheduler half one handshake per (stage, rank). Not built.
             raise InvalidArgumentError(
-                f"invalid parallel size {tp}: KvferryConnector supports one worker per engine (tensor and pipeline "
-                "parallel size 1)"
+                f"invalid pipeline_parallel_size={parallel.pipeline_parallel_size}: KvferryConnector supports "
+                'tensor parallelism (docs/vllm.md, "Tensor parallelism") but not pipeline parallelism (size 1 only)'
             )
+        tp_size = parallel.tensor_parallel_size
+        model = vllm_config.model_config
+        mla = bool(getattr(model, "use_mla", False))
+        num_kv_heads = 1 if mla else int(model.get_total_num_kv_heads())
         kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         self._sched: Optional[SchedulerSide] = None
@@ -67,11 +73,26 @@ class KvferryConnector(KVConnectorBase_V1):
                 engine_id=engine_id,
                 kv_cache_manager_getter=lambda: self._kv_cache_manager,
                 authkey=authkey,
+                tp_size=tp_size,
+                num_kv_heads=num_kv_heads,
+                mla=mla,
             )
         else:
             assert kv_cache_config is not None
+            tp_rank = 0
+            if tp_size > 1:
+                from vllm.distributed.parallel_state import get_tp_group
+
+                tp_rank = get_tp_group().rank_in_group
             self._worker = WorkerCommon(
-                self.config, block_size=block_size, num_blocks=kv_cache_config.num_blocks, authkey=authkey
+                self.config,
+                block_size=block_size,
+                num_blocks=kv_cache_config.num_blocks,
+                authkey=authkey,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                num_kv_heads=num_kv_heads,
+                mla=mla,
             )
             if kv_role in ("kv_producer", "kv_both"):
                 self._prefill = PrefillWorker(self._worker)
@@ -152,9 +173,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self._sched is not None
-        for value in metadata.values():
-            if isinstance(value, Handshake):
-                self._sched.handshake = value
+        # One per tensor-parallel rank (vLLM keys them by rank): the hello names them all.
+        self._sched.set_handshakes({int(r): v for r, v in metadata.items() if isinstance(v, Handshake)})
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         assert self._sched is not None

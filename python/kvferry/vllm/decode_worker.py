@@ -1,6 +1,14 @@
 """The decode worker of `KvferryConnector` (kvferry.vllm.worker draws both roles): one
 kvferry `KVReceiver` over vLLM's KV tensors, a rendezvous where prefill engines look up each
-request's destination, and one endpoint per prefill engine."""
+request's destination, and one endpoint per prefill engine.
+
+Tensor parallelism (kvferry.ranks): each decode rank's worker has its own rendezvous (the
+hello names every rank's) and one receiver per prefill rank that writes into it
+(``prefill_tp_size`` ranks split the heads; the links of this rank), each over the part of
+this rank's pool that prefill rank writes (a head slice when the two sides split heads
+differently). A request is published once per such receiver, under the name of that
+prefill rank's part (`leg_name`), and has arrived once every one of them holds every block.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +16,18 @@ import heapq
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from kvferry import ranks
 from kvferry._core import BlockRange
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
-from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec
+from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 
 logger = logging.getLogger("kvferry.vllm")
@@ -47,6 +56,16 @@ class _Recv:
     # (kvferry.vllm.rendezvous, "abandon"), so no late write can come and no fence is due.
     unwritten: bool = False
     kept_logged: bool = False  # one-sided writes: logged once that its blocks are kept past the fence timeout
+    # Under tensor parallelism, its parts: prefill rank -> the name it was published under
+    # (empty: the one part, rank 0, under the transfer's own name); the parts never
+    # published, abandoned by their prefill rank (never written), and released so far.
+    subs: dict[int, str] = field(default_factory=dict)
+    unpublished: set[int] = field(default_factory=set)
+    abandoned: set[int] = field(default_factory=set)
+    released: set[int] = field(default_factory=set)
+
+    def parts(self) -> dict[int, str]:
+        return self.subs or {0: self.spec.transfer}
 
 
 class DecodeWorker:
@@ -58,7 +77,10 @@ class DecodeWorker:
         self.tally = common.tally
         self._spec = registry.spec(self.config.transport)
         self.engine = common.engine
-        self.receiver: Optional[KVReceiver] = None
+        # One receiver per prefill rank that writes into this rank (rank 0 alone without
+        # tensor parallelism), each over what that rank writes.
+        self.receivers: dict[int, KVReceiver] = {}
+        self._ring_of: dict[int, int] = {}  # prefill rank -> its staging ring's blocks
         # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
         self.endpoints: dict[str, registry.Served] = {}
         self._endpoints_lock = threading.Lock()
@@ -76,23 +98,54 @@ class DecodeWorker:
         self._look: set[str] = set()  # looked at next step whatever happens (given up, or abandoned early)
         self._refused_seen = self._duplicates_seen = 0
 
+    @property
+    def receiver(self) -> Optional[KVReceiver]:
+        """The receiver of prefill rank 0's writes (the only one without tensor parallelism)."""
+        return self.receivers[min(self.receivers)] if self.receivers else None
+
+    @receiver.setter
+    def receiver(self, value: KVReceiver) -> None:
+        self.receivers = {0: value}
+
+    @property
+    def prefill_tp(self) -> int:
+        return self.config.prefill_tp_size
+
     def start(self) -> None:
-        """After `WorkerCommon.register_kv_caches`: the receiver and the rendezvous."""
-        pool = self.common.pool
+        """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
+        common = self.common
+        pool = common.pool
         assert pool is not None
+        if self.prefill_tp == 1 and common.tp_size == 1:
+            links: tuple[ranks.Link, ...] = (ranks.Link(0, 0, (0, 1), (0, 1), True),)
+        else:
+            try:
+                every = ranks.links(self.prefill_tp, common.tp_size, common.num_kv_heads, mla=common.mla)
+            except KvFerryError as err:
+                raise KvFerryError(
+                    f"invalid kv_connector_extra_config prefill_tp_size={self.prefill_tp} with this server's "
+                    f"tensor_parallel_size={common.tp_size}: {err}"
+                ) from None
+            links = ranks.contributors(common.tp_rank, every)
         with torch.inference_mode(False):  # the ring is written by kvferry's own threads
-            self.receiver = KVReceiver(pool)
-            self._ring_blocks = max(2, self.config.staging_bytes // (pool.block_bytes * pool.num_layers))
+            for link in links:
+                part = common.link_pool(link.dst_heads, link.whole)
+                self.receivers[link.prefill_rank] = KVReceiver(part)
+                self._ring_of[link.prefill_rank] = max(
+                    2, self.config.staging_bytes // (part.block_bytes * part.num_layers)
+                )
+            self._ring_blocks = self._ring_of[min(self._ring_of)]
             self.rendezvous = rendezvous.Rendezvous(
                 self.authkey,
                 self._endpoint_for,
                 self.config.rendezvous_dir,
-                listen=self.config.listen,
+                listen=_rank_address(self.config.listen, common.tp_rank),
                 advertise=self.config.advertise,
+                admit=self._admit,
             )
         logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
 
-    def _endpoint_options(self) -> dict[str, Any]:
+    def _endpoint_options(self, prefill_rank: int = 0) -> dict[str, Any]:
         """Where an endpoint listens: ``unix://`` beside the rendezvous, or on the
         rendezvous's tcp:// host with a port of its own."""
         where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
@@ -102,7 +155,7 @@ class DecodeWorker:
             if self.config.advertise is not None:
                 options["advertise"] = self.config.advertise
         if self._spec.ring_option is not None:
-            options[self._spec.ring_option] = self._ring_blocks
+            options[self._spec.ring_option] = self._ring_of.get(prefill_rank, self._ring_blocks)
         return options
 
     def _endpoint_for(self, sender: str) -> str:
@@ -123,10 +176,13 @@ class DecodeWorker:
                             f"already {len(self.endpoints)} prefill engines connected or holding a destination, "
                             "the most this decode server serves"
                         )
-                assert self.receiver is not None
+                p = self._prefill_rank(sender)
+                receiver = self.receivers.get(p)
+                if receiver is None:
+                    raise KvFerryError(f"prefill rank {p} of {self.prefill_tp} writes nothing into this decode rank")
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
                     endpoint = registry.serve(
-                        self.config.transport, self.receiver, authkey=self.authkey, **self._endpoint_options()
+                        self.config.transport, receiver, authkey=self.authkey, **self._endpoint_options(p)
                     )
                 self.endpoints[sender] = endpoint
                 self._made[sender] = time.monotonic()
@@ -137,6 +193,24 @@ class DecodeWorker:
                 evicted[1].close()
                 logger.info("kvferry: closed the idle endpoint %s of prefill engine %s (room for %s)",
                             evicted[1].url, evicted[0], sender)  # fmt: skip
+
+    def _prefill_rank(self, sender: str) -> int:
+        """The prefill rank a lookup's sender name carries (`leg_name`); 0 with one rank."""
+        mark = leg_rank(sender)
+        return 0 if mark is None or self.prefill_tp == 1 else mark[0]
+
+    def _admit(self, sender: str) -> Optional[str]:
+        """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
+        of another tensor parallel size than ``prefill_tp_size`` would look up names this
+        server never publishes (and wait out its whole timeout)."""
+        mark = leg_rank(sender)
+        size = 1 if mark is None else mark[1]
+        if size != self.prefill_tp:
+            return (
+                f"this decode server takes prefill servers of tensor parallel size {self.prefill_tp} "
+                f"(its kv_connector_extra_config prefill_tp_size); prefill engine {sender!r} has {size}"
+            )
+        return None
 
     def _idlest(self) -> Optional[tuple[str, registry.Served]]:
         """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected
@@ -179,17 +253,55 @@ class DecodeWorker:
             self._expect(spec)
 
     def _expect(self, spec: RecvSpec) -> None:
-        assert self.receiver is not None and self.rendezvous is not None
+        assert self.receivers and self.rendezvous is not None
         now = time.monotonic()
+        held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
+        # The lease names the request's blocks: a notice whose write used others is refused.
+        blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
+        epochs: dict[int, int] = {}
         try:
-            held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
-            # The lease names the request's blocks: a notice whose write used others is refused.
-            blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
-            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
+            for p, receiver in self.receivers.items():
+                epochs[p] = receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
         except KvFerryError as err:
+            for p in epochs:
+                self.receivers[p].release_unfenced(spec.kv_id)  # never published: nothing writes it
             self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
             return
-        destination = {
+        st = _Recv(spec, now, now + spec.timeout_s)
+        if len(self.receivers) > 1 or self.prefill_tp > 1:
+            st.subs = {p: leg_name(spec.transfer, p, self.prefill_tp) for p in self.receivers}
+        parts = list(st.parts().items())
+        for i, (p, name) in enumerate(parts):
+            try:
+                self.rendezvous.publish(name, self._destination(spec, epochs[p]))
+            except TransferError as err:
+                st.unpublished = {q for q, _ in parts[i:]}
+                if i == 0:  # none published: nothing can write it
+                    for q in epochs:
+                        self.receivers[q].release_unfenced(spec.kv_id)
+                    self.common.fail_next(spec.req_id, spec.transfer, str(err))
+                    return
+                self._track(st, now)  # its published parts are released as a given-up request's
+                self._give_up(st, str(err), now)
+                self._look.add(spec.req_id)
+                return
+        self._track(st, now)
+        if any(self.rendezvous.abandoned(name) is not None for name in st.parts().values()):
+            self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
+        self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
+                                reused=spec.held_blocks * self.block_size, blocks=len(blocks),
+                                held=spec.held_blocks)  # fmt: skip
+
+    def _track(self, st: _Recv, now: float) -> None:
+        spec = st.spec
+        self._recv[spec.req_id] = st
+        self._rid_of_kv[spec.kv_id] = spec.req_id
+        for name in st.parts().values():
+            self._rid_of_transfer[name] = spec.req_id
+        heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
+
+    def _destination(self, spec: RecvSpec, epoch: int) -> dict[str, Any]:
+        return {
             "request_id": spec.kv_id,
             "epoch": epoch,
             "prompt_len": spec.prompt_len,
@@ -199,26 +311,13 @@ class DecodeWorker:
             "held_blocks": spec.held_blocks,
             "engine": self.engine,
         }
-        try:
-            self.rendezvous.publish(spec.transfer, destination)
-        except TransferError as err:
-            self.receiver.release_unfenced(spec.kv_id)  # never handed out: nothing writes it
-            self.common.fail_next(spec.req_id, spec.transfer, str(err))
-            return
-        self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
-        self._rid_of_kv[spec.kv_id] = self._rid_of_transfer[spec.transfer] = spec.req_id
-        heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
-        if self.rendezvous.abandoned(spec.transfer) is not None:
-            self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
-        self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
-                                reused=spec.held_blocks * self.block_size, blocks=len(blocks),
-                                held=spec.held_blocks)  # fmt: skip
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
         failed: set[str] = set()
-        assert self.receiver is not None and self.rendezvous is not None
-        refused, duplicates = self.receiver.refused_count, self.receiver.duplicate_count
+        assert self.receivers and self.rendezvous is not None
+        refused = sum(r.refused_count for r in self.receivers.values())
+        duplicates = sum(r.duplicate_count for r in self.receivers.values())
         self.tally.add("duplicates_refused", duplicates - self._duplicates_seen)
         self.tally.add("notices_refused", (refused - duplicates) - (self._refused_seen - self._duplicates_seen))
         self._refused_seen, self._duplicates_seen = refused, duplicates
@@ -227,28 +326,31 @@ class DecodeWorker:
             st = self._recv[rid]
             kv = st.spec.kv_id
             if st.giving_up is None:
+                abandoned = {p: why for p, name in st.parts().items() if (why := self.rendezvous.abandoned(name))}
                 if rid in finished_req_ids:
                     self._give_up(st, "the decode request was aborted", now, aborted=True)
-                elif (why := self.rendezvous.abandoned(st.spec.transfer)) is not None:
-                    self._give_up(st, f"the prefill side gave up: {why}", now)
-                    st.unwritten = True
+                elif abandoned:
+                    self._give_up(st, f"the prefill side gave up: {next(iter(abandoned.values()))}", now)
+                    st.abandoned |= set(abandoned)
                 elif now > st.deadline:
                     self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
                 else:
                     try:
-                        self.receiver.wait(kv, 0)
+                        for p in st.parts():  # every prefill rank's part (one without TP)
+                            self.receivers[p].wait(kv, 0)
                     except TransferTimeoutError:
                         continue  # still arriving
                     except TransferError as err:
                         self._give_up(st, str(err), now)
                     else:
-                        self.receiver.release(kv, 0)
-                        self.rendezvous.withdraw(st.spec.transfer, "its blocks arrived")
+                        for p, name in st.parts().items():
+                            self.receivers[p].release(kv, 0)
+                            self.rendezvous.withdraw(name, "its blocks arrived")
                         self.tally.observe("recv_seconds", now - st.started)
                         self._forget(st)
                         recving.add(rid)
                         arrived = -(-st.spec.prompt_len // self.common.block_size) - st.spec.held_blocks
-                        block = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # all layers
+                        block = sum(r.pool.block_bytes * r.pool.num_layers for r in self.receivers.values())
                         self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
                         continue
             if not self._release(st, now):
@@ -267,9 +369,10 @@ class DecodeWorker:
     def _to_look(self, finished_req_ids: set[str], now: float) -> set[str]:
         """The requests this step must look at (see ``__init__``); the others are still
         arriving, with nothing new to report."""
-        assert self.receiver is not None and self.rendezvous is not None
+        assert self.receivers and self.rendezvous is not None
         look, self._look = self._look, set()
-        look.update(self._rid_of_kv[kv] for kv in self.receiver.take_settled() if kv in self._rid_of_kv)
+        for receiver in self.receivers.values():
+            look.update(self._rid_of_kv[kv] for kv in receiver.take_settled() if kv in self._rid_of_kv)
         look.update(rid for rid in finished_req_ids if rid in self._recv)
         gone = self.rendezvous.take_abandoned()
         look.update(self._rid_of_transfer[t] for t in gone if t in self._rid_of_transfer)
@@ -282,14 +385,16 @@ class DecodeWorker:
     def _forget(self, st: _Recv) -> None:
         del self._recv[st.spec.req_id]
         self._rid_of_kv.pop(st.spec.kv_id, None)
-        if self._rid_of_transfer.get(st.spec.transfer) == st.spec.req_id:
-            del self._rid_of_transfer[st.spec.transfer]
+        for name in st.parts().values():
+            if self._rid_of_transfer.get(name) == st.spec.req_id:
+                del self._rid_of_transfer[name]
 
     def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
-        assert self.receiver is not None
         st.giving_up, st.aborted = reason, aborted
         st.fence_deadline = now + self.config.fence_timeout_s
-        self.receiver.cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
+        for p in st.parts():
+            if p not in st.unpublished:
+                self.receivers[p].cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
 
     def _sender_connected(self, transfer: str) -> bool:
         """Whether the prefill engine that took ``transfer`` still has a connection to its
@@ -299,33 +404,46 @@ class DecodeWorker:
         return served is not None and bool(served.endpoint.connected())
 
     def _release(self, st: _Recv, now: float) -> bool:
-        """Releases a request given up on once its sender fenced it. Past the fence timeout:
-        staging releases at once (its endpoint applies a write only for a request it still
-        admits, so a late write of a released request never reaches vLLM's blocks); nixl
-        writes are one-sided and nothing here can stop a late one, so its blocks stay
-        allocated (the request stays unreported, vLLM keeps them) until the fence comes or
-        the sender's connection ends."""
-        assert self.receiver is not None and self.rendezvous is not None
-        if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
-            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+        """Releases a request given up on once each of its parts' senders fenced it (one
+        part without tensor parallelism; see `_release_part`)."""
+        for p, name in st.parts().items():
+            if p not in st.released and self._release_part(st, p, name, now):
+                st.released.add(p)
+        return len(st.released) == len(st.parts())
+
+    def _release_part(self, st: _Recv, p: int, name: str, now: float) -> bool:
+        """Releases prefill rank ``p``'s part (published as ``name``) of a request given up
+        on once its sender fenced it. Past the fence timeout: staging releases at once (its
+        endpoint applies a write only for a request it still admits, so a late write of a
+        released request never reaches vLLM's blocks); nixl writes are one-sided and nothing
+        here can stop a late one, so its blocks stay allocated (the request stays
+        unreported, vLLM keeps them) until the fence comes or the sender's connection ends."""
+        assert self.rendezvous is not None
+        receiver = self.receivers[p]
+        reason = st.giving_up or "given up"
+        if p in st.unpublished:
+            receiver.release_unfenced(st.spec.kv_id)  # never handed out: nothing writes it
             return True
-        if st.unwritten:
-            self.receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
-            self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
+        if self.rendezvous.withdraw_untaken(name, reason):
+            receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            return True
+        if st.unwritten or p in st.abandoned:
+            receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
+            self.rendezvous.withdraw(name, reason)
             return True
         try:
-            self.receiver.release(st.spec.kv_id, 0)
+            receiver.release(st.spec.kv_id, 0)
         except TransferTimeoutError:
             if now < st.fence_deadline:
                 return False
-            if not self._spec.refuses_late_writes and self._sender_connected(st.spec.transfer):
+            if not self._spec.refuses_late_writes and self._sender_connected(name):
                 if not st.kept_logged:
                     st.kept_logged = True
                     logger.error(
                         "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks"
                         " stay allocated until the fence or the sender's connection ends (its writes are one-sided)",
                         st.spec.req_id,
-                        st.spec.transfer,
+                        name,
                         self.config.fence_timeout_s,
                     )
                 return False
@@ -334,8 +452,8 @@ class DecodeWorker:
                 st.spec.req_id,
                 self.config.fence_timeout_s,
             )
-            self.receiver.release_unfenced(st.spec.kv_id)
-        self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
+            receiver.release_unfenced(st.spec.kv_id)
+        self.rendezvous.withdraw(name, reason)
         return True
 
     def close(self) -> None:
@@ -343,3 +461,17 @@ class DecodeWorker:
             endpoint.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
+
+
+def _rank_address(listen: str, rank: int) -> str:
+    """Where tensor-parallel decode rank ``rank``'s rendezvous listens: rank 0 at ``listen``;
+    the others beside it (``unix://`` makes a fresh directory each; a fixed socket path gets
+    ``.<rank>`` appended; a fixed tcp port is offset by the rank; port 0 stays any)."""
+    if rank == 0:
+        return listen
+    where = wire.parse_address(listen, "kv_connector_extra_config listen")
+    if where.scheme == "unix":
+        return listen if not where.path else wire.Address("unix", path=f"{where.path}.{rank}").url()
+    if where.port:
+        return wire.Address("tcp", host=where.host, port=where.port + rank).url()
+    return listen

@@ -13,7 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["Chunk", "Handshake", "KvferryMetadata", "KvferryWorkerMeta", "Outcome", "RecvSpec", "SendSpec"]
+__all__ = [
+    "Chunk",
+    "Handshake",
+    "KvferryMetadata",
+    "KvferryWorkerMeta",
+    "Outcome",
+    "RecvSpec",
+    "SendLeg",
+    "SendSpec",
+    "leg_name",
+    "leg_rank",
+]
 
 
 @dataclass
@@ -28,6 +39,46 @@ class RecvSpec:
     held_blocks: int
     digest: str
     timeout_s: float
+
+
+LEG_MARK = "@p"
+
+
+def leg_name(name: str, prefill_rank: int, prefill_tp: int) -> str:
+    """The name of prefill rank ``prefill_rank``'s part of a transfer or of a prefill
+    engine (a sender), ``<name>@p<rank>of<size>``: each rank of a tensor-parallel prefill
+    server looks up its own destination and writes through its own endpoint (a staging ring
+    has one writer), and the size in the name lets a decode server expecting another refuse
+    the lookup at once. The name itself with one prefill rank, as without tensor parallelism."""
+    return name if prefill_tp == 1 else f"{name}{LEG_MARK}{prefill_rank}of{prefill_tp}"
+
+
+def leg_rank(sender: str) -> Optional[tuple[int, int]]:
+    """``(prefill rank, prefill tensor parallel size)`` of a sender name made by `leg_name`,
+    or None for a name without a mark (one prefill rank)."""
+    head, mark, tail = sender.rpartition(LEG_MARK)
+    rank, of, size = tail.partition("of")
+    if not (mark and head and of and rank.isdigit() and size.isdigit() and len(rank) <= 3 and len(size) <= 3):
+        return None
+    return int(rank), int(size)
+
+
+@dataclass
+class SendLeg:
+    """Under tensor parallelism, one (prefill rank, decode rank) link of a send
+    (kvferry.ranks): the prefill rank's local heads ``src_heads`` go into the decode rank's
+    ``dst_heads`` (``whole``: whole blocks), at ``destination`` (that decode rank's published
+    blocks, epoch and endpoint). ``rendezvous`` and ``transfer``: where and under which name
+    that decode rank published it (for an abandon)."""
+
+    prefill_rank: int
+    decode_rank: int
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+    whole: bool
+    rendezvous: str
+    transfer: str
+    destination: dict[str, Any]
 
 
 @dataclass
@@ -45,6 +96,9 @@ class SendSpec:
     # A late send: the request finished (its whole prompt computed) before its destination
     # came; vLLM keeps its blocks until the worker reports finished_sending.
     finished: bool = False
+    # Tensor parallelism on either side: every link of the send (kvferry.ranks), each
+    # prefill rank taking its own. None: one rank each side, ``destination`` is the one.
+    legs: Optional[list[SendLeg]] = None
 
 
 @dataclass

@@ -9,6 +9,13 @@ threads; the senders post notices and fences and wait for ring room on their own
 (``_Send.queued``) and sends them, in order, once the connection is up; if it cannot be
 made, the request fails and its transfer is abandoned. A slow or dead decode server
 delays only the requests that go to it.
+
+Tensor parallelism (kvferry.ranks): each prefill rank's worker sends its own heads, one
+`_Send` per link of a request (one per decode rank it overlaps, each to that rank's own
+endpoint, over a head slice of this rank's pool when the two split heads differently). A
+request is finished_sending here once every link of this rank settled; a rank that holds
+no link of it (a replicated head or MLA's latent head sent by a lower rank) reports it as
+soon as vLLM finished it. vLLM frees the blocks once every rank reported it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from kvferry._core import BlockRange
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.hook import TransferHook
+from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous
@@ -45,6 +53,7 @@ class _Peer:
     address: str
     sender: KVSender
     hook: TransferHook
+    pool: PagedKV  # what it sends from: this rank's pool, or a head slice of it
     lost: bool = False
 
 
@@ -54,7 +63,12 @@ class _Send:
     kv_id: int
     peer: Optional[_Peer]
     blocks: int
+    destination: dict[str, Any]  # its decode rank's published blocks, epoch and endpoint
+    pool: PagedKV  # what it sends from (this rank's pool, or the link's head slice)
+    transfer: str  # the name its decode rank published it under (for an abandon)
+    rendezvous: str  # its decode rank's rendezvous
     address: str = ""  # its decode endpoint
+    decode_rank: int = 0
     added: bool = False  # registered with its peer's hook (its connection is up)
     # Until then (the connection being made): its latest block table and the chunks whose
     # forward ran, sent in order once it is added (`_start`).
@@ -78,7 +92,11 @@ class PrefillWorker:
         self.trace = common.trace
         self._peers: dict[str, _Peer] = {}
         self._dead: list[_Peer] = []
-        self._send: dict[str, _Send] = {}
+        # One send per (request, decode rank) link of this rank; `_reqs` lists each
+        # request's, none for a request this rank sends nothing of (then: finished yet?).
+        self._send: dict[tuple[str, int], _Send] = {}
+        self._reqs: dict[str, list[tuple[str, int]]] = {}
+        self._bare: dict[str, bool] = {}
         self._chunks: list[Chunk] = []
         self._connecting: dict[str, Future[_Peer]] = {}  # by endpoint address
         self._bg = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill")
@@ -87,6 +105,9 @@ class PrefillWorker:
     @property
     def pool(self) -> Any:
         return self.common.pool
+
+    def _legs(self, rid: str) -> list[_Send]:
+        return [self._send[key] for key in self._reqs.get(rid, ()) if key in self._send]
 
     # -- per step ------------------------------------------------------------------------
 
@@ -100,21 +121,23 @@ class PrefillWorker:
         self._released.extend(meta.releases)
         for send in meta.sends:
             self._add_send(send)
-        chunks = [c for c in meta.chunks if c.req_id in self._send and self._send[c.req_id].error is None]
         self._chunks = []
-        for c in chunks:
-            st = self._send[c.req_id]
-            st.src_blocks = c.src_blocks
-            if st.spec.finished:
-                # A late send: its prompt was computed in earlier steps, so its one chunk is
-                # queued now (no forward of this step writes it); sent once it is added.
-                st.queued.append((c.start, c.end))
-                self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
-                st.forward_done = time.monotonic()
-            else:
+        for c in meta.chunks:
+            legs = [st for st in self._legs(c.req_id) if st.error is None]
+            if not legs:
+                continue
+            if not legs[0].spec.finished:
                 self._chunks.append(c)
-            if st.added:
-                self._issue(st)  # the early send (or a late send) leaves here, before the forward
+            for st in legs:
+                st.src_blocks = c.src_blocks
+                if st.spec.finished:
+                    # A late send: its prompt was computed in earlier steps, so its one chunk is
+                    # queued now (no forward of this step writes it); sent once it is added.
+                    st.queued.append((c.start, c.end))
+                    self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
+                    st.forward_done = time.monotonic()
+                if st.added:
+                    self._issue(st)  # the early send (or a late send) leaves here, before the forward
 
     def save_layer(self, layer_name: str) -> None:
         if self.config.layer_groups == 1 or not self._chunks:
@@ -123,21 +146,23 @@ class PrefillWorker:
         if layer is None:
             return
         for c in self._chunks:
-            st = self._send[c.req_id]
-            if c.end == st.spec.prompt_len and st.added and st.peer is not None:
-                self._call(st, st.peer.hook.after_layer, [st.kv_id], [c.start], [c.end], layer)
+            for st in self._legs(c.req_id):
+                if c.end == st.spec.prompt_len and st.added and st.peer is not None:
+                    self._call(st, st.peer.hook.after_layer, [st.kv_id], [c.start], [c.end], layer)
 
     def after_forward(self) -> None:
         for c in self._chunks:
-            st = self._send[c.req_id]
-            self.trace.chunk("prefill", st.spec.transfer, c.req_id, c.start, c.end)
-            if st.first_forward_done is None:
-                st.first_forward_done = time.monotonic()
-            st.queued.append((c.start, c.end))
-            if st.added:
-                self._issue(st)
-            if c.end == st.spec.prompt_len:
-                st.forward_done = time.monotonic()
+            legs = self._legs(c.req_id)
+            if legs:
+                self.trace.chunk("prefill", legs[0].spec.transfer, c.req_id, c.start, c.end)
+            for st in legs:
+                if st.first_forward_done is None:
+                    st.first_forward_done = time.monotonic()
+                st.queued.append((c.start, c.end))
+                if st.added:
+                    self._issue(st)
+                if c.end == st.spec.prompt_len:
+                    st.forward_done = time.monotonic()
         self._chunks = []
         self._adopt()
         self._poll_peers()
@@ -150,8 +175,10 @@ class PrefillWorker:
             sending.add(rid)
         self._released = []
         for rid in finished_req_ids:
-            if rid in self._send:
-                self._send[rid].finishing = True
+            for st in self._legs(rid):
+                st.finishing = True
+            if rid in self._bare:
+                self._bare[rid] = True
         self._adopt()
         self._poll_peers()
         finishing = [st for st in self._send.values() if st.finishing]
@@ -163,14 +190,21 @@ class PrefillWorker:
             failures = {key: peer.sender.failures() for key, peer in peers.items()}
             for st in finishing:
                 if self._settle_send(st, by_kv, failures.get(id(st.peer), {})):
-                    del self._send[st.spec.req_id]
-                    sending.add(st.spec.req_id)
+                    rid = st.spec.req_id
+                    del self._send[(rid, st.decode_rank)]
+                    if not self._legs(rid):  # every link of this rank settled
+                        del self._reqs[rid]
+                        sending.add(rid)
+        for rid, finished in list(self._bare.items()):
+            if finished:  # nothing of it leaves this rank: its blocks are vLLM's again
+                del self._bare[rid], self._reqs[rid]
+                sending.add(rid)
         self._drop_dead_peers()
         return sending
 
     # -- sends ---------------------------------------------------------------------------
 
-    def _ready_peer(self, address: str) -> Optional[_Peer]:
+    def _ready_peer(self, address: str, pool: PagedKV) -> Optional[_Peer]:
         """The live peer at ``address``, or None while a connection to it is being made
         (started here, on a background thread, when there is none: never on this thread)."""
         peer = self._peers.get(address)
@@ -185,18 +219,18 @@ class PrefillWorker:
                 logger.info("kvferry: reconnecting to %s: %s", address, err)
                 self._dead.append(self._peers.pop(address))
         if address not in self._connecting:
-            self._connecting[address] = self._bg.submit(self._connect, address)
+            self._connecting[address] = self._bg.submit(self._connect, address, pool)
         return None
 
-    def _connect(self, address: str) -> _Peer:
+    def _connect(self, address: str, pool: PagedKV) -> _Peer:
         """On a background thread: the connection (TCP or Unix connect, handshake, hello)
-        and its sender."""
-        assert self.pool is not None
+        and its sender, over ``pool`` (an endpoint serves one decode rank's one link, so
+        every send through it moves the same heads)."""
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport = registry.connect(address, authkey=self.authkey, src=self.pool)
+            transport = registry.connect(address, authkey=self.authkey, src=pool)
         try:
             sender = KVSender(
-                self.pool,
+                pool,
                 transport,
                 pipelined=self.config.early,
                 timeout=self.config.transfer_timeout_s,
@@ -207,7 +241,7 @@ class PrefillWorker:
         except BaseException:
             transport.close()
             raise
-        return _Peer(address, sender, TransferHook(sender))
+        return _Peer(address, sender, TransferHook(sender), pool)
 
     def _adopt(self) -> None:
         """Takes the connections made since the last call, then starts the sends that waited
@@ -227,19 +261,36 @@ class PrefillWorker:
                 self._start(st)
 
     def _add_send(self, spec: SendSpec) -> None:
-        dest = spec.destination
-        st = _Send(spec, int(dest["request_id"]), None, math.ceil(spec.prompt_len / self.block_size))
-        st.address = str(dest["endpoint"])
-        st.finishing = spec.finished  # a late send: vLLM finished the request already
-        self._send[spec.req_id] = st
-        self._start(st)
+        """One `_Send` per link of this rank (kvferry.ranks): without tensor parallelism,
+        the one destination."""
+        blocks = math.ceil(spec.prompt_len / self.block_size)
+        assert self.pool is not None
+        if spec.legs is None:
+            legs = [(0, spec.destination, self.pool, spec.transfer, spec.peer)]
+        else:
+            legs = [
+                (leg.decode_rank, leg.destination, self.common.link_pool(leg.src_heads, leg.whole), leg.transfer,
+                 leg.rendezvous)
+                for leg in spec.legs
+                if leg.prefill_rank == self.common.tp_rank
+            ]  # fmt: skip
+        self._reqs[spec.req_id] = [(spec.req_id, d) for d, *_ in legs]
+        if not legs:
+            self._bare[spec.req_id] = spec.finished  # a late send: vLLM finished the request already
+        for d, dest, pool, transfer, rendezvous_address in legs:
+            st = _Send(spec, int(dest["request_id"]), None, blocks, dest, pool, transfer, rendezvous_address)
+            st.decode_rank = d
+            st.address = str(dest["endpoint"])
+            st.finishing = spec.finished  # a late send: vLLM finished the request already
+            self._send[(spec.req_id, d)] = st
+            self._start(st)
 
     def _start(self, st: _Send) -> None:
         """Registers the send with its peer once the connection is up (else it waits,
         keeping its chunks), then issues what its chunks so far call for."""
-        spec, dest = st.spec, st.spec.destination
+        spec, dest = st.spec, st.destination
         try:
-            peer = self._ready_peer(st.address)
+            peer = self._ready_peer(st.address, st.pool)
             if peer is None:
                 return  # connecting: its sends wait until the connection is up
             st.peer = peer
@@ -286,7 +337,7 @@ class PrefillWorker:
         st.error = reason
         spec = st.spec
         logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, reason)
-        self._bg.submit(self._abandon, spec.peer, spec.transfer, reason)
+        self._bg.submit(self._abandon, st.rendezvous, st.transfer, reason)
 
     def _abandon(self, address: str, transfer: str, reason: str) -> None:
         try:
@@ -298,8 +349,11 @@ class PrefillWorker:
         """vLLM preempted a prefill request: its blocks are free and this step's forward may
         overwrite them. Its transfer is given up (the decode side is told and fails it), and
         this waits, before the forward, until no copy reads those blocks any more."""
-        st = self._send.get(rid)
-        if st is None or st.error is not None:
+        for st in self._legs(rid):
+            self._preempted_leg(rid, st)
+
+    def _preempted_leg(self, rid: str, st: _Send) -> None:
+        if st.error is not None:
             return
         reason = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
         if not st.added or st.peer is None:  # still connecting: nothing was written
@@ -377,13 +431,9 @@ class PrefillWorker:
                 st = by_kv.get((id(peer), notice.request_id))
                 if st is None:
                     continue
-                assert self.pool is not None
-                lo, hi = (
-                    (0, self.pool.num_layers)
-                    if notice.groups == 1
-                    else self.pool.group_layers(notice.group, notice.groups)
-                )
-                nbytes = (notice.end - notice.start) * self.pool.block_bytes * (hi - lo)
+                pool = peer.pool
+                lo, hi = (0, pool.num_layers) if notice.groups == 1 else pool.group_layers(notice.group, notice.groups)
+                nbytes = (notice.end - notice.start) * pool.block_bytes * (hi - lo)
                 st.writes.append((rec.kind, rec.submitted, rec.finished, nbytes))
                 self.trace.write(
                     "prefill", st.spec.transfer, st.spec.req_id, rec.kind, notice, nbytes, rec.submitted, rec.finished

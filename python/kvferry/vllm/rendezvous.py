@@ -95,11 +95,15 @@ class Rendezvous:
         *,
         listen: str = "unix://",
         advertise: Optional[str] = None,
+        admit: Optional[Callable[[str], Optional[str]]] = None,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
         ``directory``), ``unix:///path`` or ``tcp://host:port``; ``advertise``: the host a
-        wildcard bind is reached by. ``address`` is the URL prefill servers connect to."""
+        wildcard bind is reached by. ``admit(sender)``: why a lookup from that prefill
+        engine is refused at once (before it waits), or None. ``address`` is the URL prefill
+        servers connect to."""
+        self._admit = admit
         self._authkey = wire.check_authkey(authkey)
         self._endpoint_for = endpoint_for
         where = wire.parse_address(listen, "kv_connector_extra_config listen")
@@ -286,6 +290,8 @@ class Rendezvous:
         def refused(why: str) -> bytes:
             return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
 
+        if self._admit is not None and (why := self._admit(sender)) is not None:
+            return refused(f"transfer {transfer!r}: {why}")
         wait = wait_ms / 1000
         deadline = time.monotonic() + wait
         with self._cond:

@@ -43,11 +43,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvferry import ranks
 from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
-from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendSpec
+from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 
 logger = logging.getLogger("kvferry.vllm")
 
@@ -66,7 +67,12 @@ class _Lookup:
     request: Any  # vLLM's Request (its prompt, to check the destination against)
     params: RequestParams
     started: float  # time.monotonic() of the request's first ask
+    # Tensor parallelism on either side: each link and the decode rank's rendezvous it looks
+    # up (`_Plan`); None: one lookup of ``destination``.
+    plan: Optional[list[tuple[ranks.Link, str]]] = None
     destination: Optional[dict[str, Any]] = None
+    legs: Optional[list[SendLeg]] = None
+    prefill_tp: int = 1  # this engine's tensor parallel size, for the links' names
     error: Optional[str] = None
 
 
@@ -99,8 +105,14 @@ class SchedulerSide:
         engine_id: str,
         kv_cache_manager_getter: Any,
         authkey: bytes,
+        tp_size: int = 1,
+        num_kv_heads: int = 1,
+        mla: bool = False,
     ) -> None:
         self.config = config
+        # This engine's tensor parallel size and its model's KV heads: with a decode server's
+        # rank count (its peer names one rendezvous per rank), which rank sends what (kvferry.ranks).
+        self.tp_size, self.num_kv_heads, self.mla = tp_size, num_kv_heads, mla
         self._authkey = authkey  # read at startup (config.load_authkey); never in a request or answer
         self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
         self.block_size = block_size
@@ -190,7 +202,9 @@ class SchedulerSide:
             # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
             trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
             assert params.peer is not None and params.transfer is not None
+            plan = self._plan(params.peer)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer, request, params, time.monotonic())
+            found.plan, found.prefill_tp = plan, self.tp_size
             args = (
                 found,
                 params.peer,
@@ -218,6 +232,38 @@ class SchedulerSide:
         self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
         return 0, False
 
+    def set_handshakes(self, by_rank: dict[int, Handshake]) -> None:
+        """The decode workers' handshakes, one per tensor-parallel rank: the hello's ``peer``
+        names each rank's rendezvous, in rank order, separated by spaces."""
+        if not by_rank:
+            return
+        ordered = [by_rank[r] for r in sorted(by_rank)]
+        self.handshake = Handshake(ordered[0].engine, " ".join(h.peer for h in ordered))
+
+    def _plan(self, peer: str) -> Optional[list[tuple[ranks.Link, str]]]:
+        """Each link of a send to decode server ``peer`` and the rendezvous of its decode
+        rank; None with one rank on each side (one lookup, as without tensor parallelism).
+        Raises `KvFerryError` for a split kvferry.ranks refuses."""
+        peers = peer.split(" ")
+        if self.tp_size == 1 and len(peers) == 1:
+            return None
+        try:
+            links = ranks.links(self.tp_size, len(peers), self.num_kv_heads, mla=self.mla)
+        except KvFerryError as err:
+            raise KvFerryError(f"cannot send to a decode server of {len(peers)} tensor-parallel ranks: {err}") from None
+        return [(link, peers[link.decode_rank]) for link in links]
+
+    def _abandon_targets(self, params: RequestParams) -> list[tuple[str, str]]:
+        """(rendezvous, published name) of each link of a send, for an abandon."""
+        assert params.peer is not None and params.transfer is not None
+        try:
+            plan = self._plan(params.peer)
+        except KvFerryError:
+            plan = None
+        if plan is None:
+            return [(params.peer, params.transfer)]
+        return [(address, leg_name(params.transfer, link.prefill_rank, self.tp_size)) for link, address in plan]
+
     def _send_spec(self, found: _Lookup, reused_len: int) -> SendSpec:
         """The SendSpec of a finished lookup, its destination checked against the request
         (refused: the decode side is told, off this thread, and the request fails);
@@ -225,12 +271,17 @@ class SchedulerSide:
         request, params = found.request, found.params
         if found.error is not None:
             raise TransferError(f"no destination for transfer {params.transfer!r}: {found.error}")
-        assert found.destination is not None
         try:
-            destination = _check_destination(found.destination, request, self.block_size, self.config.transport)
+            if found.legs is not None:
+                for leg in found.legs:
+                    _check_destination(leg.destination, request, self.block_size, self.config.transport)
+                destination = found.legs[0].destination
+            else:
+                assert found.destination is not None
+                destination = _check_destination(found.destination, request, self.block_size, self.config.transport)
         except KvFerryError as err:
             why = f"prefill request refused the destination: {err}"
-            threading.Thread(target=_tell_abandon, args=(params, self._authkey, why), daemon=True).start()
+            self._tell_abandon(params, why)
             raise
         return SendSpec(
             request.request_id,
@@ -240,7 +291,14 @@ class SchedulerSide:
             params.peer or "",
             destination,
             params.timeout_s or self.config.transfer_timeout_s,
+            legs=found.legs,
         )
+
+    def _tell_abandon(self, params: RequestParams, reason: str) -> None:
+        """Tells the decode side (every rank a link goes to), off this thread, that the send
+        is given up."""
+        targets = self._abandon_targets(params)
+        threading.Thread(target=_tell_abandon, args=(targets, self._authkey, reason), daemon=True).start()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -391,7 +449,7 @@ class SchedulerSide:
                 reason = f"prefill request {rid} ended ({request.status.name.lower()}) before its destination came"
             else:
                 reason = f"prefill request {rid} ended before its first chunk"
-            threading.Thread(target=_tell_abandon, args=(params, self._authkey, reason), daemon=True).start()
+            self._tell_abandon(params, reason)
             answer["error"] = reason
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", reason)])
@@ -452,8 +510,26 @@ def _named_transfer(params: Any) -> Optional[str]:
 
 
 def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> None:
+    """One lookup, or under tensor parallelism one per link, in turn (every decode rank
+    publishes in the same step, so the later ones answer at once), within ``wait_s``."""
     try:
-        found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s, sender)
+        if found.plan is None:
+            found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s, sender)
+            return
+        deadline = time.monotonic() + wait_s
+        legs = []
+        for link, address in found.plan:
+            name = leg_name(transfer, link.prefill_rank, found.prefill_tp)
+            left = max(0.0, deadline - time.monotonic())
+            dest = rendezvous.lookup(
+                address, authkey, name, left, leg_name(sender, link.prefill_rank, found.prefill_tp)
+            )
+            legs.append(
+                SendLeg(
+                    link.prefill_rank, link.decode_rank, link.src_heads, link.dst_heads, link.whole, address, name, dest
+                )
+            )
+        found.legs = legs
     except KvFerryError as err:
         found.error = str(err)
     except Exception as err:  # a malformed answer: the request fails, the server goes on
@@ -462,12 +538,12 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
         found.done.set()
 
 
-def _tell_abandon(params: RequestParams, authkey: bytes, reason: str) -> None:
-    try:
-        assert params.peer is not None and params.transfer is not None
-        rendezvous.abandon(params.peer, authkey, params.transfer, reason)
-    except KvFerryError as err:
-        logger.warning("kvferry: %s", err)
+def _tell_abandon(targets: list[tuple[str, str]], authkey: bytes, reason: str) -> None:
+    for address, transfer in targets:
+        try:
+            rendezvous.abandon(address, authkey, transfer, reason)
+        except KvFerryError as err:
+            logger.warning("kvferry: %s", err)
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:

@@ -38,7 +38,10 @@ class UntrustedPeerError(KvFerryError):
 
 
 def _canonical(peer: str, name: str) -> str:
-    return wire.parse_address(peer, name).url()
+    """A rendezvous URL in canonical form; a tensor-parallel decode server's ``peer`` is one
+    URL per rank, separated by spaces (kvferry.vllm.scheduler), each made canonical."""
+    parts = peer.split(" ") if isinstance(peer, str) else [peer]
+    return " ".join(wire.parse_address(part, name).url() for part in parts)
 
 
 def sign_peer(authkey: bytes, peer: str) -> str:
@@ -67,7 +70,7 @@ def check_peer(authkey: bytes, trusted: Sequence[str], peer: Optional[str], peer
     if peer is None:
         raise UntrustedPeerError("no kv_transfer_params.kvferry.peer: a send names its decode server's rendezvous")
     url = _canonical(peer, "kv_transfer_params.kvferry.peer")
-    if url in trusted:
+    if all(part in trusted for part in url.split(" ")):  # every rank's rendezvous listed
         return url
     if peer_mac is not None and hmac.compare_digest(peer_mac, sign_peer(authkey, url)):
         return url

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvferry import ranks
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.layout import PagedKV, paged_kv_from_views
 from kvferry.trace import Tracer
@@ -40,8 +41,23 @@ logger = logging.getLogger("kvferry.vllm")
 class WorkerCommon:
     """What the prefill and decode workers of one engine share."""
 
-    def __init__(self, config: ConnectorConfig, *, block_size: int, num_blocks: int, authkey: bytes) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        block_size: int,
+        num_blocks: int,
+        authkey: bytes,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        num_kv_heads: int = 1,
+        mla: bool = False,
+    ) -> None:
         self.config = config
+        # This worker's tensor-parallel rank and size, the model's KV heads (all ranks) and
+        # whether it is MLA (one latent head on every rank): which heads it holds, and with
+        # the other side's size, which links it sends or receives on (kvferry.ranks).
+        self.tp_rank, self.tp_size, self.num_kv_heads, self.mla = tp_rank, tp_size, num_kv_heads, mla
         # The control channel's key, read at startup (config.load_authkey): the same file on
         # both servers; it never travels in a request, an answer, a log line or a metric.
         self.authkey = authkey
@@ -71,11 +87,24 @@ class WorkerCommon:
         except InvalidArgumentError as err:
             raise KvFerryError(f"kvferry: cannot register vLLM's KV cache: {err}") from None
         self.layer_of = {n: i for i, n in enumerate(names)}
+        if self.tp_size > 1:
+            lo, hi = (0, 1) if self.mla else ranks.rank_heads(self.tp_rank, self.tp_size, self.num_kv_heads)
+            if self.pool.num_heads != hi - lo:
+                raise KvFerryError(
+                    f"kvferry: vLLM's KV cache of tensor-parallel rank {self.tp_rank} of {self.tp_size} holds "
+                    f"{self.pool.num_heads} KV heads, kvferry expects {hi - lo} of the model's {self.num_kv_heads}"
+                )
         if self.config.layer_groups > self.pool.num_layers:
             raise KvFerryError(
                 f"invalid kv_connector_extra_config layer_groups={self.config.layer_groups}: "
                 f"the model has {self.pool.num_layers} layers"
             )
+
+    def link_pool(self, heads: tuple[int, int], whole: bool) -> PagedKV:
+        """The part of this rank's pool a tensor-parallel link moves: the whole pool, or the
+        head slice ``heads`` (`PagedKV.heads`)."""
+        assert self.pool is not None
+        return self.pool if whole else self.pool.heads(*heads)
 
     def ended(self, side: str, transfer: str, rid: str, state: str, error: Optional[str] = None, **landed: Any) -> None:
         """How ``transfer`` (request ``rid``) ended on ``side``: for the scheduler half's

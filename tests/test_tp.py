@@ -1,0 +1,611 @@
+"""Tensor parallelism on the data path, without vLLM: every (prefill TP, decode TP) pair of
+{1, 2, 4} where one divides the other, heads split as vLLM splits them (kvferry.ranks).
+
+Each rank's cache is allocated as vLLM 0.32 allocates it (`test_kv_layouts.vllm_views`:
+``[B, H, N, C]`` views of one buffer in a layout's physical order) with its own heads of a
+random full-heads KV; each decode rank's buffer starts poisoned (0xFF). Every link of
+`kvferry.ranks.links` is a real `KVSender` -> `KVReceiver` over head slices of the two
+pools (`PagedKV.heads`; whole pools when both hold as many heads), in-process or through a
+staging endpoint. Afterwards each decode rank's whole buffer equals the torch reference (the
+full KV's blocks, sliced to that rank's heads, at the destination ids; poison elsewhere),
+each receiver saw each block exactly once, and nothing stays leased.
+
+Shared-memory endpoints are left out: their pool is one the receiver allocates in shared
+memory, not vLLM's cache, so they say nothing about vLLM's per-rank shapes. The CUDA
+variants (marked ``cuda``) run the same cases on the GPU: ``pytest -m cuda tests/test_tp.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from helpers import SLACK, assert_nothing_leased, reply_from
+from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
+from kvferry.errors import InvalidArgumentError
+from kvferry.layout import LayoutMismatchError, PagedKV
+from kvferry.ranks import Link, contributors, feeds, links, rank_heads
+from kvferry.receiver import KVReceiver
+from kvferry.sender import KVSender
+from kvferry.transports.inprocess import InProcessTransport
+from test_kv_layouts import BLOCKS, DST_IDS, LAYERS, LAYOUTS, SRC_IDS, TOKENS, Cache, _five_strides, poison, vllm_views
+
+SIZES = (1, 2, 4)
+PAIRS = [(p, d) for p in SIZES for d in SIZES]  # in {1, 2, 4} one always divides the other
+CONTENT = 2 * 8  # K|V content of head_size 8 (elements)
+MLA_CONTENT = 576
+RID = 5
+
+
+# -- the rank map ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"P{p[0]}D{p[1]}")
+def test_each_decode_head_has_one_source_holding_it(pair: tuple[int, int], heads: int) -> None:
+    """Every head of every decode rank comes from exactly one prefill rank, which holds that
+    head; a replicated head is sent by the lowest rank holding it."""
+    p_tp, d_tp = pair
+    all_links = links(p_tp, d_tp, heads)
+    for d in range(d_tp):
+        dlo, dhi = rank_heads(d, d_tp, heads)
+        got = np.zeros(dhi - dlo, dtype=int)
+        for link in contributors(d, all_links):
+            plo, phi = rank_heads(link.prefill_rank, p_tp, heads)
+            (slo, shi), (tlo, thi) = link.src_heads, link.dst_heads
+            assert shi - slo == thi - tlo > 0
+            assert plo + slo == dlo + tlo and plo + shi == dlo + thi  # the same global heads
+            assert 0 <= slo < shi <= phi - plo
+            got[tlo:thi] += 1
+            holders = [
+                p for p in range(p_tp) if rank_heads(p, p_tp, heads)[0] <= dlo + tlo < rank_heads(p, p_tp, heads)[1]
+            ]
+            assert link.prefill_rank == min(holders)
+            assert link.whole == ((plo, phi) == (dlo, dhi))
+        assert (got == 1).all(), f"decode rank {d}: heads covered {got.tolist()}"
+    assert sum(len(feeds(p, all_links)) for p in range(p_tp)) == len(all_links)
+
+
+def test_the_rank_map_of_the_module_doc() -> None:
+    assert links(2, 4, 8) == (
+        Link(0, 0, (0, 2), (0, 2), False),
+        Link(0, 1, (2, 4), (0, 2), False),
+        Link(1, 2, (0, 2), (0, 2), False),
+        Link(1, 3, (2, 4), (0, 2), False),
+    )
+    assert [(k.prefill_rank, k.dst_heads) for k in links(4, 1, 8)] == [
+        (0, (0, 2)),
+        (1, (2, 4)),
+        (2, (4, 6)),
+        (3, (6, 8)),
+    ]
+    assert links(4, 2, 2) == (Link(0, 0, (0, 1), (0, 1), True), Link(2, 1, (0, 1), (0, 1), True))
+    assert links(2, 4, 0, mla=True) == tuple(Link(0, d, (0, 1), (0, 1), True) for d in range(4))
+    assert feeds(1, links(2, 4, 1, mla=True)) == ()  # MLA: the latent head leaves rank 0 once per decode rank
+
+
+@pytest.mark.parametrize(
+    ("args", "word"),
+    [((3, 2, 8), "prefill_tp=3, decode_tp=2"), ((2, 2, 3), "num_kv_heads=3"), ((0, 1, 8), "prefill_tp=0")],
+)
+def test_splits_vllm_cannot_make_are_refused_by_name(args: tuple[int, int, int], word: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=word):
+        links(*args)
+
+
+def test_heads_refuses_a_range_outside_the_pool() -> None:
+    pool = rank_pool(rank_cache("LBHNC", 2, torch.bfloat16, "cpu", poison))
+    with pytest.raises(InvalidArgumentError, match=r"heads=\(1, 3\)"):
+        pool.heads(1, 3)
+    with pytest.raises(InvalidArgumentError, match="paged_kv_from_views"):
+        pool.with_layers(pool.layers).heads(0, 1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_slices_of_one_width_agree_whatever_the_full_count(layout: str) -> None:
+    """A 1-head slice of a 4-head pool and the whole of a 1-head pool, and a 2-head slice
+    of a 4-head pool and the whole of a 2-head pool, have the same geometry."""
+    four = rank_pool(rank_cache(layout, 4, torch.bfloat16, "cpu", poison))
+    for width in (1, 2):
+        other = rank_pool(rank_cache(layout, width, torch.bfloat16, "cpu", poison))
+        for lo in range(0, 4, width):
+            four.heads(lo, lo + width).check_compatible(other.heads(0, width))
+    with pytest.raises(LayoutMismatchError):
+        four.heads(0, 2).check_compatible(four.heads(0, 1))
+
+
+# -- the transfers --------------------------------------------------------------------------
+
+
+def full_kv(heads: int, content: int, seed: int) -> torch.Tensor:
+    """The model's whole KV as bytes: ``[L, B, heads, N, content]`` int8."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (LAYERS, BLOCKS, heads, TOKENS, content), dtype=torch.int8, generator=g)
+
+
+def rank_cache(
+    layout: str, heads: int, dtype: torch.dtype, device: str, fill: Callable, content: int = CONTENT
+) -> Cache:
+    return vllm_views(layout, heads, content, dtype, device, fill)
+
+
+def rank_pool(cache: Cache) -> PagedKV:
+    from kvferry.layout import paged_kv_from_views
+
+    return paged_kv_from_views(cache.views, num_blocks=BLOCKS, tokens_per_block=TOKENS)
+
+
+def fill_heads(cache: Cache, full: torch.Tensor, lo: int, hi: int) -> None:
+    """Writes heads ``[lo, hi)`` of ``full`` into ``cache``'s views (every block)."""
+    with torch.inference_mode():
+        for layer, view in enumerate(cache.views):
+            view.view(torch.int8).copy_(full[layer, :, lo:hi].to(view.device))
+
+
+def expected(cache: Cache, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``cache``'s poisoned buffer after blocks ``SRC_IDS`` of heads ``[lo, hi)`` of ``full``
+    landed in blocks ``DST_IDS``, by torch indexing on the logical views."""
+    want = cache.raw.cpu().clone()
+    v = cache.views[0]
+    shape = (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * v.element_size())
+    five = torch.as_strided(want, shape, _five_strides(cache))
+    for s, d in zip(SRC_IDS, DST_IDS):
+        five[:, int(d)] = full[:, int(s), lo:hi]
+    return want
+
+
+def make_engine(device: str) -> CopyEngine:
+    return CudaCopyEngine(torch.device(device)) if device == "cuda" else ThreadCopyEngine()
+
+
+def link_pools(link: Link, src: PagedKV, dst: PagedKV) -> tuple[PagedKV, PagedKV]:
+    if link.whole:
+        return src, dst
+    return src.heads(*link.src_heads), dst.heads(*link.dst_heads)
+
+
+def send_one(sender: KVSender, epoch: int) -> None:
+    """One request of ``len(SRC_IDS)`` blocks in two chunks, flushed."""
+    n = len(SRC_IDS)
+    sender.add(RID, n * TOKENS, epoch=epoch)
+    src_table, dst_table = SRC_IDS[None, :], DST_IDS[None, :]
+    half = (n // 2) * TOKENS
+    sender.send_chunks([RID], [0], [half], src_table, dst_table)
+    sender.send_chunks([RID], [half], [n * TOKENS], src_table, dst_table)
+    sender.flush(timeout=SLACK)
+
+
+def run_link(path: str, src: PagedKV, dst: PagedKV, device: str) -> KVReceiver:
+    """One link's request through ``path``; returns its receiver once the request is
+    complete and released, the sender and endpoint closed and checked."""
+    receiver = KVReceiver(dst)
+    epoch = receiver.expect(RID, len(DST_IDS) * TOKENS, dst_blocks=DST_IDS)
+    engine = make_engine(device)
+    threads = set(threading.enumerate())
+    try:
+        if path == "inprocess":
+            sender = KVSender(src, InProcessTransport(receiver), engine=engine)
+            send_one(sender, epoch)
+            receiver.wait(RID, timeout=SLACK)
+            sender.remove(RID)
+            assert_nothing_leased(sender=sender)
+            sender.close()
+        else:
+            from kvferry.transports.staging import StagingEndpoint, StagingTransport
+
+            authkey = secrets.token_bytes(32)
+            endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=4)  # wraps around
+            try:
+                sender = KVSender(src, StagingTransport(endpoint.address, authkey=authkey), engine=engine)
+                send_one(sender, epoch)
+                receiver.wait(RID, timeout=SLACK)
+                sender.remove(RID)
+                assert_nothing_leased(sender=sender)
+                sender.close()
+            finally:
+                endpoint.close()
+            assert_nothing_leased(endpoint=endpoint)
+    finally:
+        engine.close()
+    notices = receiver.notices(RID)
+    assert sum(n.end - n.start for n in notices) == len(DST_IDS)  # each block exactly once
+    assert receiver.refused_count == 0 and receiver.duplicate_count == 0
+    assert receiver.release(RID).is_complete
+    assert_nothing_leased(receiver, threads=threads)
+    return receiver
+
+
+def tp_transfer(
+    pair: tuple[int, int], layout: str, heads: int, path: str, device: str, *, mla: bool = False
+) -> dict[tuple[int, int], int]:
+    """Every link of ``pair`` moves its heads; each decode rank's buffer checked whole.
+    Returns how many blocks each (prefill rank, decode rank) link moved."""
+    p_tp, d_tp = pair
+    content = MLA_CONTENT if mla else CONTENT
+    dtype = torch.bfloat16
+    item = torch.empty((), dtype=dtype).element_size()
+    full = full_kv(heads, content * item, seed=heads * 100 + p_tp * 10 + d_tp)
+
+    def span(rank: int, tp: int) -> tuple[int, int]:
+        return (0, 1) if mla else rank_heads(rank, tp, heads)
+
+    prefill = []
+    for p in range(p_tp):
+        lo, hi = span(p, p_tp)
+        cache = rank_cache(layout, hi - lo, dtype, device, poison, content)
+        fill_heads(cache, full, lo, hi)
+        prefill.append(cache)
+    decode = [
+        rank_cache(layout, span(d, d_tp)[1] - span(d, d_tp)[0], dtype, device, poison, content) for d in range(d_tp)
+    ]
+    wants = [expected(decode[d], full, *span(d, d_tp)) for d in range(d_tp)]
+    moved: dict[tuple[int, int], int] = {}
+    for link in links(p_tp, d_tp, heads, mla=mla):
+        src, dst = link_pools(link, rank_pool(prefill[link.prefill_rank]), rank_pool(decode[link.decode_rank]))
+        run_link(path, src, dst, device)
+        key = (link.prefill_rank, link.decode_rank)
+        assert key not in moved
+        moved[key] = len(DST_IDS)
+    for d in range(d_tp):
+        got = decode[d].raw.cpu()
+        diff = (got != wants[d]).nonzero()
+        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+    return moved
+
+
+PATHS = ["inprocess", "staging"]
+PAIR_IDS = [f"P{p}D{d}" for p, d in PAIRS]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_cpu_tp_pairs_bit_exact(pair: tuple[int, int], layout: str, path: str) -> None:
+    """8 KV heads: every rank holds its own (2 to 8); heterogeneous pairs move head slices,
+    head-major (LBHNC, vLLM's CPU layout) as a run inside each block, token-major (LBNHC,
+    NHD) as one segment per token."""
+    moved = tp_transfer(pair, layout, 8, path, "cpu")
+    p_tp, d_tp = pair
+    assert len(moved) == max(p_tp, d_tp)  # each decode rank fed by exactly its overlapping prefill ranks
+
+
+@pytest.mark.parametrize("layout", [x for x in LAYOUTS if x not in ("LBHNC", "LBNHC")])
+@pytest.mark.parametrize("pair", [(2, 4), (4, 1)], ids=["P2D4", "P4D1"])
+def test_cpu_tp_other_layouts_bit_exact(pair: tuple[int, int], layout: str) -> None:
+    """vLLM's other physical orders (layer- and block-outer) slice the same way."""
+    tp_transfer(pair, layout, 8, "inprocess", "cpu")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pair", [(4, 2), (2, 4), (4, 1), (1, 4)], ids=["P4D2", "P2D4", "P4D1", "P1D4"])
+def test_cpu_replicated_heads_cross_once(pair: tuple[int, int], path: str) -> None:
+    """2 KV heads over 4 ranks: each head is on two ranks; only the lowest sends it, once
+    per decode rank that needs it."""
+    moved = tp_transfer(pair, "LBNHC", 2, path, "cpu")
+    p_tp, d_tp = pair
+    for p, _d in moved:
+        assert p == rank_heads(p, p_tp, 2)[0] * p_tp // 2  # the lowest holder of its head
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pair", [(2, 1), (1, 2), (2, 4), (4, 2)], ids=["P2D1", "P1D2", "P2D4", "P4D2"])
+def test_cpu_mla_moves_once_per_decode_rank(pair: tuple[int, int], path: str) -> None:
+    """MLA's latent head is on every rank: prefill rank 0 alone sends it, once per decode
+    rank, whole blocks."""
+    moved = tp_transfer(pair, "LBHNC", 1, path, "cpu", mla=True)
+    assert sorted(moved) == [(0, d) for d in range(pair[1])]
+
+
+KERNEL_CHECK = """
+import numpy as np, torch
+from kvferry import _triton_copy
+from kvferry.ranks import links, rank_heads
+from test_tp import expected, fill_heads, full_kv, link_pools, rank_cache, rank_pool
+from test_kv_layouts import DST_IDS, SRC_IDS, poison
+ids = torch.from_numpy(np.stack([SRC_IDS, DST_IDS]))
+for layout in ("LBHNC", "LBNHC", "BLNHC"):  # head-major, token-major, block-outer
+    for p_tp, d_tp in ((1, 2), (4, 1)):
+        full = full_kv(8, 32, seed=p_tp * 10 + d_tp)
+        pre = []
+        for p in range(p_tp):
+            lo, hi = rank_heads(p, p_tp, 8)
+            c = rank_cache(layout, hi - lo, torch.bfloat16, "cpu", poison)
+            fill_heads(c, full, lo, hi)
+            pre.append(c)
+        dec = [rank_cache(layout, 8 // d_tp, torch.bfloat16, "cpu", poison) for _ in range(d_tp)]
+        wants = [expected(dec[d], full, *rank_heads(d, d_tp, 8)) for d in range(d_tp)]
+        for link in links(p_tp, d_tp, 8):
+            a, b = link_pools(link, rank_pool(pre[link.prefill_rank]), rank_pool(dec[link.decode_rank]))
+            assert _triton_copy.supports(a, b), (layout, link)
+            _triton_copy.copy_blocks(a, b, ids, _triton_copy.LaunchConfig(32, 16, 4, True))
+        for d in range(d_tp):
+            assert torch.equal(dec[d].raw, wants[d]), (layout, p_tp, d_tp, d)
+print("kernel ok")
+"""
+
+
+def test_fused_kernel_moves_head_slices_under_the_interpreter() -> None:
+    """The Triton kernel (`copy_blocks` on CUDA) on CPU under TRITON_INTERPRET=1: head slices
+    of head-major, token-major and block-outer pools, bit exact against the reference."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel ok" in proc.stdout
+
+
+# -- CUDA (run on the GPU machine) ----------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_cuda_tp_pairs_bit_exact(pair: tuple[int, int], layout: str, path: str) -> None:
+    tp_transfer(pair, layout, 8, path, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["BLNHC", "BHLNC"])
+@pytest.mark.parametrize("pair", [(2, 4), (4, 1)], ids=["P2D4", "P4D1"])
+def test_cuda_tp_block_outer_layouts_bit_exact(pair: tuple[int, int], layout: str) -> None:
+    """Block-outer pools (the fused copy's strided path) sliced by heads."""
+    tp_transfer(pair, layout, 8, "inprocess", "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pair", [(4, 2), (1, 4)], ids=["P4D2", "P1D4"])
+def test_cuda_replicated_heads_cross_once(pair: tuple[int, int], path: str) -> None:
+    tp_transfer(pair, "LBNHC", 2, path, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pair", [(2, 1), (1, 2), (2, 4)], ids=["P2D1", "P1D2", "P2D4"])
+def test_cuda_mla_moves_once_per_decode_rank(pair: tuple[int, int], path: str) -> None:
+    tp_transfer(pair, "LBNHC", 1, path, "cuda", mla=True)
+
+
+def _ipc_decode_rank(conn: Any, authkey: bytes, layout: str, heads: int, dst_heads: tuple[int, int]) -> None:
+    """A decode rank over CUDA IPC in its own process: a poisoned cache of ``heads`` heads,
+    the head slice ``dst_heads`` served; sends back its buffer once the request arrived."""
+    from kvferry.transports.cuda_ipc import CudaIpcEndpoint
+
+    cache = rank_cache(layout, heads, torch.bfloat16, "cuda", poison)
+    pool = rank_pool(cache)
+    receiver = KVReceiver(pool.heads(*dst_heads))
+    endpoint = CudaIpcEndpoint(receiver, authkey=authkey)
+    epoch = receiver.expect(RID, len(DST_IDS) * TOKENS, dst_blocks=DST_IDS)
+    conn.send((endpoint.address, epoch))
+    try:
+        receiver.wait(RID, timeout=SLACK)
+        conn.send(("ok", cache.raw.cpu().numpy()))
+    except Exception as err:  # reported to the test, which fails with it
+        conn.send(("error", repr(err)))
+    conn.recv()
+    endpoint.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_cuda_ipc_head_slice_bit_exact(layout: str) -> None:
+    """P TP=1 -> D TP=2 over CUDA IPC: decode rank 1's process receives heads [4, 8) of the
+    prefill rank's 8, written by the fused copy into its own cache's head slice."""
+    from kvferry.transports.cuda_ipc import CudaIpcTransport
+
+    full = full_kv(8, CONTENT * 2, seed=7)  # bf16: 2 bytes an element
+    src_cache = rank_cache(layout, 8, torch.bfloat16, "cuda", poison)
+    fill_heads(src_cache, full, 0, 8)
+    (link,) = [k for k in links(1, 2, 8) if k.decode_rank == 1]
+    want = expected(rank_cache(layout, 4, torch.bfloat16, "cpu", poison), full, 4, 8)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    authkey = secrets.token_bytes(32)
+    proc = ctx.Process(target=_ipc_decode_rank, args=(child, authkey, layout, 4, link.dst_heads), daemon=True)
+    proc.start()
+    try:
+        address, epoch = reply_from(parent, proc, "decode rank")
+        engine = CudaCopyEngine(torch.device("cuda"))
+        sender = KVSender(
+            rank_pool(src_cache).heads(*link.src_heads), CudaIpcTransport(address, authkey=authkey), engine=engine
+        )
+        send_one(sender, epoch)
+        status, got = reply_from(parent, proc, "decode rank")
+        assert status == "ok", got
+        diff = (torch.from_numpy(got) != want).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} bytes differ"
+        sender.remove(RID)
+        sender.close()
+        engine.close()
+        parent.send("done")
+        proc.join(timeout=SLACK)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+# -- the decode worker's parts (no engine; needs vLLM's connector base classes) ---------------
+
+
+@pytest.fixture
+def decode_p2(tmp_path: Any) -> Any:
+    """A decode worker of TP 1 over vLLM's token-major cache of 2 KV heads, fed by prefill
+    servers of TP 2: one receiver per prefill rank, each over that rank's head."""
+    pytest.importorskip("vllm")
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), prefill_tp_size=2),
+        block_size=TOKENS,
+        num_blocks=BLOCKS,
+        authkey=b"k" * 32,
+        num_kv_heads=2,
+    )
+    common.pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def _recv_spec(rid: str, kv: int, transfer: str) -> Any:
+    from kvferry.vllm.metadata import RecvSpec
+
+    return RecvSpec(rid, kv, transfer, 2 * TOKENS, [3, 7], 0, "d", 60.0)
+
+
+def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
+    """Published once per prefill rank (``T@p0of2``, ``T@p1of2``), each with its own receiver's
+    epoch; a lookup of each part gets an endpoint of its own, and a prefill rank that writes
+    nothing here gets none; the request has arrived only once both parts did."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    assert sorted(worker.receivers) == [0, 1]
+    assert worker.receivers[0].pool.check_compatible(worker.common.pool.heads(0, 1)) is None
+    spec = _recv_spec("r", 11, "T")
+    worker.bind(KvferryMetadata(recvs=[spec]))
+    address = worker.rendezvous.address
+    dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}of2", 5, f"eng@p{p}of2") for p in (0, 1)]
+    assert dests[0]["endpoint"] != dests[1]["endpoint"]
+    assert [d["epoch"] for d in dests] == [worker.receivers[p].epoch(11) for p in (0, 1)]
+    worker.receivers[0].deliver(Notice(11, 0, 0, 2, True, dests[0]["epoch"]))
+    assert worker.results(set()) == (set(), set())  # prefill rank 1's head is still missing
+    worker.receivers[1].deliver(Notice(11, 0, 0, 2, True, dests[1]["epoch"]))
+    assert worker.results(set()) == ({"r"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("s", 12, "U")]))
+    with pytest.raises(Exception, match="prefill rank 5 of 2 writes nothing"):
+        rendezvous.lookup(address, b"k" * 32, "U@p0of2", 5, "eng@p5of2")
+    # A prefill server of another tensor parallel size is refused at once, not at its timeout.
+    with pytest.raises(Exception, match="takes prefill servers of tensor parallel size 2 .* has 4"):
+        rendezvous.lookup(address, b"k" * 32, "U@p0of4", 3600, "eng@p0of4")
+    with pytest.raises(Exception, match="takes prefill servers of tensor parallel size 2 .* has 1"):
+        rendezvous.lookup(address, b"k" * 32, "U", 3600, "eng")
+
+
+def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any) -> None:
+    """Prefill rank 1 gives its part up before writing; rank 0 had taken its part: the request
+    fails, rank 1's part is freed at once, rank 0's at its sender's fence."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("r", 21, "T")]))
+    dest = rendezvous.lookup(worker.rendezvous.address, b"k" * 32, "T@p0of2", 5, "eng@p0of2")
+    rendezvous.abandon(worker.rendezvous.address, b"k" * 32, "T@p1of2", "preempted")
+    assert worker.results(set()) == (set(), set())  # given up; rank 0's part waits for its fence
+    assert len(worker.receivers[1]) == 0 and len(worker.receivers[0]) == 1
+    worker.receivers[0].revoked(21, dest["epoch"])  # rank 0's sender fences it
+    assert worker.results(set()) == ({"r"}, {"r"})
+    assert all(len(r) == 0 for r in worker.receivers.values())
+
+
+def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None) -> Any:
+    from types import SimpleNamespace
+
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    transfer = SimpleNamespace(
+        kv_connector_extra_config={"authkey_file": str(key), **(extra or {})}, kv_role="kv_consumer", engine_id="e"
+    )
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2)
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=TOKENS),
+    )
+
+
+def test_pipeline_parallelism_is_refused_by_name(tmp_path: Any) -> None:
+    pytest.importorskip("vllm")
+    from kvferry.vllm.connector import KvferryConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(InvalidArgumentError, match="invalid pipeline_parallel_size=2: .* not pipeline parallelism"):
+        KvferryConnector(_vllm_config(tmp_path, pp=2, tp=2), KVConnectorRole.SCHEDULER)
+
+
+def test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name(tmp_path: Any) -> None:
+    """A decode server of TP 2 told its prefill servers run TP 3: refused at startup."""
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=str(tmp_path), prefill_tp_size=3),
+        block_size=TOKENS,
+        num_blocks=BLOCKS,
+        authkey=b"k" * 32,
+        tp_size=2,
+        num_kv_heads=2,
+    )
+    common.pool = rank_pool(rank_cache("LBHNC", 1, torch.bfloat16, "cpu", poison))
+    with pytest.raises(KvFerryError, match="prefill_tp_size=3 with this server's tensor_parallel_size=2"):
+        DecodeWorker(common).start()
+
+
+def test_the_hello_names_every_decode_rank_and_signs_them_together(tmp_path: Any) -> None:
+    """A TP-2 decode server's hello: both ranks' rendezvous in rank order, one signature over
+    both; a prefill scheduler plans one link per (prefill rank, decode rank) from it."""
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm import trust
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import Handshake
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    key = b"k" * 32
+
+    def side(tp: int) -> Any:
+        return SchedulerSide(
+            ConnectorConfig(),
+            block_size=TOKENS,
+            role="kv_both",
+            engine_id="e",
+            kv_cache_manager_getter=None,
+            authkey=key,
+            tp_size=tp,
+            num_kv_heads=2,
+        )
+
+    decode = side(2)
+    decode.set_handshakes({1: Handshake("e1", "unix:///r/b.sock"), 0: Handshake("e0", "unix:///r/a.sock")})
+    hello = decode._hello()
+    assert hello["peer"] == "unix:///r/a.sock unix:///r/b.sock" and hello["engine"] == "e0"
+    assert trust.check_peer(key, (), hello["peer"], hello["peer_mac"]) == hello["peer"]
+    with pytest.raises(trust.UntrustedPeerError):  # the ranks swapped: not what was signed
+        trust.check_peer(key, (), "unix:///r/b.sock unix:///r/a.sock", hello["peer_mac"])
+    assert trust.check_peer(key, ("unix:///r/a.sock", "unix:///r/b.sock"), hello["peer"], None)
+    with pytest.raises(trust.UntrustedPeerError):  # trusted_peers must list every rank's
+        trust.check_peer(key, ("unix:///r/a.sock",), hello["peer"], None)
+    plan = side(2)._plan(hello["peer"])
+    assert plan is not None and [(k.prefill_rank, k.decode_rank, a) for k, a in plan] == [
+        (0, 0, "unix:///r/a.sock"),
+        (1, 1, "unix:///r/b.sock"),
+    ]
+    assert side(1)._plan("unix:///r/a.sock") is None  # one rank each side: one lookup, as before
+    assert [k.prefill_rank for k, _ in side(2)._plan("unix:///r/a.sock") or ()] == [0, 1]
+    with pytest.raises(KvFerryError, match="3 tensor-parallel ranks"):
+        side(2)._plan("unix:///a unix:///b unix:///c")

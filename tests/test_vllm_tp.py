@@ -1,0 +1,121 @@
+"""KvferryConnector with tensor parallelism, in real vLLM 0.32 CPU engines (tests/vllm_harness.py):
+prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2, on the testbed's tiny Llama (2 KV heads: a
+TP-2 rank holds one, a TP-1 engine both, so the heterogeneous pairs move head slices and the
+2 -> 2 pair whole blocks, rank to rank; kvferry.ranks). Each decode output equals a plain
+engine's greedy output, and every pool ends empty.
+
+Four engines, started together (vLLM's CPU TP runs one worker process per rank, each bound
+to its own core with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``):
+
+```
+tp2    TP 2, kv_both, prefill_tp_size 1   prefill of 2 -> 1 and 2 -> 2; decode of 1 -> 2
+tp1    TP 1, kv_both, prefill_tp_size 2   prefill of 1 -> 2; decode of 2 -> 1
+tp2d   TP 2, kv_consumer, prefill_tp_size 2   decode of 2 -> 2
+plain  TP 1, no connector: the reference outputs
+```
+Every engine command is bounded (`Engine.result`); a decode request waits at most
+``WAIT_S`` for its blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None
+pytestmark = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM (and transformers) not importable: run in the vLLM venv, see docs/vllm.md"
+)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_harness import Engine, model_with_own_key_dir  # noqa: E402
+
+WAIT_S = 120.0  # what a decode request waits for its blocks, and a prefill request for its destination
+TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+BOUND = 600.0  # an engine command on the loaded 2-core box (a TP-2 engine starts in about a minute)
+
+
+def extra(prefill_tp_size: int) -> dict[str, Any]:
+    return {
+        "transfer_timeout_s": WAIT_S,
+        "destination_timeout_s": WAIT_S,
+        "prefill_tp_size": prefill_tp_size,
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    for model in model_with_own_key_dir(tmp_path_factory):
+        started: dict[str, Engine] = {}
+        try:
+            # Started together; each answers its first command once it is up.
+            started["tp2"] = Engine(model, "kv_both", extra(1), max_num_batched_tokens=64, **TP2)
+            started["tp1"] = Engine(model, "kv_both", extra(2), max_num_batched_tokens=64)
+            started["tp2d"] = Engine(model, "kv_consumer", extra(2), **TP2)
+            started["plain"] = Engine(model, None)
+            for engine in started.values():
+                engine.start("usage")
+            for engine in started.values():
+                assert engine.result(timeout=BOUND) == {"used": 0, "requests": 0}
+            yield started
+        finally:
+            for engine in started.values():
+                engine.close()
+
+
+def hello_of(decode: Engine) -> dict[str, Any]:
+    out = decode.run([(f"hello-{uuid.uuid4().hex[:6]}", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]
+    (answer,) = out.values()
+    return answer["kv_transfer_params"]["kvferry"]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+PAIRS = {"P2-D1": ("tp2", "tp1", 2, 1), "P1-D2": ("tp1", "tp2", 1, 2), "P2-D2": ("tp2", "tp2d", 2, 2)}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_tp_pair_outputs_equal_a_plain_engines(engines: dict[str, Engine], pair: str) -> None:
+    """Two prompts of 3-5 blocks (chunked: 64 tokens a step on the prefill side) through the
+    pair; the decode engine computes 6 tokens of each from the KV that arrived."""
+    p_name, d_name, p_tp, d_tp = PAIRS[pair]
+    prefill, decode, plain = engines[p_name], engines[d_name], engines["plain"]
+    hello = hello_of(decode)
+    assert len(hello["peer"].split(" ")) == d_tp  # one rendezvous per decode rank
+    seed = sum(map(ord, pair))
+    prompts = [prompt_of(100 + 40 * i, seed + i) for i in range(2)]
+    transfers = [uuid.uuid4().hex for _ in prompts]
+    recv = [
+        (f"d-{pair}-{i}", p, 6, {"kvferry": {"op": "recv", "transfer": t, "timeout_s": WAIT_S}})
+        for i, (p, t) in enumerate(zip(prompts, transfers))
+    ]
+    send = [
+        (
+            f"p-{pair}-{i}",
+            p,
+            1,
+            {"kvferry": {"op": "send", "transfer": t, "peer": hello["peer"], "peer_mac": hello["peer_mac"]}},
+        )
+        for i, (p, t) in enumerate(zip(prompts, transfers))
+    ]
+    decode.start("run", recv, None, None)
+    sent = prefill.run(send)["outputs"]
+    got = decode.result(timeout=BOUND)["outputs"]
+    want = plain.run([(f"r-{pair}-{i}", p, 6, None) for i, p in enumerate(prompts)])["outputs"]
+    for i in range(len(prompts)):
+        d = got[f"d-{pair}-{i}"]
+        assert d["finish_reason"] == "length", (pair, i, d, sent[f"p-{pair}-{i}"])
+        assert d["tokens"] == want[f"r-{pair}-{i}"]["tokens"], (pair, i)
+        assert "error" not in sent[f"p-{pair}-{i}"]["kv_transfer_params"]["kvferry"], sent
+    for engine in (prefill, decode):
+        usage = engine.call("usage")
+        assert usage == {"used": 0, "requests": 0}, (pair, usage)
