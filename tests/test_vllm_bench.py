@@ -78,4 +78,4 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
         json.loads(path.read_text())["configs"]["kvferry-aware"]["decode-warm"]["held_blocks_per_turn"]
         == warm_aware["held_blocks_per_turn"]
     )
-    assert any("kvferry-aware decode-cold" in line for line in progress)
+    assert any("decode-cold: turn 1 of 1 done" in line for line in progress)
