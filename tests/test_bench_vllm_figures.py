@@ -6,7 +6,6 @@ No timing here: every figure is given."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -127,23 +126,55 @@ def test_the_link_is_sized_so_the_prefix_crosses_in_the_prefill() -> None:
         link.mbit_for(1, 0)
 
 
-def test_shaping_refuses_the_machines_own_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(link, "_root_netns_inode", lambda: os.stat("/proc/self/ns/net").st_ino)
+@pytest.fixture
+def netns_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A stand-in for /run/netns: namespaces are files there, this process's own is the file
+    named "mine" points at (by inode), the machine's first process's is unreadable."""
+    monkeypatch.setattr(link, "NETNS_DIR", str(tmp_path))
+    real = link._inode
+    own: dict[str, str] = {}
+
+    def inode(path: str) -> int:
+        if path == "/proc/1/ns/net":
+            raise PermissionError(path)
+        if path == "/proc/self/ns/net":
+            return real(own["path"]) if "path" in own else -7
+        return real(path)
+
+    monkeypatch.setattr(link, "_inode", inode)
+
+    def make(name: str, mine: bool = False) -> None:
+        (tmp_path / name).write_text("")
+        if mine:
+            own["path"] = str(tmp_path / name)
+
+    return make
+
+
+def test_shaping_refuses_a_namespace_no_bench_made(netns_dir: Any) -> None:
     asked: list[list[str]] = []
-    with pytest.raises(InvalidArgumentError, match="refusing to shape network namespace .*the machine's own"):
+    netns_dir("prod")  # named, but not by a bench
+    with pytest.raises(InvalidArgumentError, match=r"refusing to shape network namespace prod: not one a kvferry"):
+        link.veth_of("prod", run=lambda argv: asked.append(argv) or "")
+    # This process's own namespace, unnamed (the machine's, as a rule).
+    with pytest.raises(InvalidArgumentError, match=r"refusing to shape network namespace \(this process's\)"):
         link.veth_of(None, run=lambda argv: asked.append(argv) or "")
+    with pytest.raises(InvalidArgumentError, match="invalid network namespace no-such-ns"):
+        link.veth_of("no-such-ns", run=lambda argv: asked.append(argv) or "")
     assert asked == []  # refused before anything ran
 
 
-def test_shaping_finds_the_one_veth_of_a_bench_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(link, "_root_netns_inode", lambda: -1)  # this process's namespace is not the machine's
+def test_shaping_finds_the_one_veth_of_a_bench_namespace(netns_dir: Any) -> None:
+    netns_dir("kvferry-123-a", mine=True)
+    netns_dir("kvferry-123-b")
     one = "7: kvf123a@if6: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc tbf state UP\n"
     assert link.veth_of(None, run=lambda argv: one) == "kvf123a"
+    asked: list[list[str]] = []
+    assert link.veth_of("kvferry-123-b", run=lambda argv: asked.append(argv) or one) == "kvf123a"
+    assert asked == [["ip", "-n", "kvferry-123-b", "-o", "link", "show", "type", "veth"]]
     with pytest.raises(InvalidArgumentError, match="2 veth devices"):
         link.veth_of(None, run=lambda argv: one + one.replace("kvf123a", "kvf999a"))
-    asked: list[list[str]] = []
+    asked.clear()
     link.shape(None, "kvf123a", 812.5, run=lambda argv: asked.append(argv) or "")
     assert asked == [["tc", "qdisc", "replace", "dev", "kvf123a", "root", "tbf", "rate", "812.5mbit", "burst",
                       "256kb", "latency", "50ms"]]  # fmt: skip
-    with pytest.raises(InvalidArgumentError, match="invalid network namespace 'no-such-ns'"):
-        link.veth_of("no-such-ns", run=lambda argv: one)

@@ -1,9 +1,9 @@
 """The link of a two-namespace ``kvferry bench vllm`` run: sized from the run's own prefill,
 shaped with ``tc`` on the veth between the bench's two network namespaces, and measured.
 
-Shaping touches only a veth inside a named network namespace that is not the machine's own
-(benches/python/two_hosts.py makes them): :func:`veth_of` refuses anything else, so the bench
-never shapes a real network.
+Shaping touches only the veth of a network namespace a kvferry bench made (named
+``kvferry-*`` by ``ip netns add``: benches/python/two_hosts.py makes them): :func:`veth_of`
+refuses anything else, so the bench never shapes a real network.
 """
 
 from __future__ import annotations
@@ -44,23 +44,44 @@ def _run(argv: list[str]) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
 
 
-def _root_netns_inode() -> int:
-    return os.stat("/proc/1/ns/net").st_ino
+NETNS_DIR = "/run/netns"  # where `ip netns add` names namespaces
+BENCH_PREFIX = "kvferry-"  # tests/netns.py's TwoHosts names its namespaces so
+
+
+def _inode(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def netns_name(netns: Optional[str]) -> str:
+    """The name of network namespace ``netns`` (None: this process's own) after checking that
+    it is one a kvferry bench made: named by ``ip netns add`` with the bench's prefix, and not
+    the namespace of the machine's first process (where that can be read)."""
+    what = netns or "(this process's)"
+    try:
+        if netns is not None:
+            inode, name = _inode(os.path.join(NETNS_DIR, netns)), netns
+        else:
+            inode = _inode("/proc/self/ns/net")
+            names = sorted(os.listdir(NETNS_DIR)) if os.path.isdir(NETNS_DIR) else []
+            name = next((n for n in names if _inode(os.path.join(NETNS_DIR, n)) == inode), "")
+    except OSError as err:
+        raise InvalidArgumentError(f"invalid network namespace {what}: {err}") from None
+    try:
+        machine = _inode("/proc/1/ns/net")
+    except OSError:  # not readable in some containers: the name alone decides then
+        machine = None
+    if not name.startswith(BENCH_PREFIX) or inode == machine:
+        raise InvalidArgumentError(
+            f"refusing to shape network namespace {what}: not one a kvferry bench made (a namespace named "
+            f"{BENCH_PREFIX}* by ip netns add); run the bench through benches/python/two_hosts.py"
+        )
+    return name
 
 
 def veth_of(netns: Optional[str], run: Callable[[list[str]], str] = _run) -> str:
     """The one veth device of network namespace ``netns`` (None: this process's own), after
-    checking that the namespace is not the machine's: the only links this bench shapes."""
-    where = f"/run/netns/{netns}" if netns is not None else "/proc/self/ns/net"
-    try:
-        inode = os.stat(where).st_ino
-    except OSError as err:
-        raise InvalidArgumentError(f"invalid network namespace {netns!r}: {err}") from None
-    if inode == _root_netns_inode():
-        raise InvalidArgumentError(
-            f"refusing to shape network namespace {netns or '(this process)'}: it is the machine's own; "
-            "run the bench through benches/python/two_hosts.py, which makes two namespaces joined by a veth"
-        )
+    checking (`netns_name`) that a kvferry bench made the namespace: the only links it shapes."""
+    netns_name(netns)
     argv = ["ip", *(["-n", netns] if netns else []), "-o", "link", "show", "type", "veth"]
     devices = [line.split(":")[1].strip().split("@")[0] for line in run(argv).splitlines() if line.strip()]
     if len(devices) != 1:
@@ -75,6 +96,7 @@ def shape(netns: Optional[str], device: str, mbit: float, run: Callable[[list[st
     """Each end's sending rate to ``mbit`` (a token bucket, as tests/netns.py shapes)."""
     if not mbit > 0:
         raise InvalidArgumentError(f"invalid mbit={mbit!r}: must be > 0")
+    netns_name(netns)
     run(
         [
             "tc",
