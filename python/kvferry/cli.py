@@ -833,9 +833,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         scrape=args.scrape,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
-    print(format_vllm_bench(result))
-    if args.json:
+    if args.json:  # first: a run of many minutes keeps its figures whatever comes next
         write_json(result, args.json)
+    print(format_vllm_bench(result))
     if args.png:
         draw_timeline(result, args.png)
         print(f"timeline: {args.png}")

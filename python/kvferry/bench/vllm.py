@@ -47,6 +47,7 @@ import random
 import statistics
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -216,8 +217,20 @@ class _Sample:
     sums: dict[str, float]
 
     @classmethod
-    def of(cls, server: Any) -> _Sample:
-        text = server.metrics()
+    def of(cls, server: Any, timeout_s: float = 120.0) -> _Sample:
+        """Reads the server's /metrics, asking again when an answer is late (on a machine
+        loaded by other work an API server has been seen to take over 10 s), up to
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                text = server.metrics(timeout_s=30.0)
+                break
+            except (TimeoutError, urllib.error.URLError) as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{server.name}: /metrics did not answer within {timeout_s:.0f} s: {err}"
+                    ) from err
         return cls(
             text,
             _metric_sum(text, HISTOGRAMS["prefill"] + "_count"),
@@ -225,7 +238,7 @@ class _Sample:
         )
 
 
-def _finished(server: Any, before: _Sample, timeout_s: float = 30.0) -> tuple[_Sample, dict[str, float]]:
+def _finished(server: Any, before: _Sample, timeout_s: float = 120.0) -> tuple[_Sample, dict[str, float]]:
     """The server's sample once the request sent since ``before`` has finished (vLLM publishes
     its histograms then), and that request's queue and prefill ms. vLLM records a request as
     scheduled only once its KV has arrived (an async load keeps it waiting), so a decode

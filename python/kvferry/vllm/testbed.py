@@ -330,8 +330,8 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+    def metrics(self, timeout_s: float = 10.0) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as r:
             return str(r.read().decode())
 
     def kv_blocks(self) -> tuple[int, int]:
