@@ -319,6 +319,32 @@ def _scripts(cfg: VllmBenchConfig, plain: Any, seed: int, prefill_ms: list[float
     return out
 
 
+def _sizing_prefill(cfg: VllmBenchConfig, fleet: Fleet, conf: Configuration, sessions: int = 3) -> list[float]:
+    """A measured turn's prefill as the run's servers compute it (ms), on ``conf``'s prefill
+    server: ``sessions`` throwaway conversations of the run's lengths, each a first turn and one
+    more. Not the plain server's: there the prefill had its core alone, while a connector's own
+    threads (NIXL's progress thread) share the prefill server's core in the run (measured: 43
+    against about 300 ms on a loaded machine)."""
+    from kvferry.vllm.testbed import call
+
+    fleet.run_only(conf)
+    prefill = fleet.prefill(conf)
+    out = []
+    for s in range(sessions):
+        rng = random.Random(-1 - s)  # conversations of their own: no script's prefix is cached
+        prompt = [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.cached_tokens)]
+        for turn in range(2):
+            before = _Sample.of(prefill)
+            a = call(fleet.proxies[conf.name].url, "/v1/completions", _body(prompt, cfg.output_tokens, stream=False))
+            if a.status != 200:
+                raise RuntimeError(f"{conf.name}: sizing turn: HTTP {a.status}: {a.body}")
+            _, took = _finished(prefill, before)
+            if turn:
+                out.append(took["prefill"])
+            prompt = prompt + a.token_ids + [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.new_tokens)]
+    return out
+
+
 def _memcpy_bytes_per_s(nbytes: int = 64 << 20, reps: int = 5) -> float:
     """One host's link: a memory copy of ``nbytes`` (the staging ring's two copies run on the
     two servers' cores, one after the other per slot), median of ``reps``."""
@@ -364,7 +390,7 @@ def _link(
     return {
         "how": (
             f"veth shaped with tc tbf so the middle measured turn's prefix ({sizing_prefix / 2**20:.1f} MiB) "
-            f"crosses in the plain server's prefill ({prefill_ms:.0f} ms)"
+            f"crosses in a turn's prefill as the run's servers compute it ({prefill_ms:.0f} ms)"
             if sized
             else f"veth shaped with tc tbf to {mbit:g} Mbit/s (fixed by hand)"
         ),
@@ -685,9 +711,6 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     middle = scripts[(confs[0].name, "decode-cold")][0][(cfg.turns + 1) // 2]
     previous = scripts[(confs[0].name, "decode-cold")][0][(cfg.turns + 1) // 2 - 1]
     sizing_prefix = len(previous.prompt) // BLOCK_TOKENS * BLOCK_TOKENS * kv_token
-    link = _link(cfg, sizing_prefix, statistics.median(plain_prefill), progress)
-    link["sizing_prefix_bytes"], link["plain_prefill_ms_p50"] = sizing_prefix, statistics.median(plain_prefill)
-    link["sizing_turn_tokens"] = len(middle.prompt)
     rows: list[dict[str, Any]] = []
     names = [c.name for c in confs]
     by_name = {c.name: c for c in confs}
@@ -700,6 +723,16 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             warm = testbed.call(fleet.proxies[conf.name].url, "/v1/completions", _body([5] * 100, 2, stream=False))
             if warm.status != 200:
                 raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
+        sizing = [c for c in confs if not c.early] or confs
+        in_run = _sizing_prefill(cfg, fleet, sizing[0]) if cfg.decode_netns is not None else []
+        link = _link(cfg, sizing_prefix, statistics.median(in_run or plain_prefill), progress)
+        link.update(
+            sizing_prefix_bytes=sizing_prefix,
+            sizing_turn_tokens=len(middle.prompt),
+            plain_prefill_ms_p50=statistics.median(plain_prefill),
+            in_run_prefill_ms=in_run,
+            sizing_config=sizing[0].name if in_run else None,
+        )
         t0 = time.perf_counter()
         slot = 0
         for case in CASES:
