@@ -693,7 +693,11 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     spec = testbed.RandomLlama(cfg.model, max_positions=max(8192, 2 * cfg.cached_tokens))
     model = testbed.build_tiny_llama(work, spec)
     kv_token = spec.kv_bytes_per_token()
-    engine = testbed.EngineSettings(max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=spec.max_positions)
+    # The longest conversation, not the model's 8192 positions: vLLM refuses a pool that cannot
+    # hold one request of max_model_len (2 GiB at --realistic's 256 KiB per token).
+    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
+    max_len = min(spec.max_positions, (longest // BLOCK_TOKENS + 2) * BLOCK_TOKENS)
+    engine = testbed.EngineSettings(max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
     load_before = os.getloadavg()
     progress(
         f"model: {cfg.model.layers} layers, {cfg.model.kv_heads} KV heads x {cfg.model.head_dim}, {kv_token} KV "
@@ -854,6 +858,9 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
                 f"{loss['after_prefill']:>14.0f} {loss['first_token']:>12.0f}"
             )
         load = info["load"]
+        if not load["slots"]:
+            lines.append("load: no verdict (it needs two configurations without early send, or two in all)")
+            continue
         lines.append(
             ("WARNING: the machine was too busy for these figures to mean anything: " if load["busy"] else "load: ")
             + f"the same prefill in a slot ({', '.join(info['verdict_configs'])}) agreed within a median "
