@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvferry.bench import vllm_figures as vf
-from kvferry.bench.util import percentile, stderr_progress
+from kvferry.bench.util import stderr_progress
+from kvferry.bench.vllm_figures import BLOCK_TOKENS, CASES, annotate, summaries, targets
+from kvferry.bench.vllm_report import draw_timeline, format_vllm_bench, write_json  # noqa: F401 (re-exported)
 from kvferry.geometry import VLLM_BENCH_MODEL, Geometry
-
-CASES = ("decode-warm", "decode-cold")
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,6 @@ def configurations(layer_groups: int) -> list[Configuration]:
 
 
 CONFIGS = tuple(c.name for c in configurations(4))
-# The targets of issue 22: (case, configuration, figure, at most).
-TARGETS = (
-    ("decode-cold", "kvferry-early", "ttft_vs_nixl", 0.6),
-    ("decode-cold", "kvferry-early", "kv_over_ideal", 1.1),
-    ("decode-warm", "kvferry-aware", "ttft_vs_nixl", 0.9),
-    ("decode-warm", "kvferry-layers", "ttft_vs_nixl", 0.9),
-)
 
 
 @dataclass(frozen=True)
@@ -152,9 +145,6 @@ class VllmBenchConfig:
     link_mbit: Optional[float] = None
     scrape: Optional[str] = None  # append the servers' /metrics, read around each turn, here (bench/dashboard.py)
     bootstrap_reps: int = 2000
-
-
-BLOCK_TOKENS = 32  # testbed.EngineSettings.block_size
 
 
 def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> int:
@@ -555,134 +545,6 @@ def _turn(cfg: VllmBenchConfig, fleet: Fleet, conf: Configuration, case: str, st
     }
 
 
-def _annotate(rows: list[dict[str, Any]], confs: dict[str, Configuration], cfg: VllmBenchConfig,
-              scripts: dict[tuple[str, str], list[list[_Turn]]], kv_bytes_per_token: int,
-              rate: float) -> None:  # fmt: skip
-    """Adds each measured turn's bytes to move, ideal bound and losses (vllm_figures)."""
-    by_slot: dict[int, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_slot.setdefault(r["slot"], []).append(r)
-    block_bytes = kv_bytes_per_token * BLOCK_TOKENS
-    for slot_rows in by_slot.values():
-        clean = min(r["prefill_ms"] for r in slot_rows)
-        step = min(r["decode_step_ms"] for r in slot_rows)
-        for r in slot_rows:
-            conf = confs[r["config"]]
-            previous = scripts[(r["config"], r["case"])][r["session"]][r["turn"] - 1]
-            hit = len(previous.prompt)  # the prefill server computed the previous prompt
-            # The decode server computed the previous prompt and every output token but the
-            # last; it keeps them only with awareness, and decode-cold resets them.
-            held = len(previous.prompt) + len(previous.want) - 1 if conf.aware and r["case"] == "decode-warm" else 0
-            moved = vf.turn_bytes(r["prompt_tokens"], hit, held, BLOCK_TOKENS, block_bytes)
-            ideal_kv, x, t = vf.ideal(clean, moved, rate)
-            prefill_end = (
-                r["prefill_leg_ms"] if r["prefill_leg_ms"] is not None else r["prefill_queue_ms"] + r["prefill_ms"]
-            )
-            r.update(
-                prefix_bytes=moved.prefix,
-                tail_bytes=moved.tail,
-                clean_prefill_ms=clean,
-                clean_decode_step_ms=step,
-                prefix_xfer_ms=x,
-                tail_xfer_ms=t,
-                ideal_kv_ready_ms=ideal_kv,
-                ideal_ttft_ms=ideal_kv + step,
-                losses=vf.losses(
-                    kv_ready_ms=r["kv_ready_ms"],
-                    ttft_ms=r["ttft_ms"],
-                    prefill_end_ms=prefill_end,
-                    prefill_ms=r["prefill_ms"],
-                    clean_prefill_ms=clean,
-                    prefix_ms=x,
-                    tail_ms=t,
-                    decode_step_ms=step,
-                ),  # fmt: skip
-            )
-
-
-def _summaries(rows: list[dict[str, Any]], confs: list[Configuration], reps: int) -> dict[str, Any]:
-    """Per case and configuration: medians, ratios of medians (bootstrap intervals) against the
-    better NIXL connector and against the ideal bound, the median losses; and the verdicts."""
-    out: dict[str, Any] = {}
-    for case in CASES:
-        mine = {
-            c.name: sorted((r for r in rows if r["case"] == case and r["config"] == c.name), key=lambda r: r["slot"])
-            for c in confs
-        }
-        figures: dict[str, Any] = {}
-        for c in confs:
-            rs = mine[c.name]
-            n = len(rs)
-            held = [r["held_blocks"] for r in rs if r["held_blocks"] is not None]
-            figures[c.name] = {
-                "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in rs),
-                "ttft_ms_p90": percentile([r["ttft_ms"] for r in rs], 0.9),
-                "kv_ready_ms_p50": statistics.median(r["kv_ready_ms"] for r in rs),
-                "kv_ready_ms_p90": percentile([r["kv_ready_ms"] for r in rs], 0.9),
-                "ideal_kv_ready_ms_p50": statistics.median(r["ideal_kv_ready_ms"] for r in rs),
-                "ideal_ttft_ms_p50": statistics.median(r["ideal_ttft_ms"] for r in rs),
-                "prefill_ms_p50": statistics.median(r["prefill_ms"] for r in rs),
-                "kv_over_ideal": vf.ratio_of_medians(
-                    [r["kv_ready_ms"] for r in rs], [r["ideal_kv_ready_ms"] for r in rs], reps
-                ),
-                "ttft_over_ideal": vf.ratio_of_medians(
-                    [r["ttft_ms"] for r in rs], [r["ideal_ttft_ms"] for r in rs], reps
-                ),
-                "losses_ms_p50": {k: statistics.median(r["losses"][k] for r in rs) for k in rs[0]["losses"]},
-                "link_bytes_per_turn": sum(r["link_bytes"] for r in rs) / n,
-                "needed_bytes_per_turn": sum(r["prefix_bytes"] + r["tail_bytes"] for r in rs) / n,
-                "early_bytes_per_turn": sum(r["early_bytes"] for r in rs) / n,
-                "held_blocks_per_turn": sum(held) / n if held else None,
-                "duplicates": sum(r["duplicates"] for r in rs) if c.connector == "kvferry" else None,
-                "wire_tx_bytes_per_turn": sum(r["wire_tx_bytes"] for r in rs) / n,
-                "outputs_equal": all(r["equal"] for r in rs),
-                "turns": rs,
-            }
-        nixl = [c.name for c in confs if c.connector == "nixl"]
-        best = min(nixl, key=lambda n: figures[n]["ttft_ms_p50"]) if nixl else None
-        for c in confs:
-            if best is not None:
-                a, b = [r["ttft_ms"] for r in mine[c.name]], [r["ttft_ms"] for r in mine[best]]
-                figures[c.name]["ttft_vs_nixl"] = vf.ratio_of_medians(a, b, reps) if len(a) == len(b) else None
-            else:
-                figures[c.name]["ttft_vs_nixl"] = None
-        # The quiet-machine verdict: in a slot, the configurations whose prefill runs alone on
-        # its core (no early send) compute the same prefill.
-        alone = [c.name for c in confs if not c.early]
-        if len(alone) < 2:
-            alone = [c.name for c in confs]
-        slots = sorted({r["slot"] for r in rows if r["case"] == case})
-        per_slot = [
-            {r["config"]: r["prefill_ms"] for r in rows if r["slot"] == s and r["config"] in alone} for s in slots
-        ]
-        out[case] = {"configs": figures, "best_nixl": best, "load": vf.busy_verdict(per_slot), "verdict_configs": alone}
-    return out
-
-
-LOSS_NAMES = {
-    "admission": "admission (queues, proxy, HTTP before the prefill's answer)",
-    "prefill_slowed": "prefill slowed (against the slot's clean prefill)",
-    "after_prefill": "transfer after the prefill (beyond what the link needs)",
-}
-
-
-def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for case, name, figure, limit in TARGETS:
-        f = summary.get(case, {}).get("configs", {}).get(name)
-        if f is None or f.get(figure) is None:
-            continue
-        value = f[figure]["ratio"]
-        row: dict[str, Any] = {"case": case, "config": name, "figure": figure, "limit": limit, "value": value,
-                               "met": value <= limit}  # fmt: skip
-        if value > limit:
-            losses = {k: v for k, v in f["losses_ms_p50"].items() if k in LOSS_NAMES}
-            worst = max(losses, key=losses.__getitem__)
-            row["largest_loss"] = {"name": worst, "ms": losses[worst]}
-        out.append(row)
-    return out
-
-
 def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     from kvferry.bench.util import machine
     from kvferry.vllm import testbed
@@ -754,8 +616,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         leaks = {s.name: _settled_blocks(s) for s in fleet.servers.values()}
         hellos = {n: getattr(p.proxy.flow, "hellos", None) for n, p in fleet.proxies.items()}
         pools = dict(fleet.pool_bytes)
-    _annotate(rows, by_name, cfg, scripts, kv_token, link["bytes_per_s"])
-    summary = _summaries(rows, confs, cfg.bootstrap_reps)
+    annotate(rows, by_name, scripts, kv_token, link["bytes_per_s"])
+    summary = summaries(rows, confs, cfg.bootstrap_reps)
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": machine("cpu"),
@@ -785,7 +647,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             for c in confs
         },  # fmt: skip
     }
-    result["targets"] = _targets(summary)
+    result["targets"] = targets(summary)
     return result
 
 
@@ -798,141 +660,6 @@ def _settled_blocks(server: Any, timeout_s: float = 30.0) -> int:
         if used == 0 or time.monotonic() > deadline:
             return used
         time.sleep(0.1)  # polling a gauge (no event to wait on)
-
-
-def _ratio(r: Optional[dict[str, Any]]) -> str:
-    if r is None:
-        return "-"
-    return f"{r['ratio']:.2f} [{r['lo']:.2f}-{r['hi']:.2f}]"
-
-
-def format_vllm_bench(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    cross = cfg.get("decode_netns") is not None
-    link = result["link"]
-    n = cfg["sessions"] * cfg["turns"]
-    lines = [
-        f"kvferry bench vllm: {len(result['configs'])} configurations taking turns, {cfg['sessions']} sessions x "
-        f"{cfg['turns']} measured turns = {n} per configuration and case (+1 warm-up turn each); "
-        f"{cfg['cached_tokens']} cached + {cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; "
-        f"{cfg['model']['layers']} layers x {cfg['model']['kv_heads']} KV heads x {cfg['model']['head_dim']} "
-        f"({result['kv_bytes_per_token']} KV bytes/token)",
-        f"{result['machine']}, {result['date']}; load average {result['load_average']['before'][0]:.1f} before, "
-        f"{result['load_average']['after'][0]:.1f} after",
-        f"placement: {result['placement']}",
-        f"link: {link['how']}: {link['bytes_per_s'] / 1e6:.1f} MB/s measured"
-        + (f" (tbf {link['mbit']:.0f} Mbit/s)" if cross else ""),
-    ]
-    for case in CASES:
-        info = result["cases"][case]
-        best = info["best_nixl"] or "-"
-        lines += [
-            "",
-            f"[{case}] TTFT and KV-ready p50 over {n} turns; ratios are ratios of medians with a 95% bootstrap "
-            f"interval over the slots; vs nixl: against {best} (the better NIXL connector here)",
-        ]
-        header = (f"{'configuration':<17} {'TTFT':>7} {'vs nixl':>17} {'KV-ready':>9} {'ideal':>7} "
-                  f"{'KV/ideal':>17} {'prefill':>8} {'link/turn':>10} {'early/turn':>10} {'held':>5}"
-                  + (f" {'veth/turn':>10}" if cross else "") + f" {'equal':>6}")  # fmt: skip
-        lines += [header, "-" * len(header)]
-        for name, c in result["configs"].items():
-            f = c[case]
-            held = "-" if f["held_blocks_per_turn"] is None else f"{f['held_blocks_per_turn']:.0f}"
-            wire = f" {f['wire_tx_bytes_per_turn'] / 2**20:>6.2f} MiB" if cross else ""
-            lines.append(
-                f"{name:<17} {f['ttft_ms_p50']:>4.0f} ms {_ratio(f['ttft_vs_nixl']):>17} "
-                f"{f['kv_ready_ms_p50']:>6.0f} ms {f['ideal_kv_ready_ms_p50']:>4.0f} ms "
-                f"{_ratio(f['kv_over_ideal']):>17} {f['prefill_ms_p50']:>5.0f} ms "
-                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB "
-                f"{held:>5}{wire} {str(f['outputs_equal']):>6}"
-            )
-        lines += ["", f"[{case}] where KV-ready lost time against the ideal (median ms per turn; see the notes)"]
-        header = (
-            f"{'configuration':<17} {'admission':>10} {'prefill slowed':>15} {'after prefill':>14} {'first token':>12}"
-        )
-        lines += [header, "-" * len(header)]
-        for name, c in result["configs"].items():
-            loss = c[case]["losses_ms_p50"]
-            lines.append(
-                f"{name:<17} {loss['admission']:>10.0f} {loss['prefill_slowed']:>15.0f} "
-                f"{loss['after_prefill']:>14.0f} {loss['first_token']:>12.0f}"
-            )
-        load = info["load"]
-        if not load["slots"]:
-            lines.append("load: no verdict (it needs two configurations without early send, or two in all)")
-            continue
-        lines.append(
-            ("WARNING: the machine was too busy for these figures to mean anything: " if load["busy"] else "load: ")
-            + f"the same prefill in a slot ({', '.join(info['verdict_configs'])}) agreed within a median "
-            f"{load['prefill_spread']:.2f}x (worst {load['worst_spread']:.2f}x; above {load['threshold']:.2f}x the "
-            "figures would not mean anything)"
-        )
-    lines.append("")
-    for t in result["targets"]:
-        what = "TTFT vs the better NIXL" if t["figure"] == "ttft_vs_nixl" else "KV-ready / ideal"
-        line = f"target {t['case']} {t['config']} {what} <= {t['limit']}: {t['value']:.2f}, " + (
-            "met" if t["met"] else "MISSED"
-        )
-        if not t["met"]:
-            worst = t["largest_loss"]
-            line += f"; the largest loss: {LOSS_NAMES[worst['name']]}, {worst['ms']:.0f} ms per turn"
-        lines.append(line)
-    lines += [
-        "",
-        "TTFT: client-side through the proxy (streaming). KV-ready: from the proxy's arrival until the decode server "
-        "holds the whole KV.",
-        "ideal: max(the slot's clean prefill, the prefix at the measured link rate) + the tail at that rate; a slot's "
-        "clean prefill and",
-        "decode step are the fastest of the configurations' (the same computation). prefill: the prefill server's, "
-        "as run.",
-        "losses: admission + prefill slowed + after prefill = KV-ready - ideal (per turn); first token: TTFT - "
-        "KV-ready - the decode step.",
-        "link: bytes the connector moved (NIXL: bytes transferred; kvferry: early + chunk + layer bytes); held: "
-        "blocks per turn not sent.",
-    ]
-    if cross:
-        lines.append("veth: bytes the prefill side's namespace sent on the veth per turn (KV and HTTP).")
-    lines.append("equal: every output equals the plain single server's, token for token.")
-    left = {name: n for name, n in result["kv_blocks_left"].items() if n}
-    lines.append(f"KV blocks left allocated at the end: {left or 'none'}")
-    return "\n".join(lines)
-
-
-def draw_timeline(result: dict[str, Any], path: str) -> None:
-    """Per case, per configuration: each measured turn as a bar from its start, dark up to the
-    first token and light to the last (the configurations take turns: their bars interleave)."""
-    from kvferry._optional import require
-
-    matplotlib = require("matplotlib", "the timeline PNG (--png)")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["configs"])
-    fig, axes = plt.subplots(len(CASES), 1, figsize=(12, 1.0 + 0.6 * len(names) * len(CASES)), squeeze=False)
-    colors = ["#4c72b0", "#937860", "#dd8452", "#55a868", "#8172b3", "#c44e52"]
-    for ax, case in zip(axes[:, 0], CASES):
-        t0 = min(r["start_s"] for n in names for r in result["configs"][n][case]["turns"])
-        for y, name in enumerate(names):
-            f = result["configs"][name][case]
-            for r in f["turns"]:
-                start = r["start_s"] - t0
-                color = colors[y % len(colors)]
-                ax.broken_barh([(start, r["ttft_ms"] / 1e3)], (y - 0.35, 0.7), color=color)
-                ax.broken_barh([(start + r["ttft_ms"] / 1e3, (r["total_ms"] - r["ttft_ms"]) / 1e3)], (y - 0.35, 0.7),
-                               color=color, alpha=0.35)  # fmt: skip
-        labels = [f"{n}\nTTFT p50 {result['configs'][n][case]['ttft_ms_p50']:.0f} ms" for n in names]
-        ax.set_yticks(range(len(names)), labels, fontsize=7)
-        ax.set_title(f"{case}: measured turns (dark: to first token, light: the rest of the answer)", fontsize=9)
-        ax.invert_yaxis()
-    axes[-1, 0].set_xlabel("s since the case's first measured turn")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
 
 
 progress_to_stderr = stderr_progress("bench vllm")

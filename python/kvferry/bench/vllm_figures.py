@@ -17,15 +17,30 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from kvferry.bench.agentic import BUSY_SPREAD
+from kvferry.bench.util import percentile
+
+CASES = ("decode-warm", "decode-cold")
+BLOCK_TOKENS = 32  # testbed.EngineSettings.block_size
+
+# The targets of issue 22: (case, configuration, figure, at most).
+TARGETS = (
+    ("decode-cold", "kvferry-early", "ttft_vs_nixl", 0.6),
+    ("decode-cold", "kvferry-early", "kv_over_ideal", 1.1),
+    ("decode-warm", "kvferry-aware", "ttft_vs_nixl", 0.9),
+    ("decode-warm", "kvferry-layers", "ttft_vs_nixl", 0.9),
+)
 
 __all__ = [
     "BUSY_SPREAD",
     "TurnBytes",
+    "annotate",
     "busy_verdict",
     "ideal",
     "losses",
     "order",
     "ratio_of_medians",
+    "summaries",
+    "targets",
     "turn_bytes",
 ]
 
@@ -170,3 +185,128 @@ def median_of(rows: Sequence[dict[str, Any]], key: str | Callable[[dict[str, Any
     values = [key(r) if callable(key) else r[key] for r in rows]
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def annotate(rows: list[dict[str, Any]], confs: dict[str, Any], scripts: dict[tuple[str, str], list[list[Any]]],
+             kv_bytes_per_token: int, rate: float) -> None:  # fmt: skip
+    """Adds each measured turn's bytes to move, ideal bound and losses (vllm_figures)."""
+    by_slot: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_slot.setdefault(r["slot"], []).append(r)
+    block_bytes = kv_bytes_per_token * BLOCK_TOKENS
+    for slot_rows in by_slot.values():
+        clean = min(r["prefill_ms"] for r in slot_rows)
+        step = min(r["decode_step_ms"] for r in slot_rows)
+        for r in slot_rows:
+            conf = confs[r["config"]]
+            previous = scripts[(r["config"], r["case"])][r["session"]][r["turn"] - 1]
+            hit = len(previous.prompt)  # the prefill server computed the previous prompt
+            # The decode server computed the previous prompt and every output token but the
+            # last; it keeps them only with awareness, and decode-cold resets them.
+            held = len(previous.prompt) + len(previous.want) - 1 if conf.aware and r["case"] == "decode-warm" else 0
+            moved = turn_bytes(r["prompt_tokens"], hit, held, BLOCK_TOKENS, block_bytes)
+            ideal_kv, x, t = ideal(clean, moved, rate)
+            prefill_end = (
+                r["prefill_leg_ms"] if r["prefill_leg_ms"] is not None else r["prefill_queue_ms"] + r["prefill_ms"]
+            )
+            r.update(
+                prefix_bytes=moved.prefix,
+                tail_bytes=moved.tail,
+                clean_prefill_ms=clean,
+                clean_decode_step_ms=step,
+                prefix_xfer_ms=x,
+                tail_xfer_ms=t,
+                ideal_kv_ready_ms=ideal_kv,
+                ideal_ttft_ms=ideal_kv + step,
+                losses=losses(
+                    kv_ready_ms=r["kv_ready_ms"],
+                    ttft_ms=r["ttft_ms"],
+                    prefill_end_ms=prefill_end,
+                    prefill_ms=r["prefill_ms"],
+                    clean_prefill_ms=clean,
+                    prefix_ms=x,
+                    tail_ms=t,
+                    decode_step_ms=step,
+                ),  # fmt: skip
+            )
+
+
+def summaries(rows: list[dict[str, Any]], confs: list[Any], reps: int) -> dict[str, Any]:
+    """Per case and configuration: medians, ratios of medians (bootstrap intervals) against the
+    better NIXL connector and against the ideal bound, the median losses; and the verdicts."""
+    out: dict[str, Any] = {}
+    for case in CASES:
+        mine = {
+            c.name: sorted((r for r in rows if r["case"] == case and r["config"] == c.name), key=lambda r: r["slot"])
+            for c in confs
+        }
+        figures: dict[str, Any] = {}
+        for c in confs:
+            rs = mine[c.name]
+            n = len(rs)
+            held = [r["held_blocks"] for r in rs if r["held_blocks"] is not None]
+            figures[c.name] = {
+                "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in rs),
+                "ttft_ms_p90": percentile([r["ttft_ms"] for r in rs], 0.9),
+                "kv_ready_ms_p50": statistics.median(r["kv_ready_ms"] for r in rs),
+                "kv_ready_ms_p90": percentile([r["kv_ready_ms"] for r in rs], 0.9),
+                "ideal_kv_ready_ms_p50": statistics.median(r["ideal_kv_ready_ms"] for r in rs),
+                "ideal_ttft_ms_p50": statistics.median(r["ideal_ttft_ms"] for r in rs),
+                "prefill_ms_p50": statistics.median(r["prefill_ms"] for r in rs),
+                "kv_over_ideal": ratio_of_medians(
+                    [r["kv_ready_ms"] for r in rs], [r["ideal_kv_ready_ms"] for r in rs], reps
+                ),
+                "ttft_over_ideal": ratio_of_medians([r["ttft_ms"] for r in rs], [r["ideal_ttft_ms"] for r in rs], reps),
+                "losses_ms_p50": {k: statistics.median(r["losses"][k] for r in rs) for k in rs[0]["losses"]},
+                "link_bytes_per_turn": sum(r["link_bytes"] for r in rs) / n,
+                "needed_bytes_per_turn": sum(r["prefix_bytes"] + r["tail_bytes"] for r in rs) / n,
+                "early_bytes_per_turn": sum(r["early_bytes"] for r in rs) / n,
+                "held_blocks_per_turn": sum(held) / n if held else None,
+                "duplicates": sum(r["duplicates"] for r in rs) if c.connector == "kvferry" else None,
+                "wire_tx_bytes_per_turn": sum(r["wire_tx_bytes"] for r in rs) / n,
+                "outputs_equal": all(r["equal"] for r in rs),
+                "turns": rs,
+            }
+        nixl = [c.name for c in confs if c.connector == "nixl"]
+        best = min(nixl, key=lambda n: figures[n]["ttft_ms_p50"]) if nixl else None
+        for c in confs:
+            if best is not None:
+                a, b = [r["ttft_ms"] for r in mine[c.name]], [r["ttft_ms"] for r in mine[best]]
+                figures[c.name]["ttft_vs_nixl"] = ratio_of_medians(a, b, reps) if len(a) == len(b) else None
+            else:
+                figures[c.name]["ttft_vs_nixl"] = None
+        # The quiet-machine verdict: in a slot, the configurations whose prefill runs alone on
+        # its core (no early send) compute the same prefill.
+        alone = [c.name for c in confs if not c.early]
+        if len(alone) < 2:
+            alone = [c.name for c in confs]
+        slots = sorted({r["slot"] for r in rows if r["case"] == case})
+        per_slot = [
+            {r["config"]: r["prefill_ms"] for r in rows if r["slot"] == s and r["config"] in alone} for s in slots
+        ]
+        out[case] = {"configs": figures, "best_nixl": best, "load": busy_verdict(per_slot), "verdict_configs": alone}
+    return out
+
+
+LOSS_NAMES = {
+    "admission": "admission (queues, proxy, HTTP before the prefill's answer)",
+    "prefill_slowed": "prefill slowed (against the slot's clean prefill)",
+    "after_prefill": "transfer after the prefill (beyond what the link needs)",
+}
+
+
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for case, name, figure, limit in TARGETS:
+        f = summary.get(case, {}).get("configs", {}).get(name)
+        if f is None or f.get(figure) is None:
+            continue
+        value = f[figure]["ratio"]
+        row: dict[str, Any] = {"case": case, "config": name, "figure": figure, "limit": limit, "value": value,
+                               "met": value <= limit}  # fmt: skip
+        if value > limit:
+            losses = {k: v for k, v in f["losses_ms_p50"].items() if k in LOSS_NAMES}
+            worst = max(losses, key=losses.__getitem__)
+            row["largest_loss"] = {"name": worst, "ms": losses[worst]}
+        out.append(row)
+    return out
