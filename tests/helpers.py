@@ -512,3 +512,25 @@ __all__ = [
     "threads_ended",
     "until",
 ]
+
+
+@contextlib.contextmanager
+def decode_worker(rendezvous_dir: str, num_blocks: int, block_size: int) -> Iterator[Any]:
+    """A started KvferryConnector decode-side worker half (kvferry.vllm.decode_worker, no
+    engine) over one layer of ``num_blocks`` zeroed blocks registered as vLLM hands them, its
+    rendezvous in ``rendezvous_dir``; closed at exit. Needs vLLM's venv (the worker imports
+    vLLM's types); tests/test_vllm_step.py and benches/python/bench_connector.py use it."""
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig(rendezvous_dir=rendezvous_dir), block_size=block_size, num_blocks=num_blocks, authkey=b"k" * 32
+    )
+    common.register_kv_caches({"layers.0.attn": torch.zeros(num_blocks, 2, block_size, 16)}, lambda name: 0)
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.close()

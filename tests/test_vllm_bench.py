@@ -1,7 +1,9 @@
-"""`kvferry bench vllm` end to end, small: real vLLM servers behind the proxy, two of the
-configurations (early send without and with decode-side awareness), one host. Checks what the
-bench reports, not how fast anything is: every output equals the plain server's, the rows move
-the bytes their configuration says, nothing stays allocated, the table and JSON say it.
+"""`kvferry bench vllm` end to end, small: real vLLM servers behind the proxies, two of the
+configurations (early send without and with decode-side awareness: they share one prefill
+server, three servers in all), taking turns, one host. Checks what the bench reports, not how
+fast anything is: every output equals the plain server's, the rows move the bytes their
+configuration says (and the bytes the ideal bound counts are those), every measured turn has
+its ideal and losses, nothing stays allocated, the table and JSON say it.
 
 Needs vLLM (``make setup-vllm && make test-vllm``); skipped where it is not importable.
 """
@@ -32,13 +34,18 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
     assert set(result["configs"]) == {"kvferry-early", "kvferry-aware"}
     early, aware = result["configs"]["kvferry-early"], result["configs"]["kvferry-aware"]
     assert early["aware"] is False and aware["aware"] is True
+    assert len(result["kv_blocks_left"]) == 3 and set(result["kv_blocks_left"].values()) == {0}
     per_block = result["kv_bytes_per_token"] * BLOCK
     for conf in (early, aware):
-        assert conf["kv_blocks_left"] == [0, 0]
         for case in CASES:
             assert conf[case]["outputs_equal"] is True
             assert conf[case]["duplicates"] == 0
             assert conf[case]["turns"] and all(t["ttft_ms"] > 0 for t in conf[case]["turns"])
+            # The bytes the ideal bound counts are the bytes the connector moved.
+            assert conf[case]["needed_bytes_per_turn"] == conf[case]["link_bytes_per_turn"]
+            for t in conf[case]["turns"]:
+                assert t["ideal_kv_ready_ms"] >= t["clean_prefill_ms"] > 0
+                assert set(t["losses"]) == {"admission", "prefill_slowed", "after_prefill", "first_token"}
     # The measured turn's prompt: the warm-up conversation, its output and the new tokens.
     prompt = early["decode-warm"]["turns"][0]["prompt_tokens"]
     full = prompt // BLOCK
@@ -63,11 +70,12 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
     table = format_vllm_bench(result)
     assert "placement: one host, loopback" in table
     assert "kvferry-early" in table and "kvferry-aware" in table and "veth" not in table
-    assert "KV blocks left allocated after each run: none" in table
+    assert "KV blocks left allocated at the end: none" in table
+    assert "where KV-ready lost time against the ideal" in table
     path = tmp_path / "bench.json"
     write_json(result, str(path))
     assert (
         json.loads(path.read_text())["configs"]["kvferry-aware"]["decode-warm"]["held_blocks_per_turn"]
         == warm_aware["held_blocks_per_turn"]
     )
-    assert any("kvferry-aware decode-cold" in line for line in progress)
+    assert any("decode-cold: turn 1 of 1 done" in line for line in progress)

@@ -407,6 +407,7 @@ class _Stub:
         self.remember = True  # fail_recv: the status answer knows the failed transfer
         self.abandon = abandon
         self.seen: list[dict[str, Any]] = []
+        self.request_ids: list[str | None] = []  # each seen request's X-Request-Id header
         self.hellos = 0
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.status_asked: list[str] = []
@@ -441,6 +442,7 @@ class _Stub:
                 {"choices": [], "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer, **known}}}
             )
         self.seen.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         self.got.set()
         if op == "recv" and self.fail_recv is not None:
             if self.remember:
@@ -558,6 +560,11 @@ def test_sessions_stick_to_one_decode_server(stubs: tuple[list[_Stub], list[_Stu
             for b in p.seen
         )
         assert min(len(p.seen) for p in prefills) > 0  # the prefill servers share the work
+        # Both legs of a request carry one X-Request-Id, a fresh one per request (vLLM's
+        # NixlPushConnector pairs the decode server's registration with the prefill by it).
+        sent = [i for p in prefills for i in p.request_ids]
+        got = [i for d in decodes for i in d.request_ids]
+        assert None not in sent and sorted(sent) == sorted(got) and len(set(sent)) == len(sent)
     finally:
         proxy.stop()
 

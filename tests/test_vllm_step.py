@@ -139,20 +139,10 @@ def test_receiver_reports_each_settled_request() -> None:
 
 @pytest.fixture
 def decode(tmp_path: Any) -> Iterator[Any]:
-    from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.decode_worker import DecodeWorker
-    from kvferry.vllm.worker import WorkerCommon
+    from helpers import decode_worker
 
-    common = WorkerCommon(
-        ConnectorConfig(rendezvous_dir=str(tmp_path)), block_size=TPB, num_blocks=32, authkey=b"k" * 32
-    )
-    common.pool = _pool(32)
-    worker = DecodeWorker(common)
-    worker.start()
-    try:
+    with decode_worker(str(tmp_path), num_blocks=32, block_size=TPB) as worker:
         yield worker
-    finally:
-        worker.close()
 
 
 def _expect(worker: Any, n: int, prefix: str = "r") -> list[Any]:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -45,6 +47,9 @@ from kvferry.vllm.worker import WorkerCommon
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import helpers  # noqa: E402  (tests/helpers.py: the decode worker the vLLM step tests use too)
 
 TPB = 16  # vLLM's CPU block size
 PROMPTS = (1024, 32 * 1024, 128 * 1024)
@@ -184,17 +189,8 @@ def bench_sched_step(benchmark: Any, running: int) -> None:
 
 @pytest.fixture
 def decode_worker() -> Iterator[DecodeWorker]:
-    with tempfile.TemporaryDirectory() as where:
-        common = WorkerCommon(
-            ConnectorConfig(rendezvous_dir=where), block_size=TPB, num_blocks=WAITING * 4, authkey=b"k" * 32
-        )
-        common.register_kv_caches({"layers.0.attn": torch.zeros(WAITING * 4, 2, TPB, 16)}, lambda n: 0)
-        worker = DecodeWorker(common)
-        worker.start()
-        try:
-            yield worker
-        finally:
-            worker.close()
+    with tempfile.TemporaryDirectory() as where, helpers.decode_worker(where, WAITING * 4, TPB) as worker:
+        yield worker
 
 
 def bench_decode_results(benchmark: Any, decode_worker: DecodeWorker) -> None:

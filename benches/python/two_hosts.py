@@ -4,12 +4,14 @@ shaped with tc (tests/netns.py makes them; needs root and iproute2); and `kvferr
 with the decode server in the other namespace (`--benches vllm`, run with vLLM's venv).
 
     sudo .venv/bin/python benches/python/two_hosts.py [--rate-mbit 2000] [--out DIR] [--reps 5]
-    sudo .venv-vllm/bin/python benches/python/two_hosts.py --benches vllm --rate-mbit 600 [--vllm-args "..."]
+    sudo .venv-vllm/bin/python benches/python/two_hosts.py --benches vllm [--vllm-args "..."]
 
 Both sides run with ``UCX_TLS=tcp`` on the veth (UCX's defaults would see one node and move
 the bytes by cross-memory attach). Each bench also measures the same run's ceiling: one raw
-TCP stream to the receiver's namespace over the same shaped veth. Writes copy.json,
-agentic.json and their tables to --out; the namespaces are removed at the end.
+TCP stream to the receiver's namespace over the same shaped veth. `kvferry bench vllm` shapes
+the veth itself (kvferry.bench.link): sized from its own prefill, or to ``--vllm-args
+"--link-mbit N"``; --rate-mbit does not apply to it. Writes copy.json, agentic.json,
+vllm.json and their tables to --out; the namespaces are removed at the end.
 """
 
 from __future__ import annotations
@@ -67,13 +69,16 @@ def main() -> int:
             if done.returncode:
                 print(done.stdout, file=sys.stderr)
                 return done.returncode
-            table = (
-                f"{' '.join(argv)}\nveth shaped to {args.rate_mbit:g} Mbit/s each way (tc tbf), "
-                f"UCX_TLS=tcp\n{done.stdout}"
+            shaped = (
+                "veth shaped by the bench (its link line says how)"
+                if name == "vllm"
+                else f"veth shaped to {args.rate_mbit:g} Mbit/s each way (tc tbf)"
             )
+            table = f"{' '.join(argv)}\n{shaped}, UCX_TLS=tcp\n{done.stdout}"
             (out / f"{name}.txt").write_text(table)
             result = json.loads(json_path.read_text())
-            result["two_hosts"] = {"rate_mbit": args.rate_mbit, "seconds": time.monotonic() - start, "argv": argv}
+            rate = None if name == "vllm" else args.rate_mbit
+            result["two_hosts"] = {"rate_mbit": rate, "seconds": time.monotonic() - start, "argv": argv}
             json_path.write_text(json.dumps(result, indent=2))
             print(table)
     return 0

@@ -1,7 +1,8 @@
 """Medians over several `kvferry bench vllm` runs (their --json files), as docs/benchmarks.md
 reports them: per configuration and case, the median over runs of each run's TTFT p50 and
-KV-ready p50, with every run's TTFT p50 beside it, TTFT against NixlConnector's of the same run
-(then the median of those ratios), bytes per turn and whether every output was equal.
+KV-ready p50, with every run's TTFT p50 beside it, each run's ratio of medians against the
+better NIXL connector of that run (then their median), KV-ready over the ideal bound, bytes
+per turn and whether every output was equal.
 
     python benches/python/vllm_runs.py run1.json run2.json run3.json
 """
@@ -21,23 +22,21 @@ def table(runs: list[dict], case: str) -> str:
         f"{case}:",
         "",
         (
-            "| configuration | TTFT p50 (median of runs) | each run | vs NixlConnector (median of runs) | KV-ready "
-            "p50 | link / turn | held blocks / turn | outputs equal |"
+            "| configuration | TTFT p50 (median of runs) | each run | vs better NIXL (each run) | KV-ready "
+            "p50 | KV-ready / ideal | link / turn | held blocks / turn | outputs equal |"
         ),
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for name in names:
         per = [r["configs"][name][case] for r in runs]
         ttft = [f["ttft_ms_p50"] for f in per]
-        ratios = [
-            f["ttft_ms_p50"] / r["configs"]["nixl"][case]["ttft_ms_p50"]
-            for f, r in zip(per, runs)
-            if "nixl" in r["configs"]
-        ]
+        ratios = [f["ttft_vs_nixl"]["ratio"] for f in per if f.get("ttft_vs_nixl")]
+        ideal = [f["kv_over_ideal"]["ratio"] for f in per]
         held = per[0]["held_blocks_per_turn"]
         out.append(
             f"| {name} | {statistics.median(ttft):.0f} ms | {', '.join(f'{t:.0f}' for t in ttft)} | "
-            f"{statistics.median(ratios):.2f}x | {statistics.median(f['kv_ready_ms_p50'] for f in per):.0f} ms | "
+            f"{', '.join(f'{x:.2f}' for x in ratios) or '-'} | "
+            f"{statistics.median(f['kv_ready_ms_p50'] for f in per):.0f} ms | {statistics.median(ideal):.2f} | "
             f"{statistics.median(f['link_bytes_per_turn'] for f in per) / 2**20:.2f} MiB | "
             f"{'-' if held is None else f'{held:.0f}'} | "
             f"{'yes' if all(f['outputs_equal'] for f in per) else 'NO'} |"
@@ -59,10 +58,7 @@ def main(paths: list[str]) -> int:
     for case in CASES:
         print()
         print(table(runs, case))
-    left = {
-        p: {n: c["kv_blocks_left"] for n, c in r["configs"].items() if any(c["kv_blocks_left"])}
-        for p, r in zip(paths, runs)
-    }
+    left = {p: {n: k for n, k in r["kv_blocks_left"].items() if k} for p, r in zip(paths, runs)}
     print()
     print(f"KV blocks left allocated: {({p: v for p, v in left.items() if v}) or 'none, in every run'}")
     return 0

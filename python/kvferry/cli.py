@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from kvferry._core import BlockRange, TransferLedger
 from kvferry._optional import require
 from kvferry.errors import KvFerryError
-from kvferry.geometry import AGENTIC_MODEL, GEOMETRY_HELP, VLLM_BENCH_MODEL, Geometry
+from kvferry.geometry import AGENTIC_MODEL, GEOMETRY_HELP, VLLM_BENCH_MODEL, VLLM_REALISTIC_MODEL, Geometry
 from kvferry.transports import registry
 
 # Host names that stay on this machine (a receiver or server there is not on another host).
@@ -79,6 +79,13 @@ def _rate(text: str) -> float:
     # nan would pass `< 0` and silently turn the emulated link off.
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _rate(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -424,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument(
         "--turns",
         type=_positive,
-        default=2,
+        default=4,
         metavar="N",
-        help="measured turns, after one warm-up turn (default: %(default)s)",
+        help="measured turns per session, after one warm-up turn (default: %(default)s)",
     )
     vllm.add_argument(
         "--cached",
@@ -441,8 +448,26 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument(
         "--output", type=_positive, default=8, metavar="TOKENS", help="output tokens per turn (default: %(default)s)"
     )
-    # 32 or 64: what vLLM's CPU attention kernel takes.
-    _geometry_flags(vllm, VLLM_BENCH_MODEL, head_dims=(32, 64))
+    # 32, 64 or 128: what vLLM's CPU attention kernel takes.
+    _geometry_flags(vllm, VLLM_BENCH_MODEL, head_dims=(32, 64, 128))
+    vllm.add_argument(
+        "--realistic",
+        action="store_true",
+        help=(
+            "a realistic KV geometry instead of the geometry flags: 32 layers x 8 KV heads x 128 (fp32, 256 KiB of KV "
+            "per token; the default 2048 cached tokens make a 512 MiB prefix, 8 staging rings)"
+        ),
+    )
+    vllm.add_argument(
+        "--link-mbit",
+        type=_positive_float,
+        default=None,
+        metavar="MBIT",
+        help=(
+            "with --decode-netns: shape the veth to this rate by hand (default: sized so that a measured turn's "
+            "reused prefix crosses in the time of its prefill)"
+        ),
+    )
     vllm.add_argument(
         "--layer-groups",
         type=_positive,
@@ -489,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scrape",
         default=None,
         metavar="PATH",
-        help="append every server's /metrics, sampled every second, to PATH as JSON lines, for "
+        help="append the servers' /metrics, read before and after each turn, to PATH as JSON lines, for "
         "python -m kvferry.bench.dashboard (default: not sampled)",
     )
     vllm.add_argument(
@@ -767,11 +792,13 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
             if stressed["mismatches"] == 0 and not any(stressed["leaked_blocks"].values()) and stressed["serves_after"]
             else 1
         )
-    model = _geometry(args)
+    model = VLLM_REALISTIC_MODEL if args.realistic else _geometry(args)
     if isinstance(model, str):
         return _refuse(model)
-    if args.layer_groups > args.layers:
-        return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {args.layers}")
+    if args.layer_groups > model.layers:
+        return _refuse(f"--layer-groups {args.layer_groups} must be <= --layers {model.layers}")
+    if args.link_mbit is not None and args.decode_netns is None:
+        return _refuse(f"--link-mbit {args.link_mbit} shapes the veth to another host: it needs --decode-netns")
     if args.new > args.cached:
         return _refuse(f"--new {args.new} must be <= --cached {args.cached}")
     if args.decode_netns is not None and (args.decode_host in LOOPBACK or args.prefill_host in LOOPBACK):
@@ -798,6 +825,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         layer_groups=args.layer_groups,
         max_num_batched_tokens=args.chunk,
         configs=args.configs or CONFIGS,
+        link_mbit=args.link_mbit,
         workdir=args.workdir,
         decode_netns=args.decode_netns,
         decode_host=args.decode_host,
@@ -805,9 +833,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         scrape=args.scrape,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
-    print(format_vllm_bench(result))
-    if args.json:
+    if args.json:  # first: a run of many minutes keeps its figures whatever comes next
         write_json(result, args.json)
+    print(format_vllm_bench(result))
     if args.png:
         draw_timeline(result, args.png)
         print(f"timeline: {args.png}")

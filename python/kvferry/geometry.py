@@ -15,7 +15,15 @@ from typing import Any
 
 from kvferry.errors import InvalidArgumentError
 
-__all__ = ["AGENTIC_MODEL", "FANOUT_MODEL", "GEOMETRY_HELP", "VLLM_BENCH_MODEL", "VLLM_TEST_MODEL", "Geometry"]
+__all__ = [
+    "AGENTIC_MODEL",
+    "FANOUT_MODEL",
+    "GEOMETRY_HELP",
+    "VLLM_BENCH_MODEL",
+    "VLLM_REALISTIC_MODEL",
+    "VLLM_TEST_MODEL",
+    "Geometry",
+]
 
 # What each field means, for the CLI's --help (one flag per field).
 GEOMETRY_HELP = {
@@ -85,7 +93,10 @@ class Geometry:
 AGENTIC_MODEL = Geometry(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1024)
 # `kvferry bench fanout`: many requests at once, so a smaller model.
 FANOUT_MODEL = Geometry(layers=4, hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=512)
-# `kvferry bench vllm` (head_dim 32 or 64: what vLLM's CPU attention kernel takes).
+# `kvferry bench vllm` (head_dim 32, 64 or 128: what vLLM's CPU attention kernel takes).
 VLLM_BENCH_MODEL = Geometry(layers=8, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512)
+# `kvferry bench vllm --realistic`: a Llama-8B-like KV geometry (32 layers x 8 KV heads x 128,
+# 256 KiB of fp32 KV per token) on a narrow model (hidden 256), so that a 2-core CPU computes it.
+VLLM_REALISTIC_MODEL = Geometry(layers=32, hidden=256, heads=8, kv_heads=8, head_dim=128, ffn=512)
 # The vLLM tests' random model: a server starts in seconds.
 VLLM_TEST_MODEL = Geometry(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256)

@@ -1,66 +1,85 @@
-"""``kvferry bench vllm``: the agentic workload served by real vLLM servers (a prefill and a
-decode server behind ``kvferry proxy``), once per KV-connector configuration, in one run.
+"""``kvferry bench vllm``: the agentic workload served by real vLLM servers (prefill and decode
+servers behind ``kvferry proxy``), in every KV-connector configuration, in one run.
 
-Configurations (:data:`CONFIGS`): vLLM's NixlConnector; KvferryConnector with early send off
-(the baseline: every block leaves after the forward that computed it); early send; early send
+Configurations (:func:`configurations`): vLLM's NixlConnector (pull: the decode server READs)
+and NixlPushConnector (push: the prefill server WRITEs); KvferryConnector with early send off
+(its baseline: every block leaves after the forward that computed it); early send; early send
 with decode-side awareness; early send with awareness and layer groups. Decode-side awareness
-is the decode server's prefix cache: with it, blocks the decode server holds never cross
-(KvferryConnector counts them as held); without it (``--no-enable-prefix-caching`` on the
-decode server, as the reference engine's ``aware=False``) the decode server holds nothing and
-every block crosses. NixlConnector always runs with it (it too skips what the decode server
-holds).
-
-Placement: by default every server on this host's loopback (KvferryConnector over
-``staging``). Across two hosts (``decode_netns``: the decode server in that network
-namespace, reached at ``decode_host``; this process, the proxy and the prefill server at
-``prefill_host`` in its own): KvferryConnector's control plane on tcp:// and its bytes over
-NIXL, and NixlConnector's side channel on the servers' addresses; UCX's settings
-(``UCX_TLS=tcp``, ``UCX_NET_DEVICES``) come from the environment. benches/python/two_hosts.py
-makes the namespaces, shapes the veth and runs this inside one of them.
+is the decode server's prefix cache: with it, blocks the decode server holds never cross;
+without it (``--no-enable-prefix-caching`` on the decode server) every block crosses. Both NIXL
+connectors run with it (they too skip what the decode server holds).
 
 Two cases, each with its own figures (/work/shared/notes/vllm-on-cpu.md, "fair side-by-side"):
 - ``decode-warm``: a session's next turn lands on the decode server that served the last one
-  and still caches the conversation: neither connector moves the old prefix.
+  and still caches the conversation;
 - ``decode-cold``: the decode server does not hold the conversation (its prefix cache is reset
-  before each measured turn, as after eviction or on another decode server) while the prefill
-  server does: the old prefix must cross, and that is where early send pays.
+  before each measured turn, and a reset that does not happen fails the turn) while the prefill
+  server does: the old prefix must cross, which is where early send pays.
 
-Each session: a conversation of ``cached`` tokens (turn 0, a warm-up that fills the prefill
-server's cache), then ``turns`` measured turns of ``new`` tokens and ``output`` greedy tokens.
-The prompts are fixed up front from a plain single server's answers, so every configuration
-sees the same prompts, and every configuration's outputs are checked against the plain one's.
-Figures per configuration and case: client-side TTFT p50/p90 (through the proxy, streaming);
-KV-ready p50/p90, from the client's send until the decode server holds the request's whole KV
-(when the proxy sent the decode leg, from its Server-Timing header, plus the decode server's
-queue time, which vLLM ends only once an async KV load has finished); bytes over the link per
-turn, early bytes, blocks held (not sent); whether every output equals the plain server's.
+Interleaving: every configuration's servers are up together, and the configurations take
+turns, one turn each in a slot (a case, turn and session), in an order that reverses from slot
+to slot (`vllm_figures.order`); the servers whose turn it is not are paused (SIGSTOP: an idle
+NIXL engine's progress thread spins). Configurations whose servers would be configured alike
+share them (the prefill server of early send and of early send + awareness; the decode server
+of the baseline and early send; the decode server of awareness and layer groups), so each
+configuration has its own conversations, of the same lengths: a slot's prefill is the same
+computation in every configuration.
+
+The link (placement across two hosts): sized from the run itself unless fixed by hand. The
+plain reference server first computes every conversation (whose answers are the reference
+outputs); its prefill of a measured turn (new tokens after a prefix-cache hit) is timed, and the
+veth is shaped so that the reused prefix of the middle measured turn crosses in about that time
+(kvferry.bench.link); then one raw TCP stream measures the link's rate. On one host the link is
+a memory copy, timed in this process.
+
+Per turn: client TTFT (streaming, through the proxy); KV-ready (from the proxy's arrival until
+the decode server holds the whole KV: the proxy's ``decode-start`` plus the decode server's
+queue time, which vLLM ends once an async KV load has finished); the prefill server's queue and
+prefill time and the decode server's first step (vLLM's per-request histograms); the bytes the
+connector moved; and the ideal bound with the losses against it (kvferry.bench.vllm_figures).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import statistics
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvferry.bench.dashboard import Scraper
-from kvferry.bench.util import percentile, stderr_progress
+from kvferry.bench import vllm_figures as vf
+from kvferry.bench.util import stderr_progress
+from kvferry.bench.vllm_figures import BLOCK_TOKENS, CASES, annotate, summaries, targets
+from kvferry.bench.vllm_report import draw_timeline, format_vllm_bench, write_json  # noqa: F401 (re-exported)
 from kvferry.geometry import VLLM_BENCH_MODEL, Geometry
-
-CASES = ("decode-warm", "decode-cold")
 
 
 @dataclass(frozen=True)
 class Configuration:
     name: str
-    connector: str  # the proxy's flow
+    connector: str  # the proxy's flow: nixl (both NIXL connectors) or kvferry
     extra: dict[str, Any] = field(default_factory=dict)  # KvferryConnector's kv_connector_extra_config
     note: str = ""
     aware: bool = True  # decode-side awareness: the decode server keeps a prefix cache
+    nixl_connector: str = "NixlConnector"  # the NIXL connector's class name (connector "nixl")
+
+    @property
+    def early(self) -> bool:
+        """Whether bytes leave during the prefill's forward (then the prefill shares its core)."""
+        return self.connector == "kvferry" and bool(self.extra.get("early", True))
+
+    def prefill_key(self) -> tuple[Any, ...]:
+        """Configurations with equal keys share one prefill server."""
+        return ("prefill", self.connector, self.nixl_connector, tuple(sorted(self.extra.items())))
+
+    def decode_key(self) -> tuple[Any, ...]:
+        return ("decode", self.connector, self.nixl_connector, self.aware)
 
     def server_configs(self, cross_host: Optional[str] = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The prefill and decode servers' kv-transfer-configs; ``cross_host``: the decode
@@ -69,7 +88,10 @@ class Configuration:
         from kvferry.vllm.testbed import kvferry_config, nixl_config, url_host
 
         if self.connector == "nixl":
-            return nixl_config("kv_producer"), nixl_config("kv_consumer")
+            return (
+                nixl_config("kv_producer", connector=self.nixl_connector),
+                nixl_config("kv_consumer", connector=self.nixl_connector),
+            )
         if cross_host is None:
             return kvferry_config("kv_producer", **self.extra), kvferry_config("kv_consumer")
         return kvferry_config("kv_producer", transport="nixl", **self.extra), kvferry_config(
@@ -79,10 +101,12 @@ class Configuration:
 
 def configurations(layer_groups: int) -> list[Configuration]:
     return [
+        Configuration("nixl", "nixl", note="vLLM's NixlConnector: the decode server READs after the prefill (pull)"),
         Configuration(
+            "nixl-push",
             "nixl",
-            "nixl",
-            note="vLLM's NixlConnector: decode READs after the prefill (skips what the decode server holds)",
+            note="vLLM's NixlPushConnector: the prefill server WRITEs after the prefill (push)",
+            nixl_connector="NixlPushConnector",
         ),
         Configuration(
             "kvferry-baseline", "kvferry", {"early": False}, "early send off, no decode-side awareness", aware=False
@@ -104,20 +128,31 @@ CONFIGS = tuple(c.name for c in configurations(4))
 @dataclass(frozen=True)
 class VllmBenchConfig:
     sessions: int = 3
-    turns: int = 2
+    turns: int = 4  # measured turns per session: sessions x turns per configuration and case
     cached_tokens: int = 2048
     new_tokens: int = 128
     output_tokens: int = 8
     model: Geometry = VLLM_BENCH_MODEL
     layer_groups: int = 4
     max_num_batched_tokens: int = 512
-    kv_cache_memory_bytes: int = 256 << 20
+    kv_cache_memory_bytes: Optional[int] = None  # per server; None: what the run's conversations need
     configs: tuple[str, ...] = CONFIGS
     workdir: Optional[str] = None
     decode_netns: Optional[str] = None  # the decode server's network namespace (another host)
     decode_host: str = "127.0.0.1"  # its address there
     prefill_host: str = "127.0.0.1"  # the prefill server's address (this process's namespace)
-    scrape: Optional[str] = None  # append every server's /metrics, sampled during the run, here (bench/dashboard.py)
+    # Two hosts: the veth's tbf rate in Mbit/s; None: sized from the run's own prefill.
+    link_mbit: Optional[float] = None
+    scrape: Optional[str] = None  # append the servers' /metrics, read around each turn, here (bench/dashboard.py)
+    bootstrap_reps: int = 2000
+
+
+def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> int:
+    """A server's KV pool: every conversation of the configurations sharing it at its longest
+    (the prefix caches must keep them all between their turns), half again, and 16 MiB."""
+    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
+    blocks = sharing * cfg.sessions * (-(-longest // BLOCK_TOKENS) + 2)
+    return int(1.5 * blocks * BLOCK_TOKENS * kv_bytes_per_token) + (16 << 20)
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -128,36 +163,32 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-# Per connector: metric -> (server, name) read before and after each case.
+def _metrics(conf: Configuration) -> dict[str, tuple[str, str]]:
+    """The connector's counters: metric -> (server, name). NIXL counts its bytes where the
+    transfer is posted: the decode server READs (pull), the prefill server WRITEs (push)."""
+    if conf.connector == "nixl":
+        side = "prefill" if conf.nixl_connector == "NixlPushConnector" else "decode"
+        return {"bytes": (side, "vllm:nixl_bytes_transferred_sum")}
+    return METRICS[conf.connector]
+
+
+# KvferryConnector: metric -> (server, name), read around each turn.
 METRICS = {
-    "nixl": {
-        "bytes": ("decode", "vllm:nixl_bytes_transferred_sum"),
-        "kv_wait_s": ("decode", "vllm:nixl_xfer_time_seconds_sum"),
-        "kv_wait_n": ("decode", "vllm:nixl_xfer_time_seconds_count"),
-    },
     "kvferry": {
         "early_bytes": ("prefill", "vllm:kvferry_early_issued_bytes_total"),
         "chunk_bytes": ("prefill", "vllm:kvferry_chunk_bytes_total"),
         "layer_bytes": ("prefill", "vllm:kvferry_layer_bytes_total"),
         "held_blocks": ("prefill", "vllm:kvferry_held_blocks_total"),
         "duplicates": ("decode", "vllm:kvferry_duplicates_refused_total"),
-        "kv_wait_s": ("decode", "vllm:kvferry_recv_seconds_sum"),
-        "kv_wait_n": ("decode", "vllm:kvferry_recv_seconds_count"),
     },
 }
-
-
-def _read(bed: Any, connector: str) -> dict[str, float]:
-    texts = {"prefill": bed.prefills[0].metrics(), "decode": bed.decodes[0].metrics()}
-    out = {k: _metric_sum(texts[side], name) for k, (side, name) in METRICS[connector].items()}
-    out["wire_tx"] = float(_wire_tx_bytes())
-    return out
+# vLLM's per-request histograms (seconds), published when a request finishes.
+HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
 
 
 def _wire_tx_bytes() -> int:
     """Bytes this network namespace sent on its interfaces other than loopback (/proc/net/dev):
-    across two hosts, everything the prefill side sent over the veth (KV and HTTP); on one
-    host, whatever else the machine sent (not a figure of the bench)."""
+    across two hosts, everything the prefill side sent over the veth (KV and HTTP)."""
     total = 0
     with open("/proc/net/dev") as f:
         for line in f.readlines()[2:]:
@@ -167,24 +198,49 @@ def _wire_tx_bytes() -> int:
     return total
 
 
-QUEUE_SUM, QUEUE_COUNT = "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count"
+@dataclass
+class _Sample:
+    """One server's /metrics at one moment: the request histograms' counts and sums."""
+
+    text: str
+    count: float
+    sums: dict[str, float]
+
+    @classmethod
+    def of(cls, server: Any, timeout_s: float = 120.0) -> _Sample:
+        """Reads the server's /metrics, asking again when an answer is late (on a machine
+        loaded by other work an API server has been seen to take over 10 s), up to
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                text = server.metrics(timeout_s=30.0)
+                break
+            except (TimeoutError, urllib.error.URLError) as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{server.name}: /metrics did not answer within {timeout_s:.0f} s: {err}"
+                    ) from err
+        return cls(
+            text,
+            _metric_sum(text, HISTOGRAMS["prefill"] + "_count"),
+            {k: _metric_sum(text, v + "_sum") for k, v in HISTOGRAMS.items()},
+        )
 
 
-def _queue_time(decode: Any, count_before: float, sum_before: float) -> tuple[float, float, float]:
-    """The decode server's queue time of the one request finished since (count_before,
-    sum_before). vLLM records a request as scheduled only once its KV has arrived (an async
-    load keeps it waiting), so this is its wait for the KV. Waits (bounded) for the request's
-    stats to be published."""
-    deadline = time.monotonic() + 30
+def _finished(server: Any, before: _Sample, timeout_s: float = 120.0) -> tuple[_Sample, dict[str, float]]:
+    """The server's sample once the request sent since ``before`` has finished (vLLM publishes
+    its histograms then), and that request's queue and prefill ms. vLLM records a request as
+    scheduled only once its KV has arrived (an async load keeps it waiting), so a decode
+    server's queue time is its wait for the KV and its prefill time its first step."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        text = decode.metrics()
-        count, total = _metric_sum(text, QUEUE_COUNT), _metric_sum(text, QUEUE_SUM)
-        if count >= count_before + 1:
-            # More than one: the proxy's one-token hello went first (its queue time is ~0).
-            return total - sum_before, count, total
+        now = _Sample.of(server)
+        if now.count >= before.count + 1:
+            return now, {k: 1e3 * (now.sums[k] - before.sums[k]) for k in HISTOGRAMS}
         if time.monotonic() > deadline:
-            raise RuntimeError("the decode server published no finished request for the turn within 30 s")
-        time.sleep(0.05)  # polling the metrics endpoint for a value to appear
+            raise RuntimeError(f"{server.name} published no finished request for the turn within {timeout_s:.0f} s")
+        time.sleep(0.02)  # polling the metrics endpoint for a value to appear (no event to wait on)
 
 
 def _reset_prefix_cache(decode: Any, timeout_s: float = 30.0) -> None:
@@ -218,27 +274,6 @@ class _Turn:
     want: list[int] = field(default_factory=list)
 
 
-def _scripts(cfg: VllmBenchConfig, plain_url: str, case: str, progress: Callable[[str], None]) -> list[list[_Turn]]:
-    """Each session's prompts, built from the plain server's answers (which are the reference)."""
-    from kvferry.vllm.testbed import call
-
-    seed = CASES.index(case) * 1000
-    out = []
-    for s in range(cfg.sessions):
-        rng = random.Random(seed + s)
-        prompt = [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.cached_tokens)]
-        turns = []
-        for t in range(cfg.turns + 1):
-            a = call(plain_url, "/v1/completions", _body(prompt, cfg.output_tokens, stream=False))
-            if a.status != 200:
-                raise RuntimeError(f"plain server: HTTP {a.status}: {a.body}")
-            turns.append(_Turn(s, t, prompt, a.token_ids))
-            prompt = prompt + a.token_ids + [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.new_tokens)]
-        out.append(turns)
-        progress(f"{case}: reference session {s + 1}/{cfg.sessions} from the plain server")
-    return out
-
-
 def _body(prompt: list[int], output: int, stream: bool) -> dict[str, Any]:
     return {
         "model": "tiny",
@@ -250,77 +285,264 @@ def _body(prompt: list[int], output: int, stream: bool) -> dict[str, Any]:
     }
 
 
-def _run_case(
-    cfg: VllmBenchConfig,
-    conf: Configuration,
-    bed: Any,
-    case: str,
-    script: list[list[_Turn]],
-    progress: Callable[[str], None],
+def _scripts(cfg: VllmBenchConfig, plain: Any, seed: int, prefill_ms: list[float]) -> list[list[_Turn]]:
+    """Each session's prompts, built from the plain server's answers (which are the reference);
+    the plain server's prefill of each measured turn is appended to ``prefill_ms``."""
+    from kvferry.vllm.testbed import call
+
+    out = []
+    for s in range(cfg.sessions):
+        rng = random.Random(seed * 1000 + s)
+        prompt = [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.cached_tokens)]
+        turns = []
+        for t in range(cfg.turns + 1):
+            before = _Sample.of(plain)
+            a = call(plain.url, "/v1/completions", _body(prompt, cfg.output_tokens, stream=False))
+            if a.status != 200:
+                raise RuntimeError(f"plain server: HTTP {a.status}: {a.body}")
+            _, took = _finished(plain, before)
+            if t:
+                prefill_ms.append(took["prefill"])
+            turns.append(_Turn(s, t, prompt, a.token_ids))
+            prompt = prompt + a.token_ids + [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.new_tokens)]
+        out.append(turns)
+    return out
+
+
+def _sizing_prefill(cfg: VllmBenchConfig, fleet: Fleet, conf: Configuration, sessions: int = 3) -> list[float]:
+    """A measured turn's prefill as the run's servers compute it (ms), on ``conf``'s prefill
+    server: ``sessions`` throwaway conversations of the run's lengths, each a first turn and one
+    more. Not the plain server's: there the prefill had its core alone, while a connector's own
+    threads (NIXL's progress thread) share the prefill server's core in the run (measured: 43
+    against about 300 ms on a loaded machine)."""
+    from kvferry.vllm.testbed import call
+
+    fleet.run_only(conf)
+    prefill = fleet.prefill(conf)
+    out = []
+    for s in range(sessions):
+        rng = random.Random(-1 - s)  # conversations of their own: no script's prefix is cached
+        prompt = [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.cached_tokens)]
+        for turn in range(2):
+            before = _Sample.of(prefill)
+            a = call(fleet.proxies[conf.name].url, "/v1/completions", _body(prompt, cfg.output_tokens, stream=False))
+            if a.status != 200:
+                raise RuntimeError(f"{conf.name}: sizing turn: HTTP {a.status}: {a.body}")
+            _, took = _finished(prefill, before)
+            if turn:
+                out.append(took["prefill"])
+            prompt = prompt + a.token_ids + [rng.randrange(3, cfg.model.vocab) for _ in range(cfg.new_tokens)]
+    return out
+
+
+def _memcpy_bytes_per_s(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """One host's link: a memory copy of ``nbytes`` (the staging ring's two copies run on the
+    two servers' cores, one after the other per slot), median of ``reps``."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def _link(
+    cfg: VllmBenchConfig, sizing_prefix: int, prefill_ms: float, progress: Callable[[str], None]
 ) -> dict[str, Any]:
+    """The link the run measures against: across two hosts, the veth shaped (to ``link_mbit``,
+    or so that ``sizing_prefix`` bytes cross in ``prefill_ms``) and measured with a raw TCP
+    stream; on one host, a memory copy."""
+    if cfg.decode_netns is None:
+        rate = _memcpy_bytes_per_s()
+        progress(f"link: one host, a memory copy runs at {rate / 1e9:.2f} GB/s")
+        return {"how": "one host: a memory copy in this process", "bytes_per_s": rate}
+    from kvferry.bench import link
+    from kvferry.bench.util import tcp_stream_gbps
+
+    devices = {None: link.veth_of(None), cfg.decode_netns: link.veth_of(cfg.decode_netns)}
+    sized = cfg.link_mbit is None
+    want = sizing_prefix / (prefill_ms / 1e3)
+    mbit = link.mbit_for(sizing_prefix, prefill_ms / 1e3) if sized else float(cfg.link_mbit)  # type: ignore[arg-type]
+    measure_bytes = max(16 << 20, min(256 << 20, sizing_prefix * 4))
+    steps = []
+    for attempt in range(3):
+        for netns, dev in devices.items():
+            link.shape(netns, dev, mbit)
+        got = 1e9 * tcp_stream_gbps(cfg.decode_host, measure_bytes, netns=cfg.decode_netns)
+        steps.append({"mbit": mbit, "tcp_bytes_per_s": got})
+        progress(f"link: veth shaped to {mbit:.0f} Mbit/s, one TCP stream {got / 1e6:.1f} MB/s")
+        if not sized or abs(got / want - 1) < 0.1 or attempt == 2:
+            break
+        mbit = link.corrected_mbit(mbit, want, got)
+    return {
+        "how": (
+            f"veth shaped with tc tbf so the middle measured turn's prefix ({sizing_prefix / 2**20:.1f} MiB) "
+            f"crosses in a turn's prefill as the run's servers compute it ({prefill_ms:.0f} ms)"
+            if sized
+            else f"veth shaped with tc tbf to {mbit:g} Mbit/s (fixed by hand)"
+        ),
+        "sized": sized,
+        "mbit": mbit,
+        "bytes_per_s": steps[-1]["tcp_bytes_per_s"],
+        "want_bytes_per_s": want if sized else None,
+        "steps": steps,
+    }
+
+
+class Fleet:
+    """Every configuration's servers, up together (configurations whose servers would be
+    configured alike share them), one proxy per configuration, and the pausing of the servers
+    whose turn it is not."""
+
+    def __init__(
+        self,
+        cfg: VllmBenchConfig,
+        confs: list[Configuration],
+        model: Path,
+        work: Path,
+        engine: Any,
+        kv_bytes_per_token: int,
+    ) -> None:
+        self.cfg, self.confs, self.model, self.work, self.engine = cfg, confs, model, work, engine
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.servers: dict[tuple[Any, ...], Any] = {}
+        self.proxies: dict[str, Any] = {}
+        self.pool_bytes: dict[str, int] = {}
+        self.seen: dict[str, str] = {}  # server name -> its /metrics after its last turn
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        from kvferry.vllm import testbed
+        from kvferry.vllm.proxy import ProxyThread
+
+        cfg = self.cfg
+        cross = cfg.decode_netns is not None
+        cores = sorted(os.sched_getaffinity(0))
+        # One core for the prefill servers and one for the decode servers where the box has
+        # two: only one configuration runs at a time, the others are paused.
+        places = {"prefill": cores[:1] if len(cores) > 1 else cores, "decode": cores[1:2] if len(cores) > 1 else cores}
+        plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
+        for conf in self.confs:
+            prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
+            for key, kv_config in ((conf.prefill_key(), prefill_config), (conf.decode_key(), decode_config)):
+                plan.setdefault(key, (key[0], kv_config, []))[2].append(conf.name)
+        for i, (key, (side, kv_config, users)) in enumerate(plan.items()):
+            pool = cfg.kv_cache_memory_bytes or pool_bytes(cfg, len(users), self.kv_bytes_per_token)
+            engine = replace(self.engine, kv_cache_memory_bytes=pool)
+            if side == "decode":
+                engine = replace(engine, prefix_caching=key[3])
+            name = f"{side}{i}-" + "+".join(users)
+            self.pool_bytes[name] = pool
+            self.servers[key] = testbed.start_server(
+                name, self.model, self.work, kv_transfer_config=kv_config, engine=engine, cores=places[side],
+                env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache for the decode-cold case
+                host=cfg.prefill_host if side == "prefill" else cfg.decode_host,
+                netns=cfg.decode_netns if side == "decode" else None,
+            )  # fmt: skip
+        testbed.wait_ready(list(self.servers.values()), timeout_s=600)
+        for conf in self.confs:
+            proxy = ProxyThread([self.prefill(conf).url], [self.decode(conf).url], connector=conf.connector)
+            proxy.start()
+            self.proxies[conf.name] = proxy
+
+    def prefill(self, conf: Configuration) -> Any:
+        return self.servers[conf.prefill_key()]
+
+    def decode(self, conf: Configuration) -> Any:
+        return self.servers[conf.decode_key()]
+
+    def run_only(self, conf: Optional[Configuration]) -> None:
+        """Resumes ``conf``'s servers and pauses every other one (None: resumes all)."""
+        mine = {id(self.prefill(conf)), id(self.decode(conf))} if conf is not None else None
+        for s in self.servers.values():
+            if mine is None or id(s) in mine:
+                s.resume()
+            else:
+                s.pause()
+
+    def close(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.stop()
+        self.proxies = {}
+        for s in self.servers.values():
+            s.stop()
+
+
+def _turn(cfg: VllmBenchConfig, fleet: Fleet, conf: Configuration, case: str, step: _Turn, t0: float) -> dict[str, Any]:
+    """One turn of ``conf`` through its proxy, with its servers' figures around it."""
     from kvferry.vllm.proxy import SESSION_HEADER
     from kvferry.vllm.testbed import call
 
-    rows: list[dict[str, Any]] = []
-    equal = True
-    before: Optional[dict[str, float]] = None
-    t_case = time.perf_counter()
-    text = bed.decodes[0].metrics()
-    q_count, q_sum = _metric_sum(text, QUEUE_COUNT), _metric_sum(text, QUEUE_SUM)
-    for turn in range(cfg.turns + 1):
-        for session in script:  # sessions interleave turn by turn, as agents wait on tools
-            step = session[turn]
-            if turn == 1 and before is None:
-                before = _read(bed, conf.connector)  # measured turns only
-            if turn >= 1 and case == "decode-cold":
-                _reset_prefix_cache(bed.decodes[0])
-            start = time.perf_counter() - t_case
-            a = call(bed.url, "/v1/completions", _body(step.prompt, cfg.output_tokens, stream=True),
-                     headers={SESSION_HEADER: f"{case}-{step.session}"})  # fmt: skip
-            if a.status != 200:
-                raise RuntimeError(f"{conf.name} {case} session {step.session} turn {turn}: HTTP {a.status}: {a.body}")
-            queued, q_count, q_sum = _queue_time(bed.decodes[0], q_count, q_sum)
-            same = a.token_ids == step.want
-            equal = equal and same
-            if turn >= 1:
-                # KV-ready: from the client's send to the decode server holding the request's
-                # whole KV = when the proxy sent the decode leg + the decode server's wait.
-                decode_start = a.timing.get("decode-start", 0.0)
-                rows.append({"session": step.session, "turn": turn, "prompt_tokens": len(step.prompt),
-                             "start_s": start, "ttft_ms": 1e3 * a.ttft_s, "total_ms": 1e3 * a.total_s,
-                             "prefill_leg_ms": a.timing.get("prefill"), "decode_start_ms": decode_start,
-                             "kv_ready_ms": decode_start + 1e3 * queued, "equal": same})  # fmt: skip
-    # Connector metrics land when the transfer's last step is reported: the proxy has no
-    # requests left in flight and the servers have stepped since.
-    after = _read(bed, conf.connector)
-    assert before is not None
-    delta = {k: after[k] - before[k] for k in after}
-    n = len(rows)
-    ttft = [r["ttft_ms"] for r in rows]
-    ready = [r["kv_ready_ms"] for r in rows]
-    link = delta.get("bytes", delta.get("early_bytes", 0) + delta.get("chunk_bytes", 0) + delta.get("layer_bytes", 0))
-    waits = delta.get("kv_wait_n", 0)
-    out = {
-        "ttft_ms_p50": percentile(ttft, 0.5),
-        "ttft_ms_p90": percentile(ttft, 0.9),
-        "kv_ready_ms_p50": percentile(ready, 0.5),
-        "kv_ready_ms_p90": percentile(ready, 0.9),
-        "connector_wait_ms_mean": 1e3 * delta["kv_wait_s"] / waits if waits else 0.0,
-        "link_bytes_per_turn": link / n,
-        "early_bytes_per_turn": delta.get("early_bytes", 0) / n,
-        "held_blocks_per_turn": delta.get("held_blocks", 0) / n if "held_blocks" in delta else None,
-        "duplicates": delta.get("duplicates"),
-        "wire_tx_bytes_per_turn": delta["wire_tx"] / n,
-        "outputs_equal": equal,
-        "turns": rows,
+    prefill, decode = fleet.prefill(conf), fleet.decode(conf)
+    fleet.run_only(conf)
+    if step.turn >= 1 and case == "decode-cold":
+        _reset_prefix_cache(decode)
+    p0, d0, wire0 = _Sample.of(prefill), _Sample.of(decode), _wire_tx_bytes()
+    start = time.perf_counter() - t0
+    a = call(fleet.proxies[conf.name].url, "/v1/completions", _body(step.prompt, cfg.output_tokens, stream=True),
+             headers={SESSION_HEADER: f"{case}-{conf.name}-{step.session}"})  # fmt: skip
+    if a.status != 200:
+        raise RuntimeError(f"{conf.name} {case} session {step.session} turn {step.turn}: HTTP {a.status}: {a.body}")
+    p1, p = _finished(prefill, p0)
+    d1, d = _finished(decode, d0)
+    wire = _wire_tx_bytes() - wire0
+    if cfg.scrape is not None:
+        with open(cfg.scrape, "a", encoding="utf-8") as f:
+            for server, sample in ((prefill, p1), (decode, d1)):
+                f.write(json.dumps({"t": time.time(), "config": conf.name, "server": server.name, "text": sample.text}))
+                f.write("\n")
+    # Connector counters from the server's previous sample after a turn, not from before this
+    # one: a count that lands between two turns (a NIXL push is counted when the prefill server
+    # sees its WRITE done) goes to the next turn instead of being lost.
+    texts = {
+        "prefill": (fleet.seen.get(prefill.name, p0.text), p1.text),
+        "decode": (fleet.seen.get(decode.name, d0.text), d1.text),
     }
-    progress(
-        (
-            f"{conf.name} {case}: TTFT p50 {out['ttft_ms_p50']:.0f} ms, link {link / n / 2**20:.1f} MiB/turn, "
-            f"outputs equal: {equal}"
-        )
-    )
-    return out
+    fleet.seen[prefill.name], fleet.seen[decode.name] = p1.text, d1.text
+    moved = {
+        k: _metric_sum(texts[side][1], name) - _metric_sum(texts[side][0], name)
+        for k, (side, name) in _metrics(conf).items()
+    }
+    decode_start = a.timing.get("decode-start", 0.0)
+    return {
+        "config": conf.name,
+        "case": case,
+        "session": step.session,
+        "turn": step.turn,
+        "prompt_tokens": len(step.prompt),
+        "start_s": start,
+        "ttft_ms": 1e3 * a.ttft_s,
+        "total_ms": 1e3 * a.total_s,
+        "prefill_leg_ms": a.timing.get("prefill"),
+        "decode_start_ms": decode_start,
+        # KV-ready: from the proxy's arrival to the decode server holding the request's whole
+        # KV = when the proxy sent the decode leg + the decode server's wait for it.
+        "kv_ready_ms": decode_start + d["queue"],
+        "prefill_queue_ms": p["queue"],
+        "prefill_ms": p["prefill"],
+        "decode_step_ms": d["prefill"],
+        "link_bytes": moved.get(
+            "bytes", moved.get("early_bytes", 0) + moved.get("chunk_bytes", 0) + moved.get("layer_bytes", 0)
+        ),
+        "early_bytes": moved.get("early_bytes", 0.0),
+        "held_blocks": moved.get("held_blocks"),
+        "duplicates": moved.get("duplicates"),
+        "wire_tx_bytes": wire,
+        "equal": a.token_ids == step.want,
+    }
 
 
 def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
@@ -329,178 +551,115 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
 
     work = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvferry-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
+    confs = [c for c in configurations(cfg.layer_groups) if c.name in cfg.configs]
     spec = testbed.RandomLlama(cfg.model, max_positions=max(8192, 2 * cfg.cached_tokens))
     model = testbed.build_tiny_llama(work, spec)
-    engine = testbed.EngineSettings(
-        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=spec.max_positions,
-    )
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache for the decode-cold case (loopback only)
+    kv_token = spec.kv_bytes_per_token()
+    # The longest conversation, not the model's 8192 positions: vLLM refuses a pool that cannot
+    # hold one request of max_model_len (2 GiB at --realistic's 256 KiB per token).
+    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
+    max_len = min(spec.max_positions, (longest // BLOCK_TOKENS + 2) * BLOCK_TOKENS)
+    engine = testbed.EngineSettings(max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
+    load_before = os.getloadavg()
     progress(
-        (
-            f"model: {cfg.model.layers} layers, hidden {cfg.model.hidden}, {spec.kv_bytes_per_token()} KV "
-            "bytes/token; plain reference server"
-        )
+        f"model: {cfg.model.layers} layers, {cfg.model.kv_heads} KV heads x {cfg.model.head_dim}, {kv_token} KV "
+        f"bytes/token; the plain reference server computes {len(confs)} x {len(CASES)} x {cfg.sessions} conversations"
     )
-    with testbed.single_server(model, work, engine) as plain:
-        scripts = {case: _scripts(cfg, plain.url, case, progress) for case in CASES}
+    plain_prefill: list[float] = []
+    scripts: dict[tuple[str, str], list[list[_Turn]]] = {}
+    plain_engine = replace(engine, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or pool_bytes(cfg, 1, kv_token))
+    with testbed.single_server(model, work, plain_engine) as plain:
+        for i, conf in enumerate(confs):
+            for case in CASES:
+                scripts[(conf.name, case)] = _scripts(cfg, plain, 2 * i + CASES.index(case), plain_prefill)
+            progress(f"reference: {conf.name}'s conversations from the plain server")
+    # The middle measured turn's reused prefix (complete blocks of the previous prompt).
+    middle = scripts[(confs[0].name, "decode-cold")][0][(cfg.turns + 1) // 2]
+    previous = scripts[(confs[0].name, "decode-cold")][0][(cfg.turns + 1) // 2 - 1]
+    sizing_prefix = len(previous.prompt) // BLOCK_TOKENS * BLOCK_TOKENS * kv_token
+    rows: list[dict[str, Any]] = []
+    names = [c.name for c in confs]
+    by_name = {c.name: c for c in confs}
+    progress(f"starting the servers of {', '.join(names)}")
+    with Fleet(cfg, confs, model, work, engine, kv_token) as fleet:
+        for conf in confs:
+            # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
+            # first-transfer setup (NIXL's handshake) stay out of the figures.
+            fleet.run_only(conf)
+            warm = testbed.call(fleet.proxies[conf.name].url, "/v1/completions", _body([5] * 100, 2, stream=False))
+            if warm.status != 200:
+                raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
+        sizing = [c for c in confs if not c.early] or confs
+        in_run = _sizing_prefill(cfg, fleet, sizing[0]) if cfg.decode_netns is not None else []
+        link = _link(cfg, sizing_prefix, statistics.median(in_run or plain_prefill), progress)
+        link.update(
+            sizing_prefix_bytes=sizing_prefix,
+            sizing_turn_tokens=len(middle.prompt),
+            plain_prefill_ms_p50=statistics.median(plain_prefill),
+            in_run_prefill_ms=in_run,
+            sizing_config=sizing[0].name if in_run else None,
+        )
+        t0 = time.perf_counter()
+        slot = 0
+        for case in CASES:
+            for turn in range(cfg.turns + 1):
+                for session in range(cfg.sessions):
+                    for name in vf.order(names, slot):
+                        step = scripts[(name, case)][session][turn]
+                        row = _turn(cfg, fleet, by_name[name], case, step, t0)
+                        if turn >= 1:
+                            rows.append(dict(row, slot=slot))
+                    if turn >= 1:
+                        slot += 1
+                progress(f"{case}: turn {turn} of {cfg.turns} done" + (" (warm-up)" if turn == 0 else ""))
+        fleet.run_only(None)
+        leaks = {s.name: _settled_blocks(s) for s in fleet.servers.values()}
+        hellos = {n: getattr(p.proxy.flow, "hellos", None) for n, p in fleet.proxies.items()}
+        pools = dict(fleet.pool_bytes)
+    annotate(rows, by_name, scripts, kv_token, link["bytes_per_s"])
+    summary = summaries(rows, confs, cfg.bootstrap_reps)
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": machine("cpu"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "kv_bytes_per_token": spec.kv_bytes_per_token(),
-        "configs": {},
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        "kv_bytes_per_token": kv_token,
+        "block_tokens": BLOCK_TOKENS,
+        "link": link,
+        "placement": (
+            f"decode servers in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill servers and "
+            f"proxies at {cfg.prefill_host}"
+            if cfg.decode_netns is not None
+            else "one host, loopback"
+        ),
+        "pool_bytes": pools,
+        "kv_blocks_left": leaks,
+        "hellos": hellos,
+        "cases": {case: {k: v for k, v in s.items() if k != "configs"} for case, s in summary.items()},
+        "configs": {
+            c.name: {
+                "note": c.note,
+                "connector": c.connector,
+                "extra": c.extra,
+                "aware": c.aware,
+                **{case: summary[case]["configs"][c.name] for case in CASES},
+            }
+            for c in confs
+        },  # fmt: skip
     }
-    cross = cfg.decode_netns is not None
-    result["placement"] = (
-        (
-            f"decode server in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill server and proxy "
-            f"at {cfg.prefill_host}"
-        )
-        if cross
-        else "one host, loopback"
-    )
-    for conf in configurations(cfg.layer_groups):
-        if conf.name not in cfg.configs:
-            continue
-        prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
-        progress(f"{conf.name}: starting a prefill and a decode server ({conf.note})")
-        decode_engine = replace(engine, prefix_caching=conf.aware)
-        with testbed.Testbed(model, work / conf.name, prefill_config, decode_config, engine=engine,
-                             proxy_connector=conf.connector, env=env, prefill_host=cfg.prefill_host,
-                             decode_host=cfg.decode_host, decode_netns=cfg.decode_netns,
-                             decode_engine=decode_engine) as bed:  # fmt: skip
-            # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
-            # first-transfer setup (NIXL's handshake) stay out of the figures.
-            warm = testbed.call(bed.url, "/v1/completions", _body([5] * 100, 2, stream=False))
-            if warm.status != 200:
-                raise RuntimeError(f"{conf.name}: warm-up request: HTTP {warm.status}: {warm.body}")
-            with Scraper(bed.servers(), cfg.scrape, conf.name):
-                figures = {case: _run_case(cfg, conf, bed, case, scripts[case], progress) for case in CASES}
-            leaks = [s.kv_blocks()[0] for s in bed.servers()]
-            hellos = getattr(bed.proxy.proxy.flow, "hellos", None) if bed.proxy is not None else None
-        result["configs"][conf.name] = {
-            "note": conf.note,
-            "connector": conf.connector,
-            "extra": conf.extra,
-            "aware": conf.aware,
-            **figures,
-            "kv_blocks_left": leaks,
-            "hellos": hellos,
-        }
+    result["targets"] = targets(summary)
     return result
 
 
-def format_vllm_bench(result: dict[str, Any]) -> str:
-    cfg = result["config"]
-    cross = cfg.get("decode_netns") is not None
-    lines = [
-        f"kvferry bench vllm: {cfg['sessions']} sessions x {cfg['turns']} measured turns, "
-        f"{cfg['cached_tokens']} cached + "
-        f"{cfg['new_tokens']} new tokens per turn, {cfg['output_tokens']} output; {cfg['model']['layers']} "
-        f"layers, hidden {cfg['model']['hidden']} "
-        f"({result['kv_bytes_per_token']} KV bytes/token); {result['machine']}, {result['date']}",
-        f"placement: {result.get('placement', 'one host, loopback')}",
-    ]
-    base = {case: result["configs"].get("kvferry-baseline", {}).get(case) for case in CASES}
-    nixl = {case: result["configs"].get("nixl", {}).get(case) for case in CASES}
-    for case in CASES:
-        lines.append("")
-        lines.append(f"[{case}]")
-        header = (f"{'configuration':<18} {'TTFT p50':>9} {'p90':>8} {'vs base':>8} {'vs nixl':>8} "
-                  f"{'KV-ready p50':>12} {'p90':>8} {'link/turn':>10} {'early/turn':>10} {'held/turn':>9}"
-                  + (f" {'veth/turn':>10}" if cross else "") + f" {'equal':>6}")  # fmt: skip
-        lines.append(header)
-        lines.append("-" * len(header))
-        for name, c in result["configs"].items():
-            f = c[case]
-            ratio = f"{base[case]['ttft_ms_p50'] / f['ttft_ms_p50']:.2f}x" if base[case] else "-"
-            vs_nixl = f"{f['ttft_ms_p50'] / nixl[case]['ttft_ms_p50']:.2f}" if nixl[case] else "-"
-            held = "-" if f["held_blocks_per_turn"] is None else f"{f['held_blocks_per_turn']:.0f}"
-            wire = f" {f['wire_tx_bytes_per_turn'] / 2**20:>6.2f} MiB" if cross else ""
-            lines.append(
-                f"{name:<18} {f['ttft_ms_p50']:>6.0f} ms {f['ttft_ms_p90']:>5.0f} ms {ratio:>8} {vs_nixl:>8} "
-                f"{f['kv_ready_ms_p50']:>9.0f} ms {f['kv_ready_ms_p90']:>5.0f} ms "
-                f"{f['link_bytes_per_turn'] / 2**20:>6.2f} MiB {f['early_bytes_per_turn'] / 2**20:>6.2f} MiB "
-                f"{held:>9}{wire} {str(f['outputs_equal']):>6}"
-            )
-    lines.append("")
-    lines.append(
-        (
-            "TTFT: client-side through the proxy (streaming); vs base: kvferry-baseline's p50 over this one's "
-            "(higher is faster);"
-        )
-    )
-    lines.append("vs nixl: this one's TTFT p50 over NixlConnector's (lower is faster).")
-    lines.append(
-        (
-            "KV-ready: from the client's send until the decode server holds the whole KV (the proxy's decode-start "
-            "+ the decode server's queue time)."
-        )
-    )
-    lines.append(
-        (
-            "link: bytes the connector moved (NIXL: bytes READ; kvferry: early + chunk + layer bytes); held: "
-            "blocks not sent, the decode server had them."
-        )
-    )
-    if cross:
-        lines.append(
-            "veth: bytes the prefill side's namespace sent on the veth per turn (KV and HTTP), from /proc/net/dev."
-        )
-    lines.append("equal: every output equals the plain single server's, token for token.")
-    lines.append(
-        (
-            "Decode-side awareness (the decode server's prefix cache) is off in kvferry-baseline and "
-            "kvferry-early, on in the other rows."
-        )
-    )
-    left = {n: c["kv_blocks_left"] for n, c in result["configs"].items() if any(c["kv_blocks_left"])}
-    lines.append(f"KV blocks left allocated after each run: {left or 'none'}")
-    return "\n".join(lines)
-
-
-def draw_timeline(result: dict[str, Any], path: str) -> None:
-    """Per case, per configuration: each measured turn as a bar from its start, dark up to the
-    first token and light to the last."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["configs"])
-    fig, axes = plt.subplots(len(CASES), 1, figsize=(11, 1.0 + 0.9 * len(names) * len(CASES)), squeeze=False)
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"]
-    for ax, case in zip(axes[:, 0], CASES):
-        for y, name in enumerate(names):
-            f = result["configs"][name][case]
-            t0 = f["turns"][0]["start_s"]
-            for k, r in enumerate(f["turns"]):
-                start = 1e3 * (r["start_s"] - t0)
-                ax.broken_barh([(start, r["ttft_ms"])], (y - 0.35, 0.7), color=colors[y % len(colors)])
-                ax.broken_barh(
-                    [(start + r["ttft_ms"], r["total_ms"] - r["ttft_ms"])],
-                    (y - 0.35, 0.7),
-                    color=colors[y % len(colors)],
-                    alpha=0.35,
-                )
-        ax.set_yticks(
-            range(len(names)),
-            [f"{n}\nTTFT p50 {result['configs'][n][case]['ttft_ms_p50']:.0f} ms" for n in names],
-            fontsize=7,
-        )
-        ax.set_title(f"{case}: measured turns (dark: to first token, light: the rest of the answer)", fontsize=9)
-        ax.invert_yaxis()
-    axes[-1, 0].set_xlabel("ms since the first measured turn")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+def _settled_blocks(server: Any, timeout_s: float = 30.0) -> int:
+    """KV blocks the server still holds once it had time to free what its finished requests
+    held (a paused server frees them when it runs again): bounded polling."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used, _ = server.kv_blocks()
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)  # polling a gauge (no event to wait on)
 
 
 progress_to_stderr = stderr_progress("bench vllm")

@@ -163,13 +163,17 @@ def _one_token(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class NixlFlow(Flow):
-    """vLLM's NixlConnector: the prefill server computes the prompt and one token, keeps the KV
+    """vLLM's NIXL connectors: the prefill server computes the prompt and one token, keeps the KV
     (``do_remote_decode``) and answers where it is; then the decode server READs it and tells
-    the prefill server to free it."""
+    the prefill server to free it (NixlConnector, the pull one), or registers its blocks with the
+    prefill server, which WRITEs into them (NixlPushConnector). Both legs carry one
+    ``X-Request-Id``, as vLLM's own proxy sends them: the push connector pairs a decode
+    server's registration with the prefill server's finished request by that id."""
 
     name = "nixl"
 
     async def serve(self, ex: Exchange) -> web.StreamResponse:
+        ex.headers["X-Request-Id"] = uuid.uuid4().hex
         first = _one_token(ex.body)
         first["kv_transfer_params"] = {
             "do_remote_decode": True,
@@ -290,7 +294,8 @@ class KvferryFlow(Flow):
 
     async def _status(self, ex: Exchange, leg: str, server: Upstream, transfer: str) -> dict[str, Any]:
         """The server's ``status`` answer for ``transfer`` (docs/vllm.md): a one-token request
-        that computes and moves nothing, like ``hello``."""
+        that moves no KV but, like ``hello``, is not free: vLLM runs one forward of its one
+        token (a slot in one engine step)."""
         body: dict[str, Any] = {
             "prompt": [0],
             "max_tokens": 1,
@@ -495,7 +500,13 @@ class Proxy:
         return web.json_response(answer)
 
     async def _post_json(
-        self, leg: str, server: Upstream, path: str, body: Optional[dict[str, Any]], retry: bool = False
+        self,
+        leg: str,
+        server: Upstream,
+        path: str,
+        body: Optional[dict[str, Any]],
+        retry: bool = False,
+        headers: Optional[dict[str, str]] = None,
     ) -> dict[str, Any]:
         """One non-streaming call; a transport failure marks the server down. ``retry``: a
         refused connection raises _Refused (the caller tries another server)."""
@@ -505,7 +516,7 @@ class Proxy:
             if body is None:
                 ctx = self.client.get(server.url + path)
             else:
-                ctx = self.client.post(server.url + path, json=body)
+                ctx = self.client.post(server.url + path, json=body, headers=headers)
             async with ctx as r:
                 text = await r.text()
                 if r.status != 200:
@@ -568,6 +579,7 @@ class Exchange:
         self._tried_decodes: list[str] = []
         self._t0 = time.perf_counter()
         self.timing: dict[str, float] = {}  # ms since the request arrived, per milestone
+        self.headers: dict[str, str] = {}  # the flow's headers for both legs
 
     def mark(self, name: str) -> None:
         self.timing[name] = 1e3 * (time.perf_counter() - self._t0)
@@ -580,7 +592,7 @@ class Exchange:
     async def post_json(
         self, leg: str, server: Upstream, path: str, body: dict[str, Any], retry: bool = False
     ) -> dict[str, Any]:
-        return await self.proxy._post_json(leg, server, path, body, retry)
+        return await self.proxy._post_json(leg, server, path, body, retry, self.headers)
 
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg on the least loaded prefill server; one that refuses the connection
@@ -662,7 +674,7 @@ class Exchange:
         assert client is not None
         server.in_flight += 1
         try:
-            async with client.post(server.url + self.path, json=body) as r:
+            async with client.post(server.url + self.path, json=body, headers=self.headers) as r:
                 if r.status != 200:
                     text = await r.text()
                     status = r.status if 400 <= r.status < 500 else 502

@@ -254,11 +254,13 @@ class EngineSettings:
         return out
 
 
-def nixl_config(role: str, lease_s: int = 600) -> dict[str, Any]:
-    """vLLM's own NixlConnector on CPU: host buffers, roles producer (prefill) / consumer (decode);
-    a long KV lease since CPU prefill of long prompts outlasts the 30 s default."""
+def nixl_config(role: str, lease_s: int = 600, connector: str = "NixlConnector") -> dict[str, Any]:
+    """vLLM's own NIXL connectors on CPU: ``NixlConnector`` (pull: the decode server READs) or
+    ``NixlPushConnector`` (the prefill server WRITEs; vLLM 0.32), configured alike: host
+    buffers, roles producer (prefill) / consumer (decode); a long KV lease since CPU prefill of
+    long prompts outlasts the 30 s default. The proxy's ``nixl`` flow serves both."""
     return {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_role": role,
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"kv_lease_duration": lease_s},
@@ -305,9 +307,21 @@ class Server:
         except OSError as err:
             return f"(log unreadable: {err})"
 
+    def pause(self) -> None:
+        """Stops every process of the server (SIGSTOP to its process group): an idle NIXL
+        engine's progress thread spins (about half a core each, measured), so a bench that
+        keeps several servers up pauses those whose turn it is not."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server must run to end
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
@@ -316,8 +330,8 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+    def metrics(self, timeout_s: float = 10.0) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as r:
             return str(r.read().decode())
 
     def kv_blocks(self) -> tuple[int, int]:
