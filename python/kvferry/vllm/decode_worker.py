@@ -8,16 +8,16 @@ import heapq
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from kvferry._core import BlockRange
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
+from kvferry.vllm.groups import expect_groups
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec
 from kvferry.vllm.worker import WorkerCommon
 
@@ -47,6 +47,7 @@ class _Recv:
     # (kvferry.vllm.rendezvous, "abandon"), so no late write can come and no fence is due.
     unwritten: bool = False
     kept_logged: bool = False  # one-sided writes: logged once that its blocks are kept past the fence timeout
+    released: set[int] = field(default_factory=set)  # its groups' kv ids the receiver already forgot
 
 
 class DecodeWorker:
@@ -181,11 +182,10 @@ class DecodeWorker:
     def _expect(self, spec: RecvSpec) -> None:
         assert self.receiver is not None and self.rendezvous is not None
         now = time.monotonic()
+        blocks = -(-spec.prompt_len // self.block_size)
         try:
-            held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
-            # The lease names the request's blocks: a notice whose write used others is refused.
-            blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
-            epoch = self.receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
+            epoch = expect_groups(self.receiver, self.common.groups, spec.kv_id, spec.prompt_len,
+                                  spec.held_blocks, spec.dst_blocks)  # fmt: skip
         except KvFerryError as err:
             self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
             return
@@ -195,23 +195,26 @@ class DecodeWorker:
             "prompt_len": spec.prompt_len,
             "digest": spec.digest,
             "block_size": self.block_size,
-            "dst_blocks": spec.dst_blocks,
+            "dst_blocks": [b for table in spec.dst_blocks for b in table[:blocks]],  # group after group
             "held_blocks": spec.held_blocks,
             "engine": self.engine,
         }
         try:
             self.rendezvous.publish(spec.transfer, destination)
         except TransferError as err:
-            self.receiver.release_unfenced(spec.kv_id)  # never handed out: nothing writes it
+            for kv in self.common.groups.kv_ids(spec.kv_id):
+                self.receiver.release_unfenced(kv)  # never handed out: nothing writes it
             self.common.fail_next(spec.req_id, spec.transfer, str(err))
             return
         self._recv[spec.req_id] = _Recv(spec, now, now + spec.timeout_s)
-        self._rid_of_kv[spec.kv_id] = self._rid_of_transfer[spec.transfer] = spec.req_id
+        for kv in self.common.groups.kv_ids(spec.kv_id):
+            self._rid_of_kv[kv] = spec.req_id
+        self._rid_of_transfer[spec.transfer] = spec.req_id
         heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
         if self.rendezvous.abandoned(spec.transfer) is not None:
             self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
         self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
-                                reused=spec.held_blocks * self.block_size, blocks=len(blocks),
+                                reused=spec.held_blocks * self.block_size, blocks=blocks,
                                 held=spec.held_blocks)  # fmt: skip
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -225,7 +228,7 @@ class DecodeWorker:
         now = time.monotonic()
         for rid in self._to_look(finished_req_ids, now):
             st = self._recv[rid]
-            kv = st.spec.kv_id
+            kvs = self.common.groups.kv_ids(st.spec.kv_id)
             if st.giving_up is None:
                 if rid in finished_req_ids:
                     self._give_up(st, "the decode request was aborted", now, aborted=True)
@@ -236,19 +239,21 @@ class DecodeWorker:
                     self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
                 else:
                     try:
-                        self.receiver.wait(kv, 0)
+                        for kv in kvs:  # every group arrived (or one failed: all are given up)
+                            self.receiver.wait(kv, 0)
                     except TransferTimeoutError:
                         continue  # still arriving
                     except TransferError as err:
                         self._give_up(st, str(err), now)
                     else:
-                        self.receiver.release(kv, 0)
+                        for kv in kvs:
+                            self.receiver.release(kv, 0)
                         self.rendezvous.withdraw(st.spec.transfer, "its blocks arrived")
                         self.tally.observe("recv_seconds", now - st.started)
                         self._forget(st)
                         recving.add(rid)
-                        arrived = -(-st.spec.prompt_len // self.common.block_size) - st.spec.held_blocks
-                        block = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # all layers
+                        arrived = self.common.groups.live_count(st.spec.prompt_len, st.spec.held_blocks)
+                        block = self.receiver.pool.block_bytes * self.receiver.pool.num_layers  # all regions
                         self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
                         continue
             if not self._release(st, now):
@@ -281,7 +286,8 @@ class DecodeWorker:
 
     def _forget(self, st: _Recv) -> None:
         del self._recv[st.spec.req_id]
-        self._rid_of_kv.pop(st.spec.kv_id, None)
+        for kv in self.common.groups.kv_ids(st.spec.kv_id):
+            self._rid_of_kv.pop(kv, None)
         if self._rid_of_transfer.get(st.spec.transfer) == st.spec.req_id:
             del self._rid_of_transfer[st.spec.transfer]
 
@@ -289,7 +295,8 @@ class DecodeWorker:
         assert self.receiver is not None
         st.giving_up, st.aborted = reason, aborted
         st.fence_deadline = now + self.config.fence_timeout_s
-        self.receiver.cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
+        for kv in self.common.groups.kv_ids(st.spec.kv_id):
+            self.receiver.cancel(kv, reason)  # asks its sender to stop (no-op once fenced)
 
     def _sender_connected(self, transfer: str) -> bool:
         """Whether the prefill engine that took ``transfer`` still has a connection to its
@@ -307,14 +314,14 @@ class DecodeWorker:
         the sender's connection ends."""
         assert self.receiver is not None and self.rendezvous is not None
         if self.rendezvous.withdraw_untaken(st.spec.transfer, st.giving_up or "given up"):
-            self.receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            self._release_groups(st, unfenced=True)  # no sender ever learnt its blocks
             return True
         if st.unwritten:
-            self.receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
+            self._release_groups(st, unfenced=True)  # a sender learnt them, never wrote
             self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
             return True
         try:
-            self.receiver.release(st.spec.kv_id, 0)
+            self._release_groups(st, unfenced=False)
         except TransferTimeoutError:
             if now < st.fence_deadline:
                 return False
@@ -334,9 +341,23 @@ class DecodeWorker:
                 st.spec.req_id,
                 self.config.fence_timeout_s,
             )
-            self.receiver.release_unfenced(st.spec.kv_id)
+            self._release_groups(st, unfenced=True)
         self.rendezvous.withdraw(st.spec.transfer, st.giving_up or "given up")
         return True
+
+    def _release_groups(self, st: _Recv, *, unfenced: bool) -> None:
+        """Releases each KV cache group's kvferry request once (`KVReceiver.release`, or
+        `release_unfenced`); raises `TransferTimeoutError` while a group's fence has not come
+        (the groups released so far stay released)."""
+        assert self.receiver is not None
+        for kv in self.common.groups.kv_ids(st.spec.kv_id):
+            if kv in st.released:
+                continue
+            if unfenced:
+                self.receiver.release_unfenced(kv)
+            else:
+                self.receiver.release(kv, 0)
+            st.released.add(kv)
 
     def close(self) -> None:
         for endpoint in self.endpoints.values():
