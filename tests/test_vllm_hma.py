@@ -117,14 +117,27 @@ def test_hybrid_model_moves_each_group_with_its_table_and_decodes_as_a_plain_eng
         # Exactly once per (group, block), never a dropped (null) block: a cold decode engine
         # holds nothing, so it receives the full group's blocks and the window's live ones.
         assert moved(prefill) - before == live_blocks(length) * REGIONS * REGION_BYTES, length
-    # A session: the next turn extends the last prompt; the prefill engine's prefix cache
-    # holds the old prompt (its full-attention prefix leaves early), the decode engine holds
-    # what it cached of it (held blocks, per group).
-    prompt = [rng.randrange(3, 500) for _ in range(170)]
+    # A prefix the prefill engine caches (warmed there only): the decode engine is cold, and
+    # the full-attention group's cached prefix leaves before the first forward (the window
+    # group's blocks go with the last chunk). Then the next turn of the session: the decode
+    # engine holds what it cached of the last one (held blocks, in each group).
+    system = [rng.randrange(3, 500) for _ in range(4 * BLOCK)]
+    prefill.run([("warm", system, 1, None)])
+    prompt = system + [rng.randrange(3, 500) for _ in range(60)]
     for t in range(2):
+        before = prefill.call("totals")["counts"]
         got = turn(prefill, decode, hello, f"s{t}", prompt)
         want = plain.run([(f"rs{t}", prompt, OUT, None)])["outputs"][f"rs{t}"]["tokens"]
         assert got == want, (t, got, want)
+        after = prefill.call("totals")["counts"]
+        early = after.get("early_issued_bytes", 0) - before.get("early_issued_bytes", 0)
+        if t == 0:
+            assert 0 < early <= 4 * REGIONS * REGION_BYTES, early  # full-attention blocks of the prefix only
+            assert moved(prefill) - sum(
+                before.get(k, 0) for k in ("early_issued_bytes", "chunk_bytes", "layer_bytes")
+            ) == (live_blocks(len(prompt)) * REGIONS * REGION_BYTES)
+        else:
+            assert after.get("held_blocks", 0) > before.get("held_blocks", 0)  # the decode engine's own hit
         prompt = prompt + got + [rng.randrange(3, 500) for _ in range(50)]
     counts = decode.call("totals")["counts"]
     assert counts.get("duplicates_refused", 0) == 0 and counts.get("notices_refused", 0) == 0, counts
