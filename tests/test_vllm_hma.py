@@ -58,8 +58,10 @@ def hybrid(llama: str) -> str:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
     for llama in model_with_own_key_dir(tmp_path_factory):
         model = hybrid(llama)
-        # A small token budget forces chunked prefill on the prefill engine.
-        prefill = Engine(model, "kv_producer", {"transfer_timeout_s": 60.0}, max_num_batched_tokens=64)
+        # A small token budget forces chunked prefill on the prefill engine; the last chunk
+        # streams layer slices (a region leaves once both groups' layers on it saved).
+        extra = {"transfer_timeout_s": 60.0, "layer_groups": 2}
+        prefill = Engine(model, "kv_producer", extra, max_num_batched_tokens=64)
         decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
         plain = Engine(model, None)
         try:
@@ -108,13 +110,15 @@ def test_hybrid_model_moves_each_group_with_its_table_and_decodes_as_a_plain_eng
     # Longer than the window; 159: the live window starts on a block boundary (160 - 64 = 96).
     for i, length in enumerate([159, 200, 256]):
         prompt = [rng.randrange(3, 500) for _ in range(length)]
-        before = moved(prefill)
+        before, layers = moved(prefill), prefill.call("totals").get("counts", {}).get("layer_bytes", 0)
         got = turn(prefill, decode, hello, f"cold{i}", prompt)
         want = plain.run([(f"r{i}", prompt, OUT, None)])["outputs"][f"r{i}"]["tokens"]
         assert got == want, (length, got, want)
         # Exactly once per (group, block), never a dropped (null) block: a cold decode engine
         # holds nothing, so it receives the full group's blocks and the window's live ones.
         assert moved(prefill) - before == live_blocks(length) * REGIONS * REGION_BYTES, length
+        if i > 0:  # the first request's connection is made while it computes: it may miss them
+            assert prefill.call("totals")["counts"].get("layer_bytes", 0) > layers  # layer slices left too
     # A prefix the prefill engine caches (warmed there only): the decode engine is cold, and
     # the full-attention group's cached prefix leaves before the first forward (the window
     # group's blocks go with the last chunk). Then the next turn of the session: the decode
