@@ -285,3 +285,57 @@ def test_the_scheduler_half_hands_every_groups_table_and_checks_the_destination(
         _check_destination(dict(good, dst_blocks=list(range(1, 9))), request, TPB, "staging", 2)
     with pytest.raises(KvFerryError, match="request_id"):
         _check_destination(dict(good, request_id=2**62 - 1), request, TPB, "staging", 2)
+
+
+def test_hma_with_tensor_parallelism_is_refused_naming_both_settings(tmp_path: Any) -> None:
+    """HMA with tensor parallelism on either side is refused (not run or tested together):
+    at a server's startup (its own tensor_parallel_size, or prefill_tp_size on a decode
+    server), and by a prefill server of one rank for a decode server of several."""
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.groups import GroupSet, check_parallel, groups_of
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    hybrid = GroupSet(groups_of(config(SW, FA)), TPB)
+    one = GroupSet(groups_of(config(FA)), TPB)
+    sizes = {"tensor_parallel_size": 1, "kv_connector_extra_config prefill_tp_size": 1}
+    check_parallel(hybrid, sizes)  # HMA without TP
+    check_parallel(one, dict(sizes, tensor_parallel_size=4))  # TP without HMA
+    with pytest.raises(InvalidArgumentError) as err:
+        check_parallel(hybrid, dict(sizes, tensor_parallel_size=2))
+    assert "tensor_parallel_size=2 and kv_connector_extra_config prefill_tp_size=1" in str(err.value)
+    assert "2 KV cache groups (0: SlidingWindowSpec (2 layers, window 9), 1: FullAttentionSpec" in str(err.value)
+    assert "does not support tensor parallelism and HMA together" in str(err.value)
+    with pytest.raises(
+        InvalidArgumentError, match="tensor_parallel_size=1 and kv_connector_extra_config prefill_tp_size=2"
+    ):
+        check_parallel(hybrid, dict(sizes, **{"kv_connector_extra_config prefill_tp_size": 2}))
+
+    side = SchedulerSide(ConnectorConfig(), block_size=TPB, role="kv_producer", engine_id="E",
+                         kv_cache_manager_getter=None, authkey=b"k" * 32, groups=hybrid)  # fmt: skip
+    assert side._plan("unix:///r/a.sock") is None  # one rank each side: as without TP
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1 and the decode server's ranks=2"):
+        side._plan("unix:///r/a.sock unix:///r/b.sock")
+
+    # The connector checks at startup, before either half is built.
+    from kvferry.vllm.connector import KvferryConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+
+    def vllm_config(tp: int, prefill_tp: int) -> Any:
+        extra = {"authkey_file": str(key), "prefill_tp_size": prefill_tp}
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_consumer", engine_id="e"),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
+            model_config=SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2),
+            cache_config=SimpleNamespace(block_size=TPB),
+        )
+
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=2 and kv_connector_extra_config prefill_tp_s"):
+        KvferryConnector(vllm_config(2, 1), KVConnectorRole.SCHEDULER, config(SW, FA))
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1 and kv_connector_extra_config prefill_tp_s"):
+        KvferryConnector(vllm_config(1, 2), KVConnectorRole.SCHEDULER, config(SW, FA))
+    assert len(KvferryConnector(vllm_config(1, 1), KVConnectorRole.SCHEDULER, config(SW, FA)).groups) == 2
