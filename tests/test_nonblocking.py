@@ -277,7 +277,7 @@ def test_prefill_worker_steps_never_wait_on_a_stalled_decode_endpoint() -> None:
     b = send("b", 2, healthy_rx, healthy, 6 * TPB, 0)
     c = send("c", 3, stalled_rx, stalled, 4 * TPB, 0)  # behind a on the stalled link
     src_a, src_b, src_c = list(range(PREFIX_BLOCKS + 1)), list(range(70, 76)), list(range(80, 84))
-    chunks = [Chunk("a", long - 1, long, src_a), Chunk("b", 0, 6 * TPB, src_b), Chunk("c", 0, 4 * TPB, src_c)]
+    chunks = [Chunk("a", long - 1, long, [src_a]), Chunk("b", 0, 6 * TPB, [src_b]), Chunk("c", 0, 4 * TPB, [src_c])]
     step = KvferryMetadata(sends=[a, b, c], chunks=chunks)
     try:
         returns(lambda: (worker.preempt(step), worker.bind(step)))

@@ -466,7 +466,7 @@ def decode_p2(tmp_path: Any) -> Any:
 def _recv_spec(rid: str, kv: int, transfer: str) -> Any:
     from kvferry.vllm.metadata import RecvSpec
 
-    return RecvSpec(rid, kv, transfer, 2 * TOKENS, [3, 7], 0, "d", 60.0)
+    return RecvSpec(rid, kv, transfer, 2 * TOKENS, [[3, 7]], 0, "d", 60.0)
 
 
 def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:

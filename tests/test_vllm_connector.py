@@ -1302,7 +1302,7 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     peers = [object()]  # the sender's authenticated connection
     endpoint = SimpleNamespace(connected=lambda: bool(peers))
     side.endpoints["P"] = Served(transport, endpoint, f"{transport}+tcp://127.0.0.1:1")
-    st = _Recv(RecvSpec("r", 7, "T", 64, [0, 1], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
+    st = _Recv(RecvSpec("r", 7, "T", 64, [[0, 1]], 0, "d", 1.0), 0.0, 1.0, giving_up="timed out", fence_deadline=5.0)
     assert side._release(st, now=1.0) is False  # before the fence timeout: both wait
     if transport == "staging":
         assert side._release(st, now=6.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]

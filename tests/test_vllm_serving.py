@@ -681,7 +681,7 @@ def test_destination_after_the_prompt_computed_goes_as_one_late_send(half: Any) 
     (spec,) = meta.sends
     assert (spec.req_id, spec.transfer, spec.reused_len, spec.finished) == ("p1", transfer, 0, True)
     assert spec.destination["dst_blocks"] == [100, 101, 102]
-    assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [7, 8, 9])]
+    assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [[7, 8, 9]])]
     assert not side.has_pending() and side.build_connector_meta(_step({})).sends == []  # sent once
 
 

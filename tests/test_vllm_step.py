@@ -148,7 +148,7 @@ def decode(tmp_path: Any) -> Iterator[Any]:
 def _expect(worker: Any, n: int, prefix: str = "r") -> list[Any]:
     from kvferry.vllm.metadata import KvferryMetadata, RecvSpec
 
-    specs = [RecvSpec(f"{prefix}{i}", 100 + i, f"T{prefix}{i}", 2 * TPB, [2 * i, 2 * i + 1], 0, "d", 60.0)
+    specs = [RecvSpec(f"{prefix}{i}", 100 + i, f"T{prefix}{i}", 2 * TPB, [[2 * i, 2 * i + 1]], 0, "d", 60.0)
              for i in range(n)]  # fmt: skip
     worker.bind(KvferryMetadata(recvs=specs))
     return specs

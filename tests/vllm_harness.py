@@ -187,6 +187,18 @@ def _serve(
                 reply = {"used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(), "requests": len(sched.requests)}
             elif cmd == "preemptions":
                 reply = preemptions[0]
+            elif cmd == "groups":  # vLLM's KV cache groups, and what the connector moves of them
+                connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+                worker = None if connector is None else connector._worker
+                reply = {
+                    "hma_disabled": engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+                    "groups": [
+                        (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None))
+                        for g in sched.kv_cache_config.kv_cache_groups
+                    ],
+                    "moved": None if worker is None else worker.groups.describe(),
+                    "regions": None if worker is None or worker.pool is None else worker.pool.num_layers,
+                }
             elif cmd == "totals":
                 connector = get_kv_transfer_group() if has_kv_transfer_group() else None
                 worker = None if connector is None else connector._worker

@@ -199,7 +199,7 @@ class KVReceiver:
         exactly the lease's (`LeaseError`): a sender cannot make blocks of another request
         count, and the staging receiver copies nothing outside the lease."""
         ledger = TransferLedger(self.pool.tokens_per_block, prompt_len, window=window)
-        lease = None if dst_blocks is None else self._lease_blocks(dst_blocks, ledger.num_blocks)
+        lease = None if dst_blocks is None else self._lease_blocks(dst_blocks, ledger.num_blocks, ledger.missing())
         for blocks in [*held, *(blocks for _, blocks in awaits)]:
             ledger.claim(blocks)
         with self._cond:
@@ -220,7 +220,12 @@ class KVReceiver:
             self._requests[request_id] = expected
             return epoch
 
-    def _lease_blocks(self, dst_blocks: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
+    def _lease_blocks(
+        self, dst_blocks: Sequence[int] | np.ndarray, num_blocks: int, needed: Sequence[BlockRange]
+    ) -> np.ndarray:
+        """``needed``: the blocks that can arrive (all of them, or a sliding window's live
+        ones): each must be a distinct block. Outside it an engine may repeat a placeholder
+        (vLLM's null block for blocks that left the window), which no notice can name."""
         try:
             ids = np.asarray(dst_blocks)
         except (TypeError, ValueError) as err:
@@ -237,9 +242,13 @@ class KVReceiver:
             raise InvalidArgumentError(
                 f"invalid dst_blocks: block {int(outside[0])} is outside the pool's [0, {self.pool.num_blocks})"
             )
-        if len(np.unique(ids)) != len(ids):
+        lease = np.full_like(ids, -1)  # -1: no block of the pool, so no write there is ever admitted
+        for r in needed:
+            lease[r.start : r.end] = ids[r.start : r.end]
+        live = lease[lease >= 0]
+        if len(np.unique(live)) != len(live):
             raise InvalidArgumentError("invalid dst_blocks: a destination block appears twice")
-        return ids
+        return lease
 
     @staticmethod
     def _lease_mismatch(

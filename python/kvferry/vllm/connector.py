@@ -16,12 +16,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvferry.errors import InvalidArgumentError
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.decode_worker import DecodeWorker
+from kvferry.vllm.groups import GroupSet, check_parallel, groups_of
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
 from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.scheduler import SchedulerSide
@@ -35,7 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["KvferryConnector"]
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; each KV cache group of a
+    request moves with its own block table (kvferry.vllm.groups)."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Optional[KVCacheConfig] = None
     ) -> None:
@@ -60,6 +65,13 @@ class KvferryConnector(KVConnectorBase_V1):
         num_kv_heads = 1 if mla else int(model.get_total_num_kv_heads())
         kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
+        assert kv_cache_config is not None  # vLLM 0.32 hands it to both roles
+        # Refuses, at startup, a group kvferry cannot move (Mamba/SSM state, ...).
+        self.groups = GroupSet(groups_of(kv_cache_config), block_size)
+        check_parallel(
+            self.groups,
+            {"tensor_parallel_size": tp_size, "kv_connector_extra_config prefill_tp_size": self.config.prefill_tp_size},
+        )
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerCommon] = None
         self._prefill: Optional[PrefillWorker] = None
@@ -76,9 +88,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 tp_size=tp_size,
                 num_kv_heads=num_kv_heads,
                 mla=mla,
+                groups=self.groups,
             )
         else:
-            assert kv_cache_config is not None
             tp_rank = 0
             if tp_size > 1:
                 from vllm.distributed.parallel_state import get_tp_group
@@ -93,6 +105,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 tp_size=tp_size,
                 num_kv_heads=num_kv_heads,
                 mla=mla,
+                groups=self.groups,
             )
             if kv_role in ("kv_producer", "kv_both"):
                 self._prefill = PrefillWorker(self._worker)
@@ -196,10 +209,17 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         assert self._sched is not None
-        return self._sched.request_finished(request, block_ids)
+        return self._sched.request_finished(request, block_ids)  # one group (vLLM's HMA off)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        assert self._sched is not None
+        return self._sched.request_finished_all_groups(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        # A load writes every group this connector moves (each its own table's blocks).
+        return tuple(g.index for g in self.groups.groups)
 
     # -- stats ---------------------------------------------------------------------------
 

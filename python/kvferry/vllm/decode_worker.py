@@ -22,11 +22,11 @@ from typing import Any, Optional
 import torch
 
 from kvferry import ranks
-from kvferry._core import BlockRange
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
+from kvferry.vllm.groups import expect_groups
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 
@@ -63,6 +63,8 @@ class _Recv:
     unpublished: set[int] = field(default_factory=set)
     abandoned: set[int] = field(default_factory=set)
     released: set[int] = field(default_factory=set)
+    # (part, kv id) of each KV cache group's kvferry request a part's receiver already forgot.
+    released_kvs: set[tuple[int, int]] = field(default_factory=set)
 
     def parts(self) -> dict[int, str]:
         return self.subs or {0: self.spec.transfer}
@@ -255,16 +257,14 @@ class DecodeWorker:
     def _expect(self, spec: RecvSpec) -> None:
         assert self.receivers and self.rendezvous is not None
         now = time.monotonic()
-        held = [BlockRange(0, spec.held_blocks)] if spec.held_blocks else []
-        # The lease names the request's blocks: a notice whose write used others is refused.
-        blocks = spec.dst_blocks[: -(-spec.prompt_len // self.block_size)]
-        epochs: dict[int, int] = {}
+        blocks = -(-spec.prompt_len // self.block_size)
+        epochs: dict[int, int] = {}  # prefill rank -> its receiver's epoch of the first group
         try:
             for p, receiver in self.receivers.items():
-                epochs[p] = receiver.expect(spec.kv_id, spec.prompt_len, held=held, dst_blocks=blocks)
+                epochs[p] = expect_groups(receiver, self.common.groups, spec.kv_id, spec.prompt_len,
+                                          spec.held_blocks, spec.dst_blocks)  # fmt: skip
         except KvFerryError as err:
-            for p in epochs:
-                self.receivers[p].release_unfenced(spec.kv_id)  # never published: nothing writes it
+            self._forget_expected(spec, epochs)  # never published: nothing writes them
             self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
             return
         st = _Recv(spec, now, now + spec.timeout_s)
@@ -277,8 +277,7 @@ class DecodeWorker:
             except TransferError as err:
                 st.unpublished = {q for q, _ in parts[i:]}
                 if i == 0:  # none published: nothing can write it
-                    for q in epochs:
-                        self.receivers[q].release_unfenced(spec.kv_id)
+                    self._forget_expected(spec, epochs)
                     self.common.fail_next(spec.req_id, spec.transfer, str(err))
                     return
                 self._track(st, now)  # its published parts are released as a given-up request's
@@ -289,25 +288,35 @@ class DecodeWorker:
         if any(self.rendezvous.abandoned(name) is not None for name in st.parts().values()):
             self._look.add(spec.req_id)  # abandoned before it was published: take_abandoned said so already
         self.common.trace.event("decode", "plan", spec.transfer, spec.req_id, prompt=spec.prompt_len,
-                                reused=spec.held_blocks * self.block_size, blocks=len(blocks),
+                                reused=spec.held_blocks * self.block_size, blocks=blocks,
                                 held=spec.held_blocks)  # fmt: skip
 
     def _track(self, st: _Recv, now: float) -> None:
         spec = st.spec
         self._recv[spec.req_id] = st
-        self._rid_of_kv[spec.kv_id] = spec.req_id
+        for kv in self.common.groups.kv_ids(spec.kv_id):
+            self._rid_of_kv[kv] = spec.req_id
         for name in st.parts().values():
             self._rid_of_transfer[name] = spec.req_id
         heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
 
+    def _forget_expected(self, spec: RecvSpec, epochs: dict[int, int]) -> None:
+        """Releases, unfenced, every group of ``spec`` on the receivers that expected it."""
+        for p in epochs:
+            for kv in self.common.groups.kv_ids(spec.kv_id):
+                self.receivers[p].release_unfenced(kv)
+
     def _destination(self, spec: RecvSpec, epoch: int) -> dict[str, Any]:
+        """What a prefill rank's lookup of ``spec`` answers: ``epoch`` is the first group's
+        on that rank's receiver (group g's: ``epoch + g``, kv id ``kv_id + g``)."""
+        blocks = -(-spec.prompt_len // self.block_size)
         return {
             "request_id": spec.kv_id,
             "epoch": epoch,
             "prompt_len": spec.prompt_len,
             "digest": spec.digest,
             "block_size": self.block_size,
-            "dst_blocks": spec.dst_blocks,
+            "dst_blocks": [b for table in spec.dst_blocks for b in table[:blocks]],  # group after group
             "held_blocks": spec.held_blocks,
             "engine": self.engine,
         }
@@ -324,7 +333,7 @@ class DecodeWorker:
         now = time.monotonic()
         for rid in self._to_look(finished_req_ids, now):
             st = self._recv[rid]
-            kv = st.spec.kv_id
+            kvs = self.common.groups.kv_ids(st.spec.kv_id)
             if st.giving_up is None:
                 abandoned = {p: why for p, name in st.parts().items() if (why := self.rendezvous.abandoned(name))}
                 if rid in finished_req_ids:
@@ -336,20 +345,23 @@ class DecodeWorker:
                     self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
                 else:
                     try:
-                        for p in st.parts():  # every prefill rank's part (one without TP)
-                            self.receivers[p].wait(kv, 0)
+                        for p in st.parts():  # every prefill rank's part (one without TP), every group
+                            for kv in kvs:
+                                self.receivers[p].wait(kv, 0)
                     except TransferTimeoutError:
                         continue  # still arriving
                     except TransferError as err:
                         self._give_up(st, str(err), now)
                     else:
                         for p, name in st.parts().items():
-                            self.receivers[p].release(kv, 0)
+                            for kv in kvs:
+                                self.receivers[p].release(kv, 0)
                             self.rendezvous.withdraw(name, "its blocks arrived")
                         self.tally.observe("recv_seconds", now - st.started)
                         self._forget(st)
                         recving.add(rid)
-                        arrived = -(-st.spec.prompt_len // self.common.block_size) - st.spec.held_blocks
+                        arrived = self.common.groups.live_count(st.spec.prompt_len, st.spec.held_blocks)
+                        # Every region (layer), summed over the head slices the parts write.
                         block = sum(r.pool.block_bytes * r.pool.num_layers for r in self.receivers.values())
                         self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
                         continue
@@ -384,7 +396,8 @@ class DecodeWorker:
 
     def _forget(self, st: _Recv) -> None:
         del self._recv[st.spec.req_id]
-        self._rid_of_kv.pop(st.spec.kv_id, None)
+        for kv in self.common.groups.kv_ids(st.spec.kv_id):
+            self._rid_of_kv.pop(kv, None)
         for name in st.parts().values():
             if self._rid_of_transfer.get(name) == st.spec.req_id:
                 del self._rid_of_transfer[name]
@@ -394,7 +407,8 @@ class DecodeWorker:
         st.fence_deadline = now + self.config.fence_timeout_s
         for p in st.parts():
             if p not in st.unpublished:
-                self.receivers[p].cancel(st.spec.kv_id, reason)  # asks its sender to stop (no-op once fenced)
+                for kv in self.common.groups.kv_ids(st.spec.kv_id):
+                    self.receivers[p].cancel(kv, reason)  # asks its sender to stop (no-op once fenced)
 
     def _sender_connected(self, transfer: str) -> bool:
         """Whether the prefill engine that took ``transfer`` still has a connection to its
@@ -419,20 +433,19 @@ class DecodeWorker:
         here can stop a late one, so its blocks stay allocated (the request stays
         unreported, vLLM keeps them) until the fence comes or the sender's connection ends."""
         assert self.rendezvous is not None
-        receiver = self.receivers[p]
         reason = st.giving_up or "given up"
         if p in st.unpublished:
-            receiver.release_unfenced(st.spec.kv_id)  # never handed out: nothing writes it
+            self._release_groups(st, p, unfenced=True)  # never handed out: nothing writes it
             return True
         if self.rendezvous.withdraw_untaken(name, reason):
-            receiver.release_unfenced(st.spec.kv_id)  # no sender ever learnt its blocks
+            self._release_groups(st, p, unfenced=True)  # no sender ever learnt its blocks
             return True
         if st.unwritten or p in st.abandoned:
-            receiver.release_unfenced(st.spec.kv_id)  # a sender learnt them, never wrote
+            self._release_groups(st, p, unfenced=True)  # a sender learnt them, never wrote
             self.rendezvous.withdraw(name, reason)
             return True
         try:
-            receiver.release(st.spec.kv_id, 0)
+            self._release_groups(st, p, unfenced=False)
         except TransferTimeoutError:
             if now < st.fence_deadline:
                 return False
@@ -452,9 +465,23 @@ class DecodeWorker:
                 st.spec.req_id,
                 self.config.fence_timeout_s,
             )
-            receiver.release_unfenced(st.spec.kv_id)
+            self._release_groups(st, p, unfenced=True)
         self.rendezvous.withdraw(name, reason)
         return True
+
+    def _release_groups(self, st: _Recv, p: int, *, unfenced: bool) -> None:
+        """Releases each KV cache group's kvferry request on prefill rank ``p``'s receiver
+        once (`KVReceiver.release`, or `release_unfenced`); raises `TransferTimeoutError`
+        while a group's fence has not come (the groups released so far stay released)."""
+        receiver = self.receivers[p]
+        for kv in self.common.groups.kv_ids(st.spec.kv_id):
+            if (p, kv) in st.released_kvs:
+                continue
+            if unfenced:
+                receiver.release_unfenced(kv)
+            else:
+                receiver.release(kv, 0)
+            st.released_kvs.add((p, kv))
 
     def close(self) -> None:
         for endpoint in self.endpoints.values():

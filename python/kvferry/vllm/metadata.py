@@ -29,13 +29,15 @@ __all__ = [
 
 @dataclass
 class RecvSpec:
-    """Decode side: a request whose blocks ``[held_blocks, len(dst_blocks))`` are to arrive."""
+    """Decode side: a request whose blocks ``[held_blocks, prompt blocks)`` are to arrive, in
+    each KV cache group (a sliding-window group: only those of its live window); ``kv_id``:
+    the first group's kvferry id (group g's is ``kv_id + g``)."""
 
     req_id: str
     kv_id: int
     transfer: str
     prompt_len: int
-    dst_blocks: list[int]
+    dst_blocks: list[list[int]]  # the prompt's blocks, one table per KV cache group moved
     held_blocks: int
     digest: str
     timeout_s: float
@@ -109,7 +111,7 @@ class Chunk:
     req_id: str
     start: int
     end: int
-    src_blocks: list[int]
+    src_blocks: list[list[int]]  # one table per KV cache group moved
 
 
 @dataclass

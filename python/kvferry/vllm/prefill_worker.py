@@ -27,16 +27,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
-from kvferry._core import BlockRange
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous
+from kvferry.vllm.groups import add_groups
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.worker import WorkerCommon
 
@@ -60,7 +59,7 @@ class _Peer:
 @dataclass
 class _Send:
     spec: SendSpec
-    kv_id: int
+    kv_id: int  # its first KV cache group's kvferry id (GroupSet.kv_ids: one per group)
     peer: Optional[_Peer]
     blocks: int
     destination: dict[str, Any]  # its decode rank's published blocks, epoch and endpoint
@@ -72,7 +71,7 @@ class _Send:
     added: bool = False  # registered with its peer's hook (its connection is up)
     # Until then (the connection being made): its latest block table and the chunks whose
     # forward ran, sent in order once it is added (`_start`).
-    src_blocks: Optional[list[int]] = None
+    src_blocks: Optional[list[list[int]]] = None  # one table per KV cache group
     queued: list[tuple[int, int]] = field(default_factory=list)
     early_done: bool = False
     finishing: bool = False
@@ -148,7 +147,8 @@ class PrefillWorker:
         for c in self._chunks:
             for st in self._legs(c.req_id):
                 if c.end == st.spec.prompt_len and st.added and st.peer is not None:
-                    self._call(st, st.peer.hook.after_layer, [st.kv_id], [c.start], [c.end], layer)
+                    kvs = self._kv_ids(st)
+                    self._call(st, st.peer.hook.after_layer, kvs, [c.start] * len(kvs), [c.end] * len(kvs), layer)
 
     def after_forward(self) -> None:
         for c in self._chunks:
@@ -294,16 +294,8 @@ class PrefillWorker:
             if peer is None:
                 return  # connecting: its sends wait until the connection is up
             st.peer = peer
-            held = [BlockRange(0, int(dest["held_blocks"]))] if dest["held_blocks"] else []
-            peer.hook.add_request(
-                st.kv_id,
-                spec.prompt_len,
-                reused_len=spec.reused_len,
-                src_blocks=np.full(st.blocks, -1, dtype=np.int64),
-                dst_blocks=dest["dst_blocks"],
-                held=held,
-                epoch=int(dest["epoch"]),
-            )
+            # One kvferry request per KV cache group, each with its own tables and window.
+            add_groups(peer.hook, self.common.groups, st.kv_id, spec.prompt_len, spec.reused_len, dest)
         except KvFerryError as err:
             self._give_up(st, f"cannot send to the decode server: {err}")
             return
@@ -320,15 +312,20 @@ class PrefillWorker:
         forward ran, in order. None of it waits (`KVSender`)."""
         peer = st.peer
         assert peer is not None and st.added
+        kvs = self._kv_ids(st)
         if st.src_blocks is not None:
-            self._call(st, peer.hook.update_src_blocks, st.kv_id, st.src_blocks[: st.blocks])
+            for kv, table in zip(kvs, st.src_blocks):
+                self._call(st, peer.hook.update_src_blocks, kv, table[: st.blocks])
             if not st.early_done:
                 st.early_done = True
                 reused_blocks = st.spec.reused_len // self.block_size
                 self.trace.event("prefill", "early_issued", st.spec.transfer, st.spec.req_id, blocks=reused_blocks)
-                self._call(st, peer.hook.before_forward, [st.kv_id])
+                self._call(st, peer.hook.before_forward, kvs)
         for start, end in st.queued:
-            self._call(st, peer.hook.after_forward, [st.kv_id], [start], [end])
+            if end == st.spec.prompt_len and st.src_blocks is not None:
+                # The last chunk sends every group's live blocks: none may be vLLM's null block.
+                self._call(st, self.common.groups.check_live, st.src_blocks, st.spec.prompt_len, "the prefill request")
+            self._call(st, peer.hook.after_forward, kvs, [start] * len(kvs), [end] * len(kvs))
         st.queued = []
 
     def _give_up(self, st: _Send, reason: str) -> None:
@@ -370,14 +367,15 @@ class PrefillWorker:
         # notices (NIXL: the notification leaves with the write, reading the blocks as it
         # goes): there, the writes reading the blocks now, within fence_timeout_s.
         carries = st.peer.sender.transport.carries_notices
-        try:
-            st.peer.hook.cancel(st.kv_id, timeout=self.config.fence_timeout_s if carries else 0.0)
-        except TransferTimeoutError as err:
-            # Revoked; its copies' notices are dropped; released by a later step's settle.
-            if carries:
-                logger.error("kvferry: %s", err)
-        except UnknownRequestError:
-            pass
+        for kv in self._kv_ids(st):
+            try:
+                st.peer.hook.cancel(kv, timeout=self.config.fence_timeout_s if carries else 0.0)
+            except TransferTimeoutError as err:
+                # Revoked; its copies' notices are dropped; released by a later step's settle.
+                if carries:
+                    logger.error("kvferry: %s", err)
+            except UnknownRequestError:
+                pass
 
     def _call(self, st: _Send, fn: Callable[..., Any], *args: Any) -> None:
         if st.error is not None:
@@ -388,8 +386,11 @@ class PrefillWorker:
             st.error = str(err)
             logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
 
+    def _kv_ids(self, st: _Send) -> list[int]:
+        return self.common.groups.kv_ids(st.kv_id)
+
     def _by_kv(self) -> dict[tuple[int, int], _Send]:
-        return {(id(st.peer), st.kv_id): st for st in self._send.values() if st.peer is not None}
+        return {(id(st.peer), kv): st for st in self._send.values() if st.peer is not None for kv in self._kv_ids(st)}
 
     def _poll_peers(self) -> None:
         by_kv = self._by_kv()
@@ -453,19 +454,23 @@ class PrefillWorker:
                 return False  # its connection is being made (bounded by its handshake timeout)
             self.common.ended("prefill", st.spec.transfer, st.spec.req_id, "failed", st.error)
             return True
-        hook, sender, kv = st.peer.hook, st.peer.sender, st.kv_id
-        failure = failures.get(kv) if st.error is None else None
+        hook, sender, kvs = st.peer.hook, st.peer.sender, self._kv_ids(st)
+        failure = next((failures[kv] for kv in kvs if kv in failures), None) if st.error is None else None
         if failure is not None:
             st.error = str(failure)
-        if st.error is None and not sender.book.is_complete(kv):
+        if st.error is None and not all(sender.book.is_complete(kv) for kv in kvs):
             st.error = "the prefill request ended before all its blocks were sent (aborted)"
         if st.error is not None:
-            try:
-                hook.cancel(kv, timeout=0.0)
-            except TransferTimeoutError:
-                return False  # a copy still reads its blocks: next step
-            except UnknownRequestError:
-                pass
+            reading = False
+            for kv in kvs:
+                try:
+                    hook.cancel(kv, timeout=0.0)
+                except TransferTimeoutError:
+                    reading = True  # a copy still reads its blocks: next step
+                except UnknownRequestError:
+                    pass  # cancelled by an earlier step's call, or never added
+            if reading:
+                return False
             self.tally.add("failed_transfers", 1)
             logger.warning(
                 "kvferry: prefill request %s (transfer %s) released without completing: %s",
@@ -475,12 +480,13 @@ class PrefillWorker:
             )
             self.common.ended("prefill", st.spec.transfer, st.spec.req_id, "failed", st.error)
             return True
-        if sender.in_flight(kv):
+        if any(sender.in_flight(kv) for kv in kvs):
             return False
         # Its last write was posted after this step's poll took the records: take them now,
         # or its bytes would be missing from the tally and its hidden fraction.
         self._take_records(st.peer, by_kv)
-        hook.finish(kv)
+        for kv in kvs:
+            hook.finish(kv)
         self._observe(st)
         last = max((w[2] for w in st.writes), default=time.monotonic())
         nbytes = sum(w[3] for w in st.writes)

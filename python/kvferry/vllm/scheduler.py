@@ -48,6 +48,7 @@ from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
+from kvferry.vllm.groups import GroupSet, check_parallel
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 
 logger = logging.getLogger("kvferry.vllm")
@@ -83,7 +84,7 @@ class _Late:
     delayed their free) until the lookup ends; then one late send covers the prompt, or the
     blocks are released."""
 
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV cache group moved
     lookup: Optional[_Lookup]  # still looking
     spec: Optional[SendSpec] = None  # the destination came, not sent yet
 
@@ -108,6 +109,7 @@ class SchedulerSide:
         tp_size: int = 1,
         num_kv_heads: int = 1,
         mla: bool = False,
+        groups: Optional[GroupSet] = None,
     ) -> None:
         self.config = config
         # This engine's tensor parallel size and its model's KV heads: with a decode server's
@@ -119,9 +121,11 @@ class SchedulerSide:
         self.role = role  # "kv_producer", "kv_consumer", "kv_both"
         self._manager = kv_cache_manager_getter
         self.handshake: Optional[Handshake] = None
+        self.groups = groups if groups is not None else GroupSet.single(block_size)
         # kvferry request ids: a random namespace per process in the high bits, so an id
-        # never means two requests to a decode server's receiver across restarts.
-        self._kv_ids = itertools.count((secrets.randbits(29) + 1) << 32)
+        # never means two requests to a decode server's receiver across restarts. A request
+        # takes one id per KV cache group (GroupSet.kv_ids).
+        self._kv_ids = itertools.count((secrets.randbits(29) + 1) << 32, len(self.groups))
         self._refused: dict[str, str] = {}
         self._lookups: dict[str, _Lookup] = {}  # prefill requests waiting (up to admission_wait_s) for a destination
         # Prefill requests computing before their destination (their lookup goes on).
@@ -247,6 +251,8 @@ class SchedulerSide:
         peers = peer.split(" ")
         if self.tp_size == 1 and len(peers) == 1:
             return None
+        # A decode server of several ranks (or this one's) with HMA: refused (groups.check_parallel).
+        check_parallel(self.groups, {"tensor_parallel_size": self.tp_size, "the decode server's ranks": len(peers)})
         try:
             links = ranks.links(self.tp_size, len(peers), self.num_kv_heads, mla=self.mla)
         except KvFerryError as err:
@@ -272,13 +278,14 @@ class SchedulerSide:
         if found.error is not None:
             raise TransferError(f"no destination for transfer {params.transfer!r}: {found.error}")
         try:
-            if found.legs is not None:
-                for leg in found.legs:
-                    _check_destination(leg.destination, request, self.block_size, self.config.transport)
-                destination = found.legs[0].destination
-            else:
-                assert found.destination is not None
-                destination = _check_destination(found.destination, request, self.block_size, self.config.transport)
+            # Under tensor parallelism, one destination per link (each decode rank's own blocks).
+            dests = [leg.destination for leg in found.legs] if found.legs is not None else [found.destination]
+            checked = [
+                _check_destination(d, request, self.block_size, self.config.transport, len(self.groups))
+                for d in dests
+                if d is not None  # always, once its lookup ended without an error
+            ]
+            destination = checked[0]
         except KvFerryError as err:
             why = f"prefill request refused the destination: {err}"
             self._tell_abandon(params, why)
@@ -310,11 +317,12 @@ class SchedulerSide:
             return
         params = parse_params(request.kv_transfer_params)  # checked in get_num_new_matched_tokens
         assert params is not None and params.op == "recv" and params.transfer is not None
-        (table,) = self._manager().get_block_ids(rid)
+        tables = self.groups.tables(self._manager().get_block_ids(rid))
         prompt_len = request.num_prompt_tokens
         held = (prompt_len - num_external_tokens) // self.block_size
         kv_id = next(self._kv_ids)
-        assert kv_id < MAX_KV_ID
+        assert kv_id + len(self.groups) <= MAX_KV_ID
+        blocks = math.ceil(prompt_len / self.block_size)
         timeout = params.timeout_s or self.config.transfer_timeout_s
         self._meta.recvs.append(
             RecvSpec(
@@ -322,7 +330,7 @@ class SchedulerSide:
                 kv_id,
                 params.transfer,
                 prompt_len,
-                list(table[: math.ceil(prompt_len / self.block_size)]),
+                [table[:blocks] for table in tables],
                 held,
                 prompt_digest(request.prompt_token_ids),
                 timeout,
@@ -372,8 +380,7 @@ class SchedulerSide:
                 meta.sends.append(spec)
             end = min(start + scheduled[rid], spec.prompt_len)
             if start < end:
-                (table,) = self._manager().get_block_ids(rid)
-                meta.chunks.append(Chunk(rid, start, end, list(table)))
+                meta.chunks.append(Chunk(rid, start, end, self.groups.tables(self._manager().get_block_ids(rid))))
         return meta
 
     def _destinations_arrived(self, meta: KvferryMetadata) -> None:
@@ -408,6 +415,13 @@ class SchedulerSide:
             meta.chunks.append(Chunk(rid, 0, spec.prompt_len, late.block_ids))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """vLLM without its hybrid KV cache manager: one group, one table."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """``block_ids``: the request's table of every KV cache group (vLLM's order)."""
         rid = request.request_id
         self._loaded.discard(rid)
         refused = self._refused.pop(rid, None)
@@ -436,7 +450,7 @@ class SchedulerSide:
         if computed and (sending is not None or computing is not None):
             # Its whole prompt is computed, its destination not used yet: the blocks wait
             # for it (build_connector_meta sends them late, or releases them).
-            self._late[rid] = _Late(list(block_ids), computing, None if sending is None else sending.spec)
+            self._late[rid] = _Late(self.groups.tables(block_ids), computing, None if sending is None else sending.spec)
             return True, {"kvferry": answer}
         if lost is not None:
             answer["error"] = lost  # its lookup failed while it computed (recorded below)
@@ -553,10 +567,11 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
 
 
 def _check_destination(
-    destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging"
+    destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging", groups: int = 1
 ) -> dict[str, Any]:
     """The decode side's published destination, checked against this request: the same
-    prompt, one destination block per prompt block, sane ids."""
+    prompt, one destination block per prompt block and KV cache group (the groups' tables
+    back to back, group by group, in ``dst_blocks``), sane ids."""
     prompt_len = request.num_prompt_tokens
     blocks = math.ceil(prompt_len / block_size)
     if destination.get("prompt_len") != prompt_len or destination.get("digest") != prompt_digest(
@@ -571,13 +586,19 @@ def _check_destination(
             f"the decode server's block_size is {destination.get('block_size')!r}, this server's is {block_size}"
         )
     dst = destination.get("dst_blocks")
-    if not isinstance(dst, list) or len(dst) != blocks:
-        raise KvFerryError(f"invalid destination dst_blocks: must list the {blocks} blocks of the prompt")
+    if not isinstance(dst, list) or len(dst) != blocks * groups:
+        have = len(dst) if isinstance(dst, list) else dst
+        raise KvFerryError(
+            f"invalid destination dst_blocks=<{have} ids>: must list the {blocks} blocks of the prompt for each of "
+            f"this server's {groups} KV cache groups (another model, or another KV cache group layout, there?)"
+        )
     for i, b in enumerate(dst):
         _int(f"dst_blocks[{i}]", b, 0, 2**31)
     _int("held_blocks", destination.get("held_blocks"), 0, blocks)
-    _int("request_id", destination.get("request_id"), 0, MAX_KV_ID)
-    _int("epoch", destination.get("epoch"), 1, 2**63)
+    # Group g's kvferry id and lease are the first group's plus g (GroupSet.kv_ids; the decode
+    # worker expects a request's groups one after another, so their epochs follow too).
+    _int("request_id", destination.get("request_id"), 0, MAX_KV_ID - groups + 1)
+    _int("epoch", destination.get("epoch"), 1, 2**63 - groups + 1)
     endpoint = destination.get("endpoint")
     if not isinstance(endpoint, str):
         raise KvFerryError(f"invalid destination endpoint={endpoint!r}: must be a '<transport>+<address>' URL")

@@ -32,6 +32,7 @@ from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.layout import PagedKV, paged_kv_from_views
 from kvferry.trace import Tracer
 from kvferry.vllm.config import ConnectorConfig
+from kvferry.vllm.groups import GroupSet, pool_layers
 from kvferry.vllm.metadata import KvferryWorkerMeta, Outcome
 from kvferry.vllm.stats import Tally
 
@@ -52,12 +53,16 @@ class WorkerCommon:
         tp_size: int = 1,
         num_kv_heads: int = 1,
         mla: bool = False,
+        groups: Optional[GroupSet] = None,
     ) -> None:
         self.config = config
         # This worker's tensor-parallel rank and size, the model's KV heads (all ranks) and
         # whether it is MLA (one latent head on every rank): which heads it holds, and with
         # the other side's size, which links it sends or receives on (kvferry.ranks).
         self.tp_rank, self.tp_size, self.num_kv_heads, self.mla = tp_rank, tp_size, num_kv_heads, mla
+        # The KV cache groups moved (one full-attention group when not given), each request as
+        # one kvferry request per group.
+        self.groups = groups if groups is not None else GroupSet.single(block_size)
         # The control channel's key, read at startup (config.load_authkey): the same file on
         # both servers; it never travels in a request, an answer, a log line or a metric.
         self.authkey = authkey
@@ -80,13 +85,13 @@ class WorkerCommon:
         resolved KVCacheLayout (docs/vllm.md, "KV cache layouts"): the pool reads them where
         they lie (`paged_kv_from_views`: no copy; vLLM's inference tensors are taken as plain
         aliases of the same memory, which kvferry's copy threads may write)."""
-        names = sorted(kv_caches, key=layer_index)
+        # With several KV cache groups their layers overlay one another: one per region.
+        names, self.layer_of = pool_layers(kv_caches, self.groups.groups, layer_index)
         tensors = tuple(kv_caches[n] for n in names)
         try:
             self.pool = paged_kv_from_views(tensors, num_blocks=self.num_blocks, tokens_per_block=self.block_size)
         except InvalidArgumentError as err:
             raise KvFerryError(f"kvferry: cannot register vLLM's KV cache: {err}") from None
-        self.layer_of = {n: i for i, n in enumerate(names)}
         if self.tp_size > 1:
             lo, hi = (0, 1) if self.mla else ranks.rank_heads(self.tp_rank, self.tp_size, self.num_kv_heads)
             if self.pool.num_heads != hi - lo:
