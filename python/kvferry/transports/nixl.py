@@ -90,17 +90,67 @@ def _mem_type(pool: PagedKV) -> str:
     return "VRAM" if pool.device.type == "cuda" else "DRAM"
 
 
-def _need_packed(pool: PagedKV, what: str) -> None:
-    """A sender addresses the receiver's blocks from its hello alone (`layer_descriptors`:
-    the layers' addresses and the geometry, no strides): a receiving pool whose blocks lie
-    strided (an engine's block-outer layout) cannot be served. (A sender's own pool may lie
-    any way: it builds its descriptors from its own strides.)"""
-    if not pool.packed:
-        raise InvalidArgumentError(
-            f"invalid {what}: its blocks lie at segment stride {pool.segment_stride} and block stride "
-            f"{pool.block_stride} bytes (a block-outer layout), which NIXL descriptors built from the "
-            "geometry cannot address; use the staging or cuda_ipc transport"
+def _remote_pool(hello: Mapping[str, Any], peer: str) -> np.ndarray:
+    """The receiver's block descriptors (`layer_descriptors`' rows) from its hello: its
+    layers' bases, its segment and block strides and the spans it registered. A hello that
+    would have the sender write outside those spans, or two blocks over one another, is
+    refused by name (`wire.ProtocolError`), before any descriptor reaches NIXL:
+
+    ```
+    block (l, s, b) at  bases[l] + s * segment_stride + b * block_stride, segment_bytes long
+    each one:           inside one region of `regions` (sorted, disjoint)
+    all of them:        pairwise disjoint (a block-outer pool's layers interleave)
+    ```"""
+    geometry = hello["geometry"]
+    segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
+    blocks = int(hello["num_blocks"])
+    seg_stride, block_stride = int(hello["segment_stride"]), int(hello["block_stride"])
+    bases = [int(b) for b in hello["bases"]]
+
+    def refuse(why: str) -> wire.ProtocolError:
+        return wire.ProtocolError(f"{peer}: invalid NIXL hello: {why}", peer=peer)
+
+    if seg <= 0 or blocks <= 0:
+        raise refuse(f"segment_bytes={seg}, num_blocks={blocks}: must be > 0")
+    # The pool's own rule (kvferry.layout): segments apart, blocks apart.
+    if segments == 1:
+        disjoint = block_stride >= seg
+    else:
+        disjoint = (block_stride >= seg and seg_stride >= blocks * block_stride) or (
+            seg_stride >= seg and block_stride >= segments * seg_stride
         )
+    if not disjoint:
+        raise refuse(
+            f"segment_stride={seg_stride}, block_stride={block_stride}: {segments} segments of {seg} bytes in "
+            f"{blocks} blocks at these strides overlap"
+        )
+    extent = (segments - 1) * seg_stride + (blocks - 1) * block_stride + seg
+    if max(bases) + extent >= 2**64:
+        raise refuse(f"bases up to {max(bases)} with blocks {extent} bytes long pass the 64-bit address space")
+    regions = sorted((int(r["start"]), int(r["length"])) for r in hello["regions"])
+    starts = np.array([a for a, _ in regions], dtype=np.uint64)
+    ends = np.array([a + n for a, n in regions], dtype=np.uint64)
+    if len(regions) > 1 and bool((starts[1:] < ends[:-1]).any()):
+        raise refuse(f"regions={regions}: they overlap")
+    rows = layer_descriptors(
+        bases, segments, seg, blocks, int(hello["device"]), segment_stride=seg_stride, block_stride=block_stride
+    )
+    addresses = rows[:, 0]
+    # The region each block starts in: the last that starts at or before it.
+    at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+    inside = at >= 0
+    inside[inside] &= addresses[inside] + np.uint64(seg) <= ends[at[inside]]
+    if not bool(inside.all()):
+        row = int(np.flatnonzero(~inside)[0])
+        layer, rest = divmod(row, segments * blocks)
+        raise refuse(
+            f"block {rest % blocks} of segment {rest // blocks} of layer {layer} at address {int(addresses[row])} "
+            f"({seg} bytes) lies outside every registered region ({len(regions)})"
+        )
+    ordered = np.sort(addresses)
+    if len(ordered) > 1 and bool((np.diff(ordered) < np.uint64(seg)).any()):
+        raise refuse(f"bases={bases}, segment_stride={seg_stride}, block_stride={block_stride}: two blocks overlap")
+    return rows
 
 
 def block_descriptors(pool: PagedKV) -> np.ndarray:
@@ -128,8 +178,8 @@ def layer_descriptors(
     segment_stride: Optional[int] = None,
     block_stride: Optional[int] = None,
 ) -> np.ndarray:
-    """`block_descriptors` of a pool known by its layers' addresses (a remote one: packed,
-    the strides' defaults) or by its strides too (a local one)."""
+    """`block_descriptors` of a pool known by its layers' addresses and strides (a packed
+    pool's by default)."""
     seg = segment_bytes
     segment_stride = num_blocks * seg if segment_stride is None else segment_stride
     block_stride = seg if block_stride is None else block_stride
@@ -199,6 +249,11 @@ def _runs_fit(pool: PagedKV) -> bool:
     """Whether a run of consecutive blocks of one layer and segment is one span of memory
     (the block stride is the segment: layer-outer pools), so one descriptor covers it."""
     return pool.block_stride == pool.segment_bytes
+
+
+def registered_spans(pool: PagedKV) -> list[dict[str, int]]:
+    """`registered_regions` as the hello's ``regions`` (``start``, ``length``)."""
+    return [{"start": int(a), "length": int(n)} for a, n, _ in registered_regions(pool)]
 
 
 def registered_regions(pool: PagedKV) -> np.ndarray:
@@ -279,9 +334,10 @@ class NixlEndpoint(LocalEndpoint):
 
     def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
         pool = receiver.pool
-        _need_packed(pool, "receiver")
         self.agent = _agent("rx")
-        self._registered = self.agent.register_memory(list(pool.layers))
+        # By spans, as the sender registers its own: a block-outer pool's layers and a head
+        # slice's are views that are not contiguous tensors.
+        self._registered = self.agent.register_memory(registered_regions(pool), _mem_type(pool))
         hello = pool_hello(
             pool,
             "nixl",
@@ -290,6 +346,9 @@ class NixlEndpoint(LocalEndpoint):
             mem_type=_mem_type(pool),
             device=pool.device.index or 0,
             bases=[t.data_ptr() for t in pool.layers],
+            segment_stride=pool.segment_stride,
+            block_stride=pool.block_stride,
+            regions=registered_spans(pool),
         )
         self._stop = threading.Event()
         super().__init__(receiver, hello, authkey=authkey, **options)
@@ -568,6 +627,11 @@ class NixlTransport(Transport):
         if host_src is not None:
             host_src.check_compatible(self._geometry)
         self._remote_blocks = int(hello["num_blocks"])
+        try:  # before any agent exists: a hello that does not add up ends here
+            remote = _remote_pool(hello, self.peer)
+        except BaseException:
+            self._conn.close()
+            raise
         self._src = src
         self._host_src = host_src
         self.agent = _agent("tx")
@@ -593,13 +657,8 @@ class NixlTransport(Transport):
             )
         self._remote_bases = list(hello["bases"])
         self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
-        remote = layer_descriptors(
-            hello["bases"],
-            int(self._geometry["segments"]),
-            int(self._geometry["segment_bytes"]),
-            self._remote_blocks,
-            hello["device"],
-        )
+        # Where the receiver's blocks lie, by its own strides (block-outer pools, head slices).
+        self._remote_strides = (int(hello["segment_stride"]), int(hello["block_stride"]))
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
     @property
@@ -689,6 +748,9 @@ class NixlTransport(Transport):
         parts = source_parts(src, s, d)
         if not all(_runs_fit(pool if part.pool is pool else self._host_src) for part in parts):  # type: ignore[arg-type]
             return None
+        remote_stride, remote_block = self._remote_strides
+        if remote_block != seg:  # the receiver's consecutive blocks are not adjacent either
+            return None
         runs = [block_runs(part.src_ids, part.dst_ids) for part in parts]
         if sum(len(r[2]) for r in runs) >= len(s):
             return None
@@ -701,7 +763,15 @@ class NixlTransport(Transport):
                 bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n, mine.segment_stride
             )
             remote = run_descriptors(
-                self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n
+                self._remote_bases,
+                layers,
+                segments,
+                seg,
+                self._remote_blocks,
+                self._remote_device,
+                d0,
+                n,
+                remote_stride,
             )
             entry = by_type.setdefault(_mem_type(mine), ([], []))
             entry[0].append(local)
