@@ -1,7 +1,8 @@
 """NIXL transport (UCX backend): the engine production stacks use across nodes.
 
 ```
-receiver: NixlEndpoint   registers its pool, hello = agent metadata + block descriptors
+receiver: NixlEndpoint   registers its pool's spans, hello = agent metadata + the layers'
+                         addresses, its segment and block strides and the spans
 sender:   NixlTransport  registers its pool, adds the remote agent, prepares both block
                          descriptor lists once; each write is one prepared WRITE of
                          (layer, segment, block) descriptors chosen by index, notices
@@ -11,8 +12,10 @@ receiver: a thread polls notifications and delivers the notices (and the fences,
 ```
 Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
 channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
-every interface), with the pool's layer addresses: the sender builds the block descriptors
-itself (`block_descriptors`). Needs the `nixl` package
+every interface), with the pool's layer addresses, strides and registered spans: the sender
+builds the receiver's block descriptors itself, at the receiver's strides, after checking that
+every one lies inside a registered span (`_remote_pool`), so any pool (layer- or block-outer,
+a head slice) is served on either side. Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
 progresses.
 
@@ -740,8 +743,9 @@ class NixlTransport(Transport):
     ) -> Optional[list[tuple[Any, Any]]]:
         """The write as descriptor lists of runs (`block_runs`), one ``(local, remote)`` pair
         per memory type of its parts; None when no two of its blocks are contiguous on both
-        sides (the prepared per-block lists are then cheaper), or when a source pool's
-        consecutive blocks are not adjacent (block-outer: one descriptor per block anyway)."""
+        sides (the prepared per-block lists are then cheaper), or when either pool's
+        consecutive blocks are not adjacent (block-outer, token-major head slices: one
+        descriptor per block anyway)."""
         pool = self._src
         geometry = self._geometry
         segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
