@@ -702,6 +702,55 @@ mod tests {
         assert_eq!(bytes.len(), HEADER_BYTES);
     }
 
+    fn nixl_hello(segment_stride: u64, block_stride: u64, regions: Vec<Region>) -> Frame {
+        Frame::Hello(Hello {
+            geometry: Geometry {
+                num_layers: 1,
+                tokens_per_block: 16,
+                dtype: "bf16".to_string(),
+                segments: 2,
+                segment_bytes: 64,
+                num_blocks: 8,
+                block_dim: 1,
+                block_layout: "any".to_string(),
+            },
+            access: PoolAccess::Nixl {
+                agent_name: "rx".to_string(),
+                metadata: vec![1, 2, 3],
+                mem_type: MemType::Dram,
+                device: 0,
+                bases: vec![4096],
+                segment_stride,
+                block_stride,
+                regions,
+            },
+        })
+    }
+
+    #[test]
+    fn a_nixl_hello_needs_strides_and_regions() {
+        let region = |start, length| Region { start, length };
+        let good = nixl_hello(512, 64, vec![region(4096, 1024)]);
+        let bytes = encode(&good).unwrap();
+        assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(good));
+        for (frame, field) in [
+            (
+                nixl_hello(0, 64, vec![region(4096, 1024)]),
+                "segment_stride",
+            ),
+            (nixl_hello(512, 0, vec![region(4096, 1024)]), "block_stride"),
+            (nixl_hello(512, 64, vec![]), "regions"),
+            (nixl_hello(512, 64, vec![region(4096, 0)]), "regions"),
+            (nixl_hello(512, 64, vec![region(u64::MAX, 2)]), "regions"),
+        ] {
+            assert!(
+                matches!(encode(&frame), Err(WireError::Field { field: f, .. }) if f == field),
+                "{field}: {:?}",
+                encode(&frame)
+            );
+        }
+    }
+
     #[test]
     fn the_records_list_their_fields_in_wire_order() {
         assert_eq!(
