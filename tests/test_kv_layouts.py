@@ -449,22 +449,28 @@ def count_descriptors(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
 def test_cpu_nixl_between_any_layouts_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
     """NIXL (UCX on loopback) from a pool of each layout into a pool of each layout of the
     same block order: each side's blocks described at its own strides (the receiver's from
-    its hello); scattered blocks, one prepared descriptor per (layer, segment, block); the
-    receiver's whole buffer equals the reference (the rest keeps its poison)."""
+    its hello); scattered blocks, one prepared descriptor per (layer, segment, block), or one
+    per block between two block-outer pools of one layout (a block's layers are one span on
+    both sides); the receiver's whole buffer equals the reference (the rest keeps its
+    poison)."""
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     counted = count_descriptors(monkeypatch)
     transfer(nixl, layouts, ATTN, torch.bfloat16, "cpu")
     segments = register(vllm_views(layouts[1], *ATTN, torch.bfloat16, "cpu", poison)).segments
     prepared = [LAYERS * segments * BLOCKS] * 2  # each side's per-block list, once at connect
-    assert counted == {"runs": prepared, "prepped": [len(SRC_IDS) * LAYERS * segments]}
+    if layouts[0] == layouts[1] and layouts[0].startswith("B"):  # a block's layers adjacent on both sides
+        assert counted == {"runs": prepared + [len(SRC_IDS)] * 2, "prepped": []}
+    else:
+        assert counted == {"runs": prepared, "prepped": [len(SRC_IDS) * LAYERS * segments]}
 
 
 @pytest.mark.parametrize("layouts", NIXL_PAIRS, ids="->".join)
 def test_cpu_nixl_runs_between_any_layouts_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
     """The same with blocks consecutive on both sides (two runs): one descriptor per run,
-    layer and segment when both pools are layer-outer; one per block when either is
-    block-outer (its consecutive blocks are not adjacent); bit exact either way."""
+    layer and segment when both pools are layer-outer; one per run, every layer, between two
+    block-outer pools of one layout; one per (layer, segment, block) when only one is
+    block-outer (nothing is adjacent on both sides); bit exact every way."""
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     module = sys.modules[__name__]
@@ -476,8 +482,30 @@ def test_cpu_nixl_runs_between_any_layouts_bit_exact(monkeypatch: pytest.MonkeyP
     prepared = [LAYERS * dst.segments * BLOCKS] * 2  # each side's per-block list, once at connect
     if src.packed and dst.packed:
         assert counted == {"runs": prepared + [2 * LAYERS * dst.segments] * 2, "prepped": []}
+    elif layouts[0] == layouts[1]:  # block-outer on both sides: a run of blocks, every layer, is one span
+        assert counted == {"runs": prepared + [2] * 2, "prepped": []}
     else:
         assert counted == {"runs": prepared, "prepped": [6 * LAYERS * dst.segments]}
+
+
+def test_nixl_joins_pieces_only_where_both_sides_continue_within_one_region() -> None:
+    """`joined_spans`: pieces adjacent on both sides join (in local address order, whatever
+    the write's order); a piece whose local or remote side starts another registered region,
+    or whose remote side jumps, starts a new descriptor."""
+    from kvferry.transports.nixl import joined_spans
+
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    local = u(132, 100, 116, 148, 164)  # pieces of 16 bytes, written out of order
+    remote = u(1032, 1000, 1016, 1048, 2000)
+    lo, ro, sizes = joined_spans(local, remote, 16, u(0), u(0))
+    assert (lo.tolist(), ro.tolist(), sizes.tolist()) == ([100, 164], [1000, 2000], [64, 16])
+    # The same, with a local registration starting at 132 and a remote one at 1048.
+    lo, ro, sizes = joined_spans(local, remote, 16, u(0, 132), u(0, 1048))
+    assert (lo.tolist(), ro.tolist(), sizes.tolist()) == (
+        [100, 132, 148, 164],
+        [1000, 1032, 1048, 2000],
+        [32, 16, 16, 16],
+    )
 
 
 def test_nixl_registers_a_block_outer_pool_as_one_span_and_addresses_its_blocks() -> None:

@@ -254,6 +254,46 @@ def _runs_fit(pool: PagedKV) -> bool:
     return pool.block_stride == pool.segment_bytes
 
 
+def block_addresses(
+    bases: Sequence[int],
+    layers: tuple[int, int],
+    segments: int,
+    segment_stride: int,
+    block_stride: int,
+    ids: np.ndarray,
+) -> np.ndarray:
+    """The first byte of each (layer of ``[lo, hi)``, segment, block of ``ids``), in that
+    order (uint64), of a pool whose layers start at ``bases``."""
+    lo, hi = layers
+    base = np.array(bases[lo:hi], dtype=np.uint64)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(segment_stride)
+    block_offsets = np.asarray(ids).astype(np.uint64) * np.uint64(block_stride)
+    return (base[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
+
+
+def joined_spans(
+    local: np.ndarray, remote: np.ndarray, seg: int, local_regions: np.ndarray, remote_regions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of ``seg`` bytes, ``local[i]`` to ``remote[i]``, joined where the next piece
+    (by local address) continues both sides' spans within one registered region of each
+    (``*_regions``: the regions' sorted first bytes; a descriptor may not cross two NIXL
+    registrations): ``(local starts, remote starts, sizes)``.
+
+    ```
+    block-outer, one layout on both sides (BLHNC):  block b = [l0 | l1 | ... ]  b+1 = [l0 | ...
+    a run of blocks, every layer:                    one span on each side, one descriptor
+    ```"""
+    order = np.argsort(local, kind="stable")  # mostly sorted runs already: timsort merges them
+    lo, ro = local[order], remote[order]
+    step = np.uint64(seg)
+    lreg = np.searchsorted(local_regions, lo, side="right")
+    rreg = np.searchsorted(remote_regions, ro, side="right")
+    join = (lo[1:] == lo[:-1] + step) & (ro[1:] == ro[:-1] + step) & (lreg[1:] == lreg[:-1]) & (rreg[1:] == rreg[:-1])
+    starts = np.concatenate([[0], np.flatnonzero(~join) + 1])
+    sizes = np.diff(np.concatenate([starts, [len(lo)]])).astype(np.uint64) * step
+    return lo[starts], ro[starts], sizes
+
+
 def registered_spans(pool: PagedKV) -> list[dict[str, int]]:
     """`registered_regions` as the hello's ``regions`` (``start``, ``length``)."""
     return [{"start": int(a), "length": int(n)} for a, n, _ in registered_regions(pool)]
@@ -662,6 +702,9 @@ class NixlTransport(Transport):
         self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
         # Where the receiver's blocks lie, by its own strides (block-outer pools, head slices).
         self._remote_strides = (int(hello["segment_stride"]), int(hello["block_stride"]))
+        # Each side's registered regions' first bytes, for `joined_spans`.
+        self._remote_regions = np.array(sorted(int(r["start"]) for r in hello["regions"]), dtype=np.uint64)
+        self._local_regions = {id(p): registered_regions(p)[:, 0] for p in (src, host_src) if p is not None}
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
     @property
@@ -750,11 +793,14 @@ class NixlTransport(Transport):
         geometry = self._geometry
         segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
         parts = source_parts(src, s, d)
-        if not all(_runs_fit(pool if part.pool is pool else self._host_src) for part in parts):  # type: ignore[arg-type]
-            return None
         remote_stride, remote_block = self._remote_strides
-        if remote_block != seg:  # the receiver's consecutive blocks are not adjacent either
-            return None
+        # A source pool's or the receiver's consecutive blocks not adjacent (block-outer):
+        # spans that continue on both sides, across layers and segments (`joined_spans`).
+        if remote_block != seg or not all(
+            _runs_fit(pool if part.pool is pool else self._host_src)  # type: ignore[arg-type]
+            for part in parts
+        ):
+            return self._joined(parts, layers)
         runs = [block_runs(part.src_ids, part.dst_ids) for part in parts]
         if sum(len(r[2]) for r in runs) >= len(s):
             return None
@@ -780,6 +826,43 @@ class NixlTransport(Transport):
             entry = by_type.setdefault(_mem_type(mine), ([], []))
             entry[0].append(local)
             entry[1].append(remote)
+        return [
+            (
+                self.agent.get_xfer_descs(np.concatenate(local), mem),
+                self.agent.get_xfer_descs(np.concatenate(remote), self._remote_mem),
+            )
+            for mem, (local, remote) in by_type.items()
+        ]
+
+    def _joined(self, parts: Sequence[Any], layers: tuple[int, int]) -> Optional[list[tuple[Any, Any]]]:
+        """The write as `joined_spans` of its (layer, segment, block) pieces, one ``(local,
+        remote)`` pair per memory type of its parts; None when that joins nothing (the
+        prepared per-block lists are then cheaper). Two block-outer pools of one layout
+        join a block's layers into one descriptor, and a run of blocks into one too."""
+        geometry = self._geometry
+        segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
+        remote_stride, remote_block = self._remote_strides
+        rows = joined = 0
+        by_type: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for part in parts:
+            mine = self._src if part.pool is self._src else self._host_src
+            assert mine is not None
+            local = block_addresses(
+                [t.data_ptr() for t in mine.layers],
+                layers,
+                segments,
+                mine.segment_stride,
+                mine.block_stride,
+                part.src_ids,
+            )
+            remote = block_addresses(self._remote_bases, layers, segments, remote_stride, remote_block, part.dst_ids)
+            lo, ro, sizes = joined_spans(local, remote, seg, self._local_regions[id(mine)], self._remote_regions)
+            rows, joined = rows + len(local), joined + len(lo)
+            entry = by_type.setdefault(_mem_type(mine), ([], []))
+            entry[0].append(np.stack([lo, sizes, np.full_like(lo, mine.device.index or 0)], axis=1))
+            entry[1].append(np.stack([ro, sizes, np.full_like(ro, self._remote_device)], axis=1))
+        if joined >= rows:
+            return None
         return [
             (
                 self.agent.get_xfer_descs(np.concatenate(local), mem),
