@@ -276,6 +276,112 @@ def test_nixl_descriptor_rows_past_int32_are_refused() -> None:
         nixl.offset_rows(np.array([5], dtype=np.int32), 2**31 - 3)
 
 
+def nixl_hello(**changes: Any) -> dict[str, Any]:
+    """A NIXL receiver's hello as the sender reads it: 2 layers of 2 segments of 8 blocks of
+    64 bytes, packed, each layer registered as its own region; ``changes`` replace fields."""
+    hello: dict[str, Any] = {
+        "geometry": {
+            "num_layers": 2,
+            "tokens_per_block": 16,
+            "dtype": "torch.bfloat16",
+            "segments": 2,
+            "segment_bytes": 64,
+            "block_layout": "any",
+        },
+        "num_blocks": 8,
+        "block_dim": 1,
+        "kind": "nixl",
+        "agent_name": "kvferry-rx-0",
+        "agent_metadata": b"opaque",
+        "mem_type": "DRAM",
+        "device": 0,
+        "bases": [0x10000, 0x20000],
+        "segment_stride": 512,
+        "block_stride": 64,
+        "regions": [{"start": 0x10000, "length": 1024}, {"start": 0x20000, "length": 1024}],
+    }
+    hello.update(changes)
+    return hello
+
+
+ONE_REGION = [{"start": 0x10000, "length": 0x20000}]
+
+
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        ({"block_stride": 32}, "segment_stride=512, block_stride=32: 2 segments of 64 bytes in 8 blocks .* overlap"),
+        ({"segment_stride": 256}, "segment_stride=256, block_stride=64: .* overlap"),
+        ({"bases": [0x10000, 0x10040], "regions": ONE_REGION}, r"bases=\[65536, 65600\], .*: two blocks overlap"),
+        (
+            {"bases": [0x10000, 0x20100]},
+            "block 4 of segment 1 of layer 1 at address .* outside every registered region",
+        ),
+        ({"bases": [0x100, 0x20000]}, "block 0 of segment 0 of layer 0 at address 256 .* outside every registered"),
+        (
+            {"regions": [{"start": 0x10000, "length": 2048}, {"start": 0x10400, "length": 1024}]},
+            "regions=.*: they overlap",
+        ),
+        ({"bases": [0x10000, 2**64 - 100]}, "bases up to .* pass the 64-bit address space"),
+    ],
+    ids=["blocks-overlap", "segments-overlap", "layers-overlap", "past-region", "before-region", "regions", "wrap"],
+)
+def test_a_nixl_hello_that_would_write_outside_the_receivers_regions_is_refused(changes: Any, why: str) -> None:
+    """The sender checks the receiver's bases, strides and regions together before any
+    descriptor reaches NIXL: every block inside a registered region, no two blocks over
+    one another, no address past 64 bits; a hello that fails is refused by name."""
+    import numpy as np
+    from kvferry.transports import nixl
+
+    rows = nixl._remote_pool(nixl_hello(), "peer x")
+    assert len(rows) == 2 * 2 * 8 and rows[:, 1].tolist() == [64] * 32
+    assert rows[:3, 0].tolist() == [0x10000, 0x10040, 0x10080]
+    assert np.unique(rows[:, 0]).size == 32
+    with pytest.raises(wire.ProtocolError, match="peer x: invalid NIXL hello: " + why):
+        nixl._remote_pool(nixl_hello(**changes), "peer x")
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"segment_stride": 0}, "segment_stride"), ({"block_stride": 0}, "block_stride"), ({"regions": []}, "regions")],
+)
+def test_the_codec_refuses_a_nixl_hello_without_strides_or_regions(changes: Any, field: str) -> None:
+    """Zero strides and an empty region list are refused by the codec itself (rust/src/wire),
+    on both sides: the encoder refuses what the decoder would."""
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.transports.frames import Hello
+
+    assert wire.encode(Hello(nixl_hello()))
+    with pytest.raises(InvalidArgumentError, match=f"invalid {field}="):
+        wire.encode(Hello(nixl_hello(**changes)))
+
+
+def test_a_nixl_receiver_whose_hello_lies_is_refused_before_any_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver whose hello's regions do not cover its blocks (a hostile or broken peer):
+    the sender refuses it by name before it creates an agent, registers memory or adds the
+    peer; the receiver's pool is untouched."""
+    pytest.importorskip("nixl")
+    from kvferry.transports import nixl
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    src, dst = POOLS.random(3), POOLS.nan()
+    served = serve("nixl", dst)
+    made: list[str] = []
+    real_agent = nixl._agent
+    monkeypatch.setattr(nixl, "_agent", lambda role: made.append(role) or real_agent(role))
+    try:
+        hello = served.endpoint._hello
+        first = hello["regions"][0]
+        hello["regions"] = [dict(first, length=first["length"] // 2), *hello["regions"][1:]]
+        with pytest.raises(wire.ProtocolError, match="invalid NIXL hello: block .* outside every registered region"):
+            nixl.NixlTransport(served.endpoint.address, authkey=served.authkey, src=src)
+        assert made == []
+        assert all(bool(torch.isnan(layer).all()) for layer in dst.layers)
+    finally:
+        served.close()
+    assert_nothing_leased(served.receiver)
+
+
 # -- idle authenticated peers -------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import reply_from
+from helpers import assert_nothing_leased, reply_from
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -396,20 +396,6 @@ def test_blocks_of_another_order_are_refused_at_the_handshake(layouts: tuple[str
     assert bool((dst_cache.raw == -1).all())
 
 
-def test_nixl_refuses_block_outer_receivers_by_their_strides() -> None:
-    """A NIXL sender builds the receiver's descriptors from its hello alone (a packed pool's
-    addresses): a block-outer receiving pool is refused before any agent or connection
-    exists. (A sender's own pool may be block-outer: the tests below.)"""
-    from kvferry.transports.nixl import NixlEndpoint
-
-    pool = register(vllm_views("BLNHC", *ATTN, torch.bfloat16, "cpu", poison))
-    with pytest.raises(
-        InvalidArgumentError, match="invalid receiver: its blocks lie at segment stride .* block stride 3072"
-    ):
-        NixlEndpoint(KVReceiver(pool), authkey=b"k" * 32)
-    assert register(vllm_views("LBNHC", *ATTN, torch.bfloat16, "cpu", poison)).packed
-
-
 def nixl(src: PagedKV, dst: PagedKV, engine: CopyEngine) -> None:
     from kvferry.transports.nixl import NixlEndpoint, NixlTransport
 
@@ -424,35 +410,102 @@ def nixl(src: PagedKV, dst: PagedKV, engine: CopyEngine) -> None:
             transport.close()
     finally:
         endpoint.close()
+    assert_nothing_leased(receiver)
 
 
-# Into a layer-outer receiver from each layout a sender may have, its own strides included.
-NIXL_PAIRS = [("LBHNC", "LBHNC"), ("BLHNC", "LBHNC"), ("BLNHC", "LBNHC"), ("BHLNC", "LHBNC")]
+# Into each of vLLM's six layouts as the receiver, from a layer-outer sender and from a
+# block-outer one of the same block order (token-major, head-major, per-head segments).
+NIXL_PAIRS = [
+    (src, dst)
+    for family in (("LBHNC", "BLHNC"), ("LBNHC", "BLNHC"), ("LHBNC", "BHLNC"))
+    for dst in family
+    for src in family
+]
+
+
+def count_descriptors(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """The rows each write hands NIXL: ``runs`` (descriptors of a transfer made for the
+    write, per side) and ``prepped`` (indices into the prepared per-block lists)."""
+    from nixl._api import nixl_agent
+
+    counted: dict[str, list[int]] = {"runs": [], "prepped": []}
+    real_descs, real_prepped = nixl_agent.get_xfer_descs, nixl_agent.make_prepped_xfer
+
+    def descs(self: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+        counted["runs"].append(len(rows))
+        return real_descs(self, rows, *args, **kwargs)
+
+    def prepped(self: Any, op: Any, local: Any, rows: Any, remote: Any, remote_rows: Any, *args: Any) -> Any:
+        assert len(remote_rows) == len(rows)
+        counted["prepped"].append(len(rows))
+        return real_prepped(self, op, local, rows, remote, remote_rows, *args)
+
+    monkeypatch.setattr(nixl_agent, "get_xfer_descs", descs)
+    monkeypatch.setattr(nixl_agent, "make_prepped_xfer", prepped)
+    return counted
 
 
 @pytest.mark.parametrize("layouts", NIXL_PAIRS, ids="->".join)
-def test_cpu_nixl_from_any_sender_layout_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
-    """NIXL (UCX on loopback) from a sender's pool of each layout (block-outer ones
-    registered by their spans and described block by block at their own strides) into a
-    layer-outer receiver: the destination's whole buffer equals the reference."""
+def test_cpu_nixl_between_any_layouts_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
+    """NIXL (UCX on loopback) from a pool of each layout into a pool of each layout of the
+    same block order: each side's blocks described at its own strides (the receiver's from
+    its hello); scattered blocks, one prepared descriptor per (layer, segment, block), or one
+    per block between two block-outer pools of one layout (a block's layers are one span on
+    both sides); the receiver's whole buffer equals the reference (the rest keeps its
+    poison)."""
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    counted = count_descriptors(monkeypatch)
     transfer(nixl, layouts, ATTN, torch.bfloat16, "cpu")
+    segments = register(vllm_views(layouts[1], *ATTN, torch.bfloat16, "cpu", poison)).segments
+    prepared = [LAYERS * segments * BLOCKS] * 2  # each side's per-block list, once at connect
+    if layouts[0] == layouts[1] and layouts[0].startswith("B"):  # a block's layers adjacent on both sides
+        assert counted == {"runs": prepared + [len(SRC_IDS)] * 2, "prepped": []}
+    else:
+        assert counted == {"runs": prepared, "prepped": [len(SRC_IDS) * LAYERS * segments]}
 
 
 @pytest.mark.parametrize("layouts", NIXL_PAIRS, ids="->".join)
-def test_cpu_nixl_runs_from_any_sender_layout_bit_exact(
-    monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]
-) -> None:
-    """The same with blocks consecutive on both sides: one descriptor per run from a
-    layer-outer sender, one per block from a block-outer one (its consecutive blocks are
-    not adjacent); bit exact either way."""
+def test_cpu_nixl_runs_between_any_layouts_bit_exact(monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]) -> None:
+    """The same with blocks consecutive on both sides (two runs): one descriptor per run,
+    layer and segment when both pools are layer-outer; one per run, every layer, between two
+    block-outer pools of one layout; one per (layer, segment, block) when only one is
+    block-outer (nothing is adjacent on both sides); bit exact every way."""
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "SRC_IDS", np.array([2, 3, 4, 5, 9, 10]))
     monkeypatch.setattr(module, "DST_IDS", np.array([6, 7, 8, 9, 0, 1]))
+    counted = count_descriptors(monkeypatch)
     transfer(nixl, layouts, ATTN, torch.bfloat16, "cpu")
+    src, dst = (register(vllm_views(x, *ATTN, torch.bfloat16, "cpu", poison)) for x in layouts)
+    prepared = [LAYERS * dst.segments * BLOCKS] * 2  # each side's per-block list, once at connect
+    if src.packed and dst.packed:
+        assert counted == {"runs": prepared + [2 * LAYERS * dst.segments] * 2, "prepped": []}
+    elif layouts[0] == layouts[1]:  # block-outer on both sides: a run of blocks, every layer, is one span
+        assert counted == {"runs": prepared + [2] * 2, "prepped": []}
+    else:
+        assert counted == {"runs": prepared, "prepped": [6 * LAYERS * dst.segments]}
+
+
+def test_nixl_joins_pieces_only_where_both_sides_continue_within_one_region() -> None:
+    """`joined_spans`: pieces adjacent on both sides join (in local address order, whatever
+    the write's order); a piece whose local or remote side starts another registered region,
+    or whose remote side jumps, starts a new descriptor."""
+    from kvferry.transports.nixl import joined_spans
+
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    local = u(132, 100, 116, 148, 164)  # pieces of 16 bytes, written out of order
+    remote = u(1032, 1000, 1016, 1048, 2000)
+    lo, ro, sizes = joined_spans(local, remote, 16, u(0), u(0))
+    assert (lo.tolist(), ro.tolist(), sizes.tolist()) == ([100, 164], [1000, 2000], [64, 16])
+    # The same, with a local registration starting at 132 and a remote one at 1048.
+    lo, ro, sizes = joined_spans(local, remote, 16, u(0, 132), u(0, 1048))
+    assert (lo.tolist(), ro.tolist(), sizes.tolist()) == (
+        [100, 132, 148, 164],
+        [1000, 1032, 1048, 2000],
+        [32, 16, 16, 16],
+    )
 
 
 def test_nixl_registers_a_block_outer_pool_as_one_span_and_addresses_its_blocks() -> None:

@@ -196,12 +196,19 @@ def run_link(path: str, src: PagedKV, dst: PagedKV, device: str) -> KVReceiver:
             assert_nothing_leased(sender=sender)
             sender.close()
         else:
+            from kvferry.transports.nixl import NixlEndpoint, NixlTransport
             from kvferry.transports.staging import StagingEndpoint, StagingTransport
 
             authkey = secrets.token_bytes(32)
-            endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=4)  # wraps around
+            endpoint: Any
+            if path == "nixl":  # the receiver's head slice described by its strides in the hello
+                endpoint = NixlEndpoint(receiver, authkey=authkey)
+                transport: Any = NixlTransport(endpoint.address, authkey=authkey, src=src)
+            else:
+                endpoint = StagingEndpoint(receiver, authkey=authkey, capacity_blocks=4)  # wraps around
+                transport = StagingTransport(endpoint.address, authkey=authkey)
             try:
-                sender = KVSender(src, StagingTransport(endpoint.address, authkey=authkey), engine=engine)
+                sender = KVSender(src, transport, engine=engine)
                 send_one(sender, epoch)
                 receiver.wait(RID, timeout=SLACK)
                 sender.remove(RID)
@@ -279,6 +286,19 @@ def test_cpu_tp_pairs_bit_exact(pair: tuple[int, int], layout: str, path: str) -
 def test_cpu_tp_other_layouts_bit_exact(pair: tuple[int, int], layout: str) -> None:
     """vLLM's other physical orders (layer- and block-outer) slice the same way."""
     tp_transfer(pair, layout, 8, "inprocess", "cpu")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("pair", [(2, 4), (4, 1), (1, 2)], ids=["P2D4", "P4D1", "P1D2"])
+def test_cpu_tp_nixl_head_slices_bit_exact(monkeypatch: pytest.MonkeyPatch, pair: tuple[int, int], layout: str) -> None:
+    """NIXL (UCX on loopback) between head slices of every layout: the receiving slice is
+    not a packed pool (head-major: one run inside each block; token-major: one segment per
+    token; block-outer: both), and the sender addresses it by the strides its hello
+    carries. (1, 2) sends a slice of a whole pool into a whole pool."""
+    pytest.importorskip("nixl")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    moved = tp_transfer(pair, layout, 8, "nixl", "cpu")
+    assert len(moved) == max(pair)
 
 
 @pytest.mark.parametrize("path", PATHS)

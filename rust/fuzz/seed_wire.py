@@ -1,6 +1,7 @@
 """Writes the `wire` fuzz target's seeds for the rendezvous's frames (its own set of frames:
-kvferry._core.rendezvous_encode; one valid frame of each type, and a few edge values) into
-rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
+kvferry._core.rendezvous_encode; one valid frame of each type, and a few edge values) and for
+the NIXL hello (kvferry._core.wire_encode: a packed pool and a strided one, wire version 3's
+strides and regions) into rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
 repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
 
 from __future__ import annotations
@@ -32,12 +33,54 @@ FRAMES = [
     ("abandoned", {}),
 ]
 
+NIXL_HELLO = {
+    "geometry": {
+        "num_layers": 2,
+        "tokens_per_block": 16,
+        "dtype": "torch.bfloat16",
+        "segments": 2,
+        "segment_bytes": 64,
+        "block_layout": "H2.N16.C16",
+    },
+    "num_blocks": 8,
+    "block_dim": 1,
+    "kind": "nixl",
+    "agent_name": "kvferry-rx-0",
+    "agent_metadata": b"opaque agent metadata",
+    "mem_type": "DRAM",
+    "device": 0,
+    "bases": [0x10000, 0x20000],
+    "segment_stride": 512,
+    "block_stride": 64,
+    "regions": [{"start": 0x10000, "length": 1024}, {"start": 0x20000, "length": 1024}],
+}
+TRANSPORT_FRAMES = [
+    ("hello", NIXL_HELLO),
+    # block-outer: the layers interleave in one registered region, blocks 256 bytes apart
+    (
+        "hello",
+        dict(
+            NIXL_HELLO,
+            mem_type="VRAM",
+            bases=[0x10000, 0x10080],
+            segment_stride=64,
+            block_stride=256,
+            regions=[{"start": 0x10000, "length": 2048}],
+        ),
+    ),
+]
+
 
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "wire")
     for kind, fields in FRAMES:
         data = bytes(_core.rendezvous_encode(kind, fields))
         assert _core.rendezvous_decode(data, _core.WIRE_MAX_FRAME_BYTES)[0] == kind
+        with open(os.path.join(out, hashlib.sha1(data).hexdigest()), "wb") as f:
+            f.write(data)
+    for kind, fields in TRANSPORT_FRAMES:
+        data = bytes(_core.wire_encode(kind, fields))
+        assert _core.wire_decode(data, _core.WIRE_MAX_FRAME_BYTES)[0] == kind
         with open(os.path.join(out, hashlib.sha1(data).hexdigest()), "wb") as f:
             f.write(data)
 

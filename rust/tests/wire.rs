@@ -7,8 +7,8 @@ use kvferry::wire::rendezvous::{
 };
 use kvferry::wire::{
     decode, decode_header, encode, Agent, Announce, Cancel, Challenge, CudaTensor, Frame, Freed,
-    Geometry, Goodbye, Hello, Holder, MemType, Notice, Notices, PoolAccess, Proof, Revoke, Segment,
-    Staged, HEADER_BYTES, MAX_FRAME_BYTES,
+    Geometry, Goodbye, Hello, Holder, MemType, Notice, Notices, PoolAccess, Proof, Region, Revoke,
+    Segment, Staged, HEADER_BYTES, MAX_FRAME_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -143,16 +143,24 @@ fn hello() -> impl Strategy<Value = Hello> {
                         vec(any::<u8>(), 0..512),
                         any::<bool>(),
                         any::<u32>(),
-                        vec(any::<u64>(), n)
+                        vec(any::<u64>(), n),
+                        (1u64.., 1u64..),
+                        vec((0u64..1 << 62, 1u64..1 << 40), 1..8),
                     )
                         .prop_map(
-                            |(agent_name, metadata, vram, device, bases)| {
+                            |(agent_name, metadata, vram, device, bases, strides, spans)| {
                                 PoolAccess::Nixl {
                                     agent_name,
                                     metadata,
                                     mem_type: if vram { MemType::Vram } else { MemType::Dram },
                                     device,
                                     bases,
+                                    segment_stride: strides.0,
+                                    block_stride: strides.1,
+                                    regions: spans
+                                        .into_iter()
+                                        .map(|(start, length)| Region { start, length })
+                                        .collect(),
                                 }
                             }
                         ),

@@ -1,7 +1,8 @@
 """NIXL transport (UCX backend): the engine production stacks use across nodes.
 
 ```
-receiver: NixlEndpoint   registers its pool, hello = agent metadata + block descriptors
+receiver: NixlEndpoint   registers its pool's spans, hello = agent metadata + the layers'
+                         addresses, its segment and block strides and the spans
 sender:   NixlTransport  registers its pool, adds the remote agent, prepares both block
                          descriptor lists once; each write is one prepared WRITE of
                          (layer, segment, block) descriptors chosen by index, notices
@@ -11,8 +12,10 @@ receiver: a thread polls notifications and delivers the notices (and the fences,
 ```
 Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
 channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
-every interface), with the pool's layer addresses: the sender builds the block descriptors
-itself (`block_descriptors`). Needs the `nixl` package
+every interface), with the pool's layer addresses, strides and registered spans: the sender
+builds the receiver's block descriptors itself, at the receiver's strides, after checking that
+every one lies inside a registered span (`_remote_pool`), so any pool (layer- or block-outer,
+a head slice) is served on either side. Needs the `nixl` package
 (`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
 progresses.
 
@@ -90,17 +93,67 @@ def _mem_type(pool: PagedKV) -> str:
     return "VRAM" if pool.device.type == "cuda" else "DRAM"
 
 
-def _need_packed(pool: PagedKV, what: str) -> None:
-    """A sender addresses the receiver's blocks from its hello alone (`layer_descriptors`:
-    the layers' addresses and the geometry, no strides): a receiving pool whose blocks lie
-    strided (an engine's block-outer layout) cannot be served. (A sender's own pool may lie
-    any way: it builds its descriptors from its own strides.)"""
-    if not pool.packed:
-        raise InvalidArgumentError(
-            f"invalid {what}: its blocks lie at segment stride {pool.segment_stride} and block stride "
-            f"{pool.block_stride} bytes (a block-outer layout), which NIXL descriptors built from the "
-            "geometry cannot address; use the staging or cuda_ipc transport"
+def _remote_pool(hello: Mapping[str, Any], peer: str) -> np.ndarray:
+    """The receiver's block descriptors (`layer_descriptors`' rows) from its hello: its
+    layers' bases, its segment and block strides and the spans it registered. A hello that
+    would have the sender write outside those spans, or two blocks over one another, is
+    refused by name (`wire.ProtocolError`), before any descriptor reaches NIXL:
+
+    ```
+    block (l, s, b) at  bases[l] + s * segment_stride + b * block_stride, segment_bytes long
+    each one:           inside one region of `regions` (sorted, disjoint)
+    all of them:        pairwise disjoint (a block-outer pool's layers interleave)
+    ```"""
+    geometry = hello["geometry"]
+    segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
+    blocks = int(hello["num_blocks"])
+    seg_stride, block_stride = int(hello["segment_stride"]), int(hello["block_stride"])
+    bases = [int(b) for b in hello["bases"]]
+
+    def refuse(why: str) -> wire.ProtocolError:
+        return wire.ProtocolError(f"{peer}: invalid NIXL hello: {why}", peer=peer)
+
+    if seg <= 0 or blocks <= 0:
+        raise refuse(f"segment_bytes={seg}, num_blocks={blocks}: must be > 0")
+    # The pool's own rule (kvferry.layout): segments apart, blocks apart.
+    if segments == 1:
+        disjoint = block_stride >= seg
+    else:
+        disjoint = (block_stride >= seg and seg_stride >= blocks * block_stride) or (
+            seg_stride >= seg and block_stride >= segments * seg_stride
         )
+    if not disjoint:
+        raise refuse(
+            f"segment_stride={seg_stride}, block_stride={block_stride}: {segments} segments of {seg} bytes in "
+            f"{blocks} blocks at these strides overlap"
+        )
+    extent = (segments - 1) * seg_stride + (blocks - 1) * block_stride + seg
+    if max(bases) + extent >= 2**64:
+        raise refuse(f"bases up to {max(bases)} with blocks {extent} bytes long pass the 64-bit address space")
+    regions = sorted((int(r["start"]), int(r["length"])) for r in hello["regions"])
+    starts = np.array([a for a, _ in regions], dtype=np.uint64)
+    ends = np.array([a + n for a, n in regions], dtype=np.uint64)
+    if len(regions) > 1 and bool((starts[1:] < ends[:-1]).any()):
+        raise refuse(f"regions={regions}: they overlap")
+    rows = layer_descriptors(
+        bases, segments, seg, blocks, int(hello["device"]), segment_stride=seg_stride, block_stride=block_stride
+    )
+    addresses = rows[:, 0]
+    # The region each block starts in: the last that starts at or before it.
+    at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+    inside = at >= 0
+    inside[inside] &= addresses[inside] + np.uint64(seg) <= ends[at[inside]]
+    if not bool(inside.all()):
+        row = int(np.flatnonzero(~inside)[0])
+        layer, rest = divmod(row, segments * blocks)
+        raise refuse(
+            f"block {rest % blocks} of segment {rest // blocks} of layer {layer} at address {int(addresses[row])} "
+            f"({seg} bytes) lies outside every registered region ({len(regions)})"
+        )
+    ordered = np.sort(addresses)
+    if len(ordered) > 1 and bool((np.diff(ordered) < np.uint64(seg)).any()):
+        raise refuse(f"bases={bases}, segment_stride={seg_stride}, block_stride={block_stride}: two blocks overlap")
+    return rows
 
 
 def block_descriptors(pool: PagedKV) -> np.ndarray:
@@ -128,8 +181,8 @@ def layer_descriptors(
     segment_stride: Optional[int] = None,
     block_stride: Optional[int] = None,
 ) -> np.ndarray:
-    """`block_descriptors` of a pool known by its layers' addresses (a remote one: packed,
-    the strides' defaults) or by its strides too (a local one)."""
+    """`block_descriptors` of a pool known by its layers' addresses and strides (a packed
+    pool's by default)."""
     seg = segment_bytes
     segment_stride = num_blocks * seg if segment_stride is None else segment_stride
     block_stride = seg if block_stride is None else block_stride
@@ -199,6 +252,51 @@ def _runs_fit(pool: PagedKV) -> bool:
     """Whether a run of consecutive blocks of one layer and segment is one span of memory
     (the block stride is the segment: layer-outer pools), so one descriptor covers it."""
     return pool.block_stride == pool.segment_bytes
+
+
+def block_addresses(
+    bases: Sequence[int],
+    layers: tuple[int, int],
+    segments: int,
+    segment_stride: int,
+    block_stride: int,
+    ids: np.ndarray,
+) -> np.ndarray:
+    """The first byte of each (layer of ``[lo, hi)``, segment, block of ``ids``), in that
+    order (uint64), of a pool whose layers start at ``bases``."""
+    lo, hi = layers
+    base = np.array(bases[lo:hi], dtype=np.uint64)
+    segment_offsets = np.arange(segments, dtype=np.uint64) * np.uint64(segment_stride)
+    block_offsets = np.asarray(ids).astype(np.uint64) * np.uint64(block_stride)
+    return (base[:, None, None] + segment_offsets[None, :, None] + block_offsets[None, None, :]).ravel()
+
+
+def joined_spans(
+    local: np.ndarray, remote: np.ndarray, seg: int, local_regions: np.ndarray, remote_regions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of ``seg`` bytes, ``local[i]`` to ``remote[i]``, joined where the next piece
+    (by local address) continues both sides' spans within one registered region of each
+    (``*_regions``: the regions' sorted first bytes; a descriptor may not cross two NIXL
+    registrations): ``(local starts, remote starts, sizes)``.
+
+    ```
+    block-outer, one layout on both sides (BLHNC):  block b = [l0 | l1 | ... ]  b+1 = [l0 | ...
+    a run of blocks, every layer:                    one span on each side, one descriptor
+    ```"""
+    order = np.argsort(local, kind="stable")  # mostly sorted runs already: timsort merges them
+    lo, ro = local[order], remote[order]
+    step = np.uint64(seg)
+    lreg = np.searchsorted(local_regions, lo, side="right")
+    rreg = np.searchsorted(remote_regions, ro, side="right")
+    join = (lo[1:] == lo[:-1] + step) & (ro[1:] == ro[:-1] + step) & (lreg[1:] == lreg[:-1]) & (rreg[1:] == rreg[:-1])
+    starts = np.concatenate([[0], np.flatnonzero(~join) + 1])
+    sizes = np.diff(np.concatenate([starts, [len(lo)]])).astype(np.uint64) * step
+    return lo[starts], ro[starts], sizes
+
+
+def registered_spans(pool: PagedKV) -> list[dict[str, int]]:
+    """`registered_regions` as the hello's ``regions`` (``start``, ``length``)."""
+    return [{"start": int(a), "length": int(n)} for a, n, _ in registered_regions(pool)]
 
 
 def registered_regions(pool: PagedKV) -> np.ndarray:
@@ -279,9 +377,10 @@ class NixlEndpoint(LocalEndpoint):
 
     def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
         pool = receiver.pool
-        _need_packed(pool, "receiver")
         self.agent = _agent("rx")
-        self._registered = self.agent.register_memory(list(pool.layers))
+        # By spans, as the sender registers its own: a block-outer pool's layers and a head
+        # slice's are views that are not contiguous tensors.
+        self._registered = self.agent.register_memory(registered_regions(pool), _mem_type(pool))
         hello = pool_hello(
             pool,
             "nixl",
@@ -290,6 +389,9 @@ class NixlEndpoint(LocalEndpoint):
             mem_type=_mem_type(pool),
             device=pool.device.index or 0,
             bases=[t.data_ptr() for t in pool.layers],
+            segment_stride=pool.segment_stride,
+            block_stride=pool.block_stride,
+            regions=registered_spans(pool),
         )
         self._stop = threading.Event()
         super().__init__(receiver, hello, authkey=authkey, **options)
@@ -568,6 +670,11 @@ class NixlTransport(Transport):
         if host_src is not None:
             host_src.check_compatible(self._geometry)
         self._remote_blocks = int(hello["num_blocks"])
+        try:  # before any agent exists: a hello that does not add up ends here
+            remote = _remote_pool(hello, self.peer)
+        except BaseException:
+            self._conn.close()
+            raise
         self._src = src
         self._host_src = host_src
         self.agent = _agent("tx")
@@ -593,13 +700,11 @@ class NixlTransport(Transport):
             )
         self._remote_bases = list(hello["bases"])
         self._remote_device, self._remote_mem = int(hello["device"]), str(hello["mem_type"])
-        remote = layer_descriptors(
-            hello["bases"],
-            int(self._geometry["segments"]),
-            int(self._geometry["segment_bytes"]),
-            self._remote_blocks,
-            hello["device"],
-        )
+        # Where the receiver's blocks lie, by its own strides (block-outer pools, head slices).
+        self._remote_strides = (int(hello["segment_stride"]), int(hello["block_stride"]))
+        # Each side's registered regions' first bytes, for `joined_spans`.
+        self._remote_regions = np.array(sorted(int(r["start"]) for r in hello["regions"]), dtype=np.uint64)
+        self._local_regions = {id(p): registered_regions(p)[:, 0] for p in (src, host_src) if p is not None}
         self._remote_side = self.agent.prep_xfer_dlist(hello["agent_name"], remote, hello["mem_type"])
 
     @property
@@ -681,14 +786,21 @@ class NixlTransport(Transport):
     ) -> Optional[list[tuple[Any, Any]]]:
         """The write as descriptor lists of runs (`block_runs`), one ``(local, remote)`` pair
         per memory type of its parts; None when no two of its blocks are contiguous on both
-        sides (the prepared per-block lists are then cheaper), or when a source pool's
-        consecutive blocks are not adjacent (block-outer: one descriptor per block anyway)."""
+        sides (the prepared per-block lists are then cheaper), or when either pool's
+        consecutive blocks are not adjacent (block-outer, token-major head slices: one
+        descriptor per block anyway)."""
         pool = self._src
         geometry = self._geometry
         segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
         parts = source_parts(src, s, d)
-        if not all(_runs_fit(pool if part.pool is pool else self._host_src) for part in parts):  # type: ignore[arg-type]
-            return None
+        remote_stride, remote_block = self._remote_strides
+        # A source pool's or the receiver's consecutive blocks not adjacent (block-outer):
+        # spans that continue on both sides, across layers and segments (`joined_spans`).
+        if remote_block != seg or not all(
+            _runs_fit(pool if part.pool is pool else self._host_src)  # type: ignore[arg-type]
+            for part in parts
+        ):
+            return self._joined(parts, layers)
         runs = [block_runs(part.src_ids, part.dst_ids) for part in parts]
         if sum(len(r[2]) for r in runs) >= len(s):
             return None
@@ -701,11 +813,56 @@ class NixlTransport(Transport):
                 bases, layers, segments, seg, mine.num_blocks, mine.device.index or 0, s0, n, mine.segment_stride
             )
             remote = run_descriptors(
-                self._remote_bases, layers, segments, seg, self._remote_blocks, self._remote_device, d0, n
+                self._remote_bases,
+                layers,
+                segments,
+                seg,
+                self._remote_blocks,
+                self._remote_device,
+                d0,
+                n,
+                remote_stride,
             )
             entry = by_type.setdefault(_mem_type(mine), ([], []))
             entry[0].append(local)
             entry[1].append(remote)
+        return [
+            (
+                self.agent.get_xfer_descs(np.concatenate(local), mem),
+                self.agent.get_xfer_descs(np.concatenate(remote), self._remote_mem),
+            )
+            for mem, (local, remote) in by_type.items()
+        ]
+
+    def _joined(self, parts: Sequence[Any], layers: tuple[int, int]) -> Optional[list[tuple[Any, Any]]]:
+        """The write as `joined_spans` of its (layer, segment, block) pieces, one ``(local,
+        remote)`` pair per memory type of its parts; None when that joins nothing (the
+        prepared per-block lists are then cheaper). Two block-outer pools of one layout
+        join a block's layers into one descriptor, and a run of blocks into one too."""
+        geometry = self._geometry
+        segments, seg = int(geometry["segments"]), int(geometry["segment_bytes"])
+        remote_stride, remote_block = self._remote_strides
+        rows = joined = 0
+        by_type: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for part in parts:
+            mine = self._src if part.pool is self._src else self._host_src
+            assert mine is not None
+            local = block_addresses(
+                [t.data_ptr() for t in mine.layers],
+                layers,
+                segments,
+                mine.segment_stride,
+                mine.block_stride,
+                part.src_ids,
+            )
+            remote = block_addresses(self._remote_bases, layers, segments, remote_stride, remote_block, part.dst_ids)
+            lo, ro, sizes = joined_spans(local, remote, seg, self._local_regions[id(mine)], self._remote_regions)
+            rows, joined = rows + len(local), joined + len(lo)
+            entry = by_type.setdefault(_mem_type(mine), ([], []))
+            entry[0].append(np.stack([lo, sizes, np.full_like(lo, mine.device.index or 0)], axis=1))
+            entry[1].append(np.stack([ro, sizes, np.full_like(ro, self._remote_device)], axis=1))
+        if joined >= rows:
+            return None
         return [
             (
                 self.agent.get_xfer_descs(np.concatenate(local), mem),

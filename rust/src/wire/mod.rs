@@ -61,7 +61,11 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 ///   a sender on its host opens it through `/proc/<pid>/fd/<fd>`.
 ///   Also in 2: the hello's geometry carries the pool's block layout (`block_layout`), so pools
 ///   whose blocks order their elements differently are refused at the handshake.
-pub const VERSION: u16 = 2;
+/// - 3: the NIXL hello carries the receiving pool's segment and block strides and the spans
+///   it registered (`regions`) after its bases, so a sender addresses a receiving pool that
+///   is not packed (block-outer layouts, head slices) and checks every descriptor against
+///   what the receiver registered. The other fields keep their meaning.
+pub const VERSION: u16 = 3;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// The largest body a frame may carry (a caller may set a lower limit per connection).

@@ -167,6 +167,18 @@ record! {
     }
 }
 
+record! {
+    /// A span of memory a NIXL receiver registered: the sender checks that every descriptor
+    /// it builds from the receiver's bases and strides lies inside one.
+    #[derive(Copy)]
+    pub struct Region {
+        /// Its first byte's address.
+        start: u64 = u64(),
+        /// Its bytes (> 0).
+        length: u64 = u64(),
+    }
+}
+
 /// Where a NIXL sender writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemType {
@@ -186,13 +198,18 @@ pub enum PoolAccess {
     Staging { ring: Segment, capacity: u64 },
     /// Opens each layer from its CUDA IPC handle.
     CudaIpc { layers: Vec<CudaTensor> },
-    /// Adds the receiver's NIXL agent and writes into its registered layers.
+    /// Adds the receiver's NIXL agent and writes into its registered layers: block `b` of
+    /// segment `s` of layer `l` at `bases[l] + s * segment_stride + b * block_stride`, inside
+    /// one of `regions` (what the receiver registered).
     Nixl {
         agent_name: String,
         metadata: Vec<u8>,
         mem_type: MemType,
         device: u32,
         bases: Vec<u64>,
+        segment_stride: u64,
+        block_stride: u64,
+        regions: Vec<Region>,
     },
 }
 
@@ -224,6 +241,9 @@ impl Record for PoolAccess {
                 },
                 device: r.u32("device")?,
                 bases: r.u64s("bases", MAX_LAYERS)?,
+                segment_stride: r.u64("segment_stride")?,
+                block_stride: r.u64("block_stride")?,
+                regions: r.records("regions", MAX_LAYERS, 16)?,
             },
             other => {
                 return Err(WireError::field(
@@ -257,6 +277,9 @@ impl Record for PoolAccess {
                 mem_type,
                 device,
                 bases,
+                segment_stride,
+                block_stride,
+                regions,
             } => {
                 w.u8(&3);
                 w.name(agent_name);
@@ -264,6 +287,9 @@ impl Record for PoolAccess {
                 w.u8(&(*mem_type as u8));
                 w.u32(device);
                 w.u64s(bases);
+                w.u64(segment_stride);
+                w.u64(block_stride);
+                w.records(regions);
             }
         }
     }
@@ -401,6 +427,9 @@ impl Check for Hello {
                 agent_name,
                 metadata,
                 bases,
+                segment_stride,
+                block_stride,
+                regions,
                 ..
             } => {
                 check_name("agent_name", agent_name)?;
@@ -412,6 +441,29 @@ impl Check for Hello {
                         count,
                         "one per layer of the geometry",
                     ));
+                }
+                // Whether the strides place the blocks inside `regions`, and apart from one
+                // another, is the sender's check (kvferry.transports.nixl): it needs the
+                // geometry's numbers together, not one field at a time.
+                if *segment_stride == 0 {
+                    return Err(WireError::field("segment_stride", 0, "> 0"));
+                }
+                if *block_stride == 0 {
+                    return Err(WireError::field("block_stride", 0, "> 0"));
+                }
+                bound("regions", regions.len(), MAX_LAYERS)?;
+                if regions.is_empty() {
+                    return Err(WireError::field("regions", "<0 regions>", "at least one"));
+                }
+                for region in regions {
+                    if region.length == 0 || region.start.checked_add(region.length).is_none() {
+                        let span = format!("({}, {})", region.start, region.length);
+                        return Err(WireError::field(
+                            "regions",
+                            span,
+                            "non-empty spans within the 64-bit address space",
+                        ));
+                    }
                 }
                 Ok(())
             }
@@ -648,6 +700,55 @@ mod tests {
             })
         );
         assert_eq!(bytes.len(), HEADER_BYTES);
+    }
+
+    fn nixl_hello(segment_stride: u64, block_stride: u64, regions: Vec<Region>) -> Frame {
+        Frame::Hello(Hello {
+            geometry: Geometry {
+                num_layers: 1,
+                tokens_per_block: 16,
+                dtype: "bf16".to_string(),
+                segments: 2,
+                segment_bytes: 64,
+                num_blocks: 8,
+                block_dim: 1,
+                block_layout: "any".to_string(),
+            },
+            access: PoolAccess::Nixl {
+                agent_name: "rx".to_string(),
+                metadata: vec![1, 2, 3],
+                mem_type: MemType::Dram,
+                device: 0,
+                bases: vec![4096],
+                segment_stride,
+                block_stride,
+                regions,
+            },
+        })
+    }
+
+    #[test]
+    fn a_nixl_hello_needs_strides_and_regions() {
+        let region = |start, length| Region { start, length };
+        let good = nixl_hello(512, 64, vec![region(4096, 1024)]);
+        let bytes = encode(&good).unwrap();
+        assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(good));
+        for (frame, field) in [
+            (
+                nixl_hello(0, 64, vec![region(4096, 1024)]),
+                "segment_stride",
+            ),
+            (nixl_hello(512, 0, vec![region(4096, 1024)]), "block_stride"),
+            (nixl_hello(512, 64, vec![]), "regions"),
+            (nixl_hello(512, 64, vec![region(4096, 0)]), "regions"),
+            (nixl_hello(512, 64, vec![region(u64::MAX, 2)]), "regions"),
+        ] {
+            assert!(
+                matches!(encode(&frame), Err(WireError::Field { field: f, .. }) if f == field),
+                "{field}: {:?}",
+                encode(&frame)
+            );
+        }
     }
 
     #[test]

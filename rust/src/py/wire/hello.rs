@@ -5,7 +5,8 @@
 //!  "num_blocks", "block_dim", "kind": "shm" | "staging" | "cuda_ipc" | "nixl", and by kind:
 //!  shm: "segment" (a Segment dict), "holder" (a Holder dict); staging: "segment" (the ring), "capacity";
 //!  cuda_ipc: "layers" (CudaTensor dicts); nixl: "agent_name", "agent_metadata" (bytes),
-//!  "mem_type" ("DRAM" | "VRAM"), "device", "bases"}
+//!  "mem_type" ("DRAM" | "VRAM"), "device", "bases", "segment_stride", "block_stride",
+//!  "regions" (Region dicts: start, length)}
 //! ```
 //! The geometry's other keys (`PagedKV.geometry()` may carry more) are the pool's business
 //! and are not sent.
@@ -63,6 +64,9 @@ impl PyField for Hello {
                 mem_type,
                 device,
                 bases,
+                segment_stride,
+                block_stride,
+                regions,
             } => {
                 d.set_item("kind", "nixl")?;
                 d.set_item("agent_name", agent_name)?;
@@ -77,6 +81,9 @@ impl PyField for Hello {
                 )?;
                 d.set_item("device", device)?;
                 d.set_item("bases", bases)?;
+                d.set_item("segment_stride", segment_stride)?;
+                d.set_item("block_stride", block_stride)?;
+                d.set_item("regions", regions.to_py(py)?)?;
             }
         }
         Ok(d.into_any())
@@ -122,6 +129,9 @@ impl PyField for Hello {
                 },
                 device: get(&d, "device", "hello")?,
                 bases: get(&d, "bases", "hello")?,
+                segment_stride: get(&d, "segment_stride", "hello")?,
+                block_stride: get(&d, "block_stride", "hello")?,
+                regions: get(&d, "regions", "hello")?,
             },
             other => {
                 let message = format!(

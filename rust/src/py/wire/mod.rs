@@ -16,7 +16,7 @@ use super::args::{self, kind_and_value};
 use super::arrays;
 use super::errors::{fence, type_error};
 use crate::wire::{
-    self, rendezvous, CudaTensor, FrameType, Notice, Record, WireError, NONCE_BYTES,
+    self, rendezvous, CudaTensor, FrameType, Notice, Record, Region, WireError, NONCE_BYTES,
 };
 
 mod hello;
@@ -354,6 +354,25 @@ impl PyField for Vec<CudaTensor> {
         items
             .iter()
             .map(|item| CudaTensor::from_py(item, "CUDA IPC layer"))
+            .collect()
+    }
+}
+
+impl PyField for Vec<Region> {
+    fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+        let list = PyList::empty(py);
+        for region in self {
+            list.append(region.to_py(py)?)?;
+        }
+        Ok(list.into_any())
+    }
+    fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
+        let items: Vec<Bound<'_, PyAny>> = obj
+            .extract()
+            .map_err(|_| type_error(name, "a list of region dicts", kind_and_value(obj)))?;
+        items
+            .iter()
+            .map(|item| Region::from_py(item, "region"))
             .collect()
     }
 }
