@@ -524,6 +524,9 @@ def test_a_nixl_agent_name_is_bound_to_its_connection_once(monkeypatch: pytest.M
         holder.send(Agent("kvferry-tx-holder"))
         e1 = receiver.expect(1, 8)
         holder.send(Announce([(1, e1)]))
+        # The endpoint reads each connection on its own thread: the thief may connect only
+        # once the holder's agent and announce were handled (request 1 is then the agent's).
+        assert until(lambda: receiver.owns_unfinished("NIXL agent kvferry-tx-holder"))
         thief = connect()
         thief.send(Agent("kvferry-tx-holder"))
         assert _ended_with(thief, r"claims NIXL agent kvferry-tx-holder, which sender #\d+ .* holds")
