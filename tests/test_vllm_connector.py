@@ -57,9 +57,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def engines(model: str) -> Any:
-    # A small token budget forces chunked prefill on the prefill engine.
+    # A small token budget forces chunked prefill on the prefill engine. ``admission_wait_s``
+    # well above the default 1 s: every test here sends the decode half first, and expects the
+    # prefill request to start only with its destination in hand (a mismatched prompt then
+    # fails both halves before any compute); under load a decode step can take over 1 s, and
+    # the prefill request would compute first (the admission path, tested in test_vllm_serving).
     prefill = Engine(
-        model, "kv_producer", {"transfer_timeout_s": 60.0, "destination_timeout_s": 60.0}, max_num_batched_tokens=64
+        model,
+        "kv_producer",
+        {"transfer_timeout_s": 60.0, "destination_timeout_s": 60.0, "admission_wait_s": 30.0},
+        max_num_batched_tokens=64,
     )
     decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
     plain = Engine(model, None)
