@@ -418,7 +418,10 @@ def _sender_leaks(sender: KVSender, timeout: float) -> list[str]:
     # gone goes with the connection (the sender unmaps it at close): nothing to give back.
     if hasattr(transport, "_used") and sender._lost is None:  # noqa: SLF001
         deadline = time.monotonic() + timeout
-        with sender._lock:  # noqa: SLF001  (the announcer collects frees under it too)
+        # Under ``_wire``, which whoever reads or writes the connection holds (the announcer
+        # posts and collects frees under it): two readers polling at once can both see the
+        # one frame waiting, and the loser blocks in its read for good.
+        with sender._wire:  # noqa: SLF001
             try:
                 transport._collect_frees()  # noqa: SLF001
                 while transport._used and transport.wait_for_room(max(0.0, deadline - time.monotonic())):  # noqa: SLF001
