@@ -702,34 +702,44 @@ def hma_link(groups: Any, src: PagedKV, dst: PagedKV, base: int) -> dict[int, li
     return sent
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+HMA_KINDS = ["LBHNC", "LBNHC", "MLA"]  # head-major, token-major; MLA: the latent head on every rank
+
+
+@pytest.mark.parametrize("kind", HMA_KINDS)
 @pytest.mark.parametrize("pair", HMA_PAIRS, ids=[f"P{p}D{d}" for p, d in HMA_PAIRS])
-def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], layout: str) -> None:
+def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], kind: str) -> None:
     """Tensor parallelism and HMA together: every link (prefill rank -> decode rank, a head
-    slice when the two split 4 heads differently) moves both groups of a request, each as
-    its own kvferry request (kv id ``base + g``, epoch ``epoch + g`` of that link's
-    receiver) over the regions the groups share. Each decode rank's whole buffer equals the
-    reference (poison outside what moved: the null block, the held block, the window's
-    dropped blocks are never written), and each (group, block, decode rank) head crosses
-    exactly once: from the one prefill rank holding it."""
+    slice when the two split 4 heads differently; MLA's one latent head whole, from prefill
+    rank 0) moves both groups of a request, each as its own kvferry request (kv id
+    ``base + g``, epoch ``epoch + g`` of that link's receiver) over the regions the groups
+    share. Each decode rank's whole buffer equals the reference (poison outside what moved:
+    the null block, the held block, the window's dropped blocks are never written), and each
+    (group, block, decode rank) head crosses exactly once: from the one prefill rank holding
+    it."""
     pytest.importorskip("vllm")  # kvferry.vllm.groups is the connector's package
     p_tp, d_tp = pair
-    heads = 4
+    mla = kind == "MLA"
+    layout, heads, content = ("LBHNC", 1, MLA_CONTENT) if mla else (kind, 4, CONTENT)
+
+    def span(rank: int, tp: int) -> tuple[int, int]:
+        return (0, 1) if mla else rank_heads(rank, tp, heads)
+
     groups = hma_groups()
     item = torch.empty((), dtype=torch.bfloat16).element_size()
-    full = full_kv(heads, CONTENT * item, seed=1000 + p_tp * 10 + d_tp)
+    full = full_kv(heads, content * item, seed=1000 + p_tp * 10 + d_tp)
     prefill = []
     for p in range(p_tp):
-        lo, hi = rank_heads(p, p_tp, heads)
-        cache = rank_cache(layout, hi - lo, torch.bfloat16, "cpu", poison)
+        lo, hi = span(p, p_tp)
+        cache = rank_cache(layout, hi - lo, torch.bfloat16, "cpu", poison, content)
         fill_heads(cache, full, lo, hi)
         prefill.append(cache)
-    decode = [rank_cache(layout, heads // d_tp, torch.bfloat16, "cpu", poison) for _ in range(d_tp)]
-    wants = [hma_expected(decode[d], full, *rank_heads(d, d_tp, heads)) for d in range(d_tp)]
+    width = span(0, d_tp)[1] - span(0, d_tp)[0]
+    decode = [rank_cache(layout, width, torch.bfloat16, "cpu", poison, content) for _ in range(d_tp)]
+    wants = [hma_expected(decode[d], full, *span(d, d_tp)) for d in range(d_tp)]
     # Per (group, block, decode rank): how many times each of that rank's heads arrived.
-    crossed = {(g, i, d): np.zeros(heads // d_tp, dtype=int) for g in range(2) for i in range(5) for d in range(d_tp)}
+    crossed = {(g, i, d): np.zeros(width, dtype=int) for g in range(2) for i in range(5) for d in range(d_tp)}
     base = 100
-    for link in links(p_tp, d_tp, heads):
+    for link in links(p_tp, d_tp, heads, mla=mla):
         src, dst = link_pools(
             link, hma_pool(prefill[link.prefill_rank], groups), hma_pool(decode[link.decode_rank], groups)
         )
