@@ -16,6 +16,9 @@ So kvferry keeps one pool over the regions (one representative layer each), and 
 group of a request as its own kvferry request (kv id ``base + g``) with that group's block
 table and window: a block id of group ``g`` moves exactly group ``g``'s layers' bytes of that
 block (a region that group ``g`` has no layer on carries bytes no one reads, on both sides).
+Under tensor parallelism the same holds per link (kvferry.ranks): each decode rank's receiver
+of a prefill rank expects every group, and that prefill rank sends every group from its head
+slice of every region (tests/test_tp.py, ``test_tp_with_hma_moves_each_groups_head_slices_once``).
 
 Per group, what moves (the Rust planner, rust/src/plan.rs):
 ```
