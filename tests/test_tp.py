@@ -629,3 +629,152 @@ def test_the_hello_names_every_decode_rank_and_signs_them_together(tmp_path: Any
     assert [k.prefill_rank for k, _ in side(2)._plan("unix:///r/a.sock") or ()] == [0, 1]
     with pytest.raises(KvFerryError, match="3 tensor-parallel ranks"):
         side(2)._plan("unix:///a unix:///b unix:///c")
+
+
+# -- tensor parallelism with HMA: two KV cache groups over the same regions -------------------
+
+# vLLM's hybrid layout (kvferry.vllm.groups): each group's layer j overlays region j of one
+# allocation, one block pool for both groups. A sliding-window group (W=20) and a
+# full-attention group, 3 regions of 16-token blocks; a prompt of 70 tokens is 5 blocks.
+HMA_P, HMA_W, HMA_REUSED, HMA_HELD = 70, 20, 32, 1  # prefill prefix hit 2 blocks, decode 1
+HMA_CHUNKS = [(32, 48), (48, 70)]
+# The tables, disjoint ids of one pool of BLOCKS; the window group's blocks that left the
+# window are vLLM's null block 0 (its live window is [3, 5)).
+HMA_SRC = [[0, 0, 0, 7, 2], [9, 4, 11, 1, 5]]
+HMA_DST = [[0, 0, 0, 3, 10], [8, 6, 1, 9, 2]]
+HMA_MOVES = [[3, 4], [1, 2, 3, 4]]  # per group: the window; every block but the held one
+HMA_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 1), (1, 4)]
+
+
+def hma_groups() -> Any:
+    from kvferry.vllm.groups import Group, GroupSet
+
+    sw = Group(0, tuple(f"l{2 * j}" for j in range(LAYERS)), HMA_W, "SlidingWindowSpec")
+    fa = Group(1, tuple(f"l{2 * j + 1}" for j in range(LAYERS)), None, "FullAttentionSpec")
+    return GroupSet((sw, fa), TOKENS)
+
+
+def hma_pool(cache: Cache, groups: Any) -> PagedKV:
+    """The rank's pool as the connector builds it: `groups.pool_layers` over every group's
+    layers, each view shared by the groups' layers of its region."""
+    from kvferry.layout import paged_kv_from_views
+    from kvferry.vllm.groups import pool_layers
+
+    views = {name: cache.views[j] for g in groups.groups for j, name in enumerate(g.layers)}
+    regions, _ = pool_layers(views, groups.groups, lambda n: int(n[1:]))
+    return paged_kv_from_views([views[n] for n in regions], num_blocks=BLOCKS, tokens_per_block=TOKENS)
+
+
+def hma_expected(cache: Cache, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """A decode rank's poisoned buffer after each group's moved blocks landed, every region
+    of them, heads ``[lo, hi)``: the null block, the held block and the rest stay poison."""
+    want = cache.raw.cpu().clone()
+    v = cache.views[0]
+    shape = (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * v.element_size())
+    five = torch.as_strided(want, shape, _five_strides(cache))
+    for g, moves in enumerate(HMA_MOVES):
+        for i in moves:
+            five[:, HMA_DST[g][i]] = full[:, HMA_SRC[g][i], lo:hi]
+    return want
+
+
+def hma_link(groups: Any, src: PagedKV, dst: PagedKV, base: int) -> dict[int, list[int]]:
+    """One link as the workers drive it: the decode rank's receiver of that prefill rank
+    expects every group (`expect_groups`, as `DecodeWorker._expect`), the prefill rank's
+    hook adds them from the published destination (`add_groups`, as `PrefillWorker._start`)
+    and sends chunk by chunk (the tables so far, the early send, each chunk after its
+    forward). Returns the blocks each group's notices covered, every lease released."""
+    from kvferry.hook import TransferHook
+    from kvferry.vllm.groups import add_groups, expect_groups
+
+    receiver = KVReceiver(dst)
+    sender = KVSender(src, InProcessTransport(receiver), record=True)
+    hook = TransferHook(sender)
+    epoch = expect_groups(receiver, groups, base, HMA_P, HMA_HELD, HMA_DST)
+    destination = {"dst_blocks": [b for t in HMA_DST for b in t], "held_blocks": HMA_HELD, "epoch": epoch}
+    add_groups(hook, groups, base, HMA_P, HMA_REUSED, destination)
+    kvs = groups.kv_ids(base)
+    for kv, table in zip(kvs, HMA_SRC):
+        hook.update_src_blocks(kv, table[: HMA_REUSED // TOKENS + 1])
+    hook.before_forward(kvs)
+    for start, end in HMA_CHUNKS:
+        for kv, table in zip(kvs, HMA_SRC):
+            hook.update_src_blocks(kv, table)
+        if end == HMA_P:
+            groups.check_live(HMA_SRC, HMA_P, "the prefill request")
+        hook.after_forward(kvs, [start] * len(kvs), [end] * len(kvs))
+    for kv in kvs:
+        receiver.wait(kv, timeout=SLACK)
+    sender.flush(timeout=SLACK)
+    assert sender.records is not None
+    sent: dict[int, list[int]] = {g: [] for g in range(len(kvs))}
+    for rec in sender.records:
+        for n in rec.notices:
+            sent[n.request_id - base] += list(range(n.start, n.end))
+    got = {g: sorted(sum((list(range(n.start, n.end)) for n in receiver.notices(kv)), [])) for g, kv in enumerate(kvs)}
+    assert got == {g: sorted(b) for g, b in sent.items()}  # the receiver saw what was sent, once
+    assert receiver.refused_count == 0 and receiver.duplicate_count == 0
+    for kv in kvs:
+        hook.finish(kv)
+        assert receiver.release(kv).is_complete
+    assert_nothing_leased(receiver, sender=sender)
+    sender.close()
+    return sent
+
+
+HMA_KINDS = ["LBHNC", "LBNHC", "MLA"]  # head-major, token-major; MLA: the latent head on every rank
+
+
+@pytest.mark.parametrize("kind", HMA_KINDS)
+@pytest.mark.parametrize("pair", HMA_PAIRS, ids=[f"P{p}D{d}" for p, d in HMA_PAIRS])
+def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], kind: str) -> None:
+    """Tensor parallelism and HMA together: every link (prefill rank -> decode rank, a head
+    slice when the two split 4 heads differently; MLA's one latent head whole, from prefill
+    rank 0) moves both groups of a request, each as its own kvferry request (kv id
+    ``base + g``, epoch ``epoch + g`` of that link's receiver) over the regions the groups
+    share. Each decode rank's whole buffer equals the reference (poison outside what moved:
+    the null block, the held block, the window's dropped blocks are never written), and each
+    (group, block, decode rank) head crosses exactly once: from the one prefill rank holding
+    it."""
+    pytest.importorskip("vllm")  # kvferry.vllm.groups is the connector's package
+    p_tp, d_tp = pair
+    mla = kind == "MLA"
+    layout, heads, content = ("LBHNC", 1, MLA_CONTENT) if mla else (kind, 4, CONTENT)
+
+    def span(rank: int, tp: int) -> tuple[int, int]:
+        return (0, 1) if mla else rank_heads(rank, tp, heads)
+
+    groups = hma_groups()
+    item = torch.empty((), dtype=torch.bfloat16).element_size()
+    full = full_kv(heads, content * item, seed=1000 + p_tp * 10 + d_tp)
+    prefill = []
+    for p in range(p_tp):
+        lo, hi = span(p, p_tp)
+        cache = rank_cache(layout, hi - lo, torch.bfloat16, "cpu", poison, content)
+        fill_heads(cache, full, lo, hi)
+        prefill.append(cache)
+    width = span(0, d_tp)[1] - span(0, d_tp)[0]
+    decode = [rank_cache(layout, width, torch.bfloat16, "cpu", poison, content) for _ in range(d_tp)]
+    wants = [hma_expected(decode[d], full, *span(d, d_tp)) for d in range(d_tp)]
+    # Per (group, block, decode rank): how many times each of that rank's heads arrived.
+    crossed = {(g, i, d): np.zeros(width, dtype=int) for g in range(2) for i in range(5) for d in range(d_tp)}
+    base = 100
+    for link in links(p_tp, d_tp, heads, mla=mla):
+        src, dst = link_pools(
+            link, hma_pool(prefill[link.prefill_rank], groups), hma_pool(decode[link.decode_rank], groups)
+        )
+        sent = hma_link(groups, src, dst, base)
+        for g, blocks in sent.items():
+            for i in blocks:
+                crossed[(g, i, link.decode_rank)][slice(*link.dst_heads)] += 1
+        base += len(groups)
+    for (g, i, d), count in crossed.items():
+        want = 1 if i in HMA_MOVES[g] else 0
+        assert (count == want).all(), f"group {g} block {i} decode rank {d}: heads crossed {count.tolist()}"
+    for d in range(d_tp):
+        got = decode[d].raw.cpu()
+        diff = (got != wants[d]).nonzero()
+        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+        v = decode[d].views[0]
+        five = torch.as_strided(got, (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * item), _five_strides(decode[d]))
+        assert (five[:, 0] == -1).all()  # vLLM's null block: never written, by any link

@@ -23,6 +23,11 @@ from kvferry.hook import TransferHook
 from kvferry.layout import paged_kv_from_views
 from kvferry.notice import Notice
 
+# TP with HMA (every link of several (P_TP, D_TP) pairs moving both groups from its head
+# slices) lives with the other rank tests in test_tp.py but needs kvferry.vllm: collected here
+# too, so `make test-vllm` (tests/test_vllm_*.py in .venv-vllm) runs it.
+from test_tp import test_tp_with_hma_moves_each_groups_head_slices_once  # noqa: F401
+
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not importable: run in the vLLM venv, see docs/vllm.md")
 
@@ -287,37 +292,26 @@ def test_the_scheduler_half_hands_every_groups_table_and_checks_the_destination(
         _check_destination(dict(good, request_id=2**62 - 1), request, TPB, "staging", 2)
 
 
-def test_hma_with_tensor_parallelism_is_refused_naming_both_settings(tmp_path: Any) -> None:
-    """HMA with tensor parallelism on either side is refused (not run or tested together):
-    at a server's startup (its own tensor_parallel_size, or prefill_tp_size on a decode
-    server), and by a prefill server of one rank for a decode server of several."""
-    from kvferry.errors import InvalidArgumentError
+def test_hma_with_tensor_parallelism_starts_and_plans_one_link_per_rank_pair(tmp_path: Any) -> None:
+    """HMA with tensor parallelism on either side is accepted (the data path of every link,
+    each group over each rank's head slices, is tests/test_tp.py's
+    test_tp_with_hma_moves_each_groups_head_slices_once): a server of either tensor-parallel
+    size starts, and a prefill server plans one link per (prefill rank, decode rank)."""
     from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.groups import GroupSet, check_parallel, groups_of
+    from kvferry.vllm.groups import GroupSet, groups_of
     from kvferry.vllm.scheduler import SchedulerSide
 
     hybrid = GroupSet(groups_of(config(SW, FA)), TPB)
-    one = GroupSet(groups_of(config(FA)), TPB)
-    sizes = {"tensor_parallel_size": 1, "kv_connector_extra_config prefill_tp_size": 1}
-    check_parallel(hybrid, sizes)  # HMA without TP
-    check_parallel(one, dict(sizes, tensor_parallel_size=4))  # TP without HMA
-    with pytest.raises(InvalidArgumentError) as err:
-        check_parallel(hybrid, dict(sizes, tensor_parallel_size=2))
-    assert "tensor_parallel_size=2 and kv_connector_extra_config prefill_tp_size=1" in str(err.value)
-    assert "2 KV cache groups (0: SlidingWindowSpec (2 layers, window 9), 1: FullAttentionSpec" in str(err.value)
-    assert "does not support tensor parallelism and HMA together" in str(err.value)
-    with pytest.raises(
-        InvalidArgumentError, match="tensor_parallel_size=1 and kv_connector_extra_config prefill_tp_size=2"
-    ):
-        check_parallel(hybrid, dict(sizes, **{"kv_connector_extra_config prefill_tp_size": 2}))
-
     side = SchedulerSide(ConnectorConfig(), block_size=TPB, role="kv_producer", engine_id="E",
-                         kv_cache_manager_getter=None, authkey=b"k" * 32, groups=hybrid)  # fmt: skip
+                         kv_cache_manager_getter=None, authkey=b"k" * 32, groups=hybrid, num_kv_heads=2)  # fmt: skip
     assert side._plan("unix:///r/a.sock") is None  # one rank each side: as without TP
-    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1 and the decode server's ranks=2"):
-        side._plan("unix:///r/a.sock unix:///r/b.sock")
+    plan = side._plan("unix:///r/a.sock unix:///r/b.sock")
+    assert plan is not None and [(k.prefill_rank, k.decode_rank, a) for k, a in plan] == [
+        (0, 0, "unix:///r/a.sock"),
+        (0, 1, "unix:///r/b.sock"),
+    ]
 
-    # The connector checks at startup, before either half is built.
+    # The connector starts with either side's tensor parallelism and both groups.
     from kvferry.vllm.connector import KvferryConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -334,8 +328,5 @@ def test_hma_with_tensor_parallelism_is_refused_naming_both_settings(tmp_path: A
             cache_config=SimpleNamespace(block_size=TPB),
         )
 
-    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=2 and kv_connector_extra_config prefill_tp_s"):
-        KvferryConnector(vllm_config(2, 1), KVConnectorRole.SCHEDULER, config(SW, FA))
-    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size=1 and kv_connector_extra_config prefill_tp_s"):
-        KvferryConnector(vllm_config(1, 2), KVConnectorRole.SCHEDULER, config(SW, FA))
-    assert len(KvferryConnector(vllm_config(1, 1), KVConnectorRole.SCHEDULER, config(SW, FA)).groups) == 2
+    for tp, prefill_tp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        assert len(KvferryConnector(vllm_config(tp, prefill_tp), KVConnectorRole.SCHEDULER, config(SW, FA)).groups) == 2

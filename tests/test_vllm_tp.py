@@ -1,8 +1,9 @@
 """KvferryConnector with tensor parallelism, in real vLLM 0.32 CPU engines (tests/vllm_harness.py):
-prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2, on the testbed's tiny Llama (2 KV heads: a
-TP-2 rank holds one, a TP-1 engine both, so the heterogeneous pairs move head slices and the
-2 -> 2 pair whole blocks, rank to rank; kvferry.ranks). Each decode output equals a plain
-engine's greedy output, and every pool ends empty.
+prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2, on the testbed's tiny Llama made hybrid
+(tests/test_vllm_hma.py: a sliding-window and a full-attention KV cache group, so TP and HMA
+together; 2 KV heads: a TP-2 rank holds one, a TP-1 engine both, so the heterogeneous pairs
+move head slices and the 2 -> 2 pair whole blocks, rank to rank; kvferry.ranks). Each decode
+output equals a plain engine's greedy output, and every pool ends empty.
 
 Four engines, started together (vLLM's CPU TP runs one worker process per rank, each bound
 to its own core with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``):
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_vllm_hma import WINDOW, hybrid  # noqa: E402
 from vllm_harness import Engine, model_with_own_key_dir  # noqa: E402
 
 WAIT_S = 120.0  # what a decode request waits for its blocks, and a prefill request for its destination
@@ -51,7 +53,11 @@ def extra(prefill_tp_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    for model in model_with_own_key_dir(tmp_path_factory):
+    for llama in model_with_own_key_dir(tmp_path_factory):
+        # The hybrid tiny Llama (two KV cache groups: sliding window and full attention), so
+        # every pair is TP and HMA together at no extra engine; the single-group data path of
+        # every pair is tests/test_tp.py's.
+        model = hybrid(llama)
         started: dict[str, Engine] = {}
         try:
             # Started together; each answers its first command once it is up.
@@ -63,6 +69,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 engine.start("usage")
             for engine in started.values():
                 assert engine.result(timeout=BOUND) == {"used": 0, "requests": 0}
+            for engine in started.values():  # HMA stayed on with TP: two groups
+                info = engine.call("groups")
+                assert info["hma_disabled"] is False, info
+                assert info["groups"] == [("SlidingWindowSpec", WINDOW), ("FullAttentionSpec", None)], info
             yield started
         finally:
             for engine in started.values():
@@ -86,7 +96,9 @@ PAIRS = {"P2-D1": ("tp2", "tp1", 2, 1), "P1-D2": ("tp1", "tp2", 1, 2), "P2-D2": 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_tp_pair_outputs_equal_a_plain_engines(engines: dict[str, Engine], pair: str) -> None:
     """Two prompts of 3-5 blocks (chunked: 64 tokens a step on the prefill side) through the
-    pair; the decode engine computes 6 tokens of each from the KV that arrived."""
+    pair; the decode engine computes 6 tokens of each from the KV that arrived. Both prompts
+    are longer than the model's window of 64 tokens: each link moves the full-attention
+    group's blocks and the sliding-window group's live window, from its head slices."""
     p_name, d_name, p_tp, d_tp = PAIRS[pair]
     prefill, decode, plain = engines[p_name], engines[d_name], engines["plain"]
     hello = hello_of(decode)

@@ -23,7 +23,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvferry.errors import InvalidArgumentError
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.decode_worker import DecodeWorker
-from kvferry.vllm.groups import GroupSet, check_parallel, groups_of
+from kvferry.vllm.groups import GroupSet, groups_of
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
 from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.scheduler import SchedulerSide
@@ -68,10 +68,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert kv_cache_config is not None  # vLLM 0.32 hands it to both roles
         # Refuses, at startup, a group kvferry cannot move (Mamba/SSM state, ...).
         self.groups = GroupSet(groups_of(kv_cache_config), block_size)
-        check_parallel(
-            self.groups,
-            {"tensor_parallel_size": tp_size, "kv_connector_extra_config prefill_tp_size": self.config.prefill_tp_size},
-        )
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerCommon] = None
         self._prefill: Optional[PrefillWorker] = None

@@ -16,6 +16,9 @@ So kvferry keeps one pool over the regions (one representative layer each), and 
 group of a request as its own kvferry request (kv id ``base + g``) with that group's block
 table and window: a block id of group ``g`` moves exactly group ``g``'s layers' bytes of that
 block (a region that group ``g`` has no layer on carries bytes no one reads, on both sides).
+Under tensor parallelism the same holds per link (kvferry.ranks): each decode rank's receiver
+of a prefill rank expects every group, and that prefill rank sends every group from its head
+slice of every region (tests/test_tp.py, ``test_tp_with_hma_moves_each_groups_head_slices_once``).
 
 Per group, what moves (the Rust planner, rust/src/plan.rs):
 ```
@@ -38,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from kvferry._core import BlockRange
-from kvferry.errors import InvalidArgumentError, KvFerryError
+from kvferry.errors import KvFerryError
 
 __all__ = ["NULL_BLOCK", "Group", "GroupSet", "add_groups", "expect_groups", "groups_of", "live_blocks", "pool_layers"]
 
@@ -175,21 +178,6 @@ class GroupSet:
         return ", ".join(
             f"{g.index}: {g.spec} ({len(g.layers)} layers" + (")" if g.window is None else f", window {g.window})")
             for g in self.groups
-        )
-
-
-def check_parallel(groups: GroupSet, sizes: Mapping[str, int]) -> None:
-    """Refuses several KV cache groups (HMA) together with tensor parallelism on either side
-    (``sizes``: each tensor-parallel setting by its name). The data path is the same code
-    (each rank's receivers expect every group, each link's pool is a head slice of every
-    region), but that combination has never been run or tested, so it stops the server at
-    startup instead of moving KV unchecked."""
-    if len(groups) > 1 and any(size > 1 for size in sizes.values()):
-        named = " and ".join(f"{name}={size}" for name, size in sizes.items())
-        raise InvalidArgumentError(
-            f"invalid {named} for a hybrid model of {len(groups)} KV cache groups ({groups.describe()}): "
-            'KvferryConnector does not support tensor parallelism and HMA together (docs/vllm.md, "Support '
-            'matrix"); run both sides at tensor parallel size 1, or a model of one KV cache group'
         )
 
 

@@ -48,7 +48,7 @@ from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
-from kvferry.vllm.groups import GroupSet, check_parallel
+from kvferry.vllm.groups import GroupSet
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 
 logger = logging.getLogger("kvferry.vllm")
@@ -251,8 +251,6 @@ class SchedulerSide:
         peers = peer.split(" ")
         if self.tp_size == 1 and len(peers) == 1:
             return None
-        # A decode server of several ranks (or this one's) with HMA: refused (groups.check_parallel).
-        check_parallel(self.groups, {"tensor_parallel_size": self.tp_size, "the decode server's ranks": len(peers)})
         try:
             links = ranks.links(self.tp_size, len(peers), self.num_kv_heads, mla=self.mla)
         except KvFerryError as err:
