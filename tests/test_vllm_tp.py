@@ -35,6 +35,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
+# test_tp.py's tests of the connector's TP parts without an engine (the decode worker's parts,
+# the refusals, the hello of several ranks) need kvferry.vllm, so `make test-python` (.venv)
+# skips them: collected here too, so `make test-vllm` (.venv-vllm) runs them.
+from test_tp import (  # noqa: E402, F401
+    decode_p2,
+    test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name,
+    test_an_abandoned_part_fails_the_request_and_frees_every_part,
+    test_decode_rank_waits_for_every_prefill_ranks_part,
+    test_pipeline_parallelism_is_refused_by_name,
+    test_the_hello_names_every_decode_rank_and_signs_them_together,
+)
 from test_vllm_hma import WINDOW, hybrid  # noqa: E402
 from vllm_harness import Engine, model_with_own_key_dir  # noqa: E402
 
