@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kvferry.bench.agentic import BUSY_SPREAD, busy_verdict, ideal_bound, turns_phrase
 from kvferry.notice import Notice
@@ -103,25 +105,19 @@ def test_pools_of_the_8b_run_with_every_mode_fit_an_h200() -> None:
     assert pools_bytes(cfg) + weights < 110e9, (pools_bytes(cfg), weights)
 
 
+def _tight(config: Any, **over: Any) -> Any:
+    """A small run whose pools `_pool_blocks` sizes tightly: every mode, a short session."""
+    fields = dict(sessions=2, turns=1, cached_tokens=128, new_tokens=32, output_tokens=2, tokens_per_block=16)
+    return config(**fields, link_gbps=None, aware=True, layer_groups=2, check_kv=True, **over)
+
+
 def test_tight_pools_keep_every_turns_reuse_and_outputs() -> None:
     """The pools sized by `_pool_blocks` hold each session's running request and the prefix
     the next turn reuses: every mode reuses what aggregated serving reuses and decodes the
     same tokens."""
     from kvferry.bench.agentic import AgenticConfig, run_agentic
 
-    cfg = AgenticConfig(
-        sessions=2,
-        turns=1,
-        cached_tokens=128,
-        new_tokens=32,
-        output_tokens=2,
-        tokens_per_block=16,
-        link_gbps=None,
-        aware=True,
-        layer_groups=2,
-        check_kv=True,
-    )
-    result = run_agentic(cfg)
+    result = run_agentic(_tight(AgenticConfig))
     assert result["outputs_match"] and result["reuse_mismatches"] == 0, result
 
 
@@ -132,19 +128,7 @@ def test_every_mode_shares_one_generation_process_and_its_weights() -> None:
     match aggregated serving."""
     from kvferry.bench.agentic import AgenticConfig, _pool_blocks, run_agentic
 
-    cfg = AgenticConfig(
-        sessions=2,
-        turns=1,
-        cached_tokens=128,
-        new_tokens=32,
-        output_tokens=2,
-        tokens_per_block=16,
-        link_gbps=None,
-        aware=True,
-        layer_groups=2,
-        transport="staging",
-        check_kv=True,
-    )
+    cfg = _tight(AgenticConfig, transport="staging")
     result = run_agentic(cfg)
     generation = result["generation"]
     block_bytes = cfg.model_config().kv_bytes_per_token * cfg.tokens_per_block
