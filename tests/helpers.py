@@ -348,6 +348,20 @@ def reply_from(conn: Any, proc: Any, who: str) -> Any:
     return conn.recv()
 
 
+def run_kernel_check(script: str) -> None:
+    """Runs ``script`` in a fresh interpreter with Triton's interpreter on (TRITON_INTERPRET=1
+    must be set before triton is imported, hence the process) and the tests folder on its
+    path; it must exit 0 and print ``kernel ok``."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel ok" in proc.stdout
+
+
 def kvferry_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvferry"))
 
@@ -509,6 +523,7 @@ __all__ = [
     "no_new_threads",
     "open_fds",
     "reply_from",
+    "run_kernel_check",
     "serve",
     "shm_endpoint",
     "tables",
@@ -518,19 +533,36 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def decode_worker(rendezvous_dir: str, num_blocks: int, block_size: int) -> Iterator[Any]:
+def decode_worker(
+    rendezvous_dir: str,
+    num_blocks: int,
+    block_size: int,
+    *,
+    pool: Optional[PagedKV] = None,
+    config: Optional[dict[str, Any]] = None,
+    **worker: Any,
+) -> Iterator[Any]:
     """A started KvferryConnector decode-side worker half (kvferry.vllm.decode_worker, no
-    engine) over one layer of ``num_blocks`` zeroed blocks registered as vLLM hands them, its
-    rendezvous in ``rendezvous_dir``; closed at exit. Needs vLLM's venv (the worker imports
-    vLLM's types); tests/test_vllm_step.py and benches/python/bench_connector.py use it."""
+    engine) over one layer of ``num_blocks`` zeroed blocks registered as vLLM hands them (or
+    over ``pool``), its rendezvous in ``rendezvous_dir``; ``config``: more connector settings,
+    ``worker``: `WorkerCommon`'s own (``num_kv_heads`` ...); closed at exit. Needs vLLM's venv
+    (the worker imports vLLM's types); tests/test_vllm_step.py, tests/test_tp.py and
+    benches/python/bench_connector.py use it."""
     from kvferry.vllm.config import ConnectorConfig
     from kvferry.vllm.decode_worker import DecodeWorker
     from kvferry.vllm.worker import WorkerCommon
 
     common = WorkerCommon(
-        ConnectorConfig(rendezvous_dir=rendezvous_dir), block_size=block_size, num_blocks=num_blocks, authkey=b"k" * 32
+        ConnectorConfig(rendezvous_dir=rendezvous_dir, **(config or {})),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        authkey=b"k" * 32,
+        **worker,
     )
-    common.register_kv_caches({"layers.0.attn": torch.zeros(num_blocks, 2, block_size, 16)}, lambda name: 0)
+    if pool is None:
+        common.register_kv_caches({"layers.0.attn": torch.zeros(num_blocks, 2, block_size, 16)}, lambda name: 0)
+    else:
+        common.pool = pool
     worker = DecodeWorker(common)
     worker.start()
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
-import os
 import secrets
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import assert_nothing_leased, reply_from
+from helpers import assert_nothing_leased, reply_from, run_kernel_check
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -574,11 +573,7 @@ def test_fused_kernel_addresses_each_side_by_its_strides_under_the_interpreter()
     """The Triton kernel (what `copy_blocks` runs on CUDA) on CPU under TRITON_INTERPRET=1:
     every layout, and layer-outer <-> block-outer pairs, bit exact against the reference."""
     pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kernel ok" in proc.stdout
+    run_kernel_check(KERNEL_CHECK)
 
 
 # -- transfers on CUDA ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import SLACK, assert_nothing_leased, reply_from
+from helpers import SLACK, assert_nothing_leased, decode_worker, reply_from, run_kernel_check
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
@@ -353,15 +353,7 @@ def test_fused_kernel_moves_head_slices_under_the_interpreter() -> None:
     """The Triton kernel (`copy_blocks` on CUDA) on CPU under TRITON_INTERPRET=1: head slices
     of head-major, token-major and block-outer pools, bit exact against the reference."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kernel ok" in proc.stdout
+    run_kernel_check(KERNEL_CHECK)
 
 
 # -- CUDA (run on the GPU machine) ----------------------------------------------------------
@@ -463,24 +455,11 @@ def decode_p2(tmp_path: Any) -> Any:
     """A decode worker of TP 1 over vLLM's token-major cache of 2 KV heads, fed by prefill
     servers of TP 2: one receiver per prefill rank, each over that rank's head."""
     pytest.importorskip("vllm")
-    from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.decode_worker import DecodeWorker
-    from kvferry.vllm.worker import WorkerCommon
-
-    common = WorkerCommon(
-        ConnectorConfig(rendezvous_dir=str(tmp_path), prefill_tp_size=2),
-        block_size=TOKENS,
-        num_blocks=BLOCKS,
-        authkey=b"k" * 32,
-        num_kv_heads=2,
-    )
-    common.pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
-    worker = DecodeWorker(common)
-    worker.start()
-    try:
+    pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
+    with decode_worker(
+        str(tmp_path), BLOCKS, TOKENS, pool=pool, config={"prefill_tp_size": 2}, num_kv_heads=2
+    ) as worker:
         yield worker
-    finally:
-        worker.close()
 
 
 def _recv_spec(rid: str, kv: int, transfer: str) -> Any:
