@@ -178,7 +178,10 @@ def test_one_step_call_dispatches_to_every_peer_bit_exact_and_exactly_once() -> 
     try:
         src, dst, ids, early = _start(peers, sender, REQUESTS, seed=22)
         # One call planned and queued the early blocks of every peer's requests, on one engine.
+        # A write meeting a peer's announcer on its wire waits in that peer's backlog (the call
+        # never waits), so the jobs are counted once every queued write was handed over.
         assert {sender.peer_of(n.request_id) for n in early} == {"a", "b", "c", "d"}
+        sender.flush(timeout=60)
         assert engine.jobs == 4
         assert all(s.engine._engine is engine for s in sender.peers.values())  # type: ignore[attr-defined]
         sent = early + _chunks(sender, REQUESTS, src, dst)
