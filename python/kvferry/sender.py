@@ -378,6 +378,10 @@ class KVSender:
         announces. Holds ``_wire`` (and ``_lock`` only to pop, never across a send). A
         failure loses the receiver: raised (``raising``, the executor's thread) or kept
         for the executor's next call."""
+        if not self._outbox:
+            # Nothing to send: ``_wire`` stays free, so an executor call that only tries it
+            # hands its write over at once instead of backlogging it.
+            return
         with self._wire:
             while self._outbox:
                 op = self._outbox.popleft()
