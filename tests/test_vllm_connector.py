@@ -854,6 +854,8 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
         pytest.skip("kvferry.vllm needs vLLM")
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
     assert ConnectorConfig.from_extra({"layer_groups": 2, "early": False}).layer_groups == 2
+    assert ConnectorConfig.from_extra({"transfer_cores": [0]}).transfer_cores == (0,)
+    assert ConnectorConfig.from_extra({"transfer_cores": []}).transfer_cores == ()
     for extra, named in [
         ({"layer_group": 2}, "layer_group"),
         ({"early": "no"}, "early"),
@@ -864,6 +866,9 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
         ({"listen": "unix://", "advertise": "10.0.0.1"}, "advertise"),
         ({"listen": "tcp://10.0.0.1:0"}, "staging runs only on one host"),
         ({"listen": "http://x"}, "listen"),
+        ({"transfer_cores": "1"}, "transfer_cores='1'"),
+        ({"transfer_cores": [1 << 20]}, "not a CPU id"),
+        ({"transfer_cores": [True]}, "transfer_cores"),
     ]:
         with pytest.raises(InvalidArgumentError, match=named):
             ConnectorConfig.from_extra(extra)

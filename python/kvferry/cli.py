@@ -459,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     vllm.add_argument(
+        "--transfer-threads",
+        choices=("apart", "with-engine"),  # kvferry.bench.vllm.TRANSFER_THREADS
+        default="apart",
+        help=(
+            "where each prefill server's transfer threads run, kvferry's and NIXL's alike: apart, on the decode "
+            "servers' core, off the core the forward computes on (as a GPU's copy engines work beside its forward); "
+            "with-engine, on the prefill's own core (default: %(default)s)"
+        ),
+    )
+    vllm.add_argument(
         "--link-mbit",
         type=_positive_float,
         default=None,
@@ -831,6 +841,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         decode_host=args.decode_host,
         prefill_host=args.prefill_host,
         scrape=args.scrape,
+        transfer_threads=args.transfer_threads,
     )
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
     if args.json:  # first: a run of many minutes keeps its figures whatever comes next

@@ -27,6 +27,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 import numpy as np
 import torch
 
+from kvferry import affinity
 from kvferry.copy import checked_pairs, copy_blocks
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV, common_word
@@ -37,11 +38,6 @@ __all__ = ["CopyEngine", "CudaCopyEngine", "Pending", "ThreadCopyEngine", "engin
 
 class Pending(ABC):
     """One submitted copy."""
-
-    # Whether `wait` sleeps until the copy is done (a future's condition) rather than
-    # checking it at intervals (a CUDA event, a NIXL transfer): a sender's announcer thread
-    # then sleeps in `wait` instead of looking every few hundred microseconds.
-    wakes_on_done = False
 
     @abstractmethod
     def done(self) -> bool:
@@ -54,6 +50,14 @@ class Pending(ABC):
     def error(self) -> Optional[BaseException]:
         """The exception the copy raised, once done; ``None`` on success."""
         return None
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        """Has ``callback`` called (on any thread) once the copy is done, where the copy can
+        tell (a future): a sender's announcer then sleeps until the copy is done or a new
+        write is queued, instead of looking every few hundred microseconds. Returns whether
+        it will be called; False (the default: a CUDA event, a NIXL transfer) leaves the
+        caller to look at intervals."""
+        return False
 
     def interval(self) -> Optional[tuple[float, float]]:
         """When the copy ran (``time.monotonic`` seconds), once done, where the engine knows."""
@@ -87,8 +91,6 @@ class CopyEngine(ABC):
 
 
 class _FuturePending(Pending):
-    wakes_on_done = True
-
     def __init__(self, future: concurrent.futures.Future[Optional[tuple[float, float]]]) -> None:
         self._future = future
 
@@ -98,6 +100,10 @@ class _FuturePending(Pending):
     def wait(self, timeout: Optional[float]) -> bool:
         concurrent.futures.wait([self._future], timeout=timeout)
         return self._future.done()
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        self._future.add_done_callback(lambda _: callback())
+        return True
 
     def error(self) -> Optional[BaseException]:
         return self._future.exception() if self._future.done() else None
@@ -134,7 +140,7 @@ class ThreadCopyEngine(CopyEngine):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="kvferry-copy",
-            initializer=_lowest_priority if link_gbps is not None else None,
+            initializer=_lowest_priority if link_gbps is not None else affinity.pin_current_thread,
         )
         self._closing = threading.Event()
 
@@ -215,8 +221,6 @@ def await_signal(signal: Signal, closing: threading.Event) -> None:
 class _FailedPending(Pending):
     """A job that never ran: a signal it was ordered after had failed."""
 
-    wakes_on_done = True
-
     def __init__(self, error: BaseException) -> None:
         self._error = error
 
@@ -224,6 +228,10 @@ class _FailedPending(Pending):
         return True
 
     def wait(self, timeout: Optional[float]) -> bool:
+        return True
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        callback()
         return True
 
     def error(self) -> Optional[BaseException]:
@@ -305,7 +313,7 @@ class CudaCopyEngine(CopyEngine):
             job = _Deferred(work, waits, pending_host)
             self._deferred.append(job)
             if self._launcher is None:
-                self._launcher = threading.Thread(
+                self._launcher = affinity.Thread(
                     target=self._launch_deferred, name="kvferry-copy-launcher", daemon=True
                 )
                 self._launcher.start()

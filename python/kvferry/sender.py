@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvferry import affinity
 from kvferry._core import RequestSpec, SlicePlan, TransferBook, TransferLedger
 from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
@@ -206,6 +207,7 @@ class KVSender:
         layer_groups: int = 1,
         host_pool: Optional[PagedKV] = None,
         backlog_blocks: int = BACKLOG_BLOCKS,
+        handoff: bool = False,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
@@ -221,8 +223,14 @@ class KVSender:
         when ``pool`` is on CUDA); source ids from ``pool.num_blocks`` on name its blocks
         (see the module doc), which are read from it directly.
         ``backlog_blocks``: how many blocks of planned writes may wait for room in the
-        transport (see the class doc); the timeout counts a backlogged write's wait too."""
+        transport (see the class doc); the timeout counts a backlogged write's wait too.
+        ``handoff``: every write is handed to the transport by the announcer thread, never by
+        the caller's: whatever work a transport does when given a write (a NIXL post that
+        starts sending, a staging copy queued) then runs on the announcer's cores
+        (`kvferry.affinity`), off the engine's. Needs ``progress``."""
         pool.check_compatible(transport.geometry())
+        if handoff and not progress:
+            raise InvalidArgumentError("invalid handoff=True with progress=False: the announcer hands writes over")
         if isinstance(backlog_blocks, bool) or not isinstance(backlog_blocks, (int, np.integer)) or backlog_blocks < 0:
             raise InvalidArgumentError(f"invalid backlog_blocks={backlog_blocks!r}: must be an int >= 0")
         if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
@@ -253,6 +261,7 @@ class KVSender:
         self._backlog: deque[_Held] = deque()
         self._backlogged = 0  # blocks in the backlog
         self.backlog_blocks = int(backlog_blocks)
+        self.handoff = bool(handoff)
         # What goes to the receiver over the network (posts, abandons, fences, announces), in
         # the order it was decided: `_send_outbox` sends it, holding ``_wire`` and not ``_lock``.
         self._outbox: deque[_Op] = deque()
@@ -279,7 +288,7 @@ class KVSender:
         if progress:
             # The thread holds the sender only weakly: a sender dropped without `close` is
             # collected, and its thread ends (the finalizer wakes it).
-            self._progress = threading.Thread(
+            self._progress = affinity.Thread(
                 target=_announcer,
                 args=(weakref.ref(self), self._wake, self._closing),
                 name="kvferry-sender-progress",
@@ -649,13 +658,14 @@ class KVSender:
         layers: Optional[tuple[int, int]],
     ) -> None:
         """Hands a write to the transport when it has room and no earlier write waits (the
-        executor only tries ``_wire``: if the announcer holds it, the write waits its turn),
-        else appends it to the backlog, which the announcer submits in order as room frees.
-        Never waits. A backlog past ``backlog_blocks`` refuses the write (`TransferError`
-        naming the bound: `_dispatch` fails the requests of its plan)."""
+        executor only tries ``_wire``: if the announcer holds it, the write waits its turn;
+        with ``handoff`` it never does), else appends it to the backlog, which the announcer
+        submits in order as room frees. Never waits. A backlog past ``backlog_blocks``
+        refuses the write (`TransferError` naming the bound: `_dispatch` fails the requests
+        of its plan)."""
         after = self._ordering.signals_for(src_ids)  # tier copies still writing what it reads
         held = _Held(Write(self.source, src_ids, dst_ids, notices, after, layers), time.monotonic(), kind, nbytes)
-        if not self._backlog and self._wire.acquire(blocking=False):
+        if not self._backlog and not self.handoff and self._wire.acquire(blocking=False):
             try:
                 if self._submit(held):
                     return
@@ -1162,12 +1172,14 @@ class KVSender:
 def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, closing: threading.Event) -> None:
     """The sender's announcer thread: posts each write's notices as soon as the write
     finished, and submits backlogged writes as room frees (`KVSender._announce_step`). It
-    sleeps in the oldest write's `Pending.wait` where the engine wakes it on completion (a
-    CPU copy's future), else looks every ``PROGRESS_SECONDS`` (a CUDA event has no timed
-    wait); with only backlogged writes it waits for the receiver's frees; with no write
-    queued it sleeps until one is, waking every ``PEER_CHECK_SECONDS`` while requests are
-    registered to take the receiver's cancellations."""
+    sleeps until the oldest write is done or another write is queued where the copy can say
+    when it is done (`Pending.when_done`: a CPU copy's future), else looks every
+    ``PROGRESS_SECONDS`` (a CUDA event has no timed wait); with only backlogged writes it
+    waits for the receiver's frees; with no write queued it sleeps until one is, waking
+    every ``PEER_CHECK_SECONDS`` while requests are registered to take the receiver's
+    cancellations."""
     next_check = 0.0
+    armed: Optional[Pending] = None  # the write whose completion sets ``wake``
     while not closing.is_set():
         wake.clear()  # before looking: a write queued after the look sets it again
         sender = ref()
@@ -1183,8 +1195,9 @@ def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, clos
             if not room:  # a transport that cannot wait for room: look again shortly
                 wake.wait(PROGRESS_SECONDS)
             continue
-        if head is not None and head.wakes_on_done:
-            head.wait(PEER_CHECK_SECONDS)
+        if head is not None and (head is armed or head.when_done(wake.set)):
+            armed = head
+            wake.wait(PEER_CHECK_SECONDS)
         elif head is not None:
             wake.wait(PROGRESS_SECONDS)
         else:

@@ -145,6 +145,25 @@ class VllmBenchConfig:
     link_mbit: Optional[float] = None
     scrape: Optional[str] = None  # append the servers' /metrics, read around each turn, here (bench/dashboard.py)
     bootstrap_reps: int = 2000
+    # Where a prefill server's transfer threads run (kvferry's and every NIXL agent's alike):
+    # "apart", on the decode servers' core, off the core its forward computes on (as a GPU's
+    # copy engines move bytes beside its forward); "with-engine", on the prefill's own core.
+    transfer_threads: str = "apart"
+
+
+TRANSFER_THREADS = ("apart", "with-engine")
+
+
+def _threads_placement(cfg: VllmBenchConfig) -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return f"every server on core {cores[0]}"
+    where = (
+        f"its transfer threads (kvferry's and NIXL's alike) on core {cores[1]}"
+        if cfg.transfer_threads == "apart"
+        else "its transfer threads with it"
+    )
+    return f"prefill servers compute on core {cores[0]}, {where}; decode servers on core {cores[1]}"
 
 
 def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> int:
@@ -434,9 +453,14 @@ class Fleet:
         # One core for the prefill servers and one for the decode servers where the box has
         # two: only one configuration runs at a time, the others are paused.
         places = {"prefill": cores[:1] if len(cores) > 1 else cores, "decode": cores[1:2] if len(cores) > 1 else cores}
+        apart = cfg.transfer_threads == "apart" and len(cores) > 1
+        transfer = {"prefill": places["decode"] if apart else [], "decode": []}
         plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
         for conf in self.confs:
             prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
+            if conf.connector == "kvferry" and transfer["prefill"]:  # its writes start there too (handoff)
+                extra = dict(prefill_config.get("kv_connector_extra_config", {}), transfer_cores=transfer["prefill"])
+                prefill_config = dict(prefill_config, kv_connector_extra_config=extra)
             for key, kv_config in ((conf.prefill_key(), prefill_config), (conf.decode_key(), decode_config)):
                 plan.setdefault(key, (key[0], kv_config, []))[2].append(conf.name)
         for i, (key, (side, kv_config, users)) in enumerate(plan.items()):
@@ -448,6 +472,7 @@ class Fleet:
             self.pool_bytes[name] = pool
             self.servers[key] = testbed.start_server(
                 name, self.model, self.work, kv_transfer_config=kv_config, engine=engine, cores=places[side],
+                transfer_cores=transfer[side],
                 env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache for the decode-cold case
                 host=cfg.prefill_host if side == "prefill" else cfg.decode_host,
                 netns=cfg.decode_netns if side == "decode" else None,
@@ -631,7 +656,9 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             f"proxies at {cfg.prefill_host}"
             if cfg.decode_netns is not None
             else "one host, loopback"
-        ),
+        )
+        + "; "
+        + _threads_placement(cfg),
         "pool_bytes": pools,
         "kv_blocks_left": leaks,
         "hellos": hellos,

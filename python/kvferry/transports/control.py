@@ -51,6 +51,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 
 import numpy as np
 
+from kvferry import affinity
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
@@ -193,7 +194,7 @@ class LocalEndpoint:
         self._unsubscribe = receiver.on_cancel(self._pass_cancel)
         # Connections still in their handshake: bounded, the oldest cut off first (guard).
         self._admission = guard.Admission()
-        self._thread = threading.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
+        self._thread = affinity.Thread(target=self._serve, name="kvferry-endpoint", daemon=True)
         self._thread.start()
 
     def connected(self) -> bool:
@@ -248,7 +249,7 @@ class LocalEndpoint:
             pass
         peer = _Peer(sock)
         peer.ticket = self._admission.admit(guard.source_of(sock), peer.shutdown)
-        peer.thread = threading.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
+        peer.thread = affinity.Thread(target=self._pump, args=(peer,), name="kvferry-notices", daemon=True)
         with self._lock:
             self._peers.add(peer)
             self._threads = [t for t in self._threads if t.is_alive()]

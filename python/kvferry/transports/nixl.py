@@ -48,6 +48,7 @@ from typing import AbstractSet, Any, Callable, ClassVar, Mapping, Optional, Sequ
 
 import numpy as np
 
+from kvferry import affinity
 from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -86,7 +87,8 @@ def _agent(role: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
     config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-    return nixl_agent(f"kvferry-{role}-{secrets.token_hex(16)}", config)
+    with affinity.on_transfer_cores():  # its progress thread starts here and inherits the cores
+        return nixl_agent(f"kvferry-{role}-{secrets.token_hex(16)}", config)
 
 
 def _mem_type(pool: PagedKV) -> str:
@@ -395,7 +397,7 @@ class NixlEndpoint(LocalEndpoint):
         )
         self._stop = threading.Event()
         super().__init__(receiver, hello, authkey=authkey, **options)
-        self._poller = threading.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
+        self._poller = affinity.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
         self._poller.start()
 
     def _poll_notifications(self) -> None:

@@ -61,6 +61,10 @@ class ConnectorConfig:
     # their ranks writes its heads; a request has arrived once every one of them landed;
     # kvferry.ranks). A power of two that divides, or is divided by, this server's own.
     prefill_tp_size: int = 1
+    # CPU ids kvferry's own threads run on in this server's processes (the sender's announcer,
+    # copy threads, the control plane, NIXL's progress thread): keeps the transfer's work off
+    # the cores the engine computes on. Empty: they run where the engine runs (kvferry.affinity).
+    transfer_cores: tuple[int, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -80,6 +84,10 @@ class ConnectorConfig:
                 from kvferry.vllm.trust import check_trusted_peers
 
                 value = check_trusted_peers(value)
+            elif name == "transfer_cores":
+                from kvferry.affinity import check_cores
+
+                value = tuple(sorted(check_cores(value, "kv_connector_extra_config transfer_cores") or ()))
             elif name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")

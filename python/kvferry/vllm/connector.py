@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
+from kvferry import affinity
 from kvferry.errors import InvalidArgumentError
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.decode_worker import DecodeWorker
@@ -51,6 +52,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         # Read here, at startup, by both halves: a missing, too-open or too-short key file
         # stops the server naming the path (docs/vllm.md, "The key").
         authkey = self.config.authkey()
+        if self.config.transfer_cores:
+            affinity.set_transfer_cores(self.config.transfer_cores)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             # Each stage holds only its layers: the decode side would need every stage's

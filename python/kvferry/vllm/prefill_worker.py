@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvferry import affinity
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
@@ -98,7 +99,9 @@ class PrefillWorker:
         self._bare: dict[str, bool] = {}
         self._chunks: list[Chunk] = []
         self._connecting: dict[str, Future[_Peer]] = {}  # by endpoint address
-        self._bg = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill")
+        self._bg = ThreadPoolExecutor(
+            BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill", initializer=affinity.pin_current_thread
+        )
         self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
 
     @property
@@ -237,6 +240,8 @@ class PrefillWorker:
                 record=True,
                 progress=True,
                 layer_groups=self.config.layer_groups,
+                # With transfer cores, writes start on them (the announcer's), not on the engine's.
+                handoff=bool(self.config.transfer_cores),
             )
         except BaseException:
             transport.close()

@@ -51,6 +51,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
+from kvferry import affinity
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import guard, wire
 from kvferry.transports.frames import Frame, Goodbye
@@ -126,7 +127,7 @@ class Rendezvous:
         self._closing = False
         self._stop = threading.Event()  # the accept loop's: set with _closing
         self._admission = guard.Admission()
-        self._thread = threading.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
+        self._thread = affinity.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
         self._thread.start()
 
     def publish(self, transfer: str, destination: dict[str, Any]) -> None:
@@ -215,7 +216,7 @@ class Rendezvous:
         ticket = self._admission.admit(guard.source_of(conn), cut_off)
         try:
             name = "kvferry-rendezvous-conn"
-            thread = threading.Thread(target=self._pump, args=(conn, ticket), name=name, daemon=True)
+            thread = affinity.Thread(target=self._pump, args=(conn, ticket), name=name, daemon=True)
             thread.start()
         except BaseException:
             self._admission.settle(ticket)

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvferry import ranks
+from kvferry import affinity, ranks
 from kvferry.errors import KvFerryError, TransferError
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous, trust
@@ -217,7 +217,7 @@ class SchedulerSide:
                 params.timeout_s or self.config.destination_timeout_s,
                 self.engine_id,
             )
-            threading.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
+            affinity.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
         if not found.done.is_set():
             if time.monotonic() - found.started < self.config.admission_wait_s:
                 return None, False  # vLLM asks again next step; the request waits for its destination
@@ -303,7 +303,7 @@ class SchedulerSide:
         """Tells the decode side (every rank a link goes to), off this thread, that the send
         is given up."""
         targets = self._abandon_targets(params)
-        threading.Thread(target=_tell_abandon, args=(targets, self._authkey, reason), daemon=True).start()
+        affinity.Thread(target=_tell_abandon, args=(targets, self._authkey, reason), daemon=True).start()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id

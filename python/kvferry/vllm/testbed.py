@@ -374,6 +374,7 @@ def start_server(
     kv_transfer_config: Optional[dict[str, Any]] = None,
     engine: EngineSettings = EngineSettings(),
     cores: Sequence[int] = (),
+    transfer_cores: Sequence[int] = (),
     env: Optional[dict[str, str]] = None,
     python: str = sys.executable,
     host: str = "127.0.0.1",
@@ -382,12 +383,16 @@ def start_server(
     """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free port of
     ``host`` (loopback by default; NIXL's side channel listens there too); returns at once
     (call :func:`wait_ready`). ``netns``: run it inside that network namespace (``ip netns
-    exec``, root), standing for another host; ``host`` is then its address there."""
+    exec``, root), standing for another host; ``host`` is then its address there.
+    ``cores``: the CPUs the server computes on; ``transfer_cores``: where its transfer threads
+    run instead (kvferry's, `kvferry.affinity`, and every NIXL agent's, vLLM's NixlConnector's
+    included), so that every connector's transfer work is placed alike."""
     port, side = free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     args = [
-        python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-", "--",
+        python, "-m", "kvferry.vllm.testbed", "serve", ",".join(map(str, cores)) or "-",
+        ",".join(map(str, transfer_cores)) or "-", "--",
         "--model", str(model), "--served-model-name", "tiny", "--host", host, "--port", str(port),
         *engine.args(),
     ]  # fmt: skip
@@ -546,9 +551,11 @@ def single_server(model: Path, workdir: Path, engine: EngineSettings = EngineSet
 
 
 def _serve(argv: list[str]) -> None:
-    cores_arg, rest = argv[0], argv[2:] if len(argv) > 1 and argv[1] == "--" else argv[1:]
+    cores_arg, transfer_arg, rest = argv[0], argv[1], argv[3:] if len(argv) > 2 and argv[2] == "--" else argv[2:]
     if cores_arg != "-":
         os.sched_setaffinity(0, [int(c) for c in cores_arg.split(",")])
+    if transfer_arg != "-":
+        _transfer_threads_on([int(c) for c in transfer_arg.split(",")])
     # vLLM's NIXL worker pins the calling thread to the last core of each NUMA node
     # (discover_numa_topology); with two engines on one box that is the same core for both.
     from vllm.platforms import cpu
@@ -560,7 +567,27 @@ def _serve(argv: list[str]) -> None:
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
+def _transfer_threads_on(cores: list[int]) -> None:
+    """kvferry's threads, and the threads of every NIXL agent this process makes (vLLM's
+    NIXL connectors call ``nixl_agent`` too), start on ``cores``."""
+    from kvferry import affinity
+
+    affinity.set_transfer_cores(cores)
+    try:
+        import nixl._api as api
+    except ImportError:
+        return
+    made = api.nixl_agent
+
+    class _Placed(made):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with affinity.on_transfer_cores():  # the agent's progress thread inherits them
+                super().__init__(*args, **kwargs)
+
+    api.nixl_agent = _Placed
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m kvferry.vllm.testbed serve CORES|- -- API_SERVER_ARGS...")
+        sys.exit("usage: python -m kvferry.vllm.testbed serve CORES|- TRANSFER_CORES|- -- API_SERVER_ARGS...")
     _serve(sys.argv[2:])
