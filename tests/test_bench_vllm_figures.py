@@ -106,12 +106,28 @@ def test_ratio_of_medians_refuses_unpaired_samples() -> None:
         vf.ratio_of_medians([], [])
 
 
-def test_the_busy_verdict_reads_the_same_prefill_across_configurations() -> None:
-    quiet = [{"nixl": 100.0, "kvferry-baseline": 103.0}, {"nixl": 101.0, "kvferry-baseline": 99.0}]
+def test_the_busy_verdict_reads_the_same_prefill_of_one_engine_over_sessions() -> None:
+    quiet = [{0: 100.0, 1: 103.0, 2: 101.0}, {0: 101.0, 1: 99.0, 2: 100.0}]
     assert vf.busy_verdict(quiet)["busy"] is False
-    busy = [{"nixl": 100.0, "kvferry-baseline": 180.0}, {"nixl": 150.0, "kvferry-baseline": 100.0}, quiet[0]]
+    busy = [{0: 100.0, 1: 180.0}, {0: 150.0, 1: 100.0}, quiet[0]]
     verdict = vf.busy_verdict(busy)
-    assert verdict["busy"] is True and verdict["worst_slot"] == 0 and verdict["prefill_spread"] == 1.5
+    assert verdict["busy"] is True and verdict["worst_group"] == 0 and verdict["prefill_spread"] == 1.5
+
+
+def test_the_verdict_leaves_a_connectors_own_slower_prefill_out() -> None:
+    """NixlConnector's engine computing every prefill 3x slower than kvferry's is its cost,
+    not load: each engine's own turns agree, so the verdict is quiet."""
+    rows = [
+        {"case": case, "config": conf, "turn": turn, "session": session, "prefill_ms": ms + session + 50 * early}
+        for case in ("decode-cold", "decode-warm")
+        for turn in (1, 2)
+        for session in (0, 1, 2)
+        for conf, ms, early in (("nixl", 90.0, 0), ("kvferry-baseline", 30.0, 0), ("kvferry-early", 30.0, 1))
+    ]
+    groups = vf.same_prefill_groups(rows, "decode-cold", ["nixl", "kvferry-baseline"])
+    assert sorted(groups, key=lambda g: g[0]) == [{0: 30.0, 1: 31.0, 2: 32.0}] * 2 + [{0: 90.0, 1: 91.0, 2: 92.0}] * 2
+    load = vf.busy_verdict(groups)
+    assert load["busy"] is False and load["prefill_spread"] == pytest.approx((32 / 30 + 92 / 90) / 2)
 
 
 def test_the_link_is_sized_so_the_prefix_crosses_in_the_prefill() -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "TurnBytes",
     "annotate",
     "busy_verdict",
+    "same_prefill_groups",
     "ideal",
     "losses",
     "order",
@@ -162,23 +163,35 @@ def ratio_of_medians(
     return {"ratio": _median_ratio(a, b), "lo": lo, "hi": hi, "n": n, "level": level}
 
 
-def busy_verdict(per_slot: Sequence[dict[str, float]], threshold: float = BUSY_SPREAD) -> dict[str, Any]:
-    """Whether the run's own figures say the machine was too busy: in each slot every
-    configuration listed computes the same prefill, so on a quiet machine their prefill times
-    agree within a few percent. The verdict is the median over slots of each slot's spread
-    (slowest over fastest), as ``bench agentic`` has it; ``per_slot``: one mapping per slot,
-    configuration -> prefill ms."""
-    spreads = [max(v) / min(v) for v in ([x for x in s.values() if x > 0] for s in per_slot) if len(v) > 1]
+def busy_verdict(groups: Sequence[dict[Any, float]], threshold: float = BUSY_SPREAD) -> dict[str, Any]:
+    """Whether the run's own figures say the machine was too busy: within each group the same
+    engine computed the same prefill (one configuration's turns of one prompt length, one per
+    session, at different times), so on a quiet machine their prefill times agree within a
+    few percent. The verdict is the median over groups of each group's spread (slowest over
+    fastest), as ``bench agentic`` has it; ``groups``: one mapping per group, label ->
+    prefill ms. (Not across configurations: a connector's own per-step work slows its
+    engine's forward, which is the connector's cost, not the machine's load.)"""
+    spreads = [max(v) / min(v) for v in ([x for x in s.values() if x > 0] for s in groups) if len(v) > 1]
     spread = statistics.median(spreads) if spreads else 1.0
     worst = max(range(len(spreads)), key=spreads.__getitem__) if spreads else None
     return {
         "busy": spread > threshold,
         "prefill_spread": spread,
-        "worst_slot": worst,
+        "worst_group": worst,
         "worst_spread": spreads[worst] if worst is not None else 1.0,
         "threshold": threshold,
         "slots": len(spreads),
     }
+
+
+def same_prefill_groups(rows: Sequence[dict[str, Any]], case: str, configs: Sequence[str]) -> list[dict[Any, float]]:
+    """The verdict's groups: each of ``configs``' turns of one index in ``case`` (every
+    session's prompt has the same length there), session -> prefill ms."""
+    groups: dict[tuple[str, int], dict[Any, float]] = {}
+    for r in rows:
+        if r["case"] == case and r["config"] in configs:
+            groups.setdefault((r["config"], r["turn"]), {})[r["session"]] = r["prefill_ms"]
+    return list(groups.values())
 
 
 def median_of(rows: Sequence[dict[str, Any]], key: str | Callable[[dict[str, Any]], float]) -> Optional[float]:
@@ -275,16 +288,11 @@ def summaries(rows: list[dict[str, Any]], confs: list[Any], reps: int) -> dict[s
                 figures[c.name]["ttft_vs_nixl"] = ratio_of_medians(a, b, reps) if len(a) == len(b) else None
             else:
                 figures[c.name]["ttft_vs_nixl"] = None
-        # The quiet-machine verdict: in a slot, the configurations whose prefill runs alone on
-        # its core (no early send) compute the same prefill.
-        alone = [c.name for c in confs if not c.early]
-        if len(alone) < 2:
-            alone = [c.name for c in confs]
-        slots = sorted({r["slot"] for r in rows if r["case"] == case})
-        per_slot = [
-            {r["config"]: r["prefill_ms"] for r in rows if r["slot"] == s and r["config"] in alone} for s in slots
-        ]
-        out[case] = {"configs": figures, "best_nixl": best, "load": busy_verdict(per_slot), "verdict_configs": alone}
+        # The quiet-machine verdict: each configuration whose prefill runs alone (no early send)
+        # computed the same prefill once per session at each turn (prompts of one length).
+        alone = [c.name for c in confs if not c.early] or [c.name for c in confs]
+        groups = same_prefill_groups(rows, case, alone)
+        out[case] = {"configs": figures, "best_nixl": best, "load": busy_verdict(groups), "verdict_configs": alone}
     return out
 
 

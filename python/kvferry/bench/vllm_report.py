@@ -70,11 +70,12 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
             )
         load = info["load"]
         if not load["slots"]:
-            lines.append("load: no verdict (it needs two configurations without early send, or two in all)")
+            lines.append("load: no verdict (it needs two sessions)")
             continue
         lines.append(
             ("WARNING: the machine was too busy for these figures to mean anything: " if load["busy"] else "load: ")
-            + f"the same prefill in a slot ({', '.join(info['verdict_configs'])}) agreed within a median "
+            + f"the same prefill, computed once per session by one engine ({', '.join(info['verdict_configs'])}), "
+            "agreed within a median "
             f"{load['prefill_spread']:.2f}x (worst {load['worst_spread']:.2f}x; above {load['threshold']:.2f}x the "
             "figures would not mean anything)"
         )
