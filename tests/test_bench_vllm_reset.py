@@ -1,5 +1,6 @@
-"""`kvferry bench vllm`'s decode-cold turns: the decode server's prefix cache reset is checked,
-against a stub server that answers as vLLM's /reset_prefix_cache does (no vLLM needed)."""
+"""`kvferry bench vllm` without vLLM: the decode-cold turns' prefix cache reset is checked,
+against a stub server that answers as vLLM's /reset_prefix_cache does; where the prefill
+servers' transfer threads may run."""
 
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def test_a_reset_that_never_happens_fails_the_turn(decode: _Decode) -> None:
     ):
         _reset_prefix_cache(decode, timeout_s=0)
     assert decode.asked >= 1
+
+
+def test_transfer_threads_apart_take_a_core_of_their_own_or_are_refused_by_name() -> None:
+    from kvferry.bench.vllm import VllmBenchConfig, transfer_core
+    from kvferry.errors import InvalidArgumentError
+
+    one_host, two_hosts = (
+        VllmBenchConfig(transfer_threads="apart"),
+        VllmBenchConfig(transfer_threads="apart", decode_netns="b", decode_host="10.0.0.2", prefill_host="10.0.0.1"),
+    )
+    assert transfer_core(VllmBenchConfig(), [0, 1, 2]) is None  # with the engine, by default
+    assert transfer_core(one_host, [0]) is None
+    assert transfer_core(one_host, [0, 1]) == 1  # the decode servers' core
+    assert transfer_core(one_host, [4, 5, 6]) == 6 and transfer_core(two_hosts, [4, 5, 6]) == 6
+    with pytest.raises(InvalidArgumentError, match=r"transfer_threads='apart' across two hosts on 2 cores"):
+        transfer_core(two_hosts, [0, 1])

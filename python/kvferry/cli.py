@@ -460,12 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm.add_argument(
         "--transfer-threads",
-        choices=("apart", "with-engine"),  # kvferry.bench.vllm.TRANSFER_THREADS
-        default="apart",
+        choices=("with-engine", "apart"),  # kvferry.bench.vllm.TRANSFER_THREADS
+        default="with-engine",
         help=(
-            "where each prefill server's transfer threads run, kvferry's and NIXL's alike: apart, on the decode "
-            "servers' core, off the core the forward computes on (as a GPU's copy engines work beside its forward); "
-            "with-engine, on the prefill's own core (default: %(default)s)"
+            "where each prefill server's transfer threads run, kvferry's and NIXL's alike: with-engine, on the "
+            "prefill's own core; apart, off the core the forward computes on (as a GPU's copy engines work beside "
+            "its forward): a third core, or on one host with two cores the decode servers' (default: %(default)s)"
         ),
     )
     vllm.add_argument(
@@ -785,8 +785,10 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         format_vllm_bench,
         progress_to_stderr,
         run_vllm_bench,
+        transfer_core,
         write_json,
     )
+    from kvferry.errors import InvalidArgumentError
 
     if args.stress:
         from kvferry.bench.stress import StressConfig, format_stress, run_stress
@@ -843,6 +845,10 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         scrape=args.scrape,
         transfer_threads=args.transfer_threads,
     )
+    try:
+        transfer_core(cfg, sorted(os.sched_getaffinity(0)))
+    except InvalidArgumentError as err:
+        return _refuse(f"--transfer-threads {args.transfer_threads}: {err}")
     result = run_vllm_bench(cfg, progress=progress_to_stderr)
     if args.json:  # first: a run of many minutes keeps its figures whatever comes next
         write_json(result, args.json)

@@ -51,12 +51,13 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from kvferry.bench import vllm_figures as vf
 from kvferry.bench.util import stderr_progress
 from kvferry.bench.vllm_figures import BLOCK_TOKENS, CASES, annotate, summaries, targets
 from kvferry.bench.vllm_report import draw_timeline, format_vllm_bench, write_json  # noqa: F401 (re-exported)
+from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import VLLM_BENCH_MODEL, Geometry
 
 
@@ -146,22 +147,42 @@ class VllmBenchConfig:
     scrape: Optional[str] = None  # append the servers' /metrics, read around each turn, here (bench/dashboard.py)
     bootstrap_reps: int = 2000
     # Where a prefill server's transfer threads run (kvferry's and every NIXL agent's alike):
-    # "apart", on the decode servers' core, off the core its forward computes on (as a GPU's
-    # copy engines move bytes beside its forward); "with-engine", on the prefill's own core.
-    transfer_threads: str = "apart"
+    # "with-engine", on the prefill's own core; "apart", off the core its forward computes on
+    # (as a GPU's copy engines move bytes beside its forward): a third core, or on one host
+    # with two cores the decode servers' (`transfer_core`).
+    transfer_threads: str = "with-engine"
 
 
-TRANSFER_THREADS = ("apart", "with-engine")
+TRANSFER_THREADS = ("with-engine", "apart")
+
+
+def transfer_core(cfg: VllmBenchConfig, cores: Sequence[int]) -> Optional[int]:
+    """The core a prefill server's transfer threads run on with ``--transfer-threads apart``
+    (None: with the engine). Across two hosts on a two-core box there is none: the decode
+    servers' core would hold NIXL's progress threads of both sides, which poll without pause,
+    and the decode servers' transfers stalled there (100 % system time, requests timed out;
+    measured 2026-12-05), so that is refused by name."""
+    if cfg.transfer_threads == "with-engine" or len(cores) < 2:
+        return None
+    if len(cores) >= 3:
+        return cores[2]
+    if cfg.decode_netns is not None:
+        raise InvalidArgumentError(
+            f"invalid transfer_threads={cfg.transfer_threads!r} across two hosts on {len(cores)} cores: it needs a "
+            "third core (on the decode servers' core, the two sides' NIXL progress threads stall its transfers)"
+        )
+    return cores[1]
 
 
 def _threads_placement(cfg: VllmBenchConfig) -> str:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return f"every server on core {cores[0]}"
+    apart = transfer_core(cfg, cores)
     where = (
-        f"its transfer threads (kvferry's and NIXL's alike) on core {cores[1]}"
-        if cfg.transfer_threads == "apart"
-        else "its transfer threads with it"
+        "their transfer threads with them"
+        if apart is None
+        else f"their transfer threads (kvferry's and NIXL's alike) on core {apart}"
     )
     return f"prefill servers compute on core {cores[0]}, {where}; decode servers on core {cores[1]}"
 
@@ -453,8 +474,8 @@ class Fleet:
         # One core for the prefill servers and one for the decode servers where the box has
         # two: only one configuration runs at a time, the others are paused.
         places = {"prefill": cores[:1] if len(cores) > 1 else cores, "decode": cores[1:2] if len(cores) > 1 else cores}
-        apart = cfg.transfer_threads == "apart" and len(cores) > 1
-        transfer = {"prefill": places["decode"] if apart else [], "decode": []}
+        apart = transfer_core(cfg, cores)
+        transfer = {"prefill": [apart] if apart is not None else [], "decode": []}
         plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
         for conf in self.confs:
             prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
