@@ -194,3 +194,25 @@ def test_shaping_finds_the_one_veth_of_a_bench_namespace(netns_dir: Any) -> None
     link.shape(None, "kvf123a", 812.5, run=lambda argv: asked.append(argv) or "")
     assert asked == [["tc", "qdisc", "replace", "dev", "kvf123a", "root", "tbf", "rate", "812.5mbit", "burst",
                       "256kb", "latency", "50ms"]]  # fmt: skip
+
+
+def test_each_namespace_receives_on_its_own_core(netns_dir: Any) -> None:
+    netns_dir("kvferry-123-a", mine=True)
+    netns_dir("kvferry-123-b")
+    asked: list[list[str]] = []
+    link.steer_receive("kvferry-123-b", "kvf123b", 1, run=lambda argv: asked.append(argv) or "")
+    link.steer_receive(None, "kvf123a", 0, run=lambda argv: asked.append(argv) or "")
+    loop = "for q in /sys/class/net/{}/queues/rx-*; do echo {} > $q/rps_cpus; done"
+    assert asked == [
+        ["ip", "netns", "exec", "kvferry-123-b", "sh", "-c", loop.format("kvf123b", 2)],
+        ["sh", "-c", loop.format("kvf123a", 1)],
+    ]
+    asked.clear()
+    with pytest.raises(InvalidArgumentError, match="refusing to shape network namespace prod"):
+        netns_dir("prod")
+        link.steer_receive("prod", "kvf123b", 1, run=lambda argv: asked.append(argv) or "")
+    with pytest.raises(InvalidArgumentError, match=r"invalid device='x; reboot'"):
+        link.steer_receive(None, "x; reboot", 1, run=lambda argv: asked.append(argv) or "")
+    with pytest.raises(InvalidArgumentError, match="invalid cpu=-1"):
+        link.steer_receive(None, "kvf123a", -1, run=lambda argv: asked.append(argv) or "")
+    assert asked == []

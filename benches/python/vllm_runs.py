@@ -23,9 +23,10 @@ def table(runs: list[dict], case: str) -> str:
         "",
         (
             "| configuration | TTFT p50 (median of runs) | each run | vs better NIXL (each run) | KV-ready "
-            "p50 | KV-ready / ideal | link / turn | held blocks / turn | outputs equal |"
+            "p50 | KV-ready / ideal | admission / prefill slowed / after prefill (ms) | link / turn | "
+            "held blocks / turn | outputs equal |"
         ),
-        "|---|---:|---|---|---:|---:|---:|---:|---|",
+        "|---|---:|---|---|---:|---:|---|---:|---:|---|",
     ]
     for name in names:
         per = [r["configs"][name][case] for r in runs]
@@ -37,11 +38,44 @@ def table(runs: list[dict], case: str) -> str:
             f"| {name} | {statistics.median(ttft):.0f} ms | {', '.join(f'{t:.0f}' for t in ttft)} | "
             f"{', '.join(f'{x:.2f}' for x in ratios) or '-'} | "
             f"{statistics.median(f['kv_ready_ms_p50'] for f in per):.0f} ms | {statistics.median(ideal):.2f} | "
+            f"{_losses(per)} | "
             f"{statistics.median(f['link_bytes_per_turn'] for f in per) / 2**20:.2f} MiB | "
             f"{'-' if held is None else f'{held:.0f}'} | "
             f"{'yes' if all(f['outputs_equal'] for f in per) else 'NO'} |"
         )
     return "\n".join(out)
+
+
+def _losses(per: list[dict]) -> str:
+    """The median over runs of each run's median loss per turn, in ms."""
+    keys = ("admission", "prefill_slowed", "after_prefill")
+    if not all(k in per[0].get("losses_ms_p50", {}) for k in keys):
+        return "-"
+    return " / ".join(f"{statistics.median(f['losses_ms_p50'][k] for f in per):.0f}" for k in keys)
+
+
+def runs_lines(paths: list[str], runs: list[dict]) -> list[str]:
+    """One line per run: when, the load, the link, each case's quiet-machine verdict, and the
+    targets as that run reported them."""
+    out = []
+    for path, r in zip(paths, runs):
+        load = r["load_average"]
+        link = r["link"]
+        verdicts = "; ".join(
+            f"{case} {'TOO BUSY' if c['load']['busy'] else 'quiet'} ({c['load']['prefill_spread']:.2f}x)"
+            for case, c in r["cases"].items()
+        )
+        targets = ", ".join(
+            f"{t['case']} {t['config']} {t['value']:.2f} {'met' if t['met'] else 'missed'}" for t in r["targets"]
+        )
+        rate = f"{link['bytes_per_s'] / 1e6:.0f} MB/s"
+        if link.get("mbit"):
+            rate += f" (tbf {link['mbit']:.0f} Mbit/s" + (", receive steered)" if link.get("receive_cores") else ")")
+        out.append(
+            f"- {path}: {r['date']}, load {load['before'][0]:.1f} before / {load['after'][0]:.1f} after; link "
+            f"{rate}; verdict: {verdicts}; targets: {targets}"
+        )
+    return out
 
 
 def main(paths: list[str]) -> int:
@@ -61,6 +95,8 @@ def main(paths: list[str]) -> int:
     left = {p: {n: k for n, k in r["kv_blocks_left"].items() if k} for p, r in zip(paths, runs)}
     print()
     print(f"KV blocks left allocated: {({p: v for p, v in left.items() if v}) or 'none, in every run'}")
+    print()
+    print("\n".join(runs_lines(paths, runs)))
     return 0
 
 

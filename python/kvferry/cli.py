@@ -469,6 +469,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     vllm.add_argument(
+        "--no-receive-steering",
+        dest="receive_steering",
+        action="store_false",
+        help=(
+            "with --decode-netns: leave each veth's receive work on the sending core (a veth's own way; every run "
+            "before 2026-12-05) instead of each namespace receiving on its own servers' core"
+        ),
+    )
+    vllm.add_argument(
         "--link-mbit",
         type=_positive_float,
         default=None,
@@ -844,6 +853,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         prefill_host=args.prefill_host,
         scrape=args.scrape,
         transfer_threads=args.transfer_threads,
+        receive_steering=args.receive_steering,
     )
     try:
         transfer_core(cfg, sorted(os.sched_getaffinity(0)))

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from kvferry.errors import InvalidArgumentError
 
-__all__ = ["corrected_mbit", "mbit_for", "shape", "veth_of"]
+__all__ = ["corrected_mbit", "mbit_for", "shape", "steer_receive", "veth_of"]
 
 # A tbf rate counts whole frames; a TCP stream's payload gets about this share of it
 # (measured on this project's veths: 2000 mbit gave 225 MB/s, 900 mbit 105 MB/s).
@@ -115,3 +115,17 @@ def shape(netns: Optional[str], device: str, mbit: float, run: Callable[[list[st
             "50ms",
         ]
     )
+
+
+def steer_receive(netns: Optional[str], device: str, cpu: int, run: Callable[[list[str]], str] = _run) -> None:
+    """Has the kernel process what ``device`` receives on CPU ``cpu`` (receive packet
+    steering: each receive queue's ``rps_cpus``). A veth hands a frame to its peer on the
+    sending CPU, so without it the receiving "host"'s whole network stack (IP, TCP, the
+    socket's wake-ups) runs on the sender's core; two real hosts each receive on their own."""
+    if isinstance(cpu, bool) or not isinstance(cpu, int) or not 0 <= cpu < (os.cpu_count() or 1):
+        raise InvalidArgumentError(f"invalid cpu={cpu!r}: not a CPU of this machine")
+    netns_name(netns)
+    if not device.replace("-", "").replace("_", "").isalnum():
+        raise InvalidArgumentError(f"invalid device={device!r}: not a network device name")
+    script = f"for q in /sys/class/net/{device}/queues/rx-*; do echo {1 << cpu:x} > $q/rps_cpus; done"
+    run([*(["ip", "netns", "exec", netns] if netns else []), "sh", "-c", script])

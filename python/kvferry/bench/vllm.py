@@ -151,6 +151,10 @@ class VllmBenchConfig:
     # (as a GPU's copy engines move bytes beside its forward): a third core, or on one host
     # with two cores the decode servers' (`transfer_core`).
     transfer_threads: str = "with-engine"
+    # Two hosts: each namespace's veth receives on its own host's core (prefill servers' core
+    # for the first, decode servers' for the second; `link.steer_receive`); False: on the
+    # sending core, as a veth does by itself (every run before 2026-12-05).
+    receive_steering: bool = True
 
 
 TRANSFER_THREADS = ("with-engine", "apart")
@@ -172,6 +176,23 @@ def transfer_core(cfg: VllmBenchConfig, cores: Sequence[int]) -> Optional[int]:
             "third core (on the decode servers' core, the two sides' NIXL progress threads stall its transfers)"
         )
     return cores[1]
+
+
+def _steer_receive(cfg: VllmBenchConfig) -> Optional[dict[str, int]]:
+    """Across two hosts, each namespace's veth receives on its own servers' core
+    (``receive_steering``, with two cores or more); returns device -> core, or None where
+    the kernel's default stays."""
+    from kvferry.bench import link
+
+    cores = sorted(os.sched_getaffinity(0))
+    if cfg.decode_netns is None or not cfg.receive_steering or len(cores) < 2:
+        return None
+    devices = {None: link.veth_of(None), cfg.decode_netns: link.veth_of(cfg.decode_netns)}
+    placed = {}
+    for (netns, dev), core in zip(devices.items(), (cores[0], cores[1])):
+        link.steer_receive(netns, dev, core)
+        placed[dev] = core
+    return placed
 
 
 def _threads_placement(cfg: VllmBenchConfig) -> str:
@@ -626,6 +647,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     rows: list[dict[str, Any]] = []
     names = [c.name for c in confs]
     by_name = {c.name: c for c in confs}
+    receive = _steer_receive(cfg)  # before any server: every figure below is taken with it
     progress(f"starting the servers of {', '.join(names)}")
     with Fleet(cfg, confs, model, work, engine, kv_token) as fleet:
         for conf in confs:
@@ -639,6 +661,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         in_run = _sizing_prefill(cfg, fleet, sizing[0]) if cfg.decode_netns is not None else []
         link = _link(cfg, sizing_prefix, statistics.median(in_run or plain_prefill), progress)
         link.update(
+            receive_cores=receive,
             sizing_prefix_bytes=sizing_prefix,
             sizing_turn_tokens=len(middle.prompt),
             plain_prefill_ms_p50=statistics.median(plain_prefill),

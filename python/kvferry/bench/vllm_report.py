@@ -32,7 +32,12 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
         f"{result['load_average']['after'][0]:.1f} after",
         f"placement: {result['placement']}",
         f"link: {link['how']}: {link['bytes_per_s'] / 1e6:.1f} MB/s measured"
-        + (f" (tbf {link['mbit']:.0f} Mbit/s)" if cross else ""),
+        + (f" (tbf {link['mbit']:.0f} Mbit/s)" if cross else "")
+        + (
+            "; each veth receives on " + ", ".join(f"{dev}: core {core}" for dev, core in link["receive_cores"].items())
+            if link.get("receive_cores")
+            else ""
+        ),
     ]
     for case in CASES:
         info = result["cases"][case]
