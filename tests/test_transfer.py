@@ -425,6 +425,27 @@ def test_nixl_contiguous_blocks_go_as_runs_bit_exact(monkeypatch: pytest.MonkeyP
     assert made["runs"] > made["prepped"], made
 
 
+def test_nixl_sender_has_no_progress_thread_and_its_writes_still_land(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's agent runs no UCX progress thread (it would poll without pause beside an
+    engine's forward while a write is out): its writes progress when the announcer asks
+    their state, and land bit exact, exactly once."""
+    pytest.importorskip("nixl")
+    from kvferry.transports.nixl import NixlTransport
+    from nixl._api import nixl_agent
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    made: dict[str, bool] = {}
+    real = nixl_agent.__init__
+
+    def noted(self: Any, name: str, config: Any = None, *args: Any, **kwargs: Any) -> None:
+        made[name.split("-")[1]] = config.enable_pthread
+        real(self, name, config, *args, **kwargs)
+
+    monkeypatch.setattr(nixl_agent, "__init__", noted)
+    _two_processes("nixl", "cpu", NixlTransport, 1)
+    assert made == {"tx": False}, made  # the receiver's agent is in the other process
+
+
 def test_nixl_descriptors_per_write_are_one_per_run_layer_and_segment(monkeypatch: pytest.MonkeyPatch) -> None:
     """A write of 16 blocks in 3 runs consecutive on both sides hands NIXL 3 descriptors per
     layer and segment on each side (16 before runs were coalesced) in one transfer; a write

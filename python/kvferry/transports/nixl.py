@@ -16,8 +16,8 @@ every interface), with the pool's layer addresses, strides and registered spans:
 builds the receiver's block descriptors itself, at the receiver's strides, after checking that
 every one lies inside a registered span (`_remote_pool`), so any pool (layer- or block-outer,
 a head slice) is served on either side. Needs the `nixl` package
-(`pip install kvferry[nixl]`); UCX's progress thread stays on, without it the target never
-progresses.
+(`pip install kvferry[nixl]`); the receiver's UCX progress thread stays on (without it the
+target never progresses), the sender's agent has none (`SENDER_PROGRESS_THREAD`).
 
 Faults. The sender learns that its receiver died from the socket (EOF), from NIXL (a post or a
 transfer that ends in error), or, where neither says anything (a hung peer), from the sender's
@@ -76,17 +76,27 @@ CHECK_SECONDS = 1e-3
 COALESCE = True
 
 
-def _agent(role: str) -> Any:
-    """A NIXL agent on UCX. Its progress thread polls without pause (about half a core)
-    until the agent is destroyed, which happens only when the last object holding it goes:
-    so every holder here drops it as soon as it is done, rather than leave that to the
-    garbage collector."""
+# Whether the sender's agent has a progress thread of its own. It has not: that thread polls
+# without pause while a transfer is outstanding, so an early send overlapping the forward
+# took half of the forward's core for the whole transfer (a CPU engine's prefill ran at half
+# speed; docs/benchmarks.md, 2026-12-05). The sender's transfers progress instead when their
+# state is asked (`_XferPending.done`, at most every CHECK_SECONDS, from the announcer) and
+# when the announcer looks at the receiver (`NixlTransport.check_peer`). The receiver keeps
+# its thread: it is the target of the writes, and nothing else would progress it.
+SENDER_PROGRESS_THREAD = False
+
+
+def _agent(role: str, progress_thread: bool = True) -> Any:
+    """A NIXL agent on UCX. Its progress thread (``progress_thread``) polls without pause
+    (about half a core) while transfers are outstanding, until the agent is destroyed,
+    which happens only when the last object holding it goes: so every holder here drops it
+    as soon as it is done, rather than leave that to the garbage collector."""
     from kvferry._optional import require
 
     require("nixl")
     from nixl._api import nixl_agent, nixl_agent_config
 
-    config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     with affinity.on_transfer_cores():  # its progress thread starts here and inherits the cores
         return nixl_agent(f"kvferry-{role}-{secrets.token_hex(16)}", config)
 
@@ -679,7 +689,7 @@ class NixlTransport(Transport):
             raise
         self._src = src
         self._host_src = host_src
-        self.agent = _agent("tx")
+        self.agent = _agent("tx", progress_thread=SENDER_PROGRESS_THREAD)
         self._conn.send(Agent(self.agent.name))  # before any announce
         # By spans, not by tensors: a block-outer pool's layer views are not contiguous.
         self._registered = [self.agent.register_memory(registered_regions(src), _mem_type(src))]
@@ -874,8 +884,14 @@ class NixlTransport(Transport):
         ]
 
     def check_peer(self) -> None:
-        """Raises `TransferError` (naming the receiver) once its socket closed."""
+        """Raises `TransferError` (naming the receiver) once its socket closed; without a
+        progress thread, also progresses the agent (a notification still on its way out)."""
         self._conn.check()
+        if not SENDER_PROGRESS_THREAD and self.agent is not None:
+            try:
+                self.agent.get_new_notifs()  # progresses the UCX worker; a sender is sent none
+            except Exception as err:  # nixl's own error classes: the receiver's agent is gone
+                raise TransferError(f"NIXL agent of {self.peer} failed: {err!r}", peer=self.peer) from err
 
     def cancel_requests(self) -> list[tuple[int, int]]:
         return self._conn.take_cancels()
