@@ -77,9 +77,9 @@ COALESCE = True
 
 
 # Whether the sender's agent has a progress thread of its own. It has not: that thread polls
-# without pause while a transfer is outstanding, so an early send overlapping the forward
-# took half of the forward's core for the whole transfer (a CPU engine's prefill ran at half
-# speed; docs/benchmarks.md, 2026-12-05). The sender's transfers progress instead when their
+# without pause, so on a CPU engine it took half of the forward's core (a prefill overlapping
+# an early send ran at about half speed; docs/benchmarks.md, 2026-12-05), and on a GPU host it
+# burns a core beside the engine's. The sender's transfers progress instead when their
 # state is asked (`_XferPending.done`, at most every CHECK_SECONDS, from the announcer) and
 # when the announcer looks at the receiver (`NixlTransport.check_peer`). The receiver keeps
 # its thread: it is the target of the writes, and nothing else would progress it.
@@ -88,9 +88,9 @@ SENDER_PROGRESS_THREAD = False
 
 def _agent(role: str, progress_thread: bool = True) -> Any:
     """A NIXL agent on UCX. Its progress thread (``progress_thread``) polls without pause
-    (about half a core) while transfers are outstanding, until the agent is destroyed,
-    which happens only when the last object holding it goes: so every holder here drops it
-    as soon as it is done, rather than leave that to the garbage collector."""
+    (about half a core) until the agent is destroyed, which happens only when the last
+    object holding it goes: so every holder here drops it as soon as it is done, rather
+    than leave that to the garbage collector."""
     from kvferry._optional import require
 
     require("nixl")
