@@ -109,3 +109,31 @@ def test_the_leak_check_passes_after_a_transfer_over_shared_memory() -> None:
     assert_nothing_leased(served.receiver, endpoint=served.endpoint)
     served.close()
     assert_nothing_leased(threads=before)
+
+
+def test_wait_until_takes_a_look_that_timed_out_for_not_yet() -> None:
+    from vllm_harness import wait_until
+
+    looks = iter([TimeoutError("slow /metrics"), ConnectionResetError("restarting"), True])
+
+    def predicate() -> bool:
+        look = next(looks)
+        if isinstance(look, BaseException):
+            raise look
+        return look
+
+    wait_until(predicate, "the third look", timeout_s=60)
+    with pytest.raises(StopIteration):
+        next(looks)  # it took all three looks
+
+    def never() -> bool:
+        raise TimeoutError("slow /metrics")
+
+    with pytest.raises(AssertionError, match=r"timed out after 0 s waiting for x \(the last look failed: Timeout"):
+        wait_until(never, "x", timeout_s=0)
+
+    def broken() -> bool:
+        raise ValueError("a malformed metric")
+
+    with pytest.raises(ValueError, match="malformed"):  # anything else is not a slow look: raised
+        wait_until(broken, "x", timeout_s=60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import urllib.error
 from typing import Any, Callable, Iterator, Optional
 
 BLOCK = 32
@@ -18,11 +19,19 @@ BLOCK = 32
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
     """Waits for a condition the servers or engines report (a metric, a gauge, a log line):
-    polls it, bounded; a timeout names the condition."""
+    polls it, bounded; a timeout names the condition. A look that itself timed out (a busy
+    server slow to answer /metrics) counts as "not yet": only ``timeout_s`` bounds the wait."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    last: Optional[BaseException] = None
+    while True:
+        try:
+            if predicate():
+                return
+        except (TimeoutError, ConnectionError, urllib.error.URLError) as err:
+            last = err
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            why = f" (the last look failed: {last!r})" if last is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{why}")
         time.sleep(0.2)  # the polling interval, not a synchronisation: the predicate decides
 
 
