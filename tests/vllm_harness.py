@@ -35,17 +35,28 @@ def build_tiny_llama(path: str) -> str:
     return str(testbed.build_tiny_llama(Path(path)))
 
 
-def model_with_own_key_dir(tmp_path_factory: Any) -> Iterator[str]:
-    """A module fixture's body: builds the tiny model and, while the module's tests run, points
-    ``XDG_RUNTIME_DIR`` at a fresh 0700 directory, so that the engines (spawned: they inherit
-    this environment) find the per-user default key file there with no setting (the first to
-    start makes it, the others re-use it). Yields the model's folder."""
+def build_tiny_deepseek_v2(path: str) -> str:
+    """The testbed's random fp32 DeepSeek-V2 (MLA: one latent head of 576, 2 layers) and its
+    tokenizer."""
+    from pathlib import Path
+
+    from kvferry.vllm import testbed
+
+    return str(testbed.build_tiny_deepseek_v2(Path(path)))
+
+
+def model_with_own_key_dir(tmp_path_factory: Any, build: Callable[[str], str] = build_tiny_llama) -> Iterator[str]:
+    """A module fixture's body: builds the tiny model (``build``: the Llama unless given) and,
+    while the module's tests run, points ``XDG_RUNTIME_DIR`` at a fresh 0700 directory, so
+    that the engines (spawned: they inherit this environment) find the per-user default key
+    file there with no setting (the first to start makes it, the others re-use it). Yields
+    the model's folder."""
     runtime = tmp_path_factory.mktemp("runtime")
     os.chmod(runtime, 0o700)
     saved = os.environ.get("XDG_RUNTIME_DIR")
     os.environ["XDG_RUNTIME_DIR"] = str(runtime)
     try:
-        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+        yield build(str(tmp_path_factory.mktemp("tiny-model")))
     finally:
         if saved is None:
             os.environ.pop("XDG_RUNTIME_DIR", None)
@@ -198,6 +209,26 @@ def _serve(
                     ],
                     "moved": None if worker is None else worker.groups.describe(),
                     "regions": None if worker is None or worker.pool is None else worker.pool.num_layers,
+                    # One region's block as registered: its KV heads (MLA: one latent head) and bytes.
+                    "heads": None if worker is None or worker.pool is None else worker.pool.num_heads,
+                    "block_bytes": None if worker is None or worker.pool is None else worker.pool.block_bytes,
+                    # A decode worker's receivers: the prefill ranks that write into this rank.
+                    "receivers": None
+                    if connector is None or connector._decode is None
+                    else sorted(connector._decode.receivers),
+                }
+            elif cmd == "config":  # what vLLM made of the engine arguments (its platform overrides some)
+                config = engine.vllm_config
+                layers = config.compilation_config.static_forward_context.values()
+                reply = {
+                    "use_mla": config.model_config.use_mla,
+                    "block_size": config.cache_config.block_size,
+                    "prefix_caching": config.cache_config.enable_prefix_caching,
+                    "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+                    # Empty under tensor parallelism: the layers live in the rank processes.
+                    "backends": sorted(
+                        {layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")}
+                    ),
                 }
             elif cmd == "totals":
                 connector = get_kv_transfer_group() if has_kv_transfer_group() else None
