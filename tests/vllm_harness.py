@@ -100,6 +100,7 @@ def _serve(
     os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
     from vllm import EngineArgs, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -230,6 +231,19 @@ def _serve(
                         {layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")}
                     ),
                 }
+            elif cmd == "kv":  # a live request's KV rows of tokens [0, n), per layer: [layers, n, H * C]
+                rid, n = arg
+                (ids,) = sched.kv_cache_manager.get_block_ids(internal(rid).request_id)  # one KV cache group
+                rows = []
+                for layer in engine.vllm_config.compilation_config.static_forward_context.values():
+                    kv = getattr(layer, "kv_cache", None)
+                    kv = kv[0] if isinstance(kv, list) else kv
+                    if isinstance(kv, torch.Tensor) and kv.numel():
+                        # The layer's own view: [B, H, N, C], or [B, N, C] (MLA's backends).
+                        kv = kv.unsqueeze(1) if kv.dim() == 3 else kv
+                        blocks = kv[torch.tensor(ids)].permute(0, 2, 1, 3)  # tokens in block order
+                        rows.append(blocks.reshape(-1, blocks.shape[2] * blocks.shape[3])[:n].clone())
+                reply = torch.stack(rows)
             elif cmd == "totals":
                 connector = get_kv_transfer_group() if has_kv_transfer_group() else None
                 worker = None if connector is None else connector._worker
