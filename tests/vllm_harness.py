@@ -44,17 +44,28 @@ def build_tiny_llama(path: str) -> str:
     return str(testbed.build_tiny_llama(Path(path)))
 
 
-def model_with_own_key_dir(tmp_path_factory: Any) -> Iterator[str]:
-    """A module fixture's body: builds the tiny model and, while the module's tests run, points
-    ``XDG_RUNTIME_DIR`` at a fresh 0700 directory, so that the engines (spawned: they inherit
-    this environment) find the per-user default key file there with no setting (the first to
-    start makes it, the others re-use it). Yields the model's folder."""
+def build_tiny_deepseek_v2(path: str) -> str:
+    """The testbed's random fp32 DeepSeek-V2 (MLA: one latent head of 576, 2 layers) and its
+    tokenizer."""
+    from pathlib import Path
+
+    from kvferry.vllm import testbed
+
+    return str(testbed.build_tiny_deepseek_v2(Path(path)))
+
+
+def model_with_own_key_dir(tmp_path_factory: Any, build: Callable[[str], str] = build_tiny_llama) -> Iterator[str]:
+    """A module fixture's body: builds the tiny model (``build``: the Llama unless given) and,
+    while the module's tests run, points ``XDG_RUNTIME_DIR`` at a fresh 0700 directory, so
+    that the engines (spawned: they inherit this environment) find the per-user default key
+    file there with no setting (the first to start makes it, the others re-use it). Yields
+    the model's folder."""
     runtime = tmp_path_factory.mktemp("runtime")
     os.chmod(runtime, 0o700)
     saved = os.environ.get("XDG_RUNTIME_DIR")
     os.environ["XDG_RUNTIME_DIR"] = str(runtime)
     try:
-        yield build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+        yield build(str(tmp_path_factory.mktemp("tiny-model")))
     finally:
         if saved is None:
             os.environ.pop("XDG_RUNTIME_DIR", None)
@@ -98,6 +109,7 @@ def _serve(
     os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
     from vllm import EngineArgs, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -207,7 +219,40 @@ def _serve(
                     ],
                     "moved": None if worker is None else worker.groups.describe(),
                     "regions": None if worker is None or worker.pool is None else worker.pool.num_layers,
+                    # One region's block as registered: its KV heads (MLA: one latent head) and bytes.
+                    "heads": None if worker is None or worker.pool is None else worker.pool.num_heads,
+                    "block_bytes": None if worker is None or worker.pool is None else worker.pool.block_bytes,
+                    # A decode worker's receivers: the prefill ranks that write into this rank.
+                    "receivers": None
+                    if connector is None or connector._decode is None
+                    else sorted(connector._decode.receivers),
                 }
+            elif cmd == "config":  # what vLLM made of the engine arguments (its platform overrides some)
+                config = engine.vllm_config
+                layers = config.compilation_config.static_forward_context.values()
+                reply = {
+                    "use_mla": config.model_config.use_mla,
+                    "block_size": config.cache_config.block_size,
+                    "prefix_caching": config.cache_config.enable_prefix_caching,
+                    "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+                    # Empty under tensor parallelism: the layers live in the rank processes.
+                    "backends": sorted(
+                        {layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")}
+                    ),
+                }
+            elif cmd == "kv":  # a live request's KV rows of tokens [0, n), per layer: [layers, n, H * C]
+                rid, n = arg
+                (ids,) = sched.kv_cache_manager.get_block_ids(internal(rid).request_id)  # one KV cache group
+                rows = []
+                for layer in engine.vllm_config.compilation_config.static_forward_context.values():
+                    kv = getattr(layer, "kv_cache", None)
+                    kv = kv[0] if isinstance(kv, list) else kv
+                    if isinstance(kv, torch.Tensor) and kv.numel():
+                        # The layer's own view: [B, H, N, C], or [B, N, C] (MLA's backends).
+                        kv = kv.unsqueeze(1) if kv.dim() == 3 else kv
+                        blocks = kv[torch.tensor(ids)].permute(0, 2, 1, 3)  # tokens in block order
+                        rows.append(blocks.reshape(-1, blocks.shape[2] * blocks.shape[3])[:n].clone())
+                reply = torch.stack(rows)
             elif cmd == "totals":
                 connector = get_kv_transfer_group() if has_kv_transfer_group() else None
                 worker = None if connector is None else connector._worker

@@ -57,39 +57,126 @@ class RandomLlama:
 def build_tiny_llama(root: Path, spec: RandomLlama = RandomLlama()) -> Path:
     """Writes (once per geometry: the folder name is a hash of it) a random LlamaForCausalLM and
     a PreTrainedTokenizerFast under ``root``; returns the model folder."""
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(root) / f"tiny-llama-{key}"
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(tmp: Path) -> None:
+        g = spec.geometry
+        torch.manual_seed(g.seed)
+        config = LlamaConfig(
+            vocab_size=g.vocab,
+            hidden_size=g.hidden,
+            intermediate_size=g.ffn,
+            num_hidden_layers=g.layers,
+            num_attention_heads=g.heads,
+            num_key_value_heads=g.kv_heads,
+            head_dim=g.head_dim,
+            max_position_embeddings=spec.max_positions,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+            initializer_range=spec.init_range,
+            torch_dtype="float32",
+        )
+        LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+        _save_tokenizer(tmp, g.vocab)
+
+    return _build_once(Path(root), "tiny-llama", asdict(spec), build)
+
+
+@dataclass(frozen=True)
+class RandomDeepseekV2:
+    """A random DeepSeek-V2 (MLA) model, fp32: vLLM caches one latent head per token and layer,
+    ``kv_lora_rank + qk_rope_head_dim`` wide. vLLM 0.32's CPU MLA backend (CPU_MLA) runs only
+    576 = 512 + 64 (its decode kernel) with 16-token blocks; the rest is small. Dense MLPs
+    (``first_k_dense_replace`` = every layer): no MoE to build. 4 attention heads: tensor
+    parallelism of 2 or 4 splits them (MLA's latent head is whole on every rank)."""
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    ffn: int = 512
+    vocab: int = VOCAB
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    max_positions: int = 4096
+    init_range: float = 0.3  # as RandomLlama's: greedy output that wanders
+    seed: int = 0
+
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * 4  # one latent head, fp32
+
+
+def build_tiny_deepseek_v2(root: Path, spec: RandomDeepseekV2 = RandomDeepseekV2()) -> Path:
+    """Writes (once per spec) a random DeepseekV2ForCausalLM (vLLM maps that architecture to
+    its MLA model) and the same tokenizer as `build_tiny_llama` under ``root``; returns the
+    model folder."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(spec.seed)
+        config = DeepseekV2Config(
+            vocab_size=spec.vocab,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.ffn,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.heads,
+            kv_lora_rank=spec.kv_lora_rank,
+            q_lora_rank=None,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            first_k_dense_replace=spec.layers,
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            n_shared_experts=1,
+            moe_intermediate_size=spec.ffn,
+            max_position_embeddings=spec.max_positions,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+            initializer_range=spec.init_range,
+            torch_dtype="float32",
+        )
+        DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+        _save_tokenizer(tmp, spec.vocab)
+
+    return _build_once(Path(root), "tiny-deepseek-v2", asdict(spec), build)
+
+
+def _build_once(root: Path, name: str, spec: dict[str, Any], build: Any) -> Path:
+    """``root/<name>-<hash of spec>``, built by ``build(tmp)`` in a temporary folder and renamed
+    into place once complete (a concurrent builder's finished copy wins)."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    path = root / f"{name}-{key}"
     if (path / "done").exists():
         return path
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    g = spec.geometry
-    torch.manual_seed(g.seed)
-    config = LlamaConfig(
-        vocab_size=g.vocab,
-        hidden_size=g.hidden,
-        intermediate_size=g.ffn,
-        num_hidden_layers=g.layers,
-        num_attention_heads=g.heads,
-        num_key_value_heads=g.kv_heads,
-        head_dim=g.head_dim,
-        max_position_embeddings=spec.max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=spec.init_range,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(config).to(torch.float32)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
-    model.save_pretrained(tmp, safe_serialization=True)
+    build(tmp)
+    if path.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp)
+        return path
+    (tmp / "done").write_text(key)
+    tmp.rename(path)
+    return path
+
+
+def _save_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer trained in-process, saved as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=g.vocab,
+        vocab_size=vocab,
         special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -102,15 +189,7 @@ def build_tiny_llama(root: Path, spec: RandomLlama = RandomLlama()) -> Path:
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )
-    fast.save_pretrained(tmp)
-    if path.exists():  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp)
-        return path
-    (tmp / "done").write_text(key)
-    tmp.rename(path)
-    return path
+    fast.save_pretrained(folder)
 
 
 @dataclass
