@@ -83,3 +83,5 @@ def test_transfer_threads_apart_take_a_core_of_their_own_or_are_refused_by_name(
     assert transfer_core(one_host, [4, 5, 6]) == 6 and transfer_core(two_hosts, [4, 5, 6]) == 6
     with pytest.raises(InvalidArgumentError, match=r"transfer_threads='apart' across two hosts on 2 cores"):
         transfer_core(two_hosts, [0, 1])
+    with pytest.raises(InvalidArgumentError, match=r"invalid transfer_threads='elsewhere': choose from with-engine"):
+        transfer_core(VllmBenchConfig(transfer_threads="elsewhere"), [0, 1, 2])

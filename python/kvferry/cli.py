@@ -792,9 +792,9 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         VllmBenchConfig,
         draw_timeline,
         format_vllm_bench,
+        placement,
         progress_to_stderr,
         run_vllm_bench,
-        transfer_core,
         write_json,
     )
     from kvferry.errors import InvalidArgumentError
@@ -856,7 +856,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         receive_steering=args.receive_steering,
     )
     try:
-        transfer_core(cfg, sorted(os.sched_getaffinity(0)))
+        placement(cfg)  # before minutes of setup: a placement the box cannot give is refused now
     except InvalidArgumentError as err:
         return _refuse(f"--transfer-threads {args.transfer_threads}: {err}")
     result = run_vllm_bench(cfg, progress=progress_to_stderr)

@@ -166,6 +166,10 @@ def transfer_core(cfg: VllmBenchConfig, cores: Sequence[int]) -> Optional[int]:
     servers' core would hold NIXL's progress threads of both sides, which poll without pause,
     and the decode servers' transfers stalled there (100 % system time, requests timed out;
     measured 2026-12-05), so that is refused by name."""
+    if cfg.transfer_threads not in TRANSFER_THREADS:
+        raise InvalidArgumentError(
+            f"invalid transfer_threads={cfg.transfer_threads!r}: choose from {', '.join(TRANSFER_THREADS)}"
+        )
     if cfg.transfer_threads == "with-engine" or len(cores) < 2:
         return None
     if len(cores) >= 3:
@@ -178,34 +182,55 @@ def transfer_core(cfg: VllmBenchConfig, cores: Sequence[int]) -> Optional[int]:
     return cores[1]
 
 
-def _steer_receive(cfg: VllmBenchConfig) -> Optional[dict[str, int]]:
+@dataclass(frozen=True)
+class Placement:
+    """Where the run's servers compute: all prefill servers on one core and all decode
+    servers on another where the box has two (only one configuration runs at a time, the
+    others are paused), and where a prefill server's transfer threads run (None: with it)."""
+
+    prefill: list[int]
+    decode: list[int]
+    transfer: Optional[int]
+
+    @property
+    def apart(self) -> bool:
+        """Whether prefill and decode servers have cores of their own."""
+        return self.prefill != self.decode
+
+    def describe(self) -> str:
+        if not self.apart:
+            return f"every server on core {self.prefill[0]}"
+        where = (
+            "their transfer threads with them"
+            if self.transfer is None
+            else f"their transfer threads (kvferry's and NIXL's alike) on core {self.transfer}"
+        )
+        return f"prefill servers compute on core {self.prefill[0]}, {where}; decode servers on core {self.decode[0]}"
+
+
+def placement(cfg: VllmBenchConfig) -> Placement:
+    """The run's `Placement` on the cores this process may use (`transfer_core` refuses a
+    ``transfer_threads`` the box cannot give, by name)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return Placement(cores, cores, None)
+    return Placement(cores[:1], cores[1:2], transfer_core(cfg, cores))
+
+
+def _steer_receive(cfg: VllmBenchConfig, where: Placement) -> Optional[dict[str, int]]:
     """Across two hosts, each namespace's veth receives on its own servers' core
     (``receive_steering``, with two cores or more); returns device -> core, or None where
     the kernel's default stays."""
     from kvferry.bench import link
 
-    cores = sorted(os.sched_getaffinity(0))
-    if cfg.decode_netns is None or not cfg.receive_steering or len(cores) < 2:
+    if cfg.decode_netns is None or not cfg.receive_steering or not where.apart:
         return None
     devices = {None: link.veth_of(None), cfg.decode_netns: link.veth_of(cfg.decode_netns)}
     placed = {}
-    for (netns, dev), core in zip(devices.items(), (cores[0], cores[1])):
+    for (netns, dev), core in zip(devices.items(), (where.prefill[0], where.decode[0])):
         link.steer_receive(netns, dev, core)
         placed[dev] = core
     return placed
-
-
-def _threads_placement(cfg: VllmBenchConfig) -> str:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return f"every server on core {cores[0]}"
-    apart = transfer_core(cfg, cores)
-    where = (
-        "their transfer threads with them"
-        if apart is None
-        else f"their transfer threads (kvferry's and NIXL's alike) on core {apart}"
-    )
-    return f"prefill servers compute on core {cores[0]}, {where}; decode servers on core {cores[1]}"
 
 
 def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> int:
@@ -466,9 +491,10 @@ class Fleet:
         work: Path,
         engine: Any,
         kv_bytes_per_token: int,
+        where: Placement,
     ) -> None:
         self.cfg, self.confs, self.model, self.work, self.engine = cfg, confs, model, work, engine
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bytes_per_token, self.where = kv_bytes_per_token, where
         self.servers: dict[tuple[Any, ...], Any] = {}
         self.proxies: dict[str, Any] = {}
         self.pool_bytes: dict[str, int] = {}
@@ -491,12 +517,9 @@ class Fleet:
 
         cfg = self.cfg
         cross = cfg.decode_netns is not None
-        cores = sorted(os.sched_getaffinity(0))
-        # One core for the prefill servers and one for the decode servers where the box has
-        # two: only one configuration runs at a time, the others are paused.
-        places = {"prefill": cores[:1] if len(cores) > 1 else cores, "decode": cores[1:2] if len(cores) > 1 else cores}
-        apart = transfer_core(cfg, cores)
-        transfer = {"prefill": [apart] if apart is not None else [], "decode": []}
+        where = self.where
+        places = {"prefill": where.prefill, "decode": where.decode}
+        transfer = {"prefill": [where.transfer] if where.transfer is not None else [], "decode": []}
         plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
         for conf in self.confs:
             prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
@@ -647,9 +670,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     rows: list[dict[str, Any]] = []
     names = [c.name for c in confs]
     by_name = {c.name: c for c in confs}
-    receive = _steer_receive(cfg)  # before any server: every figure below is taken with it
+    where = placement(cfg)
+    receive = _steer_receive(cfg, where)  # before any server: every figure below is taken with it
     progress(f"starting the servers of {', '.join(names)}")
-    with Fleet(cfg, confs, model, work, engine, kv_token) as fleet:
+    with Fleet(cfg, confs, model, work, engine, kv_token, where) as fleet:
         for conf in confs:
             # One request first: the proxy's one-off work (kvferry's hello) and the connectors'
             # first-transfer setup (NIXL's handshake) stay out of the figures.
@@ -702,7 +726,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
             else "one host, loopback"
         )
         + "; "
-        + _threads_placement(cfg),
+        + where.describe(),
         "pool_bytes": pools,
         "kv_blocks_left": leaks,
         "hellos": hellos,
