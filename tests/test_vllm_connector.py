@@ -27,7 +27,7 @@ needs_vllm = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, model_with_own_key_dir, wait_until  # noqa: E402
+from vllm_harness import BLOCK, Engine, hello_of, model_with_own_key_dir, prompt_of, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -71,9 +71,7 @@ def engines(model: str) -> Any:
     decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
     plain = Engine(model, None)
     try:
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
-            "kvferry"
-        ]
+        hello = hello_of(decode)
         assert (
             hello["role"] == "kv_consumer"
             and hello["peer"]
@@ -218,9 +216,7 @@ def test_tcp_control_plane_over_loopback(engines: Any, model: str, transport: st
     prefill = Engine(model, "kv_producer", {"transport": transport}, max_num_batched_tokens=64)
     decode = Engine(model, "kv_consumer", {"transport": transport, "listen": "tcp://127.0.0.1:0"})
     try:
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
-            "kvferry"
-        ]
+        hello = hello_of(decode)
         assert hello["peer"].startswith("tcp://127.0.0.1:"), hello
         pair = Pair(prefill, decode, hello)
         prompt = prompt_of(150, 70)
@@ -280,9 +276,7 @@ def test_nixl_across_two_network_namespaces(engines: Any, model: str, tmp_path: 
             env=env(hosts.a),
             max_num_batched_tokens=64,
         )
-        hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
-            "kvferry"
-        ]
+        hello = hello_of(decode)
         assert hello["peer"].startswith(f"tcp://{hosts.b.ip}:"), hello
         veth_before = hosts.tx_bytes(hosts.a)
         prompt = prompt_of(150, 71)
@@ -303,9 +297,7 @@ def test_kv_both_engine_serves_both_halves(engines: Any, model: str) -> None:
     _, _, plain, _ = engines
     both = Engine(model, "kv_both", max_num_batched_tokens=64)
     try:
-        hello = both.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]["kv_transfer_params"][
-            "kvferry"
-        ]
+        hello = hello_of(both)
         assert hello["role"] == "kv_both"
         prompt, transfer = [random.Random(9).randrange(1, 500) for _ in range(130)], uuid.uuid4().hex
         send = {"kvferry": {"op": "send", "transfer": transfer, "peer": hello["peer"], "peer_mac": hello["peer_mac"]}}
@@ -357,11 +349,6 @@ def test_two_prefill_engines_feed_one_decode_engine(engines: Any, model: str) ->
 
 
 # -- aborts ---------------------------------------------------------------------------------
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 def still_serves(pair: Pair, plain: Engine, seed: int) -> None:
@@ -490,9 +477,7 @@ def test_dead_decode_server_frees_the_prefill_blocks(engines: Any, model: str) -
     prefill, decode, plain, hello = engines
     doomed = Engine(model, "kv_consumer")
     try:
-        theirs = doomed.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"][
-            "kv_transfer_params"
-        ]["kvferry"]
+        theirs = hello_of(doomed)
         pair = Pair(prefill, doomed, theirs)
         prompt, transfer = prompt_of(200, 18), uuid.uuid4().hex
         assert doomed.run(

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, model_with_own_key_dir  # noqa: E402
+from vllm_harness import BLOCK, Engine, hello_of, model_with_own_key_dir  # noqa: E402
 
 WINDOW = 64  # tokens: 2 blocks
 KV_HEADS, HEAD_DIM = 2, 32
@@ -65,8 +65,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         decode = Engine(model, "kv_consumer", {"transfer_timeout_s": 60.0})
         plain = Engine(model, None)
         try:
-            hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]
-            yield prefill, decode, plain, hello["kv_transfer_params"]["kvferry"]
+            yield prefill, decode, plain, hello_of(decode)
         finally:
             for engine in (prefill, decode, plain):
                 engine.close()

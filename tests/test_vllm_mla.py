@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import Engine, build_tiny_deepseek_v2, model_with_own_key_dir  # noqa: E402
+from vllm_harness import Engine, build_tiny_deepseek_v2, hello_of, model_with_own_key_dir  # noqa: E402
 
 BLOCK = 16  # tokens: CPU_MLA's only block size
 LAYERS = 2
@@ -60,8 +60,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         decode = Engine(model, "kv_consumer", extra(), **MLA)
         plain = Engine(model, None, **MLA)
         try:
-            hello = decode.run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]
-            yield model, prefill, decode, plain, hello["kv_transfer_params"]["kvferry"]
+            yield model, prefill, decode, plain, hello_of(decode)
         finally:
             for engine in (prefill, decode, plain):
                 engine.close()
@@ -174,8 +173,7 @@ def tp_pair(engines: Any) -> Any:
             engine.start("usage")
         for engine in started:
             assert engine.result(timeout=600.0) == {"used": 0, "requests": 0}
-        hello = started[1].run([("hello", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]["hello"]
-        yield started[0], started[1], hello["kv_transfer_params"]["kvferry"]
+        yield started[0], started[1], hello_of(started[1])
     finally:
         for engine in started:
             engine.close()

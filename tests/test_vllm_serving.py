@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_harness import BLOCK, Engine, model_with_own_key_dir, wait_until  # noqa: E402
+from vllm_harness import BLOCK, Engine, hello_of, model_with_own_key_dir, prompt_of, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
 BLOCK_BYTES = LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # one block over all layers, fp32
@@ -57,17 +57,6 @@ def plain(model: str) -> Any:
     engine = Engine(model, None)
     yield engine
     engine.close()
-
-
-def hello_of(decode: Engine) -> dict[str, Any]:
-    out = decode.run([(f"hello-{uuid.uuid4().hex[:6]}", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]
-    (answer,) = out.values()
-    return answer["kv_transfer_params"]["kvferry"]
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 def recv(transfer: str) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import sys
 import uuid
 from typing import Any
@@ -47,7 +46,7 @@ from test_tp import (  # noqa: E402, F401
     test_the_hello_names_every_decode_rank_and_signs_them_together,
 )
 from test_vllm_hma import WINDOW, hybrid  # noqa: E402
-from vllm_harness import Engine, model_with_own_key_dir  # noqa: E402
+from vllm_harness import Engine, hello_of, model_with_own_key_dir, prompt_of  # noqa: E402
 
 WAIT_S = 120.0  # what a decode request waits for its blocks, and a prefill request for its destination
 TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
@@ -88,17 +87,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         finally:
             for engine in started.values():
                 engine.close()
-
-
-def hello_of(decode: Engine) -> dict[str, Any]:
-    out = decode.run([(f"hello-{uuid.uuid4().hex[:6]}", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]
-    (answer,) = out.values()
-    return answer["kv_transfer_params"]["kvferry"]
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 PAIRS = {"P2-D1": ("tp2", "tp1", 2, 1), "P1-D2": ("tp1", "tp2", 1, 2), "P2-D2": ("tp2", "tp2d", 2, 2)}

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import time
 import urllib.error
+import uuid
 from typing import Any, Callable, Iterator, Optional
 
 BLOCK = 32
@@ -33,6 +35,20 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0)
             why = f" (the last look failed: {last!r})" if last is not None else ""
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{why}")
         time.sleep(0.2)  # the polling interval, not a synchronisation: the predicate decides
+
+
+def hello_of(decode: Engine) -> dict[str, Any]:
+    """A decode engine's ``hello`` answer (its rendezvous and their signature), as a prefill
+    server's proxy asks it."""
+    out = decode.run([(f"hello-{uuid.uuid4().hex[:6]}", [1], 1, {"kvferry": {"op": "hello"}})])["outputs"]
+    (answer,) = out.values()
+    return answer["kv_transfer_params"]["kvferry"]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """``n`` random token ids of the tiny models' vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
 
 
 def build_tiny_llama(path: str) -> str:

@@ -22,8 +22,7 @@ from kvferry.errors import InvalidArgumentError
 
 __all__ = ["Thread", "on_transfer_cores", "pin_current_thread", "set_transfer_cores", "transfer_cores"]
 
-_cores: Optional[frozenset[int]] = None
-_lock = threading.Lock()
+_cores: Optional[frozenset[int]] = None  # one assignment replaces it: no lock needed
 
 
 def check_cores(cores: Any, argument: str = "transfer_cores") -> Optional[frozenset[int]]:
@@ -55,8 +54,7 @@ def set_transfer_cores(cores: Optional[Sequence[int]]) -> None:
         with _pinned(checked):
             pass
     global _cores
-    with _lock:
-        _cores = checked
+    _cores = checked
 
 
 def transfer_cores() -> Optional[frozenset[int]]:
