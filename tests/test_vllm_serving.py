@@ -249,6 +249,37 @@ def test_samples_and_twin_prompts_do_not_collide_on_one_transfer(
     no_blocks_used(prefill, decode)
 
 
+def test_a_twin_whose_hit_the_same_step_computes_sends_its_prefix_after_that_forward(
+    prefill: Engine, small_decode: Engine, plain: Engine
+) -> None:
+    """vLLM caches a block when it schedules the tokens that fill it. Two sends of one
+    120-token prompt whose destinations are known before either computes, under a 64-token
+    budget: the first computes [0, 64), then [64, 120) beside the second, which finds
+    blocks 0-6 as its hit although that step's forward writes blocks 4-6. Its early send
+    would copy those blocks before they hold the prompt's KV (the decode engine then
+    answered from garbage, at random in CI); it waits for the forward instead, counted as
+    ``early_deferred``, and both decode requests answer as a plain engine does."""
+    decode, hello = small_decode, hello_of(small_decode)
+    twin = prompt_of(120, 52)
+    t_a, t_b = uuid.uuid4().hex, uuid.uuid4().hex
+    both = [("d-a2", twin, 6, recv(t_a)), ("d-b2", twin, 6, recv(t_b))]
+    assert decode.run(both, until=("d-b2", "waiting_for_blocks"))["stopped_at"]
+    decode.start("run", [], None, None)
+    before = prefill.call("totals")["counts"].get("early_deferred", 0)
+    sends = [("p-a2", twin, 1, send(hello, t_a)), ("p-b2", twin, 1, send(hello, t_b))]
+    # One step starts both lookups; both end before either request computes.
+    assert prefill.run(sends, until=("p-b2", "waiting_for_destination"))["stopped_at"]
+    assert prefill.call("lookups_done", WAIT_S)
+    sent = prefill.run([])["outputs"]
+    assert all(out["finish_reason"] == "length" for out in sent.values()), sent
+    got = decode.result(timeout=WAIT_S + 30)["outputs"]
+    want = plain.run([("r-twin2", twin, 6, None)])["outputs"]["r-twin2"]["tokens"]
+    for rid in ("d-a2", "d-b2"):
+        assert (got[rid]["tokens"], got[rid]["finish_reason"]) == (want, "length"), (rid, got[rid], sent)
+    assert prefill.call("totals")["counts"].get("early_deferred", 0) == before + 1
+    no_blocks_used(prefill, decode)
+
+
 # -- endpoints over time --------------------------------------------------------------------
 
 

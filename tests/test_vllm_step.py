@@ -74,8 +74,14 @@ def test_build_connector_meta_reads_only_the_sends() -> None:
     from kvferry.vllm.scheduler import SchedulerSide, _Sending
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
+    tables_read: list[str] = []
+
+    def get_block_ids(rid: str) -> tuple[list[int]]:
+        tables_read.append(rid)
+        return (list(range(7, 20)),)
+
     side = SchedulerSide(ConnectorConfig(), block_size=TPB, role="kv_producer", engine_id="E",
-                         kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9],)),
+                         kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=get_block_ids),
                          authkey=b"k" * 32)  # fmt: skip
     side._sending["S"] = _Sending(SendSpec("S", "T", 200, 0, "unix:///p", {}, 60.0))
     plain = [f"r{i}" for i in range(100)]
@@ -89,17 +95,51 @@ def test_build_connector_meta_reads_only_the_sends() -> None:
         out = SchedulerOutput.make_empty()
         out.scheduled_new_reqs, out.scheduled_cached_reqs, out.num_scheduled_tokens = new, cached, scheduled
         _Counted.reads = 0
+        tables_read.clear()
         return side.build_connector_meta(out)
 
+    # The step that emits a send with a hit reads each scheduled request's start once, and
+    # the table of those that fill a block (none of the plain ones: 100 -> 101 tokens).
     first = step([SimpleNamespace(req_id="S", num_computed_tokens=32)], plain, [100] * 100)
-    assert [(s.req_id, s.reused_len) for s in first.sends] == [("S", 32)]
+    assert [(s.req_id, s.reused_len, s.early) for s in first.sends] == [("S", 32, True)]
     assert [(c.start, c.end) for c in first.chunks] == [(32, 96)]
-    assert _Counted.reads == 0
+    assert _Counted.reads == 200 and set(tables_read) == {"S"}
     second = step([], [*plain, "S"], [101] * 100 + [96])
     assert not second.sends and [(c.start, c.end) for c in second.chunks] == [(96, 160)]
-    assert _Counted.reads == 0
+    assert _Counted.reads == 0 and tables_read == ["S"]
     resumed = step([], [*plain, "S"], [102] * 100 + [16], frozenset({"S"}))
     assert [(c.start, c.end) for c in resumed.chunks] == [(16, 80)]
+
+
+def test_a_hit_that_this_step_fills_leaves_after_the_forward() -> None:
+    """vLLM caches a block when it schedules the tokens that fill it: a send scheduled after
+    another request's chunk in the same step can hit blocks that chunk's forward has yet to
+    write. Its early send is withheld (``early`` False) when any hit block is one the step
+    fills; a hit filled in an earlier step (or a block this step only starts) leaves early."""
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import SendSpec
+    from kvferry.vllm.scheduler import SchedulerSide, _Sending
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    tables = {"A": [10, 11, 12, 13, 14], "B": [10, 11, 12, 13, 20], "C": [10, 11, 30], "D": [40, 41, 42]}
+    side = SchedulerSide(ConnectorConfig(), block_size=TPB, role="kv_producer", engine_id="E",
+                         kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)),
+                         authkey=b"k" * 32)  # fmt: skip
+    for rid in ("B", "C"):
+        side._sending[rid] = _Sending(SendSpec(rid, "T" + rid, 80, 0, "unix:///p", {}, 60.0))
+    # A computes [32, 72) this step: it fills blocks 2 and 3 (ids 12, 13) and starts block 4.
+    # D decodes its 33rd token: it fills nothing. B hits blocks 0-3, C blocks 0-1.
+    cached = CachedRequestData(
+        req_ids=["A", "D"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+        new_block_ids=[], num_computed_tokens=[32, 32], num_output_tokens=[],
+    )  # fmt: skip
+    out = SchedulerOutput.make_empty()
+    out.scheduled_cached_reqs = cached
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="B", num_computed_tokens=64),
+                              SimpleNamespace(req_id="C", num_computed_tokens=32)]  # fmt: skip
+    out.num_scheduled_tokens = {"A": 40, "D": 1, "B": 16, "C": 48}
+    meta = side.build_connector_meta(out)
+    assert {s.req_id: (s.reused_len, s.early) for s in meta.sends} == {"B": (64, False), "C": (32, True)}
 
 
 def _pool(blocks: int) -> Any:

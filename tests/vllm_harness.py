@@ -283,6 +283,9 @@ def _serve(
                         "endpoint_urls": sorted(s.url for s in served.values()),
                     }
                 )
+            elif cmd == "lookups_done":  # a prefill engine's destination lookups under way, each ended
+                side = sched.connector._sched
+                reply = all(found.done.wait(arg[0]) for found in list(side._lookups.values()))
             elif cmd == "stop":
                 conn.send("bye")
                 return

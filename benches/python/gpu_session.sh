@@ -15,7 +15,7 @@
 # 512 and 256 MiB writes, the copy kernel's 80-configuration sweep.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=python PYTHONUNBUFFERED=1
+export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/machine.txt"
 if [ "${1:-tests}" = tests ]; then
   # Each test file with its own limit and a per-test timeout (pytest-timeout is in the image),

@@ -101,6 +101,10 @@ class SendSpec:
     # Tensor parallelism on either side: every link of the send (kvferry.ranks), each
     # prefill rank taking its own. None: one rank each side, ``destination`` is the one.
     legs: Optional[list[SendLeg]] = None
+    # False when this step's forward writes some of the hit's blocks (another request
+    # scheduled before it in the same step computes them): the prefix then leaves with the
+    # first chunk, after the forward, instead of before it.
+    early: bool = True
 
 
 @dataclass

@@ -324,8 +324,14 @@ class PrefillWorker:
             if not st.early_done:
                 st.early_done = True
                 reused_blocks = st.spec.reused_len // self.block_size
-                self.trace.event("prefill", "early_issued", st.spec.transfer, st.spec.req_id, blocks=reused_blocks)
-                self._call(st, peer.hook.before_forward, kvs)
+                if st.spec.early:
+                    self.trace.event("prefill", "early_issued", st.spec.transfer, st.spec.req_id, blocks=reused_blocks)
+                    self._call(st, peer.hook.before_forward, kvs)
+                else:  # the forward writes some of the hit: the first chunk sends it all after
+                    self.trace.event(
+                        "prefill", "early_deferred", st.spec.transfer, st.spec.req_id, blocks=reused_blocks
+                    )
+                    self.tally.add("early_deferred", 1)
         for start, end in st.queued:
             if end == st.spec.prompt_len and st.src_blocks is not None:
                 # The last chunk sends every group's live blocks: none may be vLLM's null block.

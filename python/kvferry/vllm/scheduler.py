@@ -360,6 +360,7 @@ class SchedulerSide:
             r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs if r.req_id in self._sending
         }
         cached = scheduler_output.scheduled_cached_reqs
+        completing: Optional[list[set[int]]] = None  # this step's, read once a send needs it
         for rid, sending in self._sending.items():
             if rid not in scheduled:
                 continue
@@ -371,15 +372,43 @@ class SchedulerSide:
                 start = sending.next_start
             sending.next_start = start + scheduled[rid]
             spec = sending.spec
+            tables = self.groups.tables(self._manager().get_block_ids(rid))
             if not sending.emitted:
                 sending.emitted = True
                 # The first chunk starts where the prefix-cache hit ends (block aligned).
                 spec.reused_len = start
                 meta.sends.append(spec)
+                early = start // self.block_size
+                if early and not spec.finished:
+                    completing = completing if completing is not None else self._completing(scheduler_output)
+                    spec.early = not any(
+                        done.intersection(table[:early])
+                        for done, table, window in zip(completing, tables, self.groups.windows)
+                        if window is None  # a sliding-window group sends nothing early
+                    )
             end = min(start + scheduled[rid], spec.prompt_len)
             if start < end:
-                meta.chunks.append(Chunk(rid, start, end, self.groups.tables(self._manager().get_block_ids(rid))))
+                meta.chunks.append(Chunk(rid, start, end, tables))
         return meta
+
+    def _completing(self, scheduler_output: Any) -> list[set[int]]:
+        """Each group's blocks that this step's forward completes. vLLM puts a block in its
+        prefix cache when it schedules the tokens that fill it, so a request scheduled after
+        them in the same step (the same prompt twice at once, or ``n > 1``) finds it as a hit
+        whose KV is not written yet: its early send, issued before the forward, would copy
+        what the block held before. Only blocks the step fills matter (a hit is a full
+        block), so a decoding request is read once every ``block_size`` tokens."""
+        bs = self.block_size
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        completing: list[set[int]] = [set() for _ in range(len(self.groups))]
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            first, end = starts[rid] // bs, (starts[rid] + n) // bs
+            if end > first:
+                for done, table in zip(completing, self.groups.tables(self._manager().get_block_ids(rid))):
+                    done.update(table[first:end])
+        return completing
 
     def _destinations_arrived(self, meta: KvferryMetadata) -> None:
         """The lookups of requests computing without a destination that ended since the last

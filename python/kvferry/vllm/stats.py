@@ -22,6 +22,10 @@ COUNTERS = {
     "early_landed_bytes": (
         "Of early_issued_bytes: bytes whose copy had finished before the first chunk's forward ended."
     ),
+    "early_deferred": (
+        "Sends whose prefix-cache hit held blocks that the same step's forward writes (the same prompt scheduled"
+        " twice in one step): their prefix left after that forward, with the first chunk."
+    ),
     "chunk_bytes": "Bytes sent after the forward of the chunk that computed them.",
     "layer_bytes": "Bytes sent layer group by layer group during the last chunk's forward.",
     "held_blocks": "Prompt blocks not sent because the decode server's prefix cache held them.",
