@@ -327,9 +327,9 @@ class Engine:
                 kv["kv_load_failure_policy"] = policy
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        # A tensor-parallel engine starts one worker process per rank, which a daemonic
-        # process may not: that one is not daemonic (`close` still ends it, bounded).
-        daemon = engine_kw.get("tensor_parallel_size", 1) == 1
+        # A tensor- or pipeline-parallel engine starts one worker process per rank, which a
+        # daemonic process may not: that one is not daemonic (`close` still ends it, bounded).
+        daemon = engine_kw.get("tensor_parallel_size", 1) * engine_kw.get("pipeline_parallel_size", 1) == 1
         self.process = ctx.Process(target=_serve, args=(child, model, kv, engine_kw, netns, env), daemon=daemon)
         self.process.start()
 
