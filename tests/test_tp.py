@@ -477,17 +477,17 @@ def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
     from kvferry.vllm.metadata import KvferryMetadata
 
     worker = decode_p2
-    assert sorted(worker.receivers) == [0, 1]
-    assert worker.receivers[0].pool.check_compatible(worker.common.pool.heads(0, 1)) is None
+    assert sorted(worker.receivers) == [(2, 0), (2, 1)]  # (prefill size, prefill rank)
+    assert worker.receivers[(2, 0)].pool.check_compatible(worker.common.pool.heads(0, 1)) is None
     spec = _recv_spec("r", 11, "T")
     worker.bind(KvferryMetadata(recvs=[spec]))
     address = worker.rendezvous.address
     dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}of2", 5, f"eng@p{p}of2") for p in (0, 1)]
     assert dests[0]["endpoint"] != dests[1]["endpoint"]
-    assert [d["epoch"] for d in dests] == [worker.receivers[p].epoch(11) for p in (0, 1)]
-    worker.receivers[0].deliver(Notice(11, 0, 0, 2, True, dests[0]["epoch"]))
+    assert [d["epoch"] for d in dests] == [worker.receivers[(2, p)].epoch(11) for p in (0, 1)]
+    worker.receivers[(2, 0)].deliver(Notice(11, 0, 0, 2, True, dests[0]["epoch"]))
     assert worker.results(set()) == (set(), set())  # prefill rank 1's head is still missing
-    worker.receivers[1].deliver(Notice(11, 0, 0, 2, True, dests[1]["epoch"]))
+    worker.receivers[(2, 1)].deliver(Notice(11, 0, 0, 2, True, dests[1]["epoch"]))
     assert worker.results(set()) == ({"r"}, set())
     assert all(len(r) == 0 for r in worker.receivers.values())
     worker.bind(KvferryMetadata(recvs=[_recv_spec("s", 12, "U")]))
@@ -511,10 +511,300 @@ def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any
     dest = rendezvous.lookup(worker.rendezvous.address, b"k" * 32, "T@p0of2", 5, "eng@p0of2")
     rendezvous.abandon(worker.rendezvous.address, b"k" * 32, "T@p1of2", "preempted")
     assert worker.results(set()) == (set(), set())  # given up; rank 0's part waits for its fence
-    assert len(worker.receivers[1]) == 0 and len(worker.receivers[0]) == 1
-    worker.receivers[0].revoked(21, dest["epoch"])  # rank 0's sender fences it
+    assert len(worker.receivers[(2, 1)]) == 0 and len(worker.receivers[(2, 0)]) == 1
+    worker.receivers[(2, 0)].revoked(21, dest["epoch"])  # rank 0's sender fences it
     assert worker.results(set()) == ({"r"}, {"r"})
     assert all(len(r) == 0 for r in worker.receivers.values())
+
+
+# -- one decode server taking prefill servers of several tensor parallel sizes -----------------
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def decode_p12(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
+    """A decode worker of TP 1 over vLLM's token-major cache of 2 KV heads (poisoned), taking
+    prefill servers of TP 1 and TP 2 (``prefill_tp_size [1, 2]``, or the order a test gives
+    indirectly: the order its parts are published and released in): a receiver over the whole
+    pool for the TP-1 servers' one rank, one over each head for the TP-2 servers' two."""
+    pytest.importorskip("vllm")
+    cache = rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison)
+    sizes = getattr(request, "param", [1, 2])
+    with decode_worker(
+        str(tmp_path), BLOCKS, TOKENS, pool=rank_pool(cache), config={"prefill_tp_size": sizes}, num_kv_heads=2
+    ) as worker:
+        worker.cache = cache
+        yield worker
+
+
+def _landed(cache: Cache, full: torch.Tensor, moves: list[tuple[int, int]]) -> torch.Tensor:
+    """``cache``'s poisoned buffer after each ``(src, dst)`` block of ``full`` (every head)
+    landed at ``dst``, by torch indexing on the logical views."""
+    want = cache.raw.cpu().clone()
+    v = cache.views[0]
+    five = torch.as_strided(
+        want, (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * v.element_size()), _five_strides(cache)
+    )
+    for src, dst in moves:
+        five[:, dst] = full[:, src]
+    return want
+
+
+def _send(pool: PagedKV, dest: dict[str, Any], src: list[int]) -> KVSender:
+    """A prefill rank's send of one request into ``dest`` (a looked-up destination) from its
+    blocks ``src``, as the prefill worker does it: over the destination's endpoint, one chunk,
+    flushed; the sender closed once the receiver holds every block (the caller waits)."""
+    from kvferry.transports import registry
+
+    sender = KVSender(pool, registry.connect(dest["endpoint"], authkey=KEY, src=pool))
+    n = len(src)
+    sender.add(dest["request_id"], n * TOKENS, epoch=dest["epoch"])
+    dst = np.array(dest["dst_blocks"])[None, :]
+    sender.send_chunks([dest["request_id"]], [0], [n * TOKENS], np.array(src)[None, :], dst)
+    sender.flush(timeout=SLACK)
+    return sender
+
+
+def test_one_decode_rank_takes_a_tp1_and_a_tp2_prefill_server_bit_exact(decode_p12: Any) -> None:
+    """``prefill_tp_size [1, 2]``: request A comes from a TP-1 prefill rank (whole blocks, into
+    the whole-pool receiver), request B from a TP-2 pair (each rank's head into its slice),
+    through the worker's own staging endpoints. The buffer, poisoned before, ends equal to the
+    torch reference (A's and B's blocks at their destinations, poison elsewhere); each part of
+    the size that sent holds each block exactly once, the other size's receivers got nothing;
+    each request's bytes count one size's parts; nothing stays leased."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata, RecvSpec
+
+    worker = decode_p12
+    assert sorted(worker.receivers) == [(1, 0), (2, 0), (2, 1)]
+    assert worker.receivers[(1, 0)].pool is worker.common.pool  # TP 1 -> TP 1: whole blocks
+    item = torch.empty((), dtype=torch.bfloat16).element_size()
+    full = full_kv(2, CONTENT * item, seed=12)
+    tp1 = rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison)
+    fill_heads(tp1, full, 0, 2)
+    tp2 = [rank_cache("LBNHC", 1, torch.bfloat16, "cpu", poison) for _ in range(2)]
+    for p, cache in enumerate(tp2):
+        fill_heads(cache, full, p, p + 1)
+    src_a, dst_a, src_b, dst_b = [7, 2, 9], [3, 10, 1], [0, 4, 11], [6, 8, 5]
+    specs = [
+        RecvSpec("a", 31, "A", 3 * TOKENS, [dst_a], 0, "d", 60.0),
+        RecvSpec("b", 41, "B", 3 * TOKENS, [dst_b], 0, "d", 60.0),
+    ]
+    ended: list[tuple[str, str, Any]] = []
+    real_ended = worker.common.ended
+    worker.common.ended = lambda side, transfer, rid, state, error=None, **landed: (
+        ended.append((transfer, state, landed.get("nbytes"))),
+        real_ended(side, transfer, rid, state, error, **landed),
+    )
+    worker.bind(KvferryMetadata(recvs=specs))
+    address = worker.rendezvous.address
+    dest_a = rendezvous.lookup(address, KEY, "A", 5, "eng1")
+    dest_b = [rendezvous.lookup(address, KEY, f"B@p{p}of2", 5, f"eng2@p{p}of2") for p in (0, 1)]
+    assert dest_a["epoch"] == worker.receivers[(1, 0)].epoch(31)
+    assert [d["epoch"] for d in dest_b] == [worker.receivers[(2, p)].epoch(41) for p in (0, 1)]
+    senders = [_send(rank_pool(tp1), dest_a, src_a)]
+    senders += [_send(rank_pool(tp2[p]).heads(0, 1), dest_b[p], src_b) for p in (0, 1)]
+    for part, kv in [((1, 0), 31), ((2, 0), 41), ((2, 1), 41)]:
+        worker.receivers[part].wait(kv, timeout=SLACK)
+        assert sum(n.end - n.start for n in worker.receivers[part].notices(kv)) == 3  # each block once
+    # Not yet seen by the worker: the other size's parts still expected, nothing written there.
+    assert worker.receivers[(1, 0)].notices(41) == []
+    assert worker.receivers[(2, 0)].notices(31) == [] and worker.receivers[(2, 1)].notices(31) == []
+    assert worker.results(set()) == ({"a", "b"}, set())
+    block = worker.common.pool.block_bytes * LAYERS
+    assert sorted(ended) == [("A", "done", 3 * block), ("B", "done", 3 * block)]
+    for sender, kv in zip(senders, [31, 41, 41]):
+        sender.remove(kv)
+        assert_nothing_leased(sender=sender)
+        sender.close()
+    for receiver in worker.receivers.values():
+        assert receiver.refused_count == 0 and receiver.duplicate_count == 0
+        assert_nothing_leased(receiver)
+    for served in worker.endpoints.values():
+        assert_nothing_leased(endpoint=served.endpoint)
+    want = _landed(worker.cache, full, list(zip(src_a, dst_a)) + list(zip(src_b, dst_b)))
+    diff = (worker.cache.raw != want).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+
+
+def test_a_request_taken_by_one_size_refuses_the_others_lookups(decode_p12: Any) -> None:
+    """The first lookup of C (prefill TP 2, rank 0) chooses size 2: a lookup of C's TP-1
+    name is refused, naming the size that took it; a TP-1 engine cannot take a TP-2 name
+    either; the TP-1 part is released at the next step (a write into it is refused), nothing
+    of it was written, and an abandon of its name does not fail C. C arrives from the TP-2
+    parts alone. A prefill server of a size not listed is refused naming the list."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p12
+    before = worker.cache.raw.clone()
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("c", 51, "C")]))
+    address = worker.rendezvous.address
+    epoch1 = worker.receivers[(1, 0)].epoch(51)
+    dest0 = rendezvous.lookup(address, KEY, "C@p0of2", 5, "eng2@p0of2")
+    with pytest.raises(
+        Exception, match="ended on the decode server: .* taken by prefill servers of tensor parallel size 2, not 1"
+    ):
+        rendezvous.lookup(address, KEY, "C", 5, "eng1")
+    with pytest.raises(
+        Exception, match="a name for prefill servers of tensor parallel size 2; prefill engine 'eng1' has 1"
+    ):
+        rendezvous.lookup(address, KEY, "C@p1of2", 5, "eng1")
+    with pytest.raises(Exception, match=r"takes prefill servers of tensor parallel sizes \[1, 2\] .* has 4"):
+        rendezvous.lookup(address, KEY, "C@p0of4", 3600, "eng4@p0of4")
+    assert worker.results(set()) == (set(), set())  # the choice seen: the TP-1 part released
+    assert len(worker.receivers[(1, 0)]) == 0
+    # No write can land in it any more: a notice of its epoch is dropped as stale.
+    assert worker.receivers[(1, 0)].deliver(Notice(51, 0, 0, 2, True, epoch1)) is False
+    assert [d.request_id for d in worker.receivers[(1, 0)].discarded()] == [51] and len(worker.receivers[(1, 0)]) == 0
+    rendezvous.abandon(address, KEY, "C", "a TP-1 prefill server gave its copy up")
+    assert worker.results(set()) == (set(), set())  # not C's chosen size: C goes on
+    dest1 = rendezvous.lookup(address, KEY, "C@p1of2", 5, "eng2@p1of2")  # the refusal took nothing
+    worker.receivers[(2, 0)].deliver(Notice(51, 0, 0, 2, True, dest0["epoch"]))
+    assert worker.results(set()) == (set(), set())  # rank 1's head is still missing
+    worker.receivers[(2, 1)].deliver(Notice(51, 0, 0, 2, True, dest1["epoch"]))
+    assert worker.results(set()) == ({"c"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+    assert torch.equal(worker.cache.raw, before)  # notices only: no byte written by anyone
+
+
+def test_a_size_chosen_between_two_publishes_withdraws_the_later_names(decode_p12: Any) -> None:
+    """The race of a lookup against the engine thread's publishing: a TP-1 lookup takes E
+    right after E's TP-1 name is published, before its TP-2 names are (forced: the lookup runs
+    from inside the publishing). The TP-2 names are then never handed out: a lookup of one
+    is refused; their parts are released at the next step; E arrives from its TP-1 part."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p12
+    address = worker.rendezvous.address
+    real_publish = worker.rendezvous.publish
+    taken: list[dict[str, Any]] = []
+
+    def publish(name: str, destination: dict[str, Any], **kw: Any) -> None:
+        real_publish(name, destination, **kw)
+        if name == "E":
+            taken.append(rendezvous.lookup(address, KEY, "E", 5, "eng1"))
+
+    worker.rendezvous.publish = publish
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("e", 61, "E")]))
+    assert len(taken) == 1
+    with pytest.raises(Exception, match="taken by prefill servers of tensor parallel size 1, not 2"):
+        rendezvous.lookup(address, KEY, "E@p0of2", 5, "eng2@p0of2")
+    assert worker.results(set()) == (set(), set())
+    assert len(worker.receivers[(2, 0)]) == 0 and len(worker.receivers[(2, 1)]) == 0
+    worker.receivers[(1, 0)].deliver(Notice(61, 0, 0, 2, True, taken[0]["epoch"]))
+    assert worker.results(set()) == ({"e"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+
+
+def test_given_up_before_any_lookup_releases_every_size(decode_p12: Any) -> None:
+    """H, aborted before any lookup: every part of both sizes released in that step (reported
+    aborted, not failed), each of its names refused after."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p12
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("h", 71, "H")]))
+    assert all(len(r) == 1 for r in worker.receivers.values())
+    assert worker.results({"h"}) == ({"h"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+    for name, sender in [("H", "eng1"), ("H@p0of2", "eng2@p0of2"), ("H@p1of2", "eng2@p1of2")]:
+        with pytest.raises(Exception, match="ended on the decode server"):
+            rendezvous.lookup(worker.rendezvous.address, KEY, name, 5, sender)
+
+
+# (published first, then the lookup that sneaks in after its release, taking a name of the
+# other size: the part that then waits for its fence), per order of prefill_tp_size.
+SNEAKS = {
+    "1-then-2": ([1, 2], "F", ("F@p0of2", "eng2@p0of2"), (2, 0)),
+    "2-then-1": ([2, 1], "F@p0of2", ("F", "eng1"), (1, 0)),
+}
+
+
+@pytest.mark.parametrize(
+    ("decode_p12", "sneak"), [(v[0], k) for k, v in SNEAKS.items()], indirect=["decode_p12"], ids=list(SNEAKS)
+)
+def test_a_lookup_racing_a_give_up_waits_for_its_fence_and_the_rest_go_at_once(decode_p12: Any, sneak: str) -> None:
+    """F, aborted; while the worker releases its parts one by one, a lookup of the other size
+    takes one of F's names right after the worker released the first part (forced: the lookup
+    runs from inside that release). That size is then chosen: its taken part waits for its
+    sender's fence; every other part goes at once (its name untaken, or of the size not
+    chosen and so never handed out), not at the fence timeout; then F is reported (aborted,
+    not failed) and nothing stays expected."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    _, first, (name, sender), fenced = SNEAKS[sneak]
+    worker = decode_p12
+    address = worker.rendezvous.address
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("f", 81, "F")]))
+    real_withdraw = worker.rendezvous.withdraw_untaken
+    taken: list[dict[str, Any]] = []
+
+    def withdraw_untaken(withdrawn: str, reason: str) -> bool:
+        done = real_withdraw(withdrawn, reason)
+        if withdrawn == first:
+            taken.append(rendezvous.lookup(address, KEY, name, 5, sender))
+        return done
+
+    worker.rendezvous.withdraw_untaken = withdraw_untaken
+    assert worker.results({"f"}) == (set(), set())  # the taken part waits for its fence
+    assert len(taken) == 1
+    assert {part: len(r) for part, r in worker.receivers.items()} == {
+        part: int(part == fenced) for part in worker.receivers
+    }
+    worker.receivers[fenced].revoked(81, taken[0]["epoch"])  # its sender fences it
+    assert worker.results(set()) == ({"f"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+
+
+@pytest.mark.parametrize(
+    ("value", "word"),
+    [
+        ([1, 2, 1], r"prefill_tp_size=\[1, 2, 1\]: lists \[1\] more than once"),
+        ([1, "2"], r"prefill_tp_size=\[1, '2'\]: must be a positive integer or a non-empty list"),
+        ([], r"prefill_tp_size=\[\]: must be"),
+        ([2, True], r"prefill_tp_size=\[2, True\]: must be"),
+        (0, r"prefill_tp_size=0: must be"),
+        ("2", r"prefill_tp_size='2': must be"),
+    ],
+)
+def test_a_list_of_prefill_tp_sizes_is_checked_by_name(value: Any, word: str) -> None:
+    pytest.importorskip("vllm")
+    from kvferry.vllm.config import ConnectorConfig
+
+    with pytest.raises(InvalidArgumentError, match=word):
+        ConnectorConfig.from_extra({"prefill_tp_size": value})
+    assert ConnectorConfig.from_extra({"prefill_tp_size": [2, 1]}).prefill_tp_sizes == (2, 1)
+    assert ConnectorConfig.from_extra({"prefill_tp_size": 2}).prefill_tp_sizes == (2,)
+
+
+def test_a_listed_prefill_tp_size_that_does_not_pair_is_refused_by_name(tmp_path: Any) -> None:
+    """A decode server of TP 2 told its prefill servers run TP 1 or TP 3: refused at startup,
+    naming the key, the list and the size that does not pair."""
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(
+        ConnectorConfig.from_extra({"rendezvous_dir": str(tmp_path), "prefill_tp_size": [1, 3]}),
+        block_size=TOKENS,
+        num_blocks=BLOCKS,
+        authkey=KEY,
+        tp_size=2,
+        num_kv_heads=2,
+    )
+    common.pool = rank_pool(rank_cache("LBHNC", 1, torch.bfloat16, "cpu", poison))
+    with pytest.raises(
+        KvFerryError, match=r"prefill_tp_size=\[1, 3\] with this server's tensor_parallel_size=2: its size 3: "
+    ):
+        DecodeWorker(common).start()
 
 
 def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None) -> Any:

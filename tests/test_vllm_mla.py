@@ -112,7 +112,7 @@ def test_engines_run_the_model_as_mla_with_one_latent_head(engines: Any) -> None
         assert info["moved"] == "0: MLAAttentionSpec (2 layers)", info
         # Registered as one region per layer, each block one latent head of BLOCK tokens.
         assert (info["regions"], info["heads"], info["block_bytes"]) == (LAYERS, 1, REGION_BYTES), info
-    assert decode.call("groups")["receivers"] == [0]
+    assert decode.call("groups")["receivers"] == [(1, 0)]
 
 
 def test_the_kv_lands_as_computed_each_block_once_and_decodes_from_it(engines: Any) -> None:
@@ -190,7 +190,7 @@ def test_tp2_prefill_to_tp1_decode_moves_the_latent_head_from_rank_0(engines: An
     and the greedy output is not compared."""
     _, prefill_tp1, _, _, _ = engines
     prefill, decode, hello = tp_pair
-    assert decode.call("groups")["receivers"] == [0]
+    assert decode.call("groups")["receivers"] == [(2, 0)]
     rng = random.Random(7)
     for i, length in enumerate([50, 130]):
         prompt = [rng.randrange(3, 500) for _ in range(length)]

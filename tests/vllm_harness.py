@@ -238,7 +238,7 @@ def _serve(
                     # One region's block as registered: its KV heads (MLA: one latent head) and bytes.
                     "heads": None if worker is None or worker.pool is None else worker.pool.num_heads,
                     "block_bytes": None if worker is None or worker.pool is None else worker.pool.block_bytes,
-                    # A decode worker's receivers: the prefill ranks that write into this rank.
+                    # A decode worker's receivers: (prefill size, prefill rank) of each that writes here.
                     "receivers": None
                     if connector is None or connector._decode is None
                     else sorted(connector._decode.receivers),

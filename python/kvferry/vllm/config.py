@@ -59,8 +59,10 @@ class ConnectorConfig:
     trusted_peers: tuple[str, ...] = ()
     # Decode side: the tensor parallel size of the prefill servers that send here (each of
     # their ranks writes its heads; a request has arrived once every one of them landed;
-    # kvferry.ranks). A power of two that divides, or is divided by, this server's own.
-    prefill_tp_size: int = 1
+    # kvferry.ranks), or several sizes (a tuple; from a list): each request is then taken by
+    # the first size that looks it up (`prefill_tp_sizes`). Each a power of two that divides,
+    # or is divided by, this server's own.
+    prefill_tp_size: int | tuple[int, ...] = 1
     # CPU ids kvferry's own threads run on in this server's processes (the sender's announcer,
     # copy threads, the control plane, NIXL's progress thread): keeps the transfer's work off
     # the cores the engine computes on. Empty: they run where the engine runs (kvferry.affinity).
@@ -84,6 +86,8 @@ class ConnectorConfig:
                 from kvferry.vllm.trust import check_trusted_peers
 
                 value = check_trusted_peers(value)
+            elif name == "prefill_tp_size":
+                value = _check_tp_sizes(value)
             elif name == "transfer_cores":
                 from kvferry.affinity import check_cores
 
@@ -146,11 +150,41 @@ class ConnectorConfig:
             )
         return config
 
+    @property
+    def prefill_tp_sizes(self) -> tuple[int, ...]:
+        """The tensor parallel sizes of the prefill servers this decode server takes, in the
+        order given (one int: that size alone)."""
+        size = self.prefill_tp_size
+        return (size,) if isinstance(size, int) else tuple(size)
+
     def authkey(self) -> bytes:
         """The key of kvferry's control channel (rendezvous and endpoints): from
         ``authkey_file``, else from the per-user default file (made on first use). The key
         never travels in a request or an answer; both servers read it from here."""
         return load_authkey(self.authkey_file)
+
+
+def _check_tp_sizes(value: Any) -> int | tuple[int, ...]:
+    """``prefill_tp_size``: one size (an int >= 1, kept as is) or a non-empty list of distinct
+    ones (a tuple). Whether each pairs with this server's own size and head count is checked
+    when the decode worker starts (kvferry.ranks.links): the config does not know them."""
+
+    def size(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if size(value):
+        return int(value)
+    if not isinstance(value, (list, tuple)) or not value or not all(size(v) for v in value):
+        raise InvalidArgumentError(
+            f"invalid kv_connector_extra_config prefill_tp_size={value!r}: must be a positive integer or a non-empty "
+            "list of positive integers (the tensor parallel sizes of the prefill servers that send here)"
+        )
+    if len(set(value)) != len(value):
+        twice = sorted({v for v in value if list(value).count(v) > 1})
+        raise InvalidArgumentError(
+            f"invalid kv_connector_extra_config prefill_tp_size={list(value)!r}: lists {twice} more than once"
+        )
+    return tuple(int(v) for v in value)
 
 
 def _loopback(host: str) -> bool:

@@ -8,6 +8,20 @@ hello names every rank's) and one receiver per prefill rank that writes into it
 this rank's pool that prefill rank writes (a head slice when the two sides split heads
 differently). A request is published once per such receiver, under the name of that
 prefill rank's part (`leg_name`), and has arrived once every one of them holds every block.
+
+Several prefill sizes (``prefill_tp_size`` a list): one receiver per (size, prefill rank)
+that writes here, each request expected on all of them and published under every size's
+names, as `rendezvous.Alternatives` (one alternative per size). The first lookup of a
+request chooses its size, under the rendezvous's lock: the other sizes' names are never
+handed out, so their parts are released unfenced and their names withdrawn once this worker
+sees the choice (`_settle_size`), and the request has arrived once every part of the chosen
+size holds every block:
+
+```
+expect T:   receivers (1, 0), (2, 0), (2, 1)     published T | T@p0of2, T@p1of2
+lookup T@p0of2 (prefill TP 2, rank 0)  -> size 2 chosen; T withdrawn (a lookup of it refused)
+next step:  (1, 0) released unfenced; T arrived once (2, 0) and (2, 1) hold every block
+```
 """
 
 from __future__ import annotations
@@ -43,6 +57,11 @@ logger = logging.getLogger("kvferry.vllm")
 MAX_PREFILL_ENGINES = 64
 ENDPOINT_GRACE_S = 30.0
 
+# One receiver and one published name of a request: (prefill tensor parallel size, prefill
+# rank). ONE: the only part without tensor parallelism, under the transfer's own name.
+Part = tuple[int, int]
+ONE: Part = (1, 0)
+
 
 @dataclass
 class _Recv:
@@ -56,18 +75,27 @@ class _Recv:
     # (kvferry.vllm.rendezvous, "abandon"), so no late write can come and no fence is due.
     unwritten: bool = False
     kept_logged: bool = False  # one-sided writes: logged once that its blocks are kept past the fence timeout
-    # Under tensor parallelism, its parts: prefill rank -> the name it was published under
-    # (empty: the one part, rank 0, under the transfer's own name); the parts never
-    # published, abandoned by their prefill rank (never written), and released so far.
-    subs: dict[int, str] = field(default_factory=dict)
-    unpublished: set[int] = field(default_factory=set)
-    abandoned: set[int] = field(default_factory=set)
-    released: set[int] = field(default_factory=set)
+    # Under tensor parallelism, its parts: (prefill size, prefill rank) -> the name it was
+    # published under (empty: the one part, ONE, under the transfer's own name); the parts
+    # never published, abandoned by their prefill rank (never written), and released so far.
+    subs: dict[Part, str] = field(default_factory=dict)
+    unpublished: set[Part] = field(default_factory=set)
+    abandoned: set[Part] = field(default_factory=set)
+    released: set[Part] = field(default_factory=set)
     # (part, kv id) of each KV cache group's kvferry request a part's receiver already forgot.
-    released_kvs: set[tuple[int, int]] = field(default_factory=set)
+    released_kvs: set[tuple[Part, int]] = field(default_factory=set)
+    # Several prefill sizes: its names' group of alternatives (one per size), and the size its
+    # first lookup chose, once `DecodeWorker._settle_size` saw it (None: not yet, or one size).
+    among: Optional[rendezvous.Alternatives] = None
+    size: Optional[int] = None
 
-    def parts(self) -> dict[int, str]:
-        return self.subs or {0: self.spec.transfer}
+    def parts(self) -> dict[Part, str]:
+        return self.subs or {ONE: self.spec.transfer}
+
+    def live(self) -> dict[Part, str]:
+        """The parts a sender may write: the chosen size's, or every part before a choice."""
+        parts = self.parts()
+        return parts if self.size is None else {k: name for k, name in parts.items() if k[0] == self.size}
 
 
 class DecodeWorker:
@@ -79,10 +107,10 @@ class DecodeWorker:
         self.tally = common.tally
         self._spec = registry.spec(self.config.transport)
         self.engine = common.engine
-        # One receiver per prefill rank that writes into this rank (rank 0 alone without
-        # tensor parallelism), each over what that rank writes.
-        self.receivers: dict[int, KVReceiver] = {}
-        self._ring_of: dict[int, int] = {}  # prefill rank -> its staging ring's blocks
+        # One receiver per (prefill size, prefill rank) that writes into this rank (ONE alone
+        # without tensor parallelism), each over what that rank writes.
+        self.receivers: dict[Part, KVReceiver] = {}
+        self._ring_of: dict[Part, int] = {}  # part -> its staging ring's blocks
         # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
         self.endpoints: dict[str, registry.Served] = {}
         self._endpoints_lock = threading.Lock()
@@ -102,40 +130,30 @@ class DecodeWorker:
 
     @property
     def receiver(self) -> Optional[KVReceiver]:
-        """The receiver of prefill rank 0's writes (the only one without tensor parallelism)."""
+        """The receiver of the first part (the only one without tensor parallelism)."""
         return self.receivers[min(self.receivers)] if self.receivers else None
 
     @receiver.setter
     def receiver(self, value: KVReceiver) -> None:
-        self.receivers = {0: value}
+        self.receivers = {(self.sizes[0], 0): value}
 
     @property
-    def prefill_tp(self) -> int:
-        return self.config.prefill_tp_size
+    def sizes(self) -> tuple[int, ...]:
+        """The tensor parallel sizes of the prefill servers this decode server takes."""
+        return self.config.prefill_tp_sizes
 
     def start(self) -> None:
         """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
         common = self.common
-        pool = common.pool
-        assert pool is not None
-        if self.prefill_tp == 1 and common.tp_size == 1:
-            links: tuple[ranks.Link, ...] = (ranks.Link(0, 0, (0, 1), (0, 1), True),)
-        else:
-            try:
-                every = ranks.links(self.prefill_tp, common.tp_size, common.num_kv_heads, mla=common.mla)
-            except KvFerryError as err:
-                raise KvFerryError(
-                    f"invalid kv_connector_extra_config prefill_tp_size={self.prefill_tp} with this server's "
-                    f"tensor_parallel_size={common.tp_size}: {err}"
-                ) from None
-            links = ranks.contributors(common.tp_rank, every)
+        assert common.pool is not None
         with torch.inference_mode(False):  # the ring is written by kvferry's own threads
-            for link in links:
-                part = common.link_pool(link.dst_heads, link.whole)
-                self.receivers[link.prefill_rank] = KVReceiver(part)
-                self._ring_of[link.prefill_rank] = max(
-                    2, self.config.staging_bytes // (part.block_bytes * part.num_layers)
-                )
+            for size in self.sizes:
+                for link in self._links(size):
+                    part = common.link_pool(link.dst_heads, link.whole)
+                    self.receivers[(size, link.prefill_rank)] = KVReceiver(part)
+                    self._ring_of[(size, link.prefill_rank)] = max(
+                        2, self.config.staging_bytes // (part.block_bytes * part.num_layers)
+                    )
             self._ring_blocks = self._ring_of[min(self._ring_of)]
             self.rendezvous = rendezvous.Rendezvous(
                 self.authkey,
@@ -144,10 +162,29 @@ class DecodeWorker:
                 listen=_rank_address(self.config.listen, common.tp_rank),
                 advertise=self.config.advertise,
                 admit=self._admit,
+                alternative_of=lambda sender: self._part_of(sender)[0],
             )
         logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
 
-    def _endpoint_options(self, prefill_rank: int = 0) -> dict[str, Any]:
+    def _links(self, size: int) -> tuple[ranks.Link, ...]:
+        """The links prefill servers of tensor parallel size ``size`` write into this rank
+        on; refused by name when that size cannot pair with this server's (kvferry.ranks)."""
+        common = self.common
+        if size == 1 and common.tp_size == 1:
+            return (ranks.Link(0, 0, (0, 1), (0, 1), True),)
+        try:
+            every = ranks.links(size, common.tp_size, common.num_kv_heads, mla=common.mla)
+        except KvFerryError as err:
+            given = self.config.prefill_tp_size
+            which = "" if isinstance(given, int) else f"its size {size}: "
+            shown = given if isinstance(given, int) else list(given)
+            raise KvFerryError(
+                f"invalid kv_connector_extra_config prefill_tp_size={shown} with this server's "
+                f"tensor_parallel_size={common.tp_size}: {which}{err}"
+            ) from None
+        return ranks.contributors(common.tp_rank, every)
+
+    def _endpoint_options(self, part: Part = ONE) -> dict[str, Any]:
         """Where an endpoint listens: ``unix://`` beside the rendezvous, or on the
         rendezvous's tcp:// host with a port of its own."""
         where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
@@ -157,7 +194,7 @@ class DecodeWorker:
             if self.config.advertise is not None:
                 options["advertise"] = self.config.advertise
         if self._spec.ring_option is not None:
-            options[self._spec.ring_option] = self._ring_of.get(prefill_rank, self._ring_blocks)
+            options[self._spec.ring_option] = self._ring_of.get(part, self._ring_blocks)
         return options
 
     def _endpoint_for(self, sender: str) -> str:
@@ -178,13 +215,13 @@ class DecodeWorker:
                             f"already {len(self.endpoints)} prefill engines connected or holding a destination, "
                             "the most this decode server serves"
                         )
-                p = self._prefill_rank(sender)
-                receiver = self.receivers.get(p)
+                part = self._part_of(sender)
+                receiver = self.receivers.get(part)
                 if receiver is None:
-                    raise KvFerryError(f"prefill rank {p} of {self.prefill_tp} writes nothing into this decode rank")
+                    raise KvFerryError(f"prefill rank {part[1]} of {part[0]} writes nothing into this decode rank")
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
                     endpoint = registry.serve(
-                        self.config.transport, receiver, authkey=self.authkey, **self._endpoint_options(p)
+                        self.config.transport, receiver, authkey=self.authkey, **self._endpoint_options(part)
                     )
                 self.endpoints[sender] = endpoint
                 self._made[sender] = time.monotonic()
@@ -196,23 +233,29 @@ class DecodeWorker:
                 logger.info("kvferry: closed the idle endpoint %s of prefill engine %s (room for %s)",
                             evicted[1].url, evicted[0], sender)  # fmt: skip
 
-    def _prefill_rank(self, sender: str) -> int:
-        """The prefill rank a lookup's sender name carries (`leg_name`); 0 with one rank."""
+    @staticmethod
+    def _part_of(sender: str) -> Part:
+        """(prefill size, prefill rank) a lookup's sender name carries (`leg_name`); ONE for
+        a name without a mark (one rank)."""
         mark = leg_rank(sender)
-        return 0 if mark is None or self.prefill_tp == 1 else mark[0]
+        size = 1 if mark is None else mark[1]
+        return (size, 0 if mark is None or size == 1 else mark[0])
 
     def _admit(self, sender: str) -> Optional[str]:
         """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
-        of another tensor parallel size than ``prefill_tp_size`` would look up names this
-        server never publishes (and wait out its whole timeout)."""
-        mark = leg_rank(sender)
-        size = 1 if mark is None else mark[1]
-        if size != self.prefill_tp:
-            return (
-                f"this decode server takes prefill servers of tensor parallel size {self.prefill_tp} "
-                f"(its kv_connector_extra_config prefill_tp_size); prefill engine {sender!r} has {size}"
-            )
-        return None
+        of a tensor parallel size not in ``prefill_tp_size`` would look up names this server
+        never publishes (and wait out its whole timeout)."""
+        size = self._part_of(sender)[0]
+        if size in self.sizes:
+            return None
+        if len(self.sizes) == 1:
+            takes = f"tensor parallel size {self.sizes[0]}"
+        else:
+            takes = f"tensor parallel sizes {list(self.sizes)}"
+        return (
+            f"this decode server takes prefill servers of {takes} "
+            f"(its kv_connector_extra_config prefill_tp_size); prefill engine {sender!r} has {size}"
+        )
 
     def _idlest(self) -> Optional[tuple[str, registry.Served]]:
         """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected
@@ -258,22 +301,25 @@ class DecodeWorker:
         assert self.receivers and self.rendezvous is not None
         now = time.monotonic()
         blocks = -(-spec.prompt_len // self.block_size)
-        epochs: dict[int, int] = {}  # prefill rank -> its receiver's epoch of the first group
+        epochs: dict[Part, int] = {}  # part -> its receiver's epoch of the first group
         try:
-            for p, receiver in self.receivers.items():
-                epochs[p] = expect_groups(receiver, self.common.groups, spec.kv_id, spec.prompt_len,
-                                          spec.held_blocks, spec.dst_blocks)  # fmt: skip
+            for part, receiver in self.receivers.items():
+                epochs[part] = expect_groups(receiver, self.common.groups, spec.kv_id, spec.prompt_len,
+                                             spec.held_blocks, spec.dst_blocks)  # fmt: skip
         except KvFerryError as err:
             self._forget_expected(spec, epochs)  # never published: nothing writes them
             self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
             return
         st = _Recv(spec, now, now + spec.timeout_s)
-        if len(self.receivers) > 1 or self.prefill_tp > 1:
-            st.subs = {p: leg_name(spec.transfer, p, self.prefill_tp) for p in self.receivers}
+        if len(self.receivers) > 1 or self.sizes != (1,):
+            st.subs = {(size, p): leg_name(spec.transfer, p, size) for size, p in self.receivers}
+        if len(self.sizes) > 1:  # its first lookup chooses the size (kvferry.vllm.rendezvous)
+            st.among = rendezvous.Alternatives("tensor parallel size")
         parts = list(st.parts().items())
-        for i, (p, name) in enumerate(parts):
+        for i, (part, name) in enumerate(parts):
             try:
-                self.rendezvous.publish(name, self._destination(spec, epochs[p]))
+                destination = self._destination(spec, epochs[part])
+                self.rendezvous.publish(name, destination, among=st.among, alternative=part[0])
             except TransferError as err:
                 st.unpublished = {q for q, _ in parts[i:]}
                 if i == 0:  # none published: nothing can write it
@@ -300,11 +346,11 @@ class DecodeWorker:
             self._rid_of_transfer[name] = spec.req_id
         heapq.heappush(self._deadlines, (now + spec.timeout_s, spec.req_id))
 
-    def _forget_expected(self, spec: RecvSpec, epochs: dict[int, int]) -> None:
+    def _forget_expected(self, spec: RecvSpec, epochs: dict[Part, int]) -> None:
         """Releases, unfenced, every group of ``spec`` on the receivers that expected it."""
-        for p in epochs:
+        for part in epochs:
             for kv in self.common.groups.kv_ids(spec.kv_id):
-                self.receivers[p].release_unfenced(kv)
+                self.receivers[part].release_unfenced(kv)
 
     def _destination(self, spec: RecvSpec, epoch: int) -> dict[str, Any]:
         """What a prefill rank's lookup of ``spec`` answers: ``epoch`` is the first group's
@@ -334,8 +380,12 @@ class DecodeWorker:
         for rid in self._to_look(finished_req_ids, now):
             st = self._recv[rid]
             kvs = self.common.groups.kv_ids(st.spec.kv_id)
+            self._settle_size(st)
             if st.giving_up is None:
-                abandoned = {p: why for p, name in st.parts().items() if (why := self.rendezvous.abandoned(name))}
+                # Before a size is chosen, any prefill server giving a name up gives the request
+                # up (it was sent there); after, only the chosen size's.
+                live = st.live()
+                abandoned = {p: why for p, name in live.items() if (why := self.rendezvous.abandoned(name))}
                 if rid in finished_req_ids:
                     self._give_up(st, "the decode request was aborted", now, aborted=True)
                 elif abandoned:
@@ -345,7 +395,10 @@ class DecodeWorker:
                     self._give_up(st, f"its blocks did not all arrive within {st.spec.timeout_s} s", now)
                 else:
                     try:
-                        for p in st.parts():  # every prefill rank's part (one without TP), every group
+                        # Every prefill rank's part (one without TP) of the chosen size (before a
+                        # choice: of every size; all of them hold every block only when none was
+                        # to move), every group.
+                        for p in live:
                             for kv in kvs:
                                 self.receivers[p].wait(kv, 0)
                     except TransferTimeoutError:
@@ -353,7 +406,7 @@ class DecodeWorker:
                     except TransferError as err:
                         self._give_up(st, str(err), now)
                     else:
-                        for p, name in st.parts().items():
+                        for p, name in live.items():
                             for kv in kvs:
                                 self.receivers[p].release(kv, 0)
                             self.rendezvous.withdraw(name, "its blocks arrived")
@@ -361,8 +414,13 @@ class DecodeWorker:
                         self._forget(st)
                         recving.add(rid)
                         arrived = self.common.groups.live_count(st.spec.prompt_len, st.spec.held_blocks)
-                        # Every region (layer), summed over the head slices the parts write.
-                        block = sum(r.pool.block_bytes * r.pool.num_layers for r in self.receivers.values())
+                        # Every region (layer), summed over the head slices one size's parts write.
+                        size = st.size if st.size is not None else min(live)[0]
+                        block = sum(
+                            self.receivers[p].pool.block_bytes * self.receivers[p].pool.num_layers
+                            for p in live
+                            if p[0] == size
+                        )
                         self.common.ended("decode", st.spec.transfer, rid, "done", nbytes=arrived * block)
                         continue
             if not self._release(st, now):
@@ -388,6 +446,9 @@ class DecodeWorker:
         look.update(rid for rid in finished_req_ids if rid in self._recv)
         gone = self.rendezvous.take_abandoned()
         look.update(self._rid_of_transfer[t] for t in gone if t in self._rid_of_transfer)
+        if len(self.sizes) > 1:  # a first lookup chose a request's size: its other parts go
+            chosen = self.rendezvous.take_chosen()
+            look.update(self._rid_of_transfer[t] for t in chosen if t in self._rid_of_transfer)
         while self._deadlines and self._deadlines[0][0] < now:
             _, rid = heapq.heappop(self._deadlines)
             if rid in self._recv:
@@ -402,11 +463,31 @@ class DecodeWorker:
             if self._rid_of_transfer.get(name) == st.spec.req_id:
                 del self._rid_of_transfer[name]
 
+    def _settle_size(self, st: _Recv) -> None:
+        """Once a lookup chose ``st``'s prefill size (the first to take one of its names,
+        `rendezvous.Alternatives`): releases the other sizes' parts unfenced and withdraws
+        their names. The rendezvous never hands those names out after the choice, nor took
+        one before it (a take is the choice), so no sender can write them."""
+        if st.among is None or st.size is not None:
+            return
+        assert self.rendezvous is not None
+        chosen = self.rendezvous.chosen(st.among)
+        if chosen is None:
+            return
+        assert isinstance(chosen, int)
+        st.size = chosen
+        for part, name in st.parts().items():
+            if part[0] != chosen and part not in st.released:
+                self._release_groups(st, part, unfenced=True)
+                if part not in st.unpublished:
+                    self.rendezvous.withdraw(name, st.among.why_not(part[0]))
+                st.released.add(part)
+
     def _give_up(self, st: _Recv, reason: str, now: float, aborted: bool = False) -> None:
         st.giving_up, st.aborted = reason, aborted
         st.fence_deadline = now + self.config.fence_timeout_s
         for p in st.parts():
-            if p not in st.unpublished:
+            if p not in st.unpublished and p not in st.released:
                 for kv in self.common.groups.kv_ids(st.spec.kv_id):
                     self.receivers[p].cancel(kv, reason)  # asks its sender to stop (no-op once fenced)
 
@@ -419,15 +500,16 @@ class DecodeWorker:
 
     def _release(self, st: _Recv, now: float) -> bool:
         """Releases a request given up on once each of its parts' senders fenced it (one
-        part without tensor parallelism; see `_release_part`)."""
+        part without tensor parallelism; see `_release_part`). A part of a size not chosen
+        goes at once: `Rendezvous.withdraw_untaken` says no sender learnt it."""
         for p, name in st.parts().items():
             if p not in st.released and self._release_part(st, p, name, now):
                 st.released.add(p)
         return len(st.released) == len(st.parts())
 
-    def _release_part(self, st: _Recv, p: int, name: str, now: float) -> bool:
-        """Releases prefill rank ``p``'s part (published as ``name``) of a request given up
-        on once its sender fenced it. Past the fence timeout: staging releases at once (its
+    def _release_part(self, st: _Recv, p: Part, name: str, now: float) -> bool:
+        """Releases part ``p`` (a prefill size's rank, published as ``name``) of a request
+        given up on once its sender fenced it. Past the fence timeout: staging releases at once (its
         endpoint applies a write only for a request it still admits, so a late write of a
         released request never reaches vLLM's blocks); nixl writes are one-sided and nothing
         here can stop a late one, so its blocks stay allocated (the request stays
@@ -469,8 +551,8 @@ class DecodeWorker:
         self.rendezvous.withdraw(name, reason)
         return True
 
-    def _release_groups(self, st: _Recv, p: int, *, unfenced: bool) -> None:
-        """Releases each KV cache group's kvferry request on prefill rank ``p``'s receiver
+    def _release_groups(self, st: _Recv, p: Part, *, unfenced: bool) -> None:
+        """Releases each KV cache group's kvferry request on part ``p``'s receiver
         once (`KVReceiver.release`, or `release_unfenced`); raises `TransferTimeoutError`
         while a group's fence has not come (the groups released so far stay released)."""
         receiver = self.receivers[p]

@@ -37,6 +37,22 @@ goodbye naming the reason; the rendezvous serves the others on. A transfer id is
 one lookup only (a second prefill request naming it is refused), so no decode block is
 written by two senders. Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of
 its own: a staging ring has one writer.
+
+Names may be published as `Alternatives` of one another: one decode request published once
+for each kind of prefill server that may send it (a decode server taking prefill servers of
+several tensor parallel sizes publishes each size's names). The first lookup that takes one
+of them chooses its alternative, under the rendezvous's lock: the other alternatives' names
+are withdrawn then (a lookup of one is refused) and are never handed out, so two kinds of
+sender never both learn one request's blocks:
+
+```
+published  T (alternative 1)   T@p0of2, T@p1of2 (alternative 2)
+lookup T@p0of2 from S@p0of2 -> taken; alternative 2 chosen: T withdrawn
+lookup T from S'            -> refused (ended: alternative 2 was chosen)
+lookup T@p1of2 from S@p1of2 -> taken (the chosen alternative's other name)
+```
+A lookup takes a name of an alternative only when its sender is of that alternative
+(``alternative_of(sender)``).
 """
 
 from __future__ import annotations
@@ -49,7 +65,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional
 
 from kvferry import affinity
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -57,7 +73,7 @@ from kvferry.transports import guard, wire
 from kvferry.transports.frames import Frame, Goodbye
 from kvferry.vllm.frames import PUBLISHED_KEYS, RENDEZVOUS, Abandon, Abandoned, Destination, Lookup, Refused
 
-__all__ = ["InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
+__all__ = ["Alternatives", "InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
 
 logger = logging.getLogger("kvferry.vllm")
 # Failed handshakes and accept errors: a flood of them logs a few lines, then a count.
@@ -84,6 +100,23 @@ def _clip(text: str, limit: int) -> str:
     return text.encode()[:limit].decode(errors="ignore")
 
 
+class Alternatives:
+    """Names published as alternatives of one another (`Rendezvous.publish` with
+    ``among=``): the first lookup that takes one of them chooses its alternative. ``what``
+    says what tells the prefill servers of one alternative apart, for the refusals (e.g.
+    "tensor parallel size").
+    Its state belongs to the rendezvous that published the names: read it with
+    `Rendezvous.chosen`."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.chosen: Optional[Hashable] = None
+        self.names: dict[str, Hashable] = {}  # each name published -> its alternative
+
+    def why_not(self, alternative: Hashable) -> str:
+        return f"its decode request was taken by prefill servers of {self.what} {self.chosen!r}, not {alternative!r}"
+
+
 class Rendezvous:
     """Owned by the decode worker: publishes each expected transfer's destination and
     collects the transfers prefill sides abandoned."""
@@ -97,14 +130,17 @@ class Rendezvous:
         listen: str = "unix://",
         advertise: Optional[str] = None,
         admit: Optional[Callable[[str], Optional[str]]] = None,
+        alternative_of: Optional[Callable[[str], Hashable]] = None,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
         ``directory``), ``unix:///path`` or ``tcp://host:port``; ``advertise``: the host a
         wildcard bind is reached by. ``admit(sender)``: why a lookup from that prefill
-        engine is refused at once (before it waits), or None. ``address`` is the URL prefill
-        servers connect to."""
+        engine is refused at once (before it waits), or None. ``alternative_of(sender)``: the
+        alternative (`Alternatives`) of the names that prefill engine may take. ``address``
+        is the URL prefill servers connect to."""
         self._admit = admit
+        self._alternative_of = alternative_of
         self._authkey = wire.check_authkey(authkey)
         self._endpoint_for = endpoint_for
         where = wire.parse_address(listen, "kv_connector_extra_config listen")
@@ -124,17 +160,29 @@ class Rendezvous:
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
         self._abandons: deque[str] = deque(maxlen=GONE_KEPT)  # abandoned since the last take_abandoned
+        # Each name published among alternatives (until withdrawn): its group and alternative.
+        self._among: dict[str, tuple[Alternatives, Hashable]] = {}
+        self._choices: deque[str] = deque(maxlen=GONE_KEPT)  # names whose take chose, since the last take_chosen
         self._closing = False
         self._stop = threading.Event()  # the accept loop's: set with _closing
         self._admission = guard.Admission()
         self._thread = affinity.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
         self._thread.start()
 
-    def publish(self, transfer: str, destination: dict[str, Any]) -> None:
+    def publish(
+        self,
+        transfer: str,
+        destination: dict[str, Any],
+        *,
+        among: Optional[Alternatives] = None,
+        alternative: Hashable = None,
+    ) -> None:
         """Makes ``transfer``'s destination available to one lookup. Raises `TransferError`
         when the id is live already (two decode requests named the same transfer), and
         `InvalidDestinationError` (a `TransferError` too) for a destination the wire's ``destination`` frame cannot
-        carry (a missing or extra key, a field out of its bounds), naming the field."""
+        carry (a missing or extra key, a field out of its bounds), naming the field. With
+        ``among``: one of ``alternative``'s names; if another alternative was chosen already,
+        it is withdrawn at once (never handed out)."""
         keys = set(destination)
         if keys != DESTINATION_KEYS:
             raise InvalidDestinationError(
@@ -150,6 +198,12 @@ class Rendezvous:
             if transfer in self._published or transfer in self._taken:
                 raise TransferError(f"transfer {transfer!r} is already expected by another decode request")
             self._gone.pop(transfer, None)
+            if among is not None:
+                among.names[transfer] = alternative
+                self._among[transfer] = (among, alternative)
+                if among.chosen is not None and among.chosen != alternative:
+                    self._end(transfer, among.why_not(alternative))  # a lookup waiting for it is refused
+                    return
             self._published[transfer] = destination
             self._cond.notify_all()
 
@@ -159,19 +213,45 @@ class Rendezvous:
             self._published.pop(transfer, None)
             self._taken.pop(transfer, None)
             self._abandoned.pop(transfer, None)
-            self._gone[transfer] = reason
-            while len(self._gone) > GONE_KEPT:
-                self._gone.popitem(last=False)
-            self._cond.notify_all()
+            among = self._among.pop(transfer, None)
+            if among is not None:
+                among[0].names.pop(transfer, None)
+            self._end(transfer, reason)
+
+    def _end(self, transfer: str, reason: str) -> None:
+        """Under the lock: a lookup of ``transfer`` is refused from now on, saying ``reason``."""
+        self._gone[transfer] = reason
+        while len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
+        self._cond.notify_all()
 
     def withdraw_untaken(self, transfer: str, reason: str) -> bool:
         """Withdraws ``transfer`` if no lookup took its destination yet; returns whether it
-        did (then no sender ever learnt its blocks, so none can write them)."""
+        did (then no sender ever learnt its blocks, so none can write them). A name among
+        alternatives of which another was chosen never was, nor will be, handed out: it is
+        withdrawn too."""
         with self._cond:  # an RLock: withdraw takes it again, so no lookup slips in between
+            among = self._among.get(transfer)
+            if among is not None and among[0].chosen not in (None, among[1]):
+                self.withdraw(transfer, reason)
+                return True
             if transfer in self._taken or transfer not in self._published:
                 return False
             self.withdraw(transfer, reason)
             return True
+
+    def chosen(self, among: Alternatives) -> Optional[Hashable]:
+        """The alternative of ``among`` a lookup chose (it took one of its names), or None."""
+        with self._cond:
+            return among.chosen
+
+    def take_chosen(self) -> list[str]:
+        """The names whose take chose their alternative since the last call (one per group of
+        alternatives): the decode worker looks at these each step, not at every request."""
+        with self._cond:
+            names = list(self._choices)
+            self._choices.clear()
+        return names
 
     def taker(self, transfer: str) -> Optional[str]:
         """The prefill engine whose lookup took ``transfer``'s destination, or ``None``."""
@@ -302,6 +382,9 @@ class Rendezvous:
                 if transfer in self._taken:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 if transfer in self._published:
+                    why = self._choose(transfer, sender)
+                    if why is not None:
+                        return refused(f"transfer {transfer!r}: {why}")
                     published = self._published.pop(transfer)
                     self._taken[transfer] = sender
                     break
@@ -324,6 +407,27 @@ class Rendezvous:
             return wire.encode(Destination(**dict(published, endpoint=endpoint)), RENDEZVOUS)
         except (InvalidArgumentError, TypeError) as err:
             return self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+
+    def _choose(self, transfer: str, sender: str) -> Optional[str]:
+        """Under the lock, before a lookup from ``sender`` takes the published ``transfer``:
+        why it may not (a name of another alternative than the sender's), or None. The first
+        take of a group's name chooses its alternative and withdraws the other alternatives'
+        names, in the same critical section: no lookup can take one of them after this."""
+        among = self._among.get(transfer)
+        if among is None:
+            return None
+        group, alternative = among
+        mine = self._alternative_of(sender) if self._alternative_of is not None else alternative
+        if mine != alternative:
+            return f"a name for prefill servers of {group.what} {alternative!r}; prefill engine {sender!r} has {mine!r}"
+        if group.chosen is None:
+            group.chosen = alternative
+            self._choices.append(transfer)
+            for name, other in group.names.items():
+                if other != alternative and name in self._published:
+                    del self._published[name]
+                    self._end(name, group.why_not(other))
+        return None  # group.chosen == alternative: the others' names were withdrawn when it was chosen
 
     def _refuse_taken(self, transfer: str, sender: str, reason: str) -> bytes:
         """Gives back a destination ``sender`` took but cannot use: nothing can reach its
