@@ -2,7 +2,8 @@
 prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2, on the testbed's tiny Llama made hybrid
 (tests/test_vllm_hma.py: a sliding-window and a full-attention KV cache group, so TP and HMA
 together; 2 KV heads: a TP-2 rank holds one, a TP-1 engine both, so the heterogeneous pairs
-move head slices and the 2 -> 2 pair whole blocks, rank to rank; kvferry.ranks). Each decode
+move head slices and the 2 -> 2 pair whole blocks, rank to rank; kvferry.ranks), and one
+decode engine taking prefill engines of both sizes (``prefill_tp_size [1, 2]``). Each decode
 output equals a plain engine's greedy output, and every pool ends empty.
 
 Four engines, started together (vLLM's CPU TP runs one worker process per rank, each bound
@@ -11,7 +12,8 @@ to its own core with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``):
 ```
 tp2    TP 2, kv_both, prefill_tp_size 1   prefill of 2 -> 1 and 2 -> 2; decode of 1 -> 2
 tp1    TP 1, kv_both, prefill_tp_size 2   prefill of 1 -> 2; decode of 2 -> 1
-tp2d   TP 2, kv_consumer, prefill_tp_size 2   decode of 2 -> 2
+tp2d   TP 2, kv_consumer, prefill_tp_size [1, 2]   decode of 2 -> 2, and of 1 -> 2 and 2 -> 2
+       at once (each request taken by the size of its first lookup)
 plain  TP 1, no connector: the reference outputs
 ```
 Every engine command is bounded (`Engine.result`); a decode request waits at most
@@ -39,9 +41,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 # skips them: collected here too, so `make test-vllm` (.venv-vllm) runs them.
 from test_tp import (  # noqa: E402, F401
     decode_p2,
+    decode_p12,
+    test_a_list_of_prefill_tp_sizes_is_checked_by_name,
+    test_a_listed_prefill_tp_size_that_does_not_pair_is_refused_by_name,
+    test_a_lookup_racing_a_give_up_waits_for_its_fence_and_the_rest_go_at_once,
     test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name,
+    test_a_request_taken_by_one_size_refuses_the_others_lookups,
+    test_a_size_chosen_between_two_publishes_withdraws_the_later_names,
     test_an_abandoned_part_fails_the_request_and_frees_every_part,
     test_decode_rank_waits_for_every_prefill_ranks_part,
+    test_given_up_before_any_lookup_releases_every_size,
+    test_one_decode_rank_takes_a_tp1_and_a_tp2_prefill_server_bit_exact,
     test_pipeline_parallelism_is_refused_by_name,
     test_the_hello_names_every_decode_rank_and_signs_them_together,
 )
@@ -53,7 +63,7 @@ TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 BOUND = 600.0  # an engine command on the loaded 2-core box (a TP-2 engine starts in about a minute)
 
 
-def extra(prefill_tp_size: int) -> dict[str, Any]:
+def extra(prefill_tp_size: int | list[int]) -> dict[str, Any]:
     return {
         "transfer_timeout_s": WAIT_S,
         "destination_timeout_s": WAIT_S,
@@ -73,7 +83,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
             # Started together; each answers its first command once it is up.
             started["tp2"] = Engine(model, "kv_both", extra(1), max_num_batched_tokens=64, **TP2)
             started["tp1"] = Engine(model, "kv_both", extra(2), max_num_batched_tokens=64)
-            started["tp2d"] = Engine(model, "kv_consumer", extra(2), **TP2)
+            started["tp2d"] = Engine(model, "kv_consumer", extra([1, 2]), **TP2)
             started["plain"] = Engine(model, None)
             for engine in started.values():
                 engine.start("usage")
@@ -130,3 +140,55 @@ def test_tp_pair_outputs_equal_a_plain_engines(engines: dict[str, Engine], pair:
     for engine in (prefill, decode):
         usage = engine.call("usage")
         assert usage == {"used": 0, "requests": 0}, (pair, usage)
+
+
+def test_one_decode_engine_takes_prefill_engines_of_both_sizes(engines: dict[str, Engine]) -> None:
+    """tp2d (``prefill_tp_size [1, 2]``) decodes, in one run, two prompts sent by the TP-1
+    engine (its one rank writes each decode rank's head slice) and two by the TP-2 engine
+    (rank to rank, whole blocks), the two prefill engines running at once: each request taken
+    by the size of its first lookup, the other size's parts released. Each output equals the
+    plain engine's; no prefill request reports an error; every pool ends empty."""
+    decode, plain = engines["tp2d"], engines["plain"]
+    hello = hello_of(decode)
+    assert len(hello["peer"].split(" ")) == 2
+    senders = {"tp1": engines["tp1"], "tp2": engines["tp2"]}
+    prompts = {f"{name}-{i}": prompt_of(90 + 50 * i + 10 * j, 300 + 10 * j + i) for j, name in enumerate(senders)
+               for i in range(2)}  # fmt: skip
+    transfers = {key: uuid.uuid4().hex for key in prompts}
+    recv = [
+        (f"d-mixed-{key}", prompt, 6, {"kvferry": {"op": "recv", "transfer": transfers[key], "timeout_s": WAIT_S}})
+        for key, prompt in prompts.items()
+    ]
+    decode.start("run", recv, None, None)
+    for name, engine in senders.items():
+        send = [
+            (
+                f"p-mixed-{key}",
+                prompt,
+                1,
+                {
+                    "kvferry": {
+                        "op": "send",
+                        "transfer": transfers[key],
+                        "peer": hello["peer"],
+                        "peer_mac": hello["peer_mac"],
+                    }
+                },
+            )
+            for key, prompt in prompts.items()
+            if key.startswith(f"{name}-")
+        ]
+        engine.start("run", send, None, None)
+    sent = {}
+    for engine in senders.values():
+        sent.update(engine.result(timeout=BOUND)["outputs"])
+    got = decode.result(timeout=BOUND)["outputs"]
+    want = plain.run([(f"r-mixed-{key}", prompt, 6, None) for key, prompt in prompts.items()])["outputs"]
+    for key in prompts:
+        d = got[f"d-mixed-{key}"]
+        assert d["finish_reason"] == "length", (key, d, sent[f"p-mixed-{key}"])
+        assert d["tokens"] == want[f"r-mixed-{key}"]["tokens"], key
+        assert "error" not in sent[f"p-mixed-{key}"]["kv_transfer_params"]["kvferry"], sent
+    for engine in (decode, *senders.values()):
+        usage = engine.call("usage")
+        assert usage == {"used": 0, "requests": 0}, usage
