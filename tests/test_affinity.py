@@ -106,6 +106,61 @@ def test_a_handoff_sender_starts_every_write_on_its_announcer_on_the_transfer_co
         sender.close()
 
 
+class _Costly(_Recording):
+    """A transport whose submission costs its caller (`Transport.costly_submit`, as NIXL's)."""
+
+    costly_submit = True
+
+
+def test_handoff_by_default_only_for_cuda_pools_over_a_costly_transport() -> None:
+    """With CUDA pools, a write handed to NIXL would hold the engine's thread before its
+    forward (590 ms for a 4 GiB early send of scattered blocks on an H200): such a sender
+    hands its writes to its announcer unless told otherwise. With CPU pools, or a cheap
+    transport, or no announcer, nothing moves; an explicit ``handoff`` always wins."""
+    from kvferry.sender import default_handoff
+    from kvferry.transports.nixl import NixlTransport
+
+    assert NixlTransport.costly_submit and not InProcessTransport.costly_submit
+    costly, cheap = _Costly(KVReceiver(POOLS.nan())), InProcessTransport(KVReceiver(POOLS.nan()))
+    assert default_handoff("cuda", costly, True)
+    assert not default_handoff("cuda", costly, False)
+    assert not default_handoff("cuda", cheap, True)
+    assert not default_handoff("cpu", costly, True)
+    for handoff, want in ((None, False), (True, True), (False, False)):
+        sender = KVSender(POOLS.random(0), _Costly(KVReceiver(POOLS.nan())), handoff=handoff)
+        try:
+            assert sender.handoff is want, handoff
+        finally:
+            sender.close()
+
+
+@pytest.mark.cuda
+def test_a_cuda_sender_over_a_costly_transport_submits_from_its_announcer() -> None:
+    """CUDA pools and a costly transport, no ``handoff`` given: every write of an early send
+    and a chunk is handed over on the announcer's thread, never the caller's, and lands bit
+    exact."""
+    src, dst = POOLS.random(3, "cuda"), POOLS.nan("cuda")
+    receiver = KVReceiver(dst)
+    transport = _Costly(receiver)
+    sender = KVSender(src, transport)
+    try:
+        assert sender.handoff
+        receiver.expect(1, 40)
+        sender.add(1, 40, reused_len=24)
+        table = np.arange(10).reshape(1, 10)
+        sender.send_early([1], table, table)
+        sender.send_chunks([1], [24], [40], table, table)
+        sender.flush(timeout=60)
+        assert receiver.wait(1, timeout=60)
+        assert sender.remove(1).is_complete
+        for layer_src, layer_dst in zip(src.layers, dst.layers):
+            assert (layer_dst[:10] == layer_src[:10]).all()
+        assert transport.handed and {name for name, _ in transport.handed} == {"kvferry-sender-progress"}
+        assert_nothing_leased(sender=sender)
+    finally:
+        sender.close()
+
+
 def test_a_handoff_needs_the_announcer() -> None:
     with pytest.raises(InvalidArgumentError, match=r"handoff=True with progress=False"):
         KVSender(POOLS.random(0), InProcessTransport(KVReceiver(POOLS.nan())), handoff=True, progress=False)

@@ -51,7 +51,7 @@ from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids
 from kvferry.transports.base import Transport, TransportFull, Write, kept
 from kvferry.transports.inprocess import InProcessTransport
 
-__all__ = ["KVSender", "SenderStage", "TransferRecord"]
+__all__ = ["KVSender", "SenderStage", "TransferRecord", "default_handoff"]
 
 IntArray = npt.ArrayLike
 # How often the announcer looks at a write whose engine cannot wake it on completion (CUDA).
@@ -207,7 +207,7 @@ class KVSender:
         layer_groups: int = 1,
         host_pool: Optional[PagedKV] = None,
         backlog_blocks: int = BACKLOG_BLOCKS,
-        handoff: bool = False,
+        handoff: Optional[bool] = None,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
@@ -227,10 +227,15 @@ class KVSender:
         ``handoff``: every write is handed to the transport by the announcer thread, never by
         the caller's: whatever work a transport does when given a write (a NIXL post that
         starts sending, a staging copy queued) then runs on the announcer's cores
-        (`kvferry.affinity`), off the engine's. Needs ``progress``."""
+        (`kvferry.affinity`), off the engine's. Needs ``progress``. None (the default): on for
+        CUDA pools over a transport whose submission is costly (`Transport.costly_submit`:
+        NIXL), where handing a write over would otherwise hold the engine's thread, not only
+        its core, before the forward; off otherwise (`default_handoff`)."""
         pool.check_compatible(transport.geometry())
         if handoff and not progress:
             raise InvalidArgumentError("invalid handoff=True with progress=False: the announcer hands writes over")
+        if handoff is None:
+            handoff = default_handoff(pool.device.type, transport, progress)
         if isinstance(backlog_blocks, bool) or not isinstance(backlog_blocks, (int, np.integer)) or backlog_blocks < 0:
             raise InvalidArgumentError(f"invalid backlog_blocks={backlog_blocks!r}: must be an int >= 0")
         if isinstance(layer_groups, bool) or not isinstance(layer_groups, (int, np.integer)):
@@ -1167,6 +1172,15 @@ class KVSender:
             ):
                 self._fences.setdefault(request_id, record)
         self._post_fences()
+
+
+def default_handoff(device_type: str, transport: Transport, progress: bool) -> bool:
+    """Whether a `KVSender` given no ``handoff`` hands its writes to its announcer: for CUDA
+    pools over a transport whose submission is costly (NIXL), with an announcer. On an H200
+    an early send of 4 GiB in scattered blocks held the engine's thread 590 ms before its
+    forward (docs/benchmarks.md, "The H200 run of 2026-12-05"); with CPU pools the engine's
+    forward shares its cores with the transfer whichever thread submits, so nothing moves."""
+    return bool(progress) and device_type == "cuda" and bool(getattr(transport, "costly_submit", False))
 
 
 def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, closing: threading.Event) -> None:

@@ -653,6 +653,7 @@ class NixlTransport(Transport):
     and the receiver's."""
 
     carries_notices = True  # the notification leaves with the write (`Transport.carries_notices`)
+    costly_submit = True  # descriptors built and posted per write (`Transport.costly_submit`)
 
     def __init__(
         self,

@@ -240,8 +240,9 @@ class PrefillWorker:
                 record=True,
                 progress=True,
                 layer_groups=self.config.layer_groups,
-                # With transfer cores, writes start on them (the announcer's), not on the engine's.
-                handoff=bool(self.config.transfer_cores),
+                # With transfer cores, writes start on them (the announcer's), not on the
+                # engine's; else the sender's default (NIXL over CUDA caches hands them off).
+                handoff=True if self.config.transfer_cores else None,
             )
         except BaseException:
             transport.close()
