@@ -29,9 +29,13 @@ def test_sessions_under_preemption_and_hangups(tmp_path: Path) -> None:
     cfg = StressConfig(
         sessions=12,
         turns=2,
-        output=64,
+        output=96,
         hangup=0.25,
-        prefill_blocks=20,
+        # 24 prefill blocks: two turns at once outgrow them (preemption there), yet most turns
+        # reach the decode server, whose 36 blocks two 96-token decodes outgrow. With 20 and 64
+        # a CI run lost 16 of 24 turns to prefill preemption and the decode server was never
+        # full (it did not preempt: the scenario did not happen).
+        prefill_blocks=24,
         decode_blocks=36,
         max_num_seqs=8,
         request_timeout_s=300.0,
