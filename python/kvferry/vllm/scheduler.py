@@ -372,21 +372,23 @@ class SchedulerSide:
                 start = sending.next_start
             sending.next_start = start + scheduled[rid]
             spec = sending.spec
-            tables = self.groups.tables(self._manager().get_block_ids(rid))
+            end = min(start + scheduled[rid], spec.prompt_len)
+            early = 0 if sending.emitted or spec.finished else start // self.block_size
+            # Read only when a chunk or a hit needs them: a send past its prompt (decoding on a
+            # kv_both server) is scheduled every step with neither.
+            tables = self.groups.tables(self._manager().get_block_ids(rid)) if start < end or early else []
             if not sending.emitted:
                 sending.emitted = True
                 # The first chunk starts where the prefix-cache hit ends (block aligned).
                 spec.reused_len = start
                 meta.sends.append(spec)
-                early = start // self.block_size
-                if early and not spec.finished:
+                if early:
                     completing = completing if completing is not None else self._completing(scheduler_output)
                     spec.early = not any(
                         done.intersection(table[:early])
                         for done, table, window in zip(completing, tables, self.groups.windows)
                         if window is None  # a sliding-window group sends nothing early
                     )
-            end = min(start + scheduled[rid], spec.prompt_len)
             if start < end:
                 meta.chunks.append(Chunk(rid, start, end, tables))
         return meta
