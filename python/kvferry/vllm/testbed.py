@@ -57,31 +57,45 @@ class RandomLlama:
 def build_tiny_llama(root: Path, spec: RandomLlama = RandomLlama()) -> Path:
     """Writes (once per geometry: the folder name is a hash of it) a random LlamaForCausalLM and
     a PreTrainedTokenizerFast under ``root``; returns the model folder."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def build(tmp: Path) -> None:
         g = spec.geometry
-        torch.manual_seed(g.seed)
-        config = LlamaConfig(
-            vocab_size=g.vocab,
-            hidden_size=g.hidden,
-            intermediate_size=g.ffn,
-            num_hidden_layers=g.layers,
-            num_attention_heads=g.heads,
-            num_key_value_heads=g.kv_heads,
-            head_dim=g.head_dim,
-            max_position_embeddings=spec.max_positions,
-            bos_token_id=1,
-            eos_token_id=2,
-            tie_word_embeddings=False,
-            initializer_range=spec.init_range,
-            torch_dtype="float32",
-        )
-        LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-        _save_tokenizer(tmp, g.vocab)
+        _save_random(tmp, LlamaConfig, LlamaForCausalLM, g.seed, g.vocab, spec.max_positions, spec.init_range,
+                     hidden_size=g.hidden, intermediate_size=g.ffn, num_hidden_layers=g.layers,
+                     num_attention_heads=g.heads, num_key_value_heads=g.kv_heads, head_dim=g.head_dim)  # fmt: skip
 
     return _build_once(Path(root), "tiny-llama", asdict(spec), build)
+
+
+def _save_random(
+    tmp: Path,
+    config_cls: Any,
+    model_cls: Any,
+    seed: int,
+    vocab: int,
+    max_positions: int,
+    init_range: float,
+    **fields: Any,
+) -> None:
+    """A random fp32 model of ``model_cls`` (its ``config_cls`` with ``fields`` and what every
+    testbed model shares: token ids 1 and 2 for bos and eos, untied embeddings) and the
+    testbed's tokenizer, saved in ``tmp``."""
+    import torch
+
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=init_range,
+        torch_dtype="float32",
+        **fields,
+    )
+    model_cls(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+    _save_tokenizer(tmp, vocab)
 
 
 @dataclass(frozen=True)
@@ -113,13 +127,17 @@ def build_tiny_deepseek_v2(root: Path, spec: RandomDeepseekV2 = RandomDeepseekV2
     """Writes (once per spec) a random DeepseekV2ForCausalLM (vLLM maps that architecture to
     its MLA model) and the same tokenizer as `build_tiny_llama` under ``root``; returns the
     model folder."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     def build(tmp: Path) -> None:
-        torch.manual_seed(spec.seed)
-        config = DeepseekV2Config(
-            vocab_size=spec.vocab,
+        _save_random(
+            tmp,
+            DeepseekV2Config,
+            DeepseekV2ForCausalLM,
+            spec.seed,
+            spec.vocab,
+            spec.max_positions,
+            spec.init_range,
             hidden_size=spec.hidden,
             intermediate_size=spec.ffn,
             num_hidden_layers=spec.layers,
@@ -135,15 +153,7 @@ def build_tiny_deepseek_v2(root: Path, spec: RandomDeepseekV2 = RandomDeepseekV2
             num_experts_per_tok=1,
             n_shared_experts=1,
             moe_intermediate_size=spec.ffn,
-            max_position_embeddings=spec.max_positions,
-            bos_token_id=1,
-            eos_token_id=2,
-            tie_word_embeddings=False,
-            initializer_range=spec.init_range,
-            torch_dtype="float32",
         )
-        DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
-        _save_tokenizer(tmp, spec.vocab)
 
     return _build_once(Path(root), "tiny-deepseek-v2", asdict(spec), build)
 
