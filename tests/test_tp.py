@@ -902,7 +902,7 @@ def test_the_hello_names_every_decode_rank_and_signs_them_together(tmp_path: Any
 
 # -- tensor parallelism with HMA: two KV cache groups over the same regions -------------------
 
-# vLLM's hybrid layout (kvferry.vllm.groups): each group's layer j overlays region j of one
+# vLLM's hybrid layout (kvferry.groups): each group's layer j overlays region j of one
 # allocation, one block pool for both groups. A sliding-window group (W=20) and a
 # full-attention group, 3 regions of 16-token blocks; a prompt of 70 tokens is 5 blocks.
 HMA_P, HMA_W, HMA_REUSED, HMA_HELD = 70, 20, 32, 1  # prefill prefix hit 2 blocks, decode 1
@@ -916,7 +916,7 @@ HMA_PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 1), (1, 4)]
 
 
 def hma_groups() -> Any:
-    from kvferry.vllm.groups import Group, GroupSet
+    from kvferry.groups import Group, GroupSet
 
     sw = Group(0, tuple(f"l{2 * j}" for j in range(LAYERS)), HMA_W, "SlidingWindowSpec")
     fa = Group(1, tuple(f"l{2 * j + 1}" for j in range(LAYERS)), None, "FullAttentionSpec")
@@ -926,8 +926,8 @@ def hma_groups() -> Any:
 def hma_pool(cache: Cache, groups: Any) -> PagedKV:
     """The rank's pool as the connector builds it: `groups.pool_layers` over every group's
     layers, each view shared by the groups' layers of its region."""
+    from kvferry.groups import pool_layers
     from kvferry.layout import paged_kv_from_views
-    from kvferry.vllm.groups import pool_layers
 
     views = {name: cache.views[j] for g in groups.groups for j, name in enumerate(g.layers)}
     regions, _ = pool_layers(views, groups.groups, lambda n: int(n[1:]))
@@ -947,17 +947,17 @@ def hma_expected(cache: Cache, full: torch.Tensor, lo: int, hi: int) -> torch.Te
     return want
 
 
-def hma_link(groups: Any, src: PagedKV, dst: PagedKV, base: int) -> dict[int, list[int]]:
+def hma_link(groups: Any, src: PagedKV, dst: PagedKV, base: int, device: str) -> dict[int, list[int]]:
     """One link as the workers drive it: the decode rank's receiver of that prefill rank
     expects every group (`expect_groups`, as `DecodeWorker._expect`), the prefill rank's
     hook adds them from the published destination (`add_groups`, as `PrefillWorker._start`)
     and sends chunk by chunk (the tables so far, the early send, each chunk after its
     forward). Returns the blocks each group's notices covered, every lease released."""
+    from kvferry.groups import add_groups, expect_groups
     from kvferry.hook import TransferHook
-    from kvferry.vllm.groups import add_groups, expect_groups
 
     receiver = KVReceiver(dst)
-    sender = KVSender(src, InProcessTransport(receiver), record=True)
+    sender = KVSender(src, InProcessTransport(receiver), engine=make_engine(device), record=True)
     hook = TransferHook(sender)
     epoch = expect_groups(receiver, groups, base, HMA_P, HMA_HELD, HMA_DST)
     destination = {"dst_blocks": [b for t in HMA_DST for b in t], "held_blocks": HMA_HELD, "epoch": epoch}
@@ -1005,7 +1005,18 @@ def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], k
     the null block, the held block, the window's dropped blocks are never written), and each
     (group, block, decode rank) head crosses exactly once: from the one prefill rank holding
     it."""
-    pytest.importorskip("vllm")  # kvferry.vllm.groups is the connector's package
+    hma_tp(pair, kind, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", HMA_KINDS)
+@pytest.mark.parametrize("pair", HMA_PAIRS, ids=[f"P{p}D{d}" for p, d in HMA_PAIRS])
+def test_cuda_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], kind: str) -> None:
+    """The same on the GPU: CUDA caches, `kvferry.engine.CudaCopyEngine` doing the copies."""
+    hma_tp(pair, kind, "cuda")
+
+
+def hma_tp(pair: tuple[int, int], kind: str, device: str) -> None:
     p_tp, d_tp = pair
     mla = kind == "MLA"
     layout, heads, content = ("LBHNC", 1, MLA_CONTENT) if mla else (kind, 4, CONTENT)
@@ -1019,11 +1030,11 @@ def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], k
     prefill = []
     for p in range(p_tp):
         lo, hi = span(p, p_tp)
-        cache = rank_cache(layout, hi - lo, torch.bfloat16, "cpu", poison, content)
+        cache = rank_cache(layout, hi - lo, torch.bfloat16, device, poison, content)
         fill_heads(cache, full, lo, hi)
         prefill.append(cache)
     width = span(0, d_tp)[1] - span(0, d_tp)[0]
-    decode = [rank_cache(layout, width, torch.bfloat16, "cpu", poison, content) for _ in range(d_tp)]
+    decode = [rank_cache(layout, width, torch.bfloat16, device, poison, content) for _ in range(d_tp)]
     wants = [hma_expected(decode[d], full, *span(d, d_tp)) for d in range(d_tp)]
     # Per (group, block, decode rank): how many times each of that rank's heads arrived.
     crossed = {(g, i, d): np.zeros(width, dtype=int) for g in range(2) for i in range(5) for d in range(d_tp)}
@@ -1032,7 +1043,7 @@ def test_tp_with_hma_moves_each_groups_head_slices_once(pair: tuple[int, int], k
         src, dst = link_pools(
             link, hma_pool(prefill[link.prefill_rank], groups), hma_pool(decode[link.decode_rank], groups)
         )
-        sent = hma_link(groups, src, dst, base)
+        sent = hma_link(groups, src, dst, base, device)
         for g, blocks in sent.items():
             for i in blocks:
                 crossed[(g, i, link.decode_rank)][slice(*link.dst_heads)] += 1

@@ -1,4 +1,4 @@
-"""vLLM's KV cache groups (HMA) in kvferry's terms (kvferry.vllm.groups), without a vLLM
+"""vLLM's KV cache groups (HMA) in kvferry's terms (kvferry.groups), without a vLLM
 server: which groups kvferry moves or refuses, which blocks of which group move when (exactly
 once per (group, block), never a null block), and the data path of two groups whose layers
 overlay one allocation as vLLM 0.32 lays them out, bit exact per group.
@@ -69,7 +69,7 @@ def index(name: str) -> int:
 
 
 def test_groups_keep_vllm_order_and_windows() -> None:
-    from kvferry.vllm.groups import groups_of
+    from kvferry.groups import groups_of
 
     sw, fa = groups_of(config(SW, FA))
     assert (sw.index, sw.layers, sw.window, sw.spec) == (0, ("l0", "l2"), 9, "SlidingWindowSpec")
@@ -86,7 +86,7 @@ def test_groups_keep_vllm_order_and_windows() -> None:
 
 
 def test_a_state_group_is_refused_at_startup_naming_the_group_and_its_spec() -> None:
-    from kvferry.vllm.groups import groups_of
+    from kvferry.groups import groups_of
 
     mamba = (MambaSpec(shapes=((2, 8),), block_size=4), ["m1", "m3", "m5", "m7"])
     with pytest.raises(KvFerryError) as err:
@@ -100,7 +100,7 @@ def test_a_state_group_is_refused_at_startup_naming_the_group_and_its_spec() -> 
 @pytest.mark.parametrize("prompt", [1, 3, 4, 5, 17, 30, 32])
 def test_live_blocks_are_the_planners(window: int, prompt: int) -> None:
     """The blocks the connector checks for null blocks are those the Rust planner needs."""
-    from kvferry.vllm.groups import live_blocks
+    from kvferry.groups import live_blocks
 
     lo, hi = live_blocks(prompt, TPB, window)
     assert TransferLedger(TPB, prompt, window=window).missing() == ([BlockRange(lo, hi)] if hi > lo else [])
@@ -108,7 +108,7 @@ def test_live_blocks_are_the_planners(window: int, prompt: int) -> None:
 
 
 def test_null_blocks_in_a_live_window_are_refused() -> None:
-    from kvferry.vllm.groups import GroupSet, groups_of
+    from kvferry.groups import GroupSet, groups_of
 
     groups = GroupSet(groups_of(config(SW, FA)), TPB)
     # P = 30: the window of 9 lives in blocks [5, 8); vLLM nulled blocks 0..4 of group 0.
@@ -125,7 +125,7 @@ def test_null_blocks_in_a_live_window_are_refused() -> None:
 
 
 def test_pool_layers_take_one_layer_per_region_and_refuse_other_overlays() -> None:
-    from kvferry.vllm.groups import groups_of, pool_layers
+    from kvferry.groups import groups_of, pool_layers
 
     alloc = torch.zeros(2, 6, 2, TPB, 8)
     caches = {"l0": alloc[0], "l1": alloc[0], "l2": alloc[1], "l3": alloc[1]}
@@ -181,7 +181,7 @@ def test_two_groups_over_shared_tensors_move_bit_exact_each_block_once_never_a_n
     group's layers of the same regions. The destination is poisoned: every byte the decode
     side reads is the prefill side's, and nothing else was written (its null block, the
     window's dropped blocks, the held block)."""
-    from kvferry.vllm.groups import GroupSet, add_groups, expect_groups, groups_of, pool_layers
+    from kvferry.groups import GroupSet, add_groups, expect_groups, groups_of, pool_layers
 
     groups = GroupSet(groups_of(config(SW, FA)), TPB)
     src_alloc, src_views = allocation("random")
@@ -246,7 +246,7 @@ def test_two_groups_over_shared_tensors_move_bit_exact_each_block_once_never_a_n
 def test_a_failed_group_expect_leaves_no_group_expected() -> None:
     """All or nothing: a group the receiver refuses (here a table naming a block twice)
     releases the groups expected before it."""
-    from kvferry.vllm.groups import GroupSet, expect_groups, groups_of
+    from kvferry.groups import GroupSet, expect_groups, groups_of
 
     groups = GroupSet(groups_of(config(FA, SW)), TPB)
     _, receiver = in_process_pair()
@@ -267,8 +267,8 @@ class _Manager:
 
 
 def test_the_scheduler_half_hands_every_groups_table_and_checks_the_destination() -> None:
+    from kvferry.groups import GroupSet, groups_of
     from kvferry.vllm.config import ConnectorConfig, prompt_digest
-    from kvferry.vllm.groups import GroupSet, groups_of
     from kvferry.vllm.scheduler import SchedulerSide, _check_destination
 
     groups = GroupSet(groups_of(config(SW, FA)), TPB)
@@ -297,8 +297,8 @@ def test_hma_with_tensor_parallelism_starts_and_plans_one_link_per_rank_pair(tmp
     each group over each rank's head slices, is tests/test_tp.py's
     test_tp_with_hma_moves_each_groups_head_slices_once): a server of either tensor-parallel
     size starts, and a prefill server plans one link per (prefill rank, decode rank)."""
+    from kvferry.groups import GroupSet, groups_of
     from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.groups import GroupSet, groups_of
     from kvferry.vllm.scheduler import SchedulerSide
 
     hybrid = GroupSet(groups_of(config(SW, FA)), TPB)

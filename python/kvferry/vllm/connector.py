@@ -22,9 +22,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvferry import affinity
 from kvferry.errors import InvalidArgumentError
+from kvferry.groups import GroupSet, groups_of
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.decode_worker import DecodeWorker
-from kvferry.vllm.groups import GroupSet, groups_of
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
 from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.scheduler import SchedulerSide
@@ -40,7 +40,7 @@ __all__ = ["KvferryConnector"]
 
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; each KV cache group of a
-    request moves with its own block table (kvferry.vllm.groups)."""
+    request moves with its own block table (kvferry.groups)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Optional[KVCacheConfig] = None

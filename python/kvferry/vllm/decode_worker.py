@@ -37,10 +37,10 @@ import torch
 
 from kvferry import ranks
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
+from kvferry.groups import expect_groups
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
-from kvferry.vllm.groups import expect_groups
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 

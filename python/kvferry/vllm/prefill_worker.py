@@ -31,12 +31,12 @@ import torch
 
 from kvferry import affinity
 from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.groups import add_groups
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous
-from kvferry.vllm.groups import add_groups
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.worker import WorkerCommon
 

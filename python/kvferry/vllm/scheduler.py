@@ -45,10 +45,10 @@ from typing import Any, Optional
 
 from kvferry import affinity, ranks
 from kvferry.errors import KvFerryError, TransferError
+from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
-from kvferry.vllm.groups import GroupSet
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 
 logger = logging.getLogger("kvferry.vllm")

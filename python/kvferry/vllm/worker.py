@@ -29,10 +29,10 @@ import torch
 
 from kvferry import ranks
 from kvferry.errors import InvalidArgumentError, KvFerryError
+from kvferry.groups import GroupSet, pool_layers
 from kvferry.layout import PagedKV, paged_kv_from_views
 from kvferry.trace import Tracer
 from kvferry.vllm.config import ConnectorConfig
-from kvferry.vllm.groups import GroupSet, pool_layers
 from kvferry.vllm.metadata import KvferryWorkerMeta, Outcome
 from kvferry.vllm.stats import Tally
 
