@@ -563,6 +563,7 @@ def decode_worker(
         common.register_kv_caches({"layers.0.attn": torch.zeros(num_blocks, 2, block_size, 16)}, lambda name: 0)
     else:
         common.pool = pool
+        common.layer_ids = list(range(pool.num_layers))  # as registered: layers 0, 1, ... in order
     worker = DecodeWorker(common)
     worker.start()
     try:

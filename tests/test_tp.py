@@ -29,7 +29,7 @@ from helpers import SLACK, assert_nothing_leased, decode_worker, reply_from, run
 from kvferry.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 from kvferry.errors import InvalidArgumentError
 from kvferry.layout import LayoutMismatchError, PagedKV
-from kvferry.ranks import Link, contributors, feeds, links, rank_heads
+from kvferry.ranks import Link, contributors, feeds, links, rank_heads, stage_slices, staged_links
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports.inprocess import InProcessTransport
@@ -807,16 +807,16 @@ def test_a_listed_prefill_tp_size_that_does_not_pair_is_refused_by_name(tmp_path
         DecodeWorker(common).start()
 
 
-def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None) -> Any:
+def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None, role: str = "kv_consumer") -> Any:
     from types import SimpleNamespace
 
     key = tmp_path / "key"
     key.write_bytes(b"k" * 32)
     key.chmod(0o600)
     transfer = SimpleNamespace(
-        kv_connector_extra_config={"authkey_file": str(key), **(extra or {})}, kv_role="kv_consumer", engine_id="e"
+        kv_connector_extra_config={"authkey_file": str(key), **(extra or {})}, kv_role=role, engine_id="e"
     )
-    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2)
+    model = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2, get_total_num_hidden_layers=lambda: 4)
     return SimpleNamespace(
         kv_transfer_config=transfer,
         parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
@@ -825,12 +825,13 @@ def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None) -> Any:
     )
 
 
-def test_pipeline_parallelism_is_refused_by_name(tmp_path: Any) -> None:
+def test_pipeline_parallelism_off_a_prefill_server_is_refused_by_name(tmp_path: Any) -> None:
+    """A decode (or kv_both) server with pipeline stages: refused at startup, naming the role."""
     pytest.importorskip("vllm")
     from kvferry.vllm.connector import KvferryConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    with pytest.raises(InvalidArgumentError, match="invalid pipeline_parallel_size=2: .* not pipeline parallelism"):
+    with pytest.raises(InvalidArgumentError, match="invalid pipeline_parallel_size=2 with kv_role='kv_consumer'"):
         KvferryConnector(_vllm_config(tmp_path, pp=2, tp=2), KVConnectorRole.SCHEDULER)
 
 
@@ -1058,3 +1059,210 @@ def hma_tp(pair: tuple[int, int], kind: str, device: str) -> None:
         v = decode[d].views[0]
         five = torch.as_strided(got, (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * item), _five_strides(decode[d]))
         assert (five[:, 0] == -1).all()  # vLLM's null block: never written, by any link
+
+
+# -- pipeline parallelism on the prefill side: each stage's ranks send their layers -----------
+
+# LAYERS = 3: vLLM's partition (get_pp_indices) of 3 layers over 2 stages is [0, 2), [2, 3).
+STAGES = {2: [(0, 2), (2, 3)], 3: [(0, 1), (1, 2), (2, 3)]}
+# (prefill TP, prefill PP, decode TP)
+PP_CASES = [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 4), (4, 2, 2), (1, 3, 1), (2, 3, 2)]
+PP_IDS = [f"P{t}x{s}D{d}" for t, s, d in PP_CASES]
+
+
+def test_staged_links_give_each_stage_one_stages_links_under_global_ranks() -> None:
+    one = links(2, 4, 8)
+    staged = staged_links(2, 3, 4, 8)
+    assert len(staged) == 3 * len(one)
+    for s in range(3):
+        mine = [k for k in staged if k.stage == s]
+        assert [(k.prefill_rank - 2 * s, k.decode_rank, k.src_heads, k.dst_heads, k.whole) for k in mine] == [
+            (k.prefill_rank, k.decode_rank, k.src_heads, k.dst_heads, k.whole) for k in one
+        ]
+        assert {k.prefill_rank for k in mine} == {2 * s, 2 * s + 1}  # vLLM's global ranks of stage s
+    assert staged_links(2, 1, 4, 8) == one
+    with pytest.raises(InvalidArgumentError, match="prefill_pp=0"):
+        staged_links(2, 0, 4, 8)
+
+
+def test_stage_slices_map_each_stage_onto_a_run_of_the_pool() -> None:
+    assert stage_slices([0, 1, 2, 3], [(0, 2), (2, 4)]) == [(0, 2), (2, 4)]
+    # A pool of the model's attention layers 1, 3, 5, 7 (others hold none): positions, not ids.
+    assert stage_slices([1, 3, 5, 7], [(0, 3), (3, 8)]) == [(0, 1), (1, 4)]
+    with pytest.raises(InvalidArgumentError, match=r"stage 1 holds the model's layers \[5, 8\)"):
+        stage_slices([0, 1, 2, 3], [(0, 2), (5, 8)])  # layers 2-3 in no stage
+    with pytest.raises(InvalidArgumentError, match="hold 2 of the pool's 4 layers"):
+        stage_slices([0, 1, 2, 3], [(0, 1), (1, 2)])
+    with pytest.raises(InvalidArgumentError, match=r"stage 0 holds the model's layers \[2, 4\)"):
+        stage_slices([0, 1, 2, 3], [(2, 4), (0, 2)])  # out of order
+
+
+def pp_transfer(case: tuple[int, int, int], layout: str, path: str, device: str) -> None:
+    """Every link of `staged_links` as the connector drives it: the prefill worker of
+    (stage, TP rank) sends from its stage's layers of its heads; the decode rank's receiver of
+    that link is over its head slice and that stage's run of layers (`stage_slices`, as
+    `DecodeWorker.start`). Each decode rank's whole buffer equals the reference: every layer
+    of every block arrived once, from the one stage holding it."""
+    from kvferry.layout import paged_kv_from_views
+
+    p_tp, pp, d_tp = case
+    heads = 8
+    dtype = torch.bfloat16
+    item = torch.empty((), dtype=dtype).element_size()
+    full = full_kv(heads, CONTENT * item, seed=7000 + p_tp * 100 + pp * 10 + d_tp)
+    prefill = []
+    for p in range(p_tp):  # a stage's pool is its layers of the rank's heads
+        lo, hi = rank_heads(p, p_tp, heads)
+        cache = rank_cache(layout, hi - lo, dtype, device, poison)
+        fill_heads(cache, full, lo, hi)
+        prefill.append(cache)
+    width = heads // d_tp
+    decode = [rank_cache(layout, width, dtype, device, poison) for _ in range(d_tp)]
+    wants = [expected(decode[d], full, *rank_heads(d, d_tp, heads)) for d in range(d_tp)]
+    layer_runs = stage_slices(range(LAYERS), STAGES[pp])
+    moved: dict[tuple[int, int], int] = {}
+    for link in staged_links(p_tp, pp, d_tp, heads):
+        stage, tp_rank = divmod(link.prefill_rank, p_tp)
+        assert stage == link.stage
+        # The stage's worker registers its own layers' views (vLLM gives it no others).
+        first, end = STAGES[pp][stage]
+        views = prefill[tp_rank].views[first:end]
+        own = paged_kv_from_views(views, num_blocks=BLOCKS, tokens_per_block=TOKENS)
+        src, dst = link_pools(link, own, rank_pool(decode[link.decode_rank]))
+        run = layer_runs[stage]
+        run_link(path, src, dst.layer_slice(*run), device)
+        assert (link.prefill_rank, link.decode_rank) not in moved
+        moved[(link.prefill_rank, link.decode_rank)] = run[1] - run[0]
+    for d in range(d_tp):
+        assert sum(n for (p, dd), n in moved.items() if dd == d) == LAYERS * len(links(p_tp, d_tp, heads)) // d_tp
+        got = decode[d].raw.cpu()
+        diff = (got != wants[d]).nonzero()
+        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("case", PP_CASES, ids=PP_IDS)
+def test_cpu_pp_stages_bit_exact(case: tuple[int, int, int], layout: str, path: str) -> None:
+    pp_transfer(case, layout, path, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLNHC"])
+@pytest.mark.parametrize("case", PP_CASES, ids=PP_IDS)
+def test_cuda_pp_stages_bit_exact(case: tuple[int, int, int], layout: str, path: str) -> None:
+    if layout == "BLNHC" and path != "inprocess":
+        pytest.skip("block-outer layouts: the in-process path only, as test_cuda_tp_block_outer_layouts_bit_exact")
+    pp_transfer(case, layout, path, "cuda")
+
+
+# -- the connector's pipeline-parallel parts (no engine; needs vLLM's connector base classes) --
+
+
+@pytest.fixture
+def decode_pp2(tmp_path: Any) -> Any:
+    """A decode worker of TP 1 over 3 layers of 2 KV heads, fed by prefill servers of TP 1 and
+    two stages (layers [0, 2) and [2, 3)): one receiver per stage, over its layers."""
+    pytest.importorskip("vllm")
+    pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
+    config = {"prefill_pp_size": 2}
+    with decode_worker(
+        str(tmp_path), BLOCKS, TOKENS, pool=pool, config=config, num_kv_heads=2, prefill_stages=STAGES[2]
+    ) as worker:
+        yield worker
+
+
+def test_decode_rank_waits_for_every_prefill_stages_layers(decode_pp2: Any) -> None:
+    """Published once per stage (``T@p0of1x2``, ``T@p1of1x2``: vLLM's global rank, TP size,
+    stages), each receiver over that stage's layers; the request has arrived only once both
+    stages' parts did. A prefill server of another stage count is refused at once."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_pp2
+    pool = worker.common.pool
+    assert sorted(worker.receivers) == [(1, 0), (1, 1)]  # (prefill TP size, global rank)
+    assert worker.receivers[(1, 0)].pool.check_compatible(pool.layer_slice(0, 2)) is None
+    assert worker.receivers[(1, 1)].pool.check_compatible(pool.layer_slice(2, 3)) is None
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("r", 31, "T")]))
+    address = worker.rendezvous.address
+    dests = [rendezvous.lookup(address, b"k" * 32, f"T@p{p}of1x2", 5, f"eng@p{p}of1x2") for p in (0, 1)]
+    assert dests[0]["endpoint"] != dests[1]["endpoint"]  # each stage's rank writes through its own
+    worker.receivers[(1, 1)].deliver(Notice(31, 0, 0, 2, True, dests[1]["epoch"]))
+    assert worker.results(set()) == (set(), set())  # stage 0's layers are still missing
+    worker.receivers[(1, 0)].deliver(Notice(31, 0, 0, 2, True, dests[0]["epoch"]))
+    assert worker.results(set()) == ({"r"}, set())
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("s", 32, "U")]))
+    for name, sender, stages in (("U", "eng", 1), ("U@p0of1x3", "eng@p0of1x3", 3)):
+        with pytest.raises(Exception, match=f"takes prefill servers of pipeline parallel size 2 .* has {stages}"):
+            rendezvous.lookup(address, b"k" * 32, name, 3600, sender)
+
+
+def test_a_stage_partition_that_does_not_fit_the_pool_is_refused_by_name(tmp_path: Any) -> None:
+    pytest.importorskip("vllm")
+    from kvferry.errors import KvFerryError
+
+    pool = rank_pool(rank_cache("LBNHC", 2, torch.bfloat16, "cpu", poison))
+    with pytest.raises(KvFerryError, match=r"cannot map the prefill pipeline stages .* hold 2 of the pool's 3"):
+        with decode_worker(str(tmp_path), BLOCKS, TOKENS, pool=pool, config={"prefill_pp_size": 2},
+                           num_kv_heads=2, prefill_stages=[(0, 1), (1, 2)]):  # fmt: skip
+            pass
+
+
+def test_a_staged_prefill_scheduler_plans_each_stages_links(tmp_path: Any) -> None:
+    """A prefill server of TP 2 and two stages, a decode server of TP 1: four links, each
+    stage's two ranks (vLLM's global ranks 0-1, then 2-3) with their heads; the names looked
+    up and abandoned carry the global rank and both sizes."""
+    pytest.importorskip("vllm")
+    from kvferry.vllm.config import ConnectorConfig, RequestParams
+    from kvferry.vllm.metadata import leg_name, leg_rank
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide(
+        ConnectorConfig(),
+        block_size=TOKENS,
+        role="kv_producer",
+        engine_id="e",
+        kv_cache_manager_getter=None,
+        authkey=b"k" * 32,
+        tp_size=2,
+        num_kv_heads=2,
+        pp_size=2,
+    )
+    plan = side._plan("unix:///r/a.sock")
+    assert plan is not None
+    assert [(k.prefill_rank, k.stage, k.dst_heads) for k, _ in plan] == [
+        (0, 0, (0, 1)),
+        (1, 0, (1, 2)),
+        (2, 1, (0, 1)),
+        (3, 1, (1, 2)),
+    ]
+    params = RequestParams(op="send", transfer="T", peer="unix:///r/a.sock")
+    assert [name for _, name in side._abandon_targets(params)] == [f"T@p{r}of2x2" for r in range(4)]
+    assert leg_rank(leg_name("eng", 3, 2, 2)) == (3, 2, 2)
+    assert leg_rank(leg_name("eng", 1, 2)) == (1, 2, 1)
+    assert leg_name("eng", 0, 1) == "eng" and leg_rank("eng") is None
+    assert leg_name("eng", 1, 1, 2) == "eng@p1of1x2"  # one TP rank, two stages: still marked
+
+
+def test_pipeline_parallelism_with_several_kv_cache_groups_is_refused_by_name(tmp_path: Any) -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from kvferry.vllm.connector import KvferryConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    class FullAttentionSpec(SimpleNamespace):  # stand-ins named as vLLM's (groups_of reads the name)
+        sliding_window = None
+
+    class SlidingWindowSpec(SimpleNamespace):
+        extra_retained_tokens = 0
+
+    specs = [(SlidingWindowSpec(sliding_window=64), ["l0", "l2"]), (FullAttentionSpec(), ["l1", "l3"])]
+    groups = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=a, layer_names=b, enable_kv_transfer=True) for a, b in specs]
+    )
+    with pytest.raises(InvalidArgumentError, match="pipeline_parallel_size=2 with 2 KV cache groups"):
+        KvferryConnector(_vllm_config(tmp_path, pp=2, role="kv_producer"), KVConnectorRole.SCHEDULER, groups)

@@ -23,11 +23,6 @@ from kvferry.hook import TransferHook
 from kvferry.layout import paged_kv_from_views
 from kvferry.notice import Notice
 
-# TP with HMA (every link of several (P_TP, D_TP) pairs moving both groups from its head
-# slices) lives with the other rank tests in test_tp.py but needs kvferry.vllm: collected here
-# too, so `make test-vllm` (tests/test_vllm_*.py in .venv-vllm) runs it.
-from test_tp import test_tp_with_hma_moves_each_groups_head_slices_once  # noqa: F401
-
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not importable: run in the vLLM venv, see docs/vllm.md")
 

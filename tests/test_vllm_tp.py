@@ -42,17 +42,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_tp import (  # noqa: E402, F401
     decode_p2,
     decode_p12,
+    decode_pp2,
     test_a_list_of_prefill_tp_sizes_is_checked_by_name,
     test_a_listed_prefill_tp_size_that_does_not_pair_is_refused_by_name,
     test_a_lookup_racing_a_give_up_waits_for_its_fence_and_the_rest_go_at_once,
     test_a_prefill_tp_size_that_does_not_divide_is_refused_by_name,
     test_a_request_taken_by_one_size_refuses_the_others_lookups,
     test_a_size_chosen_between_two_publishes_withdraws_the_later_names,
+    test_a_stage_partition_that_does_not_fit_the_pool_is_refused_by_name,
+    test_a_staged_prefill_scheduler_plans_each_stages_links,
     test_an_abandoned_part_fails_the_request_and_frees_every_part,
     test_decode_rank_waits_for_every_prefill_ranks_part,
+    test_decode_rank_waits_for_every_prefill_stages_layers,
     test_given_up_before_any_lookup_releases_every_size,
     test_one_decode_rank_takes_a_tp1_and_a_tp2_prefill_server_bit_exact,
-    test_pipeline_parallelism_is_refused_by_name,
+    test_pipeline_parallelism_off_a_prefill_server_is_refused_by_name,
+    test_pipeline_parallelism_with_several_kv_cache_groups_is_refused_by_name,
     test_the_hello_names_every_decode_rank_and_signs_them_together,
 )
 from test_vllm_hma import WINDOW, hybrid  # noqa: E402

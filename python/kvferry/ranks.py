@@ -17,28 +17,40 @@ Each decode rank's every head comes from exactly one prefill rank, the lowest th
 it (a replicated head is never sent twice), so a block crosses exactly once per (block,
 decode rank). When both sides hold as many heads per rank, a link moves whole blocks of
 both pools (``whole``); else each moves a head slice (`kvferry.layout.PagedKV.heads`).
+
+Pipeline parallelism on the prefill side (``S`` stages, `staged_links`): stage ``s`` holds a
+contiguous run of the model's layers, and its ranks are vLLM's global ranks ``s T + r``. Each
+stage has the links above over its own layers; a decode rank receives each stage's part into
+the run of its pool's layers that stage holds (`stage_slices`):
+```
+T = 1, S = 2, D = 1, 4 layers    d0 layers 0-1 <- p0 (stage 0)    d0 layers 2-3 <- p1 (stage 1)
+```
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from kvferry.errors import InvalidArgumentError
 
-__all__ = ["Link", "contributors", "feeds", "links", "rank_heads"]
+__all__ = ["Link", "contributors", "feeds", "links", "rank_heads", "stage_slices", "staged_links"]
 
 
 @dataclass(frozen=True)
 class Link:
     """Prefill rank ``prefill_rank`` sends its local heads ``src_heads`` into decode rank
     ``decode_rank``'s local heads ``dst_heads`` (``[lo, hi)`` each, the same width);
-    ``whole``: both are the whole of each rank's heads, and the blocks move whole."""
+    ``whole``: both are the whole of each rank's heads, and the blocks move whole. Under
+    pipeline parallelism `staged_links` makes ``prefill_rank`` vLLM's global rank and names
+    the ``stage`` whose layers the link moves."""
 
     prefill_rank: int
     decode_rank: int
     src_heads: tuple[int, int]
     dst_heads: tuple[int, int]
     whole: bool
+    stage: int = 0
 
 
 def _check_tp(name: str, tp: object) -> int:
@@ -100,6 +112,45 @@ def links(prefill_tp: int, decode_tp: int, num_kv_heads: int, *, mla: bool = Fal
             whole = (plo, phi) == (dlo, dhi)
             out.append(Link(p, d, (lo - plo, hi - plo), (lo - dlo, hi - dlo), whole))
     return tuple(out)
+
+
+def staged_links(
+    prefill_tp: int, prefill_pp: int, decode_tp: int, num_kv_heads: int, *, mla: bool = False
+) -> tuple[Link, ...]:
+    """`links` once per pipeline stage of the prefill side, by stage: stage ``s``'s links
+    carry ``stage=s`` and prefill rank ``s * prefill_tp + r`` (vLLM's global rank) for
+    tensor-parallel rank ``r``. One stage: `links` itself."""
+    _check_tp("prefill_pp", prefill_pp)
+    one = links(prefill_tp, decode_tp, num_kv_heads, mla=mla)
+    return tuple(
+        replace(link, prefill_rank=s * prefill_tp + link.prefill_rank, stage=s)
+        for s in range(prefill_pp)
+        for link in one
+    )
+
+
+def stage_slices(layer_ids: Sequence[int], stages: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pool layers ``[lo, hi)`` each prefill stage writes, in stage order: ``stages``
+    are the model's layers ``[first, end)`` each stage holds (vLLM's partition), ``layer_ids``
+    the model's layer index of each pool layer, in pool order. Refuses a partition that does
+    not cut the pool into contiguous runs, in order, covering it."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    ids = list(layer_ids)
+    for stage, (first, end) in enumerate(stages):
+        held = [i for i, layer in enumerate(ids) if first <= layer < end]
+        if not held or held != list(range(at, at + len(held))):
+            raise InvalidArgumentError(
+                f"invalid stages={list(stages)}: stage {stage} holds the model's layers [{first}, {end}), "
+                f"not the next contiguous run of the pool's layers {ids} (from pool layer {at})"
+            )
+        out.append((at, at + len(held)))
+        at += len(held)
+    if at != len(ids):
+        raise InvalidArgumentError(
+            f"invalid stages={list(stages)}: they hold {at} of the pool's {len(ids)} layers {ids}"
+        )
+    return out
 
 
 def feeds(prefill_rank: int, all_links: tuple[Link, ...]) -> tuple[Link, ...]:

@@ -63,6 +63,10 @@ class ConnectorConfig:
     # the first size that looks it up (`prefill_tp_sizes`). Each a power of two that divides,
     # or is divided by, this server's own.
     prefill_tp_size: int | tuple[int, ...] = 1
+    # Decode side: the pipeline parallel size of the prefill servers that send here (every
+    # size above with it). Each stage's ranks write the layers vLLM's partition gives that
+    # stage (``VLLM_PP_LAYER_PARTITION``, the same on both servers, or unset on both).
+    prefill_pp_size: int = 1
     # CPU ids kvferry's own threads run on in this server's processes (the sender's announcer,
     # copy threads, the control plane, NIXL's progress thread): keeps the transfer's work off
     # the cores the engine computes on. Empty: they run where the engine runs (kvferry.affinity).

@@ -55,22 +55,36 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.config.transfer_cores:
             affinity.set_transfer_cores(self.config.transfer_cores)
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            # Each stage holds only its layers: the decode side would need every stage's
-            # writes, and the scheduler half one handshake per (stage, rank). Not built.
+        pp_size = parallel.pipeline_parallel_size
+        kv_role = str(transfer.kv_role)
+        if pp_size != 1 and kv_role != "kv_producer":
+            # A decode stage would hold part of the layers, which no prefill link plans for.
             raise InvalidArgumentError(
-                f"invalid pipeline_parallel_size={parallel.pipeline_parallel_size}: KvferryConnector supports "
-                'tensor parallelism (docs/vllm.md, "Tensor parallelism") but not pipeline parallelism (size 1 only)'
+                f"invalid pipeline_parallel_size={pp_size} with kv_role={kv_role!r}: KvferryConnector runs "
+                'pipeline parallelism on prefill servers (kv_producer) only (docs/vllm.md, "Pipeline parallelism")'
             )
         tp_size = parallel.tensor_parallel_size
         model = vllm_config.model_config
         mla = bool(getattr(model, "use_mla", False))
         num_kv_heads = 1 if mla else int(model.get_total_num_kv_heads())
-        kv_role = str(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         assert kv_cache_config is not None  # vLLM 0.32 hands it to both roles
         # Refuses, at startup, a group kvferry cannot move (Mamba/SSM state, ...).
         self.groups = GroupSet(groups_of(kv_cache_config), block_size)
+        if pp_size != 1 and len(self.groups) != 1:
+            # A stage's regions overlay its own layers of every group: no contiguous run of
+            # the decode server's regions matches them.
+            raise InvalidArgumentError(
+                f"invalid pipeline_parallel_size={pp_size} with {len(self.groups)} KV cache groups (a hybrid "
+                "model, HMA): KvferryConnector runs pipeline parallelism with one KV cache group only"
+            )
+        prefill_pp = self.config.prefill_pp_size
+        prefill_stages = None
+        if prefill_pp > 1:  # the layers each stage of the prefill servers holds: vLLM's partition
+            from vllm.distributed.utils import get_pp_indices
+
+            layers = model.get_total_num_hidden_layers()
+            prefill_stages = [get_pp_indices(layers, s, prefill_pp) for s in range(prefill_pp)]
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerCommon] = None
         self._prefill: Optional[PrefillWorker] = None
@@ -88,13 +102,18 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 num_kv_heads=num_kv_heads,
                 mla=mla,
                 groups=self.groups,
+                pp_size=pp_size,
             )
         else:
-            tp_rank = 0
+            tp_rank = pp_rank = 0
             if tp_size > 1:
                 from vllm.distributed.parallel_state import get_tp_group
 
                 tp_rank = get_tp_group().rank_in_group
+            if pp_size > 1:
+                from vllm.distributed.parallel_state import get_pp_group
+
+                pp_rank = get_pp_group().rank_in_group
             self._worker = WorkerCommon(
                 self.config,
                 block_size=block_size,
@@ -105,6 +124,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 num_kv_heads=num_kv_heads,
                 mla=mla,
                 groups=self.groups,
+                pp_rank=pp_rank,
+                pp_size=pp_size,
+                prefill_stages=prefill_stages,
             )
             if kv_role in ("kv_producer", "kv_both"):
                 self._prefill = PrefillWorker(self._worker)

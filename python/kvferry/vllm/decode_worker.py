@@ -58,7 +58,8 @@ MAX_PREFILL_ENGINES = 64
 ENDPOINT_GRACE_S = 30.0
 
 # One receiver and one published name of a request: (prefill tensor parallel size, prefill
-# rank). ONE: the only part without tensor parallelism, under the transfer's own name.
+# rank; under pipeline parallelism vLLM's global rank, stage * size + tensor-parallel rank).
+# ONE: the only part without tensor or pipeline parallelism, under the transfer's own name.
 Part = tuple[int, int]
 ONE: Part = (1, 0)
 
@@ -146,14 +147,17 @@ class DecodeWorker:
         """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
         common = self.common
         assert common.pool is not None
+        stages = common.stage_slices()
         with torch.inference_mode(False):  # the ring is written by kvferry's own threads
             for size in self.sizes:
-                for link in self._links(size):
-                    part = common.link_pool(link.dst_heads, link.whole)
-                    self.receivers[(size, link.prefill_rank)] = KVReceiver(part)
-                    self._ring_of[(size, link.prefill_rank)] = max(
-                        2, self.config.staging_bytes // (part.block_bytes * part.num_layers)
-                    )
+                for stage, layers in enumerate(stages):
+                    for link in self._links(size):
+                        part = common.link_pool(link.dst_heads, link.whole)
+                        if layers is not None:  # that stage's ranks write their layers only
+                            part = part.layer_slice(*layers)
+                        key = (size, stage * size + link.prefill_rank)
+                        self.receivers[key] = KVReceiver(part)
+                        self._ring_of[key] = max(2, self.config.staging_bytes // (part.block_bytes * part.num_layers))
             self._ring_blocks = self._ring_of[min(self._ring_of)]
             self.rendezvous = rendezvous.Rendezvous(
                 self.authkey,
@@ -238,14 +242,22 @@ class DecodeWorker:
         """(prefill size, prefill rank) a lookup's sender name carries (`leg_name`); ONE for
         a name without a mark (one rank)."""
         mark = leg_rank(sender)
-        size = 1 if mark is None else mark[1]
-        return (size, 0 if mark is None or size == 1 else mark[0])
+        if mark is None:
+            return ONE
+        rank, size, stages = mark
+        return (size, 0 if size * stages == 1 else rank)
 
     def _admit(self, sender: str) -> Optional[str]:
         """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
         of a tensor parallel size not in ``prefill_tp_size`` would look up names this server
         never publishes (and wait out its whole timeout)."""
-        size = self._part_of(sender)[0]
+        mark = leg_rank(sender)
+        size, stages = (1, 1) if mark is None else mark[1:]
+        if stages != self.config.prefill_pp_size:
+            return (
+                f"this decode server takes prefill servers of pipeline parallel size {self.config.prefill_pp_size} "
+                f"(its kv_connector_extra_config prefill_pp_size); prefill engine {sender!r} has {stages}"
+            )
         if size in self.sizes:
             return None
         if len(self.sizes) == 1:
@@ -312,7 +324,8 @@ class DecodeWorker:
             return
         st = _Recv(spec, now, now + spec.timeout_s)
         if len(self.receivers) > 1 or self.sizes != (1,):
-            st.subs = {(size, p): leg_name(spec.transfer, p, size) for size, p in self.receivers}
+            pp = self.config.prefill_pp_size
+            st.subs = {(size, p): leg_name(spec.transfer, p, size, pp) for size, p in self.receivers}
         if len(self.sizes) > 1:  # its first lookup chooses the size (kvferry.vllm.rendezvous)
             st.among = rendezvous.Alternatives("tensor parallel size")
         parts = list(st.parts().items())

@@ -46,29 +46,39 @@ class RecvSpec:
 LEG_MARK = "@p"
 
 
-def leg_name(name: str, prefill_rank: int, prefill_tp: int) -> str:
+def leg_name(name: str, prefill_rank: int, prefill_tp: int, prefill_pp: int = 1) -> str:
     """The name of prefill rank ``prefill_rank``'s part of a transfer or of a prefill
     engine (a sender), ``<name>@p<rank>of<size>``: each rank of a tensor-parallel prefill
     server looks up its own destination and writes through its own endpoint (a staging ring
     has one writer), and the size in the name lets a decode server expecting another refuse
-    the lookup at once. The name itself with one prefill rank, as without tensor parallelism."""
+    the lookup at once. The name itself with one prefill rank, as without tensor parallelism.
+
+    Under pipeline parallelism (``prefill_pp`` stages) the rank is vLLM's global one, ``stage
+    * prefill_tp + tensor-parallel rank``, and the name ``<name>@p<rank>of<tp>x<pp>``: each
+    stage's ranks write their own layers."""
+    if prefill_pp > 1:
+        return f"{name}{LEG_MARK}{prefill_rank}of{prefill_tp}x{prefill_pp}"
     return name if prefill_tp == 1 else f"{name}{LEG_MARK}{prefill_rank}of{prefill_tp}"
 
 
-def leg_rank(sender: str) -> Optional[tuple[int, int]]:
-    """``(prefill rank, prefill tensor parallel size)`` of a sender name made by `leg_name`,
-    or None for a name without a mark (one prefill rank)."""
+def leg_rank(sender: str) -> Optional[tuple[int, int, int]]:
+    """``(prefill rank, prefill tensor parallel size, pipeline parallel size)`` of a sender
+    name made by `leg_name`, or None for a name without a mark (one prefill rank)."""
     head, mark, tail = sender.rpartition(LEG_MARK)
-    rank, of, size = tail.partition("of")
+    rank, of, sizes = tail.partition("of")
+    size, x, stages = sizes.partition("x")
     if not (mark and head and of and rank.isdigit() and size.isdigit() and len(rank) <= 3 and len(size) <= 3):
         return None
-    return int(rank), int(size)
+    if x and not (stages.isdigit() and len(stages) <= 3):
+        return None
+    return int(rank), int(size), int(stages) if x else 1
 
 
 @dataclass
 class SendLeg:
-    """Under tensor parallelism, one (prefill rank, decode rank) link of a send
-    (kvferry.ranks): the prefill rank's local heads ``src_heads`` go into the decode rank's
+    """Under tensor or pipeline parallelism, one (prefill rank, decode rank) link of a send
+    (kvferry.ranks; ``prefill_rank`` is vLLM's global rank, ``stage * tp + tp rank``, and a
+    stage's rank sends its own layers): the prefill rank's local heads ``src_heads`` go into the decode rank's
     ``dst_heads`` (``whole``: whole blocks), at ``destination`` (that decode rank's published
     blocks, epoch and endpoint). ``rendezvous`` and ``transfer``: where and under which name
     that decode rank published it (for an abandon)."""

@@ -278,7 +278,7 @@ class PrefillWorker:
                 (leg.decode_rank, leg.destination, self.common.link_pool(leg.src_heads, leg.whole), leg.transfer,
                  leg.rendezvous)
                 for leg in spec.legs
-                if leg.prefill_rank == self.common.tp_rank
+                if leg.prefill_rank == self.common.rank  # vLLM's global rank: stage * tp + tp rank
             ]  # fmt: skip
         self._reqs[spec.req_id] = [(spec.req_id, d) for d, *_ in legs]
         if not legs:

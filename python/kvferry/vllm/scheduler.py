@@ -68,12 +68,14 @@ class _Lookup:
     request: Any  # vLLM's Request (its prompt, to check the destination against)
     params: RequestParams
     started: float  # time.monotonic() of the request's first ask
-    # Tensor parallelism on either side: each link and the decode rank's rendezvous it looks
-    # up (`_Plan`); None: one lookup of ``destination``.
+    # Tensor or pipeline parallelism: each link (its prefill rank vLLM's global one) and the
+    # decode rank's rendezvous it looks up (`SchedulerSide._plan`); None: one lookup of
+    # ``destination``.
     plan: Optional[list[tuple[ranks.Link, str]]] = None
     destination: Optional[dict[str, Any]] = None
     legs: Optional[list[SendLeg]] = None
     prefill_tp: int = 1  # this engine's tensor parallel size, for the links' names
+    prefill_pp: int = 1  # and its pipeline parallel size
     error: Optional[str] = None
 
 
@@ -110,11 +112,14 @@ class SchedulerSide:
         num_kv_heads: int = 1,
         mla: bool = False,
         groups: Optional[GroupSet] = None,
+        pp_size: int = 1,
     ) -> None:
         self.config = config
         # This engine's tensor parallel size and its model's KV heads: with a decode server's
         # rank count (its peer names one rendezvous per rank), which rank sends what (kvferry.ranks).
+        # ``pp_size`` stages: each stage's ranks send their own layers, the same heads.
         self.tp_size, self.num_kv_heads, self.mla = tp_size, num_kv_heads, mla
+        self.pp_size = pp_size
         self._authkey = authkey  # read at startup (config.load_authkey); never in a request or answer
         self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
         self.block_size = block_size
@@ -208,7 +213,7 @@ class SchedulerSide:
             assert params.peer is not None and params.transfer is not None
             plan = self._plan(params.peer)
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer, request, params, time.monotonic())
-            found.plan, found.prefill_tp = plan, self.tp_size
+            found.plan, found.prefill_tp, found.prefill_pp = plan, self.tp_size, self.pp_size
             args = (
                 found,
                 params.peer,
@@ -247,12 +252,14 @@ class SchedulerSide:
     def _plan(self, peer: str) -> Optional[list[tuple[ranks.Link, str]]]:
         """Each link of a send to decode server ``peer`` and the rendezvous of its decode
         rank; None with one rank on each side (one lookup, as without tensor parallelism).
-        Raises `KvFerryError` for a split kvferry.ranks refuses."""
+        With ``pp_size`` stages, every stage's ranks have the links of one stage, each link's
+        prefill rank vLLM's global one (``stage * tp_size + tp rank``). Raises `KvFerryError`
+        for a split kvferry.ranks refuses."""
         peers = peer.split(" ")
-        if self.tp_size == 1 and len(peers) == 1:
+        if self.tp_size == 1 and self.pp_size == 1 and len(peers) == 1:
             return None
         try:
-            links = ranks.links(self.tp_size, len(peers), self.num_kv_heads, mla=self.mla)
+            links = ranks.staged_links(self.tp_size, self.pp_size, len(peers), self.num_kv_heads, mla=self.mla)
         except KvFerryError as err:
             raise KvFerryError(f"cannot send to a decode server of {len(peers)} tensor-parallel ranks: {err}") from None
         return [(link, peers[link.decode_rank]) for link in links]
@@ -266,7 +273,10 @@ class SchedulerSide:
             plan = None
         if plan is None:
             return [(params.peer, params.transfer)]
-        return [(address, leg_name(params.transfer, link.prefill_rank, self.tp_size)) for link, address in plan]
+        return [
+            (address, leg_name(params.transfer, link.prefill_rank, self.tp_size, self.pp_size))
+            for link, address in plan
+        ]
 
     def _send_spec(self, found: _Lookup, reused_len: int) -> SendSpec:
         """The SendSpec of a finished lookup, its destination checked against the request
@@ -562,11 +572,10 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
         deadline = time.monotonic() + wait_s
         legs = []
         for link, address in found.plan:
-            name = leg_name(transfer, link.prefill_rank, found.prefill_tp)
+            tp, pp = found.prefill_tp, found.prefill_pp
+            name = leg_name(transfer, link.prefill_rank, tp, pp)
             left = max(0.0, deadline - time.monotonic())
-            dest = rendezvous.lookup(
-                address, authkey, name, left, leg_name(sender, link.prefill_rank, found.prefill_tp)
-            )
+            dest = rendezvous.lookup(address, authkey, name, left, leg_name(sender, link.prefill_rank, tp, pp))
             legs.append(
                 SendLeg(
                     link.prefill_rank, link.decode_rank, link.src_heads, link.dst_heads, link.whole, address, name, dest

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -54,12 +54,23 @@ class WorkerCommon:
         num_kv_heads: int = 1,
         mla: bool = False,
         groups: Optional[GroupSet] = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        prefill_stages: Optional[Sequence[tuple[int, int]]] = None,
     ) -> None:
         self.config = config
         # This worker's tensor-parallel rank and size, the model's KV heads (all ranks) and
         # whether it is MLA (one latent head on every rank): which heads it holds, and with
         # the other side's size, which links it sends or receives on (kvferry.ranks).
         self.tp_rank, self.tp_size, self.num_kv_heads, self.mla = tp_rank, tp_size, num_kv_heads, mla
+        # Pipeline parallelism on a prefill server: this worker's stage holds only its layers
+        # and sends them. ``rank``: vLLM's global rank, which names its part of a transfer.
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.rank = pp_rank * tp_size + tp_rank
+        # Decode side: the model's layers ``[lo, hi)`` each stage of the prefill servers holds
+        # (``prefill_pp_size`` > 1; vLLM's partition), which `stage_slices` maps onto the pool.
+        self.prefill_stages = tuple(prefill_stages) if prefill_stages is not None else None
+        self.layer_ids: list[int] = []  # the model's layer index of each pool layer
         # The KV cache groups moved (one full-attention group when not given), each request as
         # one kvferry request per group.
         self.groups = groups if groups is not None else GroupSet.single(block_size)
@@ -87,6 +98,7 @@ class WorkerCommon:
         aliases of the same memory, which kvferry's copy threads may write)."""
         # With several KV cache groups their layers overlay one another: one per region.
         names, self.layer_of = pool_layers(kv_caches, self.groups.groups, layer_index)
+        self.layer_ids = [layer_index(n) for n in names]
         tensors = tuple(kv_caches[n] for n in names)
         try:
             self.pool = paged_kv_from_views(tensors, num_blocks=self.num_blocks, tokens_per_block=self.block_size)
@@ -104,6 +116,17 @@ class WorkerCommon:
                 f"invalid kv_connector_extra_config layer_groups={self.config.layer_groups}: "
                 f"the model has {self.pool.num_layers} layers"
             )
+
+    def stage_slices(self) -> list[Optional[tuple[int, int]]]:
+        """The pool layers ``[lo, hi)`` each prefill stage writes (decode side), in stage
+        order (`kvferry.ranks.stage_slices`); ``[None]`` (the whole pool) when the prefill
+        servers have one stage."""
+        if self.prefill_stages is None or len(self.prefill_stages) == 1:
+            return [None]
+        try:
+            return list(ranks.stage_slices(self.layer_ids, self.prefill_stages))
+        except InvalidArgumentError as err:
+            raise KvFerryError(f"kvferry: cannot map the prefill pipeline stages onto vLLM's KV cache: {err}") from None
 
     def link_pool(self, heads: tuple[int, int], whole: bool) -> PagedKV:
         """The part of this rank's pool a tensor-parallel link moves: the whole pool, or the
