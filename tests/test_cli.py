@@ -340,3 +340,36 @@ def test_bench_agentic_header_and_progress_agree(capsys: pytest.CaptureFixture[s
     assert ("WARNING: the machine was too busy" in out) != (
         "load: the modes' prefill of a turn, the same computation, agreed" in out
     )
+
+
+def test_bench_copy_table_shows_the_staging_rows_against_the_link_both_ways() -> None:
+    """With the both-ways ceiling measured (CUDA runs), the table names it and gives each
+    staging row's share of it beside its share of the one-way host link."""
+    from kvferry.bench.copy import format_table
+
+    row = {"transport": "staging", "blocks": 1024, "payload_bytes": 4 << 30, "seconds": 0.1, "gbps": 40.0}
+    result = {
+        "machine": "m",
+        "date": "d",
+        "ceiling_gbps": 2000.0,
+        "host_link_gbps": 50.0,
+        "duplex_link_gbps": 44.0,
+        "rows": [{**row, "share_of_ceiling": 0.8}, {**row, "transport": "copy", "share_of_ceiling": 0.02}],
+    }
+    lines = format_table(result).splitlines()
+    assert "both ways at once: 44.0 GB/s each way" in lines[2]
+    staging, copy = lines[-2], lines[-1]
+    assert staging.endswith("80%  (91% of both ways)")
+    assert "both ways" not in copy
+    assert "both ways" not in format_table({**result, "duplex_link_gbps": None})
+
+
+@pytest.mark.cuda
+def test_the_link_both_ways_is_measured_on_the_gpu() -> None:
+    """The both-ways ceiling runs on a GPU and gives a rate, as the one-way one does."""
+    import torch
+    from kvferry.bench.copy import duplex_link_gbps, pinned_link_gbps
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    assert duplex_link_gbps(64 << 20, 3) > 0 and pinned_link_gbps(64 << 20, 3) > 0

@@ -5,7 +5,13 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending
+# pending (what 2026-12-05's later session could not run, no GPU being lent; about 6 minutes):
+# the `cuda` tests written since the last GPU run (HMA x TP and pipeline stages in test_tp.py,
+# the NIXL handoff default in test_affinity.py, the both-ways link in test_cli.py) and
+# test_tiers.py; `bench copy` of staging with the link both ways at once beside the one-way
+# ceiling; `bench agentic --transport nixl` at Llama-8B geometry (the writes handed to the
+# announcer by default now; when nixl imports).
 # links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
 # staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
 # staging and cuda-ipc (and nixl, random and --contiguous blocks, when it imports); then
@@ -52,6 +58,20 @@ elif [ "$1" = links-extra ]; then
     timeout 60 python3 benches/python/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
   done
   timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
+elif [ "$1" = pending ]; then
+  run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
+    | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
+  run_tests 200 tests/test_tp.py -k "hma or pp"
+  run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
+  { echo "== copy, staging (one-way and both-ways ceilings)"
+    timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging --blocks 1024,4096 \
+      2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/pending-copy.txt"
+  if python3 -c "import nixl" 2>/dev/null; then
+    timeout "${LIMIT:-300}" python3 -m kvferry.cli bench agentic --device cuda --transport nixl --sessions 2 \
+      --cached 32768 --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
+      --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-nixl.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 \
+      | tee "$OUT/agentic8b-nixl.txt"
+  else echo "== nixl: not importable here, skipped"; fi
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then

@@ -102,6 +102,33 @@ def pinned_link_gbps(nbytes: int, reps: int) -> float:
     return nbytes / _median_seconds(lambda: dev.copy_(host, non_blocking=True), reps, "cuda") / 1e9
 
 
+def duplex_link_gbps(nbytes: int, reps: int) -> float:
+    """A pinned device-to-host copy and a pinned host-to-device copy of ``nbytes`` each, at
+    once on two streams (bytes per second in each direction): what the staging path's two legs
+    can move together when both cross one GPU's link, as they do with sender and receiver on
+    one GPU. The one-way `pinned_link_gbps` is the bound when the legs cross two links."""
+    up_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    up_src.fill_(7)
+    up_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    down_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    down_src.fill_(9)
+    down_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def both() -> None:
+        start = torch.cuda.current_stream()
+        for stream in streams:
+            stream.wait_stream(start)
+        with torch.cuda.stream(streams[0]):
+            up_dst.copy_(up_src, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            down_dst.copy_(down_src, non_blocking=True)
+        for stream in streams:
+            start.wait_stream(stream)
+
+    return nbytes / _median_seconds(both, reps, "cuda") / 1e9
+
+
 def ceiling_gbps(device: str, nbytes: int, reps: int) -> float:
     """One large contiguous copy: memcpy on CPU, device-to-device on CUDA (bytes copied/s)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -294,10 +321,12 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         f"ceiling: one contiguous copy of {pool_blocks * block_bytes * cfg.layers / 2**30:.1f} GiB on {cfg.device}"
     )
     ceiling = ceiling_gbps(cfg.device, pool_blocks * block_bytes * cfg.layers, cfg.reps)
-    host_link = None
+    host_link = duplex = None
     if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
         progress("ceiling of the host link: one pinned host-to-device copy of 1 GiB")
         host_link = pinned_link_gbps(1 << 30, cfg.reps)
+        progress("the host link both ways: 1 GiB device-to-host and 1 GiB host-to-device at once")
+        duplex = duplex_link_gbps(1 << 30, cfg.reps)
     tcp_link = None
     host = cfg.tcp_host()
     if host is not None:
@@ -356,6 +385,7 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "ceiling_gbps": ceiling,
         "host_link_gbps": host_link,
+        "duplex_link_gbps": duplex,
         "tcp_link_gbps": tcp_link,
         "rows": [asdict(r) for r in rows],
     }
@@ -385,12 +415,24 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{', '.join(HOST_LINK)})"
             ),
         )
+    duplex = result.get("duplex_link_gbps")
+    if duplex:
+        lines.insert(
+            2,
+            (
+                f"host link both ways at once: {duplex:.1f} GB/s each way (device-to-host and host-to-device on two "
+                "streams: the ceiling of the staging legs when both cross one GPU's link)"
+            ),
+        )
     for r in result["rows"]:
-        lines.append(
+        line = (
             f"{r['transport']:<12} {r['blocks']:>7} {r['payload_bytes'] / 2**20:>8.1f} MiB "
             f"{r['seconds'] * 1e3:>7.2f} ms "
             f"{r['gbps']:>8.2f} {100 * r['share_of_ceiling']:>9.0f}%"
         )
+        if duplex and r["transport"] in HOST_LINK:
+            line += f"  ({100 * r['gbps'] / duplex:.0f}% of both ways)"
+        lines.append(line)
     return "\n".join(lines)
 
 

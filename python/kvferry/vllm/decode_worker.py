@@ -9,6 +9,11 @@ this rank's pool that prefill rank writes (a head slice when the two sides split
 differently). A request is published once per such receiver, under the name of that
 prefill rank's part (`leg_name`), and has arrived once every one of them holds every block.
 
+Pipeline parallelism on the prefill servers (``prefill_pp_size`` stages): one receiver per
+(size, prefill rank) of every stage, over the run of this rank's pool layers that stage holds
+(`WorkerCommon.stage_slices`); the prefill rank is then vLLM's global one, ``stage * size +
+tensor-parallel rank``, and the names ``<transfer>@p<rank>of<size>x<stages>``.
+
 Several prefill sizes (``prefill_tp_size`` a list): one receiver per (size, prefill rank)
 that writes here, each request expected on all of them and published under every size's
 names, as `rendezvous.Alternatives` (one alternative per size). The first lookup of a

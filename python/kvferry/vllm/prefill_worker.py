@@ -16,6 +16,11 @@ endpoint, over a head slice of this rank's pool when the two split heads differe
 request is finished_sending here once every link of this rank settled; a rank that holds
 no link of it (a replicated head or MLA's latent head sent by a lower rank) reports it as
 soon as vLLM finished it. vLLM frees the blocks once every rank reported it.
+
+Pipeline parallelism: each stage's worker registers only its layers, so its pool is its
+stage's, and it takes the links of its global rank (``stage * tp + tp rank``,
+`kvferry.ranks.staged_links`): every stage sends its own layers of the early prefix and of
+each chunk, after its own forward.
 """
 
 from __future__ import annotations
