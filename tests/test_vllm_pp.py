@@ -59,7 +59,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         started: dict[str, Any] = {"trace": trace}
         try:
             # Started together; each answers its first command once it is up.
-            started["pp2"] = Engine(model, "kv_producer", extra(trace=str(trace)), max_num_batched_tokens=64, **PP2)
+            # layer_groups 2: each stage's last chunk leaves layer by layer (its 2 layers).
+            prefill = extra(trace=str(trace), layer_groups=2)
+            started["pp2"] = Engine(model, "kv_producer", prefill, max_num_batched_tokens=64, **PP2)
             started["d1"] = Engine(model, "kv_consumer", extra(prefill_pp_size=2))
             started["d2"] = Engine(model, "kv_consumer", extra(prefill_pp_size=2), **TP2)
             started["plain"] = Engine(model, None)
@@ -133,7 +135,8 @@ def test_each_stage_sends_its_layers_of_the_hit_before_the_forward(engines: dict
     of the same prefix, sent to the TP-2 engine, computed them): into the cold TP-1 decode
     engine, both stages' workers (two kvferry engines in the trace) issue that hit before
     their first forward, and their early writes together are the 5 blocks of all 4 layers,
-    each stage's 2 layers once."""
+    each stage's 2 layers once; each stage's last chunk leaves layer group by layer group
+    (``layer_groups`` 2 over its own 2 layers)."""
     prefill, d1, d2, plain = engines["pp2"], engines["d1"], engines["d2"], engines["plain"]
     prefix = prompt_of(5 * BLOCK, 900)
     send_through(prefill, d2, {"warm": prefix + prompt_of(40, 901)})
@@ -155,3 +158,8 @@ def test_each_stage_sends_its_layers_of_the_hit_before_the_forward(engines: dict
     assert {line["engine"] for line in landed} == set(issued)
     per_engine = {e: sum(line["bytes"] for line in landed if line["engine"] == e) for e in issued}
     assert sorted(per_engine.values()) == [5 * whole_block // 2] * 2, per_engine  # 2 of the 4 layers each
+    # The last chunk streamed layer by layer on each stage: groups 0 and 1 of 2 (its own layers).
+    layers = [line for line in mine if line["stage"] == "layer_landed"]
+    assert {(line["engine"], line["group"], line["groups"]) for line in layers} == {
+        (e, g, 2) for e in issued for g in (0, 1)
+    }, layers

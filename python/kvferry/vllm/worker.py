@@ -114,7 +114,11 @@ class WorkerCommon:
         if self.config.layer_groups > self.pool.num_layers:
             raise KvFerryError(
                 f"invalid kv_connector_extra_config layer_groups={self.config.layer_groups}: "
-                f"the model has {self.pool.num_layers} layers"
+                + (
+                    f"the model has {self.pool.num_layers} layers"
+                    if self.pp_size == 1
+                    else f"pipeline stage {self.pp_rank} of {self.pp_size} holds {self.pool.num_layers} layers"
+                )
             )
 
     def stage_slices(self) -> list[Optional[tuple[int, int]]]:
