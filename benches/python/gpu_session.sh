@@ -9,8 +9,9 @@
 # pending (what 2026-12-05's later session could not run, no GPU being lent; about 6 minutes):
 # the `cuda` tests written since the last GPU run (HMA x TP and pipeline stages in test_tp.py,
 # the NIXL handoff default in test_affinity.py, the both-ways link in test_cli.py) and
-# test_tiers.py; `bench copy` of staging with the link both ways at once beside the one-way
-# ceiling; `bench agentic --transport nixl` at Llama-8B geometry (the writes handed to the
+# test_tiers.py; whether the ring's kind of page-locked memory (shared memory registered, with
+# and without huge pages) sets the PCIe rate (pinned_kinds.py); `bench copy` of staging with the
+# link both ways at once beside the one-way ceiling; `bench agentic --transport nixl` at Llama-8B geometry (the writes handed to the
 # announcer by default now; when nixl imports).
 # links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
 # staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
@@ -63,6 +64,7 @@ elif [ "$1" = pending ]; then
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
   run_tests 200 tests/test_tp.py -k "hma or pp"
   run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
+  timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
   { echo "== copy, staging (one-way and both-ways ceilings)"
     timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging --blocks 1024,4096 \
       2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/pending-copy.txt"
