@@ -60,7 +60,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
         try:
             # Started together; each answers its first command once it is up.
             # layer_groups 2: each stage's last chunk leaves layer by layer (its 2 layers).
-            prefill = extra(trace=str(trace), layer_groups=2)
+            # admission_wait_s: a prefill request waits for its destination (a loaded box may
+            # take past the default second to publish it), so a hit always leaves early.
+            prefill = extra(trace=str(trace), layer_groups=2, admission_wait_s=WAIT_S / 2)
             started["pp2"] = Engine(model, "kv_producer", prefill, max_num_batched_tokens=64, **PP2)
             started["d1"] = Engine(model, "kv_consumer", extra(prefill_pp_size=2))
             started["d2"] = Engine(model, "kv_consumer", extra(prefill_pp_size=2), **TP2)
