@@ -1266,3 +1266,16 @@ def test_pipeline_parallelism_with_several_kv_cache_groups_is_refused_by_name(tm
     )
     with pytest.raises(InvalidArgumentError, match="pipeline_parallel_size=2 with 2 KV cache groups"):
         KvferryConnector(_vllm_config(tmp_path, pp=2, role="kv_producer"), KVConnectorRole.SCHEDULER, groups)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+def test_prefill_pp_size_is_checked_by_name(value: Any) -> None:
+    pytest.importorskip("vllm")
+    from kvferry.vllm.config import ConnectorConfig
+
+    assert (
+        ConnectorConfig().prefill_pp_size == 1
+        and ConnectorConfig.from_extra({"prefill_pp_size": 4}).prefill_pp_size == 4
+    )
+    with pytest.raises(InvalidArgumentError, match=rf"invalid kv_connector_extra_config prefill_pp_size={value!r}"):
+        ConnectorConfig.from_extra({"prefill_pp_size": value})

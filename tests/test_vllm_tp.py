@@ -58,6 +58,7 @@ from test_tp import (  # noqa: E402, F401
     test_one_decode_rank_takes_a_tp1_and_a_tp2_prefill_server_bit_exact,
     test_pipeline_parallelism_off_a_prefill_server_is_refused_by_name,
     test_pipeline_parallelism_with_several_kv_cache_groups_is_refused_by_name,
+    test_prefill_pp_size_is_checked_by_name,
     test_the_hello_names_every_decode_rank_and_signs_them_together,
 )
 from test_vllm_hma import WINDOW, hybrid  # noqa: E402
