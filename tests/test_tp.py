@@ -1266,6 +1266,10 @@ def test_pipeline_parallelism_with_several_kv_cache_groups_is_refused_by_name(tm
     )
     with pytest.raises(InvalidArgumentError, match="pipeline_parallel_size=2 with 2 KV cache groups"):
         KvferryConnector(_vllm_config(tmp_path, pp=2, role="kv_producer"), KVConnectorRole.SCHEDULER, groups)
+    # A decode server told its prefill servers have two stages: the same, by its key.
+    config = _vllm_config(tmp_path, pp=1, extra={"prefill_pp_size": 2})
+    with pytest.raises(InvalidArgumentError, match="prefill_pp_size=2 with 2 KV cache groups"):
+        KvferryConnector(config, KVConnectorRole.SCHEDULER, groups)
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])

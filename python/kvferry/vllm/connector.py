@@ -80,6 +80,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             )
         prefill_pp = self.config.prefill_pp_size
         prefill_stages = None
+        if prefill_pp > 1 and len(self.groups) != 1:  # no prefill server sends that (above)
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config prefill_pp_size={prefill_pp} with {len(self.groups)} KV cache "
+                "groups (a hybrid model, HMA): KvferryConnector runs pipeline parallelism with one KV cache group only"
+            )
         if prefill_pp > 1:  # the layers each stage of the prefill servers holds: vLLM's partition
             from vllm.distributed.utils import get_pp_indices
 
