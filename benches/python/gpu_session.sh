@@ -11,8 +11,9 @@
 # the NIXL handoff default in test_affinity.py, the both-ways link in test_cli.py) and
 # test_tiers.py; whether the ring's kind of page-locked memory (shared memory registered, with
 # and without huge pages) sets the PCIe rate (pinned_kinds.py); `bench copy` of staging with the
-# link both ways at once beside the one-way ceiling; `bench agentic --transport nixl` at Llama-8B geometry (the writes handed to the
-# announcer by default now; when nixl imports).
+# link both ways at once beside the one-way ceiling; NIXL's own cost per descriptor
+# (nixl_floor.py) beside kvferry's; `bench agentic --transport nixl` at Llama-8B geometry (the
+# writes handed to the announcer by default now; when nixl imports).
 # links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
 # staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
 # staging and cuda-ipc (and nixl, random and --contiguous blocks, when it imports); then
@@ -69,6 +70,10 @@ elif [ "$1" = pending ]; then
     timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging --blocks 1024,4096 \
       2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/pending-copy.txt"
   if python3 -c "import nixl" 2>/dev/null; then
+    # NIXL's own floor per descriptor (no kvferry), beside kvferry's nixl rows at the same sizes.
+    { timeout 120 python3 benches/python/nixl_floor.py --device cuda --counts 1024,32768 2>&1 | tail -8
+      timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,nixl --blocks 32,1024 \
+        2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/nixl-floor.txt"
     timeout "${LIMIT:-300}" python3 -m kvferry.cli bench agentic --device cuda --transport nixl --sessions 2 \
       --cached 32768 --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
       --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-nixl.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 \
