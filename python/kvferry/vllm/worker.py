@@ -34,7 +34,7 @@ from kvferry.layout import PagedKV, paged_kv_from_views
 from kvferry.trace import Tracer
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.metadata import KvferryWorkerMeta, Outcome
-from kvferry.vllm.stats import Tally
+from kvferry.vllm.tally import Tally
 
 logger = logging.getLogger("kvferry.vllm")
 
