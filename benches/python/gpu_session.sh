@@ -8,7 +8,9 @@
 #   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending
 # pending (what 2026-12-05's later session could not run, no GPU being lent; about 6 minutes):
 # the `cuda` tests written since the last GPU run (HMA x TP and pipeline stages in test_tp.py,
-# the NIXL handoff default in test_affinity.py, the both-ways link in test_cli.py) and
+# the connector's worker half replaying a real engine pair's steps on CUDA caches in
+# test_worker_replay.py, the NIXL handoff default in test_affinity.py, the both-ways link in
+# test_cli.py) and
 # test_tiers.py; whether the ring's kind of page-locked memory (shared memory registered, with
 # and without huge pages) sets the PCIe rate (pinned_kinds.py); `bench copy` of staging with the
 # link both ways at once beside the one-way ceiling; NIXL's own cost per descriptor
@@ -29,7 +31,7 @@ if [ "${1:-tests}" = tests ]; then
   # Each test file with its own limit and a per-test timeout (pytest-timeout is in the image),
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
-      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py}; do
+      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
@@ -64,6 +66,7 @@ elif [ "$1" = pending ]; then
   run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
   run_tests 200 tests/test_tp.py -k "hma or pp"
+  run_tests 150 tests/test_worker_replay.py
   run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
   timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
   { echo "== copy, staging (one-way and both-ways ceilings)"
