@@ -268,7 +268,6 @@ def test_mla_label_leaves_out_its_one_head() -> None:
     a.check_compatible(b)
 
 
-@needs_vllm
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_connectors_registration_is_paged_kv_from_views(layout: str) -> None:
     """`WorkerCommon.register_kv_caches` (the connector's call) makes the same pool, layers
@@ -306,7 +305,6 @@ def test_views_it_cannot_read_are_refused_by_shape_strides_and_dtype() -> None:
         )
 
 
-@needs_vllm
 def test_the_connector_refuses_them_in_one_line() -> None:
     with pytest.raises(KvFerryError, match="kvferry: cannot register vLLM's KV cache: .*" + SPARSE_NAMED):
         worker_common().register_kv_caches({"model.layers.0.attn": SPARSE}, layer_index)

@@ -250,7 +250,6 @@ def test_prefill_worker_steps_never_wait_on_a_stalled_decode_endpoint() -> None:
     chunks), results and a preemption of the stalled request all return while the link
     stays stalled; the healthy peer's request completes meanwhile; resumed, the other
     stalled request lands bit exact and the preempted one gets its fence, never completing."""
-    pytest.importorskip("vllm")
     from kvferry.vllm.config import ConnectorConfig
     from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
     from kvferry.vllm.prefill_worker import PrefillWorker

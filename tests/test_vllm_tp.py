@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 # test_tp.py's tests of the connector's TP parts without an engine (the decode worker's parts,
 # the refusals, the hello of several ranks) need kvferry.vllm, so `make test-python` (.venv)
 # skips them: collected here too, so `make test-vllm` (.venv-vllm) runs them.
+# test_kv_layouts.py's check of its caches against vLLM's own strides needs vLLM: run here too.
+from test_kv_layouts import test_vllm_views_have_vllms_strides  # noqa: E402, F401
 from test_tp import (  # noqa: E402, F401
     decode_p2,
     decode_p12,
