@@ -260,9 +260,14 @@ def tp_transfer(
         moved[key] = len(DST_IDS)
     for d in range(d_tp):
         got = decode[d].raw.cpu()
-        diff = (got != wants[d]).nonzero()
-        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+        assert_rank_bytes(d, got, wants[d])
     return moved
+
+
+def assert_rank_bytes(rank: int, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Decode rank ``rank``'s whole buffer equals the reference, byte for byte."""
+    diff = (got != want).nonzero()
+    assert diff.numel() == 0, f"decode rank {rank}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
 
 
 PATHS = ["inprocess", "staging"]
@@ -1054,8 +1059,7 @@ def hma_tp(pair: tuple[int, int], kind: str, device: str) -> None:
         assert (count == want).all(), f"group {g} block {i} decode rank {d}: heads crossed {count.tolist()}"
     for d in range(d_tp):
         got = decode[d].raw.cpu()
-        diff = (got != wants[d]).nonzero()
-        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+        assert_rank_bytes(d, got, wants[d])
         v = decode[d].views[0]
         five = torch.as_strided(got, (LAYERS, BLOCKS, *v.shape[1:-1], v.shape[-1] * item), _five_strides(decode[d]))
         assert (five[:, 0] == -1).all()  # vLLM's null block: never written, by any link
@@ -1136,8 +1140,7 @@ def pp_transfer(case: tuple[int, int, int], layout: str, path: str, device: str)
     for d in range(d_tp):
         assert sum(n for (p, dd), n in moved.items() if dd == d) == LAYERS * len(links(p_tp, d_tp, heads)) // d_tp
         got = decode[d].raw.cpu()
-        diff = (got != wants[d]).nonzero()
-        assert diff.numel() == 0, f"decode rank {d}: {diff.shape[0]} bytes differ, the first at byte {int(diff[0, 0])}"
+        assert_rank_bytes(d, got, wants[d])
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -72,20 +72,20 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert kv_cache_config is not None  # vLLM 0.32 hands it to both roles
         # Refuses, at startup, a group kvferry cannot move (Mamba/SSM state, ...).
         self.groups = GroupSet(groups_of(kv_cache_config), block_size)
-        if pp_size != 1 and len(self.groups) != 1:
-            # A stage's regions overlay its own layers of every group: no contiguous run of
-            # the decode server's regions matches them.
-            raise InvalidArgumentError(
-                f"invalid pipeline_parallel_size={pp_size} with {len(self.groups)} KV cache groups (a hybrid "
-                "model, HMA): KvferryConnector runs pipeline parallelism with one KV cache group only"
-            )
         prefill_pp = self.config.prefill_pp_size
+        # A stage's regions overlay its own layers of every group: no contiguous run of the
+        # decode server's regions matches them. So neither this server's stages nor, on a
+        # decode server, its prefill servers' (no prefill server sends those).
+        for name, stages in (
+            ("pipeline_parallel_size", pp_size),
+            ("kv_connector_extra_config prefill_pp_size", prefill_pp),
+        ):
+            if stages != 1 and len(self.groups) != 1:
+                raise InvalidArgumentError(
+                    f"invalid {name}={stages} with {len(self.groups)} KV cache groups (a hybrid model, HMA): "
+                    "KvferryConnector runs pipeline parallelism with one KV cache group only"
+                )
         prefill_stages = None
-        if prefill_pp > 1 and len(self.groups) != 1:  # no prefill server sends that (above)
-            raise InvalidArgumentError(
-                f"invalid kv_connector_extra_config prefill_pp_size={prefill_pp} with {len(self.groups)} KV cache "
-                "groups (a hybrid model, HMA): KvferryConnector runs pipeline parallelism with one KV cache group only"
-            )
         if prefill_pp > 1:  # the layers each stage of the prefill servers holds: vLLM's partition
             from vllm.distributed.utils import get_pp_indices
 

@@ -571,8 +571,8 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
             return
         deadline = time.monotonic() + wait_s
         legs = []
+        tp, pp = found.prefill_tp, found.prefill_pp
         for link, address in found.plan:
-            tp, pp = found.prefill_tp, found.prefill_pp
             name = leg_name(transfer, link.prefill_rank, tp, pp)
             left = max(0.0, deadline - time.monotonic())
             dest = rendezvous.lookup(address, authkey, name, left, leg_name(sender, link.prefill_rank, tp, pp))
