@@ -12,7 +12,9 @@
 # test_worker_replay.py, the NIXL handoff default in test_affinity.py, the both-ways link in
 # test_cli.py) and
 # test_tiers.py; whether the ring's kind of page-locked memory (shared memory registered, with
-# and without huge pages) sets the PCIe rate (pinned_kinds.py); `bench copy` of staging with the
+# and without huge pages) sets the PCIe rate (pinned_kinds.py); whether the legs can skip
+# their DMA, the copy kernel loading and storing the registered ring over PCIe, and what each
+# leg costs a matmul beside it (zero_copy.py); `bench copy` of staging with the
 # link both ways at once beside the one-way ceiling; NIXL's own cost per descriptor
 # (nixl_floor.py) beside kvferry's; `bench agentic --transport nixl` at Llama-8B geometry (the
 # writes handed to the announcer by default now; when nixl imports).
@@ -69,6 +71,7 @@ elif [ "$1" = pending ]; then
   run_tests 150 tests/test_worker_replay.py
   run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
   timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
+  timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
   { echo "== copy, staging (one-way and both-ways ceilings)"
     timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging --blocks 1024,4096 \
       2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/pending-copy.txt"
