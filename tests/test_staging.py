@@ -350,17 +350,42 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
         StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), **options)
 
 
+# Each side's legs (`KVFERRY_STAGING_LEGS`): the scratch-and-DMA pipeline everywhere; on CUDA
+# also the fused kernel reading and writing the ring itself.
+LEGS = pytest.mark.parametrize(
+    ("device", "legs"),
+    [
+        ("cpu", "dma"),
+        pytest.param("cuda", "dma", marks=pytest.mark.cuda),
+        pytest.param("cuda", "direct", marks=pytest.mark.cuda),
+    ],
+)
+
+
+def test_a_bad_legs_setting_is_refused_by_name_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.transports import staging as staging_mod
+
+    monkeypatch.setenv(staging_mod.LEGS_ENV, "fast")
+    with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast': must be one of dma, direct"):
+        StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), capacity_blocks=CAPACITY)
+    with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast'"):
+        StagingTransport("ipc:///nowhere", authkey=secrets.token_bytes(32))
+
+
 @pytest.mark.parametrize("block_dim", [0, 1])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@LEGS
 def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks_stay_out(
-    monkeypatch: pytest.MonkeyPatch, device: str, block_dim: int
+    monkeypatch: pytest.MonkeyPatch, device: str, legs: str, block_dim: int
 ) -> None:
     """A batch larger than the scratch pool crosses in pieces on both sides (pieces of two
     blocks here, an odd count of blocks, scattered source and destination ids, one and two
     segments per block): every kept block lands bit exact, and the blocks of the request
-    revoked before the post (the picked path: its slots are skipped) keep their poison."""
+    revoked before the post (the picked path: its slots are skipped) keep their poison.
+    With direct legs there are no pieces: one kernel each way, the same checks."""
     from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
     from kvferry.transports import staging as staging_mod
+
+    monkeypatch.setenv(staging_mod.LEGS_ENV, legs)
 
     pools = POOLS.but(shape=(40, 2, TPB, 8) if block_dim == 0 else (2, 40, TPB, 8), block_dim=block_dim)
     src, dst = pools.random(3, device), pools.nan(device)
@@ -391,9 +416,9 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         engine.close()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@LEGS
 def test_writes_posted_back_to_back_land_in_order_and_a_fence_acts_after_them(
-    monkeypatch: pytest.MonkeyPatch, device: str
+    monkeypatch: pytest.MonkeyPatch, device: str, legs: str
 ) -> None:
     """Five writes of two-block pieces (both scratch pools of each side in turn) staged and
     posted one after another without waiting for the receiver, then a fence (revoke) of the
@@ -406,6 +431,7 @@ def test_writes_posted_back_to_back_land_in_order_and_a_fence_acts_after_them(
     from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
     from kvferry.transports import staging as staging_mod
 
+    monkeypatch.setenv(staging_mod.LEGS_ENV, legs)
     src, dst = POOLS.random(11, device), POOLS.nan(device)
     monkeypatch.setattr(staging_mod, "STAGE_CHUNK_BYTES", 2 * src.block_bytes * LAYERS)
     engine: Any = CudaCopyEngine(torch.device("cuda")) if device == "cuda" else ThreadCopyEngine()

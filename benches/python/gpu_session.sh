@@ -5,7 +5,9 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|direct
+# direct (about 5 minutes): `bench copy` and `bench agentic` at Llama-8B geometry over staging
+# with KVFERRY_STAGING_LEGS=dma, then =direct (each leg one kernel over PCIe), in one call.
 # pending (what 2026-12-05's later session could not run, no GPU being lent; about 6 minutes):
 # the `cuda` tests written since the last GPU run (HMA x TP and pipeline stages in test_tp.py,
 # the connector's worker half replaying a real engine pair's steps on CUDA caches in
@@ -64,12 +66,29 @@ elif [ "$1" = links-extra ]; then
     timeout 60 python3 benches/python/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
   done
   timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
+elif [ "$1" = direct ]; then
+  # The staging path with each leg one kernel over PCIe against today's scratch + DMA legs, the
+  # same call: `bench copy`, then `bench agentic` at Llama-8B geometry (the forward beside it).
+  for legs in dma direct; do
+    { echo "== staging, $legs legs"; KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy \
+        --device cuda --reps 5 --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 \
+      | tee -a "$OUT/direct-copy.txt"
+  done
+  for legs in direct dma; do
+    KVFERRY_STAGING_LEGS=$legs timeout "${LIMIT:-200}" python3 -m kvferry.cli bench agentic --device cuda \
+      --transport staging --sessions 2 --cached 32768 --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 \
+      --kv-heads 8 --head-dim 128 --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-staging-$legs.json" 2>&1 \
+      | grep -v '^\[bench agentic\] \[' | tail -24 | tee "$OUT/agentic8b-staging-$legs.txt"
+  done
 elif [ "$1" = pending ]; then
   run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
   run_tests 200 tests/test_tp.py -k "hma or pp"
   run_tests 150 tests/test_worker_replay.py
   run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
+  # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): every staging test again.
+  KVFERRY_STAGING_LEGS=direct run_tests 150 tests/test_staging.py tests/test_transfer.py tests/test_kv_layouts.py \
+    tests/test_tiers.py -k staging
   timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
   timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
   { echo "== copy, staging (one-way and both-ways ceilings)"

@@ -27,6 +27,7 @@ the sender knew when it posted them.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -88,6 +89,58 @@ WRITE_BYTES = 512 << 20
 # next slots.
 STAGE_CHUNK_BYTES = 256 << 20
 
+# How each leg crosses PCIe on CUDA (`KVFERRY_STAGING_LEGS`; each side chooses for itself, the
+# ring is the same either way):
+# - "dma": the pipeline above: a fused gather into a device scratch pool, then the copy engine
+#   (the sender); the copy engine, then a fused scatter (the receiver).
+# - "direct": the fused copy kernel itself stores into the ring's slots (the sender) or loads
+#   from them (the receiver): page-locked host memory is addressable by kernels (unified
+#   addressing), so a leg is one kernel, no scratch pool and no DMA. Its kernels hold SMs
+#   while they wait on PCIe (benches/python/zero_copy.py measures both legs and a matmul
+#   beside each).
+LEGS_ENV = "KVFERRY_STAGING_LEGS"
+LEGS = ("dma", "direct")
+
+
+def staging_legs() -> str:
+    """The legs this process's staging copies take on CUDA (`LEGS_ENV`, default "dma")."""
+    legs = os.environ.get(LEGS_ENV, "dma")
+    if legs not in LEGS:
+        raise InvalidArgumentError(f"invalid {LEGS_ENV}={legs!r}: must be one of {', '.join(LEGS)}")
+    return legs
+
+
+class _CudaBytes:
+    """A host byte tensor's memory as a CUDA array (``torch.as_tensor`` reads this interface)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        assert t.dtype == torch.uint8, "rings are bytes"
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape),
+            "strides": tuple(t.stride()),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def device_view(ring: PagedKV, device: torch.device) -> PagedKV:
+    """A page-locked host ring as ``device``'s kernels address it: the same memory, the
+    same pointers (unified addressing), tensors on ``device``."""
+    return ring.with_layers([torch.as_tensor(_CudaBytes(t), device=device) for t in ring.layers])
+
+
+def _fused_copy(src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
+    """Queues one fused copy of validated ids on the current stream, if the kernel takes
+    these two pools (16-byte aligned); False, nothing queued, if not."""
+    from kvferry import _triton_copy
+
+    if not _triton_copy.supports(src, dst):
+        return False
+    _triton_copy.copy_packed(src, dst, np.ascontiguousarray(np.stack([src_ids, dst_ids]), dtype=np.int64))
+    return True
+
+
 # How often the receiver looks at its connection while a write's copies are still running
 # (each look is one poll(2) and one event query).
 APPLY_POLL_SECONDS = 50e-6
@@ -130,6 +183,7 @@ class _Pipe:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.direct = self.cuda and staging_legs() == "direct"
         self.scratch = _Scratch()
         # The DMA stream (device-to-host at the sender, host-to-device at the receiver) and
         # the kernel stream (the receiver's scatter; the sender gathers on its engine's stream).
@@ -195,6 +249,8 @@ class _Ring:
             self._unpin = _pin(self.shared.pool)
             try:
                 self.pipe = _Pipe(pool.device)  # used by the connection's thread alone
+                # The direct leg's view of the ring (its scatter reads the slots over PCIe).
+                self.seen = device_view(self.shared.pool, pool.device) if self.pipe.direct else None
             except BaseException:
                 self._unpin()
                 raise
@@ -234,17 +290,28 @@ class _Applying:
 
 
 def _unstage(
-    ring: PagedKV, pool: PagedKV, pipe: _Pipe, lo: int, positions: np.ndarray, dst_ids: np.ndarray
+    ring: PagedKV,
+    pool: PagedKV,
+    pipe: _Pipe,
+    lo: int,
+    positions: np.ndarray,
+    dst_ids: np.ndarray,
+    seen: Optional[PagedKV] = None,
 ) -> Optional[torch.cuda.Event]:
     """Ring slot ``lo + positions[i]`` into pool block ``dst_ids[i]``, piece by piece: each
     piece's slots copied to a scratch pool as contiguous runs, then scattered by one fused
     copy. On CUDA the copies are only queued (see `STAGE_CHUNK_BYTES`) and the event returned
     is recorded after the last; on CPU they are done on return (None). ``positions``
-    increase (the codec checks ``picked``)."""
+    increase (the codec checks ``picked``). ``seen``: the ring as the pool's device addresses
+    it (`device_view`), for the direct leg: one fused scatter reading the slots over PCIe."""
     try:
         packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"invalid staging batch: {err}") from None
+    if seen is not None and pipe.kernel is not None:
+        with torch.cuda.stream(pipe.kernel):
+            if _fused_copy(seen, pool, lo + positions, dst_ids):
+                return pipe.kernel.record_event()
     scratches = pipe.pieces(pool)
     step = scratches[0].num_blocks
     pieces = []  # (first position, slots, index range) of each piece
@@ -318,6 +385,7 @@ class StagingEndpoint(LocalEndpoint):
             raise InvalidArgumentError(f"invalid capacity_blocks={capacity_blocks!r}: must be an int > 0")
         if isinstance(max_senders, bool) or not isinstance(max_senders, int) or max_senders <= 0:
             raise InvalidArgumentError(f"invalid max_senders={max_senders!r}: must be an int > 0")
+        staging_legs()  # a bad setting is refused here, not at a sender's handshake
         pool = self._pool = receiver.pool
         self.capacity = capacity_blocks
         self.max_senders = max_senders
@@ -474,7 +542,7 @@ class StagingEndpoint(LocalEndpoint):
             keep = np.repeat(np.array(admitted, dtype=bool), lengths)
             picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
             dst_ids = dst_ids[keep]
-        ring, pool = staging.shared.pool, self.receiver.pool
+        ring, pool, seen = staging.shared.pool, self.receiver.pool, staging.seen
         assert ring is not None
         groups = {(n.group, n.groups) for n in notices}
         if len(groups) > 1:
@@ -484,10 +552,11 @@ class StagingEndpoint(LocalEndpoint):
         if groups and not notices[0].whole:  # a layer slice: only its layers were staged
             layers = pool.group_layers(notices[0].group, notices[0].groups)
             ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
+            seen = None if seen is None else seen.layer_slice(*layers)
         done = None
         if len(dst_ids):
             at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
-            done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64))
+            done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64), seen)
         staging.applying.append(_Applying(done, notices, source, named, int(freed)))
         self._settle(staging, everything=False)
 
@@ -570,11 +639,13 @@ class StagingTransport(LocalTransport):
     ) -> None:
         if write_bytes is not None and write_bytes <= 0:
             raise InvalidArgumentError(f"invalid write_bytes={write_bytes}: must be > 0")
+        staging_legs()  # a bad setting is refused before connecting
         self._write_bytes = write_bytes
         super().__init__(address, authkey=authkey, open_pool=self._open, handshake_timeout=handshake_timeout)
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
         self._pipes: dict[torch.device, _Pipe] = {}  # by pool device; used in write order only
+        self._seen: dict[torch.device, PagedKV] = {}  # the ring as each device addresses it (direct legs)
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -654,6 +725,8 @@ class StagingTransport(LocalTransport):
             pipe = self._pipes.get(device)
             if pipe is None:
                 pipe = self._pipes[device] = _Pipe(device)
+            if pipe.direct and self._stage_direct(device, layers, parts, lo):
+                return
             scratches = pipe.pieces(parts[0].pool)
             step = scratches[0].num_blocks
             at = [
@@ -705,6 +778,26 @@ class StagingTransport(LocalTransport):
             * int(self._geometry["segments"])
             * int(self._geometry["segment_bytes"]),
         )
+
+    def _stage_direct(
+        self, device: torch.device, layers: Optional[tuple[int, int]], parts: Sequence[Any], lo: int
+    ) -> bool:
+        """The direct leg (`LEGS_ENV`): each part's blocks stored straight into their ring
+        slots by one fused copy on the current stream. False, nothing queued, where the
+        kernel does not take a part's pool (the scratch-and-DMA leg then runs)."""
+        seen = self._seen.get(device)
+        if seen is None:
+            seen = self._seen[device] = device_view(self.dst, device)
+        if layers is not None:
+            seen = seen.layer_slice(*layers)
+        from kvferry import _triton_copy
+
+        if not all(_triton_copy.supports(p.pool, seen) for p in parts):
+            return False
+        for p in parts:
+            where = np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions)
+            _fused_copy(p.pool, seen, np.asarray(p.src_ids, dtype=np.int64), lo + where.astype(np.int64))
+        return True
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.
