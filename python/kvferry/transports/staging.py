@@ -127,7 +127,20 @@ class _CudaBytes:
 def device_view(ring: PagedKV, device: torch.device) -> PagedKV:
     """A page-locked host ring as ``device``'s kernels address it: the same memory, the
     same pointers (unified addressing), tensors on ``device``."""
-    return ring.with_layers([torch.as_tensor(_CudaBytes(t), device=device) for t in ring.layers])
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    layers = []
+    for t in ring.layers:
+        seen = torch.as_tensor(_CudaBytes(t))
+        # torch places such an array on the device the pointer belongs to; anything but the
+        # same bytes on ``device`` would make the kernel write somewhere the peer never reads.
+        if seen.device != device or seen.data_ptr() != t.data_ptr():
+            raise TransferError(
+                f"the staging ring is not addressable from {device} (CUDA reports it on {seen.device}): "
+                f"unset {LEGS_ENV} or set it to dma"
+            )
+        layers.append(seen)
+    return ring.with_layers(layers)
 
 
 def _fused_copy(src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
