@@ -5,21 +5,18 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|direct
-# direct (about 5 minutes): `bench copy` and `bench agentic` at Llama-8B geometry over staging
-# with KVFERRY_STAGING_LEGS=dma, then =direct (each leg one kernel over PCIe), in one call.
-# pending (what 2026-12-05's later session could not run, no GPU being lent; about 6 minutes):
-# the `cuda` tests written since the last GPU run (HMA x TP and pipeline stages in test_tp.py,
-# the connector's worker half replaying a real engine pair's steps on CUDA caches in
-# test_worker_replay.py, the NIXL handoff default in test_affinity.py, the both-ways link in
-# test_cli.py) and
-# test_tiers.py; whether the ring's kind of page-locked memory (shared memory registered, with
-# and without huge pages) sets the PCIe rate (pinned_kinds.py); whether the legs can skip
-# their DMA, the copy kernel loading and storing the registered ring over PCIe, and what each
-# leg costs a matmul beside it (zero_copy.py); `bench copy` of staging with the
-# link both ways at once beside the one-way ceiling; NIXL's own cost per descriptor
-# (nixl_floor.py) beside kvferry's; `bench agentic --transport nixl` at Llama-8B geometry (the
-# writes handed to the announcer by default now; when nixl imports).
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2
+# pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
+# pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
+# steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
+# the both-ways link in test_cli.py), test_tiers.py, and every staging test again with
+# KVFERRY_STAGING_LEGS=direct; whether the ring's kind of page-locked memory sets the PCIe rate
+# (pinned_kinds.py); whether the legs can skip their DMA, the copy kernel loading and storing
+# the registered ring over PCIe, and what each leg costs a matmul beside it (zero_copy.py);
+# `bench copy` of staging with each kind of legs, beside the one-way and both-ways ceilings.
+# pending2 (a second call, about 7 minutes): NIXL's own cost per descriptor (nixl_floor.py)
+# beside kvferry's nixl rows, and `bench agentic` at Llama-8B geometry over nixl (the writes
+# handed to the announcer by default now) and over staging with direct, then dma, legs.
 # links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
 # staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
 # staging and cuda-ipc (and nixl, random and --contiguous blocks, when it imports); then
@@ -66,21 +63,8 @@ elif [ "$1" = links-extra ]; then
     timeout 60 python3 benches/python/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
   done
   timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
-elif [ "$1" = direct ]; then
-  # The staging path with each leg one kernel over PCIe against today's scratch + DMA legs, the
-  # same call: `bench copy`, then `bench agentic` at Llama-8B geometry (the forward beside it).
-  for legs in dma direct; do
-    { echo "== staging, $legs legs"; KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy \
-        --device cuda --reps 5 --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 \
-      | tee -a "$OUT/direct-copy.txt"
-  done
-  for legs in direct dma; do
-    KVFERRY_STAGING_LEGS=$legs timeout "${LIMIT:-200}" python3 -m kvferry.cli bench agentic --device cuda \
-      --transport staging --sessions 2 --cached 32768 --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 \
-      --kv-heads 8 --head-dim 128 --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-staging-$legs.json" 2>&1 \
-      | grep -v '^\[bench agentic\] \[' | tail -24 | tee "$OUT/agentic8b-staging-$legs.txt"
-  done
 elif [ "$1" = pending ]; then
+  # First call: the cuda tests, the two probes, and `bench copy` of staging with each kind of legs.
   run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
   run_tests 200 tests/test_tp.py -k "hma or pp"
@@ -91,19 +75,26 @@ elif [ "$1" = pending ]; then
     tests/test_tiers.py -k staging
   timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
   timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
-  { echo "== copy, staging (one-way and both-ways ceilings)"
-    timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging --blocks 1024,4096 \
-      2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/pending-copy.txt"
+  for legs in dma direct; do
+    { echo "== copy, staging with $legs legs (one-way and both-ways ceilings)"
+      KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 \
+        --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/pending-copy.txt"
+  done
+elif [ "$1" = pending2 ]; then
+  # Second call: NIXL's floor and the 8B agentic runs (nixl; staging with each kind of legs).
+  agentic() { timeout "${LIMIT:-200}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --cached 32768 \
+      --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
+      --vocab 1024 --json "$OUT/agentic8b-$1.json" "${@:2}" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 \
+      | tee "$OUT/agentic8b-$1.txt" ; }
   if python3 -c "import nixl" 2>/dev/null; then
     # NIXL's own floor per descriptor (no kvferry), beside kvferry's nixl rows at the same sizes.
     { timeout 120 python3 benches/python/nixl_floor.py --device cuda --counts 1024,32768 2>&1 | tail -8
       timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,nixl --blocks 32,1024 \
         2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/nixl-floor.txt"
-    timeout "${LIMIT:-300}" python3 -m kvferry.cli bench agentic --device cuda --transport nixl --sessions 2 \
-      --cached 32768 --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
-      --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-nixl.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 \
-      | tee "$OUT/agentic8b-nixl.txt"
+    agentic nixl --transport nixl
   else echo "== nixl: not importable here, skipped"; fi
+  KVFERRY_STAGING_LEGS=direct agentic staging-direct --transport staging
+  KVFERRY_STAGING_LEGS=dma agentic staging-dma --transport staging
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then
