@@ -32,21 +32,14 @@ import numpy as np
 import torch
 from kvferry import _triton_copy
 from kvferry.layout import PagedKV
+from kvferry.transports.staging import device_view
 
 LAYERS, SEGMENTS, SEG_ELEMS, TPB = 32, 2, 32 * 8 * 128, 32
 POOL_BLOCKS = 4160
 
 
-class _DeviceView:
-    """Registered host memory as the GPU sees it, for ``torch.as_tensor``."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-
-
-def registered_ring(slots: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], Any], mmap.mmap]:
-    """A shared-memory ring of ``slots`` blocks, page-locked as kvferry's is: its host view
-    and the same bytes as a CUDA tensor."""
+def registered_ring(slots: int) -> tuple[torch.Tensor, Callable[[], Any], mmap.mmap]:
+    """A shared-memory ring of ``slots`` blocks, page-locked as kvferry's is."""
     nbytes = LAYERS * SEGMENTS * slots * SEG_ELEMS * 2
     fd = os.memfd_create("kvferry-zero-copy")
     try:
@@ -60,8 +53,7 @@ def registered_ring(slots: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[]
     err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)})")
-    seen = torch.as_tensor(_DeviceView(host.data_ptr(), nbytes), device="cuda")
-    return host, seen, lambda: cudart.cudaHostUnregister(host.data_ptr()), region
+    return host, lambda: cudart.cudaHostUnregister(host.data_ptr()), region
 
 
 def ring_pool(flat: torch.Tensor, slots: int) -> PagedKV:
@@ -126,8 +118,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; {k} blocks = {payload >> 20} MiB a write; median of {args.reps}")
     src, dst = device_pool(POOL_BLOCKS, True), device_pool(POOL_BLOCKS, False)
     scratch = device_pool(k, False)
-    host, seen, unregister, _region = registered_ring(k)
-    host_ring, dev_ring = ring_pool(host, k), ring_pool(seen, k)
+    host, unregister, _region = registered_ring(k)
+    host_ring = ring_pool(host, k)
+    dev_ring = device_view(host_ring, torch.device("cuda"))  # what the direct legs address
     rng = np.random.default_rng(7)
     s_ids = rng.permutation(POOL_BLOCKS)[:k].astype(np.int64)
     d_ids = rng.permutation(POOL_BLOCKS)[:k].astype(np.int64)
