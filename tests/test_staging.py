@@ -350,12 +350,13 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
         StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), **options)
 
 
-# Each side's legs (`KVFERRY_STAGING_LEGS`): the scratch-and-DMA pipeline everywhere; on CUDA
-# also the fused kernel reading and writing the ring itself.
+# Each side's legs (`KVFERRY_STAGING_LEGS`): through a scratch pool (and the copy engine on
+# CUDA), or one copy between the pool and the ring (the fused kernel over PCIe on CUDA).
 LEGS = pytest.mark.parametrize(
     ("device", "legs"),
     [
         ("cpu", "dma"),
+        ("cpu", "direct"),
         pytest.param("cuda", "dma", marks=pytest.mark.cuda),
         pytest.param("cuda", "direct", marks=pytest.mark.cuda),
     ],

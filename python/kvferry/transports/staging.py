@@ -39,7 +39,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 import numpy as np
 import torch
 
-from kvferry.copy import BlockCopies, packed_ids
+from kvferry.copy import BlockCopies, copy_blocks, packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
@@ -89,21 +89,22 @@ WRITE_BYTES = 512 << 20
 # next slots.
 STAGE_CHUNK_BYTES = 256 << 20
 
-# How each leg crosses PCIe on CUDA (`KVFERRY_STAGING_LEGS`; each side chooses for itself, the
-# ring is the same either way):
-# - "dma": the pipeline above: a fused gather into a device scratch pool, then the copy engine
-#   (the sender); the copy engine, then a fused scatter (the receiver).
-# - "direct": the fused copy kernel itself stores into the ring's slots (the sender) or loads
-#   from them (the receiver): page-locked host memory is addressable by kernels (unified
-#   addressing), so a leg is one kernel, no scratch pool and no DMA. Its kernels hold SMs
-#   while they wait on PCIe (benches/python/zero_copy.py measures both legs and a matmul
-#   beside each).
+# How each leg moves its blocks (`KVFERRY_STAGING_LEGS`; each side chooses for itself, the ring
+# is the same either way):
+# - "dma" (the default): the pipeline above: a fused gather into a scratch pool, then the copy
+#   engine into the slots (the sender); the reverse at the receiver. On CPU the same two
+#   copies, in order.
+# - "direct": one `copy_blocks` between the pool and the slots, no scratch pool. On CUDA that
+#   is the fused copy kernel storing into the ring (the sender) or loading from it (the
+#   receiver) over PCIe: page-locked host memory is addressable by kernels (unified
+#   addressing), so a leg is one kernel and no DMA. Its kernels hold SMs while they wait on
+#   PCIe (benches/python/zero_copy.py measures both legs and a matmul beside each).
 LEGS_ENV = "KVFERRY_STAGING_LEGS"
 LEGS = ("dma", "direct")
 
 
 def staging_legs() -> str:
-    """The legs this process's staging copies take on CUDA (`LEGS_ENV`, default "dma")."""
+    """The legs this process's staging copies take (`LEGS_ENV`, default "dma")."""
     legs = os.environ.get(LEGS_ENV, "dma")
     if legs not in LEGS:
         raise InvalidArgumentError(f"invalid {LEGS_ENV}={legs!r}: must be one of {', '.join(LEGS)}")
@@ -143,15 +144,14 @@ def device_view(ring: PagedKV, device: torch.device) -> PagedKV:
     return ring.with_layers(layers)
 
 
-def _fused_copy(src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
-    """Queues one fused copy of validated ids on the current stream, if the kernel takes
-    these two pools (16-byte aligned); False, nothing queued, if not."""
-    from kvferry import _triton_copy
-
-    if not _triton_copy.supports(src, dst):
-        return False
-    _triton_copy.copy_packed(src, dst, np.ascontiguousarray(np.stack([src_ids, dst_ids]), dtype=np.int64))
-    return True
+def ring_as_pool(ring: PagedKV, like: PagedKV) -> PagedKV:
+    """A ring's slots as a pool of ``like``'s dtype and block layout on ``like``'s device,
+    over the same memory (on CUDA through `device_view`): `copy_blocks` then moves blocks
+    between ``like`` and the slots directly, the direct legs (`LEGS_ENV`)."""
+    if like.device.type == "cuda":
+        ring = device_view(ring, like.device)
+    layers = tuple(t.view(like.dtype) for t in ring.layers)  # (segments, slots, segment) each
+    return PagedKV(layers, like.tokens_per_block, 1, like.block_layout)
 
 
 # How often the receiver looks at its connection while a write's copies are still running
@@ -196,7 +196,7 @@ class _Pipe:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.direct = self.cuda and staging_legs() == "direct"
+        self.direct = staging_legs() == "direct"
         self.scratch = _Scratch()
         # The DMA stream (device-to-host at the sender, host-to-device at the receiver) and
         # the kernel stream (the receiver's scatter; the sender gathers on its engine's stream).
@@ -263,7 +263,7 @@ class _Ring:
             try:
                 self.pipe = _Pipe(pool.device)  # used by the connection's thread alone
                 # The direct leg's view of the ring (its scatter reads the slots over PCIe).
-                self.seen = device_view(self.shared.pool, pool.device) if self.pipe.direct else None
+                self.seen = ring_as_pool(self.shared.pool, pool) if self.pipe.direct else None
             except BaseException:
                 self._unpin()
                 raise
@@ -316,15 +316,19 @@ def _unstage(
     copy. On CUDA the copies are only queued (see `STAGE_CHUNK_BYTES`) and the event returned
     is recorded after the last; on CPU they are done on return (None). ``positions``
     increase (the codec checks ``picked``). ``seen``: the ring as the pool's device addresses
-    it (`device_view`), for the direct leg: one fused scatter reading the slots over PCIe."""
+    it (`ring_as_pool`), for the direct leg: one copy from the slots (on CUDA one fused scatter
+    reading them over PCIe)."""
     try:
         packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"invalid staging batch: {err}") from None
-    if seen is not None and pipe.kernel is not None:
+    if seen is not None:
+        if pipe.kernel is None:
+            copy_blocks(seen, pool, lo + positions, dst_ids)
+            return None
         with torch.cuda.stream(pipe.kernel):
-            if _fused_copy(seen, pool, lo + positions, dst_ids):
-                return pipe.kernel.record_event()
+            copy_blocks(seen, pool, lo + positions, dst_ids)
+        return pipe.kernel.record_event()
     scratches = pipe.pieces(pool)
     step = scratches[0].num_blocks
     pieces = []  # (first position, slots, index range) of each piece
@@ -658,7 +662,7 @@ class StagingTransport(LocalTransport):
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
         self._pipes: dict[torch.device, _Pipe] = {}  # by pool device; used in write order only
-        self._seen: dict[torch.device, PagedKV] = {}  # the ring as each device addresses it (direct legs)
+        self._seen: dict[tuple[object, ...], PagedKV] = {}  # the ring as each kind of pool sees it (direct legs)
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -738,7 +742,8 @@ class StagingTransport(LocalTransport):
             pipe = self._pipes.get(device)
             if pipe is None:
                 pipe = self._pipes[device] = _Pipe(device)
-            if pipe.direct and self._stage_direct(device, layers, parts, lo):
+            if pipe.direct:
+                self._stage_direct(layers, parts, lo)
                 return
             scratches = pipe.pieces(parts[0].pool)
             step = scratches[0].num_blocks
@@ -792,25 +797,19 @@ class StagingTransport(LocalTransport):
             * int(self._geometry["segment_bytes"]),
         )
 
-    def _stage_direct(
-        self, device: torch.device, layers: Optional[tuple[int, int]], parts: Sequence[Any], lo: int
-    ) -> bool:
-        """The direct leg (`LEGS_ENV`): each part's blocks stored straight into their ring
-        slots by one fused copy on the current stream. False, nothing queued, where the
-        kernel does not take a part's pool (the scratch-and-DMA leg then runs)."""
-        seen = self._seen.get(device)
+    def _stage_direct(self, layers: Optional[tuple[int, int]], parts: Sequence[Any], lo: int) -> None:
+        """The direct leg (`LEGS_ENV`): each part's blocks copied straight into their ring
+        slots (on CUDA one fused copy storing over PCIe, on the current stream)."""
+        like = parts[0].pool
+        key = (like.device, like.dtype, like.tokens_per_block, like.block_layout)
+        seen = self._seen.get(key)
         if seen is None:
-            seen = self._seen[device] = device_view(self.dst, device)
+            seen = self._seen[key] = ring_as_pool(self.dst, like)
         if layers is not None:
             seen = seen.layer_slice(*layers)
-        from kvferry import _triton_copy
-
-        if not all(_triton_copy.supports(p.pool, seen) for p in parts):
-            return False
         for p in parts:
             where = np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions)
-            _fused_copy(p.pool, seen, np.asarray(p.src_ids, dtype=np.int64), lo + where.astype(np.int64))
-        return True
+            copy_blocks(p.pool, seen, p.src_ids, lo + where.astype(np.int64))
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.
