@@ -351,7 +351,8 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
 
 
 # Each side's legs (`KVFERRY_STAGING_LEGS`): through a scratch pool (and the copy engine on
-# CUDA), or one copy between the pool and the ring (the fused kernel over PCIe on CUDA).
+# CUDA), or one copy between the pool and the ring (the fused kernel over PCIe on CUDA). Every
+# other staging test runs each device's default: direct on CPU, dma on CUDA.
 LEGS = pytest.mark.parametrize(
     ("device", "legs"),
     [
@@ -363,9 +364,14 @@ LEGS = pytest.mark.parametrize(
 )
 
 
-def test_a_bad_legs_setting_is_refused_by_name_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_legs_default_by_device_and_a_bad_setting_is_refused_by_name_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvferry.transports import staging as staging_mod
 
+    monkeypatch.delenv(staging_mod.LEGS_ENV, raising=False)
+    assert staging_mod.staging_legs(torch.device("cpu")) == "direct"
+    assert staging_mod.staging_legs(torch.device("cuda", 0)) == "dma"
+    monkeypatch.setenv(staging_mod.LEGS_ENV, "dma")
+    assert staging_mod.staging_legs(torch.device("cpu")) == "dma"
     monkeypatch.setenv(staging_mod.LEGS_ENV, "fast")
     with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast': must be one of dma, direct"):
         StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), capacity_blocks=CAPACITY)

@@ -91,21 +91,24 @@ STAGE_CHUNK_BYTES = 256 << 20
 
 # How each leg moves its blocks (`KVFERRY_STAGING_LEGS`; each side chooses for itself, the ring
 # is the same either way):
-# - "dma" (the default): the pipeline above: a fused gather into a scratch pool, then the copy
-#   engine into the slots (the sender); the reverse at the receiver. On CPU the same two
-#   copies, in order.
-# - "direct": one `copy_blocks` between the pool and the slots, no scratch pool. On CUDA that
-#   is the fused copy kernel storing into the ring (the sender) or loading from it (the
-#   receiver) over PCIe: page-locked host memory is addressable by kernels (unified
-#   addressing), so a leg is one kernel and no DMA. Its kernels hold SMs while they wait on
-#   PCIe (benches/python/zero_copy.py measures both legs and a matmul beside each).
+# - "dma" (CUDA pools' default): the pipeline above: a fused gather into a scratch pool, then
+#   the copy engine into the slots (the sender); the reverse at the receiver.
+# - "direct" (CPU pools' default): one `copy_blocks` between the pool and the slots, no scratch
+#   pool: on CPU two passes over the bytes each way instead of three (1024 blocks of 512 KiB in
+#   108-111 ms against 166-168 ms, `bench copy --transport staging` on 2 cores). On CUDA the
+#   fused copy kernel stores into the ring (the sender) or loads from it (the receiver) over
+#   PCIe: page-locked host memory is addressable by kernels (unified addressing), so a leg is
+#   one kernel and no DMA. Its kernels hold SMs while they wait on PCIe
+#   (benches/python/zero_copy.py measures both legs and a matmul beside each).
 LEGS_ENV = "KVFERRY_STAGING_LEGS"
 LEGS = ("dma", "direct")
 
 
-def staging_legs() -> str:
-    """The legs this process's staging copies take (`LEGS_ENV`, default "dma")."""
-    legs = os.environ.get(LEGS_ENV, "dma")
+def staging_legs(device: Optional[torch.device] = None) -> str:
+    """The legs this process's staging copies of a pool on ``device`` take: `LEGS_ENV` if
+    set, else "direct" for CPU pools and "dma" for CUDA pools."""
+    default = "dma" if device is not None and device.type == "cuda" else "direct"
+    legs = os.environ.get(LEGS_ENV, default)
     if legs not in LEGS:
         raise InvalidArgumentError(f"invalid {LEGS_ENV}={legs!r}: must be one of {', '.join(LEGS)}")
     return legs
@@ -196,7 +199,7 @@ class _Pipe:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.direct = staging_legs() == "direct"
+        self.direct = staging_legs(device) == "direct"
         self.scratch = _Scratch()
         # The DMA stream (device-to-host at the sender, host-to-device at the receiver) and
         # the kernel stream (the receiver's scatter; the sender gathers on its engine's stream).
