@@ -73,13 +73,13 @@ elif [ "$1" = pending ]; then
   # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): every staging test again.
   KVFERRY_STAGING_LEGS=direct run_tests 150 tests/test_staging.py tests/test_transfer.py tests/test_kv_layouts.py \
     tests/test_tiers.py -k staging
-  timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
   timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
   for legs in dma direct; do
     { echo "== copy, staging with $legs legs (one-way and both-ways ceilings)"
       KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 \
         --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/pending-copy.txt"
   done
+  timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
 elif [ "$1" = pending2 ]; then
   # Second call: NIXL's floor and the 8B agentic runs (nixl; staging with each kind of legs).
   agentic() { timeout "${LIMIT:-200}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --cached 32768 \
