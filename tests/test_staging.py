@@ -364,7 +364,9 @@ LEGS = pytest.mark.parametrize(
 )
 
 
-def test_legs_default_by_device_and_a_bad_setting_is_refused_by_name_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_legs_default_by_device_and_a_bad_setting_is_refused_by_name_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvferry.transports import staging as staging_mod
 
     monkeypatch.delenv(staging_mod.LEGS_ENV, raising=False)
