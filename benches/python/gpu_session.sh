@@ -67,18 +67,17 @@ elif [ "$1" = pending ]; then
   # First call: the cuda tests, the two probes, and `bench copy` of staging with each kind of legs.
   run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
-  run_tests 200 tests/test_tp.py -k "hma or pp"
-  run_tests 150 tests/test_worker_replay.py
-  run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
-  # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): every staging test again.
-  KVFERRY_STAGING_LEGS=direct run_tests 150 tests/test_staging.py tests/test_transfer.py tests/test_kv_layouts.py \
-    tests/test_tiers.py -k staging
+  run_tests 240 tests/test_tp.py tests/test_worker_replay.py -k "hma or pp or replay"
+  # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): the staging tests again.
+  KVFERRY_STAGING_LEGS=direct run_tests 90 tests/test_staging.py
   timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
   for legs in dma direct; do
     { echo "== copy, staging with $legs legs (one-way and both-ways ceilings)"
       KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 \
         --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/pending-copy.txt"
   done
+  run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
+  KVFERRY_STAGING_LEGS=direct run_tests 120 tests/test_transfer.py tests/test_kv_layouts.py tests/test_tiers.py -k staging
   timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
 elif [ "$1" = pending2 ]; then
   # Second call: NIXL's floor and the 8B agentic runs (nixl; staging with each kind of legs).
