@@ -62,6 +62,26 @@ def test_random_blocks_bit_exact(fn, dtype: torch.dtype, block_dim: int, shape: 
     assert_copied(src, dst, s, d)
 
 
+@pytest.mark.parametrize("block_dim, shape", [(0, (37, 2, 4, 3, 8)), (1, (2, 37, 4, 3, 8))])
+@pytest.mark.parametrize("run", ["destination", "source", "both"])
+def test_a_consecutive_run_on_either_side_copies_in_one_pass_bit_exact(
+    block_dim: int, shape: tuple[int, ...], run: str
+) -> None:
+    """A staging ring's slots are one consecutive run: gathered straight into it (destination),
+    scattered straight from it (source); the other side's blocks scattered. Blocks before and
+    after the run keep their poison; a run of one block and the whole pool too."""
+    for n, first in ((1, 0), (9, 3), (37, 0)):
+        src = random_pool(shape, torch.bfloat16, block_dim, seed=n)
+        dst = poisoned(src, 41 if run != "source" else 37)
+        s, d = pick(n, 37, dst.num_blocks, seed=n)
+        if run in ("source", "both"):
+            s = list(range(first, first + n))
+        if run in ("destination", "both"):
+            d = list(range(first, first + n))
+        copy_blocks(src, dst, np.array(s), np.array(d))
+        assert_copied(src, dst, s, d)
+
+
 def test_segments_not_a_multiple_of_8_bytes_use_byte_words() -> None:
     src = random_pool((9, 3, 5), torch.uint8, 0)  # 15-byte blocks
     dst = poisoned(src, 9)

@@ -75,9 +75,38 @@ def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> Non
         dv.index_copy_(1, d_dev, gathered)
 
 
+def _run_start(ids: torch.Tensor) -> int | None:
+    """``ids[0]`` when ``ids`` are consecutive and ascending (a staging ring's slots), else None."""
+    n = ids.numel()
+    if n == 0:
+        return None
+    first = int(ids[0])
+    if int(ids[-1]) - first != n - 1 or (n > 2 and not bool((ids[1:] - ids[:-1] == 1).all())):
+        return None
+    return first
+
+
 def _copy_cpu_chunked(
     src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s: torch.Tensor, d: torch.Tensor
 ) -> None:
+    """One pass over the bytes where one side's blocks are a consecutive run (a staging ring's
+    slots: gathered straight into them, or scattered straight from them); else two, through a
+    reused buffer."""
+    n = s.numel()
+    apart = all(
+        sv.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr() for sv, dv in zip(src_views, dst_views)
+    )
+    at = _run_start(d) if apart else None  # within one pool, only the buffer keeps reads before writes
+    if at is not None and all(dv[seg, at : at + n].is_contiguous() for dv in dst_views[:1] for seg in range(len(dv))):
+        for sv, dv in zip(src_views, dst_views):
+            for seg in range(sv.shape[0]):
+                torch.index_select(sv[seg], 0, s, out=dv[seg, at : at + n])
+        return
+    at = _run_start(s) if apart else None
+    if at is not None:
+        for sv, dv in zip(src_views, dst_views):
+            dv.index_copy_(1, d, sv[:, at : at + n])
+        return
     segments, _, words = src_views[0].shape
     per_block = segments * words * src_views[0].element_size()
     step = max(1, min(s.numel(), GATHER_BYTES // per_block))
