@@ -94,8 +94,9 @@ STAGE_CHUNK_BYTES = 256 << 20
 # - "dma" (CUDA pools' default): the pipeline above: a fused gather into a scratch pool, then
 #   the copy engine into the slots (the sender); the reverse at the receiver.
 # - "direct" (CPU pools' default): one `copy_blocks` between the pool and the slots, no scratch
-#   pool: on CPU two passes over the bytes each way instead of three (1024 blocks of 512 KiB in
-#   108-111 ms against 166-168 ms, `bench copy --transport staging` on 2 cores). On CUDA the
+#   pool: on CPU one pass over the bytes each way instead of two (the slots are a consecutive
+#   run, see `kvferry.copy`): 1024 blocks of 512 KiB in 44-57 ms against 91-110 ms, `bench
+#   copy --transport staging` on 2 cores (docs/benchmarks.md). On CUDA the
 #   fused copy kernel stores into the ring (the sender) or loads from it (the receiver) over
 #   PCIe: page-locked host memory is addressable by kernels (unified addressing), so a leg is
 #   one kernel and no DMA. Its kernels hold SMs while they wait on PCIe
