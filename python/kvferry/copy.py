@@ -97,7 +97,8 @@ def _copy_cpu_chunked(
         sv.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr() for sv, dv in zip(src_views, dst_views)
     )
     at = _run_start(d) if apart else None  # within one pool, only the buffer keeps reads before writes
-    if at is not None and all(dv[seg, at : at + n].is_contiguous() for dv in dst_views[:1] for seg in range(len(dv))):
+    first = dst_views[0]  # every layer has its strides
+    if at is not None and all(first[seg, at : at + n].is_contiguous() for seg in range(first.shape[0])):
         for sv, dv in zip(src_views, dst_views):
             for seg in range(sv.shape[0]):
                 torch.index_select(sv[seg], 0, s, out=dv[seg, at : at + n])

@@ -746,17 +746,17 @@ class StagingTransport(LocalTransport):
             pipe = self._pipes.get(device)
             if pipe is None:
                 pipe = self._pipes[device] = _Pipe(device)
-            if pipe.direct:
-                self._stage_direct(layers, parts, lo)
-                return
-            scratches = pipe.pieces(parts[0].pool)
-            step = scratches[0].num_blocks
-            at = [
+            at = [  # each part's blocks' places in the write (its ring slots from ``lo``)
                 np.arange(len(p.src_ids), dtype=np.int64)
                 if p.positions is None
                 else np.asarray(p.positions, dtype=np.int64)
                 for p in parts
             ]
+            if pipe.direct:
+                self._stage_direct(layers, parts, [lo + where for where in at])
+                return
+            scratches = pipe.pieces(parts[0].pool)
+            step = scratches[0].num_blocks
             copies: list[tuple[PagedKV, PagedKV, np.ndarray, np.ndarray]] = []
             pieces: list[tuple[int, int, list[int]]] = []  # (first, blocks, its gathers)
             for j, first in enumerate(range(0, n, step)):
@@ -801,9 +801,11 @@ class StagingTransport(LocalTransport):
             * int(self._geometry["segment_bytes"]),
         )
 
-    def _stage_direct(self, layers: Optional[tuple[int, int]], parts: Sequence[Any], lo: int) -> None:
+    def _stage_direct(
+        self, layers: Optional[tuple[int, int]], parts: Sequence[Any], slots: Sequence[np.ndarray]
+    ) -> None:
         """The direct leg (`LEGS_ENV`): each part's blocks copied straight into their ring
-        slots (on CUDA one fused copy storing over PCIe, on the current stream)."""
+        ``slots`` (on CUDA one fused copy storing over PCIe, on the current stream)."""
         like = parts[0].pool
         key = (like.device, like.dtype, like.tokens_per_block, like.block_layout)
         seen = self._seen.get(key)
@@ -811,9 +813,8 @@ class StagingTransport(LocalTransport):
             seen = self._seen[key] = ring_as_pool(self.dst, like)
         if layers is not None:
             seen = seen.layer_slice(*layers)
-        for p in parts:
-            where = np.arange(len(p.src_ids), dtype=np.int64) if p.positions is None else np.asarray(p.positions)
-            copy_blocks(p.pool, seen, p.src_ids, lo + where.astype(np.int64))
+        for p, ids in zip(parts, slots):
+            copy_blocks(p.pool, seen, p.src_ids, ids)
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.
