@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 
-def _registered(nbytes: int, huge: str) -> tuple[torch.Tensor, Callable[[], Any], Any]:
+def registered(nbytes: int, huge: str = "") -> tuple[torch.Tensor, Callable[[], Any], Any]:
     fd = os.memfd_create("kvferry-pinned-kinds", os.MFD_HUGETLB if huge == "hugetlb" else 0)
     try:
         os.ftruncate(fd, nbytes)
@@ -105,7 +105,7 @@ def main() -> None:
     regions = []
     for name, huge in (("shm", ""), ("shm+thp", "thp"), ("shm+hugetlb", "hugetlb")):
         try:
-            host, unregister, region = _registered(nbytes, huge)
+            host, unregister, region = registered(nbytes, huge)
         except OSError as err:
             print(f"{name:<11} unavailable ({err.strerror})")
             continue

@@ -23,37 +23,18 @@ CUDA-event timings after a warm-up; every path's bytes are checked against the s
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
 import statistics
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 from kvferry import _triton_copy
 from kvferry.layout import PagedKV
 from kvferry.transports.staging import device_view
+from pinned_kinds import registered  # benches/python: a shared-memory buffer page-locked as the ring is
 
 LAYERS, SEGMENTS, SEG_ELEMS, TPB = 32, 2, 32 * 8 * 128, 32
 POOL_BLOCKS = 4160
-
-
-def registered_ring(slots: int) -> tuple[torch.Tensor, Callable[[], Any], mmap.mmap]:
-    """A shared-memory ring of ``slots`` blocks, page-locked as kvferry's is."""
-    nbytes = LAYERS * SEGMENTS * slots * SEG_ELEMS * 2
-    fd = os.memfd_create("kvferry-zero-copy")
-    try:
-        os.ftruncate(fd, nbytes)
-        region = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    host = torch.frombuffer(region, dtype=torch.uint8)
-    host.fill_(0)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)})")
-    return host, lambda: cudart.cudaHostUnregister(host.data_ptr()), region
 
 
 def ring_pool(flat: torch.Tensor, slots: int) -> PagedKV:
@@ -77,15 +58,15 @@ def ids_of(src: np.ndarray, dst: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.stack([src, dst]).astype(np.int64)).cuda()
 
 
-def median_ms(fn: Callable[[], None], reps: int, stream: torch.cuda.Stream | None = None) -> float:
+def median_ms(fn: Callable[[], None], reps: int) -> float:
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        start.record()
         fn()
-        end.record(stream)
+        end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
@@ -96,7 +77,7 @@ def runs(ring: PagedKV, scratch: PagedKV, k: int) -> list[tuple[torch.Tensor, to
     out = []
     for staged, view in zip(ring.layers, scratch.segment_views(torch.uint8)):
         for seg in range(staged.shape[0]):
-            out.append((staged[seg, :k].view(torch.uint8).view(-1), view[seg, :k].reshape(-1)))
+            out.append((staged[seg, :k].view(-1), view[seg, :k].reshape(-1)))
     return out
 
 
@@ -118,7 +99,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; {k} blocks = {payload >> 20} MiB a write; median of {args.reps}")
     src, dst = device_pool(POOL_BLOCKS, True), device_pool(POOL_BLOCKS, False)
     scratch = device_pool(k, False)
-    host, unregister, _region = registered_ring(k)
+    host, unregister, _region = registered(LAYERS * SEGMENTS * k * SEG_ELEMS * 2)  # as kvferry's ring is
     host_ring = ring_pool(host, k)
     dev_ring = device_view(host_ring, torch.device("cuda"))  # what the direct legs address
     rng = np.random.default_rng(7)
