@@ -2963,6 +2963,22 @@ ROWS: list[Row] = [
         "lower --blocks/--layers/--block-kib",
     ),
     Row(
+        "cli-copy-ring-mib-zero",
+        "kvferry bench copy",
+        "--ring-mib 0",
+        lambda _: cli("bench", "copy", "--ring-mib", "0"),
+        CliExit,
+        "argument --ring-mib: must be > 0, got 0",
+    ),
+    Row(
+        "cli-copy-ring-below-a-block",
+        "kvferry bench copy",
+        "--ring-mib 1 with 8 layers of 1024 KiB blocks",
+        lambda _: cli("bench", "copy", "--ring-mib", "1", "--layers", "8", "--block-kib", "1024"),
+        CliExit,
+        "invalid --ring-mib=1: less than one block of every layer (8 x 1024 KiB)",
+    ),
+    Row(
         "cli-copy-transport",
         "kvferry bench copy",
         "--transport carrier-pigeon",

@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -34,11 +34,11 @@ if [ "${1:-tests}" = tests ]; then
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
       tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py}; do
     [ -f "$f" ] || continue
-    timeout "${LIMIT:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
+    timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
   done
 elif [ "$1" = links ]; then
-  timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_staging.py \
+  timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_staging.py \
     tests/test_copy.py tests/test_transfer.py -k "staging or copies or copy or pieces" 2>&1 | tee "$OUT/links-tests.txt" | tail -15
   bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   {
@@ -65,7 +65,7 @@ elif [ "$1" = links-extra ]; then
   timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
 elif [ "$1" = pending ]; then
   # First call: the cuda tests, the two probes, and `bench copy` of staging with each kind of legs.
-  run_tests() { timeout "$1" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
+  run_tests() { timeout "$1" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
     | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
   run_tests 240 tests/test_tp.py tests/test_worker_replay.py -k "hma or pp or replay"
   # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): the staging tests again.
@@ -94,6 +94,25 @@ elif [ "$1" = pending2 ]; then
   else echo "== nixl: not importable here, skipped"; fi
   KVFERRY_STAGING_LEGS=direct agentic staging-direct --transport staging
   KVFERRY_STAGING_LEGS=dma agentic staging-dma --transport staging
+elif [ "$1" = pending3 ]; then
+  # Third call: the legs beside a matmul (zero_copy.py, its byte check mended); whether the
+  # ring's size sets staging's rate (the bench's default ring is the receiver's whole pool,
+  # 16 GiB at 4096 blocks; vLLM's connector uses 64 MiB), two rounds taking turns; the other
+  # links and the copy kernel on this card.
+  timeout 150 python3 benches/python/zero_copy.py 2>&1 | tail -30 | tee "$OUT/zero-copy.txt"
+  bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
+  for round in 1 2; do
+    for ring in pool 1024 64; do
+      { echo "== round $round, staging (dma legs), ring $ring"
+        if [ $ring = pool ]; then bench --transport staging --blocks 1024,4096
+        else bench --transport staging --blocks 1024,4096 --ring-mib $ring; fi ; } 2>&1 | tee -a "$OUT/ring.txt"
+    done
+  done
+  { echo "== copy, cuda-ipc"; bench --transport copy,cuda-ipc --blocks 8,64,1024,4096
+    if python3 -c "import nixl" 2>/dev/null; then
+      echo "== nixl, --contiguous"; bench --transport copy,nixl --blocks 64,1024 --contiguous
+    fi ; } 2>&1 | tee "$OUT/links.txt"
+  timeout 120 python3 benches/python/gpu_copy.py 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then

@@ -82,9 +82,11 @@ def runs(ring: PagedKV, scratch: PagedKV, k: int) -> list[tuple[torch.Tensor, to
 
 
 def blocks_equal(a: PagedKV, a_ids: np.ndarray, b: PagedKV, b_ids: np.ndarray) -> bool:
-    ia, ib = torch.from_numpy(a_ids).cuda(), torch.from_numpy(b_ids).cuda()
+    """Blocks ``a_ids`` of ``a`` and ``b_ids`` of ``b`` hold the same bytes (either pool may be
+    on the host: each is indexed where it lives and compared on the host)."""
+    ia, ib = torch.from_numpy(a_ids), torch.from_numpy(b_ids)
     return all(
-        torch.equal(va.index_select(1, ia), vb.index_select(1, ib))
+        torch.equal(va.index_select(1, ia.to(va.device)).cpu(), vb.index_select(1, ib.to(vb.device)).cpu())
         for va, vb in zip(a.segment_views(torch.uint8), b.segment_views(torch.uint8))
     )
 

@@ -327,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="staging: the most MiB one write carries (default: 512, at most half the ring)",
     )
+    copy.add_argument(
+        "--ring-mib",
+        type=_positive,
+        default=None,
+        metavar="MIB",
+        help="staging: the ring's MiB, rounded down to whole blocks (default: as large as the receiver's pool)",
+    )
     _placement_flags(copy)
     copy.add_argument(
         "--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)"
@@ -1111,8 +1118,14 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         block_kib=args.block_kib or (128 if on_gpu else 64),
         reps=args.reps,
         write_bytes=None if args.write_mib is None else args.write_mib << 20,
+        ring_bytes=None if args.ring_mib is None else args.ring_mib << 20,
         contiguous=args.contiguous,
     )
+    if cfg.ring_bytes is not None and cfg.ring_bytes < cfg.layers * cfg.block_kib * 1024:
+        return _refuse(
+            f"invalid --ring-mib={args.ring_mib}: less than one block of every layer "
+            f"({cfg.layers} x {cfg.block_kib} KiB); raise it or lower --layers/--block-kib"
+        )
     # A lower bound of the peak: the source pool and one destination pool (or the two
     # buffers of the ceiling copy), each sized to the largest batch plus 64 blocks as in
     # run_copy_bench.

@@ -21,6 +21,7 @@ import torch
 
 from kvferry.bench.util import enter_netns, machine, stderr_progress, tcp_stream_gbps
 from kvferry.copy import copy_blocks, copy_blocks_torch
+from kvferry.errors import InvalidArgumentError
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
@@ -44,6 +45,9 @@ class CopyBenchConfig:
     seed: int = 0
     # Staging: the most bytes one write carries (None: the transport's default).
     write_bytes: Optional[int] = None
+    # Staging: the ring's bytes per connected sender, a whole number of blocks (None: the
+    # receiver's pool, so no write ever waits for room).
+    ring_bytes: Optional[int] = None
     # Transports: each transfer's blocks consecutive on both sides (a run at a random start)
     # instead of random blocks.
     contiguous: bool = False
@@ -51,6 +55,18 @@ class CopyBenchConfig:
     # network namespace it runs in (None: this one): a second host on one machine.
     listen: str = "unix://"
     receiver_netns: Optional[str] = None
+
+    def ring_blocks(self) -> Optional[int]:
+        """The staging ring's capacity in blocks (every layer) for `ring_bytes`, None for the
+        default; a ring smaller than one block is refused by name."""
+        if self.ring_bytes is None:
+            return None
+        block = self.block_kib * 1024 * self.layers
+        if self.ring_bytes < block:
+            raise InvalidArgumentError(
+                f"invalid ring_bytes={self.ring_bytes}: less than one block of every layer ({block} bytes)"
+            )
+        return self.ring_bytes // block
 
     def tcp_host(self) -> Optional[str]:
         """The receiver's host when it listens on tcp:// (then a raw TCP stream to it is the
@@ -181,6 +197,7 @@ class _RemoteReceiver:
                 cfg.block_kib,
                 cfg.listen,
                 cfg.receiver_netns,
+                cfg.ring_blocks() if kind == "staging" else None,
             ),
             daemon=True,
         )
@@ -222,6 +239,7 @@ def _remote_receiver_main(
     block_kib: int,
     listen: str = "unix://",
     netns: Optional[str] = None,
+    ring_blocks: Optional[int] = None,
 ) -> None:
     try:
         enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
@@ -235,13 +253,10 @@ def _remote_receiver_main(
             device=device,
         )
         receiver = KVReceiver(pool.pool)
-        served = registry.serve(
-            kind,
-            receiver,
-            authkey=authkey,
-            address=listen,
-            **pool.serve_options,
-        )
+        options = dict(pool.serve_options)
+        if ring_blocks is not None:
+            options["capacity_blocks"] = ring_blocks
+        served = registry.serve(kind, receiver, authkey=authkey, address=listen, **options)
     except Exception as err:  # reported to the parent, which raises it
         conn.send(err)
         return
@@ -432,6 +447,9 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if duplex and r["transport"] in HOST_LINK:
             line += f"  ({100 * r['gbps'] / duplex:.0f}% of both ways)"
+        ring = result["config"].get("ring_bytes")
+        if ring and r["transport"] == "staging":
+            line += f"  (ring {ring / 2**20:.0f} MiB)"
         lines.append(line)
     return "\n".join(lines)
 
