@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import copy
 import functools
 import hashlib
 import itertools
@@ -148,8 +147,10 @@ class Flow:
 
 
 def _one_token(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's request: the same prompt, one token, not streamed."""
-    out = copy.deepcopy(body)
+    """The prefill leg's request: the same prompt, one token, not streamed. A shallow copy:
+    the legs only replace the body's top-level keys, and a deep copy of a long prompt's token
+    list costs a quarter of a millisecond in front of both legs."""
+    out = dict(body)
     out["stream"] = False
     out.pop("stream_options", None)
     out["max_tokens"] = 1
@@ -194,7 +195,7 @@ class NixlFlow(Flow):
             )
         # Any decode server can read the KV the prefill server holds, so a refused connection
         # fails over to the next one.
-        return await ex.decode(dict(copy.deepcopy(ex.body), kv_transfer_params=params), failover=True)
+        return await ex.decode(dict(ex.body, kv_transfer_params=params), failover=True)
 
 
 class KvferryFlow(Flow):
@@ -249,10 +250,14 @@ class KvferryFlow(Flow):
         if isinstance(peer.get("peer_mac"), str):  # the decode server's signature of its address (kvferry.vllm.trust)
             ours["peer_mac"] = peer["peer_mac"]
         send["kv_transfer_params"] = {PARAMS_KEY: ours}
-        recv = dict(copy.deepcopy(ex.body), kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
+        recv = dict(ex.body, kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
+        # The decode leg goes out first: the prefill server computes once the decode server
+        # has admitted its half and published the destination, so the decode leg's way in
+        # (HTTP, vLLM's queue, one scheduler step) is on the critical path and the prefill
+        # leg's is not.
+        decode = asyncio.ensure_future(ex.decode(recv, failover=False))
         prefill = asyncio.ensure_future(ex.prefill(send))
         ex.explain = functools.partial(self._explain_decode, ex, server, transfer, prefill)
-        decode = asyncio.ensure_future(ex.decode(recv, failover=False))
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not decode.done() and ex.events_out == 0:
