@@ -99,8 +99,11 @@ STAGE_CHUNK_BYTES = 256 << 20
 #   copy --transport staging` on 2 cores (docs/benchmarks.md). On CUDA the
 #   fused copy kernel stores into the ring (the sender) or loads from it (the receiver) over
 #   PCIe: page-locked host memory is addressable by kernels (unified addressing), so a leg is
-#   one kernel and no DMA. Its kernels hold SMs while they wait on PCIe
-#   (benches/python/zero_copy.py measures both legs and a matmul beside each).
+#   one kernel and no DMA. Its kernels hold SMs while they wait on PCIe. Measured on one H100
+#   (docs/benchmarks.md, "The H100 run of 2026-12-05"): each leg alone moves 92-95% of the
+#   link either way, as the dma leg does; but a sender's and a receiver's kernels on one GPU
+#   take each other's SMs (1024 blocks: 23.8 GB/s against dma's 40.4) and a forward beside
+#   them ran 1.82x slower (`bench agentic`), so CUDA pools keep "dma".
 LEGS_ENV = "KVFERRY_STAGING_LEGS"
 LEGS = ("dma", "direct")
 
