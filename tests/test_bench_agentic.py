@@ -138,6 +138,27 @@ def test_every_mode_shares_one_generation_process_and_its_weights() -> None:
     assert result["outputs_match"] and result["reuse_mismatches"] == 0, result
 
 
+def test_a_small_staging_ring_carries_every_mode_and_is_the_one_asked_for(capsys: Any) -> None:
+    """``ring_bytes`` sizes each generation worker's staging ring (whole blocks): a ring of 4
+    blocks, far smaller than each turn's prefix, still lands every mode's KV (outputs and
+    reuse match aggregated serving), and the endpoints report 4 blocks. Unset, the ring is
+    the pool's size. Refused by name on the command line for another transport."""
+    from kvferry.bench.agentic import AgenticConfig, run_agentic
+    from kvferry.cli import main
+
+    cfg = _tight(AgenticConfig, transport="staging")
+    block_bytes = cfg.model_config().kv_bytes_per_token * cfg.tokens_per_block
+    assert cfg.ring_blocks() is None
+    small = _tight(AgenticConfig, transport="staging", ring_bytes=4 * block_bytes + block_bytes // 2)
+    assert small.ring_blocks() == 4
+    result = run_agentic(small)
+    assert sorted(result["generation"]["rings"].values()) == [4] * len(small.modes), result["generation"]
+    assert result["outputs_match"] and result["reuse_mismatches"] == 0, result
+    assert result["duplicate_blocks"] == 0, result
+    assert main(["bench", "agentic", "--ring-mib", "64", "--transport", "in-process"]) == 2
+    assert "--ring-mib 64 is for --transport staging, not 'in-process'" in capsys.readouterr().err
+
+
 def test_the_8b_run_over_a_transport_with_an_endpoint_fits_an_h200() -> None:
     """`--sessions 2 --cached 32768 --new 2048 --aware --layerwise 8 --transport staging`
     at Llama-8B geometry: eight pools and two copies of the weights (this process's and the

@@ -863,6 +863,8 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
     assert ConnectorConfig.from_extra({"layer_groups": 2, "early": False}).layer_groups == 2
     assert ConnectorConfig.from_extra({"transfer_cores": [0]}).transfer_cores == (0,)
     assert ConnectorConfig.from_extra({"transfer_cores": []}).transfer_cores == ()
+    assert ConnectorConfig().staging_bytes is None  # the ring's size follows the caches' device
+    assert ConnectorConfig.from_extra({"staging_bytes": 8 << 20}).staging_bytes == 8 << 20
     for extra, named in [
         ({"layer_group": 2}, "layer_group"),
         ({"early": "no"}, "early"),
@@ -876,6 +878,9 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
         ({"transfer_cores": "1"}, "transfer_cores='1'"),
         ({"transfer_cores": [1 << 20]}, "not a CPU id"),
         ({"transfer_cores": [True]}, "transfer_cores"),
+        ({"staging_bytes": 0}, "staging_bytes=0: must be a positive integer"),
+        ({"staging_bytes": "1GiB"}, "staging_bytes='1GiB': must be a positive integer"),
+        ({"staging_bytes": None}, "staging_bytes=None: must be a positive integer"),
     ]:
         with pytest.raises(InvalidArgumentError, match=named):
             ConnectorConfig.from_extra(extra)

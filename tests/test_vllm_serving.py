@@ -283,6 +283,34 @@ def test_a_twin_whose_hit_the_same_step_computes_sends_its_prefix_after_that_for
 # -- endpoints over time --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("staging_bytes", [None, 1 << 20])
+def test_decode_rings_default_to_their_caches_device_size(tmp_path: Any, staging_bytes: Any) -> None:
+    """Each staging ring holds ``staging_bytes`` of whole blocks; unset, the size follows the
+    caches' device: 64 MiB for CPU caches, 1 GiB for CUDA ones (`staging.RING_BYTES`)."""
+    import torch
+    from kvferry.layout import PagedKV
+    from kvferry.transports.staging import RING_BYTES, default_ring_bytes
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    assert default_ring_bytes(torch.device("cpu")) == RING_BYTES["cpu"] == 64 << 20
+    assert default_ring_bytes(torch.device("cuda", 3)) == RING_BYTES["cuda"] == 1 << 30
+    config = ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=staging_bytes)
+    common = WorkerCommon(config, block_size=4, num_blocks=8, authkey=b"k" * 32)
+    common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)  # 1 KiB a block, both layers
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        block = common.pool.block_bytes * common.pool.num_layers
+        want = (staging_bytes or 64 << 20) // block
+        assert set(worker._ring_of.values()) == {want} and worker._ring_blocks == want
+        served = worker._endpoint_for("engine-0")  # what a prefill engine's first lookup makes
+        assert worker.endpoints["engine-0"].endpoint.capacity == want, served
+    finally:
+        worker.close()
+
+
 def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
     """Each prefill restart is a new vLLM engine id, so a new endpoint: one a prefill engine
     no longer uses (no connection, no destination taken, past the grace) is closed, so 70

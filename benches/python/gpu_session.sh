@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -119,6 +119,16 @@ elif [ "$1" = pending3 ]; then
   # pending's last test group ran out of time after 17 of its 36 tests: the rest, last.
   KVFERRY_STAGING_LEGS=direct timeout 170 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE \
     tests/test_kv_layouts.py tests/test_tiers.py -k staging 2>&1 | tail -8 | tee "$OUT/direct-tests.txt"
+elif [ "$1" = pending4 ]; then
+  # Fourth call: `bench agentic` at Llama-8B geometry over staging through a 64 MiB ring (what
+  # issue 21 names; `bench agentic` used a ring of its whole pool before --ring-mib), then
+  # through 1 GiB (the connector's default ring for CUDA caches now).
+  for ring in 64 1024; do
+    timeout "${LIMIT:-100}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --turns 2 --cached 32768 \
+      --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
+      --vocab 1024 --transport staging --ring-mib $ring --json "$OUT/agentic8b-ring$ring.json" 2>&1 \
+      | grep -v '^\[bench agentic\] \[' | tail -12 | tee "$OUT/agentic8b-ring$ring.txt"
+  done
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then

@@ -387,6 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GB/S",
         help="CPU, in-process and shm: emulated link rate, paced without taking the compute cores (0: raw copies)",
     )
+    agentic.add_argument(
+        "--ring-mib",
+        type=_positive,
+        default=None,
+        metavar="MIB",
+        help=(
+            "--transport staging: the generation worker's ring in MiB, whole blocks, at least one (default: as "
+            "large as its pool)"
+        ),
+    )
     _geometry_flags(agentic, AGENTIC_MODEL)
     agentic.add_argument(
         "--aware",
@@ -1006,7 +1016,10 @@ def _cmd_bench_agentic(args: argparse.Namespace) -> int:
         layer_groups=layer_groups,
         listen=args.listen,
         receiver_netns=args.receiver_netns,
+        ring_bytes=None if args.ring_mib is None else args.ring_mib << 20,
     )
+    if args.ring_mib is not None and args.transport != "staging":
+        return _refuse(f"--ring-mib {args.ring_mib} is for --transport staging, not {args.transport!r}")
     if _too_big(
         args.device,
         _agentic_bytes(cfg),

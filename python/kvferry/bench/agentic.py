@@ -71,6 +71,17 @@ class AgenticConfig:
     # (None: this one): a second host on one machine (see kvferry.bench.copy).
     listen: str = "unix://"
     receiver_netns: Optional[str] = None
+    # Staging: the generation worker's ring in bytes, whole blocks of every layer (None: as
+    # large as its pool, so no write waits for room; the vLLM connector's default is
+    # kvferry.transports.staging.default_ring_bytes).
+    ring_bytes: Optional[int] = None
+
+    def ring_blocks(self) -> Optional[int]:
+        """The staging ring's capacity in blocks for `ring_bytes` (at least one), or None."""
+        if self.ring_bytes is None:
+            return None
+        block = self.model_config().kv_bytes_per_token * self.tokens_per_block
+        return max(1, self.ring_bytes // block)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -385,6 +396,7 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                 listen=cfg.listen,
                 netns=cfg.receiver_netns,
                 generation_host=host,
+                ring_blocks=cfg.ring_blocks() if cfg.transport == "staging" else None,
             )
         generation = host.stats() if host is not None else None
         if generation is not None:

@@ -250,7 +250,8 @@ class GenerationHost:
 
     def stats(self) -> dict[str, Any]:
         """What the process holds: ``models`` (copies of the weights), ``pools`` (blocks of
-        each live worker's pool, by key) and ``pool_bytes`` (their bytes in all)."""
+        each live worker's pool, by key), ``pool_bytes`` (their bytes in all) and ``rings``
+        (blocks of each staging worker's ring, by key)."""
         return dict(self.call(("stats",)))
 
     def close(self) -> None:
@@ -276,6 +277,7 @@ class _Spec:
     aware: bool = False
     dedup: bool = False
     listen: str = "unix://"
+    ring_blocks: Optional[int] = None  # staging: the ring's capacity (None: the receiver's pool)
 
 
 class RemoteGeneration:
@@ -297,9 +299,11 @@ class RemoteGeneration:
         listen: str = "unix://",
         netns: Optional[str] = None,
         host: Optional[GenerationHost] = None,
+        ring_blocks: Optional[int] = None,
     ) -> None:
         """``listen``: where its endpoint listens (`registry.serve`'s ``address``); ``netns``:
-        the network namespace of the process it starts when no ``host`` is given."""
+        the network namespace of the process it starts when no ``host`` is given;
+        ``ring_blocks``: the staging ring's capacity in blocks (None: the receiver's pool)."""
         if not registry.check(transport, device=device).has_endpoint:
             raise ValueError(
                 (
@@ -323,6 +327,7 @@ class RemoteGeneration:
                 aware=aware,
                 dedup=dedup,
                 listen=listen,
+                ring_blocks=ring_blocks,
             )
             url = self.host.call(("url", self._key))
         except BaseException:
@@ -405,6 +410,12 @@ def _host_main(conn: Any, cfg: ModelConfig, device: str, netns: Optional[str]) -
                             h.worker.pool.num_blocks * h.worker.pool.num_layers * h.worker.pool.block_bytes
                             for h in hosted.values()
                         ),
+                        # Staging: each worker's ring, in blocks (its endpoint's capacity).
+                        "rings": {
+                            key: h.served.endpoint.capacity
+                            for key, h in hosted.items()
+                            if hasattr(h.served.endpoint, "capacity")
+                        },
                     }
                 )
             elif op == "allocate":
@@ -440,9 +451,10 @@ def _host_worker(model: TinyLlama, cfg: ModelConfig, device: str, spec: _Spec) -
             model, num_blocks=spec.num_blocks, tokens_per_block=tpb, prefix_cache=spec.aware, pool=pool.pool
         )
         receiver = KVReceiver(worker.pool)
-        served = registry.serve(
-            spec.transport, receiver, authkey=spec.authkey, address=spec.listen, **pool.serve_options
-        )
+        options = dict(pool.serve_options)
+        if spec.ring_blocks is not None:
+            options["capacity_blocks"] = spec.ring_blocks
+        served = registry.serve(spec.transport, receiver, authkey=spec.authkey, address=spec.listen, **options)
     except BaseException:
         pool.close()
         raise

@@ -118,9 +118,11 @@ class Disaggregated:
         listen: str = "unix://",
         netns: Optional[str] = None,
         generation_host: Optional[GenerationHost] = None,
+        ring_blocks: Optional[int] = None,
     ) -> None:
         """``listen`` and ``netns`` place a generation worker in another process (see
-        `RemoteGeneration`); ``generation_host``: that process, shared with other engines'
+        `RemoteGeneration`; ``ring_blocks``: its staging ring's capacity, None for the
+        endpoint's default); ``generation_host``: that process, shared with other engines'
         generation workers (None: one of its own). ``link_gbps`` emulates a slower link for
         CPU pools (see `ThreadCopyEngine`);
         ``record`` keeps every transfer's timing in ``self.hook.sender.records``; ``aware``
@@ -156,6 +158,7 @@ class Disaggregated:
                 listen=listen,
                 netns=netns,
                 host=generation_host,
+                ring_blocks=ring_blocks,
             )
         engine = ThreadCopyEngine(link_gbps) if self.ctx.pool.device.type == "cpu" else None
         if link_gbps is not None and engine is None:

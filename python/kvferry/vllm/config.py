@@ -48,7 +48,9 @@ class ConnectorConfig:
     # blocks then wait, at most until destination_timeout_s); 0: compute at once.
     admission_wait_s: float = 1.0
     fence_timeout_s: float = 10.0  # after giving up, how long the decode side waits for the fence
-    staging_bytes: int = 64 << 20  # the staging ring's size
+    # The staging ring's size; None: 1 GiB for CUDA caches, 64 MiB for CPU caches
+    # (kvferry.transports.staging.RING_BYTES says why).
+    staging_bytes: Optional[int] = None
     authkey_file: Optional[str] = None  # a file holding the endpoints' key (else: the per-user default file)
     rendezvous_dir: Optional[str] = None  # where the decode side's sockets live (else: a fresh 0700 dir)
     listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
@@ -104,7 +106,7 @@ class ConnectorConfig:
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be true or false"
                     )
-            elif isinstance(default, int):
+            elif isinstance(default, int) or name == "staging_bytes":
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be a positive integer"

@@ -150,6 +150,8 @@ class DecodeWorker:
 
     def start(self) -> None:
         """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
+        from kvferry.transports.staging import default_ring_bytes
+
         common = self.common
         assert common.pool is not None
         stages = common.stage_slices()
@@ -162,7 +164,8 @@ class DecodeWorker:
                             part = part.layer_slice(*layers)
                         key = (size, stage * size + link.prefill_rank)
                         self.receivers[key] = KVReceiver(part)
-                        self._ring_of[key] = max(2, self.config.staging_bytes // (part.block_bytes * part.num_layers))
+                        ring = self.config.staging_bytes or default_ring_bytes(part.device)
+                        self._ring_of[key] = max(2, ring // (part.block_bytes * part.num_layers))
             self._ring_blocks = self._ring_of[min(self._ring_of)]
             self.rendezvous = rendezvous.Rendezvous(
                 self.authkey,
