@@ -16,6 +16,7 @@ __all__ = [
     "TransferError",
     "TransferTimeoutError",
     "MissingDependencyError",
+    "SharedMemoryError",
 ]
 
 
@@ -54,6 +55,12 @@ class TransferError(KvFerryError):
 
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its deadline."""
+
+
+class SharedMemoryError(KvFerryError, MemoryError):
+    """A pool or a staging ring does not fit in /dev/shm. Raised when it is created, before
+    any page is touched (a page past a full tmpfs would kill the process with SIGBUS); the
+    message gives the bytes asked for, those free, and the two ways out."""
 
 
 class MissingDependencyError(KvFerryError, ImportError):

@@ -32,7 +32,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 
 import torch
 
-from kvferry.errors import InvalidArgumentError, TransferError
+from kvferry.errors import InvalidArgumentError, SharedMemoryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.transports.control import LocalEndpoint, LocalTransport, pool_hello
@@ -50,6 +50,27 @@ def _dtype(name: str) -> torch.dtype:
 _TRACKER_PATCH = threading.Lock()
 # The names this module gives segments: the only ones a hello may make a sender open or unlink.
 SEGMENT_NAME = re.compile(r"kvferry-[0-9a-f]{32}")
+
+
+def _reserve(segment: SharedMemory, nbytes: int) -> None:
+    """Reserves the new ``segment``'s pages in /dev/shm now: on a tmpfs too small for it (a
+    container's default /dev/shm is 64 MiB) the first touch of a page past its end kills the
+    process with SIGBUS, where this raises `SharedMemoryError` and removes the segment."""
+    try:
+        os.posix_fallocate(segment._fd, 0, nbytes)  # noqa: SLF001  (SharedMemory keeps it open)
+    except OSError as err:
+        try:
+            free = os.statvfs("/dev/shm")
+            have = f"{free.f_bavail * free.f_frsize} of its {free.f_blocks * free.f_frsize} bytes free"
+        except OSError:
+            have = "its free space unknown"
+        segment.close()
+        segment.unlink()  # this process made it: its resource tracker forgets it too
+        raise SharedMemoryError(
+            f"cannot reserve {nbytes} bytes of shared memory in /dev/shm ({have}): {err.strerror or err}; "
+            "give /dev/shm more room (a container's --shm-size, or --ipc=host) or ask for less (the vLLM "
+            "connector's staging_bytes, an endpoint's capacity_blocks, a smaller pool)"
+        ) from None
 
 
 def _attach_untracked(name: str) -> SharedMemory:
@@ -121,6 +142,7 @@ class SharedPool:
             raise InvalidArgumentError(f"invalid num_layers={num_layers}: must be > 0")
         nbytes = num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         segment = SharedMemory(name=f"kvferry-{secrets.token_hex(16)}", create=True, size=max(nbytes, 1))
+        _reserve(segment, max(nbytes, 1))
         descriptor = {
             "name": segment.name,
             "num_layers": num_layers,
