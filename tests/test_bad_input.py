@@ -2979,6 +2979,14 @@ ROWS: list[Row] = [
         "invalid --ring-mib=1: less than one block of every layer (8 x 1024 KiB)",
     ),
     Row(
+        "cli-copy-receiver-device-cpu",
+        "kvferry bench copy",
+        "--receiver-device cuda:1 with --device cpu",
+        lambda _: cli("bench", "copy", "--receiver-device", "cuda:1"),
+        CliExit,
+        "invalid --receiver-device='cuda:1': a second GPU is for --device cuda, not 'cpu'",
+    ),
+    Row(
         "cli-copy-transport",
         "kvferry bench copy",
         "--transport carrier-pigeon",

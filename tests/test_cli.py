@@ -159,6 +159,24 @@ def test_bench_copy_bad_options(capsys: pytest.CaptureFixture[str], argv: list[s
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_bench_copy_receiver_device_is_checked_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--receiver-device`` (the staging receiver on a second GPU): each way it cannot run is
+    named, as on a machine with two CUDA devices (the count is the one thing stood in for)."""
+    from kvferry import cli
+
+    monkeypatch.setattr(cli, "_cuda_count", lambda: 2)
+    problem = cli._receiver_device_problem
+    assert problem("cuda:1", "cuda", ("copy", "staging")) is None
+    assert problem("cuda:1", "cpu", ("staging",)) == "a second GPU is for --device cuda, not 'cpu'"
+    assert problem("cuda:1", "cuda", ("staging", "nixl", "cuda-ipc")) == (
+        "only the staging transport's receiver moves there; drop --transport cuda-ipc,nixl"
+    )
+    assert problem("gpu1", "cuda", ("staging",)) == "must be cuda:N"
+    assert problem("cuda:x", "cuda", ("staging",)) == "must be cuda:N"
+    assert problem("cuda:2", "cuda", ("staging",)) == "this machine has 2 CUDA device(s)"
+    assert problem("cuda:0", "cuda", ("staging",)) == "cuda:0 is the sender's GPU (the default); name another"
+
+
 def _small_agentic_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Any, *flags: str, output: int, layers: int
 ) -> tuple[dict[str, Any], str, Any]:
@@ -362,6 +380,11 @@ def test_bench_copy_table_shows_the_staging_rows_against_the_link_both_ways() ->
     assert staging.endswith("80%  (91% of both ways)")
     assert "both ways" not in copy
     assert "both ways" not in format_table({**result, "duplex_link_gbps": None})
+    # A ring or a receiver GPU chosen by hand is named on the staging rows only.
+    config = {"config": {"ring_bytes": 64 << 20, "receiver_device": "cuda:1"}}
+    staging, copy = format_table({**result, **config}).splitlines()[-2:]
+    assert staging.endswith("(91% of both ways)  (ring 64 MiB)  (receiver on cuda:1)"), staging
+    assert "ring" not in copy and "receiver" not in copy
 
 
 @pytest.mark.cuda

@@ -425,6 +425,44 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         engine.close()
 
 
+@pytest.mark.cuda
+def test_a_receiver_on_a_second_gpu_takes_every_block_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's pool on cuda:0, the receiver's on cuda:1 (each leg across its own GPU's
+    link, as `kvferry bench copy --receiver-device cuda:1` runs them), dma legs, a batch of
+    several pieces: every block lands bit exact on cuda:1, the rest stays poison."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from kvferry.engine import CudaCopyEngine
+    from kvferry.transports import staging as staging_mod
+
+    monkeypatch.setenv(staging_mod.LEGS_ENV, "dma")
+    pools = POOLS.but(shape=(40, 2, TPB, 8))
+    src, dst = pools.random(5, "cuda:0"), pools.nan("cuda:1")
+    monkeypatch.setattr(staging_mod, "STAGE_CHUNK_BYTES", 2 * src.block_bytes * LAYERS + 1)
+    engine = CudaCopyEngine(torch.device("cuda:0"))
+    served = serve("staging", dst, capacity_blocks=16)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    try:
+        tx = StagingTransport(endpoint.address, authkey=authkey)
+        src_ids, dst_ids = np.array([31, 2, 17, 5, 38, 11, 0]), np.array([9, 33, 1, 20, 14, 7, 26])
+        epoch = receiver.expect(4, 7 * TPB, dst_blocks=dst_ids)
+        notices = [Notice(4, 0, 0, 7, True, epoch)]
+        tx.announce([(4, epoch)])
+        assert tx.write(engine, Write(src, src_ids, dst_ids, notices)).wait(SLACK)
+        tx.post(notices)
+        receiver.wait(4, timeout=SLACK)
+        for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
+            got = d_layer[:, torch.from_numpy(dst_ids).to("cuda:1")].cpu()
+            assert torch.equal(got, s_layer[:, torch.from_numpy(src_ids).to("cuda:0")].cpu())
+        rest = np.setdiff1d(np.arange(40), dst_ids)
+        for layer in dst.layers:
+            assert torch.isnan(layer.index_select(0, torch.from_numpy(rest).to("cuda:1"))).all()
+        tx.close()
+    finally:
+        endpoint.close()
+        engine.close()
+
+
 @LEGS
 def test_writes_posted_back_to_back_land_in_order_and_a_fence_acts_after_them(
     monkeypatch: pytest.MonkeyPatch, device: str, legs: str

@@ -334,6 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="staging: the ring's MiB, rounded down to whole blocks (default: as large as the receiver's pool)",
     )
+    copy.add_argument(
+        "--receiver-device",
+        default=None,
+        metavar="cuda:N",
+        help=(
+            "--device cuda, staging: the receiver's pool on this GPU, so each leg crosses its own GPU's link "
+            "(default: the sender's GPU, both legs on one link)"
+        ),
+    )
     _placement_flags(copy)
     copy.add_argument(
         "--json", default=None, metavar="PATH", help="also write the figures as JSON (default: not written)"
@@ -1099,6 +1108,30 @@ def _cuda_missing(device: str) -> bool:
     return False
 
 
+def _receiver_device_problem(value: str, device: str, transports: Sequence[str]) -> Optional[str]:
+    """Why ``--receiver-device value`` cannot run, or None."""
+    if device != "cuda":
+        return f"a second GPU is for --device cuda, not {device!r}"
+    others = sorted(set(transports) - {"staging", "copy", "torch"})
+    if others:
+        return f"only the staging transport's receiver moves there; drop --transport {','.join(others)}"
+    index = value.removeprefix("cuda:")
+    if not value.startswith("cuda:") or not index.isdigit():
+        return "must be cuda:N"
+    count = _cuda_count()
+    if int(index) >= count:
+        return f"this machine has {count} CUDA device(s)"
+    if int(index) == 0:
+        return "cuda:0 is the sender's GPU (the default); name another"
+    return None
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _cmd_bench_copy(args: argparse.Namespace) -> int:
     from kvferry.bench.copy import CopyBenchConfig, format_table, progress_to_stderr, run_copy_bench
 
@@ -1132,8 +1165,13 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         reps=args.reps,
         write_bytes=None if args.write_mib is None else args.write_mib << 20,
         ring_bytes=None if args.ring_mib is None else args.ring_mib << 20,
+        receiver_device=args.receiver_device,
         contiguous=args.contiguous,
     )
+    if args.receiver_device is not None:
+        why = _receiver_device_problem(args.receiver_device, args.device, transports)
+        if why is not None:
+            return _refuse(f"invalid --receiver-device={args.receiver_device!r}: {why}")
     if cfg.ring_bytes is not None and cfg.ring_bytes < cfg.layers * cfg.block_kib * 1024:
         return _refuse(
             f"invalid --ring-mib={args.ring_mib}: less than one block of every layer "

@@ -48,6 +48,9 @@ class CopyBenchConfig:
     # Staging: the ring's bytes per connected sender, a whole number of blocks (None: the
     # receiver's pool, so no write ever waits for room).
     ring_bytes: Optional[int] = None
+    # Staging on CUDA: the receiver's pool on this device ("cuda:N") instead of the sender's,
+    # so each leg crosses its own GPU's link (None: the sender's device, both legs on one link).
+    receiver_device: Optional[str] = None
     # Transports: each transfer's blocks consecutive on both sides (a run at a random start)
     # instead of random blocks.
     contiguous: bool = False
@@ -89,8 +92,8 @@ class Row:
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def _median_seconds(
@@ -110,26 +113,27 @@ def _median_seconds(
     return statistics.median(times)
 
 
-def pinned_link_gbps(nbytes: int, reps: int) -> float:
-    """A large pinned host-to-device copy (bytes copied per second)."""
+def pinned_link_gbps(nbytes: int, reps: int, device: str = "cuda") -> float:
+    """A large pinned host-to-``device`` copy (bytes copied per second)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(7)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / _median_seconds(lambda: dev.copy_(host, non_blocking=True), reps, "cuda") / 1e9
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _median_seconds(lambda: dev.copy_(host, non_blocking=True), reps, device) / 1e9
 
 
-def duplex_link_gbps(nbytes: int, reps: int) -> float:
-    """A pinned device-to-host copy and a pinned host-to-device copy of ``nbytes`` each, at
-    once on two streams (bytes per second in each direction): what the staging path's two legs
-    can move together when both cross one GPU's link, as they do with sender and receiver on
-    one GPU. The one-way `pinned_link_gbps` is the bound when the legs cross two links."""
+def duplex_link_gbps(nbytes: int, reps: int, up_device: str = "cuda") -> float:
+    """A pinned device-to-host copy (from the current device) and a pinned host-to-device copy
+    (into ``up_device``) of ``nbytes`` each, at once on two streams (bytes per second in each
+    direction): what the staging path's two legs can move together, both across one GPU's link
+    when sender and receiver share a GPU, or each across its own when ``up_device`` is
+    another."""
     up_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     up_src.fill_(7)
-    up_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    up_dst = torch.empty(nbytes, dtype=torch.uint8, device=up_device)
     down_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     down_src.fill_(9)
     down_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    streams = (torch.cuda.Stream(up_device), torch.cuda.Stream())
 
     def both() -> None:
         start = torch.cuda.current_stream()
@@ -190,7 +194,6 @@ class _RemoteReceiver:
             args=(
                 child,
                 kind,
-                cfg.device,
                 self._authkey,
                 cfg.layers,
                 num_blocks,
@@ -198,6 +201,7 @@ class _RemoteReceiver:
                 cfg.listen,
                 cfg.receiver_netns,
                 cfg.ring_blocks() if kind == "staging" else None,
+                cfg.receiver_device if kind == "staging" and cfg.receiver_device else cfg.device,
             ),
             daemon=True,
         )
@@ -232,7 +236,6 @@ class _RemoteReceiver:
 def _remote_receiver_main(
     conn: Any,
     kind: str,
-    device: str,
     authkey: bytes,
     layers: int,
     num_blocks: int,
@@ -240,9 +243,14 @@ def _remote_receiver_main(
     listen: str = "unix://",
     netns: Optional[str] = None,
     ring_blocks: Optional[int] = None,
+    device: str = "cpu",
 ) -> None:
     try:
-        enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
+        enter_netns(netns)
+        if device.startswith("cuda:"):
+            torch.cuda.set_device(
+                device
+            )  # the ring is page-locked for this device's context  # first: the endpoint's sockets and NIXL's threads then live there
         # make_pool's geometry, zeroed (in shared memory where the transport maps it).
         pool = registry.receiver_pool(
             kind,
@@ -340,8 +348,13 @@ def run_copy_bench(cfg: CopyBenchConfig, progress: Callable[[str], None] = lambd
     if cfg.device == "cuda" and any(t in HOST_LINK for t in cfg.transports):
         progress("ceiling of the host link: one pinned host-to-device copy of 1 GiB")
         host_link = pinned_link_gbps(1 << 30, cfg.reps)
-        progress("the host link both ways: 1 GiB device-to-host and 1 GiB host-to-device at once")
-        duplex = duplex_link_gbps(1 << 30, cfg.reps)
+        down = "cuda"  # where the receiver's leg lands: its link carries the other direction
+        if cfg.receiver_device:
+            down = cfg.receiver_device
+            progress(f"ceiling of {down}'s host link: one pinned host-to-device copy of 1 GiB")
+            host_link = min(host_link, pinned_link_gbps(1 << 30, cfg.reps, down))
+        progress(f"the host link both ways: 1 GiB cuda-to-host and 1 GiB host-to-{down} at once")
+        duplex = duplex_link_gbps(1 << 30, cfg.reps, down)
     tcp_link = None
     host = cfg.tcp_host()
     if host is not None:
@@ -447,9 +460,12 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if duplex and r["transport"] in HOST_LINK:
             line += f"  ({100 * r['gbps'] / duplex:.0f}% of both ways)"
-        ring = result["config"].get("ring_bytes")
+        config = result.get("config", {})  # (a result written before these two were recorded has none)
+        ring, receiver = config.get("ring_bytes"), config.get("receiver_device")
         if ring and r["transport"] == "staging":
             line += f"  (ring {ring / 2**20:.0f} MiB)"
+        if receiver and r["transport"] == "staging":
+            line += f"  (receiver on {receiver})"
         lines.append(line)
     return "\n".join(lines)
 

@@ -247,6 +247,12 @@ def _ring_runs(ring: PagedKV, scratch: PagedKV, lo: int, k: int) -> list[tuple[t
     return runs
 
 
+# cudaHostRegisterPortable: the ring is page-locked for every device's context, not only the
+# current one's (a process whose pools are on another GPU than its current device, or on
+# several, copies it as pinned memory too).
+_HOST_REGISTER_PORTABLE = 1
+
+
 def _pin(pool: PagedKV) -> Callable[[], None]:
     """Page-locks a host pool's memory for fast, asynchronous copies; returns the undo."""
     if not torch.cuda.is_available():
@@ -255,7 +261,7 @@ def _pin(pool: PagedKV) -> Callable[[], None]:
     layers = pool.layers
     start = min(t.data_ptr() for t in layers)
     size = max(t.data_ptr() + t.numel() * t.element_size() for t in layers) - start
-    err = cudart.cudaHostRegister(start, size, 0)
+    err = cudart.cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
     if int(err) != 0:
         raise TransferError(f"cudaHostRegister of {size} staging bytes failed (error {int(err)})")
     return lambda: cudart.cudaHostUnregister(start)
