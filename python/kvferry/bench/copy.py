@@ -246,11 +246,9 @@ def _remote_receiver_main(
     device: str = "cpu",
 ) -> None:
     try:
-        enter_netns(netns)
+        enter_netns(netns)  # first: the endpoint's sockets and NIXL's threads then live there
         if device.startswith("cuda:"):
-            torch.cuda.set_device(
-                device
-            )  # the ring is page-locked for this device's context  # first: the endpoint's sockets and NIXL's threads then live there
+            torch.cuda.set_device(device)  # the receiver's copies and streams on its own GPU
         # make_pool's geometry, zeroed (in shared memory where the transport maps it).
         pool = registry.receiver_pool(
             kind,
