@@ -57,7 +57,8 @@ def _reserve(segment: SharedMemory, nbytes: int) -> None:
     container's default /dev/shm is 64 MiB) the first touch of a page past its end kills the
     process with SIGBUS, where this raises `SharedMemoryError` and removes the segment."""
     try:
-        os.posix_fallocate(segment._fd, 0, nbytes)  # noqa: SLF001  (SharedMemory keeps it open)
+        fd: int = segment._fd  # type: ignore[attr-defined]  # noqa: SLF001  (SharedMemory keeps it open)
+        os.posix_fallocate(fd, 0, nbytes)
     except OSError as err:
         try:
             free = os.statvfs("/dev/shm")
