@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -128,6 +128,23 @@ elif [ "$1" = pending4 ]; then
       --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
       --vocab 1024 --transport staging --ring-mib $ring --json "$OUT/agentic8b-ring$ring.json" 2>&1 \
       | grep -v '^\[bench agentic\] \[' | tail -12 | tee "$OUT/agentic8b-ring$ring.txt"
+  done
+elif [ "$1" = two-gpus ]; then
+  # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
+  # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:
+  # on one GPU both legs share the link both ways), the two-GPU staging test first.
+  timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py \
+    -k second_gpu 2>&1 | tail -4 | tee "$OUT/two-gpus-test.txt"
+  bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
+  for round in 1 2; do
+    for ring in pool 1024; do
+      { echo "== round $round, staging to cuda:1, ring $ring"
+        if [ $ring = pool ]; then bench --transport staging --blocks 1024,4096 --receiver-device cuda:1
+        else bench --transport staging --blocks 1024,4096 --receiver-device cuda:1 --ring-mib $ring; fi
+        echo "== round $round, staging on one GPU, ring $ring (the same call's baseline)"
+        if [ $ring = pool ]; then bench --transport staging --blocks 1024,4096
+        else bench --transport staging --blocks 1024,4096 --ring-mib $ring; fi ; } 2>&1 | tee -a "$OUT/two-gpus.txt"
+    done
   done
 else
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
