@@ -44,6 +44,7 @@ def test_report_tells_this_machine(key: Path, monkeypatch: pytest.MonkeyPatch) -
     assert lim["memlock_soft"] == (None if memlock[0] == resource.RLIM_INFINITY else memlock[0])
     st = os.statvfs("/dev/shm")
     assert lim["shm_bytes"] == st.f_frsize * st.f_blocks
+    assert 0 <= lim["shm_free_bytes"] <= lim["shm_bytes"]
     assert r["authkey"] == {
         "path": str(key),
         "source": "authkey_file",
@@ -55,6 +56,10 @@ def test_report_tells_this_machine(key: Path, monkeypatch: pytest.MonkeyPatch) -
     }
     text = doctor.format_report(r)
     assert f"kvferry {kvferry.__version__}" in text and f"session key (authkey_file): {key}, mode 0600" in text
+    # How many staging rings of the connector's default sizes the free /dev/shm holds.
+    free = {**r, "limits": {**lim, "shm_free_bytes": (3 << 30) + (5 << 20)}}
+    assert "staging rings (vLLM connector's default sizes) in /dev/shm's " in doctor.format_report(free)
+    assert ": 3 of 1.0 GiB (CUDA caches), 48 of 64.0 MiB (CPU caches)" in doctor.format_report(free)
 
 
 def test_a_refused_transport_gives_registry_checks_words(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,8 +19,8 @@ default file, which ``--peer``/``--serve`` need to exist already: doctor makes n
 The JSON schema (``"schema": 1``): ``versions`` {name: version or null}, ``cuda`` {available,
 devices, reason}, ``transports`` [{name, devices, reach, runs, reason}], ``ucx`` {version,
 present, reason, puts: {host_to_host, vram_to_vram: {transports, protocol} or {reason}}},
-``limits`` {shm_bytes, nofile_soft, nofile_hard, memlock_soft, memlock_hard (bytes; null:
-unlimited)}, ``authkey`` {path, exists, mode, owner_uid, ok, reason}, and with ``--peer``:
+``limits`` {shm_bytes, shm_free_bytes, nofile_soft, nofile_hard, memlock_soft, memlock_hard
+(bytes; null: unlimited or unknown)}, ``authkey`` {path, exists, mode, owner_uid, ok, reason}, and with ``--peer``:
 ``peer`` {url, ok, handshake_ms, transfer_ms, bytes, gbps, verdict, reason}.
 """
 
@@ -286,11 +286,13 @@ def _limits() -> dict[str, Any]:
     try:
         st = os.statvfs("/dev/shm")
         shm: Optional[int] = st.f_frsize * st.f_blocks
+        shm_free: Optional[int] = st.f_frsize * st.f_bavail
     except OSError:
-        shm = None
+        shm = shm_free = None
     nofile, memlock = resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return {
         "shm_bytes": shm,
+        "shm_free_bytes": shm_free,
         "nofile_soft": _limit(nofile[0]),
         "nofile_hard": _limit(nofile[1]),
         "memlock_soft": _limit(memlock[0]),
@@ -405,6 +407,15 @@ def format_report(r: dict[str, Any]) -> str:
         f"limits: /dev/shm {_bytes(lim['shm_bytes'])}, open files {lim['nofile_soft']} (hard {lim['nofile_hard']}), "
         f"pinned memory (RLIMIT_MEMLOCK) {_bytes(lim['memlock_soft'])} (hard {_bytes(lim['memlock_hard'])})"
     )
+    free = lim.get("shm_free_bytes")
+    if free is not None:
+        # A decode server makes one staging ring per prefill engine rank that sends to it.
+        rings = registry.STAGING_RING_BYTES
+        out.append(
+            f"staging rings (vLLM connector's default sizes) in /dev/shm's {_bytes(free)} free: "
+            f"{free // rings['cuda']} of {_bytes(rings['cuda'])} (CUDA caches), "
+            f"{free // rings['cpu']} of {_bytes(rings['cpu'])} (CPU caches)"
+        )
     k = r["authkey"]
     state = "ok" if k["ok"] else f"NOT USABLE: {k['reason']}"
     out.append(

@@ -28,6 +28,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvferry.errors import InvalidArgumentError
 
+# A staging ring's size where its user does not choose one, by the pools' device
+# (`staging.default_ring_bytes`; the vLLM connector's `staging_bytes`). A write is at most half
+# the ring, and the sender can have only the ring's slots in flight until the receiver frees
+# them, so a small ring turns the link into a round trip per half ring. Measured on one H100
+# (`kvferry bench copy --device cuda --transport staging --ring-mib M`, 4 MiB blocks,
+# docs/benchmarks.md): a 64 MiB ring moved 10.6-13.5 GB/s, a 1 GiB ring 37.6-40.1 GB/s (83-88%
+# of the link's both-ways rate), as much as a ring of the receiver's whole pool. CPU pools
+# copy at memory speed with little latency per round trip: 64 MiB is enough there.
+STAGING_RING_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+
 if TYPE_CHECKING:  # the table itself imports nothing heavy: the CLI reads it to parse flags
     import torch
 
@@ -43,6 +53,7 @@ __all__ = [
     "check",
     "connect",
     "names",
+    "STAGING_RING_BYTES",
     "parse_url",
     "receiver_pool",
     "serve",

@@ -50,6 +50,7 @@ from kvferry.transports import wire
 from kvferry.transports.base import TransportFull, Write, kept
 from kvferry.transports.control import Handler, LocalEndpoint, LocalTransport, pool_hello
 from kvferry.transports.frames import Announce, Frame, Freed, Hello, Staged
+from kvferry.transports.registry import STAGING_RING_BYTES
 from kvferry.transports.shm import SharedPool
 
 __all__ = ["StagingEndpoint", "StagingTransport"]
@@ -107,14 +108,9 @@ STAGE_CHUNK_BYTES = 256 << 20
 LEGS_ENV = "KVFERRY_STAGING_LEGS"
 LEGS = ("dma", "direct")
 
-# A ring's size where its user does not choose one (`default_ring_bytes`). A write is at most
-# half the ring, and the sender can have only the ring's slots in flight until the receiver
-# frees them, so a small ring turns the link into a round trip per half ring. Measured on one
-# H100 (`kvferry bench copy --device cuda --transport staging --ring-mib M`, 4 MiB blocks,
-# docs/benchmarks.md): a 64 MiB ring moved 10.6-13.5 GB/s, a 1 GiB ring 37.6-40.1 GB/s (83-88%
-# of the link's both-ways rate), as much as a ring of the receiver's whole pool. CPU pools
-# copy at memory speed with little latency per round trip: 64 MiB is enough there.
-RING_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+# A ring's size where its user does not choose one (`default_ring_bytes`): the registry's
+# `STAGING_RING_BYTES` (kept there, without torch, for `kvferry doctor`), which says why.
+RING_BYTES = STAGING_RING_BYTES
 
 
 def default_ring_bytes(device: torch.device) -> int:
