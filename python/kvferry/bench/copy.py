@@ -92,7 +92,9 @@ class Row:
 
 
 def _sync(device: str) -> None:
-    if device.startswith("cuda"):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device.startswith("cuda:"):
         torch.cuda.synchronize(device)
 
 
@@ -133,7 +135,7 @@ def duplex_link_gbps(nbytes: int, reps: int, up_device: str = "cuda") -> float:
     down_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     down_src.fill_(9)
     down_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    streams = (torch.cuda.Stream(up_device), torch.cuda.Stream())
+    streams = (torch.cuda.Stream() if up_device == "cuda" else torch.cuda.Stream(up_device), torch.cuda.Stream())
 
     def both() -> None:
         start = torch.cuda.current_stream()
