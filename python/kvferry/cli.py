@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry._optional import require
-from kvferry.errors import KvFerryError
+from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.geometry import AGENTIC_MODEL, GEOMETRY_HELP, VLLM_BENCH_MODEL, VLLM_REALISTIC_MODEL, Geometry
 from kvferry.transports import registry
 
@@ -823,7 +823,6 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         run_vllm_bench,
         write_json,
     )
-    from kvferry.errors import InvalidArgumentError
 
     if args.stress:
         from kvferry.bench.stress import StressConfig, format_stress, run_stress
@@ -1172,7 +1171,9 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         why = _receiver_device_problem(args.receiver_device, args.device, transports)
         if why is not None:
             return _refuse(f"invalid --receiver-device={args.receiver_device!r}: {why}")
-    if cfg.ring_bytes is not None and cfg.ring_bytes < cfg.layers * cfg.block_kib * 1024:
+    try:
+        cfg.ring_blocks()  # the config's own check: at least one block of every layer
+    except InvalidArgumentError:
         return _refuse(
             f"invalid --ring-mib={args.ring_mib}: less than one block of every layer "
             f"({cfg.layers} x {cfg.block_kib} KiB); raise it or lower --layers/--block-kib"
