@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -129,6 +129,22 @@ elif [ "$1" = pending4 ]; then
       --vocab 1024 --transport staging --ring-mib $ring --json "$OUT/agentic8b-ring$ring.json" 2>&1 \
       | grep -v '^\[bench agentic\] \[' | tail -12 | tee "$OUT/agentic8b-ring$ring.txt"
   done
+elif [ "$1" = copy-wide ]; then
+  # copy_blocks at 1024 blocks reached 95% of the payload ceiling on the H100 and 93% on the
+  # H200 (goal 95%): the sweep again with shapes that keep more bytes in flight per SM (whole
+  # chunks loaded before they are stored, 32 warps), each size's best against the default in
+  # the same run; then the staging tests (the ring now pinned with cudaHostRegisterPortable).
+  timeout 330 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy_wide.json" 2>&1 | tail -16 \
+    | tee "$OUT/gpu_copy_wide.txt"
+  python3 - "$OUT/gpu_copy_wide.json" <<'PY' 2>&1 | tee -a "$OUT/gpu_copy_wide.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for n in sorted({r["blocks"] for r in d["sweep"]}):
+    rows = sorted((r for r in d["sweep"] if r["blocks"] == n), key=lambda r: r["ms"])
+    print(n, "blocks, fastest five:", [(round(r["ms"], 4), r["chunk_words"], r["block_words"], r["num_warps"], r["cache_hints"]) for r in rows[:5]])
+PY
+  timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py 2>&1 | tail -6 \
+    | tee "$OUT/staging-tests.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
   # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:
