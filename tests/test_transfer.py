@@ -25,7 +25,7 @@ from kvferry.errors import (
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
-from kvferry.sender import KVSender, as_table, next_write_blocks
+from kvferry.sender import KVSender, as_table
 from kvferry.transports.cuda_ipc import CudaIpcTransport
 from kvferry.transports.inprocess import InProcessTransport
 from kvferry.transports.shm import ShmTransport
@@ -191,51 +191,6 @@ def test_sender_refuses_resend_and_bad_tables() -> None:
     sender.flush(timeout=10)
     receiver.wait(1, timeout=10)
     sender.close()
-
-
-@pytest.mark.parametrize("limit, floor", [(128, 16), (4, 1), (7, 3), (5, 5), (6, None)])
-def test_next_write_blocks_cuts_every_plan_whole_with_a_small_last_write(limit: int, floor: Optional[int]) -> None:
-    """Every plan size up to four writes' worth: the writes add up to the plan, none is
-    larger than ``limit``, they never grow, all but the tail are full, and the last one (the
-    receiver's unhidden work) is under two floors; without a floor, full writes and the rest."""
-    for total in range(1, 4 * limit + 3):
-        cut: list[int] = []
-        while sum(cut) < total:
-            cut.append(min(total - sum(cut), next_write_blocks(total - sum(cut), limit, floor)))
-        assert sum(cut) == total and max(cut) <= limit, (total, cut)
-        assert cut == sorted(cut, reverse=True), (total, cut)
-        if floor is None:
-            assert cut == [limit] * (total // limit) + ([total % limit] if total % limit else []), (total, cut)
-            continue
-        remaining = total
-        for c in cut:
-            assert c == limit or remaining <= 2 * limit, (total, cut)  # full while more than two remain
-            remaining -= c
-        assert cut[-1] < 2 * floor, (total, cut)
-
-
-def test_a_plans_last_writes_are_halved_down_to_the_floor_and_every_block_lands_once() -> None:
-    """`Transport.min_tail_blocks` (what the staging transport gives for dma legs): the early plan, 12
-    blocks of three requests, in writes of at most 4 blocks with a floor of 1 goes as 4, 4,
-    2, 1, 1 (the receiver's work on the last write is the part nothing overlaps); every
-    block still lands bit exact, once, and the slices' parts stay in order."""
-    src = POOLS.random(1)
-    dst, receiver, transport = in_process_receiver(max_write_blocks=4)
-    transport.min_tail_blocks = lambda device: 1  # type: ignore[method-assign]
-    sender = KVSender(src, transport, record=True)
-    src_table, dst_table = block_tables(2)
-    drive(sender, src_table, dst_table)
-    sender.flush(timeout=10)
-    assert sender.records is not None
-    early = [sum(n.end - n.start for n in rec.notices) for rec in sender.records if rec.kind == "early"]
-    assert sum(reused // TPB for _, _, reused in REQUESTS) == 12
-    assert sorted(early, reverse=True) == [4, 4, 2, 1, 1]
-    for rid, prompt, _ in REQUESTS:
-        receiver.wait(rid, timeout=10)
-        notices = receiver.notices(rid)
-        assert [n.start for n in notices] == [0] + [n.end for n in notices[:-1]]
-        assert notices[-1].end == -(-prompt // TPB)
-    assert digest(dst, dst_table) == digest(src, src_table)
 
 
 @pytest.mark.parametrize("layer_groups, max_write_blocks", [(1, None), (2, None), (3, None), (3, 2)])

@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide|tail
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -145,19 +145,6 @@ for n in sorted({r["blocks"] for r in d["sweep"]}):
 PY
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py 2>&1 | tail -6 \
     | tee "$OUT/staging-tests.txt"
-elif [ "$1" = tail ]; then
-  # Staging with a plan's last writes halved (dma legs' default now) against full writes,
-  # taking turns in one process (tail_writes.py), through the connector's 1 GiB ring and the
-  # pool-sized one; then `bench agentic` at Llama-8B geometry through 1 GiB, as in pending4.
-  tail() { timeout "$1" python3 benches/python/tail_writes.py --device cuda --reps 5 "${@:2}" 2>/dev/null \
-    | grep '^|\|^round' ; }
-  { echo "== staging, ring 1 GiB: halved tail against full writes"; tail 250 --rounds 3 --blocks 1024,4096 --ring-mib 1024
-    echo "== staging, the pool-sized ring: halved tail against full writes"; tail 170 --rounds 2 --blocks 1024
-  } 2>&1 | tee -a "$OUT/tail.txt"
-  timeout "${LIMIT:-110}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --turns 2 --cached 32768 \
-    --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
-    --vocab 1024 --transport staging --ring-mib 1024 --json "$OUT/agentic8b-ring1024-tail.json" 2>&1 \
-    | grep -v '^\[bench agentic\] \[' | tail -12 | tee "$OUT/agentic8b-ring1024-tail.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
   # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:

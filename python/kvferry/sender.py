@@ -606,8 +606,6 @@ class KVSender:
         if not len(plan) or pairs is None:
             return []
         limit = self.transport.max_write_blocks or plan.total_blocks
-        floor = self.transport.min_tail_blocks(self.pool.device)
-        cap = next_write_blocks(plan.total_blocks, limit, floor)  # the current write's
         groups = 1 if group is None else self.layer_groups
         layers = None if groups == 1 else self.pool.group_layers(group or 0, groups)
         block_bytes = self.pool.block_bytes * (self.pool.num_layers if layers is None else layers[1] - layers[0])
@@ -619,7 +617,7 @@ class KVSender:
             for at, (request_id, blocks, last) in enumerate(slices):
                 start = blocks.start
                 while start < blocks.end:
-                    end = min(blocks.end, start + cap - (hi - lo))
+                    end = min(blocks.end, start + limit - (hi - lo))
                     record = self._requests[request_id]
                     slice_id, record.next_slice = record.next_slice, record.next_slice + 1
                     piece.append(
@@ -636,11 +634,10 @@ class KVSender:
                     )
                     hi += end - start
                     start = end
-                    if hi - lo == cap:
+                    if hi - lo == limit:
                         self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes, layers)
                         notices += piece
                         piece, lo = [], hi
-                        cap = next_write_blocks(plan.total_blocks - lo, limit, floor)
             if piece:
                 at = len(slices)
                 self._queue(pairs.src[lo:hi], pairs.dst[lo:hi], piece, kind, (hi - lo) * block_bytes, layers)
@@ -1175,20 +1172,6 @@ class KVSender:
             ):
                 self._fences.setdefault(request_id, record)
         self._post_fences()
-
-
-def next_write_blocks(remaining: int, limit: int, floor: Optional[int]) -> int:
-    """How many of a plan's ``remaining`` blocks its next write carries: ``limit`` while more
-    than two full writes remain; then half of what remains, until a half would be less than
-    ``floor`` and the rest goes in one write. A plan of 8 writes' worth of 128 blocks with a
-    floor of 16 goes as 7 x 128, 64, 32, 16, 16. A receiver applies a write only once all of
-    it is staged, so its last write is applied with nothing beside it: halving the tail
-    shrinks that unhidden part to at most two floors' worth, for a few more writes per plan.
-    ``floor`` None: plain ``limit`` writes, the last one what is left."""
-    if floor is None or remaining > 2 * limit:
-        return limit
-    half = -(-remaining // 2)
-    return min(limit, remaining if half < floor else half)
 
 
 def default_handoff(device_type: str, transport: Transport, progress: bool) -> bool:

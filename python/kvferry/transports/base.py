@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from kvferry.errors import KvFerryError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, source_layers, source_parts
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Transport", "TransportFull", "Write", "kept"]
 
@@ -74,15 +71,6 @@ class Transport(ABC):
     # layers). A `KVSender` over CUDA pools then hands its writes to its announcer thread by
     # default, so an early send never holds the engine's thread before its forward.
     costly_submit: bool = False
-
-    def min_tail_blocks(self, device: torch.device) -> Optional[int]:
-        """With `max_write_blocks`: the smallest write a plan's last writes from a pool on
-        ``device`` are halved down to (`kvferry.sender.next_write_blocks`); None, the default:
-        every write but the last carries `max_write_blocks`. A receiver takes in a write only
-        once all of it is written, so its work on the last write overlaps nothing: where the
-        two sides' copies run on separate engines, the smaller that write, the sooner a plan
-        has landed."""
-        return None
 
     def check_peer(self) -> None:
         """Raises `TransferError` naming the receiver once it is known to be gone; never

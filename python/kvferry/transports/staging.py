@@ -63,12 +63,6 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # waited on the stream (and each write is one piece); 128 MiB writes were slower (more
 # copies to issue, each write's notice round trip). `write_bytes` sets another bound.
 WRITE_BYTES = 512 << 20
-# With dma legs a plan's last writes are halved down to 1/TAIL_DIVISOR of a write
-# (`Transport.min_tail_blocks`): the receiver's host-to-device leg of the last write is then the
-# only part that overlaps nothing, and a short one. With direct legs (CPU pools) both sides'
-# copies share the host's memory bandwidth, so overlapping them gains nothing: measured on a
-# 2-core AMD EPYC (benches/python/tail_writes.py), halved tails moved 0.91-0.95x as fast.
-TAIL_DIVISOR = 8
 
 
 # A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
@@ -749,11 +743,6 @@ class StagingTransport(LocalTransport):
             return False
         self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
-
-    def min_tail_blocks(self, device: torch.device) -> Optional[int]:
-        if not self.max_write_blocks or staging_legs(device) != "dma":
-            return None
-        return max(1, self.max_write_blocks // TAIL_DIVISOR)
 
     def write(self, engine: CopyEngine, job: Write) -> Pending:
         """Stages the blocks into ring slots in the write's order, piece by piece
