@@ -85,3 +85,35 @@ def test_transfer_threads_apart_take_a_core_of_their_own_or_are_refused_by_name(
         transfer_core(two_hosts, [0, 1])
     with pytest.raises(InvalidArgumentError, match=r"invalid transfer_threads='elsewhere': choose from with-engine"):
         transfer_core(VllmBenchConfig(transfer_threads="elsewhere"), [0, 1, 2])
+
+
+def test_a_run_larger_than_the_hosts_memory_is_refused_by_name_before_any_server() -> None:
+    """--realistic at 2 sessions x 6 turns of 1024 cached tokens needs about 30 GiB on its 9
+    servers (12 pool shares of 1.4 GiB, 9 x vLLM's own 1.4 GiB): refused on a 23 GiB host, naming the
+    sizes and the flags that lower them; one session fits, and so does the default run."""
+    from kvferry.bench.vllm import SERVER_OVERHEAD_BYTES, VllmBenchConfig, check_memory, configurations, fleet_bytes
+    from kvferry.errors import InvalidArgumentError
+    from kvferry.geometry import VLLM_REALISTIC_MODEL
+
+    confs = configurations(4)
+    per_token = 32 * 2 * 8 * 128 * 4  # --realistic: 32 layers of K and V, 8 heads x 128, fp32
+    host = 23 << 30
+    big = VllmBenchConfig(model=VLLM_REALISTIC_MODEL, sessions=2, turns=6, cached_tokens=1024)
+    # Pools: the longest conversation (1024 + 6 x 136 + 8 tokens: 58 blocks, 2 spare) per
+    # session, half again, per configuration sharing the server (6 prefill and 6 decode shares
+    # over 9 servers), and 16 MiB a server.
+    share = int(1.5 * 2 * 60 * 32 * per_token)
+    assert fleet_bytes(big, confs, per_token) == 12 * share + 9 * ((16 << 20) + SERVER_OVERHEAD_BYTES)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"its 9 servers need about 29\.6 GiB .* than this host's 23\.0 GiB: lower --sessions",
+    ):
+        check_memory(big, confs, per_token, host)
+    check_memory(
+        VllmBenchConfig(model=VLLM_REALISTIC_MODEL, sessions=1, turns=6, cached_tokens=1024), confs, per_token, host
+    )
+    check_memory(VllmBenchConfig(), confs, 8 * 2 * 2 * 64 * 4, host)
+    # Two configurations on one prefill server and two decode servers: 3 servers.
+    pair = [c for c in confs if c.name in ("kvferry-early", "kvferry-aware")]
+    with pytest.raises(InvalidArgumentError, match=r"its 3 servers need"):
+        check_memory(big, pair, per_token, 4 << 30)

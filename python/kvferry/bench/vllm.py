@@ -241,6 +241,55 @@ def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> i
     return int(1.5 * blocks * BLOCK_TOKENS * kv_bytes_per_token) + (16 << 20)
 
 
+# A vLLM 0.32 CPU server's own memory beside its KV pool (API server and engine core, anonymous
+# RSS after serving a request): 1.15 GiB with the default 8-layer model, 1.4 GiB with --realistic's
+# 32 layers (2-core AMD EPYC, 2026-12-05).
+SERVER_OVERHEAD_BYTES = int(1.4 * 2**30)
+
+
+def server_plan(
+    cfg: VllmBenchConfig, confs: Sequence[Configuration], prefill_transfer_cores: Sequence[int] = ()
+) -> dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]]:
+    """The servers a run starts: key -> (side, kv-transfer-config, the configurations it
+    serves), configurations with equal keys sharing a server."""
+    cross = cfg.decode_netns is not None
+    plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
+    for conf in confs:
+        prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
+        if conf.connector == "kvferry" and prefill_transfer_cores:  # its writes start there too (handoff)
+            extra = dict(
+                prefill_config.get("kv_connector_extra_config", {}), transfer_cores=list(prefill_transfer_cores)
+            )
+            prefill_config = dict(prefill_config, kv_connector_extra_config=extra)
+        for key, kv_config in ((conf.prefill_key(), prefill_config), (conf.decode_key(), decode_config)):
+            plan.setdefault(key, (key[0], kv_config, []))[2].append(conf.name)
+    return plan
+
+
+def fleet_bytes(cfg: VllmBenchConfig, confs: Sequence[Configuration], kv_bytes_per_token: int) -> int:
+    """About the memory a run's servers hold at once: every KV pool and each server's own."""
+    plan = server_plan(cfg, confs)
+    pools = sum(
+        cfg.kv_cache_memory_bytes or pool_bytes(cfg, len(users), kv_bytes_per_token) for _, _, users in plan.values()
+    )
+    return pools + len(plan) * SERVER_OVERHEAD_BYTES
+
+
+def check_memory(cfg: VllmBenchConfig, confs: Sequence[Configuration], kv_bytes_per_token: int, have: int) -> None:
+    """Refuses, before minutes of setup, a run whose servers need more memory than ``have``
+    (the host's): past it the kernel's OOM killer ends an engine mid-start."""
+    need = fleet_bytes(cfg, confs, kv_bytes_per_token)
+    if need > have:
+        servers = len(server_plan(cfg, confs))
+        raise InvalidArgumentError(
+            f"invalid bench vllm size: its {servers} servers need about {need / 2**30:.1f} GiB (KV pools for "
+            f"--sessions {cfg.sessions} x {cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens)} "
+            f"tokens at {kv_bytes_per_token} bytes a token, and {SERVER_OVERHEAD_BYTES / 2**30:.1f} GiB of vLLM's own "
+            f"each), more than this host's {have / 2**30:.1f} GiB: lower --sessions, --cached or --turns, or run "
+            "fewer --configs"
+        )
+
+
 def _metric_sum(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -516,18 +565,10 @@ class Fleet:
         from kvferry.vllm.proxy import ProxyThread
 
         cfg = self.cfg
-        cross = cfg.decode_netns is not None
         where = self.where
         places = {"prefill": where.prefill, "decode": where.decode}
         transfer = {"prefill": [where.transfer] if where.transfer is not None else [], "decode": []}
-        plan: dict[tuple[Any, ...], tuple[str, dict[str, Any], list[str]]] = {}
-        for conf in self.confs:
-            prefill_config, decode_config = conf.server_configs(cfg.decode_host if cross else None)
-            if conf.connector == "kvferry" and transfer["prefill"]:  # its writes start there too (handoff)
-                extra = dict(prefill_config.get("kv_connector_extra_config", {}), transfer_cores=transfer["prefill"])
-                prefill_config = dict(prefill_config, kv_connector_extra_config=extra)
-            for key, kv_config in ((conf.prefill_key(), prefill_config), (conf.decode_key(), decode_config)):
-                plan.setdefault(key, (key[0], kv_config, []))[2].append(conf.name)
+        plan = server_plan(cfg, self.confs, transfer["prefill"])
         for i, (key, (side, kv_config, users)) in enumerate(plan.items()):
             pool = cfg.kv_cache_memory_bytes or pool_bytes(cfg, len(users), self.kv_bytes_per_token)
             engine = replace(self.engine, kv_cache_memory_bytes=pool)
@@ -639,12 +680,13 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     from kvferry.bench.util import machine
     from kvferry.vllm import testbed
 
-    work = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvferry-bench-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
     confs = [c for c in configurations(cfg.layer_groups) if c.name in cfg.configs]
     spec = testbed.RandomLlama(cfg.model, max_positions=max(8192, 2 * cfg.cached_tokens))
-    model = testbed.build_tiny_llama(work, spec)
     kv_token = spec.kv_bytes_per_token()
+    check_memory(cfg, confs, kv_token, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    work = Path(cfg.workdir or tempfile.mkdtemp(prefix="kvferry-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = testbed.build_tiny_llama(work, spec)
     # The longest conversation, not the model's 8192 positions: vLLM refuses a pool that cannot
     # hold one request of max_model_len (2 GiB at --realistic's 256 KiB per token).
     longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
