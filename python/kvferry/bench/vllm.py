@@ -241,10 +241,11 @@ def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> i
     return int(1.5 * blocks * BLOCK_TOKENS * kv_bytes_per_token) + (16 << 20)
 
 
-# A vLLM 0.32 CPU server's own memory beside its KV pool (API server and engine core, anonymous
-# RSS after serving a request): 1.15 GiB with the default 8-layer model, 1.4 GiB with --realistic's
-# 32 layers (2-core AMD EPYC, 2026-12-05).
-SERVER_OVERHEAD_BYTES = int(1.4 * 2**30)
+# A vLLM 0.32 CPU server's own memory beside its KV pool (API server and engine core): one
+# plain server's anonymous RSS after a request was 1.15 GiB with the default 8-layer model and
+# 1.4 GiB with --realistic's 32 layers; the nine servers of a --realistic run (NIXL's among
+# them) held 1.5 GiB each beside their pools at their peak (2-core AMD EPYC, 2026-12-05).
+SERVER_OVERHEAD_BYTES = int(1.5 * 2**30)
 
 
 def server_plan(
