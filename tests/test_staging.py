@@ -404,6 +404,10 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
     receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
         tx = StagingTransport(endpoint.address, authkey=authkey)
+        # Writes of half the ring at most; with dma legs each write's fixed cost in blocks
+        # (plans cut in equal writes by it); direct legs' copies share one memory: no cut.
+        overhead = staging_mod.WRITE_OVERHEAD_BYTES // (src.block_bytes * src.num_layers)
+        assert (tx.max_write_blocks, tx.write_overhead_blocks(src.device)) == (8, overhead if legs == "dma" else None)
         src_ids = np.array([31, 2, 17, 5, 38, 11, 0])
         dst_ids = np.array([9, 33, 1, 20, 14, 7, 26])
         kept, dropped = (dst_ids[:3], dst_ids[3:])  # request 2's three blocks, then request 1's four

@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide|split
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -145,6 +145,15 @@ for n in sorted({r["blocks"] for r in d["sweep"]}):
 PY
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py 2>&1 | tail -6 \
     | tee "$OUT/staging-tests.txt"
+elif [ "$1" = split ]; then
+  # Staging with each plan cut in equal writes by a write's fixed cost (dma legs' default now,
+  # 32 MiB) against full writes (0) and other costs, taking turns in one process
+  # (write_split.py), through the connector's 1 GiB ring: plans of one write (16-128 blocks of
+  # 4 MiB), two (256) and eight (1024).
+  { echo "== staging, ring 1 GiB: equal writes by overhead against full writes"
+    timeout 400 python3 benches/python/write_split.py --device cuda --rounds 3 --overhead-mib 0,16,32,64 \
+      --blocks 16,64,128,256,1024 --ring-mib 1024 --reps 7 2>/dev/null | grep '^|\|^round'
+  } 2>&1 | tee -a "$OUT/split.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
   # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:

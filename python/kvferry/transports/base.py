@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import AbstractSet, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from kvferry.errors import KvFerryError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, source_layers, source_parts
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Transport", "TransportFull", "Write", "kept"]
 
@@ -71,6 +74,14 @@ class Transport(ABC):
     # layers). A `KVSender` over CUDA pools then hands its writes to its announcer thread by
     # default, so an early send never holds the engine's thread before its forward.
     costly_submit: bool = False
+
+    def write_overhead_blocks(self, device: torch.device) -> Optional[int]:
+        """With `max_write_blocks`: a write's fixed cost from a pool on ``device``, in blocks'
+        worth of transfer time, where the two sides' copies run on separate engines (None, the
+        default: writes of `max_write_blocks`). The sender then cuts a plan in equal writes
+        that balance this cost against the part of the first and last writes that overlaps
+        nothing (`kvferry.sender.plan_write_blocks`)."""
+        return None
 
     def check_peer(self) -> None:
         """Raises `TransferError` naming the receiver once it is known to be gone; never

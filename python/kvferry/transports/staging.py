@@ -63,6 +63,13 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # waited on the stream (and each write is one piece); 128 MiB writes were slower (more
 # copies to issue, each write's notice round trip). `write_bytes` sets another bound.
 WRITE_BYTES = 512 << 20
+# With dma legs a write also costs about this much transfer time of its own (its frame, the
+# receiver's events and deliveries: about 0.7 ms at 45 GB/s on one H100), and the sender cuts
+# a plan in equal writes of about sqrt(plan x this) (`Transport.write_overhead_blocks`): a
+# one-write plan's two legs then overlap instead of running one after the other. 0: writes of
+# `max_write_blocks`. Direct legs (CPU pools) share the host's memory and pay more per write in
+# Python: equal smaller writes moved 0.86-0.93x as fast there (2-core AMD EPYC), so not there.
+WRITE_OVERHEAD_BYTES = 32 << 20
 
 
 # A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
@@ -698,6 +705,7 @@ class StagingTransport(LocalTransport):
         self._remote_blocks = int(hello["num_blocks"])
         geometry = self._geometry
         block_bytes = int(geometry["num_layers"]) * int(geometry["segments"]) * int(geometry["segment_bytes"])
+        self._block_bytes = block_bytes
         bound = WRITE_BYTES if self._write_bytes is None else self._write_bytes
         per_write = min(self.capacity // 2, bound // block_bytes)
         self.max_write_blocks = max(1, per_write)
@@ -743,6 +751,11 @@ class StagingTransport(LocalTransport):
             return False
         self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
+
+    def write_overhead_blocks(self, device: torch.device) -> Optional[int]:
+        if not self.max_write_blocks or not WRITE_OVERHEAD_BYTES or staging_legs(device) != "dma":
+            return None
+        return max(1, WRITE_OVERHEAD_BYTES // self._block_bytes)
 
     def write(self, engine: CopyEngine, job: Write) -> Pending:
         """Stages the blocks into ring slots in the write's order, piece by piece
