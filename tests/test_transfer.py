@@ -4,7 +4,6 @@ bit for bit; exact-once accounting at the receiver; layouts checked before any b
 from __future__ import annotations
 
 import hashlib
-import math
 import multiprocessing as mp
 import secrets
 import threading
@@ -26,7 +25,7 @@ from kvferry.errors import (
 from kvferry.layout import LayoutMismatchError, PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
-from kvferry.sender import KVSender, as_table, plan_write_blocks
+from kvferry.sender import KVSender, as_table
 from kvferry.transports.cuda_ipc import CudaIpcTransport
 from kvferry.transports.inprocess import InProcessTransport
 from kvferry.transports.shm import ShmTransport
@@ -194,43 +193,22 @@ def test_sender_refuses_resend_and_bad_tables() -> None:
     sender.close()
 
 
-@pytest.mark.parametrize("limit, overhead", [(128, 8), (4, 1), (7, 3), (5, 50), (6, None)])
-def test_plan_write_blocks_cuts_every_plan_in_equal_writes_near_the_square_root(
-    limit: int, overhead: Optional[int]
-) -> None:
-    """Every plan size up to four writes' worth: no write larger than ``limit``; the writes
-    of a plan differ by at most a block; about sqrt(total x overhead) blocks each where that
-    is under ``limit``; without an overhead, writes of ``limit``."""
-    for total in range(1, 4 * limit + 3):
-        cap = plan_write_blocks(total, limit, overhead)
-        assert 1 <= cap <= limit, (total, cap)
-        if overhead is None:
-            assert cap == limit
-            continue
-        writes = -(-total // cap)
-        assert cap * writes - total < writes, (total, cap)  # equal writes, within a block
-        root = math.isqrt(total * overhead)
-        assert writes == -(-total // min(limit, max(1, root))), (total, cap)
-    assert plan_write_blocks(128, 128, 8) == 32  # one write of 128 blocks goes as 4 of 32
-    assert plan_write_blocks(64, 128, 8) == 22  # 256 MiB of 4 MiB blocks: 22, 21, 21
-    assert plan_write_blocks(4096, 128, 8) == 128  # a long plan: full writes
-
-
-def test_a_plan_goes_in_equal_writes_and_every_block_lands_once() -> None:
-    """`Transport.write_overhead_blocks` (what the staging transport gives for dma legs):
-    the early plan, 12 blocks of three requests, with writes of at most 8 blocks and an
-    overhead of 1 block goes in 4 writes of 3 (sqrt(12) = 3) instead of 8 and 4; every block
-    still lands bit exact, once, and the slices' parts stay in order."""
+def test_a_plan_goes_in_the_writes_its_transport_asks_for_and_every_block_lands_once() -> None:
+    """`Transport.write_blocks` (the staging transport's is `split_write_blocks` for dma
+    legs): asked with each plan's size, here the early plan's 12 blocks of three requests;
+    writes of 3 blocks then carry it in 4; every block still lands bit exact, once, and the
+    slices' parts stay in order."""
     src = POOLS.random(1)
     dst, receiver, transport = in_process_receiver(max_write_blocks=8)
-    transport.write_overhead_blocks = lambda device: 1  # type: ignore[method-assign]
+    asked: list[int] = []
+    transport.write_blocks = lambda total, device: asked.append(total) or 3  # type: ignore[method-assign]
     sender = KVSender(src, transport, record=True)
     src_table, dst_table = block_tables(2)
     drive(sender, src_table, dst_table)
     sender.flush(timeout=10)
     assert sender.records is not None
     early = [sum(n.end - n.start for n in rec.notices) for rec in sender.records if rec.kind == "early"]
-    assert sum(reused // TPB for _, _, reused in REQUESTS) == 12
+    assert sum(reused // TPB for _, _, reused in REQUESTS) == asked[0] == 12
     assert early == [3, 3, 3, 3]
     for rid, prompt, _ in REQUESTS:
         receiver.wait(rid, timeout=10)

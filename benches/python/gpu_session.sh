@@ -146,13 +146,16 @@ PY
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py 2>&1 | tail -6 \
     | tee "$OUT/staging-tests.txt"
 elif [ "$1" = split ]; then
-  # Staging with each plan cut in equal writes by a write's fixed cost (dma legs' default now,
-  # 32 MiB) against full writes (0) and other costs, taking turns in one process
-  # (write_split.py), through the connector's 1 GiB ring: plans of one write (16-128 blocks of
-  # 4 MiB), two (256) and eight (1024).
-  { echo "== staging, ring 1 GiB: equal writes by overhead against full writes"
-    timeout 400 python3 benches/python/write_split.py --device cuda --rounds 3 --overhead-mib 0,16,32,64 \
-      --blocks 16,64,128,256,1024 --ring-mib 1024 --reps 7 2>/dev/null | grep '^|\|^round'
+  # Staging with dma legs' plans in equal writes of at most a quarter of the ring and about
+  # sqrt(plan x a write's own cost) (64 MiB: the default now; 32 MiB beside it) against full
+  # writes of half the ring (0), taking turns in one process (write_split.py): through the
+  # connector's 1 GiB ring (plans of one write, 16-128 blocks of 4 MiB, to 4096), a 64 MiB ring
+  # and the pool-sized one.
+  split() { timeout "$1" python3 benches/python/write_split.py --device cuda "${@:2}" 2>/dev/null | grep '^|\|^round' ; }
+  { echo "== staging, ring 1 GiB"; split 250 --rounds 3 --overhead-mib 0,64,32 --blocks 16,64,128,256,1024,4096 \
+      --ring-mib 1024 --reps 7
+    echo "== staging, ring 64 MiB"; split 100 --rounds 3 --overhead-mib 0,64 --blocks 64,1024 --ring-mib 64 --reps 5
+    echo "== staging, the pool-sized ring"; split 150 --rounds 2 --overhead-mib 0,64 --blocks 1024 --reps 5
   } 2>&1 | tee -a "$OUT/split.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import math
 import threading
 import time
 import weakref
@@ -598,16 +597,15 @@ class KVSender:
 
     def _dispatch(self, plan: SlicePlan, kind: str, group: Optional[int] = None) -> list[Notice]:
         """Queues the copy of a plan made with block tables (the book refused bad tables
-        before claiming anything, so nothing is marked sent that cannot leave). A transport
-        with a `Transport.max_write_blocks` gets the plan in writes of at most that many
-        blocks, each with notices for its own part of the slices, so the receiver can take in
-        one write while the next is still being copied. A layer slice (``group``) writes and
+        before claiming anything, so nothing is marked sent that cannot leave). The transport
+        gets the plan in writes of at most `Transport.write_blocks` blocks, each with notices
+        for its own part of the slices, so the receiver can take in one write while the next
+        is still being copied. A layer slice (``group``) writes and
         announces only that layer group's layers."""
         pairs = plan.pairs
         if not len(plan) or pairs is None:
             return []
-        limit = self.transport.max_write_blocks or plan.total_blocks
-        cap = plan_write_blocks(plan.total_blocks, limit, self.transport.write_overhead_blocks(self.pool.device))
+        cap = self.transport.write_blocks(plan.total_blocks, self.pool.device)
         groups = 1 if group is None else self.layer_groups
         layers = None if groups == 1 else self.pool.group_layers(group or 0, groups)
         block_bytes = self.pool.block_bytes * (self.pool.num_layers if layers is None else layers[1] - layers[0])
@@ -1174,22 +1172,6 @@ class KVSender:
             ):
                 self._fences.setdefault(request_id, record)
         self._post_fences()
-
-
-def plan_write_blocks(total: int, limit: int, overhead: Optional[int]) -> int:
-    """The most blocks each write of a ``total``-block plan carries. Without an ``overhead``,
-    ``limit``. With one (a write's fixed cost, in blocks' worth of transfer time), the plan in
-    equal writes of about sqrt(total x overhead) blocks, at most ``limit``: a plan crossing two
-    legs in a row (the sender's copy out, the receiver's copy in, each write's second leg
-    beside the next write's first) ends after about its total, plus its largest write (the
-    first write's first leg and the last write's second leg overlap nothing), plus every
-    write's fixed cost; sqrt(total x overhead) balances the last two. A one-write plan of 128
-    blocks with an overhead of 8 goes in 4 writes of 32."""
-    if overhead is None:
-        return limit
-    size = min(limit, max(1, math.isqrt(total * overhead)))
-    writes = -(-total // size)
-    return -(-total // writes)
 
 
 def default_handoff(device_type: str, transport: Transport, progress: bool) -> bool:

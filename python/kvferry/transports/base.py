@@ -75,13 +75,11 @@ class Transport(ABC):
     # default, so an early send never holds the engine's thread before its forward.
     costly_submit: bool = False
 
-    def write_overhead_blocks(self, device: torch.device) -> Optional[int]:
-        """With `max_write_blocks`: a write's fixed cost from a pool on ``device``, in blocks'
-        worth of transfer time, where the two sides' copies run on separate engines (None, the
-        default: writes of `max_write_blocks`). The sender then cuts a plan in equal writes
-        that balance this cost against the part of the first and last writes that overlaps
-        nothing (`kvferry.sender.plan_write_blocks`)."""
-        return None
+    def write_blocks(self, total: int, device: torch.device) -> int:
+        """The most blocks each write of a ``total``-block plan from a pool on ``device``
+        carries: `max_write_blocks`, or the whole plan without one. The sender cuts a larger
+        plan into writes of at most that many."""
+        return self.max_write_blocks or total
 
     def check_peer(self) -> None:
         """Raises `TransferError` naming the receiver once it is known to be gone; never

@@ -27,6 +27,7 @@ the sender knew when it posted them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -63,13 +64,30 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # waited on the stream (and each write is one piece); 128 MiB writes were slower (more
 # copies to issue, each write's notice round trip). `write_bytes` sets another bound.
 WRITE_BYTES = 512 << 20
-# With dma legs a write also costs about this much transfer time of its own (its frame, the
-# receiver's events and deliveries: about 0.7 ms at 45 GB/s on one H100), and the sender cuts
-# a plan in equal writes of about sqrt(plan x this) (`Transport.write_overhead_blocks`): a
-# one-write plan's two legs then overlap instead of running one after the other. 0: writes of
-# `max_write_blocks`. Direct legs (CPU pools) share the host's memory and pay more per write in
-# Python: equal smaller writes moved 0.86-0.93x as fast there (2-core AMD EPYC), so not there.
-WRITE_OVERHEAD_BYTES = 32 << 20
+# With dma legs a plan goes in equal writes of at most a RING_DEPTH-th of the ring and about
+# sqrt(plan x WRITE_OVERHEAD_BYTES), each a whole fraction of the ring (`split_write_blocks`).
+# A write's two legs run one after the other, and each write costs about WRITE_OVERHEAD_BYTES'
+# worth of link time of its own (its frame, the receiver's events and deliveries); smaller
+# writes overlap more of a plan's legs, and more of them fit in the ring at once. Measured on
+# one H100 through a 1 GiB ring (docs/benchmarks.md): one-write plans of 256 and 512 MiB
+# 1.15-1.33x as fast, 4 GiB 1.12x. Direct legs (CPU pools) share the host's memory and pay more
+# per write in Python: smaller writes moved 0.86-0.93x as fast there (2-core AMD EPYC).
+RING_DEPTH = 4
+WRITE_OVERHEAD_BYTES = 64 << 20
+
+
+def split_write_blocks(total: int, limit: int, overhead: int, capacity: int) -> int:
+    """The most blocks each write of a ``total``-block plan carries through a ring of
+    ``capacity`` slots, with dma legs: at most ``limit`` and a `RING_DEPTH`-th of the ring;
+    about sqrt(total x overhead) (``overhead``: a write's own cost in blocks' worth of link
+    time), since two legs in a row end a plan after its total plus its largest write plus
+    every write's own cost; rounded down to a whole fraction of the ring, so no write skips
+    the ring's tail (`StagingTransport._reserve`); then the plan in equal writes. 128 blocks
+    through a 256-slot ring with an overhead of 16 go as 4 writes of 32."""
+    size = min(limit, max(1, capacity // RING_DEPTH), max(1, math.isqrt(total * overhead)))
+    size = capacity // -(-capacity // size)
+    writes = -(-total // size)
+    return -(-total // writes)
 
 
 # A batch crosses the ring in pieces of about this many bytes (all its layers). Each piece is
@@ -752,10 +770,11 @@ class StagingTransport(LocalTransport):
         self._collect_frees()  # a cancellation may have come instead: the caller retries
         return True
 
-    def write_overhead_blocks(self, device: torch.device) -> Optional[int]:
-        if not self.max_write_blocks or not WRITE_OVERHEAD_BYTES or staging_legs(device) != "dma":
-            return None
-        return max(1, WRITE_OVERHEAD_BYTES // self._block_bytes)
+    def write_blocks(self, total: int, device: torch.device) -> int:
+        limit = self.max_write_blocks or total
+        if not WRITE_OVERHEAD_BYTES or staging_legs(device) != "dma":
+            return limit
+        return split_write_blocks(total, limit, max(1, WRITE_OVERHEAD_BYTES // self._block_bytes), self.capacity)
 
     def write(self, engine: CopyEngine, job: Write) -> Pending:
         """Stages the blocks into ring slots in the write's order, piece by piece
