@@ -404,10 +404,11 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
     receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
     try:
         tx = StagingTransport(endpoint.address, authkey=authkey)
-        # Writes of half the ring at most; with dma legs a quarter of it (a write's own cost is
-        # many of these small blocks), so these 7 blocks go in 2 writes; direct legs: one.
+        # Writes of half the ring at most; with dma legs, where a write's own cost is one of
+        # these blocks, these 7 blocks go in 4 equal writes (sqrt(7) = 2); direct legs: one.
+        monkeypatch.setattr(staging_mod, "WRITE_OVERHEAD_BYTES", src.block_bytes * src.num_layers)
         assert tx.max_write_blocks == 8
-        assert tx.write_blocks(7, src.device) == (4 if legs == "dma" else 8)
+        assert tx.write_blocks(7, src.device) == (2 if legs == "dma" else 8)
         src_ids = np.array([31, 2, 17, 5, 38, 11, 0])
         dst_ids = np.array([9, 33, 1, 20, 14, 7, 26])
         kept, dropped = (dst_ids[:3], dst_ids[3:])  # request 2's three blocks, then request 1's four
@@ -429,23 +430,29 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         engine.close()
 
 
-@pytest.mark.parametrize("capacity, limit, overhead", [(256, 128, 16), (16, 8, 16), (4160, 128, 16), (10, 5, 1)])
+@pytest.mark.parametrize(
+    "capacity, limit, overhead", [(256, 128, 16), (16, 8, 16), (4160, 128, 16), (10, 5, 1), (64, 32, 4)]
+)
 def test_dma_legs_split_every_plan_in_equal_writes_that_fit_the_ring_whole(
     capacity: int, limit: int, overhead: int
 ) -> None:
-    """Every plan size up to eight writes' worth: writes of at most ``limit`` and a quarter
-    of the ring (four fit in it at once), equal within a block; a plan short against its
-    writes' own cost still goes in more than one write, so its two legs overlap."""
+    """Every plan size up to eight writes' worth: writes of at most ``limit``, equal within a
+    block; where a quarter of the ring is worth its own cost, at most that (four fit in the
+    ring at once), and a plan larger than that cost goes in more than one write, so its two
+    legs overlap; where it is not (a small ring), writes of ``limit`` as before."""
     from kvferry.transports.staging import RING_DEPTH, split_write_blocks
 
     for total in range(1, 8 * limit + 3):
         cap = split_write_blocks(total, limit, overhead, capacity)
         writes = -(-total // cap)
-        assert 1 <= cap <= min(limit, max(1, capacity // RING_DEPTH)), (total, cap)
+        assert 1 <= cap <= limit, (total, cap)
         assert cap * writes - total < writes, (total, cap)  # equal writes, within a block
-        assert capacity // cap >= RING_DEPTH, (total, cap)  # the ring holds four writes at once
-        if total > overhead:  # sqrt(total x overhead) < total: more than one write
-            assert writes > 1, (total, cap)
+        if capacity // RING_DEPTH >= overhead:
+            assert capacity // cap >= RING_DEPTH, (total, cap)  # the ring holds four writes at once
+            if total > overhead:  # sqrt(total x overhead) < total: more than one write
+                assert writes > 1, (total, cap)
+        else:  # a quarter of the ring would cost more than it overlaps: as without splitting
+            assert writes == -(-total // limit), (total, cap)
     # Through a 1 GiB ring of 4 MiB blocks with a 64 MiB overhead: a 512 MiB plan in 4
     # writes of 128 MiB; 4 GiB in 16 of 256 MiB (4 in the ring at once).
     assert split_write_blocks(128, 128, 16, 256) == 32

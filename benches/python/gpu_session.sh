@@ -5,7 +5,7 @@
 # (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
 # repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
 # the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide|split
+#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide|split|split-check
 # pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
@@ -157,6 +157,19 @@ elif [ "$1" = split ]; then
     echo "== staging, ring 64 MiB"; split 100 --rounds 3 --overhead-mib 0,64 --blocks 64,1024 --ring-mib 64 --reps 5
     echo "== staging, the pool-sized ring"; split 150 --rounds 2 --overhead-mib 0,64 --blocks 1024 --reps 5
   } 2>&1 | tee -a "$OUT/split.txt"
+elif [ "$1" = split-check ]; then
+  # The split writes as shipped: `bench copy` of staging through 1 GiB and 64 MiB rings beside
+  # the same run's one-way and both-ways link, then `bench agentic` at Llama-8B geometry through
+  # 1 GiB (as pending4).
+  for ring in 1024 64; do
+    { echo "== staging, ring $ring MiB"
+      timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024,4096 \
+        --ring-mib $ring --json "$OUT/split-check-$ring.json" 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/split-check.txt"
+  done
+  timeout "${LIMIT:-120}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --turns 2 --cached 32768 \
+    --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
+    --vocab 1024 --transport staging --ring-mib 1024 --json "$OUT/agentic8b-split.json" > "$OUT/agentic8b-split.txt" 2>&1
+  tail -14 "$OUT/agentic8b-split.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
   # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:

@@ -69,22 +69,24 @@ WRITE_BYTES = 512 << 20
 # A write's two legs run one after the other, and each write costs about WRITE_OVERHEAD_BYTES'
 # worth of link time of its own (its frame, the receiver's events and deliveries); smaller
 # writes overlap more of a plan's legs, and more of them fit in the ring at once. Measured on
-# one H100 through a 1 GiB ring (docs/benchmarks.md): one-write plans of 256 and 512 MiB
-# 1.15-1.33x as fast, 4 GiB 1.12x. Direct legs (CPU pools) share the host's memory and pay more
-# per write in Python: smaller writes moved 0.86-0.93x as fast there (2-core AMD EPYC).
+# one H100 through a 1 GiB ring (docs/benchmarks.md): 256 MiB to 16 GiB 1.12-1.23x as fast as
+# half-ring writes. Direct legs (CPU pools) share the host's memory and pay more per write in
+# Python: smaller writes moved 0.86-0.93x as fast there (2-core AMD EPYC).
 RING_DEPTH = 4
 WRITE_OVERHEAD_BYTES = 64 << 20
 
 
 def split_write_blocks(total: int, limit: int, overhead: int, capacity: int) -> int:
     """The most blocks each write of a ``total``-block plan carries through a ring of
-    ``capacity`` slots, with dma legs: at most ``limit`` and a `RING_DEPTH`-th of the ring;
-    about sqrt(total x overhead) (``overhead``: a write's own cost in blocks' worth of link
-    time), since two legs in a row end a plan after its total plus its largest write plus
-    every write's own cost; rounded down to a whole fraction of the ring, so no write skips
-    the ring's tail (`StagingTransport._reserve`); then the plan in equal writes. 128 blocks
-    through a 256-slot ring with an overhead of 16 go as 4 writes of 32."""
-    size = min(limit, max(1, capacity // RING_DEPTH), max(1, math.isqrt(total * overhead)))
+    ``capacity`` slots, with dma legs: about sqrt(total x overhead) (``overhead``: a write's
+    own cost in blocks' worth of link time), since two legs in a row end a plan after its
+    total plus its largest write plus every write's own cost; at most a `RING_DEPTH`-th of the
+    ring, so that many writes are in it at once; never under ``overhead`` (a smaller write
+    costs more than it overlaps: a 64 MiB ring keeps its half-ring writes); at most ``limit``;
+    rounded down to a whole fraction of the ring, so no write skips the ring's tail
+    (`StagingTransport._reserve`); then the plan in equal writes. 128 blocks through a
+    256-slot ring with an overhead of 16 go as 4 writes of 32."""
+    size = min(limit, max(overhead, min(capacity // RING_DEPTH, math.isqrt(total * overhead))))
     size = capacity // -(-capacity // size)
     writes = -(-total // size)
     return -(-total // writes)
