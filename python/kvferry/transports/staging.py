@@ -62,7 +62,8 @@ __all__ = ["StagingEndpoint", "StagingTransport"]
 # shared by both processes (docs/benchmarks.md, 2026-12-01), 512 MiB writes moved 1024
 # blocks at 70% of the host link against 46% for one write, once issuing a write no longer
 # waited on the stream (and each write is one piece); 128 MiB writes were slower (more
-# copies to issue, each write's notice round trip). `write_bytes` sets another bound.
+# copies to issue, each write's notice round trip; that was through a ring as large as the
+# pool, before `split_write_blocks` below). `write_bytes` sets another bound.
 WRITE_BYTES = 512 << 20
 # With dma legs a plan goes in equal writes of at most a RING_DEPTH-th of the ring and about
 # sqrt(plan x WRITE_OVERHEAD_BYTES), each a whole fraction of the ring (`split_write_blocks`).
