@@ -430,6 +430,52 @@ def test_a_batch_of_several_pieces_lands_bit_exact_and_a_revoked_requests_blocks
         engine.close()
 
 
+@LEGS
+def test_a_plan_goes_in_the_writes_its_legs_ask_for_and_lands_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, device: str, legs: str
+) -> None:
+    """A `KVSender` plan of 12 blocks through a 16-slot ring, a write's own cost set to one
+    block: with dma legs it goes in 6 equal writes of 2 (sqrt(12) = 3, rounded down to a whole
+    fraction of the ring), with direct legs in writes of half the ring (8 and 4); either way
+    every block lands bit exact, once, and the rest of the pool keeps its poison."""
+    from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
+    from kvferry.sender import KVSender
+    from kvferry.transports import staging as staging_mod
+
+    monkeypatch.setenv(staging_mod.LEGS_ENV, legs)
+    pools = POOLS.but(shape=(40, 2, TPB, 8))
+    src, dst = pools.random(7, device), pools.nan(device)
+    monkeypatch.setattr(staging_mod, "WRITE_OVERHEAD_BYTES", src.block_bytes * src.num_layers)
+    engine: Any = CudaCopyEngine(torch.device("cuda")) if device == "cuda" else ThreadCopyEngine()
+    served = serve("staging", dst, capacity_blocks=16)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    try:
+        tx = StagingTransport(endpoint.address, authkey=authkey)
+        src_ids = np.random.default_rng(7).permutation(40)[:12]
+        dst_ids = np.random.default_rng(8).permutation(40)[:12]
+        epoch = receiver.expect(5, 12 * TPB, dst_blocks=dst_ids)
+        sender = KVSender(src, tx, engine=engine, timeout=SLACK, record=True)
+        sender.add(5, 12 * TPB, epoch=epoch)
+        sender.send_chunks([5], [0], [12 * TPB], src_ids[None, :], dst_ids[None, :])
+        sender.flush(timeout=SLACK)
+        receiver.wait(5, timeout=SLACK)
+        assert sender.records is not None
+        writes = sorted((sum(n.end - n.start for n in r.notices) for r in sender.records), reverse=True)
+        assert writes == ([2] * 6 if legs == "dma" else [8, 4])
+        assert sum(n.end - n.start for n in receiver.notices(5)) == 12
+        for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
+            got = d_layer[:, torch.from_numpy(dst_ids).to(device)]
+            assert torch.equal(got, s_layer[:, torch.from_numpy(src_ids).to(device)])
+        rest = np.setdiff1d(np.arange(40), dst_ids)
+        for layer in dst.layers:
+            assert torch.isnan(layer.index_select(0, torch.from_numpy(rest).to(device))).all()
+        sender.close()
+        tx.close()
+    finally:
+        endpoint.close()
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "capacity, limit, overhead", [(256, 128, 16), (16, 8, 16), (4160, 128, 16), (10, 5, 1), (64, 32, 4)]
 )

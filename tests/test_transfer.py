@@ -992,3 +992,21 @@ def test_a_lost_receiver_is_raised_once_whoever_found_it() -> None:
     assert set(sender.failures()) == {1}
     sender.remove(1)
     sender.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "staging"])
+def test_a_transport_closed_by_its_sender_and_again_by_its_owner_closes_once(kind: str) -> None:
+    """`KVSender.close` closes its transport; the code that made the transport may close it
+    too (a `finally`): the second close does nothing, where it raised AttributeError."""
+    from kvferry.transports.staging import StagingTransport
+
+    served = serve(kind, pools=POOLS)
+    try:
+        cls = ShmTransport if kind == "shm" else StagingTransport
+        tx = cls(served.endpoint.address, authkey=served.authkey)
+        sender = KVSender(POOLS.random(3), tx)
+        sender.close()
+        tx.close()
+        assert not hasattr(tx, "dst")
+    finally:
+        served.close()

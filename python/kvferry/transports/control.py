@@ -676,9 +676,17 @@ class LocalTransport(Transport):
         self._conn.send(frame)
 
     def close(self) -> None:
+        """Closes the connection and releases the receiver's pool; a second close (its
+        `KVSender` closed it first) does nothing."""
         self._conn.close()
-        del self.dst
-        self._release()
+        release, self._release = self._release, _released
+        if "dst" in self.__dict__:
+            del self.dst
+        release()
+
+
+def _released() -> None:
+    """The release of a transport already closed."""
 
 
 def pool_hello(pool: PagedKV, kind: str, **fields: Any) -> Hello:
