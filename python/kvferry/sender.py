@@ -600,8 +600,8 @@ class KVSender:
         before claiming anything, so nothing is marked sent that cannot leave). The transport
         gets the plan in writes of at most `Transport.write_blocks` blocks, each with notices
         for its own part of the slices, so the receiver can take in one write while the next
-        is still being copied. A layer slice (``group``) writes and
-        announces only that layer group's layers."""
+        is still being copied. A layer slice (``group``) writes and announces only that layer
+        group's layers."""
         pairs = plan.pairs
         if not len(plan) or pairs is None:
             return []

@@ -233,11 +233,19 @@ def _steer_receive(cfg: VllmBenchConfig, where: Placement) -> Optional[dict[str,
     return placed
 
 
+def longest_tokens(cfg: VllmBenchConfig) -> int:
+    """A conversation's longest request: the cached prompt, every measured turn's new and
+    output tokens, and the last turn's output."""
+    return cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
+
+
 def pool_bytes(cfg: VllmBenchConfig, sharing: int, kv_bytes_per_token: int) -> int:
-    """A server's KV pool: every conversation of the configurations sharing it at its longest
-    (the prefix caches must keep them all between their turns), half again, and 16 MiB."""
-    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
-    blocks = sharing * cfg.sessions * (-(-longest // BLOCK_TOKENS) + 2)
+    """A server's KV pool: `VllmBenchConfig.kv_cache_memory_bytes` where the run sets one; else
+    every conversation of the configurations sharing it at its longest (the prefix caches must
+    keep them all between their turns), half again, and 16 MiB."""
+    if cfg.kv_cache_memory_bytes:
+        return cfg.kv_cache_memory_bytes
+    blocks = sharing * cfg.sessions * (-(-longest_tokens(cfg) // BLOCK_TOKENS) + 2)
     return int(1.5 * blocks * BLOCK_TOKENS * kv_bytes_per_token) + (16 << 20)
 
 
@@ -270,10 +278,7 @@ def server_plan(
 def fleet_bytes(cfg: VllmBenchConfig, confs: Sequence[Configuration], kv_bytes_per_token: int) -> int:
     """About the memory a run's servers hold at once: every KV pool and each server's own."""
     plan = server_plan(cfg, confs)
-    pools = sum(
-        cfg.kv_cache_memory_bytes or pool_bytes(cfg, len(users), kv_bytes_per_token) for _, _, users in plan.values()
-    )
-    return pools + len(plan) * SERVER_OVERHEAD_BYTES
+    return sum(pool_bytes(cfg, len(users), kv_bytes_per_token) + SERVER_OVERHEAD_BYTES for _, _, users in plan.values())
 
 
 def check_memory(cfg: VllmBenchConfig, confs: Sequence[Configuration], kv_bytes_per_token: int, have: int) -> None:
@@ -284,7 +289,7 @@ def check_memory(cfg: VllmBenchConfig, confs: Sequence[Configuration], kv_bytes_
         servers = len(server_plan(cfg, confs))
         raise InvalidArgumentError(
             f"invalid bench vllm size: its {servers} servers need about {need / 2**30:.1f} GiB (KV pools for "
-            f"--sessions {cfg.sessions} x {cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens)} "
+            f"--sessions {cfg.sessions} x {longest_tokens(cfg)} "
             f"tokens at {kv_bytes_per_token} bytes a token, and {SERVER_OVERHEAD_BYTES / 2**30:.1f} GiB of vLLM's own "
             f"each), more than this host's {have / 2**30:.1f} GiB: lower --sessions, --cached or --turns, or run "
             "fewer --configs"
@@ -571,7 +576,7 @@ class Fleet:
         transfer = {"prefill": [where.transfer] if where.transfer is not None else [], "decode": []}
         plan = server_plan(cfg, self.confs, transfer["prefill"])
         for i, (key, (side, kv_config, users)) in enumerate(plan.items()):
-            pool = cfg.kv_cache_memory_bytes or pool_bytes(cfg, len(users), self.kv_bytes_per_token)
+            pool = pool_bytes(cfg, len(users), self.kv_bytes_per_token)
             engine = replace(self.engine, kv_cache_memory_bytes=pool)
             if side == "decode":
                 engine = replace(engine, prefix_caching=key[3])
@@ -690,8 +695,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     model = testbed.build_tiny_llama(work, spec)
     # The longest conversation, not the model's 8192 positions: vLLM refuses a pool that cannot
     # hold one request of max_model_len (2 GiB at --realistic's 256 KiB per token).
-    longest = cfg.cached_tokens + cfg.turns * (cfg.new_tokens + cfg.output_tokens) + cfg.output_tokens
-    max_len = min(spec.max_positions, (longest // BLOCK_TOKENS + 2) * BLOCK_TOKENS)
+    max_len = min(spec.max_positions, (longest_tokens(cfg) // BLOCK_TOKENS + 2) * BLOCK_TOKENS)
     engine = testbed.EngineSettings(max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
     load_before = os.getloadavg()
     progress(
@@ -700,7 +704,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
     )
     plain_prefill: list[float] = []
     scripts: dict[tuple[str, str], list[list[_Turn]]] = {}
-    plain_engine = replace(engine, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or pool_bytes(cfg, 1, kv_token))
+    plain_engine = replace(engine, kv_cache_memory_bytes=pool_bytes(cfg, 1, kv_token))
     with testbed.single_server(model, work, plain_engine) as plain:
         for i, conf in enumerate(confs):
             for case in CASES:

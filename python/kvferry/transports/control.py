@@ -678,15 +678,11 @@ class LocalTransport(Transport):
     def close(self) -> None:
         """Closes the connection and releases the receiver's pool; a second close (its
         `KVSender` closed it first) does nothing."""
+        if "dst" not in self.__dict__:
+            return  # closed already
         self._conn.close()
-        release, self._release = self._release, _released
-        if "dst" in self.__dict__:
-            del self.dst
-        release()
-
-
-def _released() -> None:
-    """The release of a transport already closed."""
+        del self.dst
+        self._release()
 
 
 def pool_hello(pool: PagedKV, kind: str, **fields: Any) -> Hello:

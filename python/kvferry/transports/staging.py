@@ -774,7 +774,7 @@ class StagingTransport(LocalTransport):
         return True
 
     def write_blocks(self, total: int, device: torch.device) -> int:
-        limit = self.max_write_blocks or total
+        limit = super().write_blocks(total, device)
         if not WRITE_OVERHEAD_BYTES or staging_legs(device) != "dma":
             return limit
         return split_write_blocks(total, limit, max(1, WRITE_OVERHEAD_BYTES // self._block_bytes), self.capacity)
