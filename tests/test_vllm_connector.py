@@ -1091,7 +1091,7 @@ def test_the_rendezvous_frames_are_a_set_of_their_own() -> None:
     from kvferry.transports.frames import TRANSPORT, Announce
     from kvferry.vllm.frames import RENDEZVOUS, Abandoned, Destination, Lookup
 
-    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned", "offer", "accepted"}
     assert set(RENDEZVOUS.classes) == {"challenge", "proof", "goodbye"} | rendezvous
     for kind, cls in RENDEZVOUS.classes.items():
         assert tuple(f.name for f in fields(cls)) == _core.WIRE_FIELDS[kind], kind

@@ -556,7 +556,7 @@ def test_every_frame_class_holds_its_records_fields() -> None:
     from kvferry import _core
     from kvferry.transports.frames import TRANSPORT, Hello, Revoke
 
-    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned", "offer", "accepted"}
     assert set(TRANSPORT.classes) == set(_core.WIRE_FIELDS) - rendezvous | {"hello"}
     for kind, cls in TRANSPORT.classes.items():
         if cls is not Hello:  # its Python form is the flat pool dict (rust/src/py/wire/hello.rs)
@@ -586,5 +586,5 @@ def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
             kinds.add(_core.rendezvous_decode(path.read_bytes(), _core.WIRE_MAX_FRAME_BYTES)[0])
         except ValueError:
             pass
-    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned"}
+    rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned", "offer", "accepted"}
     assert rendezvous | {"challenge", "proof", "hello", "notices", "goodbye"} <= kinds, kinds

@@ -31,6 +31,9 @@ FRAMES = [
     ("abandon", {"transfer": "T", "reason": "prefill request refused the destination"}),
     ("abandon", {"transfer": "T", "reason": ""}),
     ("abandoned", {}),
+    ("offer", {"transfer": "T", "peer": "unix:///tmp/kvferry-x/rendezvous.sock", "peer_mac": "0f" * 32}),
+    ("offer", {"transfer": "K", "peer": "tcp://10.0.0.2:7001 tcp://10.0.0.2:7002", "peer_mac": "ab" * 32}),
+    ("accepted", {}),
 ]
 
 NIXL_HELLO = {

@@ -9,6 +9,7 @@ import array
 import hashlib
 import math
 import os
+import re
 import secrets
 import stat
 import sys
@@ -19,7 +20,16 @@ from typing import Any, Mapping, Optional, Sequence
 from kvferry.errors import InvalidArgumentError
 from kvferry.transports import registry
 
-__all__ = ["ConnectorConfig", "RequestParams", "default_authkey_path", "load_authkey", "prompt_digest", "parse_params"]
+__all__ = [
+    "ConnectorConfig",
+    "RequestParams",
+    "default_authkey_path",
+    "load_authkey",
+    "parse_params",
+    "parse_router_params",
+    "prompt_digest",
+    "router_key",
+]
 
 PARAMS_KEY = "kvferry"
 MIN_KEY_BYTES = 32  # the project's rule for every kvferry key (docs/security.md)
@@ -283,13 +293,23 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
 
 @dataclass(frozen=True)
 class RequestParams:
-    """One request's ``kv_transfer_params["kvferry"]``, checked."""
+    """One request's ``kv_transfer_params["kvferry"]``, checked, or its NixlConnector-protocol
+    parameters (``router`` true: `parse_router_params`)."""
 
     op: str
     transfer: Optional[str] = None
     peer: Optional[str] = None
     timeout_s: Optional[float] = None
     peer_mac: Optional[str] = None  # the decode server's signature of ``peer`` (kvferry.vllm.trust)
+    # A router's request (NixlConnector's protocol): a send learns its decode server from
+    # the decode server's offer, a recv makes that offer to ``offer_to`` (the prefill
+    # server's rendezvous, signed by ``offer_mac``), whose tensor parallel size is ``prefill_tp``.
+    router: bool = False
+    offer_to: Optional[str] = None
+    offer_mac: Optional[str] = None
+    prefill_tp: Optional[int] = None
+    # Keys of the request's kv_transfer_params that kvferry does not read (served anyway).
+    ignored: tuple[str, ...] = ()
 
 
 def parse_params(params: Any) -> Optional[RequestParams]:
@@ -380,3 +400,92 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     if sys.byteorder == "big":
         ids.byteswap()
     return hashlib.sha256(ids).hexdigest()[:32]
+
+
+# NixlConnector's kv_transfer_params (what vLLM's toy proxy, vllm-router's nixl mode and
+# llm-d's nixlv2 sidecar send and pass on), and the keys a prefill answer adds that vLLM or a
+# router may put back into the decode request.
+ROUTER_KEYS = frozenset(
+    {
+        "do_remote_decode",
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "tp_size",
+        "transfer_mode",
+        "remote_prefill_cached_tokens",
+    }
+)
+# vLLM 0.32's request ids: ``cmpl-<X-Request-Id>-<prompt index>-<8 hex>`` for completions,
+# ``chatcmpl-<X-Request-Id>-<8 hex>`` for chat, a sample of ``n > 1`` prefixed ``<index>_``.
+# A router sends both legs the same X-Request-Id.
+_VLLM_REQUEST_ID = re.compile(r"^(?:[0-9]+_)?(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<key>.+)-[0-9]+)-[0-9a-f]{8}$")
+
+
+def router_key(request_id: str) -> str:
+    """The transfer id of a router's prefill request: the X-Request-Id vLLM made its request
+    id from (both legs of a vllm-router request carry the same one), else the id itself."""
+    found = _VLLM_REQUEST_ID.match(request_id)
+    key = (found.group("chat") or found.group("key")) if found else request_id
+    return key[:256]
+
+
+def parse_router_params(params: Any, request_id: str) -> Optional[RequestParams]:
+    """A request in NixlConnector's protocol (``do_remote_decode`` or ``do_remote_prefill``
+    true), checked: a send for the first, a recv for the second; ``None`` for any other.
+    `InvalidArgumentError` names the field that is missing or wrong."""
+    if not isinstance(params, Mapping):
+        return None
+    decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    for name, value in (("do_remote_decode", decode), ("do_remote_prefill", prefill)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidArgumentError(f"invalid kv_transfer_params.{name}={value!r}: must be true or false")
+    if not decode and not prefill:
+        return None
+    if decode and prefill:
+        raise InvalidArgumentError(
+            "invalid kv_transfer_params: do_remote_decode and do_remote_prefill are both true; a request is one"
+            " leg of a transfer"
+        )
+    ignored = tuple(sorted(str(k) for k in params if k not in ROUTER_KEYS))
+    if decode:
+        return RequestParams("send", router_key(request_id), router=True, ignored=ignored)
+    host, port, transfer = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+    hint = (
+        " (a KvferryConnector prefill server answers it; is the prefill server running KvferryConnector, and does"
+        " the router pass its kv_transfer_params on?)"
+    )
+    if not isinstance(host, str) or not 0 < len(host) <= 255 or any(c.isspace() or c in "/@[]" for c in host):
+        raise InvalidArgumentError(f"invalid kv_transfer_params.remote_host={host!r}: must be a host name or IP{hint}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.remote_port={port!r}: must be a port in [1, 65535]{hint}"
+        )
+    if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.remote_request_id={str(transfer)[:300]!r}: must be a non-empty string of at"
+            f" most 256 characters{hint}"
+        )
+    engine = params.get("remote_engine_id")
+    mac = engine.rpartition(".")[2] if isinstance(engine, str) else None
+    if mac is None or len(mac) != 64 or any(c not in "0123456789abcdef" for c in mac):
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.remote_engine_id={str(engine)[:200]!r}: must be the one a KvferryConnector"
+            f" prefill server answered (<engine>.<64 hex digits>){hint}"
+        )
+    tp = params.get("tp_size", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024:
+        raise InvalidArgumentError(f"invalid kv_transfer_params.tp_size={tp!r}: must be a positive integer")
+    where = f"[{host}]" if ":" in host else host
+    return RequestParams(
+        "recv",
+        transfer,
+        router=True,
+        offer_to=f"tcp://{where}:{port}",
+        offer_mac=mac,
+        prefill_tp=tp,
+        ignored=ignored,
+    )

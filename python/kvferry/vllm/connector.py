@@ -180,14 +180,18 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return self._half.outcomes()  # how this step's transfers ended, for `status`
 
     def get_kv_connector_stats(self) -> Optional[KvferryStats]:
-        if self._worker is None:
+        # Each half its own: the worker's transfers, the scheduler's unhonoured requests.
+        tally = self._worker.tally if self._worker is not None else self._sched.tally if self._sched else None
+        if tally is None:
             return None
-        stats = KvferryStats(self._worker.tally.take())
+        stats = KvferryStats(tally.take())
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if self._half is not None:
             self._half.close()
+        if self._sched is not None:
+            self._sched.close()
 
     # -- scheduler side ------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvferry import _core
 from kvferry.transports.frames import Challenge, Frame, FrameSet, Goodbye, Proof
 
-__all__ = ["RENDEZVOUS", "Abandon", "Abandoned", "Destination", "Lookup", "Refused"]
+__all__ = ["RENDEZVOUS", "Abandon", "Abandoned", "Accepted", "Destination", "Lookup", "Offer", "Refused"]
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,29 @@ class Abandoned(Frame):
     kind: ClassVar[str] = "abandoned"
 
 
+@dataclass(frozen=True)
+class Offer(Frame):
+    """Decode side to a prefill server's rendezvous: ``transfer``'s destination is published
+    at ``peer`` (the decode server's rendezvous, one URL per rank, separated by spaces),
+    which ``peer_mac`` signs (kvferry.vllm.trust). A router that sends the decode request
+    the prefill server's address, not the other way round, is served this way."""
+
+    kind: ClassVar[str] = "offer"
+    transfer: str
+    peer: str
+    peer_mac: str
+
+
+@dataclass(frozen=True)
+class Accepted(Frame):
+    """A prefill server's rendezvous to the decode side: the offer is taken."""
+
+    kind: ClassVar[str] = "accepted"
+
+
 RENDEZVOUS = FrameSet(
     "rendezvous",
-    (Challenge, Proof, Lookup, Destination, Refused, Abandon, Abandoned, Goodbye),
+    (Challenge, Proof, Lookup, Destination, Refused, Abandon, Abandoned, Offer, Accepted, Goodbye),
     _core.rendezvous_encode,
     _core.rendezvous_decode,
 )

@@ -15,6 +15,16 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
                                       decode side frees T's blocks at once, no fence due
             --> abandoned
 ```
+Under a router that speaks NixlConnector's protocol the prefill server cannot know its decode
+server; the decode server learns the prefill server's address from its request instead, and
+offers its rendezvous to the prefill server's own (one listens in every prefill server's
+scheduler, taking offers only), which then looks its destination up as above:
+
+```
+decode scheduler                                   prefill scheduler (Rendezvous, on_offer)
+            -- offer (T, every decode rank's rendezvous, their signature) -->
+            <-- accepted, or refused (why)
+```
 It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tcp://host:port``
 (loopback unless told otherwise; a wildcard bind needs ``advertise``), by wire's rules.
 Every message is a frame of kvferry's binary codec (the same header and handshake as the
@@ -29,6 +39,8 @@ destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_siz
              lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars)
 refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes)
 abandoned    (no body)                 goodbye  why the connection closes
+offer        transfer | peer (1-4096 bytes) | peer_mac (64 lower-case hex)
+accepted     (no body)
 ```
 The core checks every field of every frame, both ways, before Python sees it: nothing from
 the socket is ever unpickled or parsed as JSON. A frame that does not decode, or one the
@@ -71,9 +83,19 @@ from kvferry import affinity
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import guard, wire
 from kvferry.transports.frames import Frame, Goodbye
-from kvferry.vllm.frames import PUBLISHED_KEYS, RENDEZVOUS, Abandon, Abandoned, Destination, Lookup, Refused
+from kvferry.vllm.frames import (
+    PUBLISHED_KEYS,
+    RENDEZVOUS,
+    Abandon,
+    Abandoned,
+    Accepted,
+    Destination,
+    Lookup,
+    Offer,
+    Refused,
+)
 
-__all__ = ["Alternatives", "InvalidDestinationError", "Rendezvous", "abandon", "lookup"]
+__all__ = ["Alternatives", "InvalidDestinationError", "Rendezvous", "abandon", "lookup", "offer"]
 
 logger = logging.getLogger("kvferry.vllm")
 # Failed handshakes and accept errors: a flood of them logs a few lines, then a count.
@@ -131,15 +153,19 @@ class Rendezvous:
         advertise: Optional[str] = None,
         admit: Optional[Callable[[str], Optional[str]]] = None,
         alternative_of: Optional[Callable[[str], Hashable]] = None,
+        on_offer: Optional[Callable[[str, str, str], Optional[str]]] = None,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
         ``directory``), ``unix:///path`` or ``tcp://host:port``; ``advertise``: the host a
         wildcard bind is reached by. ``admit(sender)``: why a lookup from that prefill
         engine is refused at once (before it waits), or None. ``alternative_of(sender)``: the
-        alternative (`Alternatives`) of the names that prefill engine may take. ``address``
-        is the URL prefill servers connect to."""
+        alternative (`Alternatives`) of the names that prefill engine may take.
+        ``on_offer(transfer, peer, peer_mac)``: a prefill server's rendezvous takes offers
+        (returns why one is refused, or None); without it an offer is refused. ``address``
+        is the URL peers connect to."""
         self._admit = admit
+        self._on_offer_cb = on_offer
         self._alternative_of = alternative_of
         self._authkey = wire.check_authkey(authkey)
         self._endpoint_for = endpoint_for
@@ -330,7 +356,7 @@ class Rendezvous:
                     return
                 handler = self.HANDLERS.get(type(frame))
                 if handler is None:
-                    why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup and abandon)"
+                    why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup, abandon and offer)"
                     logger.warning(
                         "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why
                     )
@@ -351,8 +377,22 @@ class Rendezvous:
         self._abandon(frame.transfer, frame.reason)
         return wire.encode(Abandoned(), RENDEZVOUS)
 
-    # What a prefill side may send, by frame class: each handler returns the encoded answer.
-    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], bytes]]] = {Lookup: _on_lookup, Abandon: _on_abandon}
+    def _on_offer(self, frame: Offer) -> bytes:
+        why: Optional[str]
+        if self._on_offer_cb is None:
+            why = "this is a decode server's rendezvous: it takes lookups and abandons, not offers"
+        else:
+            why = self._on_offer_cb(frame.transfer, frame.peer, frame.peer_mac)
+        if why is not None:
+            return wire.encode(Refused(_clip(f"transfer {frame.transfer!r}: {why}", MAX_ERROR_BYTES)), RENDEZVOUS)
+        return wire.encode(Accepted(), RENDEZVOUS)
+
+    # What a peer may send, by frame class: each handler returns the encoded answer.
+    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], bytes]]] = {
+        Lookup: _on_lookup,
+        Abandon: _on_abandon,
+        Offer: _on_offer,
+    }
 
     def _abandon(self, transfer: str, reason: str) -> None:
         with self._cond:
@@ -461,23 +501,23 @@ class Rendezvous:
                 pass
 
 
-def _connect(address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -> socket.socket:
+def _connect(
+    address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS, what: str = "decode server's"
+) -> socket.socket:
     try:
         where = wire.parse_address(address, "kv_transfer_params.kvferry.peer")
     except KvFerryError as err:
-        raise TransferError(f"cannot reach the decode server's rendezvous: {err}", peer=str(address)) from err
+        raise TransferError(f"cannot reach the {what} rendezvous: {err}", peer=str(address)) from err
     try:
         sock = wire.connect(where, timeout)
     except OSError as err:
-        raise TransferError(
-            f"cannot reach the decode server's rendezvous at {address!r}: {err!r}", peer=address
-        ) from err
+        raise TransferError(f"cannot reach the {what} rendezvous at {address!r}: {err!r}", peer=address) from err
     try:
         wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
         sock.close()
         raise TransferError(
-            f"authentication failed with the decode server's rendezvous at {address!r}: the two servers hold different "
+            f"authentication failed with the {what} rendezvous at {address!r}: the two servers hold different "
             "keys "
             f"(kv_connector_extra_config.authkey_file must name a file with the same key on both): {err}",
             peer=address,
@@ -550,3 +590,27 @@ def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
         sock.close()
     if not isinstance(answer, Abandoned):
         raise _unexpected(address, transfer, "abandon", answer)
+
+
+def offer(address: str, authkey: bytes, transfer: str, peer: str, peer_mac: str) -> None:
+    """Tells the prefill server whose rendezvous is at ``address`` that ``transfer``'s
+    destination is published at ``peer`` (this decode server's rendezvous, one URL per rank),
+    signed by ``peer_mac``. Raises `TransferError` with the prefill side's reason when it
+    cannot be told or refuses."""
+    try:
+        data = wire.encode(Offer(transfer, peer, peer_mac), RENDEZVOUS)
+    except (InvalidArgumentError, TypeError) as err:
+        raise TransferError(f"transfer {transfer!r}: cannot offer it to the prefill server: {err}") from err
+    sock = _connect(address, authkey, what="prefill server's")
+    try:
+        answer = _ask(sock, data, HANDSHAKE_SECONDS)
+    except Exception as err:
+        raise TransferError(
+            f"transfer {transfer!r}: could not tell the prefill server at {address!r}: {err!r}", peer=address
+        ) from err
+    finally:
+        sock.close()
+    if isinstance(answer, Refused):
+        raise TransferError(f"the prefill server at {address!r} refused: {answer.error}", peer=address)
+    if not isinstance(answer, Accepted):
+        raise _unexpected(address, transfer, "offer", answer)

@@ -33,13 +33,14 @@ step's output) and answers the one-token ``status`` op from them, as it answers 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,11 +48,15 @@ from kvferry import affinity, ranks
 from kvferry.errors import KvFerryError, TransferError
 from kvferry.groups import GroupSet
 from kvferry.transports import registry
-from kvferry.vllm import rendezvous, trust
-from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, prompt_digest
+from kvferry.transports.guard import RateLimitedLog
+from kvferry.vllm import rendezvous, router, trust
+from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
+from kvferry.vllm.tally import Tally
 
 logger = logging.getLogger("kvferry.vllm")
+# Requests whose kv_transfer_params are served other than as asked: a few lines, then a count.
+_warn = RateLimitedLog(logger)
 
 MAX_KV_ID = 2**62
 # Transfers whose end (done, failed, aborted) a server remembers for `status` (oldest forgotten
@@ -77,6 +82,9 @@ class _Lookup:
     prefill_tp: int = 1  # this engine's tensor parallel size, for the links' names
     prefill_pp: int = 1  # and its pipeline parallel size
     error: Optional[str] = None
+    # A router's request (NixlConnector's protocol) whose decode server has not offered yet:
+    # when its blocks stop waiting for the offer (set once the prompt is computed).
+    offer_deadline: Optional[float] = None
 
 
 @dataclass
@@ -148,6 +156,12 @@ class SchedulerSide:
         self._claimed: OrderedDict[str, None] = OrderedDict()  # transfers received here (the newest MAX_OUTCOMES)
         self._meta = KvferryMetadata()
         self._outcomes: OrderedDict[str, Outcome] = OrderedDict()  # transfer -> how it ended here
+        # Routers (NixlConnector's protocol, kvferry.vllm.router): the offers decode servers
+        # make to this prefill server, and each router prefill request's transfer id.
+        self._book: router.OfferBook[_Lookup] = router.OfferBook(authkey, config, self._offer_came)
+        self._router_rids: dict[str, str] = {}
+        self.tally = Tally()  # what this half counts (vllm:kvferry_* on /metrics)
+        self._unhonoured: deque[str] = deque()  # reasons counted on other threads, tallied each step
 
     # -- vLLM calls --------------------------------------------------------------------
 
@@ -159,22 +173,69 @@ class SchedulerSide:
         if rid in self._refused:
             return 1, True
         try:
-            params = parse_params(getattr(request, "kv_transfer_params", None))
+            params = self._params(request)
             if params is None or params.op in ("hello", "status"):
                 return 0, False
             if params.op == "recv":
                 if self.role == "kv_producer":
                     raise KvFerryError(
-                        "op 'recv' on a kv_producer server: send decode requests to a kv_consumer (or kv_both) server"
+                        f"{_what(params, 'recv')} on a kv_producer server: send decode requests to a kv_consumer (or"
+                        " kv_both) server"
                     )
+                if params.router:
+                    self._check_router_recv(params)
                 return self._claim(params.transfer or "", remaining)
             if self.role == "kv_consumer":
                 raise KvFerryError(
-                    "op 'send' on a kv_consumer server: send prefill requests to a kv_producer (or kv_both) server"
+                    f"{_what(params, 'send')} on a kv_consumer server: send prefill requests to a kv_producer (or"
+                    " kv_both) server"
                 )
+            if params.router:
+                return self._router_send(request, params, num_computed_tokens)
             return self._destination(request, params, num_computed_tokens)
         except KvFerryError as err:
+            self.tally.unhonoured("refused")
             return self._refuse(rid, str(err), request), True
+
+    def _params(self, request: Any) -> Optional[RequestParams]:
+        """The request's parameters: kvferry's own (``kv_transfer_params.kvferry``), or
+        NixlConnector's protocol (a router's); None for a plain request. Keys kvferry does
+        not read, and parameters of a protocol it does not speak, are logged and counted
+        (the request is then served as it can be: never an unannounced recompute)."""
+        raw = getattr(request, "kv_transfer_params", None)
+        params = parse_router_params(raw, request.request_id) or parse_params(raw)
+        if params is not None and params.router and params.ignored:
+            self.tally.unhonoured("ignored_keys")
+            _warn.warning(
+                "ignored",
+                "kvferry: request %s: kv_transfer_params keys %s are not NixlConnector's and are ignored",
+                request.request_id,
+                list(params.ignored),
+            )
+        elif params is None and isinstance(raw, dict) and set(raw) - router.PLAIN_KEYS:
+            self.tally.unhonoured("not_kvferry")
+            _warn.warning(
+                "foreign",
+                "kvferry: request %s has kv_transfer_params %s, which ask for no kvferry transfer (neither"
+                " do_remote_decode nor do_remote_prefill is true, and no 'kvferry' key): it is served on this server"
+                " alone",
+                request.request_id,
+                sorted(raw)[:20],
+            )
+        return params
+
+    def _check_router_recv(self, params: RequestParams) -> None:
+        """A router's decode request: the prefill server's size is one this server takes,
+        and this server's rendezvous is known (its workers' handshake)."""
+        sizes = self.config.prefill_tp_sizes
+        if params.prefill_tp not in sizes:
+            raise KvFerryError(
+                f"the prefill server runs tensor_parallel_size={params.prefill_tp} (kv_transfer_params.tp_size) and"
+                f" this decode server takes prefill servers of tensor_parallel_size {list(sizes)}: add"
+                f" {params.prefill_tp} to this server's kv_connector_extra_config prefill_tp_size"
+            )
+        if self.handshake is None:
+            raise KvFerryError("this decode server's workers have not started their rendezvous yet")
 
     def _claim(self, transfer: str, remaining: int) -> tuple[Optional[int], bool]:
         """One receive per transfer: vLLM's parallel sampling (``n > 1``, ``best_of``) makes
@@ -210,19 +271,9 @@ class SchedulerSide:
         if found is None:
             # Before any connection: only a signed or trusted decode server (kvferry.vllm.trust).
             trust.check_peer(self._authkey, self.config.trusted_peers, params.peer, params.peer_mac)
-            assert params.peer is not None and params.transfer is not None
-            plan = self._plan(params.peer)
+            assert params.transfer is not None
             found = self._lookups[rid] = _Lookup(threading.Event(), params.transfer, request, params, time.monotonic())
-            found.plan, found.prefill_tp, found.prefill_pp = plan, self.tp_size, self.pp_size
-            args = (
-                found,
-                params.peer,
-                self._authkey,
-                params.transfer,
-                params.timeout_s or self.config.destination_timeout_s,
-                self.engine_id,
-            )
-            affinity.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
+            self._start_lookup(found)
         if not found.done.is_set():
             if time.monotonic() - found.started < self.config.admission_wait_s:
                 return None, False  # vLLM asks again next step; the request waits for its destination
@@ -240,6 +291,59 @@ class SchedulerSide:
         del self._lookups[rid]
         self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
         return 0, False
+
+    def _start_lookup(self, found: _Lookup) -> None:
+        """Starts ``found``'s lookup at its peer (checked by the caller), on its own thread.
+        Raises `KvFerryError` for a split kvferry.ranks refuses."""
+        params = found.params
+        assert params.peer is not None and params.transfer is not None
+        found.plan, found.prefill_tp, found.prefill_pp = self._plan(params.peer), self.tp_size, self.pp_size
+        args = (
+            found,
+            params.peer,
+            self._authkey,
+            params.transfer,
+            params.timeout_s or self.config.destination_timeout_s,
+            self.engine_id,
+        )
+        affinity.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
+
+    def _router_send(self, request: Any, params: RequestParams, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """A router's prefill request (kvferry.vllm.router): its decode server is learnt
+        from that server's offer. An offer already here starts the lookup as a kvferry send's
+        peer would; else the request waits for it (up to admission_wait_s, when the router
+        runs both legs at once) or computes at once, and its lookup starts when the offer comes."""
+        rid = request.request_id
+        if rid in self._router_rids:  # asked again: the state it is in says what to do
+            return self._destination(request, params, num_computed_tokens)
+        assert params.transfer is not None
+        self._book.listen()
+        found = _Lookup(threading.Event(), params.transfer, request, params, time.monotonic())
+        taken, offered = self._book.claim(params.transfer, found)
+        if not taken:  # another sample of the same request serves the decode server
+            self.tally.unhonoured("duplicate")
+            return 0, False
+        self._router_rids[rid] = params.transfer
+        if offered is not None:
+            peer, mac = offered
+            return self._destination(request, dataclasses.replace(params, peer=peer, peer_mac=mac), num_computed_tokens)
+        if self._book.expects_concurrent(params.transfer):
+            self._lookups[rid] = found  # `_destination` waits for it as for a lookup
+            return None, False
+        self._computing[rid] = found
+        return 0, False
+
+    def _offer_came(self, found: _Lookup, peer: str, peer_mac: str) -> Optional[str]:
+        """On the offer rendezvous's thread (`router.OfferBook`): starts the waiting
+        request's lookup, or says why it cannot (the decode server is then refused at once)."""
+        found.params = dataclasses.replace(found.params, peer=peer, peer_mac=peer_mac)
+        try:
+            self._start_lookup(found)
+        except KvFerryError as err:
+            found.error = str(err)
+            found.done.set()
+            return str(err)
+        return None
 
     def set_handshakes(self, by_rank: dict[int, Handshake]) -> None:
         """The decode workers' handshakes, one per tensor-parallel rank: the hello's ``peer``
@@ -323,7 +427,7 @@ class SchedulerSide:
         if rid in self._refused:
             self._meta.fails.append((rid, self._refused[rid]))
             return
-        params = parse_params(request.kv_transfer_params)  # checked in get_num_new_matched_tokens
+        params = self._params(request)  # checked in get_num_new_matched_tokens
         assert params is not None and params.op == "recv" and params.transfer is not None
         tables = self.groups.tables(self._manager().get_block_ids(rid))
         prompt_len = request.num_prompt_tokens
@@ -348,6 +452,27 @@ class SchedulerSide:
         self._claimed[params.transfer] = None
         while len(self._claimed) > MAX_OUTCOMES:
             self._claimed.popitem(last=False)
+        if params.router:  # tell the prefill server where to send (its lookup waits for the publish)
+            assert self.handshake is not None and params.offer_to is not None and params.offer_mac is not None
+            router.offer_async(
+                params.offer_to,
+                params.offer_mac,
+                self._authkey,
+                params.transfer,
+                self.handshake.peer,
+                self._own_names(params.transfer),
+                lambda reason: self._unhonoured.append("offer_failed"),
+            )
+
+    def _own_names(self, transfer: str) -> list[tuple[str, str]]:
+        """Every name this decode server may publish ``transfer`` under, at each rank's
+        rendezvous (kvferry.vllm.decode_worker): what an abandon of it must reach."""
+        assert self.handshake is not None
+        pp = self.config.prefill_pp_size
+        names = {transfer} | {
+            leg_name(transfer, p, size, pp) for size in self.config.prefill_tp_sizes for p in range(size * pp)
+        }
+        return [(address, name) for address in self.handshake.peer.split(" ") for name in sorted(names)]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:
         """This step's metadata. It walks the sends (and the new requests) only, not every
@@ -360,6 +485,7 @@ class SchedulerSide:
         ```"""
         meta, self._meta = self._meta, KvferryMetadata()
         self._destinations_arrived(meta)
+        self._router_housekeeping()
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._sending and self._sending[rid].emitted:
                 meta.preempted.append(rid)
@@ -422,6 +548,17 @@ class SchedulerSide:
                     done.update(table[first:end])
         return completing
 
+    def _router_housekeeping(self) -> None:
+        """Counts what other threads saw go wrong since the last step, and tells each decode
+        server whose offer found no prefill request within destination_timeout_s."""
+        while self._unhonoured:
+            self.tally.unhonoured(self._unhonoured.popleft())
+        for transfer, peer in self._book.stale(time.monotonic()):
+            self.tally.unhonoured("no_request")
+            wait = self.config.destination_timeout_s
+            why = f"no prefill request of this transfer came within destination_timeout_s={wait} s"
+            self._tell_abandon(RequestParams("send", transfer, peer), why)
+
     def _destinations_arrived(self, meta: KvferryMetadata) -> None:
         """The lookups of requests computing without a destination that ended since the last
         step: a running request gets its SendSpec (emitted at its next scheduled chunk, with
@@ -440,6 +577,19 @@ class SchedulerSide:
                 pending = late.lookup
                 assert pending is not None
                 if not pending.done.is_set():
+                    deadline = pending.offer_deadline
+                    late_now = deadline is not None and time.monotonic() > deadline
+                    if late_now and self._book.drop(pending.transfer, pending):
+                        # No decode server asked for it: the router's decode leg never came
+                        # (the client went away between the legs, or the router failed it).
+                        del self._late[rid]
+                        self.tally.unhonoured("no_offer")
+                        why = (
+                            f"no decode server asked for its KV within destination_timeout_s="
+                            f"{self.config.destination_timeout_s} s of its prefill's end"
+                        )
+                        logger.warning("kvferry: prefill request %s (transfer %s): %s", rid, pending.transfer, why)
+                        meta.releases.append((rid, pending.transfer, why))
                     continue
                 try:
                     late.spec = self._send_spec(pending, 0)
@@ -467,7 +617,8 @@ class SchedulerSide:
         if refused is not None:
             return False, {"kvferry": {"error": refused}}
         try:
-            params = parse_params(getattr(request, "kv_transfer_params", None))
+            raw = getattr(request, "kv_transfer_params", None)
+            params = parse_router_params(raw, rid) or parse_params(raw)
         except KvFerryError:
             params = None
         if params is not None and params.op == "hello":
@@ -480,8 +631,12 @@ class SchedulerSide:
         computing = self._computing.pop(rid, None)
         sending = self._sending.pop(rid, None)
         lost = self._lost.pop(rid, None)
+        key = self._router_rids.pop(rid, None)
         if params is None or params.op != "send":
             return False, None
+        if params.router:
+            found = lookup or computing
+            return self._router_finished(request, key or params.transfer or "", block_ids, found, sending, lost)
         answer = {"op": "send", "transfer": params.transfer}
         if sending is not None and sending.emitted:
             return True, {"kvferry": answer}  # freed once the worker reports finished_sending
@@ -507,6 +662,42 @@ class SchedulerSide:
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", reason)])
         return False, {"kvferry": answer}
+
+    def _router_finished(
+        self,
+        request: Any,
+        key: str,
+        block_ids: tuple[list[int], ...],
+        found: Optional[_Lookup],
+        sending: Optional[_Sending],
+        lost: Optional[str],
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """A router's prefill request ended: its answer (NixlConnector's shape, whatever
+        happened: a decode server that offers for a transfer that failed here is refused at
+        once, with the reason), and its blocks kept for the late send or freed."""
+        rid = request.request_id
+        answer = router.answer(self._book, self._authkey, self.engine_id, key, self.tp_size)
+        if sending is not None and sending.emitted:
+            return True, answer  # freed once the worker reports finished_sending
+        computed = request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+        if computed and lost is None and (sending is not None or found is not None):
+            if found is not None and not found.done.is_set():
+                # Still no offer, the usual case when the router sends the decode leg once this
+                # answer reached it: the blocks wait for it, at most destination_timeout_s.
+                found.offer_deadline = time.monotonic() + self.config.destination_timeout_s
+            self._late[rid] = _Late(self.groups.tables(block_ids), found, None if sending is None else sending.spec)
+            return True, answer
+        if found is not None:
+            self._book.drop(key, found)
+        if lost is None and found is None and sending is None:
+            return False, answer  # another sample served this transfer
+        reason = lost or f"prefill request {rid} ended ({request.status.name.lower()}) before its KV was sent"
+        self._book.end(key, reason)
+        peer = sending.spec.peer if sending is not None else (found.params.peer if found is not None else None)
+        if lost is None and peer:
+            self._tell_abandon(RequestParams("send", key, peer), reason)
+        self.record([Outcome(key, "failed", reason)])
+        return False, answer
 
     def _hello(self) -> dict[str, Any]:
         hello: dict[str, Any] = {"op": "hello", "role": self.role}
@@ -548,8 +739,19 @@ class SchedulerSide:
         answer["state"] = "active" if active else "unknown"
         return answer
 
+    def close(self) -> None:
+        """Stops the offer rendezvous (routers), if it started."""
+        self._book.close()
+
     def has_pending(self) -> bool:
         return bool(self._lookups or self._computing or self._late)
+
+
+def _what(params: RequestParams, op: str) -> str:
+    """How a refusal names what the request asked for."""
+    if params.router:
+        return "kv_transfer_params.do_remote_prefill" if op == "recv" else "kv_transfer_params.do_remote_decode"
+    return f"op {op!r}"
 
 
 def _named_transfer(params: Any) -> Optional[str]:

@@ -10,9 +10,18 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvferry.vllm.tally import COUNTERS, FAILURE_REASONS, HISTOGRAMS, Tally, failure_reason
+from kvferry.vllm.tally import COUNTERS, FAILURE_REASONS, HISTOGRAMS, UNHONOURED_REASONS, Tally, failure_reason
 
-__all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "KvferryPromMetrics", "KvferryStats", "Tally", "failure_reason"]
+__all__ = [
+    "COUNTERS",
+    "FAILURE_REASONS",
+    "HISTOGRAMS",
+    "UNHONOURED_REASONS",
+    "KvferryPromMetrics",
+    "KvferryStats",
+    "Tally",
+    "failure_reason",
+]
 
 
 @dataclass
@@ -81,12 +90,26 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             for reason in FAILURE_REASONS
         }
 
+        unhonoured = self._counter_cls(
+            name="vllm:kvferry_unhonoured",
+            documentation="Requests whose kv_transfer_params were not served as they asked, by reason: "
+            + "; ".join(f"{k}: {v}" for k, v in UNHONOURED_REASONS.items()),
+            labelnames=[*labelnames, "reason"],
+        )
+        self.unhonoured = {
+            (idx, reason): unhonoured.labels(*values, reason)
+            for idx, values in per_engine_labelvalues.items()
+            for reason in UNHONOURED_REASONS
+        }
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counts", {}).items():
             if name in self.counters:
                 self.counters[name][engine_idx].inc(value)
             elif name.startswith("failures/") and (engine_idx, name[9:]) in self.failures:
                 self.failures[(engine_idx, name[9:])].inc(value)
+            elif name.startswith("unhonoured/") and (engine_idx, name[11:]) in self.unhonoured:
+                self.unhonoured[(engine_idx, name[11:])].inc(value)
         for name, values in transfer_stats_data.get("observed", {}).items():
             if name in self.histograms:
                 for value in values:

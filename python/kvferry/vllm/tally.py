@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "Tally", "failure_reason"]
+__all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "UNHONOURED_REASONS", "Tally", "failure_reason"]
 
 # name -> help; each becomes the counter vllm:kvferry_<name>_total.
 COUNTERS = {
@@ -61,6 +61,19 @@ _REASON_WORDS = (  # first match wins: the words kvferry's errors say for each k
 )
 
 
+# The counter vllm:kvferry_unhonoured_total{reason=...}: requests whose kv_transfer_params were
+# not served as they asked (the scheduler half counts them, each with a log line):
+UNHONOURED_REASONS = {
+    "refused": "refused by name (bad or unusable parameters, the wrong role): the request failed",
+    "ignored_keys": "NixlConnector-protocol parameters with keys kvferry does not read (served without them)",
+    "not_kvferry": "parameters that ask for no kvferry transfer (another connector's protocol): computed here alone",
+    "duplicate": "a second prefill request of one transfer id (n > 1 samples): the first one sends",
+    "offer_failed": "decode side: the prefill server could not be told where to send (the request failed)",
+    "no_offer": "prefill side: no decode server asked for the KV in time (its blocks were freed)",
+    "no_request": "prefill side: a decode server's offer that no prefill request took in time",
+}
+
+
 def failure_reason(text: str) -> str:
     """The `FAILURE_REASONS` label of a failed transfer's error text."""
     low = text.lower()
@@ -86,6 +99,13 @@ class Tally:
     def fail(self, reason: str) -> None:
         """One failed transfer, counted under its reason's label (`failure_reason`)."""
         key = f"failures/{failure_reason(reason)}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.totals[key] = self.totals.get(key, 0) + 1
+
+    def unhonoured(self, reason: str) -> None:
+        """One request not served as its parameters asked, by `UNHONOURED_REASONS`."""
+        assert reason in UNHONOURED_REASONS, reason
+        key = f"unhonoured/{reason}"
         self.counts[key] = self.counts.get(key, 0) + 1
         self.totals[key] = self.totals.get(key, 0) + 1
 

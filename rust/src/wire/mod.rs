@@ -229,6 +229,11 @@ frame_types! {
     Abandon = 15, "abandon";
     /// Rendezvous to the prefill side: the abandon is recorded.
     Abandoned = 16, "abandoned";
+    /// Decode side to a prefill server's rendezvous: a transfer's destination is published
+    /// at this decode server (routers that tell the decode server where the prefill ran).
+    Offer = 17, "offer";
+    /// A prefill server's rendezvous to the decode side: the offer is taken.
+    Accepted = 18, "accepted";
 }
 
 /// A fixed sequence of fields, read and written in order (the `record!` table).

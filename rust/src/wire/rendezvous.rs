@@ -2,7 +2,9 @@
 //! codec's header and handshake. A lookup (transfer id, wait in milliseconds, the prefill
 //! engine's id) is answered by a destination (request id, epoch, prompt length, block size,
 //! held blocks, destination block ids, prompt digest, decode engine id, endpoint URL) or a
-//! refusal (why); an abandon (transfer id, reason) by an abandoned (no body). The
+//! refusal (why); an abandon (transfer id, reason) by an abandoned (no body); an offer
+//! (transfer id, the decode server's rendezvous addresses, their signature), which a decode
+//! server sends to the prefill server a router named, by an accepted (no body) or a refusal. The
 //! transports' codec knows none of these: a rendezvous frame on a transport's channel (or
 //! the other way round) is refused as a type that channel does not take.
 
@@ -23,11 +25,16 @@ pub const MAX_URL_BYTES: usize = 1024;
 pub const MAX_DIGEST_BYTES: usize = 64;
 /// The longest refusal a rendezvous answers with (it names the transfer and a reason).
 pub const MAX_ERROR_BYTES: usize = 4096;
+/// The longest peer an offer names: every decode rank's rendezvous URL, separated by spaces.
+pub const MAX_PEER_BYTES: usize = 4096;
+/// An offer's signature of its peer: HMAC-SHA256 in lower-case hex.
+pub const PEER_MAC_BYTES: usize = 64;
 
 frame_set! {
     /// One frame of the rendezvous's channel.
     pub enum Frame for "rendezvous" {
-        Challenge, Proof, Lookup, Destination, Refused, Abandon, Abandoned, Goodbye,
+        Challenge, Proof, Lookup, Destination, Refused, Abandon, Abandoned, Offer, Accepted,
+        Goodbye,
     }
 }
 
@@ -100,6 +107,25 @@ record! {
 record! {
     /// The abandon is recorded (no body).
     pub struct Abandoned {}
+}
+
+record! {
+    /// A decode server telling a prefill server's rendezvous that the destination of
+    /// `transfer` is published at `peer` (the decode server's rendezvous, one URL per tensor
+    /// parallel rank, separated by spaces), signed by `peer_mac`.
+    pub struct Offer {
+        /// The transfer id (1 to [`MAX_TRANSFER_BYTES`]).
+        transfer: String = text(MAX_TRANSFER_BYTES),
+        /// 1 to [`MAX_PEER_BYTES`] of UTF-8, no control characters.
+        peer: String = text(MAX_PEER_BYTES),
+        /// [`PEER_MAC_BYTES`] lower-case hex digits.
+        peer_mac: String = text(PEER_MAC_BYTES),
+    }
+}
+
+record! {
+    /// The offer is taken (no body).
+    pub struct Accepted {}
 }
 
 impl Check for Lookup {
@@ -179,6 +205,35 @@ impl Check for Abandon {
 
 impl Check for Abandoned {}
 
+impl Check for Offer {
+    fn check(&self) -> Result<()> {
+        check_text("transfer", &self.transfer, MAX_TRANSFER_BYTES)?;
+        let peer = &self.peer;
+        if peer.is_empty() || peer.len() > MAX_PEER_BYTES || peer.chars().any(char::is_control) {
+            return Err(WireError::field(
+                "peer",
+                format!("<{} bytes>", peer.len()),
+                "1 to 4096 bytes of UTF-8, no control characters",
+            ));
+        }
+        let mac = &self.peer_mac;
+        if mac.len() != PEER_MAC_BYTES
+            || !mac
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return Err(WireError::field(
+                "peer_mac",
+                format!("<{} bytes>", mac.len()),
+                "64 lower-case hex digits",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Check for Accepted {}
+
 #[cfg(test)]
 mod tests {
     use super::super::{decode_header, FrameType, HEADER_BYTES, MAX_FRAME_BYTES, NONCE_BYTES};
@@ -213,6 +268,14 @@ mod tests {
         })
     }
 
+    fn offer(transfer: &str, peer: &str, peer_mac: &str) -> Frame {
+        Frame::Offer(Offer {
+            transfer: transfer.into(),
+            peer: peer.into(),
+            peer_mac: peer_mac.into(),
+        })
+    }
+
     #[test]
     fn rendezvous_frames_round_trip() {
         for frame in [
@@ -226,6 +289,8 @@ mod tests {
                 reason: String::new(),
             }),
             Frame::Abandoned(Abandoned {}),
+            offer("T", "unix:///tmp/a.sock tcp://10.0.0.2:7001", &"ab12".repeat(16)),
+            Frame::Accepted(Accepted {}),
         ] {
             let bytes = encode(&frame).unwrap();
             assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
@@ -314,6 +379,17 @@ mod tests {
         assert_eq!(
             refused_field(&abandon("T", "r".repeat(MAX_REASON_BYTES + 1))),
             "reason"
+        );
+        let mac = "0f".repeat(32);
+        assert_eq!(refused_field(&offer("", "unix:///p", &mac)), "transfer");
+        assert_eq!(refused_field(&offer("T", "", &mac)), "peer");
+        assert_eq!(refused_field(&offer("T", "unix:///p\n", &mac)), "peer");
+        let long = "p".repeat(MAX_PEER_BYTES + 1);
+        assert_eq!(refused_field(&offer("T", &long, &mac)), "peer");
+        assert_eq!(refused_field(&offer("T", "unix:///p", &mac[2..])), "peer_mac");
+        assert_eq!(
+            refused_field(&offer("T", "unix:///p", &mac.to_uppercase())),
+            "peer_mac"
         );
     }
 

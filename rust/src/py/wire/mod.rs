@@ -398,6 +398,8 @@ pub fn frame_fields(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     add(FrameType::Refused, rendezvous::Refused::FIELDS)?;
     add(FrameType::Abandon, rendezvous::Abandon::FIELDS)?;
     add(FrameType::Abandoned, rendezvous::Abandoned::FIELDS)?;
+    add(FrameType::Offer, rendezvous::Offer::FIELDS)?;
+    add(FrameType::Accepted, rendezvous::Accepted::FIELDS)?;
     Ok(out)
 }
 
