@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
+from sched_fakes import Manager, Request, Status, publish, step  # noqa: E402
 from vllm_harness import BLOCK, Engine, hello_of, model_with_own_key_dir, prompt_of, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -623,43 +624,6 @@ def test_admission_wait_is_checked_by_name() -> None:
             ConnectorConfig.from_extra({"admission_wait_s": value})
 
 
-class _Status:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class _Request:
-    """What the scheduler half reads of vLLM's Request."""
-
-    def __init__(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
-        self.request_id, self.prompt_token_ids, self.kv_transfer_params = rid, prompt, params
-        self.num_prompt_tokens = self.num_tokens = len(prompt)
-        self.status = _Status("WAITING")
-
-
-class _Manager:
-    def __init__(self, tables: dict[str, list[int]]) -> None:
-        self.tables = tables
-
-    def get_block_ids(self, rid: str) -> tuple[list[int]]:
-        return (self.tables[rid],)
-
-
-def _step(scheduled: dict[str, tuple[int, int]]) -> Any:
-    """A SchedulerOutput with ``scheduled`` (req_id -> (computed before, tokens this step))."""
-    from types import SimpleNamespace
-
-    cached = SimpleNamespace(
-        req_ids=list(scheduled), num_computed_tokens=[s for s, _ in scheduled.values()], resumed_req_ids=set()
-    )
-    return SimpleNamespace(
-        preempted_req_ids=(),
-        num_scheduled_tokens={r: n for r, (_, n) in scheduled.items()},
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=cached,
-    )
-
-
 @pytest.fixture
 def half(tmp_path: Any) -> Any:
     """A prefill scheduler half computing at once (``admission_wait_s`` 0) against a real
@@ -670,7 +634,7 @@ def half(tmp_path: Any) -> Any:
 
     key = b"a" * 32
     rdv = rendezvous.Rendezvous(key, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
-    manager = _Manager({})
+    manager = Manager({})
     side = SchedulerSide(
         ConnectorConfig(admission_wait_s=0.0),
         block_size=4,
@@ -684,25 +648,6 @@ def half(tmp_path: Any) -> Any:
     rdv.close()
 
 
-def _publish(rdv: Any, transfer: str, prompt: list[int]) -> None:
-    from kvferry.vllm.config import prompt_digest
-
-    blocks = -(-len(prompt) // 4)
-    rdv.publish(
-        transfer,
-        {
-            "request_id": 1 << 32,
-            "epoch": 1,
-            "prompt_len": len(prompt),
-            "digest": prompt_digest(prompt),
-            "block_size": 4,
-            "dst_blocks": list(range(100, 100 + blocks)),
-            "held_blocks": 0,
-            "engine": "decode-engine",
-        },
-    )
-
-
 def _send_params(rdv: Any, mac: str, transfer: str, timeout_s: float = 30.0) -> dict[str, Any]:
     ours = {"op": "send", "transfer": transfer, "peer": rdv.address, "peer_mac": mac, "timeout_s": timeout_s}
     return {"kvferry": ours}
@@ -714,23 +659,23 @@ def test_destination_after_the_prompt_computed_goes_as_one_late_send(half: Any) 
     SendSpec and one chunk [0, L) over the finished request's blocks."""
     side, rdv, manager, mac = half
     prompt, transfer = list(range(1, 11)), uuid.uuid4().hex  # 10 tokens, 3 blocks of 4
-    req = _Request("p1", prompt, _send_params(rdv, mac, transfer))
+    req = Request("p1", prompt, _send_params(rdv, mac, transfer))
     manager.tables["p1"] = [7, 8, 9]
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # computes at once (before: None)
-    meta = side.build_connector_meta(_step({"p1": (0, 10)}))
+    meta = side.build_connector_meta(step({"p1": (0, 10)}))
     assert meta.sends == [] and meta.chunks == []  # no destination: nothing to send yet
-    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    req.status = Status("FINISHED_LENGTH_CAPPED")
     assert side.request_finished(req, [7, 8, 9]) == (True, {"kvferry": {"op": "send", "transfer": transfer}})
     assert side._status(transfer)["state"] == "active" and side.has_pending()
-    _publish(rdv, transfer, prompt)
+    publish(rdv, transfer, prompt)
     (late,) = side._late.values()
     assert late.lookup is not None and late.lookup.done.wait(30)
-    meta = side.build_connector_meta(_step({}))
+    meta = side.build_connector_meta(step({}))
     (spec,) = meta.sends
     assert (spec.req_id, spec.transfer, spec.reused_len, spec.finished) == ("p1", transfer, 0, True)
     assert spec.destination["dst_blocks"] == [100, 101, 102]
     assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [[7, 8, 9]])]
-    assert not side.has_pending() and side.build_connector_meta(_step({})).sends == []  # sent once
+    assert not side.has_pending() and side.build_connector_meta(step({})).sends == []  # sent once
 
 
 def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:
@@ -739,18 +684,18 @@ def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -
     far leave early), and the request's end delays the free as for any send."""
     side, rdv, manager, mac = half
     prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
-    req = _Request("p2", prompt, _send_params(rdv, mac, transfer))
+    req = Request("p2", prompt, _send_params(rdv, mac, transfer))
     manager.tables["p2"] = [3, 4, 5]
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert side.build_connector_meta(_step({"p2": (0, 4)})).sends == []
-    _publish(rdv, transfer, prompt)
+    assert side.build_connector_meta(step({"p2": (0, 4)})).sends == []
+    publish(rdv, transfer, prompt)
     assert side._computing["p2"].done.wait(30)
-    meta = side.build_connector_meta(_step({"p2": (4, 4)}))
+    meta = side.build_connector_meta(step({"p2": (4, 4)}))
     (spec,) = meta.sends
     assert (spec.reused_len, spec.finished) == (4, False)
     assert [(c.start, c.end) for c in meta.chunks] == [(4, 8)]
-    assert [(c.start, c.end) for c in side.build_connector_meta(_step({"p2": (8, 2)})).chunks] == [(8, 10)]
-    req.status = _Status("FINISHED_LENGTH_CAPPED")
+    assert [(c.start, c.end) for c in side.build_connector_meta(step({"p2": (8, 2)})).chunks] == [(8, 10)]
+    req.status = Status("FINISHED_LENGTH_CAPPED")
     assert side.request_finished(req, [3, 4, 5])[0] is True
 
 
@@ -761,13 +706,13 @@ def test_no_destination_within_the_bound_releases_and_abandons(half: Any) -> Non
     request that names it later fails at once."""
     side, rdv, manager, mac = half
     prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
-    req = _Request("p3", prompt, _send_params(rdv, mac, transfer, timeout_s=0.5))
+    req = Request("p3", prompt, _send_params(rdv, mac, transfer, timeout_s=0.5))
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    req.status = _Status("FINISHED_STOPPED")
+    req.status = Status("FINISHED_STOPPED")
     assert side.request_finished(req, [1, 2, 3])[0] is True
     (late,) = side._late.values()
     assert late.lookup is not None and late.lookup.done.wait(30)
-    meta = side.build_connector_meta(_step({}))
+    meta = side.build_connector_meta(step({}))
     assert meta.sends == [] and meta.chunks == []
     ((rid, named, why),) = meta.releases
     assert (rid, named) == ("p3", transfer) and "no decode request expected it within 0.5 s" in why, why
@@ -780,9 +725,9 @@ def test_an_aborted_request_computing_before_its_destination_is_freed_at_once(ha
     freed at once) and the decode side is told the transfer was abandoned."""
     side, rdv, manager, mac = half
     prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
-    req = _Request("p4", prompt, _send_params(rdv, mac, transfer))
+    req = Request("p4", prompt, _send_params(rdv, mac, transfer))
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    req.status = _Status("FINISHED_ABORTED")
+    req.status = Status("FINISHED_ABORTED")
     delay, answer = side.request_finished(req, [1, 2])
     assert (
         delay is False

@@ -303,7 +303,7 @@ class SchedulerSide:
             params.peer,
             self._authkey,
             params.transfer,
-            params.timeout_s or self.config.destination_timeout_s,
+            _capped(params.timeout_s, self.config.destination_timeout_s),
             self.engine_id,
         )
         affinity.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
@@ -409,7 +409,7 @@ class SchedulerSide:
             reused_len,
             params.peer or "",
             destination,
-            params.timeout_s or self.config.transfer_timeout_s,
+            _capped(params.timeout_s, self.config.transfer_timeout_s),
             legs=found.legs,
         )
 
@@ -435,7 +435,7 @@ class SchedulerSide:
         kv_id = next(self._kv_ids)
         assert kv_id + len(self.groups) <= MAX_KV_ID
         blocks = math.ceil(prompt_len / self.block_size)
-        timeout = params.timeout_s or self.config.transfer_timeout_s
+        timeout = _capped(params.timeout_s, self.config.transfer_timeout_s)
         self._meta.recvs.append(
             RecvSpec(
                 rid,
@@ -589,6 +589,7 @@ class SchedulerSide:
                             f"{self.config.destination_timeout_s} s of its prefill's end"
                         )
                         logger.warning("kvferry: prefill request %s (transfer %s): %s", rid, pending.transfer, why)
+                        self._book.end(pending.transfer, why)  # a decode server offering later is told at once
                         meta.releases.append((rid, pending.transfer, why))
                     continue
                 try:
@@ -745,6 +746,12 @@ class SchedulerSide:
 
     def has_pending(self) -> bool:
         return bool(self._lookups or self._computing or self._late)
+
+
+def _capped(asked: Optional[float], bound: float) -> float:
+    """A request's own ``timeout_s`` (from an HTTP body) within the operator's ``bound``: a
+    client may ask to wait less, never to hold blocks, threads and sockets longer."""
+    return bound if asked is None else min(asked, bound)
 
 
 def _what(params: RequestParams, op: str) -> str:

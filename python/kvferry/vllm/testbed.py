@@ -628,6 +628,87 @@ class Testbed:
             s.stop()
 
 
+# vllm-router's P/D modes (``--kv-connector``) a run can put in front of the servers.
+ROUTER_MODES = ("nixl", "mooncake", "moriio")
+
+
+@dataclass
+class Router:
+    """vllm-router (the vllm-project router, PyPI ``vllm-router``) in P/D mode, a subprocess."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as err:
+            return f"(log unreadable: {err})"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def router_binary() -> Optional[str]:
+    """The ``vllm-router`` script beside this Python (``make setup-vllm`` installs it), or on PATH."""
+    here = Path(sys.executable).parent / "vllm-router"
+    if here.exists():
+        return str(here)
+    import shutil
+
+    return shutil.which("vllm-router")
+
+
+def start_router(
+    prefills: Sequence[str], decodes: Sequence[str], workdir: Path, mode: str = "nixl", timeout_s: float = 120.0
+) -> Router:
+    """Starts vllm-router ``--vllm-pd-disaggregation`` in front of the servers' URLs on a free
+    loopback port, with ``--kv-connector mode``, and waits until it answers /health."""
+    if mode not in ROUTER_MODES:
+        raise ValueError(f"invalid mode={mode!r}: vllm-router's --kv-connector takes {', '.join(ROUTER_MODES)}")
+    binary = router_binary()
+    if binary is None:
+        raise ServerError("vllm-router is not installed (make setup-vllm installs it into .venv-vllm)")
+    port = free_port()
+    args = [binary, "--vllm-pd-disaggregation", "--kv-connector", mode, "--policy", "round_robin"]
+    for url in prefills:
+        args += ["--prefill", url]
+    for url in decodes:
+        args += ["--decode", url]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    args += ["--worker-startup-timeout-secs", "600", "--disable-retries"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "vllm-router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
+    router = Router(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(f"vllm-router exited with status {proc.returncode}; log {log_path}:\n{router.log_tail()}")
+        try:
+            with urllib.request.urlopen(router.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return router
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            router.stop()
+            raise ServerError(f"vllm-router not ready after {timeout_s:.0f} s; log {log_path}:\n{router.log_tail()}")
+        time.sleep(0.25)  # polling interval of a readiness probe, not synchronisation of a test
+
+
 @contextlib.contextmanager
 def single_server(model: Path, workdir: Path, engine: EngineSettings = EngineSettings()) -> Iterator[Server]:
     """One plain server (no connector): the reference the disaggregated outputs must equal."""
