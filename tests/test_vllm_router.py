@@ -1,0 +1,187 @@
+"""KvferryConnector as a drop-in for NixlConnector under the routers serving teams run, on real
+vLLM 0.32 CPU servers: vllm-router (``--vllm-pd-disaggregation --kv-connector nixl``; once a
+prefill answers ``transfer_mode: "push"`` it runs both legs of later requests at once) and
+vLLM's toy-proxy protocol, driven from the test. The same checks run with NixlConnector
+servers under the same router, which shows the checks themselves are right.
+
+Each mode, over multi-turn sessions: every greedy output equals a plain server's; the decode
+server computed under 10% of its prompt tokens itself (``vllm:prompt_tokens_by_source_total``);
+transfers were counted; with kvferry under vllm-router the prefix left early (the prefill
+server's cache holds a shared system prompt the decode server lacks); both servers hold no KV
+blocks afterwards.
+
+Needs vLLM and vllm-router (``make setup-vllm && make test-vllm``); skipped where vLLM is not
+importable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv (make setup-vllm; make test-vllm runs these)")
+
+from kvferry.vllm import testbed  # noqa: E402
+from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_harness import wait_until  # noqa: E402
+
+COMPLETIONS = "/v1/completions"
+TURNS = 3
+OUT = 10
+# The toy proxy's prefill leg (vLLM's examples/online_serving/disaggregated_serving).
+PREFILL_LEG = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return testbed.build_tiny_llama(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[testbed.Server]:
+    server = testbed.start_server("plain", model, tmp_path_factory.mktemp("plain"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["kvferry", "nixl"])
+def routed(
+    request: pytest.FixtureRequest, plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, testbed.Server, Testbed, testbed.Router]]:
+    """A prefill/decode pair of one connector, every server at its defaults, behind vllm-router."""
+    work = tmp_path_factory.mktemp(request.param)
+    prefill_config, decode_config = testbed.CONNECTORS[request.param]
+    with Testbed(model, work, prefill_config, decode_config, proxy_connector=None) as bed:
+        testbed.wait_ready([plain])
+        router = testbed.start_router([s.url for s in bed.prefills], [s.url for s in bed.decodes], work)
+        try:
+            yield request.param, plain, bed, router
+        finally:
+            router.stop()
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, testbed.VOCAB) for _ in range(n)]
+
+
+def _body(prompt: list[int]) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": OUT, "temperature": 0, "ignore_eos": True}
+
+
+def _session(send: Any, system: list[int], seed: int) -> list[Answer]:
+    """A multi-turn session over a shared system prompt: each turn's prompt is the last one,
+    its answer and new tokens (a tool's output)."""
+    rng = random.Random(seed)
+    prompt, answers = system + _tokens(rng, 60), []
+    for _ in range(TURNS):
+        answer = send(_body(prompt))
+        assert answer.status == 200, answer.body
+        answers.append(answer)
+        prompt = prompt + answer.token_ids + _tokens(rng, 50)
+    return answers
+
+
+def _toy_proxy(prefill: str, decode: str) -> Any:
+    """vLLM's toy-proxy protocol: the prefill leg with ``PREFILL_LEG`` and one token, then the
+    decode leg with whatever ``kv_transfer_params`` the prefill answered."""
+
+    def send(body: dict[str, Any]) -> Answer:
+        first = call(prefill, COMPLETIONS, dict(body, max_tokens=1, kv_transfer_params=PREFILL_LEG))
+        assert first.status == 200, first.body
+        params = first.body.get("kv_transfer_params")
+        assert params, f"the prefill server answered no kv_transfer_params: {first.body}"
+        return call(decode, COMPLETIONS, dict(body, kv_transfer_params=params))
+
+    return send
+
+
+def _counter(server: testbed.Server, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith(name) and "_created" not in line and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _figures(bed: Testbed) -> dict[str, float]:
+    prefill, decode = bed.prefills[0], bed.decodes[0]
+    return {
+        "prompt": _counter(decode, "vllm:prompt_tokens_total{"),
+        "computed": _counter(decode, "vllm:prompt_tokens_by_source_total", source="local_compute"),
+        "transfers": _counter(prefill, "vllm:kvferry_transfers_total"),
+        "early": _counter(prefill, "vllm:kvferry_early_issued_bytes_total"),
+        "unhonoured": sum(_counter(s, "vllm:kvferry_unhonoured_total") for s in bed.servers()),
+    }
+
+
+def _check_mode(routed: Any, send: Any, seed: int, concurrent: bool) -> None:
+    connector, plain, bed, _ = routed
+    rng = random.Random(seed)
+    system = _tokens(rng, 256)  # a shared system prompt: eight blocks of 32
+    # The prefill server holds it, the decode server does not: its blocks cross, early where
+    # the decode leg runs beside the prefill leg.
+    warm = call(bed.prefills[0].url, COMPLETIONS, dict(_body(system), max_tokens=1))
+    assert warm.status == 200, warm.body
+    before = _figures(bed)
+    got = [_session(send, system, seed + s) for s in range(2)]
+    want = [_session(lambda body: call(plain.url, COMPLETIONS, body), system, seed + s) for s in range(2)]
+    for s, (w, g) in enumerate(zip(want, got)):
+        for turn, (a, b) in enumerate(zip(w, g)):
+            assert len(a.token_ids) == OUT, a.body
+            assert b.token_ids == a.token_ids, f"session {s} turn {turn}"
+    assert len({t for session in want for a in session for t in a.token_ids}) > 6  # varied, not constant
+    after = _figures(bed)
+    prompt, computed = after["prompt"] - before["prompt"], after["computed"] - before["computed"]
+    assert prompt > 0 and computed < 0.1 * prompt, (computed, prompt)  # the decode server recomputed nothing
+    if connector == "kvferry":
+        assert after["transfers"] - before["transfers"] >= 2 * TURNS
+        assert after["unhonoured"] == before["unhonoured"]
+        if concurrent:
+            assert after["early"] > before["early"]
+    wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "both servers to hold no KV blocks")
+
+
+def test_vllm_router_nixl_mode(routed: Any) -> None:
+    """vllm-router in its default P/D mode. With kvferry the first answer says push, so the
+    router runs both legs of the later requests at once, and the prefix leaves early."""
+    _, _, _, router = routed
+    send = lambda body: call(router.url, COMPLETIONS, body)  # noqa: E731
+    first = send(_body(_tokens(random.Random(1), 40)))  # the router learns the prefill's answer
+    assert first.status == 200, first.body
+    _check_mode(routed, send, seed=100, concurrent=True)
+
+
+def test_toy_proxy_protocol(routed: Any) -> None:
+    _, _, bed, _ = routed
+    _check_mode(routed, _toy_proxy(bed.prefills[0].url, bed.decodes[0].url), seed=200, concurrent=False)
+
+
+@pytest.mark.parametrize("routed", ["kvferry"], indirect=True)
+def test_a_request_kvferry_cannot_serve_is_refused_and_counted(routed: Any) -> None:
+    """A decode leg whose parameters name no usable prefill server (another connector's
+    answer, a forged address) fails with the field named, and the metric counts it: never
+    an unannounced recompute."""
+    _, _, bed, _ = routed
+    decode = bed.decodes[0]
+    before = _counter(decode, "vllm:kvferry_unhonoured_total", reason="refused")
+    nixl_answer = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1],
+                   "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}  # fmt: skip
+    answer = call(decode.url, COMPLETIONS, dict(_body([5] * 40), kv_transfer_params=nixl_answer))
+    assert answer.status != 200
+    assert _counter(decode, "vllm:kvferry_unhonoured_total", reason="refused") == before + 1
+    assert "remote_request_id" in decode.log_tail(20000)
+    wait_until(lambda: decode.kv_blocks()[0] == 0, "the decode server to hold no KV blocks")
