@@ -2823,7 +2823,7 @@ ROWS: list[Row] = [
         "--tokens-per-block 2**64",
         lambda _: cli("plan", "--tokens-per-block", str(HUGE), "--prompt", "8"),
         CliExit,
-        f"invalid tokens_per_block={HUGE}",
+        f"invalid --tokens-per-block={HUGE}",
     ),
     Row(
         "cli-plan-prompt-zero",
@@ -2839,7 +2839,7 @@ ROWS: list[Row] = [
         "--prompt 10**20",
         lambda _: cli("plan", "--tokens-per-block", "4", "--prompt", str(10**20)),
         CliExit,
-        f"invalid prompt_len={10**20}",
+        f"invalid --prompt={10**20}",
     ),
     Row(
         "cli-plan-prompt-too-long",
@@ -2847,7 +2847,7 @@ ROWS: list[Row] = [
         "--prompt over MAX_LEDGER_BLOCKS blocks",
         lambda _: cli("plan", "--tokens-per-block", "1", "--prompt", str(MAX_LEDGER_BLOCKS + 1)),
         CliExit,
-        f"invalid prompt_len={MAX_LEDGER_BLOCKS + 1}",
+        f"invalid --prompt={MAX_LEDGER_BLOCKS + 1}",
     ),
     Row(
         "cli-plan-prompt-missing",
@@ -2871,7 +2871,7 @@ ROWS: list[Row] = [
         "--reused == --prompt",
         lambda _: cli("plan", "--tokens-per-block", "4", "--prompt", "8", "--reused", "8"),
         CliExit,
-        "invalid reused_len=8: must be < prompt_len (8)",
+        "invalid --reused=8: must be < --prompt (8)",
     ),
     Row(
         "cli-plan-chunk-zero",

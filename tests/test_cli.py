@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,7 +99,12 @@ def test_plan_request_covers_every_block_once() -> None:
     [
         (["--tokens-per-block", "0", "--prompt", "5"], "--tokens-per-block: must be > 0, got 0"),
         (["--tokens-per-block", "x", "--prompt", "5"], "expected an integer, got 'x'"),
-        (["--tokens-per-block", "4", "--prompt", "8", "--reused", "8"], "invalid reused_len=8"),
+        (["--tokens-per-block", "4", "--prompt", "8", "--reused", "8"], "invalid --reused=8: must be < --prompt (8)"),
+        (
+            ["--tokens-per-block", "1", "--prompt", str((1 << 24) + 1)],
+            f"invalid --prompt={(1 << 24) + 1}: must be at most {1 << 24} tokens",
+        ),
+        (["--tokens-per-block", str(2**64), "--prompt", "8"], f"invalid --tokens-per-block={2**64}"),
         (["--tokens-per-block", "4", "--prompt", "8", "--reused", "-1"], "must be >= 0, got -1"),
         (["--tokens-per-block", "4"], "--prompt"),
     ],
@@ -110,6 +117,120 @@ def test_bad_arguments_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv:
     _, err = capsys.readouterr()
     assert needle in err
     assert len(err.strip().splitlines()) == 1, err
+    # The user typed flags: no Python parameter name of the ledger reaches them.
+    assert not any(name in err for name in ("reused_len", "prompt_len", "tokens_per_block")), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "commands"),
+    [
+        ([], ("plan", "proxy", "doctor", "trace", "bench")),
+        (["bench"], ("copy", "agentic", "vllm", "fanout", "tiers")),
+    ],
+    ids=["kvferry", "kvferry-bench"],
+)
+def test_a_bare_command_lists_its_subcommands(
+    capsys: pytest.CaptureFixture[str], argv: list[str], commands: tuple[str, ...]
+) -> None:
+    """A bare ``kvferry`` or ``kvferry bench`` is a usage error (status 2) that lists what it
+    takes, each command with its one-line help, instead of "arguments are required"."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "arguments are required" not in err
+    assert err.startswith(" ".join(["usage: kvferry", *argv]))
+    listed = {line.split()[0]: line.split(None, 1)[1:] for line in err.splitlines() if line.startswith("    ")}
+    assert set(commands) <= set(listed) and all(listed[c] for c in commands), err  # each with its help
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``kvferry doctor | head -1``: the reader closes the pipe before the report is written.
+    Here the pipe has no reader at all, so every write fails: the command stops with status 1
+    and no BrokenPipeError traceback (before: "Exception ignored ... BrokenPipeError", 120)."""
+    key = tmp_path / "authkey"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvferry.cli", "doctor", "--no-ucx", "--authkey-file", str(key)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 1
+
+
+def test_proxy_names_its_extra_when_aiohttp_is_missing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # an import of it now fails as if absent
+    assert main(["proxy", "--prefill", "http://p", "--decode", "http://d", "--port", "8000"]) == 2
+    assert capsys.readouterr().err == (
+        "kvferry proxy: error: kvferry proxy needs aiohttp, which is not installed: pip install 'kvferry[proxy]'\n"
+    )
+
+
+# Flags several benches share but whose defaults differ on purpose: each sizes its own
+# workload (the vLLM bench a smaller model and conversation, as vLLM's CPU build computes them
+# several times slower than the reference engine) or names its own output. Every other shared
+# flag has one default everywhere (--tokens-per-block once had 16 in one bench, 32 in another).
+WORKLOAD_FLAGS = {
+    "--blocks": "copy: a list of transfer sizes; tiers: one prefix",
+    "--cached": "the vLLM bench's conversations are shorter",
+    "--new": "the vLLM bench's conversations are shorter",
+    "--output": "fanout: four tokens per request of eight",
+    "--chunk": "agentic: unchunked; vllm: vLLM's max_num_batched_tokens; fanout: its 8k prefix in 8",
+    "--hidden": "the vLLM bench's model is smaller",
+    "--ffn": "the vLLM bench's model is smaller",
+    "--heads": "the vLLM bench's model is smaller",
+    "--kv-heads": "the vLLM bench's model is smaller",
+    "--layers": "copy and tiers: by device (None: 8 on cpu, 32 on cuda)",
+    "--transport": "copy: every transport; tiers: by device; agentic, fanout: in-process",
+    "--png": "each bench names its own picture",
+}
+
+
+def test_benches_share_one_default_per_flag() -> None:
+    from kvferry.cli import _subcommand, build_parser
+
+    defaults: dict[str, dict[str, Any]] = {}
+    for name, action, parser in _options(_subcommand(build_parser(), "bench"), "bench"):
+        defaults.setdefault(name.split()[-1], {})[name.split()[1]] = action.default
+    shared = {flag: by for flag, by in defaults.items() if len(by) > 1}
+    assert shared["--tokens-per-block"] == {"agentic": 32, "fanout": 32}
+    differ = {flag for flag, by in shared.items() if len({repr(v) for v in by.values()}) > 1}
+    assert differ <= set(WORKLOAD_FLAGS), {f: shared[f] for f in differ - set(WORKLOAD_FLAGS)}
+
+
+def test_bench_vllm_prints_no_internal_targets() -> None:
+    """The table speaks to users: the project's own targets stay in the JSON."""
+    from kvferry.bench.vllm_figures import CASES
+    from kvferry.bench.vllm_report import format_vllm_bench
+
+    figures = {
+        "ttft_ms_p50": 900.0, "ttft_vs_nixl": None, "kv_ready_ms_p50": 800.0, "ideal_kv_ready_ms_p50": 700.0,
+        "kv_over_ideal": None, "prefill_ms_p50": 600.0, "link_bytes_per_turn": 1 << 20,
+        "early_bytes_per_turn": 1 << 19, "held_blocks_per_turn": None, "outputs_equal": True,
+        "losses_ms_p50": {"admission": 50.0, "prefill_slowed": 30.0, "after_prefill": 20.0, "first_token": 10.0},
+    }  # fmt: skip
+    missed = {"case": CASES[1], "config": "kvferry-early", "figure": "kv_over_ideal", "limit": 1.1, "value": 1.3,
+              "met": False, "largest_loss": {"name": "admission", "ms": 50.0}}  # fmt: skip
+    result = {
+        "config": {"sessions": 1, "turns": 2, "cached_tokens": 64, "new_tokens": 8, "output_tokens": 2,
+                   "model": {"layers": 2, "kv_heads": 2, "head_dim": 32}, "decode_netns": None},
+        "kv_bytes_per_token": 512, "machine": "m", "date": "d", "placement": "p",
+        "load_average": {"before": [0.5], "after": [0.6]}, "link": {"how": "one host", "bytes_per_s": 1e9},
+        "configs": {"kvferry-early": {case: figures for case in CASES}},
+        "cases": {case: {"best_nixl": None, "load": {"slots": []}, "verdict_configs": []} for case in CASES},
+        "targets": [missed], "kv_blocks_left": {"kvferry-early": 0},
+    }  # fmt: skip
+    table = format_vllm_bench(result)
+    assert "kvferry-early" in table and "KV blocks left allocated at the end: none" in table
+    assert "target" not in table and "MISSED" not in table and "met" not in table.split()
 
 
 def test_console_script_entry_point() -> None:
@@ -264,10 +385,11 @@ def test_bench_fanout_small_run(capsys: pytest.CaptureFixture[str], tmp_path) ->
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["outputs_match"] is True and result["kv_mismatch_blocks"] == 0
-    # tpb 16: a 264-token prompt is 16 full prefix blocks + 1 own block; the prefix crosses once.
-    assert result["without_dedup"]["blocks_sent"] == 3 * 17
-    assert result["with_dedup"]["blocks_sent"] == 16 + 3
-    assert result["bytes_ratio"] == pytest.approx(19 / 51)
+    # tpb 32 (the default): a 264-token prompt is 8 full prefix blocks + 1 own block; the prefix
+    # crosses once.
+    assert result["without_dedup"]["blocks_sent"] == 3 * 9
+    assert result["with_dedup"]["blocks_sent"] == 8 + 3
+    assert result["bytes_ratio"] == pytest.approx(11 / 27)
     assert "outputs match aggregated: True" in table
 
 

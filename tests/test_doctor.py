@@ -189,3 +189,40 @@ def test_peer_with_another_key_fails_naming_the_keys(probe: str, key: Path, tmp_
     p = doctor.probe_peer(probe, authkey_file=str(other))
     assert p["ok"] is False and "authentication failed" in p["reason"] and "different keys" in p["reason"], p
     assert doctor.probe_peer(probe, authkey_file=str(key))["ok"]  # the probe serves on: its one probe
+
+
+def test_exit_status_says_whether_the_host_can_run_what_was_checked(
+    key: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Status 1 and one line on stderr naming each problem when a server on this host would
+    fail (a key file the connector refuses, a named one that is missing); 0 when a default key
+    file is only not made yet (the first server makes it)."""
+    from kvferry.cli import main
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert main(["doctor", "--no-ucx"]) == 0 and capsys.readouterr().err == ""
+    assert main(["doctor", "--no-ucx", "--authkey-file", str(key)]) == 0 and capsys.readouterr().err == ""
+    key.chmod(0o644)
+    assert main(["doctor", "--no-ucx", "--authkey-file", str(key)]) == 1
+    out, err = capsys.readouterr()
+    assert "NOT USABLE: mode 0644 lets group or others in (chmod 600)" in out
+    assert err == (
+        f"kvferry doctor: this host cannot run what was checked: session key {key}: "
+        "mode 0644 lets group or others in (chmod 600)\n"
+    )
+    missing = tmp_path / "none"
+    assert main(["doctor", "--no-ucx", "--json", "--authkey-file", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["authkey"]["exists"] is False
+    assert err.startswith(f"kvferry doctor: this host cannot run what was checked: session key {missing}: cannot stat")
+
+
+def test_problems_name_a_put_that_was_not_bit_exact(key: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_cuda", lambda: dict(NO_CUDA))
+    r = doctor.report(authkey_file=str(key), ucx_puts=False)
+    assert doctor.problems(r) == []
+    put = {"transports": ["cma/memory"], "protocol": "p", "ranges": [], "bit_exact": False}
+    r["ucx"]["puts"] = {"host_to_host": put, "vram_to_vram": {"reason": "not asked"}}
+    assert doctor.problems(r) == ["UCX host-to-host put: the bytes that arrived differ from those sent"]

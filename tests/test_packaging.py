@@ -36,11 +36,11 @@ def _pyproject() -> dict:  # type: ignore[type-arg]
 def test_extras_match_requirements_dev() -> None:
     project, dev = _pyproject(), _requirements()
     extras = project["optional-dependencies"]
-    assert {"torch", "bench", "nixl", "test"} <= set(extras)
+    assert {"torch", "bench", "nixl", "proxy", "test"} <= set(extras)
     assert any(r.startswith("matplotlib") for r in extras["bench"]) and any(
         r.startswith("torch") for r in extras["bench"]
     )
-    for group in (project["dependencies"], *(extras[name] for name in ("torch", "bench", "nixl", "test"))):
+    for group in (project["dependencies"], *(extras[name] for name in ("torch", "bench", "nixl", "proxy", "test"))):
         for requirement in group:
             name = requirement.split(next(c for c in "<>=!~" if c in requirement), 1)[0].lower()
             assert dev.get(name) == requirement, (

@@ -6,6 +6,7 @@ torch       kvferry[torch]   the data plane (pools, copies, engines, transports)
                              reference engine and every `kvferry bench`
 matplotlib  kvferry[bench]   the timeline PNG of `kvferry bench agentic --png`
 nixl        kvferry[nixl]    the NIXL transport
+aiohttp     kvferry[proxy]   `kvferry proxy` (it needs no vLLM)
 ```
 """
 
@@ -24,6 +25,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "torch": ("kvferry[torch]", "kvferry's data plane (pools, copies, transports) and its benches"),
     "matplotlib": ("kvferry[bench]", "the timeline PNG"),
     "nixl": ("kvferry[nixl]", "the NIXL transport"),
+    "aiohttp": ("kvferry[proxy]", "kvferry proxy"),
 }
 
 

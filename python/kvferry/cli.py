@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -148,10 +149,24 @@ def _size(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+# The ledger's parameters as `kvferry plan` spells them: its refusals reach the user in the
+# flags' words ("invalid --reused=8: must be < --prompt (8)"), not the Python names.
+PLAN_FLAGS = {
+    "tokens_per_block": "--tokens-per-block",
+    "prompt_len": "--prompt",
+    "reused_len": "--reused",
+    "window": "--window",
+}
+_PLAN_NAME = re.compile(r"\b(" + "|".join(PLAN_FLAGS) + r")\b")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     tpb = args.tokens_per_block
     block_bytes = args.block_bytes if args.block_bytes is not None else LLAMA8B_BYTES_PER_TOKEN * tpb
-    plan = plan_request(tpb, args.prompt, args.reused, args.chunk, early=not args.no_early, window=args.window)
+    try:
+        plan = plan_request(tpb, args.prompt, args.reused, args.chunk, early=not args.no_early, window=args.window)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(_PLAN_NAME.sub(lambda m: PLAN_FLAGS[m.group(1)], str(err))) from None
     slices, ledger = plan.slices, plan.ledger
     window = "full attention" if ledger.window is None else f"sliding window {ledger.window}"
     print(
@@ -181,9 +196,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvferry import __version__
 
-    parser = _Parser(prog="kvferry", description=__doc__)
+    parser = _Parser(
+        prog="kvferry", description="kvferry: early reused-prefix KV-cache transfer for disaggregated LLM serving."
+    )
     parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    # Not required: a bare `kvferry` (or `kvferry bench`) lists the commands (main).
+    sub = parser.add_subparsers(dest="command", title="commands", parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the transfer plan of one request")
     plan.add_argument(
         "--tokens-per-block", type=_positive, required=True, metavar="N", help="tokens per KV block (required)"
@@ -282,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.set_defaults(func=_cmd_trace)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    benches = sub.add_parser("bench", help="benchmarks", description="kvferry's benchmarks (docs/benchmarks.md).")
+    bench = benches.add_subparsers(dest="bench", title="benchmarks", parser_class=_Parser)
     copy = bench.add_parser("copy", help="bandwidth of copy_blocks and each transport next to the copy ceiling")
     copy.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the pools live")
     copy.add_argument(
@@ -589,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--prefix", type=_positive, default=8192, metavar="TOKENS", help="shared prefix")
     fanout.add_argument("--suffix", type=_positive, default=32, metavar="TOKENS", help="each request's own tokens")
     fanout.add_argument("--output", type=_positive, default=4, metavar="TOKENS", help="output tokens per request")
-    fanout.add_argument("--tokens-per-block", type=_positive, default=16, metavar="N", help="tokens per KV block")
+    fanout.add_argument("--tokens-per-block", type=_positive, default=32, metavar="N", help="tokens per KV block")
     fanout.add_argument("--chunk", type=_positive, default=1024, metavar="TOKENS", help="prefill chunk size")
     fanout.add_argument(
         "--transport",
@@ -761,7 +780,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.peer is not None:
         r["peer"] = doctor.probe_peer(args.peer, authkey_file=args.authkey_file)
     print(json.dumps(r, indent=2) if args.json else doctor.format_report(r), end="\n" if args.json else "")
-    return 1 if "peer" in r and not r["peer"]["ok"] else 0
+    wrong = doctor.problems(r)
+    if wrong:
+        sys.stdout.flush()  # the report first, then why the status is 1
+        print(f"kvferry doctor: this host cannot run what was checked: {'; '.join(wrong)}", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -780,11 +803,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    try:
-        from kvferry.vllm.proxy import serve
-    except ImportError as err:
-        print(f"kvferry proxy: error: {err} (the proxy runs in vLLM's venv: make setup-vllm)", file=sys.stderr)
-        return 2
+    require("aiohttp", "kvferry proxy")  # its one dependency past numpy: `pip install 'kvferry[proxy]'`
+    from kvferry.vllm.proxy import serve
+
     print(
         (
             f"kvferry proxy ({args.connector}) on http://{args.host}:{args.port}: prefill "
@@ -1192,11 +1213,38 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of ``parser``'s subcommand ``name``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]  # type: ignore[no-any-return]
+    raise KeyError(name)
+
+
+def _list_commands(parser: argparse.ArgumentParser) -> int:
+    """A bare ``kvferry`` or ``kvferry bench``: its help, which lists the commands, as a usage
+    error (on stderr, exit status 2) rather than argparse's "arguments are required"."""
+    parser.print_help(sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        return _list_commands(parser)
+    if args.command == "bench" and args.bench is None:
+        return _list_commands(_subcommand(parser, "bench"))
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`kvferry doctor | head -1`): what it did not read is dropped
+        # without a traceback, and stdout points at /dev/null so that the interpreter's own
+        # flush at exit does not fail again (the recipe of Python's signal module docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KvFerryError as err:
         print(f"kvferry {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -44,7 +44,16 @@ from typing import Any, Optional
 from kvferry.errors import InvalidArgumentError, KvFerryError
 from kvferry.transports import registry
 
-__all__ = ["PROBE", "PROBE_TRANSPORTS", "SCHEMA_VERSION", "format_report", "probe_peer", "report", "serve_probes"]
+__all__ = [
+    "PROBE",
+    "PROBE_TRANSPORTS",
+    "SCHEMA_VERSION",
+    "format_report",
+    "probe_peer",
+    "problems",
+    "report",
+    "serve_probes",
+]
 
 SCHEMA_VERSION = 1
 # The probe's pool on both sides: layers x blocks of BLOCK_WORDS int32 words, 16 tokens a block.
@@ -359,6 +368,23 @@ def report(*, authkey_file: Optional[str] = None, ucx_puts: bool = True) -> dict
         "limits": _limits(),
         "authkey": _authkey(authkey_file),
     }
+
+
+def problems(r: dict[str, Any]) -> list[str]:
+    """What keeps this host from running what the report checked, one line each (empty: none;
+    ``kvferry doctor`` then exits 0). A default key file that does not exist yet is not one:
+    the first vLLM server to start makes it. A key file that exists but that the connector
+    would refuse, or a named one that is missing, is: every server reading it fails."""
+    out = []
+    k = r["authkey"]
+    if not k["ok"] and (k["exists"] or k["source"] == "authkey_file"):
+        out.append(f"session key {k['path']}: {k['reason']}")
+    for kind, put in r["ucx"]["puts"].items():
+        if put.get("bit_exact") is False:
+            out.append(f"UCX {kind.replace('_', '-')} put: the bytes that arrived differ from those sent")
+    if "peer" in r and not r["peer"]["ok"]:
+        out.append(f"peer {r['peer']['url']}: {r['peer']['reason']}")
+    return out
 
 
 def _bytes(n: Optional[int]) -> str:

@@ -37,7 +37,7 @@ class FanoutConfig:
     prefix_tokens: int = 8192
     suffix_tokens: int = 32  # each request's own tokens after the shared prefix
     output_tokens: int = 4
-    tokens_per_block: int = 16
+    tokens_per_block: int = 32  # as in `kvferry bench agentic`
     chunk_size: Optional[int] = 1024
     transport: str = "in-process"
     # CPU pools, in-process or shm: an emulated link rate (None: raw copies), as in

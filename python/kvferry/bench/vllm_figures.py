@@ -22,7 +22,7 @@ from kvferry.bench.util import percentile
 CASES = ("decode-warm", "decode-cold")
 BLOCK_TOKENS = 32  # testbed.EngineSettings.block_size
 
-# The targets of issue 22: (case, configuration, figure, at most).
+# The project's targets for this bench (in its JSON, not its table): (case, configuration, figure, at most).
 TARGETS = (
     ("decode-cold", "kvferry-early", "ttft_vs_nixl", 0.6),
     ("decode-cold", "kvferry-early", "kv_over_ideal", 1.1),
