@@ -32,6 +32,14 @@ leg whose server answers an error (vLLM says only "Internal server error" for a 
 finished with finish_reason "error") makes the proxy ask that server the transfer's
 ``status``, and the client's error names the reason (docs/vllm.md, "Status").
 
+Idle upstream connections are kept ``KEEPALIVE_S`` seconds, under the servers' own HTTP
+keep-alive; a request that meets a connection its server closed before answering goes once
+more on a fresh connection (the server never read it) instead of failing.
+
+``/health`` asks every upstream's own ``/health``: 200 while one prefill and one decode server
+answer (``"degraded"`` naming those down by their place in ``--prefill``/``--decode``), else
+503 naming the role with no server up.
+
 A stream is whole at its ``data: [DONE]`` event: the proxy returns there, so a client that
 closes right after it (before the server ends its stream) is a served request, not a failure.
 """
@@ -41,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import itertools
@@ -69,6 +78,13 @@ MAX_SESSIONS = 65536
 # A stream's bytes held while looking for the end of an event (vLLM's events are far
 # smaller): past this the bytes go through as they are.
 MAX_EVENT_BYTES = 1 << 20
+# Seconds an idle upstream connection is kept for reuse: under the servers' own HTTP keep-alive
+# (uvicorn, vLLM's server, closes an idle connection after 5 s), so the proxy drops it first
+# instead of sending a request into a connection the server is closing. A close that still
+# crosses a request on the wire is retried once on a fresh connection (Proxy._request).
+KEEPALIVE_S = 2.0
+# Seconds each upstream has to answer its /health when the proxy's /health asks.
+HEALTH_TIMEOUT_S = 2.0
 
 
 class _Refused(Exception):
@@ -464,7 +480,12 @@ class Proxy:
     """The aiohttp application and its upstream client session."""
 
     def __init__(
-        self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", timeout_s: float = 3600.0
+        self,
+        prefills: Sequence[str],
+        decodes: Sequence[str],
+        connector: str = "nixl",
+        timeout_s: float = 3600.0,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         if not prefills:
             raise ValueError(f"prefills must name at least one server, got {list(prefills)!r}")
@@ -477,8 +498,15 @@ class Proxy:
                 raise ValueError(f"server URLs must start with http:// or https://, got {url!r}")
         self.flow = FLOWS[connector]()
         self.router = Router([Upstream(u.rstrip("/")) for u in prefills], [Upstream(u.rstrip("/")) for u in decodes])
+        if not keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {keepalive_s!r}")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.keepalive_s = keepalive_s
         self.client: Optional[aiohttp.ClientSession] = None
+        # New connections only (none kept): the one retry of a request whose pooled connection
+        # the upstream closed before answering.
+        self.fresh: Optional[aiohttp.ClientSession] = None
+        self.retries = 0  # requests sent again on a fresh connection (a figure for tests)
         self.app = web.Application()
         for path in ENDPOINTS:
             self.app.router.add_post(path, self.handle)
@@ -488,14 +516,69 @@ class Proxy:
         self.app.on_cleanup.append(self._close)
 
     async def _open(self, app: web.Application) -> None:
-        self.client = aiohttp.ClientSession(timeout=self.timeout)
+        pooled = aiohttp.TCPConnector(keepalive_timeout=self.keepalive_s)
+        self.client = aiohttp.ClientSession(timeout=self.timeout, connector=pooled)
+        self.fresh = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(force_close=True))
 
     async def _close(self, app: web.Application) -> None:
-        if self.client is not None:
-            await self.client.close()
+        for session in (self.client, self.fresh):
+            if session is not None:
+                await session.close()
+
+    async def _request(self, method: str, url: str, **options: Any) -> aiohttp.ClientResponse:
+        """The upstream's response, its head read. A pooled connection that the upstream
+        closed before answering (its keep-alive ran out as the request went out: the server
+        disconnects, or resets the connection the request was written into) never got the
+        request read, so it goes once more on a fresh connection; any other failure, and a
+        second one, is the caller's."""
+        assert self.client is not None and self.fresh is not None
+        try:
+            return await self.client.request(method, url, **options)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            closed = isinstance(err, aiohttp.ServerDisconnectedError) or (
+                not isinstance(err, aiohttp.ClientConnectorError) and err.errno in (errno.ECONNRESET, errno.EPIPE)
+            )
+            if not closed:
+                raise
+        self.retries += 1
+        return await self.fresh.request(method, url, **options)
+
+    async def _down(self, server: Upstream) -> Optional[str]:
+        """Why ``server`` does not answer its own ``/health`` with 200 within
+        ``HEALTH_TIMEOUT_S`` (None: it does). Short words only: /health answers any client."""
+        try:
+            r = await self._request(
+                "GET", server.url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            )
+            async with r:
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except asyncio.TimeoutError:
+            return f"no answer within {HEALTH_TIMEOUT_S:g} s"
+        except (aiohttp.ClientError, OSError):
+            return "unreachable"
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "connector": self.flow.name})
+        """The proxy serves while one prefill and one decode server answer their own
+        ``/health``: 200 (``"status": "ok"``, or ``"degraded"`` when some server is down), else
+        503 (``"unavailable"``) with a reason naming the role whose servers are all down. Each
+        role says how many of its servers are up and which are down, by their place in
+        ``--prefill``/``--decode`` (0 first), never by URL."""
+        servers = {"prefill": self.router.prefills, "decode": self.router.decodes}
+        found = await asyncio.gather(*(self._down(s) for group in servers.values() for s in group))
+        body: dict[str, Any] = {"status": "ok", "connector": self.flow.name}
+        lost = []
+        for role, group in servers.items():
+            reasons, found = found[: len(group)], found[len(group) :]
+            down = [{"index": i, "reason": why} for i, why in enumerate(reasons) if why is not None]
+            body[role] = {"up": len(group) - len(down), "of": len(group), "down": down}
+            if len(down) == len(group):
+                lost.append(f"every {role} server is down ({len(group)} of {len(group)})")
+            elif down:
+                body["status"] = "degraded"
+        if lost:
+            body.update(status="unavailable", reason="; ".join(lost))
+            return web.json_response(body, status=503)
+        return web.json_response(body)
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -515,14 +598,13 @@ class Proxy:
     ) -> dict[str, Any]:
         """One non-streaming call; a transport failure marks the server down. ``retry``: a
         refused connection raises _Refused (the caller tries another server)."""
-        assert self.client is not None
         server.in_flight += 1
         try:
             if body is None:
-                ctx = self.client.get(server.url + path)
+                r = await self._request("GET", server.url + path)
             else:
-                ctx = self.client.post(server.url + path, json=body, headers=headers)
-            async with ctx as r:
+                r = await self._request("POST", server.url + path, json=body, headers=headers)
+            async with r:
                 text = await r.text()
                 if r.status != 200:
                     status = r.status if 400 <= r.status < 500 else 502
@@ -675,11 +757,10 @@ class Exchange:
                 raise await self.explain(err) from None
             self.delivered = True
             return web.json_response(answer, headers={"Server-Timing": self.server_timing()})
-        client = self.proxy.client
-        assert client is not None
         server.in_flight += 1
         try:
-            async with client.post(server.url + self.path, json=body, headers=self.headers) as r:
+            r = await self.proxy._request("POST", server.url + self.path, json=body, headers=self.headers)
+            async with r:
                 if r.status != 200:
                     text = await r.text()
                     status = r.status if 400 <= r.status < 500 else 502
@@ -757,9 +838,14 @@ class ProxyThread:
     """The proxy on a free loopback port in a thread of this process (tests and benches)."""
 
     def __init__(
-        self, prefills: Sequence[str], decodes: Sequence[str], connector: str = "nixl", host: str = "127.0.0.1"
+        self,
+        prefills: Sequence[str],
+        decodes: Sequence[str],
+        connector: str = "nixl",
+        host: str = "127.0.0.1",
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
-        self.proxy = Proxy(prefills, decodes, connector)
+        self.proxy = Proxy(prefills, decodes, connector, keepalive_s=keepalive_s)
         self.host = host
         self.url = ""
         self._loop = asyncio.new_event_loop()
