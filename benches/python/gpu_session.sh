@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One device call on an H200 (issue 21 and issue 22 part 3): the `cuda` tests (vLLM's KV
-# cache layouts through copy_blocks, in-process, staging and cuda_ipc; the copies, staging,
-# tiers), then `kvferry bench copy` for the GPU links and `bench agentic` at Llama-8B geometry
-# (32k cached + 2k new) over cuda-ipc and staging (the default 64 MiB ring). Run from the
-# repository root with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build:
-# the device image has no Rust); logs go to $OUT (or ./out).
-#   bash benches/python/gpu_session.sh tests|bench|links|links-extra|pending|pending2|pending3|pending4|two-gpus|copy-wide|split|split-check
-# pending (about 7 minutes): the `cuda` tests written since the last GPU run (HMA x TP and
+# GPU work, one device call per mode (each inside 10 minutes). Run from the repository root
+# with the extension at python/kvferry/_core.abi3.so (a manylinux_2_28 build, CONTRIBUTING.md:
+# the device image has no Rust); logs go to $OUT (or ./out). The one-off probes some modes run
+# live in benches/probes/ (its README says what each answered).
+#   bash benches/python/gpu_session.sh MODE
+# tests (the default): every `cuda` test of FILES (vLLM's KV cache layouts through copy_blocks,
+# in-process, staging and cuda_ipc; the copies, staging, tiers, TP, the worker replay), each
+# file under LIMIT seconds.
+# bench: `bench agentic` at Llama-8B geometry (32k cached + 2k new) over TRANSPORTS (cuda-ipc
+# and staging), and with COPY=1 `bench copy` of copy, staging and cuda-ipc first.
+# staging-legs (about 7 minutes): the `cuda` tests of HMA x TP and
 # pipeline stages in test_tp.py, the connector's worker half replaying a real engine pair's
 # steps on CUDA caches in test_worker_replay.py, the NIXL handoff default in test_affinity.py,
 # the both-ways link in test_cli.py), test_tiers.py, and every staging test again with
@@ -14,17 +17,23 @@
 # (pinned_kinds.py); whether the legs can skip their DMA, the copy kernel loading and storing
 # the registered ring over PCIe, and what each leg costs a matmul beside it (zero_copy.py);
 # `bench copy` of staging with each kind of legs, beside the one-way and both-ways ceilings.
-# pending2 (a second call, about 7 minutes): NIXL's own cost per descriptor (nixl_floor.py)
+# agentic8b-legs (about 7 minutes): NIXL's own cost per descriptor (nixl_floor.py)
 # beside kvferry's nixl rows, and `bench agentic` at Llama-8B geometry over nixl (the writes
 # handed to the announcer by default now) and over staging with direct, then dma, legs.
-# links (issue 22 part 3, one call of about 6 minutes): the `cuda` tests of the pipelined
+# links (about 6 minutes): the `cuda` tests of the pipelined
 # staging path, BlockCopies and the copies; `bench copy` at 8/64/1024/4096 blocks for copy,
 # staging and cuda-ipc (and nixl, random and --contiguous blocks, when it imports); then
 # `bench agentic` at Llama-8B geometry with every mode (--aware --layerwise 8) over
 # ${TRANSPORT:-staging}, the generation workers of all modes in one process.
 # links-extra (about 4 minutes): staging at 256 and 1024 MiB writes, the staging timeline at
 # 512 and 256 MiB writes, the copy kernel's 80-configuration sweep.
+# ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
+MODES="tests bench staging-legs agentic8b-legs links links-extra ring-sizes agentic8b-rings copy-wide split split-check two-gpus"
 set -u
+case " $MODES " in
+  *" ${1:-tests} "*) ;;
+  *) echo "gpu_session.sh: unknown mode '${1}': choose from ${MODES// /, }" >&2; exit 2 ;;
+esac
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/machine.txt"
@@ -60,46 +69,46 @@ elif [ "$1" = links-extra ]; then
       | tee -a "$OUT/links-extra.txt"
   done
   for mib in 512 256; do
-    timeout 60 python3 benches/python/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
+    timeout 60 python3 benches/probes/gpu_staging_timeline.py --write-mib $mib 2>&1 | tail -14 | tee -a "$OUT/links-timeline.txt"
   done
   timeout 150 python3 benches/python/gpu_copy.py --sweep --json "$OUT/gpu_copy.json" 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
-elif [ "$1" = pending ]; then
-  # First call: the cuda tests, the two probes, and `bench copy` of staging with each kind of legs.
+elif [ "$1" = staging-legs ]; then
+  # The cuda tests, the two probes, and `bench copy` of staging with each kind of legs.
   run_tests() { timeout "$1" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "${@:2}" 2>&1 \
-    | tee -a "$OUT/pending-tests.txt" | tail -12 ; }
+    | tee -a "$OUT/staging-legs-tests.txt" | tail -12 ; }
   run_tests 240 tests/test_tp.py tests/test_worker_replay.py -k "hma or pp or replay"
   # The staging legs as one kernel each (KVFERRY_STAGING_LEGS=direct): the staging tests again.
   KVFERRY_STAGING_LEGS=direct run_tests 90 tests/test_staging.py
-  timeout 120 python3 benches/python/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
+  timeout 120 python3 benches/probes/zero_copy.py 2>&1 | tail -24 | tee "$OUT/zero-copy.txt"
   for legs in dma direct; do
     { echo "== copy, staging with $legs legs (one-way and both-ways ceilings)"
       KVFERRY_STAGING_LEGS=$legs timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 \
-        --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/pending-copy.txt"
+        --transport copy,staging --blocks 64,1024,4096 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/staging-legs-copy.txt"
   done
   run_tests 150 tests/test_tiers.py tests/test_affinity.py tests/test_cli.py
   KVFERRY_STAGING_LEGS=direct run_tests 120 tests/test_transfer.py tests/test_kv_layouts.py tests/test_tiers.py -k staging
-  timeout 90 python3 benches/python/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
-elif [ "$1" = pending2 ]; then
-  # Second call: NIXL's floor and the 8B agentic runs (nixl; staging with each kind of legs).
+  timeout 90 python3 benches/probes/pinned_kinds.py 2>&1 | tail -7 | tee "$OUT/pinned-kinds.txt"
+elif [ "$1" = agentic8b-legs ]; then
+  # NIXL's floor and the 8B agentic runs (nixl; staging with each kind of legs).
   agentic() { timeout "${LIMIT:-200}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --cached 32768 \
       --new 2048 --output 4 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
       --vocab 1024 --json "$OUT/agentic8b-$1.json" "${@:2}" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -24 \
       | tee "$OUT/agentic8b-$1.txt" ; }
   if python3 -c "import nixl" 2>/dev/null; then
     # NIXL's own floor per descriptor (no kvferry), beside kvferry's nixl rows at the same sizes.
-    { timeout 120 python3 benches/python/nixl_floor.py --device cuda --counts 1024,32768 2>&1 | tail -8
+    { timeout 120 python3 benches/probes/nixl_floor.py --device cuda --counts 1024,32768 2>&1 | tail -8
       timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,nixl --blocks 32,1024 \
         2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/nixl-floor.txt"
     agentic nixl --transport nixl
   else echo "== nixl: not importable here, skipped"; fi
   KVFERRY_STAGING_LEGS=direct agentic staging-direct --transport staging
   KVFERRY_STAGING_LEGS=dma agentic staging-dma --transport staging
-elif [ "$1" = pending3 ]; then
-  # Third call, most decisive first (what comes back if it runs out of time): whether the
+elif [ "$1" = ring-sizes ]; then
+  # Most decisive first (what comes back if it runs out of time): whether the
   # ring's size sets staging's rate (the bench's default ring is the receiver's whole pool, 16
   # GiB at 4096 blocks; vLLM's connector uses 64 MiB); the legs beside a matmul (zero_copy.py,
   # its byte check mended); the other links on this card; a second round of ring sizes; the
-  # copy kernel; the direct-leg staging tests that ran out of time in `pending`.
+  # copy kernel; the direct-leg staging tests that ran out of time in `staging-legs`.
   bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   rings() {
     for ring in pool 64 1024; do
@@ -109,19 +118,19 @@ elif [ "$1" = pending3 ]; then
     done
   }
   rings 1
-  timeout 150 python3 benches/python/zero_copy.py 2>&1 | tail -30 | tee "$OUT/zero-copy.txt"
+  timeout 150 python3 benches/probes/zero_copy.py 2>&1 | tail -30 | tee "$OUT/zero-copy.txt"
   { if python3 -c "import nixl" 2>/dev/null; then
       echo "== nixl, --contiguous"; bench --transport copy,nixl --blocks 64,1024 --contiguous
     fi
     echo "== copy, cuda-ipc"; bench --transport copy,cuda-ipc --blocks 8,64,1024,4096 ; } 2>&1 | tee "$OUT/links.txt"
   rings 2
   timeout 120 python3 benches/python/gpu_copy.py 2>&1 | tail -14 | tee "$OUT/gpu_copy.txt"
-  # pending's last test group ran out of time after 17 of its 36 tests: the rest, last.
+  # staging-legs' last test group ran out of time after 17 of its 36 tests: the rest, last.
   KVFERRY_STAGING_LEGS=direct timeout 170 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE \
     tests/test_kv_layouts.py tests/test_tiers.py -k staging 2>&1 | tail -8 | tee "$OUT/direct-tests.txt"
-elif [ "$1" = pending4 ]; then
-  # Fourth call: `bench agentic` at Llama-8B geometry over staging through a 64 MiB ring (what
-  # issue 21 names; `bench agentic` used a ring of its whole pool before --ring-mib), then
+elif [ "$1" = agentic8b-rings ]; then
+  # `bench agentic` at Llama-8B geometry over staging through a 64 MiB ring (the connector's
+  # first default; `bench agentic` used a ring of its whole pool before --ring-mib), then
   # through 1 GiB (the connector's default ring for CUDA caches now).
   for ring in 64 1024; do
     timeout "${LIMIT:-100}" python3 -m kvferry.cli bench agentic --device cuda --sessions 2 --turns 2 --cached 32768 \
@@ -151,7 +160,7 @@ elif [ "$1" = split ]; then
   # writes of half the ring (0), taking turns in one process (write_split.py): through the
   # connector's 1 GiB ring (plans of one write, 16-128 blocks of 4 MiB, to 4096), a 64 MiB ring
   # and the pool-sized one.
-  split() { timeout "$1" python3 benches/python/write_split.py --device cuda "${@:2}" 2>/dev/null | grep '^|\|^round' ; }
+  split() { timeout "$1" python3 benches/probes/write_split.py --device cuda "${@:2}" 2>/dev/null | grep '^|\|^round' ; }
   { echo "== staging, ring 1 GiB"; split 250 --rounds 3 --overhead-mib 0,64,32 --blocks 16,64,128,256,1024,4096 \
       --ring-mib 1024 --reps 7
     echo "== staging, ring 64 MiB"; split 100 --rounds 3 --overhead-mib 0,64 --blocks 64,1024 --ring-mib 64 --reps 5
@@ -160,7 +169,7 @@ elif [ "$1" = split ]; then
 elif [ "$1" = split-check ]; then
   # The split writes as shipped: `bench copy` of staging through 1 GiB and 64 MiB rings beside
   # the same run's one-way and both-ways link, then `bench agentic` at Llama-8B geometry through
-  # 1 GiB (as pending4).
+  # 1 GiB (as agentic8b-rings).
   for ring in 1024 64; do
     { echo "== staging, ring $ring MiB"
       timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024,4096 \
@@ -172,8 +181,8 @@ elif [ "$1" = split-check ]; then
   tail -14 "$OUT/agentic8b-split.txt"
 elif [ "$1" = two-gpus ]; then
   # On a machine of two GPUs (nvidia-h100-x2): the staging receiver on cuda:1, so each leg
-  # crosses its own GPU's link (issue 22 part 3's >= 90% of the host link is a two-link goal:
-  # on one GPU both legs share the link both ways), the two-GPU staging test first.
+  # crosses its own GPU's link (90% of the host link is a two-link goal: on one GPU both legs
+  # share the link both ways), the two-GPU staging test first.
   timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py \
     -k second_gpu 2>&1 | tail -4 | tee "$OUT/two-gpus-test.txt"
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
@@ -187,7 +196,7 @@ elif [ "$1" = two-gpus ]; then
         else bench --transport staging --blocks 1024,4096 --ring-mib $ring; fi ; } 2>&1 | tee -a "$OUT/two-gpus.txt"
     done
   done
-else
+else  # bench
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   if [ -n "${COPY:-}" ]; then
     { echo "== copy, staging, cuda-ipc"; bench --transport copy,staging,cuda-ipc --blocks 64,1024,4096; } 2>&1 | tee "$OUT/copy.txt"

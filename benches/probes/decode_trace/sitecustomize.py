@@ -1,4 +1,4 @@
-"""Decode-step tracing for `benches/python/gpu_divergence.py`: imported at interpreter start
+"""Decode-step tracing for `benches/probes/gpu_divergence.py`: imported at interpreter start
 (this folder first on PYTHONPATH) by every process of a run, the spawned generation workers
 included, it patches the reference model when ``KVFERRY_TRACE_DIR`` is set. For each
 one-token forward (a decode step) it appends to ``<dir>/<pid>.jsonl`` an exact checksum of

@@ -1,4 +1,4 @@
-"""Does the kind of page-locked memory set the staging path's PCIe rate? (issue 22 part 3)
+"""Does the kind of page-locked memory set the staging path's PCIe rate?
 
 The staging ring is shared memory mapped in both processes and page-locked with
 ``cudaHostRegister`` (kvferry.transports.staging); the host link's ceiling in `bench copy` is a
@@ -14,7 +14,7 @@ staging path's pieces (one DMA per layer and segment), for:
 - ``shm+hugetlb``: a ``MFD_HUGETLB`` memfd (2 MiB pages reserved in ``nr_hugepages``; the row
   says "unavailable" when none are).
 
-    python3 benches/python/pinned_kinds.py [--mib 512] [--piece-mib 4] [--reps 7]
+    python3 benches/probes/pinned_kinds.py [--mib 512] [--piece-mib 4] [--reps 7]
 
 Each figure: bytes per second, the median of ``reps`` timings (CUDA events) after a warm-up.
 """

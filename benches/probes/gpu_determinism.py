@@ -2,7 +2,7 @@
 process, across processes, and next to a copy on another stream? Diagnoses output mismatches
 between aggregated and disaggregated runs whose KV was checked bit exact.
 
-    python benches/python/gpu_determinism.py [--layers 32] [--context 34820]
+    python benches/probes/gpu_determinism.py [--layers 32] [--context 34820]
 
 Prints, per variant, whether the logits equal the first in-process run bit for bit, their
 largest difference, and the greedy token with its margin over the runner-up.

@@ -1,5 +1,4 @@
-"""Can the staging path's legs skip their DMA? Kernel loads and stores straight over PCIe
-(issue 22 part 3).
+"""Can the staging path's legs skip their DMA? Kernel loads and stores straight over PCIe.
 
 Today each staging leg is two steps per piece: the sender gathers blocks into a device
 scratch pool (the fused copy kernel) and the copy engine moves the scratch to the pinned ring
@@ -11,7 +10,7 @@ pool (loads over PCIe): one step per leg, no scratch pool, no DMA. Kernels that 
 hold SMs, though, and the early send runs beside the forward: so this also times a matmul
 loop alone and with each leg running beside it on another stream.
 
-    python3 benches/python/zero_copy.py [--blocks 128] [--reps 7]
+    python3 benches/probes/zero_copy.py [--blocks 128] [--reps 7]
 
 Geometry: Llama-8B's KV in vLLM's FlashAttention layout (32 layers of ``(2, blocks, 32, 8,
 128)`` bf16: 4 MiB a block); the ring holds ``--blocks`` slots (128: one 512 MiB write, kvferry's `WRITE_BYTES`),
@@ -31,7 +30,7 @@ import torch
 from kvferry import _triton_copy
 from kvferry.layout import PagedKV
 from kvferry.transports.staging import device_view
-from pinned_kinds import registered  # benches/python: a shared-memory buffer page-locked as the ring is
+from pinned_kinds import registered  # benches/probes: a shared-memory buffer page-locked as the ring is
 
 LAYERS, SEGMENTS, SEG_ELEMS, TPB = 32, 2, 32 * 8 * 128, 32
 POOL_BLOCKS = 4160

@@ -2,7 +2,7 @@
 default for dma legs) against full writes (0), and other costs beside them, taking turns round
 by round in one process, so every way sees the same machine.
 
-    python benches/python/write_split.py [--rounds 3] [--overhead-mib 0,32] [bench copy's flags]
+    python benches/probes/write_split.py [--rounds 3] [--overhead-mib 0,32] [bench copy's flags]
 
 Each round runs `kvferry bench copy --transport staging` once per way (its own median of
 ``--reps``); the table gives every round's GB/s and each way's ratio of medians against full

@@ -4,7 +4,7 @@ bench agentic` with every process traced (decode_trace/sitecustomize.py), then l
 decode steps that had the same position and input token in different workers and prints,
 for each pair whose logits differ, the first layer and tensor whose bits differ.
 
-    python benches/python/gpu_divergence.py --out DIR -- <kvferry bench agentic arguments>
+    python benches/probes/gpu_divergence.py --out DIR -- <kvferry bench agentic arguments>
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""NIXL's own cost per descriptor, without kvferry (issue 22 part 3: "for scattered blocks a
-per-descriptor cost you measured against UCX's own floor on this machine").
+"""NIXL's own cost per descriptor, without kvferry: the floor kvferry's NIXL transport's
+cost per descriptor for scattered blocks is measured against.
 
 Two processes on one host, each with one registered buffer of slots (VRAM with ``--device
 cuda``, DRAM with ``cpu``); the first WRITEs ``count`` descriptors of ``--desc-kib`` into the
@@ -14,7 +14,7 @@ For each, the median over ``--reps`` of: building the transfer (``make_prepped_x
 posting it (``transfer``), and posting to completion (``check_xfer_state`` until done, asked
 without pause), each also per descriptor; the payload's rate over the whole.
 
-    python3 benches/python/nixl_floor.py --device cuda [--desc-kib 64] [--counts 1024,32768]
+    python3 benches/probes/nixl_floor.py --device cuda [--desc-kib 64] [--counts 1024,32768]
 
 `kvferry bench copy --transport nixl` at the same blocks and pattern is kvferry's figure to set
 against this one (a kvferry write of B blocks of L layers and S segments is B x L x S

@@ -4,7 +4,7 @@ sender's records) next to the receiver's interval for the same batch (its frame 
 the write delivered and its slots freed), both on CLOCK_MONOTONIC, relative to the send
 call.
 
-    python benches/python/gpu_staging_timeline.py [--write-mib 128] [--blocks 1024]
+    python benches/probes/gpu_staging_timeline.py [--write-mib 128] [--blocks 1024]
 """
 
 from __future__ import annotations

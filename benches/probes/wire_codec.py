@@ -2,7 +2,7 @@
 pickles it replaced, per batch size: encode + decode of a notices frame carrying the
 destination ids of its blocks (4 per notice), as the transports send them.
 
-    .venv/bin/python benches/python/wire_codec.py
+    .venv/bin/python benches/probes/wire_codec.py
 
 Prints microseconds per frame (median of 7 repeats) and the ratio to pickle (protocol 5, the
 tuples and an int64 array, as multiprocessing.connection sent them)."""

@@ -2,7 +2,7 @@
 host-to-device and device-to-host copies alone, together from two streams of one process, and
 together from two processes (as the staging sender and receiver run).
 
-    python benches/python/pcie_duplex.py [--gib N] [--reps N]
+    python benches/probes/pcie_duplex.py [--gib N] [--reps N]
 
 Each figure: bytes moved per second over all copies running, median of ``reps`` runs after a
 warm-up (wall clock around device-synchronised copies).

@@ -1,7 +1,7 @@
 """How long the engine thread spends in kvferry before the first forward, for an early send
-of a prefix many times the staging ring (issue 19 item 4, issue 21's last bullet). Run with
+of a prefix many times the staging ring. Run with
 
-    python benches/python/early_ring.py [--runs 7] [--ring-mib 4] [--prefix-rings 16]
+    python benches/probes/early_ring.py [--runs 7] [--ring-mib 4] [--prefix-rings 16]
 
 Geometry: Llama-8B's per-layer block (8 KV heads x 128 x K|V, 16 tokens, bf16: 64 KiB)
 over 8 layers instead of 32, so one block is 512 KiB and the ring of ``--ring-mib`` holds

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 22 part 3 on one H200, in one device call: the `cuda` tests of the files this work
-# touched, then `kvferry bench copy` for staging (this tree, and the tree of OLD, when given,
+# The pieced staging path on one H200 (docs/benchmarks.md, its first round), in one device
+# call: the `cuda` tests of the files it touched, then `kvferry bench copy` for staging (this tree, and the tree of OLD, when given,
 # as the before figure of the same run), the copy kernel's sweep, and `bench agentic` at
 # Llama-8B geometry with every mode. Run from a folder holding python/, tests/, benches/,
 # pyproject.toml; logs go to $OUT (or ./out).
-#   bash benches/python/gpu_issue22.sh tests|agentic [OLD_TREE]
+#   bash benches/probes/gpu_staging_ab.sh tests|agentic [OLD_TREE]
 # (two parts, each well inside one device command's 10 minutes).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"

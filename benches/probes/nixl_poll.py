@@ -3,7 +3,7 @@ namespaces joined by a veth (tests/netns.py; root, iproute2, nixl), each pinned 
 UCX over TCP. One side moves 18 MiB in 32 KiB descriptors to (WRITE) or from (READ) the other
 six times, and asks ``check_xfer_state`` in one of several ways; prints the median.
 
-    sudo python benches/python/nixl_poll.py [--modes write,read] [--rate-mbit 10000]
+    sudo python benches/probes/nixl_poll.py [--modes write,read] [--rate-mbit 10000]
 
 The figures behind CHECK_SECONDS in python/kvferry/transports/nixl.py (docs/benchmarks.md).
 """
