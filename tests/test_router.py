@@ -221,9 +221,14 @@ def test_wrong_role_and_prefill_size_are_refused_by_name(pair: Any) -> None:
     assert "kv_transfer_params.do_remote_prefill on a kv_producer server" in prefill._refused["a"]
     assert decode.get_num_new_matched_tokens(Request("b", [1, 2], dict(PREFILL_LEG)), 0) == (1, True)
     assert "kv_transfer_params.do_remote_decode on a kv_consumer server" in decode._refused["b"]
-    assert decode.get_num_new_matched_tokens(Request("c", [1, 2], dict(params, tp_size=2)), 0) == (1, True)
-    assert "tensor_parallel_size=2" in decode._refused["c"] and "prefill_tp_size" in decode._refused["c"]
-    assert _counts(decode) == {"refused": 2} and _counts(prefill) == {"refused": 1}
+    # A size that pairs is learnt (no setting); one that cannot is refused by both sizes.
+    assert decode.get_num_new_matched_tokens(Request("c", [1, 2], dict(params, tp_size=2)), 0) == (2, True)
+    two_heads = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_consumer", engine_id="d2",
+                              kv_cache_manager_getter=lambda: manager, authkey=KEY, num_kv_heads=2)  # fmt: skip
+    assert two_heads.get_num_new_matched_tokens(Request("d", [1, 2], dict(params, tp_size=3)), 0) == (1, True)
+    assert "tensor_parallel_size=3 (kv_transfer_params.tp_size) cannot send" in two_heads._refused["d"]
+    assert "tensor_parallel_size=1" in two_heads._refused["d"]
+    assert _counts(decode) == {"refused": 1} and _counts(prefill) == {"refused": 1}
 
 
 def test_foreign_and_extra_keys_are_logged_and_counted(pair: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -185,3 +185,34 @@ def test_a_request_kvferry_cannot_serve_is_refused_and_counted(routed: Any) -> N
     assert _counter(decode, "vllm:kvferry_unhonoured_total", reason="refused") == before + 1
     assert "remote_request_id" in decode.log_tail(20000)
     wait_until(lambda: decode.kv_blocks()[0] == 0, "the decode server to hold no KV blocks")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_tensor_parallel_pairs_need_no_setting(
+    plain: testbed.Server, model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    """A prefill and a decode server of different tensor parallel sizes, both with
+    ``kv_connector_extra_config`` empty, under vllm-router: the decode server learns the
+    prefill server's size from the request, and every output equals a plain server's."""
+    prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
+    prefill = testbed.start_server("prefill", model, tmp_path, kv_transfer_config=prefill_config,
+                                   engine=testbed.EngineSettings(tensor_parallel_size=prefill_tp))  # fmt: skip
+    decode = testbed.start_server("decode", model, tmp_path, kv_transfer_config=decode_config,
+                                  engine=testbed.EngineSettings(tensor_parallel_size=decode_tp))  # fmt: skip
+    bed = Testbed(model, tmp_path, None, None, proxy_connector=None, prefills=[prefill], decodes=[decode])
+    try:
+        testbed.wait_ready([prefill, decode, plain])
+        router = testbed.start_router([prefill.url], [decode.url], tmp_path)
+        try:
+            send = lambda body: call(router.url, COMPLETIONS, body)  # noqa: E731
+            system = _tokens(random.Random(prefill_tp * 10 + decode_tp), 100)
+            got = _session(send, system, seed=300 + prefill_tp)
+            want = _session(lambda body: call(plain.url, COMPLETIONS, body), system, seed=300 + prefill_tp)
+            assert [a.token_ids for a in got] == [a.token_ids for a in want]
+            figures = _figures(bed)
+            assert figures["transfers"] >= TURNS and figures["computed"] < 0.1 * figures["prompt"], figures
+            wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "no KV blocks held")
+        finally:
+            router.stop()
+    finally:
+        bed.close()

@@ -347,6 +347,33 @@ def test_departed_prefill_engines_free_their_endpoints(tmp_path: Any) -> None:
         worker.close()
 
 
+def test_an_endpoint_handed_out_again_is_not_swept_before_its_engine_connects(tmp_path: Any) -> None:
+    """A prefill engine's endpoint, idle past the grace, handed out again by a new lookup:
+    the grace restarts then, so the step's sweep (which runs right after the publish that
+    woke the lookup) does not close the endpoint whose URL just left. It did, and the
+    prefill server then found no socket at that URL (a tensor-parallel decode server lost
+    every such request)."""
+    import torch
+    from kvferry.layout import PagedKV
+    from kvferry.vllm import decode_worker
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.decode_worker import DecodeWorker
+    from kvferry.vllm.worker import WorkerCommon
+
+    common = WorkerCommon(ConnectorConfig(rendezvous_dir=str(tmp_path), staging_bytes=1 << 20), block_size=4,
+                          num_blocks=8, authkey=b"k" * 32)  # fmt: skip
+    common.pool = PagedKV(tuple(torch.zeros(8, 2, 4, 8) for _ in range(2)), 4)
+    worker = DecodeWorker(common)
+    worker.start()
+    try:
+        url = worker._endpoint_for("engine")
+        worker._made["engine"] -= decode_worker.ENDPOINT_GRACE_S + 1.0  # idle past its grace
+        assert worker._endpoint_for("engine") == url  # a new lookup hands it out again
+        assert worker.sweep(time_now()) == [] and list(worker.endpoints) == ["engine"]
+    finally:
+        worker.close()
+
+
 def test_made_up_sender_names_cannot_fill_the_endpoint_bound_within_the_grace(tmp_path: Any) -> None:
     """Lookups with made-up sender names, all within one grace period (no sweep): one naming
     a transfer no decode request published makes no endpoint; at the bound, one that took a

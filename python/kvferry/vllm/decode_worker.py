@@ -133,6 +133,9 @@ class DecodeWorker:
         self._deadlines: list[tuple[float, str]] = []
         self._look: set[str] = set()  # looked at next step whatever happens (given up, or abandoned early)
         self._refused_seen = self._duplicates_seen = 0
+        # Prefill sizes learnt from requests (a router's decode request names its prefill
+        # server's tensor parallel size): their receivers are made on first use.
+        self._learnt: list[int] = []
 
     @property
     def receiver(self) -> Optional[KVReceiver]:
@@ -145,28 +148,45 @@ class DecodeWorker:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The tensor parallel sizes of the prefill servers this decode server takes."""
-        return self.config.prefill_tp_sizes
+        """The tensor parallel sizes of the prefill servers this decode server takes: those of
+        ``prefill_tp_size``, then those learnt from requests."""
+        return self.config.prefill_tp_sizes + tuple(self._learnt)
 
-    def start(self) -> None:
-        """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
+    def _add_receivers(self, size: int) -> None:
+        """One receiver per prefill rank of a server of tensor parallel size ``size`` that
+        writes into this rank (of every pipeline stage), each with its staging ring's size.
+        Raises `KvFerryError` for a size kvferry.ranks cannot pair with this server's."""
         from kvferry.transports.staging import default_ring_bytes
 
         common = self.common
-        assert common.pool is not None
-        stages = common.stage_slices()
         with torch.inference_mode(False):  # the ring is written by kvferry's own threads
-            for size in self.sizes:
-                for stage, layers in enumerate(stages):
-                    for link in self._links(size):
-                        part = common.link_pool(link.dst_heads, link.whole)
-                        if layers is not None:  # that stage's ranks write their layers only
-                            part = part.layer_slice(*layers)
-                        key = (size, stage * size + link.prefill_rank)
-                        self.receivers[key] = KVReceiver(part)
-                        ring = self.config.staging_bytes or default_ring_bytes(part.device)
-                        self._ring_of[key] = max(2, ring // (part.block_bytes * part.num_layers))
-            self._ring_blocks = self._ring_of[min(self._ring_of)]
+            for stage, layers in enumerate(common.stage_slices()):
+                for link in self._links(size):
+                    part = common.link_pool(link.dst_heads, link.whole)
+                    if layers is not None:  # that stage's ranks write their layers only
+                        part = part.layer_slice(*layers)
+                    key = (size, stage * size + link.prefill_rank)
+                    self.receivers[key] = KVReceiver(part)
+                    ring = self.config.staging_bytes or default_ring_bytes(part.device)
+                    self._ring_of[key] = max(2, ring // (part.block_bytes * part.num_layers))
+
+    def _learn(self, size: int) -> None:
+        """A router's request from a prefill server of a size not taken yet: its receivers."""
+        if size in self.sizes:
+            return
+        self._add_receivers(size)
+        self._learnt.append(size)
+        logger.info("kvferry: decode rank %d now takes prefill servers of tensor parallel size %d",
+                    self.common.tp_rank, size)  # fmt: skip
+
+    def start(self) -> None:
+        """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
+        common = self.common
+        assert common.pool is not None
+        for size in self.sizes:
+            self._add_receivers(size)
+        self._ring_blocks = self._ring_of[min(self._ring_of)]
+        with torch.inference_mode(False):
             self.rendezvous = rendezvous.Rendezvous(
                 self.authkey,
                 self._endpoint_for,
@@ -187,6 +207,11 @@ class DecodeWorker:
         try:
             every = ranks.links(size, common.tp_size, common.num_kv_heads, mla=common.mla)
         except KvFerryError as err:
+            if size not in self.config.prefill_tp_sizes:  # learnt from a request
+                raise KvFerryError(
+                    f"a prefill server of tensor_parallel_size={size} cannot send to this decode server of "
+                    f"tensor_parallel_size={common.tp_size}: {err}"
+                ) from None
             given = self.config.prefill_tp_size
             which = "" if isinstance(given, int) else f"its size {size}: "
             shown = given if isinstance(given, int) else list(given)
@@ -219,6 +244,9 @@ class DecodeWorker:
             with self._endpoints_lock:
                 endpoint = self.endpoints.get(sender)
                 if endpoint is not None:
+                    # Handed out again: its engine has a grace from now to connect, so a sweep
+                    # racing this lookup cannot close an endpoint whose URL just left.
+                    self._made[sender] = time.monotonic()
                     return endpoint.url
                 if len(self.endpoints) >= MAX_PREFILL_ENGINES:
                     evicted = self._idlest()
@@ -257,8 +285,9 @@ class DecodeWorker:
 
     def _admit(self, sender: str) -> Optional[str]:
         """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
-        of a tensor parallel size not in ``prefill_tp_size`` would look up names this server
-        never publishes (and wait out its whole timeout)."""
+        of a tensor parallel size that cannot pair with this server's would look up names this
+        server never publishes (and wait out its whole timeout). A size that pairs but is not
+        in ``prefill_tp_size`` waits: a router's request names it (`_learn`)."""
         mark = leg_rank(sender)
         size, stages = (1, 1) if mark is None else mark[1:]
         if stages != self.config.prefill_pp_size:
@@ -268,6 +297,11 @@ class DecodeWorker:
             )
         if size in self.sizes:
             return None
+        try:  # a size a router's request may still teach this server (its lookup waits for the publish)
+            self._links(size)
+            return None
+        except KvFerryError:
+            pass
         if len(self.sizes) == 1:
             takes = f"tensor parallel size {self.sizes[0]}"
         else:
@@ -293,10 +327,12 @@ class DecodeWorker:
         """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);
         returns their senders' names."""
         assert self.rendezvous is not None
-        busy = self.rendezvous.takers()
         gone: list[registry.Served] = []
         names: list[str] = []
         with self._endpoints_lock:
+            # Under the lock: a lookup that takes a destination after this reads the endpoint
+            # table after this sweep (it finds its endpoint gone and makes a new one).
+            busy = self.rendezvous.takers()
             for sender, served in list(self.endpoints.items()):
                 if sender in busy or now - self._made[sender] < ENDPOINT_GRACE_S or served.endpoint.connected():
                     continue
@@ -321,20 +357,31 @@ class DecodeWorker:
         assert self.receivers and self.rendezvous is not None
         now = time.monotonic()
         blocks = -(-spec.prompt_len // self.block_size)
+        pp = self.config.prefill_pp_size
+        # The sizes that may send it: the one its router named, else every configured one.
+        sizes = self.config.prefill_tp_sizes if spec.prefill_tp is None else (spec.prefill_tp,)
+        if spec.prefill_tp is not None:
+            try:
+                self._learn(spec.prefill_tp)
+            except KvFerryError as err:  # its prefill server's lookups are refused at once
+                for p in range(spec.prefill_tp * pp):
+                    self.rendezvous.withdraw(leg_name(spec.transfer, p, spec.prefill_tp, pp), str(err))
+                self.common.fail_next(spec.req_id, spec.transfer, str(err))
+                return
+        mine = [part for part in self.receivers if part[0] in sizes]
         epochs: dict[Part, int] = {}  # part -> its receiver's epoch of the first group
         try:
-            for part, receiver in self.receivers.items():
-                epochs[part] = expect_groups(receiver, self.common.groups, spec.kv_id, spec.prompt_len,
+            for part in mine:
+                epochs[part] = expect_groups(self.receivers[part], self.common.groups, spec.kv_id, spec.prompt_len,
                                              spec.held_blocks, spec.dst_blocks)  # fmt: skip
         except KvFerryError as err:
             self._forget_expected(spec, epochs)  # never published: nothing writes them
             self.common.fail_next(spec.req_id, spec.transfer, f"cannot expect its blocks: {err}")
             return
         st = _Recv(spec, now, now + spec.timeout_s)
-        if len(self.receivers) > 1 or self.sizes != (1,):
-            pp = self.config.prefill_pp_size
-            st.subs = {(size, p): leg_name(spec.transfer, p, size, pp) for size, p in self.receivers}
-        if len(self.sizes) > 1:  # its first lookup chooses the size (kvferry.vllm.rendezvous)
+        if mine != [ONE]:
+            st.subs = {(size, p): leg_name(spec.transfer, p, size, pp) for size, p in mine}
+        if len(sizes) > 1:  # its first lookup chooses the size (kvferry.vllm.rendezvous)
             st.among = rendezvous.Alternatives("tensor parallel size")
         parts = list(st.parts().items())
         for i, (part, name) in enumerate(parts):
@@ -467,7 +514,7 @@ class DecodeWorker:
         look.update(rid for rid in finished_req_ids if rid in self._recv)
         gone = self.rendezvous.take_abandoned()
         look.update(self._rid_of_transfer[t] for t in gone if t in self._rid_of_transfer)
-        if len(self.sizes) > 1:  # a first lookup chose a request's size: its other parts go
+        if len(self.config.prefill_tp_sizes) > 1:  # a first lookup chose a request's size: its other parts go
             chosen = self.rendezvous.take_chosen()
             look.update(self._rid_of_transfer[t] for t in chosen if t in self._rid_of_transfer)
         while self._deadlines and self._deadlines[0][0] < now:
@@ -529,6 +576,15 @@ class DecodeWorker:
         return len(st.released) == len(st.parts())
 
     def _release_part(self, st: _Recv, p: Part, name: str, now: float) -> bool:
+        """`_release_now`, or False while a write the staging endpoint admitted before the
+        request was given up is still copying into its blocks (`kvferry.receiver.Landing`):
+        the next step tries again, this one never waits for it."""
+        try:
+            return self._release_now(st, p, name, now)
+        except TransferTimeoutError:
+            return False
+
+    def _release_now(self, st: _Recv, p: Part, name: str, now: float) -> bool:
         """Releases part ``p`` (a prefill size's rank, published as ``name``) of a request
         given up on once its sender fenced it. Past the fence timeout: staging releases at once (its
         endpoint applies a write only for a request it still admits, so a late write of a
@@ -581,7 +637,7 @@ class DecodeWorker:
             if (p, kv) in st.released_kvs:
                 continue
             if unfenced:
-                receiver.release_unfenced(kv)
+                receiver.release_unfenced(kv, 0)
             else:
                 receiver.release(kv, 0)
             st.released_kvs.add((p, kv))

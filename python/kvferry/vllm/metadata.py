@@ -66,6 +66,10 @@ class RecvSpec:
     held_blocks: int
     digest: str
     timeout_s: float
+    # The tensor parallel size of the prefill server that sends it, when its request named it
+    # (a router's, NixlConnector's protocol): the decode worker takes any size that pairs
+    # with its own. None: the sizes of ``prefill_tp_size``.
+    prefill_tp: Optional[int] = None
 
 
 LEG_MARK = "@p"

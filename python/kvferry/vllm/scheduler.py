@@ -225,15 +225,17 @@ class SchedulerSide:
         return params
 
     def _check_router_recv(self, params: RequestParams) -> None:
-        """A router's decode request: the prefill server's size is one this server takes,
-        and this server's rendezvous is known (its workers' handshake)."""
-        sizes = self.config.prefill_tp_sizes
-        if params.prefill_tp not in sizes:
+        """A router's decode request: the prefill server's size pairs with this server's
+        (the decode workers learn it: `DecodeWorker._learn`), and this server's rendezvous is
+        known (its workers' handshake)."""
+        assert params.prefill_tp is not None
+        try:  # refused now, by both sizes, rather than by the worker after the offer
+            ranks.links(params.prefill_tp, self.tp_size, self.num_kv_heads, mla=self.mla)
+        except KvFerryError as err:
             raise KvFerryError(
-                f"the prefill server runs tensor_parallel_size={params.prefill_tp} (kv_transfer_params.tp_size) and"
-                f" this decode server takes prefill servers of tensor_parallel_size {list(sizes)}: add"
-                f" {params.prefill_tp} to this server's kv_connector_extra_config prefill_tp_size"
-            )
+                f"the prefill server's tensor_parallel_size={params.prefill_tp} (kv_transfer_params.tp_size) cannot"
+                f" send to this decode server's tensor_parallel_size={self.tp_size}: {err}"
+            ) from None
         if self.handshake is None:
             raise KvFerryError("this decode server's workers have not started their rendezvous yet")
 
@@ -446,6 +448,7 @@ class SchedulerSide:
                 held,
                 prompt_digest(request.prompt_token_ids),
                 timeout,
+                params.prefill_tp,
             )
         )
         self._receiving[rid] = params.transfer
@@ -460,18 +463,17 @@ class SchedulerSide:
                 self._authkey,
                 params.transfer,
                 self.handshake.peer,
-                self._own_names(params.transfer),
+                self._own_names(params.transfer, params.prefill_tp),
                 lambda reason: self._unhonoured.append("offer_failed"),
             )
 
-    def _own_names(self, transfer: str) -> list[tuple[str, str]]:
+    def _own_names(self, transfer: str, size: Optional[int] = None) -> list[tuple[str, str]]:
         """Every name this decode server may publish ``transfer`` under, at each rank's
         rendezvous (kvferry.vllm.decode_worker): what an abandon of it must reach."""
         assert self.handshake is not None
         pp = self.config.prefill_pp_size
-        names = {transfer} | {
-            leg_name(transfer, p, size, pp) for size in self.config.prefill_tp_sizes for p in range(size * pp)
-        }
+        sizes = self.config.prefill_tp_sizes if size is None else (size,)
+        names = {transfer} | {leg_name(transfer, p, n, pp) for n in sizes for p in range(n * pp)}
         return [(address, name) for address in self.handshake.peer.split(" ") for name in sorted(names)]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryMetadata:

@@ -324,6 +324,9 @@ class EngineSettings:
     # > 0: a prompt longer than this gets at most this many tokens per step, so several
     # prefills advance (and grow) together in one step's budget.
     long_prefill_tokens: int = 0
+    # > 1: vLLM's CPU tensor parallelism, one worker process per rank (start_server binds each
+    # rank's threads to a core of its own where the server has that many).
+    tensor_parallel_size: int = 1
 
     def args(self) -> list[str]:
         out = [
@@ -340,6 +343,8 @@ class EngineSettings:
             out.append("--no-scheduler-reserve-full-isl")
         if self.long_prefill_tokens:
             out += ["--long-prefill-token-threshold", str(self.long_prefill_tokens)]
+        if self.tensor_parallel_size > 1:
+            out += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         return out
 
 
@@ -501,6 +506,13 @@ def start_server(
         VLLM_LOGGING_LEVEL="INFO",
         OMP_NUM_THREADS=str(max(1, len(cores))),
     )
+    ranks = engine.tensor_parallel_size
+    if ranks > 1:  # one core per rank, the machine's cores in turn
+        every = _cores()
+        full_env.update(
+            VLLM_CPU_OMP_THREADS_BIND="|".join(str(every[r % len(every)]) for r in range(ranks)),
+            OMP_NUM_THREADS="1",
+        )
     full_env.update(env or {})
     log = open(log_path, "wb")
     try:
