@@ -106,8 +106,10 @@ class _Peer:
         return f"sender #{self.number} ({self.where})"
 
     def send(self, frame: Frame) -> None:
-        """One frame to the sender; any thread (the connection thread replies with staging
-        frees while another passes on a cancellation)."""
+        """One frame to the sender, from any thread (the connection thread replies with
+        staging frees while the engine's passes on a cancellation); never blocks: a sender
+        that stopped reading is cut off instead (`wire.Channel` with ``queue_bytes``), and
+        `wire.StalledError` raised."""
         assert self.channel is not None, "sent to a peer that is not authenticated"
         self.channel.send(frame)
 
@@ -119,7 +121,10 @@ class _Peer:
             pass
 
     def close(self) -> None:
-        self.sock.close()
+        if self.channel is not None:
+            self.channel.close()  # its writer thread too
+        else:
+            self.sock.close()
 
 
 Hello = dict[str, Any]
@@ -273,7 +278,9 @@ class LocalEndpoint:
             return False
         finally:
             self._admission.settle(peer.ticket)
-        peer.channel = wire.Channel(peer.sock)
+        # Queued sends: no thread of the receiver's (a decode step passing on a cancellation,
+        # a newcomer making room) ever waits on this peer reading.
+        peer.channel = wire.Channel(peer.sock, queue_bytes=wire.QUEUE_BYTES)
         return True
 
     def _pump(self, peer: _Peer) -> None:
@@ -290,11 +297,7 @@ class LocalEndpoint:
             hello = wire.encode(HelloFrame(self._hello() if callable(self._hello) else self._hello))
             fds = self.hello_fds() if peer.sock.family == socket.AF_UNIX else []
             assert peer.channel is not None
-            if fds:
-                with peer.channel._send_lock:  # noqa: SLF001  (whole, like every frame)
-                    wire.send_frame_fds(peer.sock, hello, fds)
-            else:
-                peer.channel.send_frame(hello)
+            peer.channel.send_frame(hello, fds)
             while True:
                 frame = peer.channel.recv()
                 peer.last_active = time.monotonic()
@@ -309,12 +312,22 @@ class LocalEndpoint:
             if peer.channel is not None:
                 peer.channel.goodbye(f"disconnected: {err}")
         except (EOFError, OSError) as err:
+            broken = peer.channel.broken if peer.channel is not None else None
             if self._closing.is_set():
                 reason = "the endpoint closed"
             elif peer.reclaimed:
                 reason = f"the endpoint closed it to make room for another sender after {self.idle_reclaim_s:g} s idle"
+            elif broken is not None:
+                reason = f"the endpoint cut it off: {broken}"
+            elif isinstance(err, socket.timeout):
+                reason = (
+                    f"the endpoint cut it off: a frame it began did not arrive whole within {wire.FRAME_SECONDS:g} s"
+                )
             else:
                 reason = f"its connection ended ({type(err).__name__})"
+            if broken is not None or isinstance(err, socket.timeout):
+                self._record(TransferError(f"{peer}: {reason}", peer=str(peer)))
+                _log.warning("cut off", "kvferry: the endpoint at %s: %s: %s", self.address, peer, reason)
         finally:
             with self._lock:
                 self._peers.discard(peer)
@@ -507,7 +520,7 @@ class PeerConnection:
         except AuthenticationError as err:
             self._sock.close()
             raise TransferError(f"cannot reach the receiver at {address}: {err}", peer=address) from err
-        self._channel = wire.Channel(self._sock)
+        self._channel = wire.Channel(self._sock)  # sends block, cut off after wire.SEND_SECONDS without progress
         self.peer = f"receiver at {where.url()} ({wire.peer_name(self._sock)})"
         self.lost: Optional[TransferError] = None
         self.cancels: list[tuple[int, int]] = []
@@ -516,16 +529,21 @@ class PeerConnection:
         # that opens the pool takes them (`take_fds`); whatever is left is closed with us.
         self.fds: list[int] = []
         try:
+            # The hello comes within the handshake's timeout, like the handshake itself: an
+            # endpoint that stalls here must not hold the caller (a connect) forever.
             if self._sock.family == socket.AF_UNIX:
-                first, self.fds = wire.recv_frame_fds(self._sock)
+                first, self.fds = wire.recv_frame_fds(self._sock, deadline=time.monotonic() + timeout)
             else:
-                first = self._channel.recv()
+                first = self._channel.recv(timeout)
             if isinstance(first, Goodbye):
                 raise TransferError(f"the {self.peer} refused the connection: {first.reason}", peer=self.peer)
             if not isinstance(first, HelloFrame):
                 why = f"the {self.peer} sent a {first.kind} frame instead of its hello"
                 raise wire.ProtocolError(why, peer=self.peer)
             self.hello = dict(first.pool)
+        except socket.timeout as err:
+            self.close()
+            raise TransferError(f"cannot reach the {self.peer}: no hello within {timeout:g} s", peer=self.peer) from err
         except (OSError, EOFError, KvFerryError) as err:
             self.close()
             raise TransferError(f"cannot reach the {self.peer}: {err}", peer=self.peer) from err
@@ -606,7 +624,7 @@ class PeerConnection:
     def close(self) -> None:
         for fd in self.take_fds():
             os.close(fd)
-        self._sock.close()
+        self._channel.close()
 
 
 class LocalTransport(Transport):

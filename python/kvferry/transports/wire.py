@@ -56,6 +56,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence, TypeVar
 
@@ -70,6 +71,7 @@ __all__ = [
     "AuthenticationError",
     "Channel",
     "ProtocolError",
+    "StalledError",
     "check_authkey",
     "check_timeout",
     "connect",
@@ -85,6 +87,15 @@ MIN_AUTHKEY_BYTES = 32
 # How long a peer may take over the whole handshake before the connection is dropped.
 DEFAULT_HANDSHAKE_SECONDS = 10.0
 NONCE_BYTES = 32
+# After the handshake: a frame whose first byte came must arrive whole within FRAME_SECONDS;
+# a send that moves nothing for SEND_SECONDS (the peer stopped reading) cuts the peer off.
+FRAME_SECONDS = 30.0
+SEND_SECONDS = 10.0
+# An endpoint's channels never block a sender of theirs: at most this much waits for a peer
+# that does not read (`Channel` with ``queue_bytes``); more, and the peer is cut off.
+QUEUE_BYTES = 1 << 20
+# How often a channel's writer thread, waiting for room, looks whether the channel closed.
+WRITER_SLICE_SECONDS = 0.1
 # v2: the MAC binds the endpoint's URL and the protocol version (channel binding); a v1 peer's
 # proof fails. The frames' layout is unchanged, so the codec's version stays.
 HANDSHAKE_VERSION = 2
@@ -304,15 +315,37 @@ class ProtocolError(TransferError):
     type, or one this side does not take): the connection is closed."""
 
 
+def _wait(sock: socket.socket, events: int, deadline: Optional[float], what: str = "deadline") -> None:
+    """Blocks until ``sock`` is ready for ``events`` (poll(2) flags), or raises
+    ``socket.timeout`` at ``deadline`` (monotonic; None: no bound). A shutdown wakes it."""
+    poller = select.poll()
+    poller.register(sock, events)
+    while True:
+        if deadline is None:
+            left_ms = -1
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(what)
+            left_ms = max(1, math.ceil(left * 1000))
+        if poller.poll(left_ms):
+            return
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    """``n`` bytes, by ``deadline`` (monotonic; None: the socket's own blocking or timeout).
+    With a deadline each read waits in poll(2) and never blocks in recv(2), so the socket's
+    mode is never changed: another thread may be sending on it."""
     chunks, got = [], 0
     while got < n:
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("handshake deadline")
-            sock.settimeout(left)
-        chunk = sock.recv(min(n - got, 1 << 20))
+            _wait(sock, select.POLLIN, deadline)
+            try:
+                chunk = sock.recv(min(n - got, 1 << 20), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+        else:
+            chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
             raise EOFError("the peer closed the connection")
         chunks.append(chunk)
@@ -321,12 +354,23 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
 
 
 def recv_frame(
-    sock: socket.socket, limit: int = MAX_FRAME_BYTES, deadline: Optional[float] = None, frames: FrameSet = TRANSPORT
+    sock: socket.socket,
+    limit: int = MAX_FRAME_BYTES,
+    deadline: Optional[float] = None,
+    frames: FrameSet = TRANSPORT,
+    *,
+    whole_s: Optional[float] = None,
 ) -> Frame:
     """Reads one frame of ``frames``: the header first, checked (magic, version, type,
     length within ``limit``) before a byte of the body is read; then the body, decoded and
-    validated by the core. Raises `ProtocolError` for a bad frame (or one of another
-    channel's set), ``EOFError`` at the end."""
+    validated by the core. ``deadline`` (monotonic): by when the frame must have come (None:
+    no bound); with ``whole_s``, ``deadline`` bounds only its first byte, and the rest must
+    follow within ``whole_s`` seconds of it (a peer that starts a frame and stalls is cut off).
+    Raises `ProtocolError` for a bad frame (or one of another channel's set), ``EOFError`` at
+    the end, ``socket.timeout`` past a deadline."""
+    if whole_s is not None:
+        _wait(sock, select.POLLIN, deadline)
+        deadline = time.monotonic() + whole_s
     header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
     try:
         _, length = _core.wire_header(header, limit)
@@ -339,26 +383,48 @@ def recv_frame(
 MAX_PASSED_FDS = 4
 
 
-def send_frame_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
-    """An encoded frame with descriptors riding on its first byte (``SCM_RIGHTS``; a Unix
-    socket only): how an endpoint hands a sender a segment that has no name."""
-    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    if sent < len(data):
-        sock.sendall(data[sent:])
+def _send_some(sock: socket.socket, data: memoryview, fds: Sequence[int]) -> int:
+    """What of ``data`` fits in the socket now (never blocks; 0 when nothing does), with
+    descriptors riding on its first byte (``SCM_RIGHTS``; a Unix socket only)."""
+    try:
+        if fds:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            return sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT)
+        return sock.send(data, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+
+
+def _send_until(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """The whole of ``data`` by ``deadline`` (monotonic), else ``socket.timeout``."""
+    view = memoryview(data)
+    while view:
+        sent = _send_some(sock, view, ())
+        if not sent:
+            _wait(sock, select.POLLOUT, deadline)
+        view = view[sent:]
 
 
 def recv_frame_fds(
-    sock: socket.socket, limit: int = MAX_FRAME_BYTES, frames: FrameSet = TRANSPORT
+    sock: socket.socket, limit: int = MAX_FRAME_BYTES, frames: FrameSet = TRANSPORT, deadline: Optional[float] = None
 ) -> tuple[Frame, list[int]]:
     """`recv_frame` on a Unix socket, also taking the descriptors that came with the frame
-    (at most ``MAX_PASSED_FDS``; more, or a truncated set, are closed and refused). The
-    caller owns (and closes) the descriptors returned."""
+    (at most ``MAX_PASSED_FDS``; more, or a truncated set, are closed and refused), whole by
+    ``deadline`` (monotonic; None: no bound). The caller owns (and closes) the descriptors
+    returned."""
     fds: list[int] = []
     header = b""
     try:
         while len(header) < _core.WIRE_HEADER_BYTES:
+            if deadline is not None:
+                _wait(sock, select.POLLIN, deadline)
             room = socket.CMSG_SPACE(MAX_PASSED_FDS * 4)
-            data, ancillary, flags, _ = sock.recvmsg(_core.WIRE_HEADER_BYTES - len(header), room)
+            try:
+                data, ancillary, flags, _ = sock.recvmsg(
+                    _core.WIRE_HEADER_BYTES - len(header), room, socket.MSG_DONTWAIT if deadline is not None else 0
+                )
+            except BlockingIOError:
+                continue
             for level, cmsg, payload in ancillary:
                 if level == socket.SOL_SOCKET and cmsg == socket.SCM_RIGHTS:
                     got = array.array("i")
@@ -371,7 +437,7 @@ def recv_frame_fds(
             header += data
         try:
             _, length = _core.wire_header(header, limit)
-            body = _recv_exact(sock, length) if length else b""
+            body = _recv_exact(sock, length, deadline) if length else b""
             frame = frames.decode(header + body, limit)
         except InvalidArgumentError as err:
             raise ProtocolError(str(err)) from None
@@ -387,27 +453,170 @@ def encode(frame: Frame, frames: FrameSet = TRANSPORT) -> bytes:
     return frames.encode(frame)
 
 
+class StalledError(ConnectionError):
+    """The peer stopped reading: a send moved nothing for the channel's ``send_timeout``, or
+    more than its ``queue_bytes`` waited for a peer that does not read. The channel has shut
+    the connection down (its reader sees the end) and refuses every later send."""
+
+
 class Channel:
     """Frames of one set (``frames``: the transports' unless told) over one connected socket,
     after the handshake. `send` may be called from any thread; `recv` and `poll` from one
-    reader."""
+    reader. No call waits on the peer without a bound:
 
-    def __init__(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES, frames: FrameSet = TRANSPORT) -> None:
+    - `recv` reads a frame whose first byte came within its ``timeout`` (None: no bound) in
+      at most ``frame_timeout`` seconds more;
+    - `send` blocks the calling thread (frames whole, in order) until the frame is sent, but
+      a peer that takes nothing for ``send_timeout`` seconds is cut off (`StalledError`);
+    - with ``queue_bytes`` (an endpoint's channels) `send` never blocks at all: what does not
+      fit in the socket now waits in a queue that a writer thread of the channel's own sends
+      on, and a peer that lets more than ``queue_bytes`` wait, or takes nothing for
+      ``send_timeout`` seconds, is cut off. So a thread that must not wait on a peer (a decode
+      engine's step passing on a cancellation) can still tell it something.
+
+    ```
+    send() --fits now--> socket            (the usual case: no thread, no copy)
+       |
+       +--the rest--> queue (<= queue_bytes) --writer thread--> socket
+                         full, or nothing moved for send_timeout: broken, shut down
+    ```
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        limit: int = MAX_FRAME_BYTES,
+        frames: FrameSet = TRANSPORT,
+        *,
+        queue_bytes: Optional[int] = None,
+        send_timeout: Optional[float] = None,
+        frame_timeout: Optional[float] = None,
+    ) -> None:
         self.sock = sock
         self.limit = limit
         self.frames = frames
-        self._send_lock = threading.Lock()
+        self.queue_bytes = queue_bytes
+        self.send_timeout = SEND_SECONDS if send_timeout is None else send_timeout
+        self.frame_timeout = FRAME_SECONDS if frame_timeout is None else frame_timeout
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._queue: deque[tuple[memoryview, Sequence[int]]] = deque()
+        self._queued = 0
+        self._moved = 0.0  # when the queue last moved (or began waiting)
+        self._writer: Optional[threading.Thread] = None
+        self._closed = False
+        self.broken: Optional[str] = None  # why the channel cut the peer off
+
+    @property
+    def waiting(self) -> int:
+        """Bytes queued for a peer that has not taken them yet (queue mode)."""
+        with self._lock:
+            return self._queued
 
     def send(self, frame: Frame) -> None:
         self.send_frame(self.frames.encode(frame))
 
-    def send_frame(self, data: bytes) -> None:
-        """An encoded frame, whole: frames from several threads never interleave."""
-        with self._send_lock:
-            self.sock.sendall(data)
+    def send_frame(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """An encoded frame, whole (frames from several threads never interleave), with
+        descriptors riding on its first byte (``SCM_RIGHTS``, a Unix socket). Raises
+        `StalledError` once the peer is cut off (see the class), ``OSError`` if the
+        connection failed."""
+        view = memoryview(data)
+        with self._lock:
+            if self.broken is not None:
+                raise StalledError(self.broken)
+            if self._closed:
+                raise StalledError("the channel is closed")
+            if self.queue_bytes is None:
+                self._send_blocking(view, fds)
+                return
+            if not self._queue:
+                sent = _send_some(self.sock, view, fds)
+                if sent == len(view):
+                    return
+                view, fds = view[sent:], (fds if not sent else ())
+                self._moved = time.monotonic()
+            if self._queued + len(view) > self.queue_bytes and self._queued:
+                self._cut_off(
+                    f"the peer stopped reading: {self._queued} bytes already waited for it (at most {self.queue_bytes})"
+                )
+                raise StalledError(self.broken)
+            self._queue.append((view, fds))
+            self._queued += len(view)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
+                self._writer.start()
+            self._changed.notify()
 
-    def recv(self) -> Frame:
-        return recv_frame(self.sock, self.limit, frames=self.frames)
+    def _send_blocking(self, view: memoryview, fds: Sequence[int]) -> None:
+        """(lock held) The whole of ``view``, waiting for room at most ``send_timeout`` at a time."""
+        moved = time.monotonic()
+        while view:
+            sent = _send_some(self.sock, view, fds)
+            now = time.monotonic()
+            if sent:
+                view, fds, moved = view[sent:], (), now
+                continue
+            try:
+                _wait(self.sock, select.POLLOUT, moved + self.send_timeout)
+            except socket.timeout:
+                self._cut_off(f"the peer took nothing for {self.send_timeout:g} s (it stopped reading)")
+                raise StalledError(self.broken) from None
+
+    def _write(self) -> None:
+        """The writer thread (queue mode): sends what waits, in order, never holding the lock
+        while it waits for room; cuts the peer off after ``send_timeout`` without progress."""
+        with self._lock:
+            while True:
+                while not self._queue and not self._closed and self.broken is None:
+                    self._changed.wait()
+                if self._closed or self.broken is not None:
+                    return
+                view, fds = self._queue[0]
+                try:
+                    sent = _send_some(self.sock, view, fds)
+                except OSError as err:
+                    self._cut_off(f"sending failed: {type(err).__name__} ({err.strerror or err})")
+                    return
+                if sent:
+                    self._queued -= sent
+                    self._moved = time.monotonic()
+                    if sent == len(view):
+                        self._queue.popleft()
+                    else:
+                        self._queue[0] = (view[sent:], ())
+                    continue
+                due = self._moved + self.send_timeout
+                if time.monotonic() >= due:
+                    self._cut_off(f"the peer took nothing for {self.send_timeout:g} s (it stopped reading)")
+                    return
+                # Waits for room outside the lock, a slice at a time, so a close is seen soon.
+                self._lock.release()
+                try:
+                    _wait(self.sock, select.POLLOUT, min(due, time.monotonic() + WRITER_SLICE_SECONDS))
+                except (socket.timeout, OSError, ValueError):
+                    pass
+                finally:
+                    self._lock.acquire()
+
+    def _cut_off(self, why: str) -> None:
+        """(lock held) Gives up on the peer: nothing more is sent, and the connection is shut
+        down, which wakes its reader (the owner closes the socket)."""
+        if self.broken is None:
+            self.broken = why
+        self._queue.clear()
+        self._queued = 0
+        self._changed.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def recv(self, timeout: Optional[float] = None) -> Frame:
+        """One frame whose first byte comes within ``timeout`` seconds (None: no bound) and
+        the rest within ``frame_timeout`` of it; ``socket.timeout`` past either."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return recv_frame(self.sock, self.limit, deadline, self.frames, whole_s=self.frame_timeout)
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a frame (or the end of the connection) is waiting."""
@@ -417,11 +626,40 @@ class Channel:
         return bool(poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
     def goodbye(self, reason: str) -> None:
-        """Tells the peer why the connection is closing (best effort: it may be gone)."""
+        """Tells the peer why the connection is closing, if that can be done now: best
+        effort, never blocks (a peer that does not read, or is gone, misses it)."""
         try:
-            self.send(Goodbye(reason.encode()[:1000].decode(errors="ignore")))  # the codec's bound is 1024 bytes
-        except (OSError, KvFerryError):
+            data = memoryview(self.frames.encode(Goodbye(reason.encode()[:1000].decode(errors="ignore"))))
+        except KvFerryError:
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # a send of another thread is under way: the peer will not get it now
+        try:
+            if self.broken is not None or self._closed:
+                return
+            if not self._queue:
+                data = data[_send_some(self.sock, data, ()) :]
+                self._moved = time.monotonic()
+            if data and self.queue_bytes is not None and self._queued + len(data) <= self.queue_bytes:
+                self._queue.append((data, ()))
+                self._queued += len(data)
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
+                    self._writer.start()
+                self._changed.notify()
+        except OSError:
             pass
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Stops the writer (what still waits is dropped) and closes the socket."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._queued = 0
+            self._changed.notify_all()
+            self.sock.close()
 
 
 def _mac(key: bytes, role: int, binding: bytes, theirs: bytes, mine: bytes) -> bytes:
@@ -478,13 +716,13 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
     peer_role = ROLE_SENDER if role == ROLE_ENDPOINT else ROLE_ENDPOINT
     proved = False
     try:
-        sock.sendall(encode(Challenge(role, mine)))
+        _send_until(sock, encode(Challenge(role, mine)), deadline)
         challenge = _expect(sock, Challenge, deadline)
         got_role, theirs = challenge.role, challenge.nonce
         if got_role != peer_role:
             raise AuthenticationError(f"the peer claims role {got_role}, expected {peer_role} (a reflected challenge?)")
         if role == ROLE_SENDER:
-            sock.sendall(encode(Proof(_mac(key, role, bindings[0], theirs, mine))))
+            _send_until(sock, encode(Proof(_mac(key, role, bindings[0], theirs, mine))), deadline)
             proved = True
         proof = _expect(sock, Proof, deadline).mac
         bound = next((b for b in bindings if hmac.compare_digest(proof, _mac(key, peer_role, b, mine, theirs))), None)
@@ -499,7 +737,7 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
                 f" (a relay to another endpoint?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
             )
         if role == ROLE_ENDPOINT:
-            sock.sendall(encode(Proof(_mac(key, role, bound, theirs, mine))))
+            _send_until(sock, encode(Proof(_mac(key, role, bound, theirs, mine))), deadline)
         return bound.decode()
     except AuthenticationError:
         raise
