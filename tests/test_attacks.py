@@ -24,7 +24,7 @@ from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import guard, registry, wire
-from kvferry.transports.frames import Challenge
+from kvferry.transports.frames import Announce, Challenge
 from kvferry.transports.shm import ShmEndpoint, ShmTransport
 
 LAYERS, SHAPE, TPB = POOLS.layers, POOLS.shape, POOLS.tpb
@@ -380,6 +380,185 @@ def test_a_nixl_receiver_whose_hello_lies_is_refused_before_any_agent(monkeypatc
     finally:
         served.close()
     assert_nothing_leased(served.receiver)
+
+
+# -- a key-holder that stops reading ------------------------------------------------------------
+
+
+class Stalled:
+    """A key-holder that stops reading: it authenticates to a staging endpoint on a Unix
+    socket, takes its hello (and so a ring), and from then on only sends. Each staged frame
+    with nothing in it is still answered with a free, so a flood of them fills the socket
+    towards it (its receive buffer made small)."""
+
+    def __init__(self, address: str, authkey: bytes) -> None:
+        from kvferry.transports.frames import Hello
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect(wire.parse_address(address).path)
+        wire.handshake(self.sock, authkey, wire.ROLE_SENDER, SLACK, address)
+        self.sock.settimeout(SLACK)
+        hello, fds = wire.recv_frame_fds(self.sock)
+        self.sock.settimeout(None)
+        for fd in fds:
+            os.close(fd)
+        assert isinstance(hello, Hello)
+
+    def send(self, frame: Any) -> None:
+        self.sock.sendall(wire.encode(frame))
+
+    def flood(self, endpoint: Any) -> None:
+        """Sends empty staged frames until the endpoint's answers to it wait in a queue (the
+        socket towards it is full), or, for an endpoint that sends on its own connection's
+        thread, until that thread stopped reading (SLACK only bounds how long that takes to
+        show). Returns early if the endpoint cut it off."""
+        import numpy as np
+        from kvferry.transports.frames import Staged
+
+        empty = np.empty(0, dtype=np.int64)
+        batch = wire.encode(Staged([], 0, 0, empty, empty)) * 512
+        (peer,) = endpoint._peers  # noqa: SLF001
+        poller = select_poll(self.sock)
+        self.sock.setblocking(False)
+        view = memoryview(b"")
+        while not getattr(peer.channel, "waiting", 0):
+            view = view or memoryview(batch)
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                if not poller.poll(SLACK * 1000):
+                    return  # the endpoint no longer reads
+            except OSError:
+                return  # cut off
+        self.sock.setblocking(True)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def select_poll(sock: socket.socket) -> Any:
+    import select
+
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return poller
+
+
+def _in_thread(call: Any) -> tuple[threading.Event, list[Any]]:
+    """Runs ``call`` on a thread; returns the event set when it returned (or raised) and a
+    list that then holds its result or exception."""
+    done, outcome = threading.Event(), []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:  # noqa: BLE001  (the test looks at it)
+            outcome.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, outcome
+
+
+def test_a_sender_that_stops_reading_cannot_hold_up_a_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key-holder announces a request, then floods the endpoint with staged frames and
+    never reads the answers. Giving the request up (a decode engine's step: `release`) asks
+    its sender to cancel, which used to be sent on the caller's thread and blocked it as
+    long as the attacker kept its connection. Now the cancellation waits in the connection's
+    queue, the release returns at once, the endpoint cuts the attacker off once nothing
+    moved for its send timeout (made short here), and a legitimate sender is served."""
+    from kvferry.errors import TransferTimeoutError
+    from kvferry.transports.staging import StagingTransport
+
+    monkeypatch.setattr(wire, "SEND_SECONDS", 1.0)
+    served = serve("staging", POOLS.random(98), capacity_blocks=8)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    attacker = Stalled(endpoint.address, authkey)
+    try:
+        epoch = receiver.expect(7, 4 * TPB)
+        attacker.send(Announce([(7, epoch)]))
+        (peer,) = endpoint._peers  # noqa: SLF001
+        assert until(lambda: receiver.owns_unfinished(peer.source))
+        attacker.flood(endpoint)
+        done, outcome = _in_thread(lambda: receiver.release(7, timeout=0))
+        assert done.wait(SLACK), "release blocked on a sender that does not read"
+        assert isinstance(outcome[0], TransferTimeoutError), outcome  # asked to cancel; no fence yet
+        assert until(lambda: any("stopped reading" in str(e) for e in list(endpoint.errors)))
+        receiver.release(7, timeout=SLACK)  # its connection ended: fenced
+        transfer_bit_exact(receiver, StagingTransport(endpoint.address, authkey=authkey), 1)
+    finally:
+        attacker.close()
+        served.close()
+    assert_nothing_leased(receiver)
+
+
+def test_a_sender_that_stops_reading_cannot_hold_up_a_new_senders_connect() -> None:
+    """The one ring is held by a key-holder that floods the endpoint and never reads. A new
+    sender's connect makes room by closing it (idle_reclaim_s 0): the goodbye to it used to
+    block under its connection's send lock, and the new sender's read of its hello had no
+    deadline, so ``connect(..., handshake_timeout=3)`` never returned. Now goodbyes never
+    block and the hello has the handshake's deadline: the connect returns, served."""
+    served = serve("staging", POOLS.random(97), capacity_blocks=8, max_senders=1, idle_reclaim_s=0)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    attacker = Stalled(endpoint.address, authkey)
+    try:
+        attacker.flood(endpoint)
+        url = f"staging+{endpoint.address}"
+        done, outcome = _in_thread(lambda: registry.connect(url, authkey=authkey, handshake_timeout=3))
+        assert done.wait(SLACK), "connect blocked behind a sender that does not read"
+        transport = outcome[0]
+        assert not isinstance(transport, BaseException), transport
+        transfer_bit_exact(receiver, transport, 1)
+    finally:
+        attacker.close()
+        served.close()
+    assert_nothing_leased(receiver)
+
+
+def test_a_staged_write_admitted_before_a_release_never_lands_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging endpoint admits a write, then copies it outside the receiver's lock. The
+    decode side gives the request up and releases it unfenced in between (as after an
+    abandon, or past its fence timeout), and a new owner writes 0x11 into the blocks: the
+    admitted copy used to land afterwards, over the new owner's bytes. Now the release does
+    not forget the request while the copy it admitted is still landing (with a timeout of 0
+    it says so), and once the copy landed nothing of the old request reaches the blocks."""
+    import kvferry.transports.staging as staging
+    from kvferry.errors import TransferTimeoutError
+
+    real, copying, go = staging._unstage, threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        copying.set()
+        assert go.wait(SLACK)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "_unstage", held)
+    served = serve("staging", capacity_blocks=8)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    sender = KVSender(POOLS.random(5), staging.StagingTransport(endpoint.address, authkey=authkey))
+    try:
+        dst = [5, 9, 2, 11]
+        epoch = receiver.expect(3, 4 * TPB, dst_blocks=dst)
+        sender.add(3, 4 * TPB, reused_len=0, epoch=epoch)
+        sender.send_chunks([3], [0], [4 * TPB], [list(range(4))], [dst])
+        assert copying.wait(SLACK)  # admitted; its copy not begun
+        receiver.cancel(3, "the decode request was aborted")
+        with pytest.raises(TransferTimeoutError, match="still copying"):
+            receiver.release_unfenced(3, timeout=0)
+        go.set()
+        receiver.release_unfenced(3)  # returns once the admitted copy landed
+        for layer in receiver.pool.layers:
+            layer[dst] = 0x11  # the blocks' new owner
+        with pytest.raises(TransferError, match="cancelled by the receiver"):
+            sender.flush(timeout=SLACK)  # it hears of the cancel; what it still had is refused
+        for layer in receiver.pool.layers:
+            assert bool((layer[dst] == 0x11).all())
+    finally:
+        go.set()
+        sender.close()
+        served.close()
 
 
 # -- idle authenticated peers -------------------------------------------------------------------

@@ -52,7 +52,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -68,7 +68,7 @@ from kvferry.errors import (
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 
-__all__ = ["CancelHandler", "Discard", "KVReceiver", "LeaseError", "ReceiverStage", "Refusal"]
+__all__ = ["CancelHandler", "Discard", "KVReceiver", "Landing", "LeaseError", "ReceiverStage", "Refusal"]
 
 # Refused and discarded messages kept for inspection; a sender that keeps sending bad or late
 # ones cannot grow the receiver without bound (``refused_count`` / ``discarded_count`` still
@@ -77,6 +77,9 @@ REFUSALS_KEPT = 1024
 DISCARDS_KEPT = 1024
 # How long `release` waits, by default, for the fence of an incomplete request.
 RELEASE_SECONDS = 30.0
+# How often a release looks again at writes still landing in its request's blocks (a CUDA
+# copy signals nobody when it ends).
+LANDING_POLL_SECONDS = 0.001
 
 # Called (outside the receiver's lock) when the receiver gives up on a request:
 # ``(source, request_id, epoch)``; an endpoint passes it on to that sender.
@@ -86,6 +89,31 @@ CancelHandler = Callable[[Optional[Hashable], int, int], None]
 class LeaseError(InvalidArgumentError):
     """A notice names destination blocks other than those its request's lease holds
     (`KVReceiver.expect(..., dst_blocks=...)`): refused whole before it counts."""
+
+
+class Landing:
+    """A write that a transport copies into the pool itself (the staging ring), admitted for
+    its requests' blocks (`KVReceiver.admits` with ``landing=``) and maybe still copying:
+    those requests are not released, fenced or not, until it `landed`. So a write admitted
+    just before the receiver gave a request up never lands after its blocks were handed on.
+
+    ```
+    connection thread:  admits(..., landing) --- copy (or queue it on a stream) --- copied(event)
+    engine thread:                cancel, release ........ waits ........ forgets the request
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._copied = False
+        self._event: Any = None  # a CUDA event recorded after the copies, once queued
+
+    def copied(self, event: Any = None) -> None:
+        """The copies are done (``event`` None) or queued, ending at ``event`` (a CUDA event)."""
+        self._event = event
+        self._copied = True
+
+    def landed(self) -> bool:
+        return self._copied and (self._event is None or bool(self._event.query()))
 
 
 class ReceiverStage(enum.IntEnum):
@@ -127,6 +155,8 @@ class _Expected:
     # The destination block of each of the request's blocks (the lease's blocks), when the
     # engine said which: a write naming others is refused.
     dst_blocks: Optional[np.ndarray] = None
+    # Writes admitted into its blocks that may still be copying (`Landing`).
+    landing: list[Landing] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -418,13 +448,19 @@ class KVReceiver:
         return complete
 
     def admits(
-        self, notice: Notice, source: Optional[Hashable] = None, *, dst_ids: Optional[np.ndarray] = None
+        self,
+        notice: Notice,
+        source: Optional[Hashable] = None,
+        *,
+        dst_ids: Optional[np.ndarray] = None,
+        landing: Optional[Landing] = None,
     ) -> bool:
         """Whether `deliver` would take the notice's request and epoch as live (not stale,
         not cancelled or revoked, from its owner) and, given the destination blocks
         ``dst_ids`` its write is to use, its whole range as inside the request and its
-        lease; changes nothing. A transport that applies writes itself (the staging ring)
-        asks this before any byte of a notice's blocks moves."""
+        lease. A transport that applies writes itself (the staging ring) asks this before
+        any byte of a notice's blocks moves, with the write's ``landing``: an admitted request
+        is then not released until that write landed (`Landing`); nothing else changes."""
         with self._cond:
             expected = self._requests.get(notice.request_id)
             try:
@@ -435,7 +471,17 @@ class KVReceiver:
             assert expected is not None
             if not 0 <= notice.start < notice.end <= expected.ledger.num_blocks:
                 return False
-            return dst_ids is None or self._lease_mismatch(expected, notice, dst_ids, source) is None
+            if dst_ids is not None and self._lease_mismatch(expected, notice, dst_ids, source) is not None:
+                return False
+            if landing is not None:
+                expected.landing = [w for w in expected.landing if not w.landed()] + [landing]
+            return True
+
+    @staticmethod
+    def _landing(expected: _Expected) -> bool:
+        """(lock held) Whether a write admitted into the request's blocks is still copying."""
+        expected.landing = [w for w in expected.landing if not w.landed()]
+        return bool(expected.landing)
 
     def _refuse(
         self, notice: Notice, source: Optional[Hashable], expected: Optional[_Expected], error: KvFerryError
@@ -767,11 +813,14 @@ class KVReceiver:
         with self._cond:
             while True:
                 expected = self._get(request_id)
-                if expected.stage.fenced:
+                landing = self._landing(expected)
+                if expected.stage.fenced and not landing:
                     self._forget(request_id)
                     return expected.ledger
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    if landing and expected.stage.fenced:
+                        raise self._still_landing(request_id, expected)
                     who = (
                         "no sender has announced it" if expected.source is None else f"its sender is {expected.source}"
                     )
@@ -783,20 +832,37 @@ class KVReceiver:
                         request_ids=(request_id,),
                         peer=None if expected.source is None else str(expected.source),
                     )
+                if landing:  # a CUDA copy signals nobody when it ends: looked at again soon
+                    left = LANDING_POLL_SECONDS if left is None else min(LANDING_POLL_SECONDS, left)
                 self._cond.wait(left)
 
-    def release_unfenced(self, request_id: int) -> TransferLedger:
-        """Forgets a request at once, fenced or not (its sender is still asked to cancel).
-        The caller vouches that no sender writes its destination blocks any more: it never
-        handed them out, or it keeps them out of use. A late notice for it is discarded."""
+    @staticmethod
+    def _still_landing(request_id: int, expected: _Expected) -> TransferTimeoutError:
+        return TransferTimeoutError(
+            f"request {request_id} (epoch {expected.epoch}): a write admitted into its blocks before it was given up"
+            " is still copying; they are not released: call again (it ends with the copy)",
+            request_ids=(request_id,),
+        )
+
+    def release_unfenced(self, request_id: int, timeout: Optional[float] = None) -> TransferLedger:
+        """Forgets a request, fenced or not (its sender is still asked to cancel), once no
+        write this receiver admitted into its blocks is still copying (`Landing`; at most
+        ``timeout`` seconds, None: until then; past it `TransferTimeoutError`, the request
+        kept, cancelled). The caller vouches that no sender writes its destination blocks any
+        more: it never handed them out, or it keeps them out of use. A late notice for it is
+        discarded."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.cancel(request_id)
         with self._cond:
-            expected = self._requests.get(request_id)
-            if expected is not None:
-                self._forget(request_id)
-        if expected is None:
-            self._raise_unknown(request_id)
-        return expected.ledger  # type: ignore[union-attr]
+            while True:
+                expected = self._get(request_id)
+                if not self._landing(expected):
+                    self._forget(request_id)
+                    return expected.ledger
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._still_landing(request_id, expected)
+                self._cond.wait(LANDING_POLL_SECONDS if left is None else min(LANDING_POLL_SECONDS, left))
 
     def __len__(self) -> int:
         with self._cond:

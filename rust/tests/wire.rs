@@ -208,8 +208,13 @@ fn rendezvous_frame() -> impl Strategy<Value = rendezvous::Frame> {
         )),
         destination().prop_map(R::Destination),
         ".{1,400}".prop_map(|error| R::Refused(Refused { error })),
-        (".{1,256}", ".{0,200}")
-            .prop_map(|(transfer, reason)| R::Abandon(Abandon { transfer, reason })),
+        (".{1,256}", ".{0,200}", 0..=i64::MAX).prop_map(|(transfer, reason, epoch)| {
+            R::Abandon(Abandon {
+                transfer,
+                reason,
+                epoch,
+            })
+        }),
         Just(R::Abandoned(Abandoned {})),
         (1u8..=2, any::<[u8; 32]>())
             .prop_map(|(role, nonce)| R::Challenge(Challenge { role, nonce })),

@@ -45,7 +45,7 @@ from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
-from kvferry.receiver import KVReceiver
+from kvferry.receiver import KVReceiver, Landing
 from kvferry.tiers import source_layers, source_parts
 from kvferry.transports import wire
 from kvferry.transports.base import TransportFull, Write, kept
@@ -601,30 +601,42 @@ class StagingEndpoint(LocalEndpoint):
         source = self.current_source()
         named = dst_ids  # what the sender said it wrote, for the receiver's lease check
         bounds = np.concatenate([[0], np.cumsum(lengths)])
-        # Each notice's whole range is checked against its request and its lease before any
-        # byte moves: a range past the lease must not reach another request's blocks.
-        admitted = [
-            self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]]) for i, n in enumerate(notices)
-        ]
-        if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
-            keep = np.repeat(np.array(admitted, dtype=bool), lengths)
-            picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
-            dst_ids = dst_ids[keep]
-        ring, pool, seen = staging.shared.pool, self.receiver.pool, staging.seen
-        assert ring is not None
         groups = {(n.group, n.groups) for n in notices}
         if len(groups) > 1:
             raise InvalidArgumentError(
                 f"invalid staging batch: notices of several layer groups {sorted(groups)} in one write"
             )
-        if groups and not notices[0].whole:  # a layer slice: only its layers were staged
-            layers = pool.group_layers(notices[0].group, notices[0].groups)
-            ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
-            seen = None if seen is None else seen.layer_slice(*layers)
+        # Each notice's whole range is checked against its request and its lease before any
+        # byte moves: a range past the lease must not reach another request's blocks. The
+        # requests admitted are not released until these copies landed (`Landing`): a cancel
+        # and release on the engine's thread between this check and the copy would otherwise
+        # hand on blocks this write still lands in.
+        landing = Landing()
         done = None
-        if len(dst_ids):
-            at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
-            done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64), seen)
+        try:
+            admitted = [
+                self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]], landing=landing)
+                for i, n in enumerate(notices)
+            ]
+            if not all(admitted):  # stale, refused or outside the lease: their ring slots are not applied
+                keep = np.repeat(np.array(admitted, dtype=bool), lengths)
+                picked = (np.arange(len(dst_ids)) if picked is None else picked)[keep]
+                dst_ids = dst_ids[keep]
+            ring, pool, seen = staging.shared.pool, self.receiver.pool, staging.seen
+            assert ring is not None
+            if groups and not notices[0].whole:  # a layer slice: only its layers were staged
+                layers = pool.group_layers(notices[0].group, notices[0].groups)
+                ring, pool = ring.layer_slice(*layers), pool.layer_slice(*layers)
+                seen = None if seen is None else seen.layer_slice(*layers)
+            if len(dst_ids):
+                at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
+                done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64), seen)
+        except BaseException:
+            staging.pipe.synchronize()  # whatever was queued has ended
+            done = None
+            raise
+        finally:
+            landing.copied(done)
         staging.applying.append(_Applying(done, notices, source, named, int(freed)))
         self._settle(staging, everything=False)
 

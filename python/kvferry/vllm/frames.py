@@ -63,11 +63,14 @@ class Refused(Frame):
 
 @dataclass(frozen=True)
 class Abandon(Frame):
-    """Prefill side to the rendezvous: it gave ``transfer`` up, and why."""
+    """Prefill side to the rendezvous: it gave ``transfer`` up, and why. ``epoch``: the epoch
+    of the destination the abandoning request took (0: it took none); a transfer already
+    taken is given up only by the request that took it."""
 
     kind: ClassVar[str] = "abandon"
     transfer: str
     reason: str
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

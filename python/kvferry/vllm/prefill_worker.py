@@ -351,11 +351,13 @@ class PrefillWorker:
         st.error = reason
         spec = st.spec
         logger.error("kvferry: prefill request %s (transfer %s): %s", spec.req_id, spec.transfer, reason)
-        self._bg.submit(self._abandon, st.rendezvous, st.transfer, reason)
+        # The destination's epoch says this request took it: the rendezvous takes an abandon of
+        # a transfer taken already only from its taker.
+        self._bg.submit(self._abandon, st.rendezvous, st.transfer, reason, int(st.destination["epoch"]))
 
-    def _abandon(self, address: str, transfer: str, reason: str) -> None:
+    def _abandon(self, address: str, transfer: str, reason: str, epoch: int) -> None:
         try:
-            rendezvous.abandon(address, self.authkey, transfer, reason)
+            rendezvous.abandon(address, self.authkey, transfer, reason, epoch)
         except KvFerryError as why:
             logger.warning("kvferry: %s", why)
 

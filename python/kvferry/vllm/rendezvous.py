@@ -10,10 +10,12 @@ publish(T, destination)  <- the decode request's blocks are allocated and expect
                                     within the wait, no endpoint for S). None within the
                                     wait also marks T abandoned: the prefill side gives it
                                     up, so a decode request publishing it later fails at once
-            <-- abandon (T, reason)   the prefill side gave up before its worker wrote
-                                      anything of T (it sends no abandon after): the
-                                      decode side frees T's blocks at once, no fence due
-            --> abandoned
+            <-- abandon (T, reason, epoch)   the prefill side gave up before its worker
+                                      wrote anything of T (it sends no abandon after): the
+                                      decode side frees T's blocks at once, no fence due.
+                                      Once T is taken, only the request that took it may
+                                      (it names the epoch of the destination it got);
+            --> abandoned             another's abandon is refused and changes nothing
 ```
 Under a router that speaks NixlConnector's protocol the prefill server cannot know its decode
 server; the decode server learns the prefill server's address from its request instead, and
@@ -37,7 +39,7 @@ lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (
 destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_size u32 (> 0)
              | held_blocks i64 (<= the ids) | dst_blocks (<= 2^20 ids >= 0) | digest (1-64
              lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars)
-refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes)
+refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes) | epoch i64 (>= 0)
 abandoned    (no body)                 goodbye  why the connection closes
 offer        transfer | peer (1-4096 bytes) | peer_mac (64 lower-case hex)
 accepted     (no body)
@@ -47,8 +49,14 @@ the socket is ever unpickled or parsed as JSON. A frame that does not decode, or
 rendezvous does not take (anything but a lookup or an abandon), ends that connection with a
 goodbye naming the reason; the rendezvous serves the others on. A transfer id is handed to
 one lookup only (a second prefill request naming it is refused), so no decode block is
-written by two senders. Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of
-its own: a staging ring has one writer.
+written by two senders; and once handed out, only the request that took it can give it up
+(an abandon naming the destination's epoch): a prefill request that named the same id but
+took nothing (a client's second request, aborted) cannot make the decode side free blocks
+the taker is still writing. At most ``max_connections`` authenticated connections are
+served at once (`MAX_CONNECTIONS`; one more is answered with a refusal naming the bound),
+and each sends its frame within `IDLE_SECONDS` of its handshake or of its last answer.
+Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of its own: a staging ring
+has one writer.
 
 Names may be published as `Alternatives` of one another: one decode request published once
 for each kind of prefill server that may send it (a decode server taking prefill servers of
@@ -103,6 +111,12 @@ _log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
+# Authenticated connections served at once: each holds a thread, and a lookup holds it for
+# its whole wait (a prefill request's destination_timeout_s at most). One more is refused.
+MAX_CONNECTIONS = 1024
+# After its handshake (or its last answer), a connection sends its next frame within this,
+# or is closed: every client sends its one frame at once.
+IDLE_SECONDS = 10.0
 GONE_KEPT = 4096  # transfers that ended, remembered so a late lookup fails at once
 MAX_WAIT_SECONDS = 3600
 # The codec's bounds (rust/src/wire/rendezvous.rs): a refusal's text, an abandon's reason.
@@ -154,6 +168,7 @@ class Rendezvous:
         admit: Optional[Callable[[str], Optional[str]]] = None,
         alternative_of: Optional[Callable[[str], Hashable]] = None,
         on_offer: Optional[Callable[[str, str, str], Optional[str]]] = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
@@ -162,8 +177,13 @@ class Rendezvous:
         engine is refused at once (before it waits), or None. ``alternative_of(sender)``: the
         alternative (`Alternatives`) of the names that prefill engine may take.
         ``on_offer(transfer, peer, peer_mac)``: a prefill server's rendezvous takes offers
-        (returns why one is refused, or None); without it an offer is refused. ``address``
-        is the URL peers connect to."""
+        (returns why one is refused, or None); without it an offer is refused.
+        ``max_connections``: authenticated connections served at once. ``address`` is the URL
+        peers connect to."""
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections <= 0:
+            raise InvalidArgumentError(f"invalid max_connections={max_connections!r}: must be an int > 0")
+        self.max_connections = max_connections
+        self._connections = 0  # authenticated, being served
         self._admit = admit
         self._on_offer_cb = on_offer
         self._alternative_of = alternative_of
@@ -183,6 +203,7 @@ class Rendezvous:
         self._cond = threading.Condition()
         self._published: dict[str, dict[str, Any]] = {}
         self._taken: dict[str, str] = {}  # transfer -> the prefill engine that took it
+        self._epochs: dict[str, int] = {}  # transfer taken -> its destination's epoch (who may abandon it)
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
         self._abandons: deque[str] = deque(maxlen=GONE_KEPT)  # abandoned since the last take_abandoned
@@ -238,6 +259,7 @@ class Rendezvous:
         with self._cond:
             self._published.pop(transfer, None)
             self._taken.pop(transfer, None)
+            self._epochs.pop(transfer, None)
             self._abandoned.pop(transfer, None)
             among = self._among.pop(transfer, None)
             if among is not None:
@@ -294,6 +316,12 @@ class Rendezvous:
         with self._cond:
             return self._abandoned.get(transfer)
 
+    @property
+    def connections(self) -> int:
+        """Authenticated connections being served now (at most ``max_connections``)."""
+        with self._cond:
+            return self._connections
+
     def take_abandoned(self) -> list[str]:
         """The transfers abandoned since the last call: the decode worker looks at these each
         step, not at every transfer it holds (one it publishes later it asks `abandoned`)."""
@@ -329,6 +357,7 @@ class Rendezvous:
             raise
 
     def _pump(self, conn: socket.socket, ticket: int) -> None:
+        served = False
         try:
             try:
                 wire.tune(conn)
@@ -345,14 +374,27 @@ class Rendezvous:
             finally:
                 self._admission.settle(ticket)
             channel = wire.Channel(conn, MAX_FRAME, RENDEZVOUS)
+            with self._cond:
+                served = self._connections < self.max_connections
+                if served:
+                    self._connections += 1
+            if not served:  # its question is read (a client sends one at once) and refused by name
+                why = f"the rendezvous serves at most {self.max_connections} connections at once (max_connections)"
+                _log.warning("full", "kvferry: the rendezvous at %s: %s; one more refused", self.address, why)
+                channel.recv(IDLE_SECONDS)
+                channel.send_frame(wire.encode(Refused(why), RENDEZVOUS))
+                return
             while True:
                 try:
-                    frame = channel.recv()
+                    frame = channel.recv(IDLE_SECONDS)
                 except wire.ProtocolError as err:
                     logger.warning(
                         "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err
                     )
                     channel.goodbye(f"disconnected: {err}")
+                    return
+                except socket.timeout:
+                    channel.goodbye(f"closed: no frame within {IDLE_SECONDS:g} s")
                     return
                 handler = self.HANDLERS.get(type(frame))
                 if handler is None:
@@ -363,18 +405,24 @@ class Rendezvous:
                     channel.goodbye(f"disconnected: {why}")
                     return
                 channel.send_frame(handler(self, frame))
-        except (EOFError, OSError):  # the peer went away: the connection ends
+        except (EOFError, OSError):  # the peer went away (or stopped reading): the connection ends
             pass
         except Exception:  # a bug here: this connection ends, the rendezvous serves on
             logger.exception("kvferry: the rendezvous at %s dropped a connection", self.address)
         finally:
+            if served:
+                with self._cond:
+                    self._connections -= 1
             conn.close()
 
     def _on_lookup(self, frame: Lookup) -> bytes:
         return self._lookup(frame.transfer, frame.wait_ms, frame.sender)
 
     def _on_abandon(self, frame: Abandon) -> bytes:
-        self._abandon(frame.transfer, frame.reason)
+        why = self._abandon(frame.transfer, frame.reason, frame.epoch)
+        if why is not None:
+            logger.warning("kvferry: the rendezvous at %s refused an abandon: %s", self.address, why)
+            return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
         return wire.encode(Abandoned(), RENDEZVOUS)
 
     def _on_offer(self, frame: Offer) -> bytes:
@@ -394,14 +442,26 @@ class Rendezvous:
         Offer: _on_offer,
     }
 
-    def _abandon(self, transfer: str, reason: str) -> None:
+    def _abandon(self, transfer: str, reason: str, epoch: int = 0) -> Optional[str]:
+        """Records that the prefill side gave ``transfer`` up, or says why it may not: a
+        transfer taken already is given up only by the request that took it, which names its
+        destination's ``epoch`` (the decode side then frees its blocks as never written, so a
+        stranger's abandon would free blocks the taker may be writing). Wakes a lookup
+        waiting for it, which is refused."""
         with self._cond:
+            if transfer in self._taken and epoch != self._epochs.get(transfer):
+                return (
+                    f"transfer {transfer!r} was taken by a prefill request; only that request may abandon it"
+                    f" (this abandon names epoch {epoch}, not its destination's)"
+                )
             # Kept even before the decode request published it (the prefill request may be
             # aborted first): the decode worker asks about each transfer it holds.
             self._abandoned[transfer] = reason or "no reason given"
             self._abandons.append(transfer)
             while len(self._abandoned) > GONE_KEPT:
                 del self._abandoned[next(iter(self._abandoned))]
+            self._cond.notify_all()
+        return None
 
     def _lookup(self, transfer: str, wait_ms: int, sender: str) -> bytes:
         """The encoded answer to one lookup: its destination, or a refusal saying why. The
@@ -427,6 +487,7 @@ class Rendezvous:
                         return refused(f"transfer {transfer!r}: {why}")
                     published = self._published.pop(transfer)
                     self._taken[transfer] = sender
+                    self._epochs[transfer] = int(published["epoch"])
                     break
                 if transfer in self._gone:
                     return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
@@ -476,6 +537,8 @@ class Rendezvous:
             self._abandoned[transfer] = reason
             if self._taken.get(transfer) == sender:
                 del self._taken[transfer]
+                self._epochs.pop(transfer, None)
+            self._cond.notify_all()
         return wire.encode(Refused(_clip(reason, MAX_ERROR_BYTES)), RENDEZVOUS)
 
     def close(self) -> None:
@@ -526,12 +589,14 @@ def _connect(
 
 
 def _ask(sock: socket.socket, data: bytes, wait_s: float) -> Frame:
+    """Sends one question; its answer must begin within ``wait_s`` (and arrive whole soon
+    after: `wire.Channel.recv`), else ``TimeoutError``."""
     channel = wire.Channel(sock, MAX_FRAME, RENDEZVOUS)
     channel.send_frame(data)
-    if not channel.poll(wait_s):
-        raise TimeoutError(f"no answer within {wait_s} s")
-    sock.settimeout(HANDSHAKE_SECONDS)  # the frame itself is on its way
-    return channel.recv()
+    try:
+        return channel.recv(wait_s)
+    except socket.timeout:
+        raise TimeoutError(f"no answer within {wait_s} s") from None
 
 
 def _unexpected(address: str, transfer: str, asked: str, frame: Frame) -> TransferError:
@@ -570,11 +635,13 @@ def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: s
     raise _unexpected(address, transfer, "lookup", answer)
 
 
-def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
+def abandon(address: str, authkey: bytes, transfer: str, reason: str, epoch: int = 0) -> None:
     """Tells the decode server that the prefill side gave ``transfer`` up; its decode request
-    then fails at once instead of at its timeout. Raises `TransferError` if it cannot."""
+    then fails at once instead of at its timeout. ``epoch``: that of the destination this
+    request's lookup took (0: it took none); a transfer taken by another request is not
+    given up (the rendezvous refuses). Raises `TransferError` if it cannot, or is refused."""
     try:
-        data = wire.encode(Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES)), RENDEZVOUS)
+        data = wire.encode(Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES), int(epoch)), RENDEZVOUS)
     except (InvalidArgumentError, TypeError) as err:
         raise TransferError(
             f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)
@@ -588,6 +655,8 @@ def abandon(address: str, authkey: bytes, transfer: str, reason: str) -> None:
         ) from err
     finally:
         sock.close()
+    if isinstance(answer, Refused):
+        raise TransferError(f"the decode server at {address!r} refused the abandon: {answer.error}", peer=address)
     if not isinstance(answer, Abandoned):
         raise _unexpected(address, transfer, "abandon", answer)
 

@@ -2,7 +2,8 @@
 //! codec's header and handshake. A lookup (transfer id, wait in milliseconds, the prefill
 //! engine's id) is answered by a destination (request id, epoch, prompt length, block size,
 //! held blocks, destination block ids, prompt digest, decode engine id, endpoint URL) or a
-//! refusal (why); an abandon (transfer id, reason) by an abandoned (no body); an offer
+//! refusal (why); an abandon (transfer id, reason, the epoch of the destination its sender
+//! took, 0 if none) by an abandoned (no body) or a refusal; an offer
 //! (transfer id, the decode server's rendezvous addresses, their signature), which a decode
 //! server sends to the prefill server a router named, by an accepted (no body) or a refusal. The
 //! transports' codec knows none of these: a rendezvous frame on a transport's channel (or
@@ -101,6 +102,9 @@ record! {
         transfer: String = text(MAX_TRANSFER_BYTES),
         /// Why (at most [`MAX_REASON_BYTES`]; may be empty).
         reason: String = text(MAX_REASON_BYTES),
+        /// The epoch of the destination the abandoning request took (>= 0; 0: it took
+        /// none): a transfer taken already is given up only by the request that took it.
+        epoch: i64 = i64(),
     }
 }
 
@@ -199,7 +203,11 @@ impl Check for Refused {
 impl Check for Abandon {
     fn check(&self) -> Result<()> {
         check_text("transfer", &self.transfer, MAX_TRANSFER_BYTES)?;
-        bound("reason", self.reason.len(), MAX_REASON_BYTES)
+        bound("reason", self.reason.len(), MAX_REASON_BYTES)?;
+        if self.epoch < 0 {
+            return Err(WireError::field("epoch", self.epoch, ">= 0"));
+        }
+        Ok(())
     }
 }
 
@@ -287,6 +295,7 @@ mod tests {
             Frame::Abandon(Abandon {
                 transfer: "T".into(),
                 reason: String::new(),
+                epoch: 7,
             }),
             Frame::Abandoned(Abandoned {}),
             offer("T", "unix:///tmp/a.sock tcp://10.0.0.2:7001", &"ab12".repeat(16)),
@@ -369,17 +378,19 @@ mod tests {
             refused_field(&refused("e".repeat(MAX_ERROR_BYTES + 1))),
             "error"
         );
-        let abandon = |transfer: &str, reason: String| {
+        let abandon = |transfer: &str, reason: String, epoch: i64| {
             Frame::Abandon(Abandon {
                 transfer: transfer.into(),
                 reason,
+                epoch,
             })
         };
-        assert_eq!(refused_field(&abandon("", String::new())), "transfer");
+        assert_eq!(refused_field(&abandon("", String::new(), 0)), "transfer");
         assert_eq!(
-            refused_field(&abandon("T", "r".repeat(MAX_REASON_BYTES + 1))),
+            refused_field(&abandon("T", "r".repeat(MAX_REASON_BYTES + 1), 0)),
             "reason"
         );
+        assert_eq!(refused_field(&abandon("T", String::new(), -1)), "epoch");
         let mac = "0f".repeat(32);
         assert_eq!(refused_field(&offer("", "unix:///p", &mac)), "transfer");
         assert_eq!(refused_field(&offer("T", "", &mac)), "peer");
