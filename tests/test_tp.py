@@ -816,7 +816,7 @@ def _vllm_config(tmp_path: Any, pp: int, tp: int = 1, extra: Any = None, role: s
     from types import SimpleNamespace
 
     key = tmp_path / "key"
-    key.write_bytes(b"k" * 32)
+    key.write_bytes(bytes(range(32)))  # a key file of one repeated byte is refused
     key.chmod(0o600)
     transfer = SimpleNamespace(
         kv_connector_extra_config={"authkey_file": str(key), **(extra or {})}, kv_role=role, engine_id="e"

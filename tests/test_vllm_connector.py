@@ -583,9 +583,9 @@ def test_key_files_refused_naming_the_path(tmp_path: Any, monkeypatch: pytest.Mo
     from kvferry.vllm.config import ConnectorConfig, default_authkey_path, load_authkey
 
     good = tmp_path / "good.key"
-    good.write_bytes(b"k" * 32)
+    good.write_bytes(bytes(range(32)))
     good.chmod(0o600)
-    assert ConnectorConfig.from_extra({"authkey_file": str(good)}).authkey() == b"k" * 32
+    assert ConnectorConfig.from_extra({"authkey_file": str(good)}).authkey() == bytes(range(32))
     short = tmp_path / "short.key"
     short.write_bytes(b"k" * 31)
     short.chmod(0o600)

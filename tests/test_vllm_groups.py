@@ -311,7 +311,7 @@ def test_hma_with_tensor_parallelism_starts_and_plans_one_link_per_rank_pair(tmp
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     key = tmp_path / "key"
-    key.write_bytes(b"k" * 32)
+    key.write_bytes(bytes(range(32)))  # a key file of one repeated byte is refused
     key.chmod(0o600)
 
     def vllm_config(tp: int, prefill_tp: int) -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -53,9 +54,10 @@ SIDES = ("prefill", "decode")
 
 
 class Tracer:
-    """Appends trace lines to ``path`` (made 0600 if absent), or does nothing when ``path``
-    is None. One `os.write` per line on an O_APPEND descriptor: the processes of one server
-    (or both servers) may share a file and their lines never interleave."""
+    """Appends trace lines to ``path`` (0600: made so, or an existing file of ours made so),
+    or does nothing when ``path`` is None. One `os.write` per line on an O_APPEND descriptor:
+    the processes of one server (or both servers) may share a file and their lines never
+    interleave."""
 
     def __init__(self, path: Optional[str], *, engine: str) -> None:
         self.engine = engine
@@ -64,7 +66,14 @@ class Tracer:
         if self.path is not None:
             try:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                # A file that was there already keeps its mode on open: trace lines name every
+                # transfer and request, so one of ours readable by others is made 0600 too.
+                st = os.fstat(self._fd)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                    os.fchmod(self._fd, 0o600)
             except OSError as err:
+                if self._fd is not None:
+                    os.close(self._fd)
                 raise InvalidArgumentError(
                     f"invalid kv_connector_extra_config trace={path!r}: cannot open it for appending: {err.strerror}"
                 ) from err

@@ -34,6 +34,19 @@ __all__ = [
 PARAMS_KEY = "kvferry"
 MIN_KEY_BYTES = 32  # the project's rule for every kvferry key (docs/security.md)
 MAX_KEY_BYTES = 4096
+# A key file's bytes take at least this many values: 32 random bytes take about 30, the hex or
+# base64 text of a random key 16 to 64; a file of one repeated byte (or a short pattern) is no key.
+MIN_KEY_DISTINCT_BYTES = 8
+# A transfer id, as a request names it: what the proxy makes (UUIDs) and what routers send
+# (X-Request-Id: ``___prefill_addr_10.0.0.1:8001___decode_addr_..._<hex>``), nothing a log line
+# or a status answer could be forged with (a newline, a quote, a control character).
+TRANSFER_ALPHABET = "A-Za-z0-9._:-"
+MAX_TRANSFER_CHARS = 256
+_TRANSFER_ID = re.compile(rf"[{TRANSFER_ALPHABET}]{{1,{MAX_TRANSFER_CHARS}}}")
+_NOT_TRANSFER = re.compile(rf"[^{TRANSFER_ALPHABET}]")
+# The longest timeout_s a request may name (an operator's bounds cap it further: a request may
+# ask to wait less than the server's transfer_timeout_s / destination_timeout_s, never more).
+MAX_TIMEOUT_S = 86400.0
 OPS = ("hello", "recv", "send", "status")
 # How blocks move (kvferry.transports.registry builds both sides): the registry's transports
 # that write vLLM's plain CPU KV tensors from another process, so no shared pool (staging on
@@ -273,12 +286,24 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise InvalidArgumentError(f"invalid {what} {path!r}: cannot open it: {err.strerror}") from err
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgumentError(f"invalid {what} {path!r}: not a regular file")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device: checked before any read
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise InvalidArgumentError(f"invalid {what} {path!r}: {kind}, not a regular file")
         _private(st, what, path)
-        key = f.read(MAX_KEY_BYTES + 1)
+        key = b""
+        while len(key) <= MAX_KEY_BYTES and (chunk := os.read(fd, MAX_KEY_BYTES + 1 - len(key))):
+            key += chunk
+    finally:
+        os.close(fd)
+    if st.st_size != len(key) and len(key) <= MAX_KEY_BYTES:
+        # /proc and /sys files say they are regular files of 0 (or 4096) bytes whatever they
+        # hold: a link to /proc/self/environ would make the process's environment the key.
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: it reads {len(key)} bytes but says it holds {st.st_size}: a file of the"
+            " kernel's (/proc, /sys), not a key file"
+        )
     if len(key) < MIN_KEY_BYTES:
         raise InvalidArgumentError(
             f"invalid {what} {path!r}: holds {len(key)} bytes, need at least {MIN_KEY_BYTES} (e.g. head -c 32 "
@@ -287,6 +312,11 @@ def load_authkey(authkey_file: Optional[str] = None) -> bytes:
     if len(key) > MAX_KEY_BYTES:
         raise InvalidArgumentError(
             f"invalid {what} {path!r}: holds more than {MAX_KEY_BYTES} bytes; a key is 32 to {MAX_KEY_BYTES} bytes"
+        )
+    if len(set(key)) < MIN_KEY_DISTINCT_BYTES:
+        raise InvalidArgumentError(
+            f"invalid {what} {path!r}: its {len(key)} bytes take only {len(set(key))} distinct values, not a random"
+            f" key (at least {MIN_KEY_DISTINCT_BYTES}; e.g. head -c 32 /dev/urandom > FILE)"
         )
     return key
 
@@ -340,10 +370,10 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     if op == "hello":
         return RequestParams("hello")
     transfer = ours.get("transfer")
-    if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
+    if not isinstance(transfer, str) or not _TRANSFER_ID.fullmatch(transfer):
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.kvferry.transfer={transfer!r}: must be a non-empty string of at most 256 "
-            "characters"
+            f"invalid kv_transfer_params.kvferry.transfer={_shown(transfer)}: must be 1 to {MAX_TRANSFER_CHARS}"
+            f" characters of [{TRANSFER_ALPHABET}]"
         )
     if op == "status":
         extra = sorted(set(ours) - {"op", "transfer"})
@@ -356,10 +386,11 @@ def parse_params(params: Any) -> Optional[RequestParams]:
     if timeout is not None and (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not (timeout > 0 and math.isfinite(timeout))
+        or not (0 < timeout <= MAX_TIMEOUT_S and math.isfinite(timeout))
     ):
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.kvferry.timeout_s={timeout!r}: must be a positive number of seconds"
+            f"invalid kv_transfer_params.kvferry.timeout_s={_shown(timeout)}: must be a positive number of seconds,"
+            f" at most {MAX_TIMEOUT_S:g} (the server's own bounds cap it further)"
         )
     if op == "recv":
         if "peer_mac" in ours:
@@ -381,6 +412,13 @@ def parse_params(params: Any) -> Optional[RequestParams]:
             " must be the 64 hex digits of the decode server's hello answer"
         )
     return RequestParams("send", transfer, peer, None if timeout is None else float(timeout), mac)
+
+
+def _shown(value: Any) -> str:
+    """A client's value inside an error message: its repr (which escapes every control
+    character), cut to 300 characters."""
+    text = repr(value)
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -427,10 +465,12 @@ _VLLM_REQUEST_ID = re.compile(r"^(?:[0-9]+_)?(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<k
 
 def router_key(request_id: str) -> str:
     """The transfer id of a router's prefill request: the X-Request-Id vLLM made its request
-    id from (both legs of a vllm-router request carry the same one), else the id itself."""
+    id from (both legs of a vllm-router request carry the same one), else the id itself; each
+    character outside the transfer ids' alphabet (`TRANSFER_ALPHABET`) made ``_``, so a client's
+    X-Request-Id cannot forge a log line."""
     found = _VLLM_REQUEST_ID.match(request_id)
     key = (found.group("chat") or found.group("key")) if found else request_id
-    return key[:256]
+    return _NOT_TRANSFER.sub("_", key[:MAX_TRANSFER_CHARS]) or "_"
 
 
 def parse_router_params(params: Any, request_id: str) -> Optional[RequestParams]:

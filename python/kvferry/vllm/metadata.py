@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from kvferry.vllm import redact
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata,
@@ -186,11 +188,17 @@ class Handshake(KVConnectorHandshakeMetadata):
 class Outcome:
     """How one side of a transfer ended on this server: ``state`` is ``"done"`` (every block
     arrived / every write landed), ``"failed"`` or ``"aborted"``; ``error`` says why for the
-    last two. The scheduler half keeps the recent ones for the ``status`` op."""
+    last two. The scheduler half keeps the recent ones for the ``status`` op, which any HTTP
+    client may ask: ``error`` is the reason without the deployment's addresses
+    (`kvferry.vllm.redact`; the full reason is in the server's log)."""
 
     transfer: str
     state: str
     error: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.error is not None:
+            object.__setattr__(self, "error", redact.scrub(self.error))
 
 
 @dataclass

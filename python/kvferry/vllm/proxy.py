@@ -55,7 +55,6 @@ import hashlib
 import itertools
 import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -66,6 +65,7 @@ import aiohttp
 from aiohttp import web
 
 from kvferry.transports.guard import RateLimitedLog
+from kvferry.vllm import redact
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SESSION_HEADER = "X-Session-Id"
@@ -95,7 +95,7 @@ class _Refused(Exception):
         self.cause = cause
 
 
-_ADDRESS = re.compile(r"\b(?:[a-z]+\+)?(?:unix|tcp|https?)://[^\s'\"()<>,;\]]*")
+_ADDRESS = redact.ADDRESS  # every form kvferry writes an address in (URLs, "tcp HOST:PORT", "pid N")
 MAX_REASON_CHARS = 1000
 
 
