@@ -1,14 +1,18 @@
-"""The docs run as written. Every python block of README.md runs on its own; the python
-blocks of docs/integration.md run in order, as one session (a walk-through: later blocks use
-the objects earlier ones made). A line ``print(...)  # text`` must print ``text``. A console
-block's ``$ kvferry ...`` lines print exactly the output shown under them, and every
-``make`` target a bash block names exists."""
+"""The docs run as written. Every python block of README.md runs on its own (it has none now:
+the library's walk-through is docs/integration.md); the python blocks of docs/integration.md
+run in order, as one session (a walk-through: later blocks use the objects earlier ones made).
+A line ``print(...)  # text`` must print ``text``. A console block's ``$ kvferry ...`` lines
+print exactly the output shown under them. In README.md's bash blocks every ``make`` target
+exists, every ``kvferry ...`` command parses with the CLI's parser, and every
+``--kv-transfer-config`` is one KvferryConnector takes (docs/quickstart.md's blocks are
+tests/test_quickstart.py's)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -16,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvferry.cli import main
+from kvferry.cli import build_parser, main
+from kvferry.vllm.config import ConnectorConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,16 +49,17 @@ def run_block(code: str, name: str, namespace: dict[str, Any]) -> None:
 
 
 README_PYTHON = blocks("README.md", "python")
+README_BASH = blocks("README.md", "bash")
 
 
 def test_the_docs_have_the_blocks_these_tests_run() -> None:
-    assert len(README_PYTHON) == 2 and len(blocks("docs/integration.md", "python")) >= 10
-    assert len(blocks("README.md", "console")) == 1 and len(blocks("README.md", "bash")) == 1
+    assert len(README_PYTHON) == 0 and len(blocks("docs/integration.md", "python")) >= 10
+    assert len(blocks("README.md", "console")) == 1 and len(README_BASH) == 3
 
 
-@pytest.mark.parametrize(("line", "code"), README_PYTHON, ids=[f"README.md:{line}" for line, _ in README_PYTHON])
-def test_readme_python_block_runs_on_its_own(line: int, code: str) -> None:
-    run_block(code, f"README.md:{line}", {"__name__": "__readme__"})
+def test_readme_python_blocks_run_on_their_own() -> None:
+    for line, code in README_PYTHON:
+        run_block(code, f"README.md:{line}", {"__name__": "__readme__"})
 
 
 def test_integration_walkthrough_runs_in_order() -> None:
@@ -84,14 +90,44 @@ def test_console_blocks_show_the_cli_s_real_output(doc: str, capsys: pytest.Capt
             assert capsys.readouterr().out == shown, f"{doc}:{line}: {argv}"
 
 
+def bash_commands(text: str) -> list[str]:
+    """A bash block's commands: continuation lines joined, comments and a trailing ``&`` dropped."""
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            out.append(line.removesuffix("&").strip())
+    return out
+
+
 def test_make_targets_named_in_bash_blocks_exist() -> None:
     targets = [
-        line.split()[1]
-        for _, text in blocks("README.md", "bash")
-        for line in text.splitlines()
-        if line.startswith("make ")
+        target
+        for _, text in README_BASH
+        for command in bash_commands(text)
+        if command.startswith("make ")
+        for target in command.split()[1:]
     ]
-    assert targets == ["demo", "test"]
+    assert targets == ["wheel", "demo", "test", "test-vllm"]
     for target in targets:
         done = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def test_kvferry_commands_in_bash_blocks_parse() -> None:
+    named = []
+    for line, text in README_BASH:
+        for command in bash_commands(text):
+            words = shlex.split(command)
+            if words[0] == "kvferry":
+                assert build_parser().parse_args(words[1:]).func, f"README.md:{line}: {command}"
+                named.append(words[1])
+    assert named == ["doctor", "proxy"]
+
+
+def test_kv_transfer_configs_in_bash_blocks_are_ones_the_connector_takes() -> None:
+    configs = [json.loads(m) for _, text in README_BASH for m in re.findall(r"--kv-transfer-config '([^']*)'", text)]
+    assert [c["kv_role"] for c in configs] == ["kv_producer", "kv_consumer"]
+    for config in configs:
+        assert (config["kv_connector"], config["kv_connector_module_path"]) == ("KvferryConnector", "kvferry.vllm")
+        ConnectorConfig.from_extra(config.get("kv_connector_extra_config"))
