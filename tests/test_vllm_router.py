@@ -216,3 +216,82 @@ def test_tensor_parallel_pairs_need_no_setting(
             router.stop()
     finally:
         bed.close()
+
+
+def test_a_client_that_hangs_up_frees_both_servers(routed: Any) -> None:
+    """A streaming client under vllm-router closes its connection after the first event: both
+    servers end the request and hold no KV blocks."""
+    connector, _, bed, router = routed
+    import http.client
+    import json
+
+    prompt = _tokens(random.Random(400), 300)
+    conn = http.client.HTTPConnection(router.url.removeprefix("http://"), timeout=300)
+    body = dict(_body(prompt), max_tokens=400, stream=True)
+    conn.request("POST", COMPLETIONS, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline()  # the first event: the decode server is generating
+    conn.close()  # the client is gone
+    wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "both servers to free the request")
+
+
+@pytest.fixture(scope="module")
+def fragile(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Testbed, testbed.Router]]:
+    """A KvferryConnector pair under vllm-router whose decode server has a small pool (about
+    40 blocks of 32 tokens: several long outputs at once make vLLM preempt there)."""
+    work = tmp_path_factory.mktemp("fragile")
+    prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
+    small = testbed.EngineSettings(
+        max_model_len=1024, kv_cache_memory_bytes=40 * 32 * testbed.RandomLlama().kv_bytes_per_token()
+    )
+    with Testbed(model, work, prefill_config, decode_config, proxy_connector=None, decode_engine=small) as bed:
+        router = testbed.start_router([s.url for s in bed.prefills], [s.url for s in bed.decodes], work)
+        try:
+            yield bed, router
+        finally:
+            router.stop()
+
+
+def test_a_decode_server_that_preempts_serves_every_request(
+    fragile: tuple[Testbed, testbed.Router], plain: testbed.Server
+) -> None:
+    """Six requests at once whose outputs outgrow the decode server's pool: vLLM preempts
+    there, and every output still equals a plain server's, with no block left held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bed, router = fragile
+    decode = bed.decodes[0]
+    rng = random.Random(500)
+    bodies = [dict(_body(_tokens(rng, rng.randrange(200, 280))), max_tokens=300) for _ in range(6)]
+    before = _counter(decode, "vllm:num_preemptions_total")
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda b: call(router.url, COMPLETIONS, b), bodies))
+    want = [call(plain.url, COMPLETIONS, b) for b in bodies]
+    assert all(a.status == 200 for a in got), [a.body for a in got if a.status != 200]
+    assert [a.token_ids for a in got] == [a.token_ids for a in want]
+    assert _counter(decode, "vllm:num_preemptions_total") > before  # the test made vLLM preempt
+    wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "both servers to hold no KV blocks")
+
+
+def test_a_killed_prefill_server_fails_its_request_and_frees_the_decode_server(
+    fragile: tuple[Testbed, testbed.Router],
+) -> None:
+    """The prefill server crashes (every process killed) while the router still sends to it:
+    the client gets an error, and the decode server, whose offer finds no prefill server,
+    fails the request at once (counted as offer_failed, not left to its 120 s timeout) and
+    frees what it allocated. Last: the pair is broken after."""
+    bed, router = fragile
+    prefill, decode = bed.prefills[0], bed.decodes[0]
+    warm = call(router.url, COMPLETIONS, _body(_tokens(random.Random(601), 60)))  # the router learns push
+    assert warm.status == 200, warm.body
+    before = _counter(decode, "vllm:kvferry_unhonoured_total", reason="offer_failed")
+    prefill.kill()
+    answer = call(router.url, COMPLETIONS, dict(_body(_tokens(random.Random(600), 300)), max_tokens=20))
+    assert answer.status != 200
+    wait_until(lambda: decode.kv_blocks()[0] == 0, "the decode server to free the request")
+    # The router sent the decode leg beside the prefill leg: its offer failed, by name.
+    wait_until(
+        lambda: _counter(decode, "vllm:kvferry_unhonoured_total", reason="offer_failed") > before,
+        "the decode server to count its failed offer",
+    )

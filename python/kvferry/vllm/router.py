@@ -228,6 +228,8 @@ def offer_async(
             return
         except KvFerryError as err:
             reason = f"cannot tell the prefill server where to send: {err}"
+        except Exception as err:  # the socket itself failed (a peer killed mid-handshake): the same
+            reason = f"cannot tell the prefill server where to send: {offer_to} went away ({err!r})"
         logger.error("kvferry: transfer %r: %s", transfer, reason)
         on_failure(reason)
         for address, name in own_names:

@@ -412,6 +412,12 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGCONT)
 
+    def kill(self) -> None:
+        """SIGKILL to every process of the server (its API server and engine core): a crash."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
