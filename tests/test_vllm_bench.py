@@ -79,3 +79,22 @@ def test_bench_vllm_reports_awareness_early_bytes_and_equal_outputs(tmp_path: Pa
         == warm_aware["held_blocks_per_turn"]
     )
     assert any("decode-cold: turn 1 of 1 done" in line for line in progress)
+
+
+def test_bench_vllm_under_vllm_router(tmp_path: Path) -> None:
+    """The same bench with vllm-router sending the legs (--router vllm-router): NixlConnector
+    and KvferryConnector both in NixlConnector's protocol, outputs equal, kvferry's prefix
+    leaves early (the router runs both legs at once once the prefill answered push)."""
+    cfg = VllmBenchConfig(
+        sessions=1, turns=1, cached_tokens=256, new_tokens=64, output_tokens=4, model=VLLM_TEST_MODEL,
+        max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, configs=("nixl", "kvferry-early"),
+        workdir=str(tmp_path), router="vllm-router",
+    )  # fmt: skip
+    result = run_vllm_bench(cfg)
+    assert result["router"] == "vllm-router" and set(result["kv_blocks_left"].values()) == {0}
+    for name in ("nixl", "kvferry-early"):
+        for case in CASES:
+            assert result["configs"][name][case]["outputs_equal"] is True
+    assert result["configs"]["kvferry-early"]["decode-cold"]["early_bytes_per_turn"] > 0
+    assert result["configs"]["kvferry-early"]["decode-cold"]["ttft_vs_nixl"] is not None
+    assert "legs sent by vllm-router" in format_vllm_bench(result)

@@ -533,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     vllm.add_argument(
+        "--router",
+        choices=("kvferry-proxy", "vllm-router"),  # kvferry.bench.vllm.ROUTERS
+        default="kvferry-proxy",
+        help=(
+            "what sends each request's two legs: kvferry proxy (each connector's own flow), or vllm-router in its "
+            "default P/D mode (--kv-connector nixl; both connectors in NixlConnector's protocol; needs `pip install "
+            "vllm-router`, make setup-vllm does) (default: %(default)s)"
+        ),
+    )
+    vllm.add_argument(
         "--layer-groups",
         type=_positive,
         default=4,
@@ -900,6 +910,7 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         scrape=args.scrape,
         transfer_threads=args.transfer_threads,
         receive_steering=args.receive_steering,
+        router=args.router,
     )
     try:
         placement(cfg)  # before minutes of setup: a placement the box cannot give is refused now

@@ -155,9 +155,16 @@ class VllmBenchConfig:
     # for the first, decode servers' for the second; `link.steer_receive`); False: on the
     # sending core, as a veth does by itself (every run before 2026-12-05).
     receive_steering: bool = True
+    # What sends each request's two legs: "kvferry-proxy" (each connector's own flow), or
+    # "vllm-router" (--kv-connector nixl: both connectors in NixlConnector's protocol). Under
+    # vllm-router no Server-Timing says when the decode leg left: a turn's KV-ready counts
+    # from the prefill's end for NIXL (the router waits for its answer) and from the arrival
+    # for kvferry (push: the router sends both legs at once), plus the decode server's queue.
+    router: str = "kvferry-proxy"
 
 
 TRANSFER_THREADS = ("with-engine", "apart")
+ROUTERS = ("kvferry-proxy", "vllm-router")
 
 
 def transfer_core(cfg: VllmBenchConfig, cores: Sequence[int]) -> Optional[int]:
@@ -591,7 +598,11 @@ class Fleet:
             )  # fmt: skip
         testbed.wait_ready(list(self.servers.values()), timeout_s=600)
         for conf in self.confs:
-            proxy = ProxyThread([self.prefill(conf).url], [self.decode(conf).url], connector=conf.connector)
+            prefills, decodes = [self.prefill(conf).url], [self.decode(conf).url]
+            if cfg.router == "vllm-router":  # paused servers must not count as failed: no health verdicts
+                self.proxies[conf.name] = testbed.start_router(prefills, decodes, self.work / conf.name, quiet=True)
+                continue
+            proxy = ProxyThread(prefills, decodes, connector=conf.connector)
             proxy.start()
             self.proxies[conf.name] = proxy
 
@@ -654,6 +665,8 @@ def _turn(cfg: VllmBenchConfig, fleet: Fleet, conf: Configuration, case: str, st
         for k, (side, name) in _metrics(conf).items()
     }
     decode_start = a.timing.get("decode-start", 0.0)
+    if cfg.router == "vllm-router":  # no Server-Timing: see VllmBenchConfig.router
+        decode_start = p["queue"] + p["prefill"] if conf.connector == "nixl" else 0.0
     return {
         "config": conf.name,
         "case": case,
@@ -754,7 +767,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
                 progress(f"{case}: turn {turn} of {cfg.turns} done" + (" (warm-up)" if turn == 0 else ""))
         fleet.run_only(None)
         leaks = {s.name: _settled_blocks(s) for s in fleet.servers.values()}
-        hellos = {n: getattr(p.proxy.flow, "hellos", None) for n, p in fleet.proxies.items()}
+        hellos = {n: getattr(getattr(getattr(p, "proxy", None), "flow", None), "hellos", None)
+                  for n, p in fleet.proxies.items()}  # fmt: skip
         pools = dict(fleet.pool_bytes)
     annotate(rows, by_name, scripts, kv_token, link["bytes_per_s"])
     summary = summaries(rows, confs, cfg.bootstrap_reps)
@@ -766,6 +780,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Callable[[str], None] = lambd
         "kv_bytes_per_token": kv_token,
         "block_tokens": BLOCK_TOKENS,
         "link": link,
+        "router": cfg.router,
         "placement": (
             f"decode servers in network namespace {cfg.decode_netns} at {cfg.decode_host}, prefill servers and "
             f"proxies at {cfg.prefill_host}"

@@ -30,7 +30,12 @@ def format_vllm_bench(result: dict[str, Any]) -> str:
         f"({result['kv_bytes_per_token']} KV bytes/token)",
         f"{result['machine']}, {result['date']}; load average {result['load_average']['before'][0]:.1f} before, "
         f"{result['load_average']['after'][0]:.1f} after",
-        f"placement: {result['placement']}",
+        f"placement: {result['placement']}; legs sent by {result.get('router', 'kvferry-proxy')}"
+        + (
+            " (KV-ready from the prefill's end for NIXL, from the arrival for kvferry: no Server-Timing)"
+            if result.get("router") == "vllm-router"
+            else ""
+        ),
         f"link: {link['how']}: {link['bytes_per_s'] / 1e6:.1f} MB/s measured"
         + (f" (tbf {link['mbit']:.0f} Mbit/s)" if cross else "")
         + (

@@ -687,10 +687,17 @@ def router_binary() -> Optional[str]:
 
 
 def start_router(
-    prefills: Sequence[str], decodes: Sequence[str], workdir: Path, mode: str = "nixl", timeout_s: float = 120.0
+    prefills: Sequence[str],
+    decodes: Sequence[str],
+    workdir: Path,
+    mode: str = "nixl",
+    timeout_s: float = 120.0,
+    quiet: bool = False,
 ) -> Router:
     """Starts vllm-router ``--vllm-pd-disaggregation`` in front of the servers' URLs on a free
-    loopback port, with ``--kv-connector mode``, and waits until it answers /health."""
+    loopback port, with ``--kv-connector mode``, and waits until it answers /health.
+    ``quiet``: no circuit breaker and no failed health verdicts (a bench pauses the servers
+    whose turn it is not)."""
     if mode not in ROUTER_MODES:
         raise ValueError(f"invalid mode={mode!r}: vllm-router's --kv-connector takes {', '.join(ROUTER_MODES)}")
     binary = router_binary()
@@ -704,6 +711,8 @@ def start_router(
         args += ["--decode", url]
     args += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     args += ["--worker-startup-timeout-secs", "600", "--disable-retries"]
+    if quiet:
+        args += ["--disable-circuit-breaker", "--health-failure-threshold", "1000000000"]
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "vllm-router.log"
     with open(log_path, "wb") as log:
