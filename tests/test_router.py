@@ -282,3 +282,19 @@ def test_router_params_name_the_bad_field(change: dict[str, Any], named: str) ->
 def test_router_key_is_the_shared_x_request_id(request_id: str, key: str) -> None:
     """Both legs of a vllm-router request carry one X-Request-Id; vLLM decorates each side's."""
     assert router_key(request_id) == key
+
+
+def test_a_destination_taken_then_refused_is_abandoned_by_its_taker(pair: Any) -> None:
+    """The prefill half took a destination it must refuse (another prompt there): its abandon
+    names the taken destination's epoch, so the decode side (which takes an abandon of a
+    taken transfer from its taker only) gives the request up at once."""
+    prefill, _, rdv, manager = pair
+    address = prefill._book.listen()
+    publish(rdv, "X8", [9, 9, 9, 9, 9])  # the decode request's prompt is another one
+    rendezvous.offer(address, KEY, "X8", rdv.address, trust.sign_peer(KEY, rdv.address))
+    req = _prefill_request("X8", list(range(1, 6)))
+    manager.tables[req.request_id] = [1, 2]
+    assert until(lambda: prefill.get_num_new_matched_tokens(req, 0) == (1, True), 30)  # refused
+    assert "another prompt" in prefill._refused[req.request_id]
+    assert until(lambda: rdv.abandoned("X8") is not None, 30)
+    assert "refused the destination" in str(rdv.abandoned("X8"))

@@ -402,7 +402,7 @@ class SchedulerSide:
             destination = checked[0]
         except KvFerryError as err:
             why = f"prefill request refused the destination: {err}"
-            self._tell_abandon(params, why)
+            self._tell_abandon(params, why, _taken(found, None))
             raise
         return SendSpec(
             request.request_id,
@@ -415,10 +415,11 @@ class SchedulerSide:
             legs=found.legs,
         )
 
-    def _tell_abandon(self, params: RequestParams, reason: str) -> None:
+    def _tell_abandon(self, params: RequestParams, reason: str, taken: Optional[dict[str, int]] = None) -> None:
         """Tells the decode side (every rank a link goes to), off this thread, that the send
-        is given up."""
-        targets = self._abandon_targets(params)
+        is given up. ``taken``: the epoch of each name whose destination this request took
+        (the decode side takes an abandon of a taken name from its taker only)."""
+        targets = [(address, name, (taken or {}).get(name, 0)) for address, name in self._abandon_targets(params)]
         affinity.Thread(target=_tell_abandon, args=(targets, self._authkey, reason), daemon=True).start()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -660,7 +661,7 @@ class SchedulerSide:
                 reason = f"prefill request {rid} ended ({request.status.name.lower()}) before its destination came"
             else:
                 reason = f"prefill request {rid} ended before its first chunk"
-            self._tell_abandon(params, reason)
+            self._tell_abandon(params, reason, _taken(lookup or computing, None if sending is None else sending.spec))
             answer["error"] = reason
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", reason)])
@@ -698,7 +699,8 @@ class SchedulerSide:
         self._book.end(key, reason)
         peer = sending.spec.peer if sending is not None else (found.params.peer if found is not None else None)
         if lost is None and peer:
-            self._tell_abandon(RequestParams("send", key, peer), reason)
+            taken = _taken(found, None if sending is None else sending.spec)
+            self._tell_abandon(RequestParams("send", key, peer), reason, taken)
         self.record([Outcome(key, "failed", reason)])
         return False, answer
 
@@ -801,10 +803,24 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
         found.done.set()
 
 
-def _tell_abandon(targets: list[tuple[str, str]], authkey: bytes, reason: str) -> None:
-    for address, transfer in targets:
+def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]:
+    """The epoch of each name a send's lookup took a destination of (one name without
+    tensor parallelism, a leg's each with it); empty when it took none."""
+    legs = spec.legs if spec is not None else found.legs if found is not None else None
+    if legs is not None:
+        return {leg.transfer: int(leg.destination["epoch"]) for leg in legs}
+    destination = spec.destination if spec is not None else found.destination if found is not None else None
+    if spec is not None and destination:
+        return {spec.transfer: int(destination["epoch"])}
+    if found is not None and destination:
+        return {found.transfer: int(destination["epoch"])}
+    return {}
+
+
+def _tell_abandon(targets: list[tuple[str, str, int]], authkey: bytes, reason: str) -> None:
+    for address, transfer, epoch in targets:
         try:
-            rendezvous.abandon(address, authkey, transfer, reason)
+            rendezvous.abandon(address, authkey, transfer, reason, epoch)
         except KvFerryError as err:
             logger.warning("kvferry: %s", err)
 
