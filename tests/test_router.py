@@ -298,3 +298,24 @@ def test_a_destination_taken_then_refused_is_abandoned_by_its_taker(pair: Any) -
     assert "another prompt" in prefill._refused[req.request_id]
     assert until(lambda: rdv.abandoned("X8") is not None, 30)
     assert "refused the destination" in str(rdv.abandoned("X8"))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "2", 1025])
+def test_a_recv_s_prefill_tp_is_checked_by_name(bad: Any) -> None:
+    """kvferry proxy passes the prefill servers' size (their hello's tp_size) with each recv."""
+    from kvferry.vllm.config import parse_params
+
+    assert parse_params({"kvferry": {"op": "recv", "transfer": "T", "prefill_tp": 2}}).prefill_tp == 2
+    with pytest.raises(InvalidArgumentError, match=r"invalid kv_transfer_params.kvferry.prefill_tp="):
+        parse_params({"kvferry": {"op": "recv", "transfer": "T", "prefill_tp": bad}})
+    with pytest.raises(InvalidArgumentError, match=r"\['prefill_tp'\] for op 'send'"):
+        parse_params({"kvferry": {"op": "send", "transfer": "T", "peer": "unix:///p", "prefill_tp": 2}})
+
+
+def test_hello_names_the_server_s_sizes(pair: Any) -> None:
+    prefill, decode, _, _ = pair
+    for side in (prefill, decode):
+        req = Request("h", [0], {"kvferry": {"op": "hello"}})
+        req.status = Status("FINISHED_LENGTH_CAPPED")
+        _, answer = side.request_finished(req, [])
+        assert answer is not None and (answer["kvferry"]["tp_size"], answer["kvferry"]["pp_size"]) == (1, 1)

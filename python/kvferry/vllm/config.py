@@ -359,10 +359,11 @@ def parse_params(params: Any) -> Optional[RequestParams]:
             "invalid kv_transfer_params.kvferry key 'authkey': the key never travels in a request; both servers read "
             "it from kv_connector_extra_config.authkey_file (or the per-user default file)"
         )
-    unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s"})
+    unknown = sorted(set(ours) - {"op", "transfer", "peer", "peer_mac", "timeout_s", "prefill_tp"})
     if unknown:
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac, timeout_s"
+            f"invalid kv_transfer_params.kvferry keys {unknown}: known keys are op, transfer, peer, peer_mac,"
+            " timeout_s, prefill_tp"
         )
     op = ours.get("op")
     if op not in OPS:
@@ -374,6 +375,10 @@ def parse_params(params: Any) -> Optional[RequestParams]:
         raise InvalidArgumentError(
             f"invalid kv_transfer_params.kvferry.transfer={_shown(transfer)}: must be 1 to {MAX_TRANSFER_CHARS}"
             f" characters of [{TRANSFER_ALPHABET}]"
+        )
+    if "prefill_tp" in ours and op != "recv":
+        raise InvalidArgumentError(
+            f"invalid kv_transfer_params.kvferry keys ['prefill_tp'] for op {op!r}: only a recv names its prefill size"
         )
     if op == "status":
         extra = sorted(set(ours) - {"op", "transfer"})
@@ -397,7 +402,13 @@ def parse_params(params: Any) -> Optional[RequestParams]:
             raise InvalidArgumentError(
                 "invalid kv_transfer_params.kvferry keys ['peer_mac'] for op 'recv': only a send names a peer"
             )
-        return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout))
+        tp = ours.get("prefill_tp")
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 0 < tp <= 1024):
+            raise InvalidArgumentError(
+                f"invalid kv_transfer_params.kvferry.prefill_tp={tp!r}: must be the prefill server's tensor parallel"
+                " size (its hello answer's tp_size), an integer in [1, 1024]"
+            )
+        return RequestParams("recv", transfer, timeout_s=None if timeout is None else float(timeout), prefill_tp=tp)
     peer = ours.get("peer")
     if not isinstance(peer, str) or not 0 < len(peer) <= 4096:
         raise InvalidArgumentError(

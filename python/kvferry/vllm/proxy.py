@@ -228,6 +228,10 @@ class KvferryFlow(Flow):
         # not here: both servers read it from their own key file, it never crosses HTTP.
         self.peers: dict[str, dict[str, Any]] = {}
         self.hellos = 0  # hello requests sent (a figure for benches: should stay one per decode server)
+        # Prefill server URL -> its tensor parallel size (its hello answer's tp_size): passed to
+        # the decode leg when every prefill server has one size, so the decode server takes
+        # that size with no prefill_tp_size setting.
+        self.prefill_tps: dict[str, int] = {}
         self.statuses = 0  # status requests sent (one per failed request)
         self._background: set[asyncio.Future[Any]] = set()  # legs ending after their answer
 
@@ -257,8 +261,34 @@ class KvferryFlow(Flow):
             self.peers[server.url] = info
             return info
 
+    async def _prefill_tp(self, ex: Exchange) -> Optional[int]:
+        """The prefill servers' one tensor parallel size, asked once per server (``hello``);
+        None when they differ, or one cannot say (then the decode server's own
+        ``prefill_tp_size`` decides)."""
+        for server in ex.proxy.router.prefills:
+            if server.url in self.prefill_tps:
+                continue
+            hello: dict[str, Any] = {
+                "prompt": [0],
+                "max_tokens": 1,
+                "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}},
+            }
+            if "model" in ex.body:
+                hello["model"] = ex.body["model"]
+            try:
+                answer = await ex.post_json("prefill", server, "/v1/completions", hello, retry=True)
+            except (_Refused, UpstreamError):
+                return None  # asked again with the next request
+            size = ((answer.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("tp_size")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                return None
+            self.prefill_tps[server.url] = size
+        sizes = {self.prefill_tps[s.url] for s in ex.proxy.router.prefills}
+        return sizes.pop() if len(sizes) == 1 else None
+
     async def serve(self, ex: Exchange) -> web.StreamResponse:
         peer = await self._peer(ex)
+        prefill_tp = await self._prefill_tp(ex)
         server = ex.decode_server
         transfer = uuid.uuid4().hex
         send = _one_token(ex.body)
@@ -266,7 +296,10 @@ class KvferryFlow(Flow):
         if isinstance(peer.get("peer_mac"), str):  # the decode server's signature of its address (kvferry.vllm.trust)
             ours["peer_mac"] = peer["peer_mac"]
         send["kv_transfer_params"] = {PARAMS_KEY: ours}
-        recv = dict(ex.body, kv_transfer_params={PARAMS_KEY: {"op": "recv", "transfer": transfer}})
+        ours_recv: dict[str, Any] = {"op": "recv", "transfer": transfer}
+        if prefill_tp is not None:
+            ours_recv["prefill_tp"] = prefill_tp
+        recv = dict(ex.body, kv_transfer_params={PARAMS_KEY: ours_recv})
         # The decode leg goes out first: the prefill server computes once the decode server
         # has admitted its half and published the destination, so the decode leg's way in
         # (HTTP, vLLM's queue, one scheduler step) is on the critical path and the prefill

@@ -182,8 +182,8 @@ class SchedulerSide:
                         f"{_what(params, 'recv')} on a kv_producer server: send decode requests to a kv_consumer (or"
                         " kv_both) server"
                     )
-                if params.router:
-                    self._check_router_recv(params)
+                if params.prefill_tp is not None:
+                    self._check_prefill_size(params)
                 return self._claim(params.transfer or "", remaining)
             if self.role == "kv_consumer":
                 raise KvFerryError(
@@ -224,19 +224,21 @@ class SchedulerSide:
             )
         return params
 
-    def _check_router_recv(self, params: RequestParams) -> None:
-        """A router's decode request: the prefill server's size pairs with this server's
-        (the decode workers learn it: `DecodeWorker._learn`), and this server's rendezvous is
-        known (its workers' handshake)."""
+    def _check_prefill_size(self, params: RequestParams) -> None:
+        """A decode request that names its prefill server's tensor parallel size (a router's
+        ``tp_size``, or kvferry's ``prefill_tp`` from a proxy): that size pairs with this
+        server's (the decode workers learn it: `DecodeWorker._learn`); a router's needs this
+        server's rendezvous known too (its workers' handshake), for its offer."""
         assert params.prefill_tp is not None
+        what = "kv_transfer_params.tp_size" if params.router else "kv_transfer_params.kvferry.prefill_tp"
         try:  # refused now, by both sizes, rather than by the worker after the offer
             ranks.links(params.prefill_tp, self.tp_size, self.num_kv_heads, mla=self.mla)
         except KvFerryError as err:
             raise KvFerryError(
-                f"the prefill server's tensor_parallel_size={params.prefill_tp} (kv_transfer_params.tp_size) cannot"
+                f"the prefill server's tensor_parallel_size={params.prefill_tp} ({what}) cannot"
                 f" send to this decode server's tensor_parallel_size={self.tp_size}: {err}"
             ) from None
-        if self.handshake is None:
+        if params.router and self.handshake is None:
             raise KvFerryError("this decode server's workers have not started their rendezvous yet")
 
     def _claim(self, transfer: str, remaining: int) -> tuple[Optional[int], bool]:
@@ -705,7 +707,9 @@ class SchedulerSide:
         return False, answer
 
     def _hello(self) -> dict[str, Any]:
-        hello: dict[str, Any] = {"op": "hello", "role": self.role}
+        # The sizes: a proxy passes a prefill server's to its decode requests (prefill_tp), so
+        # the decode server takes prefill servers of any size that pairs, with no setting.
+        hello: dict[str, Any] = {"op": "hello", "role": self.role, "tp_size": self.tp_size, "pp_size": self.pp_size}
         if self.handshake is not None:
             # never the key; the peer signed, so a prefill server connects to it (kvferry.vllm.trust)
             peer = self.handshake.peer
