@@ -319,3 +319,23 @@ def test_hello_names_the_server_s_sizes(pair: Any) -> None:
         req.status = Status("FINISHED_LENGTH_CAPPED")
         _, answer = side.request_finished(req, [])
         assert answer is not None and (answer["kvferry"]["tp_size"], answer["kvferry"]["pp_size"]) == (1, 1)
+
+
+def test_a_stalled_handshake_is_not_reported_as_a_key_mismatch(tmp_path: Any) -> None:
+    """A rendezvous that accepts and never answers (a busy or stopped server) fails the
+    handshake by its deadline; that says nothing about the keys, and the error says so,
+    where it used to tell the operator the two servers hold different keys."""
+    path = str(tmp_path / "stalled.sock")
+    with socket.socket(socket.AF_UNIX) as stalled:
+        stalled.bind(path)
+        stalled.listen()
+        with pytest.raises(TransferError) as err:
+            rendezvous._connect(f"unix://{path}", KEY, timeout=0.5)
+    assert "no complete handshake" in str(err.value) and "different keys" not in str(err.value)
+    # A server with another key still gets the key named.
+    other = rendezvous.Rendezvous(b"o" * 32, lambda sender: "x", str(tmp_path))
+    try:
+        with pytest.raises(TransferError, match="hold different keys"):
+            rendezvous._connect(other.address, KEY)
+    finally:
+        other.close()

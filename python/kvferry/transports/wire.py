@@ -107,7 +107,13 @@ ROLE_SENDER = 2
 
 class AuthenticationError(KvFerryError):
     """The peer did not prove it holds the session's key (a wrong key, garbage, a stall,
-    or a frame that is not the handshake's)."""
+    or a frame that is not the handshake's). ``wrong_key``: the peer answered, and its proof
+    (or its refusal of ours) says the two sides hold different keys; False for a stall, a
+    reset or a closed connection, which say nothing about the key (a busy or dying peer)."""
+
+    def __init__(self, message: str, wrong_key: bool = False) -> None:
+        super().__init__(message)
+        self.wrong_key = wrong_key
 
 
 def check_authkey(authkey: object, name: str = "authkey") -> bytes:
@@ -730,11 +736,13 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
             if role == ROLE_ENDPOINT:
                 raise AuthenticationError(
                     "the peer's proof is wrong: it does not hold this session's key, or it meant another endpoint than"
-                    f" {names[0]} (a relay?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+                    f" {names[0]} (a relay?), or speaks another handshake version than v{HANDSHAKE_VERSION}",
+                    wrong_key=True,
                 )
             raise AuthenticationError(
                 f"the peer's proof is wrong: it does not hold this session's key, or it is not the endpoint {names[0]}"
-                f" (a relay to another endpoint?), or speaks another handshake version than v{HANDSHAKE_VERSION}"
+                f" (a relay to another endpoint?), or speaks another handshake version than v{HANDSHAKE_VERSION}",
+                wrong_key=True,
             )
         if role == ROLE_ENDPOINT:
             _send_until(sock, encode(Proof(_mac(key, role, bound, theirs, mine))), deadline)
@@ -747,7 +755,8 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
         if proved:
             raise AuthenticationError(
                 "the peer closed the connection after our proof: it refused our key (not this session's?)"
-                " or the address we meant (reached through a relay, or by another name than it advertises?)"
+                " or the address we meant (reached through a relay, or by another name than it advertises?)",
+                wrong_key=True,
             ) from None
         raise AuthenticationError("the peer closed the connection during the handshake") from None
     except OSError as err:

@@ -365,9 +365,9 @@ class Rendezvous:
             except wire.AuthenticationError as err:
                 _log.warning(
                     "refused",
-                    "kvferry: a connection to the rendezvous at %s failed authentication"
-                    " (a prefill server with another key?): %s",
+                    "kvferry: a connection to the rendezvous at %s failed authentication%s: %s",
                     self.address,
+                    " (a peer with another key?)" if err.wrong_key else " (no complete handshake: a busy or gone peer)",
                     err,
                 )
                 return
@@ -579,6 +579,11 @@ def _connect(
         wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
         sock.close()
+        if not err.wrong_key:  # a stall or a reset says nothing about the keys
+            raise TransferError(
+                f"no complete handshake with the {what} rendezvous at {address!r} (busy, or going away): {err}",
+                peer=address,
+            ) from err
         raise TransferError(
             f"authentication failed with the {what} rendezvous at {address!r}: the two servers hold different "
             "keys "
