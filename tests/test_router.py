@@ -18,6 +18,7 @@ from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, parse_router_params, router_key
 from kvferry.vllm.metadata import Handshake
+from kvferry.vllm.proxy import NIXL_PREFILL_LEG
 from kvferry.vllm.scheduler import SchedulerSide
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,14 +26,7 @@ from helpers import until  # noqa: E402
 from sched_fakes import Manager, Request, Status, publish, step  # noqa: E402
 
 KEY = b"r" * 32
-PREFILL_LEG = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_LEG = NIXL_PREFILL_LEG  # the toy proxy's prefill leg
 
 
 @pytest.fixture

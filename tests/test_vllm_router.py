@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv (make setup-vllm; make test-vllm runs these)")
 
 from kvferry.vllm import testbed  # noqa: E402
+from kvferry.vllm.proxy import NIXL_PREFILL_LEG  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,14 +37,7 @@ COMPLETIONS = "/v1/completions"
 TURNS = 3
 OUT = 10
 # The toy proxy's prefill leg (vLLM's examples/online_serving/disaggregated_serving).
-PREFILL_LEG = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_LEG = NIXL_PREFILL_LEG
 
 
 @pytest.fixture(scope="module")

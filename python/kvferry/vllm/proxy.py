@@ -71,6 +71,16 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SESSION_HEADER = "X-Session-Id"
 # The key of kvferry's parameters in kv_transfer_params (docs/vllm.md).
 PARAMS_KEY = "kvferry"
+# The prefill leg's kv_transfer_params in NixlConnector's protocol (vLLM's toy proxy sends
+# these; KvferryConnector takes them too: docs/routers.md).
+NIXL_PREFILL_LEG = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 # Seconds a server that failed to answer is passed over for new sessions.
 DOWN_S = 10.0
 # Sessions remembered for stickiness (least recently used forgotten first).
@@ -192,14 +202,7 @@ class NixlFlow(Flow):
     async def serve(self, ex: Exchange) -> web.StreamResponse:
         ex.headers["X-Request-Id"] = uuid.uuid4().hex
         first = _one_token(ex.body)
-        first["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        first["kv_transfer_params"] = dict(NIXL_PREFILL_LEG)
         answer = await ex.prefill(first)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -212,6 +215,14 @@ class NixlFlow(Flow):
         # Any decode server can read the KV the prefill server holds, so a refused connection
         # fails over to the next one.
         return await ex.decode(dict(ex.body, kv_transfer_params=params), failover=True)
+
+
+def _hello_body(ex: Exchange) -> dict[str, Any]:
+    """kvferry's one-token ``hello`` request, for the client's model."""
+    hello: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}}}
+    if "model" in ex.body:
+        hello["model"] = ex.body["model"]
+    return hello
 
 
 class KvferryFlow(Flow):
@@ -241,13 +252,7 @@ class KvferryFlow(Flow):
             known = self.peers.get(server.url)
             if known is not None:
                 return known
-            hello: dict[str, Any] = {
-                "prompt": [0],
-                "max_tokens": 1,
-                "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}},
-            }
-            if "model" in ex.body:
-                hello["model"] = ex.body["model"]
+            hello = _hello_body(ex)
             self.hellos += 1
             try:
                 answer = await ex.post_json("decode", server, "/v1/completions", hello, retry=True)
@@ -268,13 +273,7 @@ class KvferryFlow(Flow):
         for server in ex.proxy.router.prefills:
             if server.url in self.prefill_tps:
                 continue
-            hello: dict[str, Any] = {
-                "prompt": [0],
-                "max_tokens": 1,
-                "kv_transfer_params": {PARAMS_KEY: {"op": "hello"}},
-            }
-            if "model" in ex.body:
-                hello["model"] = ex.body["model"]
+            hello = _hello_body(ex)
             try:
                 answer = await ex.post_json("prefill", server, "/v1/completions", hello, retry=True)
             except (_Refused, UpstreamError):

@@ -645,25 +645,8 @@ def abandon(address: str, authkey: bytes, transfer: str, reason: str, epoch: int
     then fails at once instead of at its timeout. ``epoch``: that of the destination this
     request's lookup took (0: it took none); a transfer taken by another request is not
     given up (the rendezvous refuses). Raises `TransferError` if it cannot, or is refused."""
-    try:
-        data = wire.encode(Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES), int(epoch)), RENDEZVOUS)
-    except (InvalidArgumentError, TypeError) as err:
-        raise TransferError(
-            f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err}", peer=str(address)
-        ) from err
-    sock = _connect(address, authkey)
-    try:
-        answer = _ask(sock, data, HANDSHAKE_SECONDS)
-    except Exception as err:
-        raise TransferError(
-            f"transfer {transfer!r}: could not tell the decode server at {address!r}: {err!r}", peer=address
-        ) from err
-    finally:
-        sock.close()
-    if isinstance(answer, Refused):
-        raise TransferError(f"the decode server at {address!r} refused the abandon: {answer.error}", peer=address)
-    if not isinstance(answer, Abandoned):
-        raise _unexpected(address, transfer, "abandon", answer)
+    _tell(address, authkey, transfer, "decode server", "abandon", Abandoned,
+          lambda: Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES), int(epoch)))  # fmt: skip
 
 
 def offer(address: str, authkey: bytes, transfer: str, peer: str, peer_mac: str) -> None:
@@ -671,20 +654,30 @@ def offer(address: str, authkey: bytes, transfer: str, peer: str, peer_mac: str)
     destination is published at ``peer`` (this decode server's rendezvous, one URL per rank),
     signed by ``peer_mac``. Raises `TransferError` with the prefill side's reason when it
     cannot be told or refuses."""
+    _tell(address, authkey, transfer, "prefill server", "offer", Accepted, lambda: Offer(transfer, peer, peer_mac))
+
+
+def _tell(
+    address: str, authkey: bytes, transfer: str, whom: str, asked: str, done: type[Frame], frame: Callable[[], Frame]
+) -> None:
+    """One frame of ``transfer`` to the rendezvous at ``address`` (of a ``whom``), answered
+    by ``done`` or a refusal; `TransferError` names the step that failed."""
     try:
-        data = wire.encode(Offer(transfer, peer, peer_mac), RENDEZVOUS)
+        data = wire.encode(frame(), RENDEZVOUS)
     except (InvalidArgumentError, TypeError) as err:
-        raise TransferError(f"transfer {transfer!r}: cannot offer it to the prefill server: {err}") from err
-    sock = _connect(address, authkey, what="prefill server's")
+        raise TransferError(
+            f"transfer {transfer!r}: could not tell the {whom} at {address!r}: {err}", peer=str(address)
+        ) from err
+    sock = _connect(address, authkey, what=f"{whom}'s")
     try:
         answer = _ask(sock, data, HANDSHAKE_SECONDS)
     except Exception as err:
         raise TransferError(
-            f"transfer {transfer!r}: could not tell the prefill server at {address!r}: {err!r}", peer=address
+            f"transfer {transfer!r}: could not tell the {whom} at {address!r}: {err!r}", peer=address
         ) from err
     finally:
         sock.close()
     if isinstance(answer, Refused):
-        raise TransferError(f"the prefill server at {address!r} refused: {answer.error}", peer=address)
-    if not isinstance(answer, Accepted):
-        raise _unexpected(address, transfer, "offer", answer)
+        raise TransferError(f"the {whom} at {address!r} refused the {asked}: {answer.error}", peer=address)
+    if not isinstance(answer, done):
+        raise _unexpected(address, transfer, asked, answer)

@@ -419,16 +419,7 @@ class Server:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server must run to end
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _stop_group(self.proc, resume=True)  # a paused server must run to end
 
     def metrics(self, timeout_s: float = 10.0) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as r:
@@ -444,6 +435,22 @@ class Server:
             raise ServerError(f"{self.name}: /metrics has no kv_cache_usage_perc or num_gpu_blocks")
         total = int(m.group(1))
         return round(usage * total), total
+
+
+def _stop_group(proc: subprocess.Popen[bytes], resume: bool = False) -> None:
+    """SIGTERM to a process group started with its own session, SIGKILL 20 s later."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        if resume:
+            os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _gauge(text: str, name: str) -> Optional[float]:
@@ -665,15 +672,7 @@ class Router:
             return f"(log unreadable: {err})"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _stop_group(self.proc)
 
 
 def router_binary() -> Optional[str]:
