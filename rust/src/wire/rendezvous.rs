@@ -298,7 +298,11 @@ mod tests {
                 epoch: 7,
             }),
             Frame::Abandoned(Abandoned {}),
-            offer("T", "unix:///tmp/a.sock tcp://10.0.0.2:7001", &"ab12".repeat(16)),
+            offer(
+                "T",
+                "unix:///tmp/a.sock tcp://10.0.0.2:7001",
+                &"ab12".repeat(16),
+            ),
             Frame::Accepted(Accepted {}),
         ] {
             let bytes = encode(&frame).unwrap();
@@ -397,7 +401,10 @@ mod tests {
         assert_eq!(refused_field(&offer("T", "unix:///p\n", &mac)), "peer");
         let long = "p".repeat(MAX_PEER_BYTES + 1);
         assert_eq!(refused_field(&offer("T", &long, &mac)), "peer");
-        assert_eq!(refused_field(&offer("T", "unix:///p", &mac[2..])), "peer_mac");
+        assert_eq!(
+            refused_field(&offer("T", "unix:///p", &mac[2..])),
+            "peer_mac"
+        );
         assert_eq!(
             refused_field(&offer("T", "unix:///p", &mac.to_uppercase())),
             "peer_mac"
