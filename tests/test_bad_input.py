@@ -3252,8 +3252,7 @@ def test_cli_error_is_one_line_in_a_real_process() -> None:
     )
     assert proc.returncode == 2
     assert (
-        proc.stderr.strip()
-        == f"kvferry plan: error: invalid --prompt={10**20}: must be in [-2**63, 2**63) (an int64)"
+        proc.stderr.strip() == f"kvferry plan: error: invalid --prompt={10**20}: must be in [-2**63, 2**63) (an int64)"
     )
 
 
