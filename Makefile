@@ -78,7 +78,7 @@ $(VLLM_STAMP):
 		if "extra ==" not in r and re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower() not in skip))' \
 		$(VLLM_SKIP) > $(VLLM_VENV)/vllm-requires.txt
 	time $(VLLM_PY) -m pip install --quiet -r $(VLLM_VENV)/vllm-requires.txt
-	$(VLLM_PY) -m pip install --quiet $(VLLM_NIXL) $(VLLM_ROUTER) "pytest>=8" pytest-benchmark "hypothesis>=6.100" matplotlib
+	$(VLLM_PY) -m pip install --quiet $(VLLM_NIXL) $(VLLM_ROUTER) "pytest>=8" pytest-benchmark "pytest-timeout>=2.3" "hypothesis>=6.100" matplotlib
 	$(VLLM_PY) -c 'import os, site; open(os.path.join(site.getsitepackages()[0], "kvferry-src.pth"), "w").write(os.path.abspath("python") + "\n")'
 	touch $(VLLM_STAMP)
 

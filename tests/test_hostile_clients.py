@@ -90,6 +90,31 @@ def test_an_abandon_wakes_the_lookup_waiting_for_it(server: rendezvous.Rendezvou
     assert isinstance(outcome[0], TransferError) and "was abandoned" in str(outcome[0])
 
 
+def test_a_revoked_transfer_is_offered_again_to_its_taker_only(server: rendezvous.Rendezvous) -> None:
+    """A prefill engine preempted the request that took P and revoked it: its lookup of P
+    again waits until the decode server offers P again (a new epoch), and takes it; no other
+    engine may take P meanwhile, nor after the offer; the old epoch's abandon is refused once
+    P is taken again. Only a taken transfer can be offered again."""
+    server.publish("P", DESTINATION)
+    assert rendezvous.lookup(server.address, KEY, "P", 5, "prefill-a")["epoch"] == 3
+    done, outcome = _in_thread(lambda: rendezvous.lookup(server.address, KEY, "P", 3600, "prefill-a"))
+    assert until(lambda: server.connections == 1)  # its taker's lookup waits
+    with pytest.raises(TransferError, match="already taken by another prefill request"):
+        rendezvous.lookup(server.address, KEY, "P", 0, "prefill-b")
+    server.republish("P", dict(DESTINATION, epoch=9))
+    assert done.wait(SLACK) and outcome[0]["epoch"] == 9, outcome
+    with pytest.raises(TransferError, match="only that request may abandon it"):
+        rendezvous.abandon(server.address, KEY, "P", "the first take's abandon", 3)
+    server.publish("Q", DESTINATION)
+    with pytest.raises(TransferError, match="is not taken"):
+        server.republish("Q", dict(DESTINATION, epoch=10))
+    rendezvous.lookup(server.address, KEY, "Q", 5, "prefill-a")
+    server.republish("Q", dict(DESTINATION, epoch=11))
+    with pytest.raises(TransferError, match="taken by another prefill engine"):
+        rendezvous.lookup(server.address, KEY, "Q", 0, "prefill-b")
+    assert rendezvous.lookup(server.address, KEY, "Q", 5, "prefill-a")["epoch"] == 11
+
+
 # -- the rendezvous's connections --------------------------------------------------------------
 
 

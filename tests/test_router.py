@@ -247,6 +247,8 @@ def test_foreign_and_extra_keys_are_logged_and_counted(pair: Any, caplog: pytest
         ({"remote_port": 0}, "remote_port=0"),
         ({"remote_port": True}, "remote_port=True"),
         ({"remote_request_id": ""}, "remote_request_id=''"),
+        ({"remote_request_id": "a\nb"}, "remote_request_id='a\\\\nb'"),
+        ({"remote_request_id": "x" * 257}, "remote_request_id='xxx"),
         ({"remote_engine_id": "nixl-engine"}, "remote_engine_id='nixl-engine'"),
         ({"tp_size": 0}, "tp_size=0"),
         ({"do_remote_decode": True}, "both true"),
@@ -333,3 +335,16 @@ def test_a_stalled_handshake_is_not_reported_as_a_key_mismatch(tmp_path: Any) ->
             rendezvous._connect(other.address, KEY)
     finally:
         other.close()
+
+
+def test_a_refusals_answer_names_no_address(pair: Any) -> None:
+    """The reason in a refused request's answer (kv_transfer_params, which vLLM returns to the
+    client) has every address replaced by ``<address>``; the server's log keeps it."""
+    prefill, _, _, _ = pair
+    params = {"kvferry": {"op": "send", "transfer": "t1", "peer": "tcp://10.0.0.5:4100"}}
+    req = Request("a", [1, 2, 3], params)
+    assert prefill.get_num_new_matched_tokens(req, 0) == (1, True)  # refused: failed as a load
+    assert "10.0.0.5" in prefill._refused["a"]  # what the log line says
+    _, answer = _finish(prefill, req, [1])
+    assert "not a trusted decode server" in answer["kvferry"]["error"], answer
+    assert "10.0.0.5" not in answer["kvferry"]["error"] and "<address>" in answer["kvferry"]["error"], answer

@@ -505,6 +505,80 @@ def test_decode_rank_waits_for_every_prefill_ranks_part(decode_p2: Any) -> None:
         rendezvous.lookup(address, b"k" * 32, "U", 3600, "eng")
 
 
+def test_a_lookup_of_a_size_not_configured_waits_for_its_request_to_name_it(decode_p2: Any) -> None:
+    """A prefill server of TP 1 pairs with this decode rank though ``prefill_tp_size`` says 2:
+    its lookup waits (a router's decode request may name size 1 after the prefill looked up).
+    Forced order: the lookup is waiting before each publish. A request that names no size
+    publishes size 2's parts: the waiting TP-1 lookup is refused then, naming both sizes. A
+    request whose router named size 1 teaches it: the waiting lookup takes its destination."""
+    import threading
+
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata, RecvSpec
+
+    worker = decode_p2
+    rdv = worker.rendezvous
+    waiting = {"L": threading.Event(), "M": threading.Event()}
+    real_stranger = rdv._stranger
+
+    def stranger(transfer: str, sender: str) -> Any:
+        why = real_stranger(transfer, sender)
+        if why is None and transfer in waiting:
+            waiting[transfer].set()  # under the rendezvous's lock: no publish before it waits
+        return why
+
+    rdv._stranger = stranger
+    answers: dict[str, Any] = {}
+
+    def look(name: str) -> None:
+        try:
+            answers[name] = rendezvous.lookup(rdv.address, KEY, name, 60, "eng1")
+        except Exception as err:  # the refusal, asserted below
+            answers[name] = err
+
+    threads = {name: threading.Thread(target=look, args=(name,)) for name in waiting}
+    threads["L"].start()
+    assert waiting["L"].wait(30)
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("l", 31, "L")]))
+    threads["L"].join(30)
+    assert isinstance(answers["L"], Exception), answers["L"]
+    assert "takes prefill servers of tensor parallel size 2" in str(answers["L"]) and "has 1" in str(answers["L"])
+    threads["M"].start()
+    assert waiting["M"].wait(30)
+    worker.bind(KvferryMetadata(recvs=[RecvSpec("m", 33, "M", 2 * TOKENS, [[1, 2]], 0, "d", 60.0, prefill_tp=1)]))
+    threads["M"].join(30)
+    assert isinstance(answers["M"], dict) and answers["M"]["epoch"] == worker.receivers[(1, 0)].epoch(33)
+    assert worker.sizes == (2, 1)
+
+
+def test_a_part_revoked_by_its_preempted_sender_is_offered_again(decode_p2: Any) -> None:
+    """Prefill rank 0 revokes its part of R (its engine preempted the request): at the next
+    step that part is expected again under a new epoch and offered again to rank 0 only;
+    rank 1's part goes on under its epoch. R arrives once rank 0 wrote its part again; a
+    notice of the revoked epoch is refused as stale."""
+    from kvferry.notice import Notice
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("r", 41, "R")]))
+    address = worker.rendezvous.address
+    dests = [rendezvous.lookup(address, KEY, f"R@p{p}of2", 5, f"eng@p{p}of2") for p in (0, 1)]
+    assert worker.receivers[(2, 0)].revoked(41, dests[0]["epoch"])
+    assert worker.results(set()) == (set(), set())  # not failed: offered again
+    with pytest.raises(Exception, match="taken by another prefill engine"):
+        rendezvous.lookup(address, KEY, "R@p0of2", 5, "other@p0of2")
+    again = rendezvous.lookup(address, KEY, "R@p0of2", 5, "eng@p0of2")
+    assert again["epoch"] > dests[0]["epoch"] and again["dst_blocks"] == dests[0]["dst_blocks"]
+    assert worker.tally.totals["reoffered_parts"] == 1
+    assert worker.receivers[(2, 0)].deliver(Notice(41, 0, 0, 2, True, dests[0]["epoch"])) is False  # stale
+    worker.receivers[(2, 1)].deliver(Notice(41, 0, 0, 2, True, dests[1]["epoch"]))
+    assert worker.results(set()) == (set(), set())  # rank 0's part, sent again, still missing
+    worker.receivers[(2, 0)].deliver(Notice(41, 0, 0, 2, True, again["epoch"]))
+    assert worker.results(set()) == ({"r"}, set())
+    assert all(len(r) == 0 for r in worker.receivers.values())
+
+
 def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any) -> None:
     """Prefill rank 1 gives its part up before writing; rank 0 had taken its part: the request
     fails, rank 1's part is freed at once, rank 0's at its sender's fence."""

@@ -97,7 +97,7 @@ def engines(model: str) -> Any:
         assert (
             hello["role"] == "kv_consumer"
             and hello["peer"]
-            and set(hello) == {"op", "role", "peer", "peer_mac", "engine"}
+            and set(hello) == {"op", "role", "peer", "peer_mac", "engine", "tp_size", "pp_size"}
         ), hello
         yield prefill, decode, plain, hello
     finally:
@@ -1304,7 +1304,7 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
         def release(self, kv: int, timeout: float) -> None:
             raise TransferTimeoutError("not fenced")
 
-        def release_unfenced(self, kv: int) -> None:
+        def release_unfenced(self, kv: int, timeout: float) -> None:
             self.released_unfenced.append(kv)
 
     class Rendezvous:

@@ -64,6 +64,15 @@ class _Counted(list):  # type: ignore[type-arg]
         return super().__getitem__(i)
 
 
+def _lookup(transfer: str) -> Any:
+    """The ended lookup a hand-made send came from (a preempted send looks it up again)."""
+    import threading
+
+    from kvferry.vllm.scheduler import _Lookup
+
+    return _Lookup(threading.Event(), transfer, None, None, 0.0)
+
+
 def test_build_connector_meta_reads_only_the_sends() -> None:
     """A prefill server running 100 plain requests and one send: each step's metadata holds
     the send's chunk, starting where the last one ended, and reads none of the plain
@@ -83,7 +92,7 @@ def test_build_connector_meta_reads_only_the_sends() -> None:
     side = SchedulerSide(ConnectorConfig(), block_size=TPB, role="kv_producer", engine_id="E",
                          kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=get_block_ids),
                          authkey=b"k" * 32)  # fmt: skip
-    side._sending["S"] = _Sending(SendSpec("S", "T", 200, 0, "unix:///p", {}, 60.0))
+    side._sending["S"] = _Sending(SendSpec("S", "T", 200, 0, "unix:///p", {}, 60.0), _lookup("T"))
     plain = [f"r{i}" for i in range(100)]
 
     def step(new: list[Any], cached_ids: list[str], computed: list[int], resumed: frozenset[str] = frozenset()) -> Any:
@@ -126,7 +135,7 @@ def test_a_hit_that_this_step_fills_leaves_after_the_forward() -> None:
                          kv_cache_manager_getter=lambda: SimpleNamespace(get_block_ids=lambda rid: (tables[rid],)),
                          authkey=b"k" * 32)  # fmt: skip
     for rid in ("B", "C"):
-        side._sending[rid] = _Sending(SendSpec(rid, "T" + rid, 80, 0, "unix:///p", {}, 60.0))
+        side._sending[rid] = _Sending(SendSpec(rid, "T" + rid, 80, 0, "unix:///p", {}, 60.0), _lookup("T" + rid))
     # A computes [32, 72) this step: it fills blocks 2 and 3 (ids 12, 13) and starts block 4.
     # D decodes its 33rd token: it fills nothing. B hits blocks 0-3, C blocks 0-1.
     cached = CachedRequestData(

@@ -3,12 +3,12 @@ sessions through ``kvferry proxy`` onto a prefill and a decode server with small
 some clients hanging up mid-stream. The full size is ``kvferry bench vllm --stress``
 (docs/benchmarks.md).
 
-What must hold: vLLM preempted on both servers (the scenario happened); every turn
-either completed, was hung up by its client, or failed with the proxy's error text naming
-the transfer (none is silently short); every completed turn's output is a plain server's;
-both servers drain to no request and no KV block; the proxy serves a request afterwards.
-Bound: each turn is given ``request_timeout_s`` (a turn past it counts as failed, and fails
-this test through the "timeout"-free reasons check below)."""
+What must hold: vLLM preempted on both servers (the scenario happened); every turn either
+completed or was hung up by its client: none failed (a prefill request preempted
+mid-transfer is sent again under a new epoch), none is silently short; every completed
+turn's output is a plain server's; both servers drain to no request and no KV block; the
+proxy serves a request afterwards. Bound: each turn is given ``request_timeout_s`` (a turn
+past it counts as failed)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,8 @@ def test_sessions_under_preemption_and_hangups(tmp_path: Path) -> None:
     print(format_stress(result))
     assert result["preemptions"]["decode0"] > 0 and result["preemptions"]["prefill0"] > 0, result  # both sides
     assert result["turns"] == cfg.sessions * cfg.turns
-    assert (
-        result["completed"] > 0
-        and result["completed"] + result["hung_up"] + sum(result["failed"].values()) == result["turns"]
-    ), result
-    for reason in result["failed"]:
-        assert "transfer" in reason and "timed out" not in reason and "Timeout" not in reason, result
+    assert result["failed"] == {}, result
+    assert result["completed"] > 0 and result["completed"] + result["hung_up"] == result["turns"], result
     assert result["mismatches"] == 0, result
     assert not any(result["leaked_blocks"].values()), result
     assert result["serves_after"], result

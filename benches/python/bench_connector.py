@@ -28,6 +28,7 @@ import itertools
 import random
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,7 +43,7 @@ from kvferry.vllm.config import ConnectorConfig, prompt_digest
 from kvferry.vllm.decode_worker import DecodeWorker
 from kvferry.vllm.metadata import KvferryWorkerMeta, SendSpec
 from kvferry.vllm.prefill_worker import PrefillWorker, _Peer, _Send
-from kvferry.vllm.scheduler import SchedulerSide, _Sending
+from kvferry.vllm.scheduler import SchedulerSide, _Lookup, _Sending
 from kvferry.vllm.worker import WorkerCommon
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -162,7 +163,7 @@ def bench_sched_step(benchmark: Any, running: int) -> None:
     for rid in rids[:SENDS_PER_STEP]:
         # The same step is replayed every round: a prompt long enough that each round has its chunk.
         spec = SendSpec(rid, f"T-{rid}", 1 << 50, 0, "unix:///p", {}, 60.0)
-        side._sending[rid] = _Sending(spec, emitted=True)
+        side._sending[rid] = _Sending(spec, _Lookup(threading.Event(), spec.transfer, None, None, 0.0), emitted=True)
     computed = [512 if rid in side._sending else 1000 for rid in rids]
     cached = CachedRequestData(
         req_ids=rids,

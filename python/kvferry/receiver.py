@@ -157,6 +157,7 @@ class _Expected:
     dst_blocks: Optional[np.ndarray] = None
     # Writes admitted into its blocks that may still be copying (`Landing`).
     landing: list[Landing] = field(default_factory=list)
+    revoked: bool = False  # fenced by its sender's revoke (not by a failure seen here)
 
 
 @dataclass(frozen=True)
@@ -583,6 +584,7 @@ class KVReceiver:
             if expected.stage in (ReceiverStage.FENCED, ReceiverStage.COMPLETE):
                 return False
             self._to_revoked(expected)
+            expected.revoked = True
             who = "its sender" if source is None else str(source)
             self._fail_locked(
                 expected,
@@ -594,6 +596,19 @@ class KVReceiver:
             )
             self._cond.notify_all()
             return True
+
+    def landing(self, request_id: int) -> bool:
+        """Whether a write admitted into the request's blocks may still be copying (`release`
+        waits for it)."""
+        with self._cond:
+            return self._landing(self._get(request_id))
+
+    def revoked_by_sender(self, request_id: int) -> bool:
+        """Whether the request's sender revoked it (`revoked`) before all its blocks arrived:
+        its fence came, so no write of its epoch lands any more. A decode server may expect
+        it again under a new epoch (a prefill engine that preempted it sends it again)."""
+        with self._cond:
+            return self._get(request_id).revoked
 
     def fenced(self, request_id: int) -> bool:
         """Whether no sender writes the request's destination blocks any more: it completed,

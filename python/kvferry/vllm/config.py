@@ -515,10 +515,10 @@ def parse_router_params(params: Any, request_id: str) -> Optional[RequestParams]
         raise InvalidArgumentError(
             f"invalid kv_transfer_params.remote_port={port!r}: must be a port in [1, 65535]{hint}"
         )
-    if not isinstance(transfer, str) or not 0 < len(transfer) <= 256:
+    if not isinstance(transfer, str) or not _TRANSFER_ID.fullmatch(transfer):
         raise InvalidArgumentError(
-            f"invalid kv_transfer_params.remote_request_id={str(transfer)[:300]!r}: must be a non-empty string of at"
-            f" most 256 characters{hint}"
+            f"invalid kv_transfer_params.remote_request_id={_shown(transfer)}: must be 1 to {MAX_TRANSFER_CHARS}"
+            f" characters of [{TRANSFER_ALPHABET}], as a KvferryConnector prefill server answers it{hint}"
         )
     engine = params.get("remote_engine_id")
     mac = engine.rpartition(".")[2] if isinstance(engine, str) else None

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ from kvferry.groups import expect_groups
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
 from kvferry.vllm import rendezvous
-from kvferry.vllm.metadata import Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
+from kvferry.vllm.metadata import LEG_MARK, Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 
 logger = logging.getLogger("kvferry.vllm")
@@ -195,6 +195,8 @@ class DecodeWorker:
                 advertise=self.config.advertise,
                 admit=self._admit,
                 alternative_of=lambda sender: self._part_of(sender)[0],
+                family_of=lambda name: name.partition(LEG_MARK)[0],
+                not_in_family=self._not_published,
             )
         logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
 
@@ -287,7 +289,8 @@ class DecodeWorker:
         """Why a lookup from ``sender`` is refused before it waits, or None: a prefill server
         of a tensor parallel size that cannot pair with this server's would look up names this
         server never publishes (and wait out its whole timeout). A size that pairs but is not
-        in ``prefill_tp_size`` waits: a router's request names it (`_learn`)."""
+        in ``prefill_tp_size`` waits: a router's request names it (`_learn`); once its request
+        published the parts of other sizes only, the rendezvous refuses it (`_not_published`)."""
         mark = leg_rank(sender)
         size, stages = (1, 1) if mark is None else mark[1:]
         if stages != self.config.prefill_pp_size:
@@ -301,14 +304,21 @@ class DecodeWorker:
             self._links(size)
             return None
         except KvFerryError:
-            pass
-        if len(self.sizes) == 1:
-            takes = f"tensor parallel size {self.sizes[0]}"
-        else:
-            takes = f"tensor parallel sizes {list(self.sizes)}"
+            return self._size_refusal(sender, self.sizes)
+
+    def _not_published(self, sender: str, names: frozenset[str]) -> str:
+        """The rendezvous's refusal of a lookup from ``sender`` of a part its request never
+        published (the request's ``names`` are of other tensor parallel sizes)."""
+        return self._size_refusal(sender, sorted({(leg_rank(n) or (0, 1, 1))[1] for n in names}))
+
+    @staticmethod
+    def _size_refusal(sender: str, sizes: Sequence[int]) -> str:
+        mark = leg_rank(sender)
+        size = 1 if mark is None else mark[1]
+        takes = f"tensor parallel size {sizes[0]}" if len(sizes) == 1 else f"tensor parallel sizes {list(sizes)}"
         return (
-            f"this decode server takes prefill servers of {takes} "
-            f"(its kv_connector_extra_config prefill_tp_size); prefill engine {sender!r} has {size}"
+            f"this decode server takes prefill servers of {takes} (its kv_connector_extra_config "
+            f"prefill_tp_size, or the size its router named); prefill engine {sender!r} has {size}"
         )
 
     def _idlest(self) -> Optional[tuple[str, registry.Served]]:
@@ -472,6 +482,8 @@ class DecodeWorker:
                     except TransferTimeoutError:
                         continue  # still arriving
                     except TransferError as err:
+                        if self._offer_again(st, live, kvs, now):
+                            continue
                         self._give_up(st, str(err), now)
                     else:
                         for p, name in live.items():
@@ -503,6 +515,55 @@ class DecodeWorker:
                 logger.error("kvferry: decode request %s (transfer %s) failed: %s", rid, st.spec.transfer, st.giving_up)
         self.sweep(now)
         return recving, failed
+
+    def _offer_again(self, st: _Recv, live: dict[Part, str], kvs: list[int], now: float) -> bool:
+        """A request whose failed parts were all revoked by their senders (a prefill engine
+        preempted the request and freed its blocks): each such part is expected again under
+        a new epoch and offered again to the prefill engine that took it, which sends it
+        again once it computed the request again; the request goes on waiting, within its
+        deadline. Every block crosses once per epoch: the old epoch's fence came, so none of
+        its writes lands any more. False (nothing changed) when a part failed otherwise."""
+        assert self.rendezvous is not None
+        failed: list[Part] = []
+        for p in live:
+            receiver = self.receivers[p]
+            for kv in kvs:
+                try:
+                    receiver.wait(kv, 0)
+                except TransferTimeoutError:
+                    pass
+                except TransferError:
+                    if not receiver.revoked_by_sender(kv) or self.rendezvous.taker(live[p]) is None:
+                        return False
+                    failed.append(p)
+                    break
+        if not failed:
+            return False
+        spec = st.spec
+        if any(self.receivers[p].landing(kv) for p in failed for kv in kvs):
+            self._look.add(spec.req_id)  # a staged write admitted before the revoke still copies: next step
+            return True
+        for p in failed:
+            receiver = self.receivers[p]
+            for kv in kvs:
+                receiver.release(kv, 0)  # fenced, nothing landing: at once
+            try:
+                epoch = expect_groups(receiver, self.common.groups, spec.kv_id, spec.prompt_len, spec.held_blocks,
+                                      spec.dst_blocks)  # fmt: skip
+            except KvFerryError as err:  # released, never offered again: nothing writes it
+                st.released.add(p)
+                self.rendezvous.withdraw(live[p], f"cannot expect it again: {err}")
+                self._give_up(st, f"its prefill engine preempted it, and it cannot be expected again: {err}", now)
+                self._look.add(spec.req_id)  # released at the next step
+                return True
+            self.rendezvous.republish(live[p], self._destination(spec, epoch))
+            self.tally.add("reoffered_parts", 1)
+            logger.info(
+                "kvferry: decode request %s (transfer %s): its prefill engine revoked %s before all its blocks"
+                " arrived (preempted); offered again under epoch %d",
+                spec.req_id, spec.transfer, live[p], epoch,
+            )  # fmt: skip
+        return True
 
     def _to_look(self, finished_req_ids: set[str], now: float) -> set[str]:
         """The requests this step must look at (see ``__init__``); the others are still

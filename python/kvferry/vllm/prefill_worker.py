@@ -108,6 +108,7 @@ class PrefillWorker:
             BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill", initializer=affinity.pin_current_thread
         )
         self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
+        self._retired: list[_Send] = []  # preempted sends still in their senders (`_retire`)
 
     @property
     def pool(self) -> Any:
@@ -264,11 +265,12 @@ class PrefillWorker:
             try:
                 self._peers[address] = future.result()
             except Exception as err:
-                for st in self._send.values():
+                for st in [*self._send.values(), *self._retired]:
                     if st.address == address and not st.added and st.error is None:
                         self._give_up(st, f"cannot send to the decode server: {err}")
+        self._retire()
         for st in list(self._send.values()):
-            if not st.added and st.error is None and st.address not in self._connecting:
+            if not st.added and st.error is None and st.address not in self._connecting and not self._retiring(st):
                 self._start(st)
 
     def _add_send(self, spec: SendSpec) -> None:
@@ -294,7 +296,8 @@ class PrefillWorker:
             st.address = str(dest["endpoint"])
             st.finishing = spec.finished  # a late send: vLLM finished the request already
             self._send[(spec.req_id, d)] = st
-            self._start(st)
+            if not self._retiring(st):
+                self._start(st)  # else once the preempted send it replaces left (`_adopt`)
 
     def _start(self, st: _Send) -> None:
         """Registers the send with its peer once the connection is up (else it waits,
@@ -363,26 +366,39 @@ class PrefillWorker:
 
     def _preempted(self, rid: str) -> None:
         """vLLM preempted a prefill request: its blocks are free and this step's forward may
-        overwrite them. Its transfer is given up (the decode side is told and fails it), and
-        this waits, before the forward, until no copy reads those blocks any more."""
+        overwrite them. Each of its sends is revoked (its fence tells the decode side, which
+        expects the request again under a new epoch; the scheduler half looks it up again
+        and the request is sent again once computed again) and retired: it leaves the sender
+        once no copy reads those blocks any more. Nothing is waited for before the forward,
+        except with NIXL (below). A send whose connection is still being made wrote nothing:
+        it is added and revoked at once when the connection is up (`_retire`), so its decode
+        rank gets its fence all the same."""
         for st in self._legs(rid):
             self._preempted_leg(rid, st)
+            del self._send[(rid, st.decode_rank)]
+            if st.error is None or st.added:
+                self._retired.append(st)  # (a send that failed before leaves its sender the same way)
+        self._reqs.pop(rid, None)
+        self._bare.pop(rid, None)
 
     def _preempted_leg(self, rid: str, st: _Send) -> None:
         if st.error is not None:
             return
-        reason = "preempted by the prefill engine (its blocks were freed): the transfer is given up"
-        if not st.added or st.peer is None:  # still connecting: nothing was written
-            self._give_up(st, reason)
+        self.tally.add("preempted_resends", 1)
+        if not st.added or st.peer is None:  # connecting: nothing was written; revoked once added
             return
-        st.error = reason
-        logger.error("kvferry: prefill request %s (transfer %s): %s", rid, st.spec.transfer, st.error)
+        logger.info(
+            "kvferry: prefill request %s (transfer %s): preempted by the prefill engine; revoked, sent again once"
+            " computed again",
+            rid,
+            st.spec.transfer,
+        )
         # The revoke takes effect at once (local state): its backlogged writes are dropped,
         # and every copy still queued or running has its notices dropped when it ends,
         # judged after its copy into the ring (or the receiver's pool) finished, so no
         # decode request completes with blocks read after this step's forward overwrote
-        # them; its fence follows those copies, and the decode side frees its blocks only
-        # then. So nothing is waited for, except with a transport whose writes carry their
+        # them; its fence follows those copies, and the decode side expects the request
+        # again (a new epoch) only then. So nothing is waited for, except with a transport whose writes carry their
         # notices (NIXL: the notification leaves with the write, reading the blocks as it
         # goes): there, the writes reading the blocks now, within fence_timeout_s.
         carries = st.peer.sender.transport.carries_notices
@@ -390,11 +406,51 @@ class PrefillWorker:
             try:
                 st.peer.hook.cancel(kv, timeout=self.config.fence_timeout_s if carries else 0.0)
             except TransferTimeoutError as err:
-                # Revoked; its copies' notices are dropped; released by a later step's settle.
+                # Revoked; its copies' notices are dropped; it leaves at a later step (`_retire`).
                 if carries:
                     logger.error("kvferry: %s", err)
             except UnknownRequestError:
                 pass
+
+    def _retire(self) -> None:
+        """The preempted sends whose copies all ended leave their senders (then the request
+        may be added again, under its new epoch). One preempted while its connection was
+        being made is added once it is up, and revoked at once: its fence reaches its decode
+        rank as any preempted send's (a connection that failed gave it up, `_adopt`)."""
+        for st in list(self._retired):
+            if not st.added:
+                if st.error is not None:
+                    self._retired.remove(st)  # its connection failed: given up, the decode side told
+                    continue
+                if st.address in self._connecting:
+                    continue
+                peer = self._ready_peer(st.address, st.pool)
+                if peer is None:
+                    continue
+                try:
+                    add_groups(peer.hook, self.common.groups, st.kv_id, st.spec.prompt_len, st.spec.reused_len,
+                               st.destination)  # fmt: skip
+                except KvFerryError as err:
+                    self._retired.remove(st)
+                    self._give_up(st, f"cannot send to the decode server: {err}")
+                    continue
+                st.peer, st.added = peer, True
+            assert st.peer is not None
+            reading = False
+            for kv in self._kv_ids(st):
+                try:
+                    st.peer.hook.cancel(kv, timeout=0.0)
+                except TransferTimeoutError:
+                    reading = True
+                except (UnknownRequestError, TransferError):
+                    pass  # left already, or its sender failed it (its connection ended)
+            if not reading:
+                self._retired.remove(st)
+
+    def _retiring(self, st: _Send) -> bool:
+        """Whether an earlier, preempted send of the same kvferry request to the same
+        endpoint is still in its sender: the new one waits for it to leave."""
+        return any(old.address == st.address and old.kv_id == st.kv_id for old in self._retired)
 
     def _call(self, st: _Send, fn: Callable[..., Any], *args: Any) -> None:
         if st.error is not None:
@@ -523,7 +579,7 @@ class PrefillWorker:
         self.tally.add("transfers", 1)
 
     def _drop_dead_peers(self) -> None:
-        live = {id(st.peer) for st in self._send.values()}
+        live = {id(st.peer) for st in [*self._send.values(), *self._retired]}
         for peer in list(self._dead):
             if id(peer) not in live:
                 self._dead.remove(peer)

@@ -136,6 +136,22 @@ def _clip(text: str, limit: int) -> str:
     return text.encode()[:limit].decode(errors="ignore")
 
 
+def _check_destination(transfer: str, destination: dict[str, Any]) -> None:
+    """Raises `InvalidDestinationError` for a destination the wire's ``destination`` frame
+    cannot carry (a missing or extra key, a field out of its bounds), naming the field."""
+    keys = set(destination)
+    if keys != DESTINATION_KEYS:
+        raise InvalidDestinationError(
+            f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be "
+            f"{sorted(DESTINATION_KEYS)}"
+            f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
+        )
+    try:  # checked now, not at the lookup: the endpoint is the only field added later
+        wire.encode(Destination(**dict(destination, endpoint="unix:///checked")), RENDEZVOUS)
+    except (InvalidArgumentError, TypeError) as err:
+        raise InvalidDestinationError(f"invalid destination for transfer {transfer!r}: {err}") from None
+
+
 class Alternatives:
     """Names published as alternatives of one another (`Rendezvous.publish` with
     ``among=``): the first lookup that takes one of them chooses its alternative. ``what``
@@ -169,6 +185,8 @@ class Rendezvous:
         alternative_of: Optional[Callable[[str], Hashable]] = None,
         on_offer: Optional[Callable[[str, str, str], Optional[str]]] = None,
         max_connections: int = MAX_CONNECTIONS,
+        family_of: Optional[Callable[[str], str]] = None,
+        not_in_family: Optional[Callable[[str, frozenset[str]], str]] = None,
     ) -> None:
         """``endpoint_for(sender)``: the URL of that prefill engine's endpoint (made on its
         first lookup). ``listen``: ``unix://`` (a socket in a fresh 0700 directory under
@@ -176,6 +194,10 @@ class Rendezvous:
         wildcard bind is reached by. ``admit(sender)``: why a lookup from that prefill
         engine is refused at once (before it waits), or None. ``alternative_of(sender)``: the
         alternative (`Alternatives`) of the names that prefill engine may take.
+        ``family_of(name)``: the transfer a published name is a part of (its prefill rank's
+        part); once a transfer's parts are published, a lookup of a part of it that was not is
+        refused at once, saying ``not_in_family(sender, names published)``, instead of
+        waiting for a publish that will not come.
         ``on_offer(transfer, peer, peer_mac)``: a prefill server's rendezvous takes offers
         (returns why one is refused, or None); without it an offer is refused.
         ``max_connections``: authenticated connections served at once. ``address`` is the URL
@@ -187,6 +209,8 @@ class Rendezvous:
         self._admit = admit
         self._on_offer_cb = on_offer
         self._alternative_of = alternative_of
+        self._family_of = family_of
+        self._not_in_family = not_in_family
         self._authkey = wire.check_authkey(authkey)
         self._endpoint_for = endpoint_for
         where = wire.parse_address(listen, "kv_connector_extra_config listen")
@@ -204,12 +228,15 @@ class Rendezvous:
         self._published: dict[str, dict[str, Any]] = {}
         self._taken: dict[str, str] = {}  # transfer -> the prefill engine that took it
         self._epochs: dict[str, int] = {}  # transfer taken -> its destination's epoch (who may abandon it)
+        self._reserved: dict[str, str] = {}  # transfer offered again (`republish`) -> the only engine that may take it
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._abandoned: dict[str, str] = {}
         self._abandons: deque[str] = deque(maxlen=GONE_KEPT)  # abandoned since the last take_abandoned
         # Each name published among alternatives (until withdrawn): its group and alternative.
         self._among: dict[str, tuple[Alternatives, Hashable]] = {}
         self._choices: deque[str] = deque(maxlen=GONE_KEPT)  # names whose take chose, since the last take_chosen
+        # Each transfer's names published (with family_of), the latest GONE_KEPT transfers.
+        self._families: OrderedDict[str, set[str]] = OrderedDict()
         self._closing = False
         self._stop = threading.Event()  # the accept loop's: set with _closing
         self._admission = guard.Admission()
@@ -230,21 +257,17 @@ class Rendezvous:
         carry (a missing or extra key, a field out of its bounds), naming the field. With
         ``among``: one of ``alternative``'s names; if another alternative was chosen already,
         it is withdrawn at once (never handed out)."""
-        keys = set(destination)
-        if keys != DESTINATION_KEYS:
-            raise InvalidDestinationError(
-                f"invalid destination for transfer {transfer!r}: keys {sorted(keys)}, must be "
-                f"{sorted(DESTINATION_KEYS)}"
-                f" (missing {sorted(DESTINATION_KEYS - keys)}, unknown {sorted(keys - DESTINATION_KEYS)})"
-            )
-        try:  # checked now, not at the lookup: the endpoint is the only field added later
-            wire.encode(Destination(**dict(destination, endpoint="unix:///checked")), RENDEZVOUS)
-        except (InvalidArgumentError, TypeError) as err:
-            raise InvalidDestinationError(f"invalid destination for transfer {transfer!r}: {err}") from None
+        _check_destination(transfer, destination)
         with self._cond:
             if transfer in self._published or transfer in self._taken:
                 raise TransferError(f"transfer {transfer!r} is already expected by another decode request")
             self._gone.pop(transfer, None)
+            if self._family_of is not None:
+                family = self._family_of(transfer)
+                self._families.setdefault(family, set()).add(transfer)
+                self._families.move_to_end(family)
+                while len(self._families) > GONE_KEPT:
+                    self._families.popitem(last=False)
             if among is not None:
                 among.names[transfer] = alternative
                 self._among[transfer] = (among, alternative)
@@ -254,12 +277,29 @@ class Rendezvous:
             self._published[transfer] = destination
             self._cond.notify_all()
 
+    def republish(self, transfer: str, destination: dict[str, Any]) -> None:
+        """Offers a taken transfer again, under ``destination``'s new epoch: its sender revoked
+        it before all its blocks arrived (a prefill engine preempted the request; its fence
+        came, so no write of the old epoch lands any more). Only the prefill engine that took
+        it may take it again: it looks it up once it computes the request again. Raises
+        `TransferError` for a transfer not taken, `InvalidDestinationError` as `publish`."""
+        _check_destination(transfer, destination)
+        with self._cond:
+            taker = self._taken.pop(transfer, None)
+            if taker is None:
+                raise TransferError(f"transfer {transfer!r} is not taken: nothing to offer again")
+            self._epochs.pop(transfer, None)
+            self._reserved[transfer] = taker
+            self._published[transfer] = destination
+            self._cond.notify_all()
+
     def withdraw(self, transfer: str, reason: str) -> None:
         """The transfer ended here (arrived, failed, aborted): a lookup still to come fails."""
         with self._cond:
             self._published.pop(transfer, None)
             self._taken.pop(transfer, None)
             self._epochs.pop(transfer, None)
+            self._reserved.pop(transfer, None)
             self._abandoned.pop(transfer, None)
             among = self._among.pop(transfer, None)
             if among is not None:
@@ -479,18 +519,27 @@ class Rendezvous:
             while True:
                 if transfer in self._abandoned:
                     return refused(f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}")
-                if transfer in self._taken:
+                taker = self._taken.get(transfer)
+                if taker is not None and taker != sender:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
-                if transfer in self._published:
+                # Its own taker looking it up again (it preempted the request and computed it
+                # again) waits for `republish`, once its revoke reached the decode server.
+                if transfer in self._published and taker is None:
+                    if self._reserved.get(transfer, sender) != sender:
+                        return refused(f"transfer {transfer!r} was taken by another prefill engine")
                     why = self._choose(transfer, sender)
                     if why is not None:
                         return refused(f"transfer {transfer!r}: {why}")
                     published = self._published.pop(transfer)
+                    self._reserved.pop(transfer, None)
                     self._taken[transfer] = sender
                     self._epochs[transfer] = int(published["epoch"])
                     break
                 if transfer in self._gone:
                     return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
+                stranger = self._stranger(transfer, sender)
+                if stranger is not None:
+                    return refused(f"transfer {transfer!r}: {stranger}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
                     why = f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
@@ -508,6 +557,18 @@ class Rendezvous:
             return wire.encode(Destination(**dict(published, endpoint=endpoint)), RENDEZVOUS)
         except (InvalidArgumentError, TypeError) as err:
             return self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+
+    def _stranger(self, transfer: str, sender: str) -> Optional[str]:
+        """Under the lock: why a lookup of ``transfer``, not published, will never find it (its
+        transfer's other parts were published, this one was not), or None."""
+        if self._family_of is None:
+            return None
+        names = self._families.get(self._family_of(transfer))
+        if not names or transfer in names:
+            return None
+        if self._not_in_family is None:
+            return f"its decode request published only {sorted(names)}"
+        return self._not_in_family(sender, frozenset(names))
 
     def _choose(self, transfer: str, sender: str) -> Optional[str]:
         """Under the lock, before a lookup from ``sender`` takes the published ``transfer``:

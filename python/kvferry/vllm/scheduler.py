@@ -49,7 +49,7 @@ from kvferry.errors import KvFerryError, TransferError
 from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.transports.guard import RateLimitedLog
-from kvferry.vllm import rendezvous, router, trust
+from kvferry.vllm import redact, rendezvous, router, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 from kvferry.vllm.tally import Tally
@@ -82,6 +82,9 @@ class _Lookup:
     prefill_tp: int = 1  # this engine's tensor parallel size, for the links' names
     prefill_pp: int = 1  # and its pipeline parallel size
     error: Optional[str] = None
+    # A lookup again after a preemption: the epochs the request's first take had (its
+    # abandon names them until this lookup takes the destinations again).
+    previous: Optional[dict[str, int]] = None
     # A router's request (NixlConnector's protocol) whose decode server has not offered yet:
     # when its blocks stop waiting for the offer (set once the prompt is computed).
     offer_deadline: Optional[float] = None
@@ -102,6 +105,7 @@ class _Late:
 @dataclass
 class _Sending:
     spec: SendSpec
+    lookup: _Lookup  # the lookup it came from (a preempted send looks up again)
     emitted: bool = False  # the worker knows it (its SendSpec left in a step's metadata)
     next_start: int = 0  # once emitted: where its next scheduled chunk starts (tokens computed so far)
 
@@ -269,7 +273,7 @@ class SchedulerSide:
             if not found.done.is_set():
                 return 0, False
             del self._computing[rid]
-            self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
+            self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens), found)
             return 0, False
         found = self._lookups.get(rid)
         if found is None:
@@ -293,7 +297,7 @@ class SchedulerSide:
             )
             return 0, False
         del self._lookups[rid]
-        self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens))
+        self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens), found)
         return 0, False
 
     def _start_lookup(self, found: _Lookup) -> None:
@@ -493,7 +497,8 @@ class SchedulerSide:
         self._router_housekeeping()
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._sending and self._sending[rid].emitted:
-                meta.preempted.append(rid)
+                meta.preempted.append(rid)  # its workers revoke its sends before this step's forward
+                self._send_again(rid, self._sending.pop(rid))
         if not self._sending:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -534,6 +539,24 @@ class SchedulerSide:
                 meta.chunks.append(Chunk(rid, start, end, tables))
         return meta
 
+    def _send_again(self, rid: str, sending: _Sending) -> None:
+        """vLLM preempted a prefill request mid-transfer (its blocks freed): its workers
+        revoke the sends, each decode rank expects its part again under a new epoch once the
+        revoke came (`DecodeWorker._offer_again`), and this looks the destinations up again.
+        The request computes again meanwhile, as one computing before its destination: its
+        blocks go once the lookup ended (those computed by then before its next forward, the
+        rest after it; all of them late if it finished first). No request fails for being
+        preempted, and every block crosses once per epoch."""
+        old = sending.lookup
+        again = _Lookup(threading.Event(), old.transfer, old.request, old.params, time.monotonic())
+        again.previous = _taken(None, sending.spec)
+        try:
+            self._start_lookup(again)
+        except KvFerryError as err:  # the same split as the first lookup's: not expected
+            again.error = str(err)
+            again.done.set()
+        self._computing[rid] = again
+
     def _completing(self, scheduler_output: Any) -> list[set[int]]:
         """Each group's blocks that this step's forward completes. vLLM puts a block in its
         prefix cache when it schedules the tokens that fill it, so a request scheduled after
@@ -573,7 +596,7 @@ class SchedulerSide:
             if found.done.is_set():
                 del self._computing[rid]
                 try:
-                    self._sending[rid] = _Sending(self._send_spec(found, 0))
+                    self._sending[rid] = _Sending(self._send_spec(found, 0), found)
                 except KvFerryError as err:
                     self._lost[rid] = str(err)
                     logger.error("kvferry: prefill request %s (transfer %s): %s", rid, found.transfer, err)
@@ -621,7 +644,7 @@ class SchedulerSide:
         self._loaded.discard(rid)
         refused = self._refused.pop(rid, None)
         if refused is not None:
-            return False, {"kvferry": {"error": refused}}
+            return False, {"kvferry": {"error": redact.scrub(refused)}}
         try:
             raw = getattr(request, "kv_transfer_params", None)
             params = parse_router_params(raw, rid) or parse_params(raw)
@@ -653,7 +676,7 @@ class SchedulerSide:
             self._late[rid] = _Late(self.groups.tables(block_ids), computing, None if sending is None else sending.spec)
             return True, {"kvferry": answer}
         if lost is not None:
-            answer["error"] = lost  # its lookup failed while it computed (recorded below)
+            answer["error"] = redact.scrub(lost)  # its lookup failed while it computed (recorded below)
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", lost)])
             return False, {"kvferry": answer}
@@ -664,7 +687,7 @@ class SchedulerSide:
             else:
                 reason = f"prefill request {rid} ended before its first chunk"
             self._tell_abandon(params, reason, _taken(lookup or computing, None if sending is None else sending.spec))
-            answer["error"] = reason
+            answer["error"] = redact.scrub(reason)
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", reason)])
         return False, {"kvferry": answer}
@@ -810,6 +833,8 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
 def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]:
     """The epoch of each name a send's lookup took a destination of (one name without
     tensor parallelism, a leg's each with it); empty when it took none."""
+    if spec is None and found is not None and found.previous and not found.done.is_set():
+        return found.previous  # looking up again after a preemption: the first take's epochs
     legs = spec.legs if spec is not None else found.legs if found is not None else None
     if legs is not None:
         return {leg.transfer: int(leg.destination["epoch"]) for leg in legs}

@@ -25,6 +25,14 @@ COUNTERS = {
     "chunk_bytes": "Bytes sent after the forward of the chunk that computed them.",
     "layer_bytes": "Bytes sent layer group by layer group during the last chunk's forward.",
     "held_blocks": "Prompt blocks not sent because the decode server's prefix cache held them.",
+    "preempted_resends": (
+        "Sends the prefill engine preempted mid-transfer: revoked, then sent again under a new epoch once the"
+        " request was computed again (prefill side, one per decode rank a prefill rank sends to)."
+    ),
+    "reoffered_parts": (
+        "Transfers (one per prefill rank's part) a prefill engine revoked before every block arrived, expected"
+        " again under a new epoch (decode side)."
+    ),
     # Decode side: a refused notice counts once, in one of the two.
     "duplicates_refused": "Notices the decode side refused because their blocks had already arrived.",
     "notices_refused": "Notices the decode side refused for another reason (unknown request, epoch, sender or blocks).",
