@@ -319,6 +319,33 @@ def cli_argv(*command: str, **options: Any) -> list[str]:
 # --- waits and counts ---------------------------------------------------------------------------
 
 
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Event, list[Any]]:
+    """Runs ``call`` on a thread: the event is set once it returned or raised, and the list
+    then holds what it returned or raised."""
+    done, outcome = threading.Event(), []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:  # noqa: BLE001  (the test looks at it)
+            outcome.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, outcome
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples in ``text`` (a /metrics page) whose labels
+    include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def until(predicate: Callable[[], bool], timeout: float = SLACK) -> bool:
     """Waits for a condition the library reaches on another thread with no event a test can
     wait on (a NIXL notification taken in by UCX's progress): ``timeout`` only bounds a hang."""

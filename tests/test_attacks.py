@@ -18,7 +18,17 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from helpers import POOLS, SLACK, assert_nothing_leased, left_in_shm, open_fds, serve, shm_endpoint, until
+from helpers import (
+    POOLS,
+    SLACK,
+    assert_nothing_leased,
+    in_thread,
+    left_in_shm,
+    open_fds,
+    serve,
+    shm_endpoint,
+    until,
+)
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV
 from kvferry.receiver import KVReceiver
@@ -445,23 +455,6 @@ def select_poll(sock: socket.socket) -> Any:
     return poller
 
 
-def _in_thread(call: Any) -> tuple[threading.Event, list[Any]]:
-    """Runs ``call`` on a thread; returns the event set when it returned (or raised) and a
-    list that then holds its result or exception."""
-    done, outcome = threading.Event(), []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as err:  # noqa: BLE001  (the test looks at it)
-            outcome.append(err)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return done, outcome
-
-
 def test_a_sender_that_stops_reading_cannot_hold_up_a_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """A key-holder announces a request, then floods the endpoint with staged frames and
     never reads the answers. Giving the request up (a decode engine's step: `release`) asks
@@ -482,7 +475,7 @@ def test_a_sender_that_stops_reading_cannot_hold_up_a_release(monkeypatch: pytes
         (peer,) = endpoint._peers  # noqa: SLF001
         assert until(lambda: receiver.owns_unfinished(peer.source))
         attacker.flood(endpoint)
-        done, outcome = _in_thread(lambda: receiver.release(7, timeout=0))
+        done, outcome = in_thread(lambda: receiver.release(7, timeout=0))
         assert done.wait(SLACK), "release blocked on a sender that does not read"
         assert isinstance(outcome[0], TransferTimeoutError), outcome  # asked to cancel; no fence yet
         assert until(lambda: any("stopped reading" in str(e) for e in list(endpoint.errors)))
@@ -506,7 +499,7 @@ def test_a_sender_that_stops_reading_cannot_hold_up_a_new_senders_connect() -> N
     try:
         attacker.flood(endpoint)
         url = f"staging+{endpoint.address}"
-        done, outcome = _in_thread(lambda: registry.connect(url, authkey=authkey, handshake_timeout=3))
+        done, outcome = in_thread(lambda: registry.connect(url, authkey=authkey, handshake_timeout=3))
         assert done.wait(SLACK), "connect blocked behind a sender that does not read"
         transport = outcome[0]
         assert not isinstance(transport, BaseException), transport

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
-from helpers import SLACK, until
+from helpers import SLACK, in_thread, until
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.transports import wire
 from kvferry.vllm import rendezvous
@@ -37,23 +36,6 @@ def server() -> Iterator[rendezvous.Rendezvous]:
         yield rdv
     finally:
         rdv.close()
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Event, list[Any]]:
-    """Runs ``call`` on a thread: the event is set once it returned or raised, and the list
-    then holds what it returned or raised."""
-    done, outcome = threading.Event(), []
-
-    def run() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as err:  # noqa: BLE001  (the test looks at it)
-            outcome.append(err)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return done, outcome
 
 
 # -- abandons ----------------------------------------------------------------------------------
@@ -83,7 +65,7 @@ def test_only_the_request_that_took_a_transfer_may_abandon_it(server: rendezvous
 def test_an_abandon_wakes_the_lookup_waiting_for_it(server: rendezvous.Rendezvous) -> None:
     """A lookup waits (up to its hour) for a transfer that is then abandoned: it used to wait
     on, holding its thread and socket on both servers; now it is refused at once."""
-    done, outcome = _in_thread(lambda: rendezvous.lookup(server.address, KEY, "W", 3600, "prefill-a"))
+    done, outcome = in_thread(lambda: rendezvous.lookup(server.address, KEY, "W", 3600, "prefill-a"))
     assert until(lambda: server.connections == 1)  # the lookup is being served (waiting)
     rendezvous.abandon(server.address, KEY, "W", "the prefill request was aborted")
     assert done.wait(SLACK), "the lookup kept waiting after its transfer was abandoned"
@@ -97,7 +79,7 @@ def test_a_revoked_transfer_is_offered_again_to_its_taker_only(server: rendezvou
     P is taken again. Only a taken transfer can be offered again."""
     server.publish("P", DESTINATION)
     assert rendezvous.lookup(server.address, KEY, "P", 5, "prefill-a")["epoch"] == 3
-    done, outcome = _in_thread(lambda: rendezvous.lookup(server.address, KEY, "P", 3600, "prefill-a"))
+    done, outcome = in_thread(lambda: rendezvous.lookup(server.address, KEY, "P", 3600, "prefill-a"))
     assert until(lambda: server.connections == 1)  # its taker's lookup waits
     with pytest.raises(TransferError, match="already taken by another prefill request"):
         rendezvous.lookup(server.address, KEY, "P", 0, "prefill-b")
@@ -124,7 +106,7 @@ def test_the_rendezvous_serves_a_bounded_number_of_connections() -> None:
     answered), and served again once a place is free."""
     rdv = rendezvous.Rendezvous(KEY, lambda sender: "staging+unix:///x", listen="tcp://127.0.0.1:0", max_connections=2)
     try:
-        waiting = [_in_thread(lambda n=n: rendezvous.lookup(rdv.address, KEY, n, 3600, "p")) for n in ("A", "B")]
+        waiting = [in_thread(lambda n=n: rendezvous.lookup(rdv.address, KEY, n, 3600, "p")) for n in ("A", "B")]
         assert until(lambda: rdv.connections == 2)
         with pytest.raises(TransferError, match=r"serves at most 2 connections at once \(max_connections\)"):
             rendezvous.lookup(rdv.address, KEY, "C", 0, "p")

@@ -37,6 +37,9 @@ import pytest
 from kvferry.cli import build_parser
 from kvferry.vllm.config import ConnectorConfig
 
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import metric_total  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "quickstart.md"
 TAGS = ("servers", "turns", "verify", "ab")
@@ -202,14 +205,6 @@ def _answers(text: str) -> list[dict[str, Any]]:
         out.append(answer)
 
 
-def _counter(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[Shell]:
     bin_dir = tmp_path / "bin"
@@ -243,10 +238,10 @@ def test_the_cpu_quickstart_serves_and_checks_out(shell: Shell, tmp_path: Path) 
     assert len(turns) == 2 and all(t["choices"][0]["text"] for t in turns), turns
 
     verify = shell.run(block("verify"), "verify", timeout_s=120)
-    assert _counter(verify, "vllm:kvferry_transfers_total") == 2, verify
-    assert _counter(verify, "vllm:kvferry_held_blocks_total") > 0, verify  # turn 2: turn 1's blocks stayed
-    assert _counter(verify, "vllm:kvferry_failures_total") == 0, verify
-    assert _counter(verify, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0, verify
+    assert metric_total(verify, "vllm:kvferry_transfers_total") == 2, verify
+    assert metric_total(verify, "vllm:kvferry_held_blocks_total") > 0, verify  # turn 2: turn 1's blocks stayed
+    assert metric_total(verify, "vllm:kvferry_failures_total") == 0, verify
+    assert metric_total(verify, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0, verify
     assert "session key" in verify, verify  # kvferry doctor's report (it exited 0)
     assert verify.count("decode   tail_landed   every block arrived") == 2, verify
     assert (shell.work / "kvferry-trace.png").stat().st_size > 0

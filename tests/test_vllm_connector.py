@@ -1335,3 +1335,40 @@ def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     assert side.receiver.released_unfenced == [] and side.rendezvous.withdrawn == []  # type: ignore[attr-defined]
     peers.clear()  # the sender's connection ended
     assert side._release(st, now=601.0) is True and side.receiver.released_unfenced == [7]  # type: ignore[attr-defined]
+
+
+@needs_vllm
+def test_engines_on_backends_that_prefer_other_layouts_agree_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM resolves an engine's KV cache layout from its attention backends' supported
+    layouts (most preferred first) and its connector's required one. A backend that takes
+    any layout, LBNHC first, and one that reads head-major blocks only (LBHNC or BLHNC)
+    resolve to different layouts on their own: a pair kvferry refuses ("layout mismatch").
+    Under KvferryConnector both resolve to LBHNC; with MLA it asks for none."""
+    from types import SimpleNamespace
+
+    from kvferry.vllm.connector import KvferryConnector
+    from vllm.config import KVTransferConfig
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    anywhere = ["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+    head_major = ["LBHNC", "BLHNC"]
+    kvferry = KVTransferConfig(
+        kv_connector="KvferryConnector", kv_role="kv_both", kv_connector_module_path="kvferry.vllm.connector"
+    )
+
+    def resolved(supported: list[str], transfer: Any, mla: bool = False) -> str:
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(kv_cache_layout=None),
+            kv_transfer_config=transfer,
+            model_config=SimpleNamespace(use_mla=mla),
+        )
+        return resolve_kv_cache_layout(config, [supported]).name
+
+    assert (resolved(anywhere, None), resolved(head_major, None)) == ("LBNHC", "LBHNC")
+    assert (resolved(anywhere, kvferry), resolved(head_major, kvferry)) == ("LBHNC", "LBHNC")
+    assert (
+        KvferryConnector.get_required_kvcache_layout(SimpleNamespace(model_config=SimpleNamespace(use_mla=True)))
+        is None
+    )
+    assert resolved(anywhere, kvferry, mla=True) == "LBNHC"  # no preference: the backend's own

@@ -33,6 +33,7 @@ from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: 
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import metric_total  # noqa: E402
 from vllm_harness import wait_until  # noqa: E402
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -132,21 +133,13 @@ def test_next_turn_hits_decode_prefix_cache(servers: tuple[testbed.Server, Testb
     decode = bed.decodes[0]
 
     def hits() -> float:
-        return _counter(decode.metrics(), "vllm:prefix_cache_hits_total")
+        return metric_total(decode.metrics(), "vllm:prefix_cache_hits_total")
 
     before = hits()
     answers = _conversation(bed.url, COMPLETIONS, False, seed=7, turns=2, headers={SESSION_HEADER: "warm"})
     assert all(len(a.token_ids) == 12 for a in answers)
     # Turn 2's prompt starts with turn 1's 200 + 12 tokens: at least 6 full blocks of 32 hit.
     assert hits() - before >= 6 * 32
-
-
-def _counter(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Testbed]) -> None:
@@ -160,7 +153,7 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
         call(bed.url, COMPLETIONS, {"model": "tiny", "prompt": [4] * 40, "max_tokens": 2, "temperature": 0}).status
         == 200
     )
-    finished = _counter(decode.metrics(), "vllm:request_success_total")
+    finished = metric_total(decode.metrics(), "vllm:request_success_total")
     host, port = bed.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     body = {"model": "tiny", "prompt": _tokens(random.Random(3), 300), "max_tokens": 4000, "temperature": 0,
@@ -177,9 +170,10 @@ def test_client_disconnect_mid_stream_frees_kv(servers: tuple[testbed.Server, Te
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     wait_until(
-        lambda: _counter(decode.metrics(), "vllm:num_requests_running") == 0, "the decode server to drop the request"
+        lambda: metric_total(decode.metrics(), "vllm:num_requests_running") == 0,
+        "the decode server to drop the request",
     )
-    assert _counter(decode.metrics(), "vllm:request_success_total") == finished  # aborted, not run to the end
+    assert metric_total(decode.metrics(), "vllm:request_success_total") == finished  # aborted, not run to the end
     wait_until(lambda: _used(bed) == [0, 0], "both servers to hold no KV blocks")
     wait_until(lambda: bed.proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
     # And the proxy still serves.

@@ -456,18 +456,25 @@ def eager_prefill(model: str) -> Any:
     """A prefill engine that computes a request whose destination has not come within
     ``ADMISSION_WAIT_S``; a small pool, requests admitted by their first chunk and growing
     32 tokens a step together (so that concurrent prompts outgrow it and vLLM preempts)."""
-    engine = Engine(
+    engine = _small_prefill(model, ADMISSION_WAIT_S)
+    yield engine
+    engine.close()
+
+
+def _small_prefill(model: str, admission_wait_s: float) -> Engine:
+    """A prefill engine of ``PREFILL_POOL`` blocks admitting requests by their first chunk,
+    32 tokens a step, that computes a request whose destination has not come within
+    ``admission_wait_s``."""
+    return Engine(
         model,
         "kv_producer",
-        {"admission_wait_s": ADMISSION_WAIT_S, "destination_timeout_s": WAIT_S, "transfer_timeout_s": WAIT_S},
+        {"admission_wait_s": admission_wait_s, "destination_timeout_s": WAIT_S, "transfer_timeout_s": WAIT_S},
         kv_cache_memory_bytes=PREFILL_POOL * BLOCK_BYTES,
         max_model_len=512,
         max_num_batched_tokens=96,
         scheduler_reserve_full_isl=False,
         long_prefill_token_threshold=32,
     )
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -569,16 +576,7 @@ def preempting_prefill(model: str) -> Any:
     """``eager_prefill``'s small pool and chunking, but each request waits for its destination
     (``admission_wait_s`` past the test's length): every send is under way from the first
     chunk, so a preemption always comes mid-transfer."""
-    engine = Engine(
-        model,
-        "kv_producer",
-        {"admission_wait_s": WAIT_S - 1, "destination_timeout_s": WAIT_S, "transfer_timeout_s": WAIT_S},
-        kv_cache_memory_bytes=PREFILL_POOL * BLOCK_BYTES,
-        max_model_len=512,
-        max_num_batched_tokens=96,
-        scheduler_reserve_full_isl=False,
-        long_prefill_token_threshold=32,
-    )
+    engine = _small_prefill(model, WAIT_S - 1)
     yield engine
     engine.close()
 

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 __all__ = ["KvferryConnector"]
 
 
+# The KV cache layout this connector asks vLLM for (`KvferryConnector.get_required_kvcache_layout`).
+REQUIRED_LAYOUT = "LBHNC"
+
+
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; each KV cache group of a
     request moves with its own block table (kvferry.groups)."""
@@ -231,6 +235,22 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # A load writes every group this connector moves (each its own table's blocks).
         return tuple(g.index for g in self.groups.groups)
+
+    # -- the KV cache layout -------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        """The layout every KvferryConnector engine asks vLLM for: ``LBHNC`` (a block's heads
+        outermost, so a tensor-parallel head slice is one run per block and layer). vLLM
+        takes it wherever the engine's attention backends support it (the CPU backend
+        supports only it), so a prefill and a decode server on different backends agree;
+        left to their own preferences they could pick different layouts, and kvferry refuses
+        a pair whose layouts differ ("layout mismatch"). None with MLA: one latent head,
+        where the layouts coincide."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return REQUIRED_LAYOUT
 
     # -- stats ---------------------------------------------------------------------------
 
