@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("aiohttp", reason="the proxy needs aiohttp: pip install 'kvferry[proxy]'")
 
 from aiohttp import web  # noqa: E402
-from kvferry.vllm.proxy import KEEPALIVE_S, ProxyThread  # noqa: E402
+from helpers import until  # noqa: E402
+from kvferry.vllm.proxy import KEEPALIVE_S, ClientGuard, ProxyThread  # noqa: E402
 from kvferry.vllm.testbed import call  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
@@ -192,6 +193,88 @@ def test_an_idle_connection_the_upstream_closed_is_retried_on_a_fresh_one(stream
         assert all(s.down_until == 0 for s in px.proxy.router.prefills + px.proxy.router.decodes)
 
 
+HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Le"  # a head never finished
+
+
+def _connect(url: str, source: str = "127.0.0.1") -> socket.socket:
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30, source_address=(source, 0))
+
+
+def _half_head(url: str, source: str) -> socket.socket:
+    """A connection from ``source`` (an address of the loopback's 127/8) that sent part of a
+    request head and stops there, as a slowloris client does."""
+    sock = _connect(url, source)
+    sock.sendall(HALF_HEAD)
+    return sock
+
+
+def _closed_by_proxy(sock: socket.socket) -> bool:
+    """Whether the proxy closed ``sock``: reads what is left of an answer, then waits for the
+    end, at most the socket's timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_one_client_holds_a_bounded_number_of_connections() -> None:
+    """A client at 127.0.0.2 opens half-sent requests, which a client then held until it
+    closed them: at MAX_PER_CLIENT (4 here) its next connection is closed on arrival, while a
+    client at another address is served; once one of its connections ends it may open one
+    again, and be served on it."""
+    guard = ClientGuard(head_s=3600.0, max_per_client=4)
+    with upstreams("prefill", "decode") as (p, d), proxy([p.url], [d.url], guard=guard) as px:
+        held = [_half_head(px.url, "127.0.0.2") for _ in range(4)]
+        extra = _half_head(px.url, "127.0.0.2")
+        assert _closed_by_proxy(extra) and guard.turned_away == 1
+        assert call(px.url, COMPLETIONS, BODY).status == 200  # another address: served
+        held.pop().close()
+        assert until(lambda: guard.per_client["127.0.0.2"] == 3)
+        again = _connect(px.url, "127.0.0.2")
+        body = json.dumps(BODY).encode()
+        again.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                      b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        assert again.recv(12) == b"HTTP/1.1 200"
+        for sock in [*held, extra, again]:
+            sock.close()
+
+
+def test_a_request_head_not_whole_in_time_is_cut_off() -> None:
+    """A half-sent head is closed HEAD_S (here 1 s) after its connection opened, and counted;
+    a kept-alive connection idle past it after its answer too. A whole request is served."""
+    guard = ClientGuard(head_s=1.0, max_per_client=64)
+    with upstreams("prefill", "decode") as (p, d), proxy([p.url], [d.url], guard=guard) as px:
+        slow = _half_head(px.url, "127.0.0.1")
+        assert _closed_by_proxy(slow) and guard.late_heads == 1
+        assert call(px.url, COMPLETIONS, BODY).status == 200
+        kept = _connect(px.url)
+        body = json.dumps(BODY).encode()
+        kept.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        assert kept.recv(12) == b"HTTP/1.1 200"
+        assert _closed_by_proxy(kept) and guard.late_heads == 2  # idle after its answer
+        for sock in (slow, kept):
+            sock.close()
+        with pytest.raises(ValueError, match="max_per_client must be an int >= 1, got 0"):
+            ClientGuard(max_per_client=0)
+
+
+def test_a_body_not_whole_in_time_is_answered_408() -> None:
+    """A whole head announcing a body that never comes whole: 408 once ``body_s`` passed."""
+    with upstreams("prefill", "decode") as (p, d), proxy([p.url], [d.url], body_s=0.5) as px:
+        sock = _connect(px.url)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\"")  # fmt: skip
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"not received whole within 0.5 s" in answer, answer
+        sock.close()
+
+
 def test_idle_connections_are_dropped_before_the_upstreams_keep_alive() -> None:
     """The pool forgets an idle connection well before uvicorn closes it: the retry is for a
     close that crosses a request, not the common case."""
@@ -232,3 +315,11 @@ def test_the_proxy_runs_without_vllm_or_torch() -> None:
         )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"health": 200, "status": 200, "loaded": []}
+
+
+def test_the_cli_defaults_are_the_proxys() -> None:
+    from kvferry.cli import build_parser
+    from kvferry.vllm.proxy import HEAD_S, MAX_PER_CLIENT
+
+    args = build_parser().parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--port", "1"])
+    assert (args.max_client_connections, args.head_timeout) == (MAX_PER_CLIENT, HEAD_S)

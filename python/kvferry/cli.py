@@ -241,6 +241,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s, loopback only)")
     proxy.add_argument("--port", type=_port, required=True, metavar="N", help="port to listen on (required)")
+    proxy.add_argument(
+        "--max-client-connections",
+        type=_positive,
+        default=64,  # kvferry.vllm.proxy.MAX_PER_CLIENT
+        metavar="N",
+        help=(
+            "connections one client address may hold at once; one more is closed on arrival (default %(default)s; "
+            "raise it when a load balancer is the proxy's one client)"
+        ),
+    )
+    proxy.add_argument(
+        "--head-timeout",
+        type=_positive_float,
+        default=10.0,  # kvferry.vllm.proxy.HEAD_S
+        metavar="S",
+        help="seconds a request head has to arrive whole, and an idle connection stays open (default %(default)s)",
+    )
     proxy.set_defaults(func=_cmd_proxy)
 
     doc = sub.add_parser(
@@ -823,7 +840,15 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         ),
         file=sys.stderr,
     )
-    serve(args.prefill, args.decode, host=args.host, port=args.port, connector=args.connector)
+    serve(
+        args.prefill,
+        args.decode,
+        host=args.host,
+        port=args.port,
+        connector=args.connector,
+        max_per_client=args.max_client_connections,
+        head_s=args.head_timeout,
+    )
     return 0
 
 

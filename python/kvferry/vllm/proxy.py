@@ -95,6 +95,14 @@ MAX_EVENT_BYTES = 1 << 20
 KEEPALIVE_S = 2.0
 # Seconds each upstream has to answer its /health when the proxy's /health asks.
 HEALTH_TIMEOUT_S = 2.0
+# A client's request head must arrive whole within HEAD_S of its connection (or of the end
+# of the connection's previous answer: an idle kept-alive connection is closed then), its
+# body within BODY_S; one client address holds at most MAX_PER_CLIENT connections at once
+# (one more is closed on arrival). Without them, half-sent requests held the proxy's every
+# descriptor (a slowloris).
+HEAD_S = 10.0
+BODY_S = 30.0
+MAX_PER_CLIENT = 64
 
 
 class _Refused(Exception):
@@ -508,6 +516,113 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+class ClientGuard:
+    """The proxy's bounds on its clients' connections (`HEAD_S`, `MAX_PER_CLIENT`): counts
+    each address's connections and closes those whose request head is late. Its counts are
+    figures for tests and logs."""
+
+    def __init__(self, head_s: float = HEAD_S, max_per_client: int = MAX_PER_CLIENT) -> None:
+        if not head_s > 0:
+            raise ValueError(f"head_s must be > 0, got {head_s!r}")
+        if isinstance(max_per_client, bool) or not isinstance(max_per_client, int) or max_per_client < 1:
+            raise ValueError(f"max_per_client must be an int >= 1, got {max_per_client!r}")
+        self.head_s, self.max_per_client = head_s, max_per_client
+        self.per_client: collections.Counter[str] = collections.Counter()
+        self.by_transport: dict[Any, _Guarded] = {}
+        self.turned_away = 0  # connections closed on arrival (their address at the bound)
+        self.late_heads = 0  # connections closed for a head not whole in time
+
+    def protocol(self, handler_factory: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for the listening socket: aiohttp's handler behind the bounds."""
+        return lambda: _Guarded(handler_factory(), self)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """A request's head arrived whole: no head deadline while it is served; the next
+        head's starts when its answer ended."""
+        conn = self.by_transport.get(request.transport)
+        if conn is not None:
+            conn.disarm()
+        try:
+            return await handler(request)
+        finally:
+            if conn is not None:
+                conn.arm()
+
+
+class _Guarded(asyncio.Protocol):
+    """One client connection: its aiohttp handler, behind `ClientGuard`'s bounds."""
+
+    def __init__(self, handler: Any, guard: ClientGuard) -> None:
+        self._handler, self._guard = handler, guard
+        self._transport: Any = None
+        self._client = ""
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._admitted = False
+
+    def connection_made(self, transport: Any) -> None:
+        guard = self._guard
+        peer = transport.get_extra_info("peername")
+        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if guard.per_client[self._client] >= guard.max_per_client:
+            guard.turned_away += 1
+            _log.warning(
+                "turned-away",
+                "kvferry proxy: a client at %s already holds %d connections (MAX_PER_CLIENT): one more closed",
+                self._client,
+                guard.max_per_client,
+            )
+            transport.abort()
+            return
+        self._admitted, self._transport = True, transport
+        guard.per_client[self._client] += 1
+        guard.by_transport[transport] = self
+        self.arm()
+        self._handler.connection_made(transport)
+
+    def arm(self) -> None:
+        self.disarm()
+        if self._transport is not None and not self._transport.is_closing():
+            self._timer = asyncio.get_running_loop().call_later(self._guard.head_s, self._late)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self) -> None:
+        self._timer = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._guard.late_heads += 1
+            self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self._admitted:
+            self._handler.data_received(data)
+
+    def eof_received(self) -> Optional[bool]:
+        return self._handler.eof_received() if self._admitted else None
+
+    def pause_writing(self) -> None:
+        if self._admitted:
+            self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._admitted:
+            self._handler.resume_writing()
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        if not self._admitted:
+            return
+        self.disarm()
+        guard = self._guard
+        guard.by_transport.pop(self._transport, None)
+        guard.per_client[self._client] -= 1
+        if guard.per_client[self._client] <= 0:
+            del guard.per_client[self._client]
+        self._handler.connection_lost(exc)
+
+
 class Proxy:
     """The aiohttp application and its upstream client session."""
 
@@ -518,6 +633,8 @@ class Proxy:
         connector: str = "nixl",
         timeout_s: float = 3600.0,
         keepalive_s: float = KEEPALIVE_S,
+        guard: Optional[ClientGuard] = None,
+        body_s: float = BODY_S,
     ) -> None:
         if not prefills:
             raise ValueError(f"prefills must name at least one server, got {list(prefills)!r}")
@@ -539,7 +656,11 @@ class Proxy:
         # the upstream closed before answering.
         self.fresh: Optional[aiohttp.ClientSession] = None
         self.retries = 0  # requests sent again on a fresh connection (a figure for tests)
-        self.app = web.Application()
+        if not body_s > 0:
+            raise ValueError(f"body_s must be > 0, got {body_s!r}")
+        self.body_s = body_s
+        self.guard = guard if guard is not None else ClientGuard()
+        self.app = web.Application(middlewares=[self.guard.middleware])
         for path in ENDPOINTS:
             self.app.router.add_post(path, self.handle)
         self.app.router.add_get("/health", self.health)
@@ -659,7 +780,9 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
+            body = await asyncio.wait_for(request.json(), self.body_s)
+        except asyncio.TimeoutError:
+            return _error(408, f"request body not received whole within {self.body_s:g} s")
         except ValueError as err:
             return _error(400, f"request body is not JSON: {err}")
         if not isinstance(body, dict):
@@ -840,27 +963,54 @@ class Exchange:
             server.in_flight -= 1
 
 
-async def start(proxy: Proxy, host: str, port: int) -> web.AppRunner:
+@dataclass
+class Serving:
+    """A started proxy: its aiohttp runner and its listening server (`start`)."""
+
+    runner: web.AppRunner
+    server: asyncio.Server
+
+    @property
+    def port(self) -> int:
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
+
+
+async def start(proxy: Proxy, host: str, port: int) -> Serving:
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream connection in flight (and vLLM aborts that request).
     runner = web.AppRunner(proxy.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    assert runner.server is not None
+    # Listened on here, not by a web.TCPSite: each connection goes through the proxy's
+    # ClientGuard before aiohttp's handler sees it.
+    server = await asyncio.get_running_loop().create_server(
+        proxy.guard.protocol(runner.server), host, port, reuse_address=True
+    )
+    return Serving(runner, server)
 
 
 def serve(
-    prefills: Sequence[str], decodes: Sequence[str], host: str = "127.0.0.1", port: int = 8000, connector: str = "nixl"
+    prefills: Sequence[str],
+    decodes: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    connector: str = "nixl",
+    max_per_client: int = MAX_PER_CLIENT,
+    head_s: float = HEAD_S,
 ) -> None:
     """Runs the proxy until interrupted."""
-    proxy = Proxy(prefills, decodes, connector)
+    proxy = Proxy(prefills, decodes, connector, guard=ClientGuard(head_s, max_per_client))
 
     async def main() -> None:
-        runner = await start(proxy, host, port)
+        serving = await start(proxy, host, port)
         try:
             await asyncio.Event().wait()
         finally:
-            await runner.cleanup()
+            await serving.cleanup()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
@@ -876,20 +1026,20 @@ class ProxyThread:
         connector: str = "nixl",
         host: str = "127.0.0.1",
         keepalive_s: float = KEEPALIVE_S,
+        guard: Optional[ClientGuard] = None,
+        body_s: float = BODY_S,
     ) -> None:
-        self.proxy = Proxy(prefills, decodes, connector, keepalive_s=keepalive_s)
+        self.proxy = Proxy(prefills, decodes, connector, keepalive_s=keepalive_s, guard=guard, body_s=body_s)
         self.host = host
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvferry-proxy", daemon=True)
-        self._runner: Optional[web.AppRunner] = None
+        self._runner: Optional[Serving] = None
 
     def start(self) -> None:
         self._thread.start()
         self._runner = asyncio.run_coroutine_threadsafe(start(self.proxy, self.host, 0), self._loop).result(30)
-        sockets = [s for site in self._runner.sites for s in (site._server.sockets if site._server else ())]  # type: ignore[attr-defined]
-        port = sockets[0].getsockname()[1]
-        self.url = f"http://{self.host}:{port}"
+        self.url = f"http://{self.host}:{self._runner.port}"
 
     def in_flight(self) -> int:
         r = self.proxy.router
