@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=10.0,  # kvferry.vllm.proxy.HEAD_S
         metavar="S",
-        help="seconds a request head has to arrive whole, and an idle connection stays open (default %(default)s)",
+        help="seconds a request head has to arrive whole (default %(default)s)",
     )
     proxy.set_defaults(func=_cmd_proxy)
 

@@ -95,13 +95,14 @@ MAX_EVENT_BYTES = 1 << 20
 KEEPALIVE_S = 2.0
 # Seconds each upstream has to answer its /health when the proxy's /health asks.
 HEALTH_TIMEOUT_S = 2.0
-# A client's request head must arrive whole within HEAD_S of its connection (or of the end
-# of the connection's previous answer: an idle kept-alive connection is closed then), its
-# body within BODY_S; one client address holds at most MAX_PER_CLIENT connections at once
-# (one more is closed on arrival). Without them, half-sent requests held the proxy's every
-# descriptor (a slowloris).
+# A client's request head must arrive whole within HEAD_S of its connection (or of its first
+# byte, on a kept-alive connection), its body within BODY_S; a kept-alive connection idle for
+# IDLE_S after an answer is closed (aiohttp's own keep-alive); one client address holds at most
+# MAX_PER_CLIENT connections at once (one more is closed on arrival). Without them,
+# half-sent requests held the proxy's every descriptor (a slowloris).
 HEAD_S = 10.0
 BODY_S = 30.0
+IDLE_S = 75.0
 MAX_PER_CLIENT = 64
 
 
@@ -521,16 +522,18 @@ class ClientGuard:
     each address's connections and closes those whose request head is late. Its counts are
     figures for tests and logs."""
 
-    def __init__(self, head_s: float = HEAD_S, max_per_client: int = MAX_PER_CLIENT) -> None:
-        if not head_s > 0:
-            raise ValueError(f"head_s must be > 0, got {head_s!r}")
+    def __init__(self, head_s: float = HEAD_S, max_per_client: int = MAX_PER_CLIENT, idle_s: float = IDLE_S) -> None:
+        for name, value in (("head_s", head_s), ("idle_s", idle_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         if isinstance(max_per_client, bool) or not isinstance(max_per_client, int) or max_per_client < 1:
             raise ValueError(f"max_per_client must be an int >= 1, got {max_per_client!r}")
-        self.head_s, self.max_per_client = head_s, max_per_client
+        self.head_s, self.max_per_client, self.idle_s = head_s, max_per_client, idle_s
         self.per_client: collections.Counter[str] = collections.Counter()
         self.by_transport: dict[Any, _Guarded] = {}
         self.turned_away = 0  # connections closed on arrival (their address at the bound)
         self.late_heads = 0  # connections closed for a head not whole in time
+        self.idle_closed = 0  # kept-alive connections closed for idling past idle_s
 
     def protocol(self, handler_factory: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for the listening socket: aiohttp's handler behind the bounds."""
@@ -538,8 +541,8 @@ class ClientGuard:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
-        """A request's head arrived whole: no head deadline while it is served; the next
-        head's starts when its answer ended."""
+        """A request's head arrived whole: no deadline while it is served; once its answer
+        ended, the connection may idle for idle_s."""
         conn = self.by_transport.get(request.transport)
         if conn is not None:
             conn.disarm()
@@ -547,7 +550,7 @@ class ClientGuard:
             return await handler(request)
         finally:
             if conn is not None:
-                conn.arm()
+                conn.arm(idle=True)
 
 
 class _Guarded(asyncio.Protocol):
@@ -558,6 +561,7 @@ class _Guarded(asyncio.Protocol):
         self._transport: Any = None
         self._client = ""
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._idle = False  # the timer is the idle one (no byte of a next head yet)
         self._admitted = False
 
     def connection_made(self, transport: Any) -> None:
@@ -580,10 +584,13 @@ class _Guarded(asyncio.Protocol):
         self.arm()
         self._handler.connection_made(transport)
 
-    def arm(self) -> None:
+    def arm(self, idle: bool = False) -> None:
+        """Starts the head deadline, or with ``idle`` the kept-alive one."""
         self.disarm()
         if self._transport is not None and not self._transport.is_closing():
-            self._timer = asyncio.get_running_loop().call_later(self._guard.head_s, self._late)
+            self._idle = idle
+            wait = self._guard.idle_s if idle else self._guard.head_s
+            self._timer = asyncio.get_running_loop().call_later(wait, self._late)
 
     def disarm(self) -> None:
         if self._timer is not None:
@@ -593,11 +600,16 @@ class _Guarded(asyncio.Protocol):
     def _late(self) -> None:
         self._timer = None
         if self._transport is not None and not self._transport.is_closing():
-            self._guard.late_heads += 1
+            if self._idle:
+                self._guard.idle_closed += 1
+            else:
+                self._guard.late_heads += 1
             self._transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._admitted:
+            if self._idle and self._timer is not None:
+                self.arm()  # a next head began: it has head_s to arrive whole
             self._handler.data_received(data)
 
     def eof_received(self) -> Optional[bool]:
