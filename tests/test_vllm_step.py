@@ -228,6 +228,20 @@ def test_decode_results_wait_only_on_requests_that_changed(decode: Any) -> None:
     assert decode.results(set()) == (set(), set()) and set(decode._recv) == {s.req_id for s in specs[3:]}
 
 
+def test_a_decode_step_does_not_wait_for_an_endpoint_being_made(decode: Any) -> None:
+    """A lookup making a prefill engine's endpoint holds the endpoints' lock (with NIXL, for
+    the whole pool's registration); a decode step then sweeps nothing and returns, where it
+    used to wait for the lock on the engine thread. The next step sweeps."""
+    from helpers import SLACK, in_thread
+
+    decode._endpoint_for("gone-engine")  # an endpoint no sender ever connected to
+    with decode._endpoints_lock:  # another engine's endpoint being made
+        done, outcome = in_thread(lambda: (decode.results(set()), decode.sweep(float("inf"))))
+        assert done.wait(SLACK), "the decode step waited for the endpoint being made"
+    assert outcome == [((set(), set()), [])]  # nothing swept meanwhile
+    assert decode.sweep(float("inf")) == ["gone-engine"]  # the lock free again: swept
+
+
 def test_duplicates_and_other_refusals_count_apart(decode: Any) -> None:
     """vllm:kvferry_duplicates_refused counts notices for blocks that had arrived, only;
     every other refusal (here: a notice for blocks outside the prompt) counts in

@@ -335,11 +335,15 @@ class DecodeWorker:
 
     def sweep(self, now: float) -> list[str]:
         """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);
-        returns their senders' names."""
+        returns their senders' names. Runs on the engine thread each step, so it never waits
+        for the endpoints' lock: while a lookup holds it to make an endpoint (NIXL registers
+        the whole pool then, which takes a while), this step sweeps nothing; the next does."""
         assert self.rendezvous is not None
         gone: list[registry.Served] = []
         names: list[str] = []
-        with self._endpoints_lock:
+        if not self._endpoints_lock.acquire(blocking=False):
+            return names
+        try:
             # Under the lock: a lookup that takes a destination after this reads the endpoint
             # table after this sweep (it finds its endpoint gone and makes a new one).
             busy = self.rendezvous.takers()
@@ -349,6 +353,8 @@ class DecodeWorker:
                 del self.endpoints[sender], self._made[sender]
                 gone.append(served)
                 names.append(sender)
+        finally:
+            self._endpoints_lock.release()
         for sender, served in zip(names, gone):
             served.close()
             logger.info("kvferry: closed the endpoint %s of prefill engine %s (gone)", served.url, sender)
