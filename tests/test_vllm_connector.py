@@ -996,6 +996,9 @@ def test_rendezvous_hands_a_destination_to_one_lookup_only(tmp_path: Any, listen
         assert got == dict(_published(1), endpoint="/staging/P1")  # that prefill engine's own endpoint
         assert server.taker("T") == "P1"
         with pytest.raises(TransferError, match="already taken"):
+            rendezvous.lookup(server.address, key, "T", 0, "P2")
+        # Its taker asking again (it preempted the request) waits for the decode side to offer it again.
+        with pytest.raises(TransferError, match="this prefill engine took it, and its decode server did not offer"):
             rendezvous.lookup(server.address, key, "T", 0, "P1")
         with pytest.raises(TransferError, match="already expected"):
             server.publish("T", _published(2))

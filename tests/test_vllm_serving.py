@@ -15,6 +15,7 @@ for its destination; every engine command here is bounded by `Engine.result`'s t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -759,6 +760,42 @@ def test_no_destination_within_the_bound_releases_and_abandons(half: Any) -> Non
     assert (rid, named) == ("p3", transfer) and "no decode request expected it within 0.5 s" in why, why
     assert rdv.abandoned(transfer) == "no destination within its 0.5 s wait"
     assert not side.has_pending()
+
+
+def test_a_lookup_that_takes_its_destination_after_its_request_ended_gives_it_back(
+    half: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request ends while its lookup waits; its abandon (naming no epoch) is held back
+    until the decode side published and the lookup took the destination (forced), so the
+    rendezvous refuses it (a taken transfer is abandoned by its taker only). The lookup then
+    gives the destination back under its epoch: the decode side sees the transfer abandoned
+    at once. (Before, the decode request waited its whole transfer_timeout_s.)"""
+    import threading
+
+    from kvferry.vllm import scheduler
+
+    side, rdv, manager, mac = half
+    side.config = dataclasses.replace(side.config, admission_wait_s=30.0)  # the request waits for its lookup
+    gate = threading.Event()
+    real = scheduler._tell_abandon
+
+    def held(targets: Any, authkey: bytes, reason: str) -> None:
+        if any(epoch == 0 for _, _, epoch in targets):
+            assert gate.wait(30)
+        real(targets, authkey, reason)
+
+    monkeypatch.setattr(scheduler, "_tell_abandon", held)
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex
+    req = Request("p5", prompt, _send_params(rdv, mac, transfer))
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # waits for its destination
+    req.status = Status("FINISHED_ABORTED")
+    delay, answer = side.request_finished(req, [])
+    assert delay is False and "ended before its first chunk" in answer["kvferry"]["error"]
+    publish(rdv, transfer, prompt)  # the lookup, still waiting, takes it
+    wait_until(lambda: rdv.taker(transfer) is not None, "the lookup to take the destination", 30)
+    wait_until(lambda: rdv.abandoned(transfer) is not None, "the lookup to give it back", 30)
+    assert "ended before its first chunk" in rdv.abandoned(transfer)
+    gate.set()
 
 
 def test_an_aborted_request_computing_before_its_destination_is_freed_at_once(half: Any) -> None:

@@ -541,6 +541,11 @@ class Rendezvous:
                 if stranger is not None:
                     return refused(f"transfer {transfer!r}: {stranger}")
                 left = deadline - time.monotonic()
+                if (left <= 0 or self._closing) and taker is not None:
+                    return refused(
+                        f"transfer {transfer!r}: this prefill engine took it, and its decode server did not offer it"
+                        f" again within {wait:g} s"
+                    )
                 if left <= 0 or self._closing:
                     why = f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
                     if not self._closing:

@@ -85,6 +85,9 @@ class _Lookup:
     # A lookup again after a preemption: the epochs the request's first take had (its
     # abandon names them until this lookup takes the destinations again).
     previous: Optional[dict[str, int]] = None
+    # The request ended before it used this lookup: why. A lookup still waiting then gives
+    # back what it takes (`_give_back`): the request's own abandon went out before it took.
+    ended: Optional[str] = None
     # A router's request (NixlConnector's protocol) whose decode server has not offered yet:
     # when its blocks stop waiting for the offer (set once the prompt is computed).
     offer_deadline: Optional[float] = None
@@ -686,7 +689,10 @@ class SchedulerSide:
                 reason = f"prefill request {rid} ended ({request.status.name.lower()}) before its destination came"
             else:
                 reason = f"prefill request {rid} ended before its first chunk"
-            self._tell_abandon(params, reason, _taken(lookup or computing, None if sending is None else sending.spec))
+            found = lookup or computing
+            if found is not None:
+                found.ended = reason  # before reading what it took: see _give_back
+            self._tell_abandon(params, reason, _taken(found, None if sending is None else sending.spec))
             answer["error"] = redact.scrub(reason)
             assert params.transfer is not None
             self.record([Outcome(params.transfer, "failed", reason)])
@@ -828,6 +834,23 @@ def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s
         found.error = repr(err)
     finally:
         found.done.set()
+        if found.ended is not None:
+            _give_back(found, peer, authkey, found.ended)
+
+
+def _give_back(found: _Lookup, peer: str, authkey: bytes, reason: str) -> None:
+    """A lookup that took destinations after its request ended (the request's own abandon,
+    naming no epoch, went out before and is refused for a taken transfer) abandons them under
+    their epochs, so the decode request fails at once instead of waiting for blocks. The
+    request's end sets ``found.ended`` before it reads what the lookup took, so one of the
+    two abandons names the epoch."""
+    if found.legs is not None:
+        targets = [(leg.rendezvous, leg.transfer, int(leg.destination["epoch"])) for leg in found.legs]
+    elif found.destination:
+        targets = [(peer, found.transfer, int(found.destination["epoch"]))]
+    else:
+        return
+    _tell_abandon(targets, authkey, reason)
 
 
 def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]:
