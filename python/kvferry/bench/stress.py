@@ -1,4 +1,4 @@
-"""``kvferry bench vllm --stress``: KvferryConnector under serving load (issue 19). Many
+"""``kvferry bench vllm --stress``: KvferryConnector under serving load. Many
 concurrent multi-turn sessions stream through ``kvferry proxy`` onto one prefill and one
 decode vLLM server whose KV pools are small (so vLLM preempts on both sides), and some
 clients hang up mid-stream.

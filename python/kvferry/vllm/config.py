@@ -438,7 +438,7 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
 
     SHA-256 of the ids as little-endian int64, in one C-speed pass: both schedulers run it for
     each new request on their own thread, where a loop over a 128k-token prompt in Python took
-    ~19 ms and stalled every running decode (issue 22). `InvalidArgumentError` for an id that
+    ~19 ms and stalled every running decode. `InvalidArgumentError` for an id that
     is not an int64."""
     try:
         ids = array.array("q", token_ids)
