@@ -398,9 +398,10 @@ class PrefillWorker:
         # judged after its copy into the ring (or the receiver's pool) finished, so no
         # decode request completes with blocks read after this step's forward overwrote
         # them; its fence follows those copies, and the decode side expects the request
-        # again (a new epoch) only then. So nothing is waited for, except with a transport whose writes carry their
-        # notices (NIXL: the notification leaves with the write, reading the blocks as it
-        # goes): there, the writes reading the blocks now, within fence_timeout_s.
+        # again (a new epoch) only then. So nothing is waited for, except with a transport
+        # whose writes carry their notices (NIXL: the notification leaves with the write,
+        # reading the blocks as it goes): there, the writes reading the blocks now, within
+        # fence_timeout_s.
         carries = st.peer.sender.transport.carries_notices
         for kv in self._kv_ids(st):
             try:
@@ -435,17 +436,27 @@ class PrefillWorker:
                     self._give_up(st, f"cannot send to the decode server: {err}")
                     continue
                 st.peer, st.added = peer, True
-            assert st.peer is not None
-            reading = False
-            for kv in self._kv_ids(st):
-                try:
-                    st.peer.hook.cancel(kv, timeout=0.0)
-                except TransferTimeoutError:
-                    reading = True
-                except (UnknownRequestError, TransferError):
-                    pass  # left already, or its sender failed it (its connection ended)
+            try:
+                reading = self._still_reading(st)
+            except TransferError:  # its sender lost its peer: nothing reads its blocks any more
+                reading = False
             if not reading:
                 self._retired.remove(st)
+
+    def _still_reading(self, st: _Send) -> bool:
+        """Cancels each of an added send's kvferry requests in its sender (no wait); whether
+        a copy still reads its blocks (call again at a later step). A request cancelled by an
+        earlier call, or never added, is passed over."""
+        assert st.peer is not None
+        reading = False
+        for kv in self._kv_ids(st):
+            try:
+                st.peer.hook.cancel(kv, timeout=0.0)
+            except TransferTimeoutError:
+                reading = True
+            except UnknownRequestError:
+                pass
+        return reading
 
     def _retiring(self, st: _Send) -> bool:
         """Whether an earlier, preempted send of the same kvferry request to the same
@@ -536,16 +547,8 @@ class PrefillWorker:
         if st.error is None and not all(sender.book.is_complete(kv) for kv in kvs):
             st.error = "the prefill request ended before all its blocks were sent (aborted)"
         if st.error is not None:
-            reading = False
-            for kv in kvs:
-                try:
-                    hook.cancel(kv, timeout=0.0)
-                except TransferTimeoutError:
-                    reading = True  # a copy still reads its blocks: next step
-                except UnknownRequestError:
-                    pass  # cancelled by an earlier step's call, or never added
-            if reading:
-                return False
+            if self._still_reading(st):
+                return False  # a copy still reads its blocks: next step
             self.tally.add("failed_transfers", 1)
             logger.warning(
                 "kvferry: prefill request %s (transfer %s) released without completing: %s",

@@ -562,7 +562,6 @@ class _Guarded(asyncio.Protocol):
         self._client = ""
         self._timer: Optional[asyncio.TimerHandle] = None
         self._idle = False  # the timer is the idle one (no byte of a next head yet)
-        self._admitted = False
 
     def connection_made(self, transport: Any) -> None:
         guard = self._guard
@@ -578,7 +577,7 @@ class _Guarded(asyncio.Protocol):
             )
             transport.abort()
             return
-        self._admitted, self._transport = True, transport
+        self._transport = transport  # admitted: set only here
         guard.per_client[self._client] += 1
         guard.by_transport[transport] = self
         self.arm()
@@ -607,24 +606,24 @@ class _Guarded(asyncio.Protocol):
             self._transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        if self._admitted:
+        if self._transport is not None:
             if self._idle and self._timer is not None:
                 self.arm()  # a next head began: it has head_s to arrive whole
             self._handler.data_received(data)
 
     def eof_received(self) -> Optional[bool]:
-        return self._handler.eof_received() if self._admitted else None
+        return self._handler.eof_received() if self._transport is not None else None
 
     def pause_writing(self) -> None:
-        if self._admitted:
+        if self._transport is not None:
             self._handler.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._admitted:
+        if self._transport is not None:
             self._handler.resume_writing()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
-        if not self._admitted:
+        if self._transport is None:  # turned away: aiohttp's handler never saw it
             return
         self.disarm()
         guard = self._guard

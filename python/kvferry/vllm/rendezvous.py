@@ -524,7 +524,7 @@ class Rendezvous:
                     return refused(f"transfer {transfer!r} was already taken by another prefill request")
                 # Its own taker looking it up again (it preempted the request and computed it
                 # again) waits for `republish`, once its revoke reached the decode server.
-                if transfer in self._published and taker is None:
+                if transfer in self._published:  # (never both published and taken)
                     if self._reserved.get(transfer, sender) != sender:
                         return refused(f"transfer {transfer!r} was taken by another prefill engine")
                     why = self._choose(transfer, sender)

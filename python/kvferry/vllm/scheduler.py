@@ -844,13 +844,10 @@ def _give_back(found: _Lookup, peer: str, authkey: bytes, reason: str) -> None:
     their epochs, so the decode request fails at once instead of waiting for blocks. The
     request's end sets ``found.ended`` before it reads what the lookup took, so one of the
     two abandons names the epoch."""
-    if found.legs is not None:
-        targets = [(leg.rendezvous, leg.transfer, int(leg.destination["epoch"])) for leg in found.legs]
-    elif found.destination:
-        targets = [(peer, found.transfer, int(found.destination["epoch"]))]
-    else:
-        return
-    _tell_abandon(targets, authkey, reason)
+    taken = _taken(found, None)
+    where = {leg.transfer: leg.rendezvous for leg in found.legs} if found.legs is not None else {found.transfer: peer}
+    if taken:
+        _tell_abandon([(where[name], name, epoch) for name, epoch in taken.items()], authkey, reason)
 
 
 def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]:
