@@ -579,6 +579,36 @@ def test_a_part_revoked_by_its_preempted_sender_is_offered_again(decode_p2: Any)
     assert all(len(r) == 0 for r in worker.receivers.values())
 
 
+def test_a_part_whose_other_group_failed_otherwise_is_not_offered_again(decode_p2: Any) -> None:
+    """A part of several KV cache groups: its first group's request was revoked by its sender,
+    its second failed otherwise (here: refused). The request is not offered again (it gives
+    up); before, the first revoked group decided for the whole part."""
+    from kvferry.errors import TransferError
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.metadata import KvferryMetadata
+
+    worker = decode_p2
+    worker.bind(KvferryMetadata(recvs=[_recv_spec("g", 45, "G")]))
+    for p in (0, 1):
+        rendezvous.lookup(worker.rendezvous.address, KEY, f"G@p{p}of2", 5, f"eng@p{p}of2")
+
+    class TwoGroups:  # receiver (2, 0) as two groups' requests 45 and 46 stand
+        def wait(self, kv: int, timeout: float) -> None:
+            raise TransferError(f"request {kv} failed")
+
+        def revoked_by_sender(self, kv: int) -> bool:
+            return kv == 45  # 46 failed for another reason
+
+    real = worker.receivers[(2, 0)]
+    worker.receivers[(2, 0)] = TwoGroups()
+    try:
+        st = worker._recv["g"]
+        assert worker._offer_again(st, st.live(), [45, 46], 0.0) is False
+        assert worker.rendezvous.taker("G@p0of2") == "eng@p0of2"  # nothing offered again
+    finally:
+        worker.receivers[(2, 0)] = real
+
+
 def test_an_abandoned_part_fails_the_request_and_frees_every_part(decode_p2: Any) -> None:
     """Prefill rank 1 gives its part up before writing; rank 0 had taken its part: the request
     fails, rank 1's part is freed at once, rank 0's at its sender's fence."""

@@ -531,18 +531,20 @@ class DecodeWorker:
         its writes lands any more. False (nothing changed) when a part failed otherwise."""
         assert self.rendezvous is not None
         failed: list[Part] = []
-        for p in live:
+        for p, name in live.items():
             receiver = self.receivers[p]
-            for kv in kvs:
+            revoked = False
+            for kv in kvs:  # every group: one that failed otherwise fails the request
                 try:
                     receiver.wait(kv, 0)
                 except TransferTimeoutError:
                     pass
                 except TransferError:
-                    if not receiver.revoked_by_sender(kv) or self.rendezvous.taker(live[p]) is None:
+                    if not receiver.revoked_by_sender(kv) or self.rendezvous.taker(name) is None:
                         return False
-                    failed.append(p)
-                    break
+                    revoked = True
+            if revoked:
+                failed.append(p)
         if not failed:
             return False
         spec = st.spec
