@@ -509,9 +509,10 @@ def test_saturated_decode_prefill_computes_at_once_and_sends_late(
     """The decode engine is full (one running request, ``max_num_seqs`` 1) and stopped, so
     the second request's destination cannot come: the prefill engine computes it anyway
     after ``admission_wait_s`` and finishes it while the decode side is still full (it
-    waited for the destination until ``destination_timeout_s`` and then failed before),
-    keeps its blocks, and sends the whole prompt once the decode engine admits the request;
-    the output is a plain engine's and no block stays allocated."""
+    waited for the destination until ``destination_timeout_s`` and then failed before).
+    Its blocks park in host memory (kvferry.vllm.park): vLLM frees them while the decode
+    engine is still stopped, and the whole prompt goes from the host copy once the decode
+    engine admits the request; the output is a plain engine's and no block stays allocated."""
     prefill, decode = eager_prefill, one_seq_decode
     hello = hello_of(decode)
     prompt, transfer = prompt_of(200, 61), uuid.uuid4().hex
@@ -519,10 +520,13 @@ def test_saturated_decode_prefill_computes_at_once_and_sends_late(
     p = prefill.run([("p-late", prompt, 1, send(hello, transfer))], until=("p-late", "finished_length_capped"))
     assert p.get("stopped_at") and p["outputs"]["p-late"]["finish_reason"] == "length", p
     assert p["outputs"]["p-late"]["kv_transfer_params"] == {"kvferry": {"op": "send", "transfer": transfer}}
-    assert prefill.call("usage") == {"used": 7, "requests": 1}  # its 7 blocks wait for the destination
+    assert prefill.call("usage") == {"used": 7, "requests": 1}  # its 7 blocks wait to be parked
+    assert prefill.run([], until=("p-late", None)).get("stopped_at")  # copied out, then freed by vLLM
+    assert prefill.call("usage") == {"used": 0, "requests": 0}  # the decode engine is still stopped
+    assert prefill.call("totals")["counts"]["parked_prompts"] == 1
     # (no status asked here: a one-token request on the prefill engine would step until the
-    # held request ended, as vLLM steps while a finished request keeps its blocks)
-    prefill.start("run", [], None, None)  # steps while its finished request holds blocks
+    # parked prompt's send ended, as vLLM steps while the connector has a send to make)
+    prefill.start("run", [], None, None)  # steps while the parked prompt waits for its destination
     got = decode.run([])["outputs"]  # the busy request ends, the queued one is admitted
     sent = prefill.result(timeout=WAIT_S + 30)
     want = plain.run([("r-late", prompt, 6, None)])["outputs"]["r-late"]
@@ -718,6 +722,55 @@ def test_destination_after_the_prompt_computed_goes_as_one_late_send(half: Any) 
     assert spec.destination["dst_blocks"] == [100, 101, 102]
     assert [(c.req_id, c.start, c.end, c.src_blocks) for c in meta.chunks] == [("p1", 0, 10, [[7, 8, 9]])]
     assert not side.has_pending() and side.build_connector_meta(step({})).sends == []  # sent once
+
+
+def test_a_late_prompt_parks_in_host_blocks_and_its_late_send_reads_them(half: Any) -> None:
+    """With a host pool (kvferry.vllm.park), a prompt computed before its destination parks:
+    the next step's metadata tells the workers to copy its blocks into host blocks (they
+    report it finished_sending once copied, so vLLM frees its pool blocks), its late send's
+    chunk names those host blocks in the combined id space (pool size + host id), and its
+    host blocks come back once every worker reported it done. A prompt with no room left
+    in the host pool holds its blocks in vLLM's pool, as without one."""
+    _, rdv, manager, mac = half
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide(
+        ConnectorConfig(admission_wait_s=0.0),
+        block_size=4,
+        role="kv_producer",
+        engine_id="prefill-engine",
+        kv_cache_manager_getter=lambda: manager,
+        authkey=b"a" * 32,  # the half fixture's
+        park_blocks=5,
+        num_blocks=40,
+    )
+    prompt, transfer = list(range(1, 11)), uuid.uuid4().hex  # 3 blocks of 4
+    other, transfer2 = list(range(20, 30)), uuid.uuid4().hex
+    reqs = [
+        Request("k1", prompt, _send_params(rdv, mac, transfer)),
+        Request("k2", other, _send_params(rdv, mac, transfer2)),
+    ]
+    for req, table in zip(reqs, ([7, 8, 9], [4, 5, 6])):
+        manager.tables[req.request_id] = table
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        req.status = Status("FINISHED_LENGTH_CAPPED")
+        assert side.request_finished(req, table)[0] is True  # vLLM delays the free (until copied)
+    meta = side.build_connector_meta(step({}))
+    assert meta.parks == [("k1", [7, 8, 9], [0, 1, 2])]  # k2 found 2 host blocks free of its 3: it holds
+    assert side.has_pending()
+    publish(rdv, transfer, prompt)
+    publish(rdv, transfer2, other)
+    for late in side._late.values():
+        assert late.lookup is not None and late.lookup.done.wait(30)
+    meta = side.build_connector_meta(step({}))
+    chunks = {c.req_id: c.src_blocks for c in meta.chunks}
+    assert chunks == {"k1": [[40, 41, 42]], "k2": [[4, 5, 6]]}
+    assert {s.req_id for s in meta.sends} == {"k1", "k2"} and all(s.finished for s in meta.sends)
+    assert side._park.free == 2 and side.has_pending()  # until its worker reports it done
+    side.unparked(["k1"])
+    assert side._park.free == 5 and not side.has_pending()
+    assert side._park.take(5) == [0, 1, 2, 3, 4]  # every host block back, lowest first
 
 
 def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:

@@ -27,6 +27,7 @@ from kvferry.errors import InvalidArgumentError
 from kvferry.groups import GroupSet, groups_of
 from kvferry.vllm.config import ConnectorConfig
 from kvferry.vllm.metadata import Handshake, KvferryMetadata, KvferryWorkerMeta
+from kvferry.vllm.park import park_blocks
 from kvferry.vllm.scheduler import SchedulerSide
 from kvferry.vllm.stats import KvferryPromMetrics, KvferryStats
 from kvferry.vllm.worker import WorkerCommon
@@ -95,6 +96,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
             layers = model.get_total_num_hidden_layers()
             prefill_stages = [get_pp_indices(layers, s, prefill_pp) for s in range(prefill_pp)]
+        # Host blocks for late prompts (kvferry.vllm.park): both halves size the pool alike.
+        park = (
+            0
+            if kv_role == "kv_consumer"
+            else park_blocks(self.config.late_host_bytes, kv_cache_config, len(self.groups))
+        )
         self._sched: Optional[SchedulerSide] = None
         self._half: Optional[WorkerHalf] = None
         self._worker: Optional[WorkerCommon] = None
@@ -112,6 +119,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 mla=mla,
                 groups=self.groups,
                 pp_size=pp_size,
+                park_blocks=park,
+                num_blocks=kv_cache_config.num_blocks,
             )
         else:
             tp_rank = pp_rank = 0
@@ -136,6 +145,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_rank=pp_rank,
                 pp_size=pp_size,
                 prefill_stages=prefill_stages,
+                park_blocks=park,
             )
             self._half = WorkerHalf(self._worker, kv_role)
         # The roles' workers (tests and tools read them): None on the scheduler side.
@@ -221,6 +231,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvferryWorkerMeta):
             self._sched.record(meta.outcomes)
+            self._sched.unparked(meta.unparked)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while a prompt waits for its destination after vLLM freed its
+        # request (parked in host memory: kvferry.vllm.park): its late send, or its release
+        # at destination_timeout_s, leaves from a step.
+        return self._sched is not None and self._sched.has_pending()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         assert self._sched is not None

@@ -174,6 +174,10 @@ class KvferryMetadata(KVConnectorMetadata):
     # (req_id, transfer, why). The worker reports them finished_sending (vLLM frees the
     # blocks) and how they ended.
     releases: list[tuple[str, str, str]] = field(default_factory=list)
+    # Finished prefill requests whose blocks park in host memory until their destination
+    # comes (kvferry.vllm.park): (req_id, its block table, the host blocks it takes). Each
+    # worker copies them and reports the request finished_sending once copied.
+    parks: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -208,7 +212,10 @@ class KvferryWorkerMeta(KVConnectorWorkerMetadata):
     reasons come back this way)."""
 
     outcomes: list[Outcome] = field(default_factory=list)
+    # Parked requests whose late send ended (or was released) on this worker: their host
+    # blocks are free once every worker reported them (kvferry.vllm.park).
+    unparked: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvferryWorkerMeta)
-        return KvferryWorkerMeta(self.outcomes + other.outcomes)
+        return KvferryWorkerMeta(self.outcomes + other.outcomes, self.unparked + other.unparked)

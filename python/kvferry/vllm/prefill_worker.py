@@ -40,9 +40,11 @@ from kvferry.groups import add_groups
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
+from kvferry.tiers import tiered_source
 from kvferry.transports import registry
 from kvferry.vllm import rendezvous
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
+from kvferry.vllm.park import park_pool
 from kvferry.vllm.worker import WorkerCommon
 
 logger = logging.getLogger("kvferry.vllm")
@@ -74,6 +76,7 @@ class _Send:
     rendezvous: str  # its decode rank's rendezvous
     address: str = ""  # its decode endpoint
     decode_rank: int = 0
+    heads: Optional[tuple[int, int]] = None  # the link's head slice of this rank's pool (None: whole)
     added: bool = False  # registered with its peer's hook (its connection is up)
     # Until then (the connection being made): its latest block table and the chunks whose
     # forward ran, sent in order once it is added (`_start`).
@@ -85,6 +88,22 @@ class _Send:
     forward_done: Optional[float] = None  # when the last chunk's forward ended
     first_forward_done: Optional[float] = None  # when the first chunk's forward ended (early writes landed by then?)
     writes: list[tuple[str, float, float, int]] = field(default_factory=list)  # kind, submitted, finished, bytes
+
+
+@dataclass
+class _Parked:
+    """A late prompt copied into the host pool (kvferry.vllm.park): vLLM frees its blocks
+    once the copy completed (``reported``); its host blocks go back once its late send ended
+    or it was released (``done``) and the copy completed."""
+
+    host: list[int]
+    copied: Any = None  # a CUDA event recorded after the copy; None: copied already (CPU)
+    ordered: set[int] = field(default_factory=set)  # senders whose copies wait on ``copied`` (`order_after`)
+    reported: bool = False
+    done: bool = False
+
+    def complete(self) -> bool:
+        return self.copied is None or bool(self.copied.query())
 
 
 class PrefillWorker:
@@ -109,10 +128,30 @@ class PrefillWorker:
         )
         self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
         self._retired: list[_Send] = []  # preempted sends still in their senders (`_retire`)
+        # Late prompts in host memory (kvferry.vllm.park): the pool, as the copies address it
+        # (a CUDA view of its pinned memory on CUDA), and the requests parked there.
+        self._park: Optional[PagedKV] = None
+        self._park_view: Optional[PagedKV] = None
+        self._parked: dict[str, _Parked] = {}
 
     @property
     def pool(self) -> Any:
         return self.common.pool
+
+    def start(self) -> None:
+        """Once vLLM registered its KV cache: the host pool late prompts park in, when the
+        scheduler half sizes one (allocated now, page-locked on CUDA, not on a step)."""
+        n = self.common.park_blocks
+        if n <= 0 or self.pool is None:
+            return
+        self._park = park_pool(self.common.views, n, self.block_size, pinned=self.pool.device.type == "cuda")
+        self._park_view = tiered_source(self.pool, self._park).host_view
+
+    def _host_pool(self, heads: Optional[tuple[int, int]]) -> Optional[PagedKV]:
+        """The host pool as a link with ``heads`` reads it (None: the whole pool)."""
+        if self._park is None:
+            return None
+        return self._park if heads is None else self._park.heads(*heads)
 
     def _legs(self, rid: str) -> list[_Send]:
         return [self._send[key] for key in self._reqs.get(rid, ()) if key in self._send]
@@ -127,6 +166,8 @@ class PrefillWorker:
     def bind(self, meta: KvferryMetadata) -> None:
         self._adopt()
         self._released.extend(meta.releases)
+        for rid, table, host in meta.parks:
+            self._park_blocks(rid, table, host)
         for send in meta.sends:
             self._add_send(send)
         self._chunks = []
@@ -181,7 +222,7 @@ class PrefillWorker:
         sending: set[str] = set()
         for rid, transfer, why in self._released:  # nothing was sent: vLLM may free the blocks
             self.common.ended("prefill", transfer, rid, "failed", why)
-            sending.add(rid)
+            self._let_go(rid, sending)
         self._released = []
         for rid in finished_req_ids:
             for st in self._legs(rid):
@@ -203,17 +244,69 @@ class PrefillWorker:
                     del self._send[(rid, st.decode_rank)]
                     if not self._legs(rid):  # every link of this rank settled
                         del self._reqs[rid]
-                        sending.add(rid)
+                        self._let_go(rid, sending)
         for rid, finished in list(self._bare.items()):
             if finished:  # nothing of it leaves this rank: its blocks are vLLM's again
                 del self._bare[rid], self._reqs[rid]
-                sending.add(rid)
+                self._let_go(rid, sending)
         self._drop_dead_peers()
+        self._settle_parked(sending)
         return sending
+
+    # -- parking (kvferry.vllm.park) -----------------------------------------------------
+
+    def _park_blocks(self, rid: str, table: list[int], host: list[int]) -> None:
+        """Copies a late prompt's blocks ``table`` into host blocks ``host`` (the scheduler
+        half chose them); vLLM frees its blocks once the copy completed (`_settle_parked`).
+        On CUDA the copy runs on a side stream after what the engine's stream queued (the
+        forward that computed them), so nothing here waits."""
+        assert self.pool is not None and self._park_view is not None
+        from kvferry.copy import copy_blocks
+
+        parked = _Parked(list(host))
+        if self.pool.device.type == "cuda":
+            side = self._side_stream()
+            side.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(side):
+                copy_blocks(self.pool, self._park_view, table, host)
+                parked.copied = torch.cuda.Event()
+                parked.copied.record(side)
+        else:
+            copy_blocks(self.pool, self._park_view, table, host)
+        self._parked[rid] = parked
+        self.tally.add("parked_prompts", 1)
+
+    def _side_stream(self) -> Any:
+        stream = self.__dict__.get("_stream")
+        if stream is None:
+            stream = self.__dict__["_stream"] = torch.cuda.Stream(self.pool.device)
+        return stream
+
+    def _let_go(self, rid: str, sending: set[str]) -> None:
+        """A finished request's transfer ended on this rank: vLLM may free its blocks, or, for
+        a parked one (whose blocks vLLM freed once parked), its host blocks may go back."""
+        parked = self._parked.get(rid)
+        if parked is None:
+            sending.add(rid)
+        else:
+            parked.done = True
+
+    def _settle_parked(self, sending: set[str]) -> None:
+        """Parked requests whose copy completed: finished_sending once (vLLM frees the
+        blocks), then, once their late send ended too, given back to the scheduler half."""
+        for rid, parked in list(self._parked.items()):
+            if not parked.complete():
+                continue
+            if not parked.reported:
+                parked.reported = True
+                sending.add(rid)
+            if parked.done:
+                del self._parked[rid]
+                self.common.unparked.append(rid)
 
     # -- sends ---------------------------------------------------------------------------
 
-    def _ready_peer(self, address: str, pool: PagedKV) -> Optional[_Peer]:
+    def _ready_peer(self, address: str, pool: PagedKV, heads: Optional[tuple[int, int]] = None) -> Optional[_Peer]:
         """The live peer at ``address``, or None while a connection to it is being made
         (started here, on a background thread, when there is none: never on this thread)."""
         peer = self._peers.get(address)
@@ -228,15 +321,16 @@ class PrefillWorker:
                 logger.info("kvferry: reconnecting to %s: %s", address, err)
                 self._dead.append(self._peers.pop(address))
         if address not in self._connecting:
-            self._connecting[address] = self._bg.submit(self._connect, address, pool)
+            self._connecting[address] = self._bg.submit(self._connect, address, pool, self._host_pool(heads))
         return None
 
-    def _connect(self, address: str, pool: PagedKV) -> _Peer:
+    def _connect(self, address: str, pool: PagedKV, host: Optional[PagedKV] = None) -> _Peer:
         """On a background thread: the connection (TCP or Unix connect, handshake, hello)
         and its sender, over ``pool`` (an endpoint serves one decode rank's one link, so
-        every send through it moves the same heads)."""
+        every send through it moves the same heads) and ``host``, the same heads of the host
+        pool late prompts park in."""
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport = registry.connect(address, authkey=self.authkey, src=pool)
+            transport = registry.connect(address, authkey=self.authkey, src=pool, host_src=host)
         try:
             sender = KVSender(
                 pool,
@@ -245,6 +339,7 @@ class PrefillWorker:
                 timeout=self.config.transfer_timeout_s,
                 record=True,
                 progress=True,
+                host_pool=host,
                 layer_groups=self.config.layer_groups,
                 # With transfer cores, writes start on them (the announcer's), not on the
                 # engine's; else the sender's default (NIXL over CUDA caches hands them off).
@@ -278,21 +373,22 @@ class PrefillWorker:
         the one destination."""
         blocks = math.ceil(spec.prompt_len / self.block_size)
         assert self.pool is not None
+        legs: list[tuple[int, dict[str, Any], Optional[tuple[int, int]], str, str]]
         if spec.legs is None:
-            legs = [(0, spec.destination, self.pool, spec.transfer, spec.peer)]
+            legs = [(0, spec.destination, None, spec.transfer, spec.peer)]
         else:
             legs = [
-                (leg.decode_rank, leg.destination, self.common.link_pool(leg.src_heads, leg.whole), leg.transfer,
-                 leg.rendezvous)
+                (leg.decode_rank, leg.destination, None if leg.whole else leg.src_heads, leg.transfer, leg.rendezvous)
                 for leg in spec.legs
                 if leg.prefill_rank == self.common.rank  # vLLM's global rank: stage * tp + tp rank
-            ]  # fmt: skip
+            ]
         self._reqs[spec.req_id] = [(spec.req_id, d) for d, *_ in legs]
         if not legs:
             self._bare[spec.req_id] = spec.finished  # a late send: vLLM finished the request already
-        for d, dest, pool, transfer, rendezvous_address in legs:
+        for d, dest, heads, transfer, rendezvous_address in legs:
+            pool = self.pool if heads is None else self.common.link_pool(heads, False)
             st = _Send(spec, int(dest["request_id"]), None, blocks, dest, pool, transfer, rendezvous_address)
-            st.decode_rank = d
+            st.decode_rank, st.heads = d, heads
             st.address = str(dest["endpoint"])
             st.finishing = spec.finished  # a late send: vLLM finished the request already
             self._send[(spec.req_id, d)] = st
@@ -304,7 +400,7 @@ class PrefillWorker:
         keeping its chunks), then issues what its chunks so far call for."""
         spec, dest = st.spec, st.destination
         try:
-            peer = self._ready_peer(st.address, st.pool)
+            peer = self._ready_peer(st.address, st.pool, st.heads)
             if peer is None:
                 return  # connecting: its sends wait until the connection is up
             st.peer = peer
@@ -327,6 +423,16 @@ class PrefillWorker:
         peer = st.peer
         assert peer is not None and st.added
         kvs = self._kv_ids(st)
+        parked = self._parked.get(st.spec.req_id)
+        if (
+            parked is not None
+            and st.src_blocks is not None
+            and id(peer) not in parked.ordered
+            and not parked.complete()
+        ):
+            # Its late send reads the host copy the side stream is still writing.
+            parked.ordered.add(id(peer))
+            self._call(st, peer.sender.order_after, [b for table in st.src_blocks for b in table], parked.copied)
         if st.src_blocks is not None:
             for kv, table in zip(kvs, st.src_blocks):
                 self._call(st, peer.hook.update_src_blocks, kv, table[: st.blocks])
@@ -425,7 +531,7 @@ class PrefillWorker:
                     continue
                 if st.address in self._connecting:
                     continue
-                peer = self._ready_peer(st.address, st.pool)
+                peer = self._ready_peer(st.address, st.pool, st.heads)
                 if peer is None:
                     continue
                 try:

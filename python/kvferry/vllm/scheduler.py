@@ -52,6 +52,7 @@ from kvferry.transports.guard import RateLimitedLog
 from kvferry.vllm import redact, rendezvous, router, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
+from kvferry.vllm.park import ParkBook
 from kvferry.vllm.tally import Tally
 
 logger = logging.getLogger("kvferry.vllm")
@@ -103,6 +104,7 @@ class _Late:
     block_ids: list[list[int]]  # one table per KV cache group moved
     lookup: Optional[_Lookup]  # still looking
     spec: Optional[SendSpec] = None  # the destination came, not sent yet
+    host: Optional[list[int]] = None  # parked: its blocks are in these host blocks (kvferry.vllm.park)
 
 
 @dataclass
@@ -128,6 +130,8 @@ class SchedulerSide:
         mla: bool = False,
         groups: Optional[GroupSet] = None,
         pp_size: int = 1,
+        park_blocks: int = 0,
+        num_blocks: int = 0,
     ) -> None:
         self.config = config
         # This engine's tensor parallel size and its model's KV heads: with a decode server's
@@ -152,6 +156,12 @@ class SchedulerSide:
         self._computing: dict[str, _Lookup] = {}
         self._sending: dict[str, _Sending] = {}
         self._late: dict[str, _Late] = {}  # finished prefill requests whose blocks wait for a destination
+        # Late prompts park in a host pool of each worker (kvferry.vllm.park): its free blocks,
+        # the engine's pool size (a host block h is source block num_blocks + h), and each
+        # parked request's host blocks with the workers yet to report it done.
+        self._park = ParkBook(park_blocks)
+        self._num_blocks = num_blocks
+        self._parked: dict[str, tuple[list[int], int]] = {}
         self._lost: dict[str, str] = {}  # computing prefill requests whose lookup failed: why
         self._receiving: dict[str, str] = {}  # req_id -> transfer
         # Requests whose one load was handed to the worker (a RecvSpec, or a refusal reported
@@ -633,7 +643,8 @@ class SchedulerSide:
             spec = late.spec
             spec.reused_len, spec.finished = 0, True
             meta.sends.append(spec)
-            meta.chunks.append(Chunk(rid, 0, spec.prompt_len, late.block_ids))
+            tables = late.block_ids if late.host is None else [[self._num_blocks + h for h in late.host]]
+            meta.chunks.append(Chunk(rid, 0, spec.prompt_len, tables))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """vLLM without its hybrid KV cache manager: one group, one table."""
@@ -676,7 +687,9 @@ class SchedulerSide:
         if computed and (sending is not None or computing is not None):
             # Its whole prompt is computed, its destination not used yet: the blocks wait
             # for it (build_connector_meta sends them late, or releases them).
-            self._late[rid] = _Late(self.groups.tables(block_ids), computing, None if sending is None else sending.spec)
+            self._late_wait(
+                request, _Late(self.groups.tables(block_ids), computing, None if sending is None else sending.spec)
+            )
             return True, {"kvferry": answer}
         if lost is not None:
             answer["error"] = redact.scrub(lost)  # its lookup failed while it computed (recorded below)
@@ -720,7 +733,9 @@ class SchedulerSide:
                 # Still no offer, the usual case when the router sends the decode leg once this
                 # answer reached it: the blocks wait for it, at most destination_timeout_s.
                 found.offer_deadline = time.monotonic() + self.config.destination_timeout_s
-            self._late[rid] = _Late(self.groups.tables(block_ids), found, None if sending is None else sending.spec)
+            self._late_wait(
+                request, _Late(self.groups.tables(block_ids), found, None if sending is None else sending.spec)
+            )
             return True, answer
         if found is not None:
             self._book.drop(key, found)
@@ -734,6 +749,33 @@ class SchedulerSide:
             self._tell_abandon(RequestParams("send", key, peer), reason, taken)
         self.record([Outcome(key, "failed", reason)])
         return False, answer
+
+    def _late_wait(self, request: Any, late: _Late) -> None:
+        """A prefill request computed its prompt before its destination came: its blocks wait
+        for it, parked in the workers' host pool when it has room (vLLM then frees them once
+        copied: kvferry.vllm.park), else in vLLM's pool."""
+        rid = request.request_id
+        self._late[rid] = late
+        if late.spec is not None or len(late.block_ids) != 1:
+            return  # its destination came already (it leaves at the next step), or several groups
+        n = math.ceil(request.num_prompt_tokens / self.block_size)
+        host = self._park.take(n)
+        if host is None:
+            return
+        late.host = host
+        self._parked[rid] = (host, self.tp_size * self.pp_size)  # every worker reports it done
+        self._meta.parks.append((rid, late.block_ids[0][:n], host))
+
+    def unparked(self, rids: list[str]) -> None:
+        """Parked requests a worker is done with (their late send ended or was released):
+        their host blocks go back once every worker reported them."""
+        for rid in rids:
+            host, left = self._parked[rid]
+            if left > 1:
+                self._parked[rid] = (host, left - 1)
+            else:
+                del self._parked[rid]
+                self._park.give(host)
 
     def _hello(self) -> dict[str, Any]:
         # The sizes: a proxy passes a prefill server's to its decode requests (prefill_tp), so
@@ -782,7 +824,7 @@ class SchedulerSide:
         self._book.close()
 
     def has_pending(self) -> bool:
-        return bool(self._lookups or self._computing or self._late)
+        return bool(self._lookups or self._computing or self._late or self._parked)
 
 
 def _capped(asked: Optional[float], bound: float) -> float:

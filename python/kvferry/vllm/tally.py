@@ -33,6 +33,10 @@ COUNTERS = {
         "Transfers (one per prefill rank's part) a prefill engine revoked before every block arrived, expected"
         " again under a new epoch (decode side)."
     ),
+    "parked_prompts": (
+        "Prompts computed before their destination whose blocks were copied into host memory, so that vLLM's"
+        " pool freed them at once; their late send reads the copy (prefill side, one per rank)."
+    ),
     # Decode side: a refused notice counts once, in one of the two.
     "duplicates_refused": "Notices the decode side refused because their blocks had already arrived.",
     "notices_refused": "Notices the decode side refused for another reason (unknown request, epoch, sender or blocks).",

@@ -57,8 +57,12 @@ class WorkerCommon:
         pp_rank: int = 0,
         pp_size: int = 1,
         prefill_stages: Optional[Sequence[tuple[int, int]]] = None,
+        park_blocks: int = 0,
     ) -> None:
         self.config = config
+        # Prefill side: the host pool's size for late prompts, in blocks (kvferry.vllm.park;
+        # the scheduler half sizes it the same way and decides what parks where). 0: none.
+        self.park_blocks = park_blocks
         # This worker's tensor-parallel rank and size, the model's KV heads (all ranks) and
         # whether it is MLA (one latent head on every rank): which heads it holds, and with
         # the other side's size, which links it sends or receives on (kvferry.ranks).
@@ -82,11 +86,13 @@ class WorkerCommon:
         self.engine = secrets.token_hex(8)  # this engine process's id (a restart gets a new one)
         self.trace = Tracer(config.trace, engine=self.engine)  # one JSON line per stage, when on
         self.pool: Optional[PagedKV] = None
+        self.views: tuple[torch.Tensor, ...] = ()  # vLLM's per-layer views the pool reads
         self.layer_of: dict[str, int] = {}
         self.tally = Tally()
         # How transfers ended since the last step's report (both roles), for the scheduler
         # half's ``status`` answers.
         self._outcomes: list[Outcome] = []
+        self.unparked: list[str] = []  # parked requests this worker is done with (kvferry.vllm.park)
         # Requests the scheduler half refused: reported as failed loads at the next results.
         self._fail_next: dict[str, tuple[Optional[str], str]] = {}  # req_id -> (transfer, reason)
 
@@ -99,7 +105,7 @@ class WorkerCommon:
         # With several KV cache groups their layers overlay one another: one per region.
         names, self.layer_of = pool_layers(kv_caches, self.groups.groups, layer_index)
         self.layer_ids = [layer_index(n) for n in names]
-        tensors = tuple(kv_caches[n] for n in names)
+        tensors = self.views = tuple(kv_caches[n] for n in names)
         try:
             self.pool = paged_kv_from_views(tensors, num_blocks=self.num_blocks, tokens_per_block=self.block_size)
         except InvalidArgumentError as err:
@@ -167,7 +173,8 @@ class WorkerCommon:
     def outcomes(self) -> Optional[KvferryWorkerMeta]:
         """The transfers settled since the last call (vLLM hands them to the scheduler half
         with this step's output), or ``None``."""
-        if not self._outcomes:
+        if not self._outcomes and not self.unparked:
             return None
-        meta, self._outcomes = KvferryWorkerMeta(self._outcomes), []
+        meta = KvferryWorkerMeta(self._outcomes, self.unparked)
+        self._outcomes, self.unparked = [], []
         return meta

@@ -40,6 +40,8 @@ class WorkerHalf:
 
     def register(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
         self.common.register_kv_caches(kv_caches, layer_index)
+        if self.prefill is not None:
+            self.prefill.start()  # the host pool late prompts park in, when there is one
         if self.decode is not None:
             self.decode.start()
 
