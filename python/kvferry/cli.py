@@ -623,6 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--stress: concurrent multi-turn sessions (default: %(default)s)",
     )
+    vllm.add_argument(
+        "--stress-late-host-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="--stress: the prefill server's late_host_bytes (default: its own; 0: prompts computed before their"
+        " destination keep their blocks in the prefill pool)",
+    )
     vllm.set_defaults(func=_cmd_bench_vllm)
 
     fanout = bench.add_parser(
@@ -884,7 +892,10 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
         from kvferry.bench.stress import StressConfig, format_stress, run_stress
 
         stressed = run_stress(
-            StressConfig(sessions=args.stress_sessions, workdir=args.workdir), progress=progress_to_stderr
+            StressConfig(
+                sessions=args.stress_sessions, workdir=args.workdir, late_host_bytes=args.stress_late_host_bytes
+            ),
+            progress=progress_to_stderr,
         )
         print(format_stress(stressed))
         if args.json:

@@ -54,6 +54,9 @@ class StressConfig:
     drain_s: float = 120.0  # both servers must hold nothing this long after the last turn
     seed: int = 0
     workdir: Optional[str] = None
+    # The prefill server's late_host_bytes (docs/vllm.md): None its default; 0 turns parking
+    # off (the A/B: late prompts then hold their blocks in the prefill pool).
+    late_host_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         from kvferry.errors import InvalidArgumentError
@@ -210,7 +213,9 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
     bed = Testbed(
         model,
         work,
-        kvferry_config("kv_producer"),
+        kvferry_config(
+            "kv_producer", **({} if cfg.late_host_bytes is None else {"late_host_bytes": cfg.late_host_bytes})
+        ),
         kvferry_config("kv_consumer"),
         engine=engine(cfg.prefill_blocks),
         decode_engine=engine(cfg.decode_blocks),
@@ -239,6 +244,7 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
             time.sleep(0.5)  # a polling interval, bounded by drain_s: the metrics decide
         leaks = {s.name: s.kv_blocks()[0] for s in bed.servers()}
         preemptions = {s.name: _counter(s.metrics(), "vllm:num_preemptions_total") for s in bed.servers()}
+        parked = sum(_counter(s.metrics(), "vllm:kvferry_parked_prompts_total") for s in bed.servers())
         still = _stream(bed.url, [7] * 90, 4, None, cfg.request_timeout_s)
     done = [t for t in turns if t.outcome == "done"]
     progress(f"checking {len(done)} completed turns against a plain server")
@@ -271,6 +277,7 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
         "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
         "mismatches": mismatches,
         "preemptions": preemptions,
+        "parked_prompts": parked,
         "leaked_blocks": leaks,
         "serves_after": still_ok,
         "wall_s": wall,
@@ -282,7 +289,8 @@ def format_stress(result: dict[str, Any]) -> str:
     lines = [
         f"kvferry bench vllm --stress: {cfg['sessions']} sessions x {cfg['turns']} turns, "
         f"{cfg['output']} output tokens, pools {cfg['prefill_blocks']}/{cfg['decode_blocks']} blocks (prefill/decode), "
-        f"hang-ups {cfg['hangup']:.0%}",
+        f"hang-ups {cfg['hangup']:.0%}"
+        + ("" if cfg.get("late_host_bytes") is None else f", prefill late_host_bytes {cfg['late_host_bytes']}"),
         f"turns {result['turns']}: completed {result['completed']}, hung up {result['hung_up']}, "
         f"failed {sum(result['failed'].values())}",
     ]
@@ -293,6 +301,7 @@ def format_stress(result: dict[str, Any]) -> str:
         lines.append(f"TTFT p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms (completed turns, through the proxy)")
     lines.append(f"outputs differing from a plain server: {result['mismatches']}")
     lines.append("preemptions: " + ", ".join(f"{k} {v:.0f}" for k, v in result["preemptions"].items()))
+    lines.append(f"prompts parked in host memory (computed before their destination): {result['parked_prompts']:.0f}")
     lines.append(
         "blocks held after the drain (leaks): " + ", ".join(f"{k} {v}" for k, v in result["leaked_blocks"].items())
     )
