@@ -21,6 +21,7 @@ import multiprocessing as mp
 import secrets
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -687,3 +688,26 @@ def test_cuda_fused_copy_runs_the_triton_kernel_on_strided_pools() -> None:
     a = register(vllm_views("BHLNC", *ATTN, torch.bfloat16, "cuda", poison))
     b = register(vllm_views("LBHNC", *ATTN, torch.bfloat16, "cuda", poison))
     assert _triton_copy.supports(a, b) and _triton_copy.supports(b, a)
+
+
+@pytest.mark.cuda
+def test_a_cuda_copy_tells_its_waiter_when_done_in_stream_order() -> None:
+    """`Pending.when_done` on a CUDA copy: the engine's event thread calls each callback
+    once its copy finished (the announcer then posts without polling), in submission order,
+    and the copied bytes are there when it does."""
+    src = vllm_views("LBHNC", *ATTN, torch.bfloat16, "cuda", random_bytes(3))
+    dst = vllm_views("LBHNC", *ATTN, torch.bfloat16, "cuda", poison)
+    want = reference(src, dst)
+    engine = CudaCopyEngine(torch.device("cuda"))
+    told: list[int] = []
+    done = [threading.Event() for _ in range(3)]
+    try:
+        pendings = [engine.submit(register(src), register(dst), SRC_IDS, DST_IDS) for _ in done]
+        for i, (pending, event) in enumerate(zip(pendings, done)):
+            assert pending.when_done(lambda i=i, event=event: (told.append(i), event.set()))
+        for event in done:
+            assert event.wait(30)
+        assert told == [0, 1, 2] and all(p.done() for p in pendings)
+    finally:
+        engine.close()
+    assert_bytes_equal(dst.raw, want)

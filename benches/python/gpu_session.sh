@@ -41,7 +41,8 @@ if [ "${1:-tests}" = tests ]; then
   # Each test file with its own limit and a per-test timeout (pytest-timeout is in the image),
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
-      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py}; do
+      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py \
+      tests/test_park.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12

@@ -238,16 +238,66 @@ class _FailedPending(Pending):
         return self._error
 
 
+class _EventWaiter:
+    """Tells callers when a CUDA copy finished, without polling: one thread per copy engine
+    sleeps in ``cudaEventSynchronize`` on each completion event it was asked about (the
+    events are blocking-sync ones, so the thread sleeps instead of spinning a core), in the
+    order they were asked, which is their stream's order, and calls the callbacks. A
+    sender's announcer then posts a small write's notices microseconds after its copy, not
+    at its next look (every ``PROGRESS_SECONDS``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._queue: deque[tuple[torch.cuda.Event, Callable[[], None]]] = deque()
+        self._thread: Optional[threading.Thread] = None
+        self._closing = False
+
+    def watch(self, event: torch.cuda.Event, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            self._queue.append((event, callback))
+            if self._thread is None:
+                self._thread = affinity.Thread(target=self._run, name="kvferry-cuda-events", daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                event, callback = self._queue.popleft()
+            event.synchronize()  # releases the GIL; sleeps (blocking-sync event)
+            callback()
+
+    def close(self) -> None:
+        """The thread ends once the events asked about so far completed (never joined: a
+        copy that never ends must not hang the caller's close)."""
+        with self._lock:
+            self._closing = True
+            self._ready.notify()
+
+
 class _EventPending(Pending):
     def __init__(
         self,
         event: torch.cuda.Event,
         started: Optional[torch.cuda.Event] = None,
         clock: Optional[tuple[torch.cuda.Event, float]] = None,
+        waiter: Optional[_EventWaiter] = None,
     ) -> None:
         self._event = event
         self._started = started
         self._clock = clock
+        self._waiter = waiter
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        return self._waiter is not None and self._waiter.watch(self._event, callback)
 
     def interval(self) -> Optional[tuple[float, float]]:
         if self._started is None or self._clock is None or not self._event.query():
@@ -297,6 +347,7 @@ class CudaCopyEngine(CopyEngine):
         self._deferred: deque[_Deferred] = deque()
         self._launcher: Optional[threading.Thread] = None
         self._closing = threading.Event()
+        self._waiter = _EventWaiter()
 
     def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
         events = [s for s in after if isinstance(s, torch.cuda.Event)]
@@ -325,12 +376,12 @@ class CudaCopyEngine(CopyEngine):
         for event in waits:
             self.stream.wait_event(event)  # no host sync: the stream waits
         started = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True, blocking=True)  # `_EventWaiter` sleeps on it
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             started.record()
             work()
             done.record()
-        return _EventPending(done, started, self._clock)
+        return _EventPending(done, started, self._clock, self._waiter)
 
     def _launch_deferred(self) -> None:
         """The launcher thread: waits for the oldest deferred job's host signals (without the
@@ -366,6 +417,7 @@ class CudaCopyEngine(CopyEngine):
         if launcher is not None:
             launcher.join()
         self.stream.synchronize()
+        self._waiter.close()
 
 
 class _Deferred:
