@@ -391,7 +391,15 @@ def _connect_cuda_ipc(
 ) -> Transport:
     from kvferry.transports.cuda_ipc import CudaIpcTransport
 
-    return CudaIpcTransport(address, authkey=authkey, **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS))
+    # The handles are mapped on the GPU the sender's pool (so its copies) lives on (a CUDA
+    # tensor's device always names its index).
+    device = src.device.index if src is not None and src.device.type == "cuda" else None
+    return CudaIpcTransport(
+        address,
+        authkey=authkey,
+        device=device,
+        **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS),
+    )
 
 
 def _connect_staging(

@@ -40,8 +40,7 @@ from kvferry.groups import add_groups
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
-from kvferry.transports import registry
-from kvferry.vllm import rendezvous
+from kvferry.vllm import paths, rendezvous
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.worker import WorkerCommon
 
@@ -59,6 +58,7 @@ class _Peer:
     sender: KVSender
     hook: TransferHook
     pool: PagedKV  # what it sends from: this rank's pool, or a head slice of it
+    path: str = ""  # the transport it sends over (kvferry.vllm.paths)
     lost: bool = False
 
 
@@ -235,8 +235,9 @@ class PrefillWorker:
         """On a background thread: the connection (TCP or Unix connect, handshake, hello)
         and its sender, over ``pool`` (an endpoint serves one decode rank's one link, so
         every send through it moves the same heads)."""
+        what = f"prefill rank {self.common.rank} to the decode endpoint {address}"
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport = registry.connect(address, authkey=self.authkey, src=pool)
+            transport, path = paths.connect(address, authkey=self.authkey, src=pool, what=what)
         try:
             sender = KVSender(
                 pool,
@@ -253,7 +254,9 @@ class PrefillWorker:
         except BaseException:
             transport.close()
             raise
-        return _Peer(address, sender, TransferHook(sender), pool)
+        logger.info("kvferry: %s: sending over %s", what, path)
+        self.tally.add(f"connections_{path.replace('-', '_')}", 1)
+        return _Peer(address, sender, TransferHook(sender), pool, path)
 
     def _adopt(self) -> None:
         """Takes the connections made since the last call, then starts the sends that waited
