@@ -249,7 +249,7 @@ class DecodeWorker:
         once a lookup of ``sender`` took a destination). At the bound, the oldest endpoint
         that no sender is connected to and that holds no taken destination is closed to make
         room, grace or not: only MAX_PREFILL_ENGINES engines really sending can fill it."""
-        evicted: Optional[tuple[str, registry.Served]] = None
+        evicted: Optional[tuple[str, registry.Served | paths.Choice]] = None
         try:
             with self._endpoints_lock:
                 endpoint = self.endpoints.get(sender)
@@ -332,7 +332,7 @@ class DecodeWorker:
             f"prefill_tp_size, or the size its router named); prefill engine {sender!r} has {size}"
         )
 
-    def _idlest(self) -> Optional[tuple[str, registry.Served]]:
+    def _idlest(self) -> Optional[tuple[str, registry.Served | paths.Choice]]:
         """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected
         to and whose engine holds no destination, or returns ``None`` when there is none."""
         assert self.rendezvous is not None
@@ -350,7 +350,7 @@ class DecodeWorker:
         for the endpoints' lock: while a lookup holds it to make an endpoint (NIXL registers
         the whole pool then, which takes a while), this step sweeps nothing; the next does."""
         assert self.rendezvous is not None
-        gone: list[registry.Served] = []
+        gone: list[registry.Served | paths.Choice] = []
         names: list[str] = []
         if not self._endpoints_lock.acquire(blocking=False):
             return names
@@ -701,7 +701,8 @@ class DecodeWorker:
                     st.kept_logged = True
                     logger.error(
                         "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks"
-                        " stay allocated until the fence or the sender's connection ends (its writes are one-sided)",
+                        " stay allocated until the fence or the sender's connection ends (its writes land whatever"
+                        " this side decided)",
                         st.spec.req_id,
                         name,
                         self.config.fence_timeout_s,

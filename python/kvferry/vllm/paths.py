@@ -49,12 +49,15 @@ def offered(transport: str, device: str) -> tuple[str, ...]:
     on ``device``."""
     if transport == AUTO:
         return (DIRECT, FALLBACK) if device in registry.spec(DIRECT).devices else (FALLBACK,)
-    registry.check(
-        transport,
-        device=device,
-        argument="kv_connector_extra_config transport",
-        device_argument="vLLM's KV cache device",
-    )
+    spec = registry.spec(transport, argument="kv_connector_extra_config transport")
+    if device not in spec.devices:
+        from kvferry.vllm.config import TRANSPORTS
+
+        fits = [n for n in TRANSPORTS if n == AUTO or device in registry.spec(n).devices]
+        raise InvalidArgumentError(
+            f"invalid kv_connector_extra_config transport={transport!r} for vLLM's KV caches on {device}: "
+            f"{transport} serves {' and '.join(spec.devices)} caches; for {device} caches choose from {', '.join(fits)}"
+        )
     return (transport,)
 
 
@@ -88,6 +91,15 @@ def urls_of(endpoint: str) -> list[str]:
     if not endpoint.startswith(_PREFIX):
         return [endpoint]
     return [_unescape(u) for u in endpoint[len(_PREFIX) :].split(",")]
+
+
+def taken(endpoint: str, transport: str) -> list[str]:
+    """The URLs of a destination's ``endpoint`` a server whose ``transport`` setting is
+    ``transport`` sends over, in order: ``auto`` takes the direct path and staging, a
+    transport named explicitly itself alone (the operator's choice wins on this side too).
+    Raises `InvalidArgumentError` for a URL of no transport the registry knows."""
+    takes = (DIRECT, FALLBACK) if transport == AUTO else (transport,)
+    return [url for url in urls_of(endpoint) if registry.parse_url(url)[0] in takes]
 
 
 @dataclass
@@ -144,13 +156,19 @@ def serve(transports: tuple[str, ...], make: Callable[[str], registry.Served]) -
     return served[0] if len(served) == 1 else Choice(tuple(served))
 
 
-def connect(endpoint: str, *, authkey: bytes, src: Any, what: str) -> tuple[Any, str]:
-    """The prefill rank's transport to a destination's ``endpoint`` (`urls_of`), and the
-    name of the transport it took: the first URL that opens. The direct path is skipped for
+def connect(endpoint: str, *, transport: str, authkey: bytes, src: Any, what: str) -> tuple[Any, str]:
+    """The prefill rank's transport to a destination's ``endpoint``, and the name of the
+    transport it took: the first URL that this server's ``transport`` setting takes
+    (`taken`) and that opens. The direct path is skipped for
     a pool on a device it does not serve; when it fails to open (the decode rank's handles
     cannot be mapped here), one log line names ``what`` (the peer) and why, and the next
     URL is tried. Raises what the last URL raised."""
-    urls = urls_of(endpoint)
+    urls = taken(endpoint, transport)
+    if not urls:
+        raise InvalidArgumentError(
+            f"invalid endpoint={endpoint!r}: none of its URLs is of a transport this server's transport"
+            f" {transport!r} sends over"
+        )
     for i, url in enumerate(urls):
         name, _ = registry.parse_url(url)
         last = i == len(urls) - 1

@@ -237,7 +237,9 @@ class PrefillWorker:
         every send through it moves the same heads)."""
         what = f"prefill rank {self.common.rank} to the decode endpoint {address}"
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport, path = paths.connect(address, authkey=self.authkey, src=pool, what=what)
+            transport, path = paths.connect(
+                address, transport=self.config.transport, authkey=self.authkey, src=pool, what=what
+            )
         try:
             sender = KVSender(
                 pool,
