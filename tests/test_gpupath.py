@@ -125,6 +125,39 @@ def test_each_server_takes_the_urls_its_own_transport_setting_names() -> None:
         paths.connect(both, transport="nixl", authkey=KEY, src=None, what="test")
 
 
+def test_a_decode_rank_that_cannot_export_its_handles_offers_staging_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """Serving the direct path failed (torch could not export the caches' handles): the
+    prefill engine is offered staging alone, with one WARNING; a staging endpoint that
+    cannot be served fails the lookup (nothing behind it), closing what was served."""
+    from types import SimpleNamespace
+
+    from kvferry.transports.registry import Served
+    from kvferry.vllm import paths
+
+    closed: list[str] = []
+
+    def make(fail: str) -> Any:
+        def serve(name: str) -> Served:
+            if name == fail:
+                raise RuntimeError(f"{name} cannot be served here")
+            return Served(name, SimpleNamespace(close=lambda: closed.append(name)), f"{name}+unix:///{name}")
+
+        return serve
+
+    caplog.set_level(logging.WARNING, logger="kvferry.vllm")
+    alone = paths.serve(("cuda-ipc", "staging"), make("cuda-ipc"))
+    assert isinstance(alone, Served) and alone.name == "staging" and alone.url == "staging+unix:///staging"
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvferry: cannot serve cuda-ipc (cuda-ipc cannot be served here); staging only"
+    ]
+    with pytest.raises(RuntimeError, match="staging cannot be served here"):
+        paths.serve(("cuda-ipc", "staging"), make("staging"))
+    assert closed == ["cuda-ipc"]
+    both = paths.serve(("cuda-ipc", "staging"), make(""))
+    assert isinstance(both, paths.Choice) and paths.urls_of(both.url) == ["cuda-ipc+unix:///cuda-ipc",
+                                                                          "staging+unix:///staging"]  # fmt: skip
+
+
 @pytest.mark.parametrize(("taken", "kept"), [("cuda-ipc", True), ("staging", False), (None, False)])
 def test_blocks_given_up_stay_allocated_only_while_a_direct_writer_is_connected(taken: Any, kept: bool) -> None:
     """A prefill engine offered both paths: its late writes can land only over CUDA IPC (the
