@@ -15,8 +15,9 @@ import copy
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -350,18 +351,36 @@ def _send_specs(addresses: list[str], prefill_tp: int, decode_tp: int) -> list[A
     return specs
 
 
-def two_servers(tmp_path: Path, device: str, transport: str, layout: str, prefill_tp: int, decode_tp: int) -> Any:
+def two_servers(
+    tmp_path: Path,
+    device: str,
+    transport: str,
+    layout: str,
+    prefill_tp: int,
+    decode_tp: int,
+    decode_visible: Optional[str] = None,
+) -> Any:
     """A prefill server of ``prefill_tp`` ranks (here) sends `REQUESTS` to a decode server of
-    ``decode_tp`` ranks (a spawned process) through the connector's worker half; checks that
-    each destination block holds its source block's heads, byte for byte in every layer,
-    and every other block is still poison. Returns the prefill halves' tallies."""
+    ``decode_tp`` ranks (a spawned process, started with ``CUDA_VISIBLE_DEVICES`` set to
+    ``decode_visible`` when given) through the connector's worker half; checks that each
+    destination block holds its source block's heads, byte for byte in every layer, and
+    every other block is still poison. Returns the prefill halves' tallies."""
     from kvferry.vllm.metadata import Chunk, KvferryMetadata
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_server, args=(child, str(tmp_path), device, transport, layout, prefill_tp,
                                                     decode_tp), daemon=True)  # fmt: skip
-    proc.start()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if decode_visible is not None:  # the child's environment is this one's at its start
+        os.environ["CUDA_VISIBLE_DEVICES"] = decode_visible
+    try:
+        proc.start()
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
     halves, sources = [], []
     try:
         addresses = reply_from(parent, proc, "decode server")
@@ -399,9 +418,13 @@ def two_servers(tmp_path: Path, device: str, transport: str, layout: str, prefil
         status, got = reply_from(parent, proc, "decode server")
         assert status == "ok", got
         _check(layout, device, sources, got, prefill_tp, decode_tp)
+        totals = [h.common.tally.totals for h in halves]
+        # The prefill side lets go of the decode caches it mapped before their process ends.
+        while halves:
+            halves.pop().close()
         parent.send("done")
         proc.join(SLACK)
-        return [h.common.tally.totals for h in halves]
+        return totals
     finally:
         for half in halves:
             half.close()
@@ -463,6 +486,24 @@ def test_cuda_two_servers_take_cuda_ipc_under_auto(
     for p, totals in enumerate(tallies):
         links = sum(1 for k in ranks.links(prefill_tp, decode_tp, HEADS) if k.prefill_rank == p)
         assert totals.get("connections_cuda_ipc") == links and "connections_staging" not in totals, totals
+
+
+@pytest.mark.cuda
+def test_cuda_servers_that_see_disjoint_gpus_pair_over_the_peer_path(tmp_path: Path) -> None:
+    """Two GPUs, the servers started with disjoint ``CUDA_VISIBLE_DEVICES`` as on one node:
+    the decode process sees only the second GPU (its cuda:0), the prefill ranks here write
+    from the first. CUDA opens the handles of a GPU this process does not see where the two
+    have peer access: every connection then takes CUDA IPC, the copy kernel writing across;
+    without peer access opening fails and each falls back to staging. Either way every block
+    lands."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    peer = torch.cuda.can_device_access_peer(0, 1)
+    tallies = two_servers(tmp_path, "cuda", "auto", "LBNHC", 1, 2, decode_visible="1")
+    path, other = (
+        ("connections_cuda_ipc", "connections_staging") if peer else ("connections_staging", "connections_cuda_ipc")
+    )
+    assert tallies[0].get(path) == 2 and other not in tallies[0], (peer, tallies)
 
 
 @pytest.mark.cuda

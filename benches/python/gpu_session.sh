@@ -202,6 +202,16 @@ elif [ "$1" = two-gpus ]; then
   # share the link both ways), the two-GPU staging test first.
   timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py \
     -k second_gpu 2>&1 | tail -4 | tee "$OUT/two-gpus-test.txt"
+  # The direct GPU path between two GPUs: servers with disjoint CUDA_VISIBLE_DEVICES (the
+  # connector's worker half, two processes), then `bench copy` of cuda-ipc into cuda:1 beside
+  # the same run's one-GPU copy, twice.
+  timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 90 -rfE tests/test_gpupath.py \
+    -k disjoint 2>&1 | tail -4 | tee -a "$OUT/two-gpus-test.txt"
+  for round in 1 2; do
+    { echo "== round $round, cuda-ipc into cuda:1 (copy: the one-GPU ceiling)"
+      timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,cuda-ipc --blocks 64,1024,4096 \
+        --receiver-device cuda:1 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/two-gpus.txt"
+  done
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   for round in 1 2; do
     for ring in pool 1024; do
