@@ -1169,9 +1169,10 @@ def _receiver_device_problem(value: str, device: str, transports: Sequence[str])
     """Why ``--receiver-device value`` cannot run, or None."""
     if device != "cuda":
         return f"a second GPU is for --device cuda, not {device!r}"
-    others = sorted(set(transports) - {"staging", "cuda-ipc", "copy", "torch"})
+    movable = [t for t in registry.names() if registry.spec(t).peer_gpu]
+    others = sorted(set(transports) - set(movable) - {"copy", "torch"})
     if others:
-        return f"only the staging and cuda-ipc transports' receivers move there; drop --transport {','.join(others)}"
+        return f"only the {' and '.join(movable)} transports' receivers move there; drop --transport {','.join(others)}"
     index = value.removeprefix("cuda:")
     if not value.startswith("cuda:") or not index.isdigit():
         return "must be cuda:N"

@@ -204,7 +204,7 @@ class _RemoteReceiver:
                 cfg.listen,
                 cfg.receiver_netns,
                 cfg.ring_blocks() if kind == "staging" else None,
-                cfg.receiver_device if kind in ("staging", "cuda-ipc") and cfg.receiver_device else cfg.device,
+                cfg.receiver_device if registry.spec(kind).peer_gpu and cfg.receiver_device else cfg.device,
             ),
             daemon=True,
         )
