@@ -98,6 +98,7 @@ def test_config_takes_auto_by_default_and_refuses_it_across_hosts() -> None:
     [
         ["staging+unix:///tmp/a/notices.sock"],
         ["cuda-ipc+unix:///tmp/x,y/notices.sock", "staging+unix:///tmp/100%2C/notices.sock"],
+        ["cuda-ipc+unix:///tmp/%,%25,%2C/n.sock", "staging+unix:///tmp/,25%/n.sock"],
         ["cuda-ipc+tcp://127.0.0.1:4100", "staging+tcp://[::1]:4101"],
     ],
 )

@@ -23,6 +23,7 @@ peer that takes the direct path costs a listening socket.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -34,11 +35,12 @@ __all__ = ["AUTO", "Choice", "choice_url", "connect", "offered", "urls_of"]
 logger = logging.getLogger("kvferry.vllm")
 
 AUTO = "auto"
-# The direct path and its fallback, both from the registry's table; the devices whose
-# caches the direct path serves (the registry's spec says which).
+# What ``auto`` offers: the direct path, then the fallback (rows of the registry's table,
+# which says which caches each serves).
 DIRECT = "cuda-ipc"
 FALLBACK = "staging"
 _PREFIX = AUTO + "+"
+_ESCAPED = re.compile("%(25|2C)")
 
 
 def offered(transport: str, device: str) -> tuple[str, ...]:
@@ -74,7 +76,7 @@ def _escape(url: str) -> str:
 
 
 def _unescape(url: str) -> str:
-    return url.replace("%2C", ",").replace("%25", "%")
+    return _ESCAPED.sub(lambda m: "%" if m.group(1) == "25" else ",", url)  # one pass: no escape read twice
 
 
 def choice_url(urls: list[str]) -> str:
