@@ -185,6 +185,38 @@ def test_blocks_given_up_stay_allocated_only_while_a_direct_writer_is_connected(
     assert side._late_writes_possible("T") is kept
 
 
+def test_a_sender_maps_the_handles_on_its_own_gpu_not_the_receivers_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers with disjoint ``CUDA_VISIBLE_DEVICES``: the receiver's device index names
+    another GPU (or none) in the sender's process, so the handles are opened on the GPU of
+    the sender's pool (the registry passes its index); without a pool, on the index named."""
+    from types import SimpleNamespace
+
+    import torch.multiprocessing.reductions as reductions
+    from kvferry.transports import cuda_ipc, registry
+
+    asked: list[int] = []
+
+    def rebuild(cls: Any, size: Any, stride: Any, offset: Any, storage_cls: Any, dtype: Any, device: int,
+                *rest: Any) -> torch.Tensor:  # fmt: skip
+        asked.append(device)
+        return torch.empty(size, dtype=dtype)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    fields = _fake_handles(torch.zeros(4, 2, dtype=torch.float16))
+    fields["device"] = 3  # the receiver's own index
+    cuda_ipc._open_layer(fields, 1)
+    cuda_ipc._open_layer(fields)
+    assert asked == [1, 3]
+    with pytest.raises(InvalidArgumentError, match=r"invalid device=-1: must be a CUDA device index >= 0 or None"):
+        cuda_ipc.CudaIpcTransport("unix:///x/notices.sock", authkey=KEY, device=-1)  # refused before connecting
+    made: list[Any] = []
+    monkeypatch.setattr(cuda_ipc, "CudaIpcTransport", lambda address, **kw: made.append(kw["device"]))
+    on_gpu1 = SimpleNamespace(device=torch.device("cuda", 1))
+    registry.connect("cuda-ipc+unix:///x/notices.sock", authkey=KEY, src=on_gpu1)
+    registry.connect("cuda-ipc+unix:///x/notices.sock", authkey=KEY)
+    assert made == [1, None]
+
+
 # -- the fallback, forced ----------------------------------------------------------------
 
 
