@@ -676,9 +676,11 @@ class DecodeWorker:
         """Releases part ``p`` (a prefill size's rank, published as ``name``) of a request
         given up on once its sender fenced it. Past the fence timeout: staging releases at once (its
         endpoint applies a write only for a request it still admits, so a late write of a
-        released request never reaches vLLM's blocks); nixl writes are one-sided and nothing
-        here can stop a late one, so its blocks stay allocated (the request stays
-        unreported, vLLM keeps them) until the fence comes or the sender's connection ends."""
+        released request never reaches vLLM's blocks); nixl writes are one-sided, and
+        cuda-ipc writes the prefill GPU's copies straight into the blocks, so nothing here can
+        stop a late one: while the sender is connected over either, its blocks stay allocated
+        (the request stays unreported, vLLM keeps them) until the fence comes or the sender's
+        connection ends (`_late_writes_possible`)."""
         assert self.rendezvous is not None
         reason = st.giving_up or "given up"
         if p in st.unpublished:
