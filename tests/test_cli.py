@@ -290,8 +290,9 @@ def test_bench_copy_receiver_device_is_checked_by_name(monkeypatch: pytest.Monke
     assert problem("cuda:1", "cuda", ("copy", "staging")) is None
     assert problem("cuda:1", "cpu", ("staging",)) == "a second GPU is for --device cuda, not 'cpu'"
     assert problem("cuda:1", "cuda", ("staging", "nixl", "cuda-ipc")) == (
-        "only the staging transport's receiver moves there; drop --transport cuda-ipc,nixl"
+        "only the cuda-ipc and staging transports' receivers move there; drop --transport nixl"
     )
+    assert problem("cuda:1", "cuda", ("copy", "cuda-ipc")) is None
     assert problem("gpu1", "cuda", ("staging",)) == "must be cuda:N"
     assert problem("cuda:x", "cuda", ("staging",)) == "must be cuda:N"
     assert problem("cuda:2", "cuda", ("staging",)) == "this machine has 2 CUDA device(s)"

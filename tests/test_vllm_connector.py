@@ -873,7 +873,8 @@ def test_extra_config_and_params_are_checked_by_name() -> None:
         ({"transport": "shm"}, "transport='shm'"),
         ({"listen": "tcp://0.0.0.0:0"}, "wildcard bind needs advertise"),
         ({"listen": "unix://", "advertise": "10.0.0.1"}, "advertise"),
-        ({"listen": "tcp://10.0.0.1:0"}, "staging runs only on one host"),
+        ({"listen": "tcp://10.0.0.1:0"}, "transport='auto' with listen='tcp://10.0.0.1:0': auto picks cuda-ipc"),
+        ({"listen": "tcp://10.0.0.1:0", "transport": "staging"}, "staging runs only on one host"),
         ({"listen": "http://x"}, "listen"),
         ({"transfer_cores": "1"}, "transfer_cores='1'"),
         ({"transfer_cores": [1 << 20]}, "not a CPU id"),
@@ -1237,6 +1238,7 @@ def test_destination_is_checked_against_the_request() -> None:
         ({"endpoint": None}, "endpoint"),
         ({"endpoint": "nixl+tcp://10.0.0.1:5"}, "is for transport 'nixl'"),
         ({"endpoint": "bogus+unix:///s"}, "bogus"),
+        ({"endpoint": "auto+nixl+tcp://10.0.0.1:5,nixl+tcp://10.0.0.1:6"}, "is for transport 'nixl' or 'nixl'"),
     ]:
         with pytest.raises(KvFerryError, match=named):
             _check_destination({**good, **change}, request, 32)
@@ -1287,11 +1289,12 @@ def test_hook_takes_a_block_table_that_grows_chunk_by_chunk() -> None:
 
 
 @needs_vllm
-@pytest.mark.parametrize("transport", ["staging", "nixl"])
+@pytest.mark.parametrize("transport", ["staging", "nixl", "cuda-ipc"])
 def test_given_up_blocks_past_the_fence_timeout(transport: str) -> None:
     """Past ``fence_timeout_s`` without the sender's fence: staging releases (its endpoint
-    drops late writes); nixl keeps the blocks while the sender is still connected (its
-    writes are one-sided) and releases once that connection ended."""
+    drops late writes); nixl and cuda-ipc keep the blocks while the sender is still
+    connected (their writes land whatever the receiver decided) and release once that
+    connection ended."""
     from types import SimpleNamespace
 
     from kvferry.errors import TransferTimeoutError

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -78,8 +78,12 @@ def half(tmp_path: Path, role: str, num_blocks: int, transport: str, **config: A
     return WorkerHalf(common, role)
 
 
-def replay(tmp_path: Path, layout: str, dtype: torch.dtype, device: str, transport: str) -> None:
-    from kvferry.vllm import rendezvous
+def replay(
+    tmp_path: Path, layout: str, dtype: torch.dtype, device: str, transport: str, seen: Optional[dict] = None
+) -> None:
+    """``seen``, when given, gets the prefill half (``"prefill"``) and the transport each
+    prefill engine was connected over at the end (``"taken"``, by sender)."""
+    from kvferry.vllm import paths, rendezvous
 
     model = FIXTURE["model"]
     shape = dict(layers=model["layers"], tokens=model["block_size"])
@@ -151,6 +155,12 @@ def replay(tmp_path: Path, layout: str, dtype: torch.dtype, device: str, transpo
         assert len(set(sent)) == len(sent) and len(set(arrived)) == len(arrived)  # each reported once
         check_blocks(src, dst, recvs, transfer_of, last_table)
         check_figures(prefill, decode, src)
+        if seen is not None:
+            seen["prefill"] = prefill
+            seen["taken"] = {
+                sender: served.taken() if isinstance(served, paths.Choice) else served.name
+                for sender, served in decode.decode.endpoints.items()
+            }
     finally:
         prefill.close()
         decode.close()

@@ -5,7 +5,8 @@
 # live in benches/probes/ (its README says what each answered).
 #   bash benches/python/gpu_session.sh MODE
 # tests (the default): every `cuda` test of FILES (vLLM's KV cache layouts through copy_blocks,
-# in-process, staging and cuda_ipc; the copies, staging, tiers, TP, the worker replay), each
+# in-process, staging and cuda_ipc; the copies, staging, tiers, TP, the worker replay, the
+# connector's direct GPU path), each
 # file under LIMIT seconds.
 # bench: `bench agentic` at Llama-8B geometry (32k cached + 2k new) over TRANSPORTS (cuda-ipc
 # and staging), and with COPY=1 `bench copy` of copy, staging and cuda-ipc first.
@@ -27,8 +28,14 @@
 # ${TRANSPORT:-staging}, the generation workers of all modes in one process.
 # links-extra (about 4 minutes): staging at 256 and 1024 MiB writes, the staging timeline at
 # 512 and 256 MiB writes, the copy kernel's 80-configuration sweep.
+# gpupath (about 5 minutes): the connector's direct GPU path (transport auto): the `cuda` tests of
+# tests/test_gpupath.py (a decode server's ranks in a spawned process, a prefill server's here,
+# on one GPU: every TP pair of {1, 2} in three layouts over cuda-ipc, explicit staging, the
+# one-process fallback), then `bench copy` of copy, staging and cuda-ipc (each receiver in a
+# process of its own) at 8, 64 and 1024 blocks, twice, the copy row being the same run's ceiling,
+# and staging through the connector's 1 GiB ring.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra ring-sizes agentic8b-rings copy-wide split split-check two-gpus"
+MODES="tests bench staging-legs agentic8b-legs links links-extra ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -42,7 +49,7 @@ if [ "${1:-tests}" = tests ]; then
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
       tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py \
-      tests/test_park.py}; do
+      tests/test_gpupath.py tests/test_park.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
@@ -63,6 +70,17 @@ elif [ "$1" = links ]; then
     --new 2048 --output 4 --aware --layerwise 8 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
     --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-$t.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -30 \
     | tee "$OUT/agentic8b-$t.txt"
+elif [ "$1" = gpupath ]; then
+  timeout 240 python3 -m pytest -m cuda -p no:cacheprovider --timeout 90 --durations 8 -rfE tests/test_gpupath.py 2>&1 \
+    | tee "$OUT/gpupath-tests.txt" | tail -20
+  for round in 1 2; do
+    { echo "== round $round: copy, staging, cuda-ipc"
+      timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,staging,cuda-ipc \
+        --blocks 8,64,1024 --json "$OUT/gpupath-copy-$round.json" 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/gpupath-copy.txt"
+  done
+  { echo "== staging through the connector's 1 GiB ring"
+    timeout 60 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024 \
+      --ring-mib 1024 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/gpupath-copy.txt"
 elif [ "$1" = links-extra ]; then
   bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   for mib in 256 1024; do
@@ -186,6 +204,16 @@ elif [ "$1" = two-gpus ]; then
   # share the link both ways), the two-GPU staging test first.
   timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_staging.py \
     -k second_gpu 2>&1 | tail -4 | tee "$OUT/two-gpus-test.txt"
+  # The direct GPU path between two GPUs: servers with disjoint CUDA_VISIBLE_DEVICES (the
+  # connector's worker half, two processes), then `bench copy` of cuda-ipc into cuda:1 beside
+  # the same run's one-GPU copy, twice.
+  timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 90 -rfE tests/test_gpupath.py \
+    -k disjoint 2>&1 | tail -4 | tee -a "$OUT/two-gpus-test.txt"
+  for round in 1 2; do
+    { echo "== round $round, cuda-ipc into cuda:1 (copy: the one-GPU ceiling)"
+      timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport copy,cuda-ipc --blocks 64,1024,4096 \
+        --receiver-device cuda:1 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/two-gpus.txt"
+  done
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   for round in 1 2; do
     for ring in pool 1024; do

@@ -375,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="cuda:N",
         help=(
-            "--device cuda, staging: the receiver's pool on this GPU, so each leg crosses its own GPU's link "
-            "(default: the sender's GPU, both legs on one link)"
+            "--device cuda, staging and cuda-ipc: the receiver's pool on this GPU (staging: each leg crosses its "
+            "own GPU's link; cuda-ipc: the copy kernel writes over NVLink or PCIe peer-to-peer) (default: the "
+            "sender's GPU)"
         ),
     )
     _placement_flags(copy)
@@ -1179,9 +1180,10 @@ def _receiver_device_problem(value: str, device: str, transports: Sequence[str])
     """Why ``--receiver-device value`` cannot run, or None."""
     if device != "cuda":
         return f"a second GPU is for --device cuda, not {device!r}"
-    others = sorted(set(transports) - {"staging", "copy", "torch"})
+    movable = [t for t in registry.names() if registry.spec(t).peer_gpu]
+    others = sorted(set(transports) - set(movable) - {"copy", "torch"})
     if others:
-        return f"only the staging transport's receiver moves there; drop --transport {','.join(others)}"
+        return f"only the {' and '.join(movable)} transports' receivers move there; drop --transport {','.join(others)}"
     index = value.removeprefix("cuda:")
     if not value.startswith("cuda:") or not index.isdigit():
         return "must be cuda:N"

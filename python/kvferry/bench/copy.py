@@ -48,8 +48,9 @@ class CopyBenchConfig:
     # Staging: the ring's bytes per connected sender, a whole number of blocks (None: the
     # receiver's pool, so no write ever waits for room).
     ring_bytes: Optional[int] = None
-    # Staging on CUDA: the receiver's pool on this device ("cuda:N") instead of the sender's,
-    # so each leg crosses its own GPU's link (None: the sender's device, both legs on one link).
+    # Staging and CUDA IPC on CUDA: the receiver's pool on this device ("cuda:N") instead of the
+    # sender's: each staging leg crosses its own GPU's link, and CUDA IPC's copy kernel writes
+    # into a peer GPU (None: the sender's device).
     receiver_device: Optional[str] = None
     # Transports: each transfer's blocks consecutive on both sides (a run at a random start)
     # instead of random blocks.
@@ -203,7 +204,7 @@ class _RemoteReceiver:
                 cfg.listen,
                 cfg.receiver_netns,
                 cfg.ring_blocks() if kind == "staging" else None,
-                cfg.receiver_device if kind == "staging" and cfg.receiver_device else cfg.device,
+                cfg.receiver_device if registry.spec(kind).peer_gpu and cfg.receiver_device else cfg.device,
             ),
             daemon=True,
         )

@@ -49,9 +49,16 @@ def _share_layer(layer: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _open_layer(fields: dict[str, Any]) -> torch.Tensor:
+def _open_layer(fields: dict[str, Any], device: Optional[int] = None) -> torch.Tensor:
     """A CUDA tensor rebuilt from `_share_layer`'s fields with torch's own rebuild function
-    (no pickle involved). Untested on a GPU in CI (the CUDA tests skip on CPU)."""
+    (no pickle involved), mapped into the context of GPU ``device`` of this process (else
+    the index the receiver named). Untested on a GPU in CI (the CUDA tests skip on CPU).
+
+    The sender maps the handles on its own pool's GPU, not on the receiver's index: servers
+    of one host are often started with disjoint ``CUDA_VISIBLE_DEVICES``, where the
+    receiver's index names another GPU here, or none. CUDA opens a handle of a GPU this
+    process cannot see (the driver enables peer access to it lazily), and the copy kernel,
+    which runs on the sender's GPU, then writes over NVLink or PCIe peer-to-peer."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
@@ -61,7 +68,7 @@ def _open_layer(fields: dict[str, Any]) -> torch.Tensor:
         fields["offset"],
         torch.storage.TypedStorage,
         torch_dtype(fields["dtype"]),
-        fields["device"],
+        fields["device"] if device is None else device,
         fields["handle"],
         fields["storage_size"],
         fields["storage_offset"],
@@ -91,10 +98,10 @@ class CudaIpcEndpoint(LocalEndpoint):
         )
 
 
-def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
+def _open_ipc_pool(hello: dict[str, Any], device: Optional[int] = None) -> tuple[PagedKV, Callable[[], None]]:
     if hello["kind"] != "cuda_ipc":
         raise TransferError(f"the receiver serves a {hello['kind']} pool, not CUDA IPC handles")
-    layers = tuple(_open_layer(fields) for fields in hello["layers"])
+    layers = tuple(_open_layer(fields, device) for fields in hello["layers"])
     geometry = hello["geometry"]
     pool = PagedKV(layers, geometry["tokens_per_block"], hello["block_dim"], geometry["block_layout"])
     pool.check_compatible(hello["geometry"])
@@ -102,5 +109,23 @@ def _open_ipc_pool(hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
 
 
 class CudaIpcTransport(LocalTransport):
-    def __init__(self, address: str, *, authkey: bytes, handshake_timeout: Optional[float] = None) -> None:
-        super().__init__(address, authkey=authkey, open_pool=_open_ipc_pool, handshake_timeout=handshake_timeout)
+    """The sender's side: opens the receiver's layers from the hello's handles on GPU
+    ``device`` (an index of this process: the GPU its copies run on; None: the index the
+    receiver named, right only where both processes see the same GPUs)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        authkey: bytes,
+        device: Optional[int] = None,
+        handshake_timeout: Optional[float] = None,
+    ) -> None:
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise InvalidArgumentError(f"invalid device={device!r}: must be a CUDA device index >= 0 or None")
+        super().__init__(
+            address,
+            authkey=authkey,
+            open_pool=lambda hello: _open_ipc_pool(hello, device),
+            handshake_timeout=handshake_timeout,
+        )

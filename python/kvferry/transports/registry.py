@@ -94,6 +94,10 @@ class TransportSpec:
     # one-sided write, as NIXL's, lands whatever the receiver decided).
     ring_option: Optional[str] = None
     refuses_late_writes: bool = False
+    # ``peer_gpu``: the receiver's CUDA pool may be on another GPU of the host than the
+    # sender's (staging: each leg crosses its own GPU's link; cuda-ipc: the sender's copy
+    # kernel writes into the peer GPU).
+    peer_gpu: bool = False
     # Builders (see `serve` and `connect`): the receiver's endpoint (None: the transport has
     # none) and the sender's transport.
     _serve: Optional[Callable[..., Any]] = field(default=None, repr=False, compare=False)
@@ -391,7 +395,15 @@ def _connect_cuda_ipc(
 ) -> Transport:
     from kvferry.transports.cuda_ipc import CudaIpcTransport
 
-    return CudaIpcTransport(address, authkey=authkey, **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS))
+    # The handles are mapped on the GPU the sender's pool (so its copies) lives on (a CUDA
+    # tensor's device always names its index).
+    device = src.device.index if src is not None and src.device.type == "cuda" else None
+    return CudaIpcTransport(
+        address,
+        authkey=authkey,
+        device=device,
+        **_options("cuda-ipc", options, "transport", TRANSPORT_OPTIONS),
+    )
 
 
 def _connect_staging(
@@ -457,6 +469,7 @@ _SPECS: dict[str, TransportSpec] = {
             True,
             False,
             "the receiver's CUDA pool mapped by the sender through CUDA IPC handles",
+            peer_gpu=True,
             _serve=_serve_cuda_ipc,
             _connect=_connect_cuda_ipc,
         ),
@@ -469,6 +482,7 @@ _SPECS: dict[str, TransportSpec] = {
             "through a pinned shared host ring (a machine without GPUDirect)",
             ring_option="capacity_blocks",
             refuses_late_writes=True,
+            peer_gpu=True,
             _serve=_serve_staging,
             _connect=_connect_staging,
         ),

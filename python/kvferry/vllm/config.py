@@ -48,12 +48,14 @@ _NOT_TRANSFER = re.compile(rf"[^{TRANSFER_ALPHABET}]")
 # ask to wait less than the server's transfer_timeout_s / destination_timeout_s, never more).
 MAX_TIMEOUT_S = 86400.0
 OPS = ("hello", "recv", "send", "status")
-# How blocks move (kvferry.transports.registry builds both sides): the registry's transports
-# that write vLLM's plain CPU KV tensors from another process, so no shared pool (staging on
-# one host, nixl across hosts too).
-TRANSPORTS = tuple(
+# How blocks move (kvferry.transports.registry builds both sides): ``auto`` (kvferry.vllm.paths:
+# CUDA IPC where both servers' caches are on CUDA and the prefill process can open the decode
+# process's handles, else staging), or one of the registry's transports that write another
+# process's KV tensors without a shared pool: cuda-ipc (CUDA caches, one host), staging (one
+# host), nixl (across hosts too).
+TRANSPORTS = ("auto",) + tuple(
     n
-    for n in registry.names(device="cpu", reach=registry.Reach.HOST)
+    for n in registry.names(reach=registry.Reach.HOST)
     if registry.spec(n).has_endpoint and not registry.spec(n).shared_pool
 )
 
@@ -62,7 +64,8 @@ TRANSPORTS = tuple(
 class ConnectorConfig:
     """``kv_connector_extra_config`` keys, with their defaults (docs/vllm.md lists them)."""
 
-    transport: str = "staging"  # the only same-host transport that writes into plain CPU tensors
+    # "auto": per prefill engine, CUDA IPC where it can work, else staging (kvferry.vllm.paths).
+    transport: str = "auto"
     early: bool = True  # send the prefix-cache hit before the first forward
     layer_groups: int = 1  # >1: the last chunk leaves layer group by layer group
     transfer_timeout_s: float = 120.0  # a decode request waits at most this for its blocks
@@ -183,6 +186,13 @@ class ConnectorConfig:
                 "host name or IP address prefill servers reach it by)"
             )
         if where.scheme == "tcp" and not _loopback(where.host):  # reaches other hosts: only a transport that does
+            if config.transport == "auto":
+                raise InvalidArgumentError(
+                    f"invalid kv_connector_extra_config transport='auto' with listen={config.listen!r}: auto picks"
+                    f" cuda-ipc or staging, which run only on one host, and a tcp:// listen address off loopback"
+                    f" reaches across hosts: set transport to"
+                    f" {' or '.join(registry.names(reach=registry.Reach.NETWORK))} there"
+                )
             registry.check(
                 config.transport, reach=registry.Reach.NETWORK, argument="kv_connector_extra_config transport"
             )

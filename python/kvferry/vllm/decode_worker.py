@@ -45,7 +45,7 @@ from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
 from kvferry.groups import expect_groups
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
-from kvferry.vllm import rendezvous
+from kvferry.vllm import paths, rendezvous
 from kvferry.vllm.metadata import LEG_MARK, Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 
@@ -111,14 +111,17 @@ class DecodeWorker:
         self.authkey = common.authkey
         self.block_size = common.block_size
         self.tally = common.tally
-        self._spec = registry.spec(self.config.transport)
+        # The transports each prefill engine is offered, in the order it tries them (set at
+        # `start`, from the caches' device: kvferry.vllm.paths).
+        self.offered: tuple[str, ...] = ()
         self.engine = common.engine
         # One receiver per (prefill size, prefill rank) that writes into this rank (ONE alone
         # without tensor parallelism), each over what that rank writes.
         self.receivers: dict[Part, KVReceiver] = {}
         self._ring_of: dict[Part, int] = {}  # part -> its staging ring's blocks
-        # One endpoint (staging: one ring, one writer) per prefill engine, made on its first lookup.
-        self.endpoints: dict[str, registry.Served] = {}
+        # One endpoint (staging: one ring, one writer) per prefill engine, made on its first
+        # lookup; with ``auto`` over CUDA caches, a direct one and a staging one (`paths.Choice`).
+        self.endpoints: dict[str, registry.Served | paths.Choice] = {}
         self._endpoints_lock = threading.Lock()
         self._made: dict[str, float] = {}  # sender -> when its endpoint was made (monotonic)
         self._ring_blocks = 0
@@ -183,6 +186,7 @@ class DecodeWorker:
         """After `WorkerCommon.register_kv_caches`: the receivers and the rendezvous."""
         common = self.common
         assert common.pool is not None
+        self.offered = paths.offered(self.config.transport, common.pool.device.type)
         for size in self.sizes:
             self._add_receivers(size)
         self._ring_blocks = self._ring_of[min(self._ring_of)]
@@ -198,7 +202,9 @@ class DecodeWorker:
                 family_of=lambda name: name.partition(LEG_MARK)[0],
                 not_in_family=self._not_published,
             )
-        logger.info("kvferry: decode rendezvous %s (transport %s)", self.rendezvous.address, self.config.transport)
+        why = paths.why_not_direct(common.pool.device.type) if self.config.transport == paths.AUTO else None
+        logger.info("kvferry: decode rendezvous %s (transport %s: %s%s)", self.rendezvous.address,
+                    self.config.transport, ", else ".join(self.offered), f"; {why}" if why else "")  # fmt: skip
 
     def _links(self, size: int) -> tuple[ranks.Link, ...]:
         """The links prefill servers of tensor parallel size ``size`` write into this rank
@@ -223,17 +229,19 @@ class DecodeWorker:
             ) from None
         return ranks.contributors(common.tp_rank, every)
 
-    def _endpoint_options(self, part: Part = ONE) -> dict[str, Any]:
-        """Where an endpoint listens: ``unix://`` beside the rendezvous, or on the
-        rendezvous's tcp:// host with a port of its own."""
+    def _endpoint_options(self, part: Part, transport: str) -> dict[str, Any]:
+        """Where an endpoint of ``transport`` for ``part``'s receiver listens: ``unix://``
+        beside the rendezvous, or on the rendezvous's tcp:// host with a port of its own; a
+        staging endpoint's ring size."""
         where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
         options: dict[str, Any] = {}
         if where.scheme == "tcp":
             options["address"] = wire.Address("tcp", host=where.host).url()  # port 0: any
             if self.config.advertise is not None:
                 options["advertise"] = self.config.advertise
-        if self._spec.ring_option is not None:
-            options[self._spec.ring_option] = self._ring_of.get(part, self._ring_blocks)
+        spec = registry.spec(transport)
+        if spec.ring_option is not None:
+            options[spec.ring_option] = self._ring_of.get(part, self._ring_blocks)
         return options
 
     def _endpoint_for(self, sender: str) -> str:
@@ -241,7 +249,7 @@ class DecodeWorker:
         once a lookup of ``sender`` took a destination). At the bound, the oldest endpoint
         that no sender is connected to and that holds no taken destination is closed to make
         room, grace or not: only MAX_PREFILL_ENGINES engines really sending can fill it."""
-        evicted: Optional[tuple[str, registry.Served]] = None
+        evicted: Optional[tuple[str, registry.Served | paths.Choice]] = None
         try:
             with self._endpoints_lock:
                 endpoint = self.endpoints.get(sender)
@@ -262,8 +270,11 @@ class DecodeWorker:
                 if receiver is None:
                     raise KvFerryError(f"prefill rank {part[1]} of {part[0]} writes nothing into this decode rank")
                 with torch.inference_mode(False):  # a staging ring is written by kvferry's threads
-                    endpoint = registry.serve(
-                        self.config.transport, receiver, authkey=self.authkey, **self._endpoint_options(part)
+                    endpoint = paths.serve(
+                        self.offered,
+                        lambda name: registry.serve(
+                            name, receiver, authkey=self.authkey, **self._endpoint_options(part, name)
+                        ),
                     )
                 self.endpoints[sender] = endpoint
                 self._made[sender] = time.monotonic()
@@ -321,7 +332,7 @@ class DecodeWorker:
             f"prefill_tp_size, or the size its router named); prefill engine {sender!r} has {size}"
         )
 
-    def _idlest(self) -> Optional[tuple[str, registry.Served]]:
+    def _idlest(self) -> Optional[tuple[str, registry.Served | paths.Choice]]:
         """Takes out (under the endpoints' lock) the oldest endpoint no sender is connected
         to and whose engine holds no destination, or returns ``None`` when there is none."""
         assert self.rendezvous is not None
@@ -339,7 +350,7 @@ class DecodeWorker:
         for the endpoints' lock: while a lookup holds it to make an endpoint (NIXL registers
         the whole pool then, which takes a while), this step sweeps nothing; the next does."""
         assert self.rendezvous is not None
-        gone: list[registry.Served] = []
+        gone: list[registry.Served | paths.Choice] = []
         names: list[str] = []
         if not self._endpoints_lock.acquire(blocking=False):
             return names
@@ -628,12 +639,20 @@ class DecodeWorker:
                 for kv in self.common.groups.kv_ids(st.spec.kv_id):
                     self.receivers[p].cancel(kv, reason)  # asks its sender to stop (no-op once fenced)
 
-    def _sender_connected(self, transfer: str) -> bool:
-        """Whether the prefill engine that took ``transfer`` still has a connection to its
-        endpoint here (one endpoint per prefill engine, so its connection is that engine's)."""
+    def _late_writes_possible(self, transfer: str) -> bool:
+        """Whether the prefill engine that took ``transfer`` may still write into its blocks
+        after this side gave up on it: it is connected to its endpoint here (one per prefill
+        engine, so the connection is that engine's) over a transport whose writes land
+        whatever the receiver decided (NIXL's one-sided writes, CUDA IPC's direct copies; a
+        staging endpoint applies only writes of requests it still admits)."""
         sender = self.rendezvous.taker(transfer) if self.rendezvous is not None else None
         served = self.endpoints.get(sender) if sender is not None else None
-        return served is not None and bool(served.endpoint.connected())
+        if served is None:
+            return False
+        if isinstance(served, paths.Choice):
+            taken = served.taken()
+            return taken is not None and not registry.spec(taken).refuses_late_writes
+        return not registry.spec(served.name).refuses_late_writes and bool(served.endpoint.connected())
 
     def _release(self, st: _Recv, now: float) -> bool:
         """Releases a request given up on once each of its parts' senders fenced it (one
@@ -657,9 +676,11 @@ class DecodeWorker:
         """Releases part ``p`` (a prefill size's rank, published as ``name``) of a request
         given up on once its sender fenced it. Past the fence timeout: staging releases at once (its
         endpoint applies a write only for a request it still admits, so a late write of a
-        released request never reaches vLLM's blocks); nixl writes are one-sided and nothing
-        here can stop a late one, so its blocks stay allocated (the request stays
-        unreported, vLLM keeps them) until the fence comes or the sender's connection ends."""
+        released request never reaches vLLM's blocks); nixl writes are one-sided, and
+        cuda-ipc writes the prefill GPU's copies straight into the blocks, so nothing here can
+        stop a late one: while the sender is connected over either, its blocks stay allocated
+        (the request stays unreported, vLLM keeps them) until the fence comes or the sender's
+        connection ends (`_late_writes_possible`)."""
         assert self.rendezvous is not None
         reason = st.giving_up or "given up"
         if p in st.unpublished:
@@ -677,12 +698,13 @@ class DecodeWorker:
         except TransferTimeoutError:
             if now < st.fence_deadline:
                 return False
-            if not self._spec.refuses_late_writes and self._sender_connected(name):
+            if self._late_writes_possible(name):
                 if not st.kept_logged:
                     st.kept_logged = True
                     logger.error(
                         "kvferry: decode request %s (transfer %s): no fence from its sender within %s s; its blocks"
-                        " stay allocated until the fence or the sender's connection ends (its writes are one-sided)",
+                        " stay allocated until the fence or the sender's connection ends (its writes land whatever"
+                        " this side decided)",
                         st.spec.req_id,
                         name,
                         self.config.fence_timeout_s,

@@ -41,8 +41,7 @@ from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
 from kvferry.tiers import tiered_source
-from kvferry.transports import registry
-from kvferry.vllm import rendezvous
+from kvferry.vllm import paths, rendezvous
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.park import park_pool
 from kvferry.vllm.worker import WorkerCommon
@@ -61,6 +60,7 @@ class _Peer:
     sender: KVSender
     hook: TransferHook
     pool: PagedKV  # what it sends from: this rank's pool, or a head slice of it
+    path: str = ""  # the transport it sends over (kvferry.vllm.paths)
     lost: bool = False
 
 
@@ -329,8 +329,11 @@ class PrefillWorker:
         and its sender, over ``pool`` (an endpoint serves one decode rank's one link, so
         every send through it moves the same heads) and ``host``, the same heads of the host
         pool late prompts park in."""
+        what = f"prefill rank {self.common.rank} to the decode endpoint {address}"
         with torch.inference_mode(False):  # its ring view is written by the copy thread
-            transport = registry.connect(address, authkey=self.authkey, src=pool, host_src=host)
+            transport, path = paths.connect(
+                address, transport=self.config.transport, authkey=self.authkey, src=pool, host_src=host, what=what
+            )
         try:
             sender = KVSender(
                 pool,
@@ -348,7 +351,9 @@ class PrefillWorker:
         except BaseException:
             transport.close()
             raise
-        return _Peer(address, sender, TransferHook(sender), pool)
+        logger.info("kvferry: %s: sending over %s", what, path)
+        self.tally.add(f"connections_{path.replace('-', '_')}", 1)
+        return _Peer(address, sender, TransferHook(sender), pool, path)
 
     def _adopt(self) -> None:
         """Takes the connections made since the last call, then starts the sends that waited

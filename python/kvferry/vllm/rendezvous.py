@@ -38,7 +38,8 @@ bodies of at most 1 MiB:
 lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (1-128 bytes)
 destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_size u32 (> 0)
              | held_blocks i64 (<= the ids) | dst_blocks (<= 2^20 ids >= 0) | digest (1-64
-             lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars)
+             lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars;
+             several, tried in order: kvferry.vllm.paths.choice_url)
 refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes) | epoch i64 (>= 0)
 abandoned    (no body)                 goodbye  why the connection closes
 offer        transfer | peer (1-4096 bytes) | peer_mac (64 lower-case hex)

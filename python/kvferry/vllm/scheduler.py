@@ -49,7 +49,7 @@ from kvferry.errors import KvFerryError, TransferError
 from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.transports.guard import RateLimitedLog
-from kvferry.vllm import redact, rendezvous, router, trust
+from kvferry.vllm import paths, redact, rendezvous, router, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 from kvferry.vllm.park import ParkBook
@@ -923,7 +923,7 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
 
 
 def _check_destination(
-    destination: dict[str, Any], request: Any, block_size: int, transport: str = "staging", groups: int = 1
+    destination: dict[str, Any], request: Any, block_size: int, transport: str = "auto", groups: int = 1
 ) -> dict[str, Any]:
     """The decode side's published destination, checked against this request: the same
     prompt, one destination block per prompt block and KV cache group (the groups' tables
@@ -958,10 +958,10 @@ def _check_destination(
     endpoint = destination.get("endpoint")
     if not isinstance(endpoint, str):
         raise KvFerryError(f"invalid destination endpoint={endpoint!r}: must be a '<transport>+<address>' URL")
-    theirs, _ = registry.parse_url(endpoint)
-    if theirs != transport:
+    if not paths.taken(endpoint, transport):
+        theirs = [registry.parse_url(url)[0] for url in paths.urls_of(endpoint)]
         raise KvFerryError(
-            f"the decode server's endpoint {endpoint!r} is for transport {theirs!r}, this server's "
-            f"kv_connector_extra_config transport is {transport!r}"
+            f"the decode server's endpoint {endpoint!r} is for transport {' or '.join(map(repr, theirs))}, this"
+            f" server's kv_connector_extra_config transport is {transport!r}"
         )
     return destination

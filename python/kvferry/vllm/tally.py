@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.vllm.config import TRANSPORTS
+
 __all__ = ["COUNTERS", "FAILURE_REASONS", "HISTOGRAMS", "UNHONOURED_REASONS", "Tally", "failure_reason"]
 
 # name -> help; each becomes the counter vllm:kvferry_<name>_total.
@@ -42,6 +44,12 @@ COUNTERS = {
     "notices_refused": "Notices the decode side refused for another reason (unknown request, epoch, sender or blocks).",
     "transfers": "Transfers whose every block landed (prefill side).",
     "failed_transfers": "Transfers released before every block landed (prefill side).",
+    # Prefill side: which path each connection to a decode endpoint took (kvferry.vllm.paths).
+    **{
+        f"connections_{name.replace('-', '_')}": f"Connections a prefill rank made to a decode endpoint over {name}."
+        for name in TRANSPORTS
+        if name != "auto"
+    },
 }
 # name -> (help, buckets); each becomes the histogram vllm:kvferry_<name>.
 HISTOGRAMS = {

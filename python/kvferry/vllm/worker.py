@@ -117,6 +117,11 @@ class WorkerCommon:
                     f"kvferry: vLLM's KV cache of tensor-parallel rank {self.tp_rank} of {self.tp_size} holds "
                     f"{self.pool.num_heads} KV heads, kvferry expects {hi - lo} of the model's {self.num_kv_heads}"
                 )
+        from kvferry.vllm import paths
+
+        # An explicit transport that cannot serve these caches (cuda-ipc over CPU caches) is
+        # refused here, at startup, by name: not at the first request.
+        paths.offered(self.config.transport, self.pool.device.type)
         if self.config.layer_groups > self.pool.num_layers:
             raise KvFerryError(
                 f"invalid kv_connector_extra_config layer_groups={self.config.layer_groups}: "
