@@ -159,6 +159,42 @@ def test_vllm_router_nixl_mode(routed: Any) -> None:
     _check_mode(routed, send, seed=100, concurrent=True)
 
 
+@pytest.fixture(scope="module")
+def moriio(
+    plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, testbed.Server, Testbed, testbed.Router]]:
+    """A KvferryConnector pair behind vllm-router's moriio mode: the router listens for
+    registrations, each server registers there (router_discovery, http_address)."""
+    work = tmp_path_factory.mktemp("moriio")
+    discovery = f"127.0.0.1:{testbed.free_port()}"
+    router = testbed.start_router([], [], work, mode="moriio", discovery=discovery)
+    servers = []
+    try:
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            port = testbed.free_port()
+            config = testbed.kvferry_config(role, router_discovery=discovery, http_address=f"127.0.0.1:{port}")
+            servers.append(testbed.start_server(name, model, work, kv_transfer_config=config, port=port))
+        bed = Testbed(model, work, None, None, proxy_connector=None, prefills=servers[:1], decodes=servers[1:])
+        testbed.wait_ready([*servers, plain])
+        # The router logs each server it adds: both registered, requests can go.
+        registered = lambda: all(f"Add {r} [HTTP:{s.url[7:]}" in router.log_tail(10**6)  # noqa: E731
+                                 for r, s in (("Prefill", servers[0]), ("Decode", servers[1])))  # fmt: skip
+        wait_until(registered, "both servers to register with vllm-router")
+        yield "kvferry", plain, bed, router
+    finally:
+        router.stop()
+        for server in servers:
+            server.stop()
+
+
+def test_vllm_router_moriio_mode(moriio: Any) -> None:
+    """vllm-router's moriio WRITE mode: it sends both legs at once, the decode server's
+    signed rendezvous in their X-Request-Id, so every prefill request sends its prefix before
+    its first forward."""
+    _, _, _, router = moriio
+    _check_mode(moriio, lambda body: call(router.url, COMPLETIONS, body), seed=700, concurrent=True)
+
+
 def test_toy_proxy_protocol(routed: Any) -> None:
     _, _, bed, _ = routed
     _check_mode(routed, _toy_proxy(bed.prefills[0].url, bed.decodes[0].url), seed=200, concurrent=False)
