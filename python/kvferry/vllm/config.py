@@ -247,7 +247,7 @@ def _check_host_port(name: str, value: Any) -> Optional[str]:
     if value is None:
         return None
     host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not host or any(c.isspace() or c in "/@,_" for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgumentError(
             f"invalid kv_connector_extra_config {name}={value!r}: must be host:port (e.g. 10.0.0.1:30001)"
         )
