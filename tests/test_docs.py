@@ -131,3 +131,36 @@ def test_kv_transfer_configs_in_bash_blocks_are_ones_the_connector_takes() -> No
     for config in configs:
         assert (config["kv_connector"], config["kv_connector_module_path"]) == ("KvferryConnector", "kvferry.vllm")
         ConnectorConfig.from_extra(config.get("kv_connector_extra_config"))
+
+
+def _moriio_commands() -> list[list[str]]:
+    """The commands of docs/routers.md's moriio-mode block, split into words."""
+    (text,) = [text for _, text in blocks("docs/routers.md", "") if "--kv-connector moriio" in text]
+    return [shlex.split(command) for command in bash_commands(text)]
+
+
+def test_routers_doc_moriio_servers_register_where_the_router_listens() -> None:
+    """The servers' configs are ones KvferryConnector takes, each registers at the router's
+    --vllm-discovery-address and names its own --port as http_address."""
+    router, *servers = _moriio_commands()
+    discovery = router[router.index("--vllm-discovery-address") + 1]
+    assert [words[words.index("--port") + 1] for words in servers] == ["8100", "8200"]
+    for words in servers:
+        config = json.loads(words[words.index("--kv-transfer-config") + 1])
+        extra = ConnectorConfig.from_extra(config["kv_connector_extra_config"])
+        assert (extra.router_discovery, extra.http_address) == (
+            discovery,
+            f"127.0.0.1:{words[words.index('--port') + 1]}",
+        )
+    assert [json.loads(w[w.index("--kv-transfer-config") + 1])["kv_role"] for w in servers] == [
+        "kv_producer",
+        "kv_consumer",
+    ]
+
+
+def test_routers_doc_moriio_router_command_parses() -> None:
+    launch = pytest.importorskip("vllm_router.launch_router", reason="vllm-router is installed with make setup-vllm")
+    router = _moriio_commands()[0]
+    assert router[0] == "vllm-router"
+    args = launch.parse_router_args(router[1:])
+    assert (args.kv_connector, args.vllm_discovery_address) == ("moriio", "127.0.0.1:30001")

@@ -1,7 +1,9 @@
 """KvferryConnector as a drop-in for NixlConnector under the routers serving teams run, on real
 vLLM 0.32 CPU servers: vllm-router (``--vllm-pd-disaggregation --kv-connector nixl``; once a
-prefill answers ``transfer_mode: "push"`` it runs both legs of later requests at once) and
-vLLM's toy-proxy protocol, driven from the test. The same checks run with NixlConnector
+prefill answers ``transfer_mode: "push"`` it runs both legs of later requests at once), its
+moriio WRITE mode (``--kv-connector moriio --vllm-discovery-address``: the servers register
+with the router, which runs both legs of every request at once) and vLLM's toy-proxy
+protocol, driven from the test. The same checks run with NixlConnector
 servers under the same router, which shows the checks themselves are right.
 
 Each mode, over multi-turn sessions: every greedy output equals a plain server's; the decode
@@ -157,6 +159,66 @@ def test_vllm_router_nixl_mode(routed: Any) -> None:
     first = send(_body(_tokens(random.Random(1), 40)))  # the router learns the prefill's answer
     assert first.status == 200, first.body
     _check_mode(routed, send, seed=100, concurrent=True)
+
+
+@pytest.fixture(scope="module")
+def moriio(
+    plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, testbed.Server, Testbed, testbed.Router]]:
+    """A KvferryConnector pair behind vllm-router's moriio mode: the router listens for
+    registrations, each server registers there (router_discovery, http_address)."""
+    work = tmp_path_factory.mktemp("moriio")
+    discovery = f"127.0.0.1:{testbed.free_port()}"
+    router = testbed.start_router([], [], work, mode="moriio", discovery=discovery)
+    servers = []
+    try:
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            port = testbed.free_port()
+            config = testbed.kvferry_config(role, router_discovery=discovery, http_address=f"127.0.0.1:{port}")
+            servers.append(testbed.start_server(name, model, work, kv_transfer_config=config, port=port))
+        bed = Testbed(model, work, None, None, proxy_connector=None, prefills=servers[:1], decodes=servers[1:])
+        testbed.wait_ready([*servers, plain])
+        # The router logs each server it adds: both registered, requests can go.
+        registered = lambda: all(f"Add {r} [HTTP:{s.url[7:]}" in router.log_tail(10**6)  # noqa: E731
+                                 for r, s in (("Prefill", servers[0]), ("Decode", servers[1])))  # fmt: skip
+        wait_until(registered, "both servers to register with vllm-router")
+        yield "kvferry", plain, bed, router
+    finally:
+        router.stop()
+        for server in servers:
+            server.stop()
+
+
+def test_vllm_router_moriio_mode(moriio: Any) -> None:
+    """vllm-router's moriio WRITE mode: it sends both legs at once, the decode server's
+    signed rendezvous in their X-Request-Id, so every prefill request sends its prefix before
+    its first forward."""
+    _, _, _, router = moriio
+    _check_mode(moriio, lambda body: call(router.url, COMPLETIONS, body), seed=700, concurrent=True)
+
+
+def test_moriio_legs_kvferry_cannot_serve_are_refused_and_counted(moriio: Any) -> None:
+    """A client that POSTs to the servers itself, bypassing the router: a prefill leg whose
+    X-Request-Id names a decode address signed by another key (never connected to) and a
+    decode leg of a data parallel router fail with the field named, counted as refused."""
+    _, _, bed, _ = moriio
+    prefill, decode = bed.prefills[0], bed.decodes[0]
+    before = [_counter(s, "vllm:kvferry_unhonoured_total", reason="refused") for s in (prefill, decode)]
+    forged = f"{'0' * 64}@tcp://127.0.0.1:{testbed.free_port()}"
+    leg = {"remote_engine_id": None, "remote_block_ids": None, "remote_dp_size": 1, "remote_tp_size": 1,
+           "transfer_id": "tx-" + "f" * 32}  # fmt: skip
+    header = {"X-Request-Id": f"___prefill_addr_kvferry___decode_addr_{forged}_{'e' * 32}"}
+    first = dict(leg, do_remote_decode=True, do_remote_prefill=False)
+    answer = call(prefill.url, COMPLETIONS, dict(_body([5] * 40), max_tokens=1, kv_transfer_params=first), header)
+    assert answer.status != 200
+    second = dict(leg, do_remote_decode=False, do_remote_prefill=True, remote_dp_size=2)
+    answer = call(decode.url, COMPLETIONS, dict(_body([5] * 40), kv_transfer_params=second))
+    assert answer.status != 200
+    after = [_counter(s, "vllm:kvferry_unhonoured_total", reason="refused") for s in (prefill, decode)]
+    assert after == [before[0] + 1, before[1] + 1]
+    assert "peer_mac does not match" in prefill.log_tail(20000)
+    assert "kv_transfer_params.remote_dp_size=2" in decode.log_tail(20000)
+    wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "both servers to hold no KV blocks")
 
 
 def test_toy_proxy_protocol(routed: Any) -> None:

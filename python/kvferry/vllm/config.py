@@ -103,6 +103,11 @@ class ConnectorConfig:
     # copy threads, the control plane, NIXL's progress thread): keeps the transfer's work off
     # the cores the engine computes on. Empty: they run where the engine runs (kvferry.affinity).
     transfer_cores: tuple[int, ...] = ()
+    # vllm-router's moriio mode (kvferry.vllm.moriio): the router's --vllm-discovery-address
+    # (host:port) this server registers with, and the host:port the router reaches this
+    # server's HTTP API at. Both or neither.
+    router_discovery: Optional[str] = None
+    http_address: Optional[str] = None
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -131,6 +136,8 @@ class ConnectorConfig:
             elif name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
+            elif name in ("router_discovery", "http_address"):
+                value = _check_host_port(name, value)
             elif isinstance(default, bool):
                 if not isinstance(value, bool):
                     raise InvalidArgumentError(
@@ -168,6 +175,16 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"invalid kv_connector_extra_config admission_wait_s={config.admission_wait_s!r}: must be less than"
                 f" destination_timeout_s ({config.destination_timeout_s!r}), past which the request fails"
+            )
+        if (config.router_discovery is None) != (config.http_address is None):
+            given, missing = (
+                ("router_discovery", "http_address")
+                if config.http_address is None
+                else ("http_address", "router_discovery")
+            )
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config {given}={getattr(config, given)!r} without {missing}: vllm-router's"
+                " moriio mode needs both (the router's --vllm-discovery-address, and where it reaches this server)"
             )
         if config.transport not in TRANSPORTS:
             raise InvalidArgumentError(
@@ -233,6 +250,18 @@ def _check_tp_sizes(value: Any) -> int | tuple[int, ...]:
             f"invalid kv_connector_extra_config prefill_tp_size={list(value)!r}: lists {twice} more than once"
         )
     return tuple(int(v) for v in value)
+
+
+def _check_host_port(name: str, value: Any) -> Optional[str]:
+    """``router_discovery`` / ``http_address``: ``host:port`` (an IPv6 host in brackets)."""
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or any(c.isspace() or c in "/@" for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(
+            f"invalid kv_connector_extra_config {name}={value!r}: must be host:port (e.g. 10.0.0.1:30001)"
+        )
+    return value
 
 
 def _loopback(host: str) -> bool:

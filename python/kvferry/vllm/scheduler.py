@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvferry import affinity, ranks
-from kvferry.errors import KvFerryError, TransferError
+from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.transports.guard import RateLimitedLog
-from kvferry.vllm import paths, redact, rendezvous, router, trust
+from kvferry.vllm import moriio, paths, redact, rendezvous, router, trust
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 from kvferry.vllm.park import ParkBook
@@ -177,6 +177,16 @@ class SchedulerSide:
         # make to this prefill server, and each router prefill request's transfer id.
         self._book: router.OfferBook[_Lookup] = router.OfferBook(authkey, config, self._offer_came)
         self._router_rids: dict[str, str] = {}
+        # vllm-router's moriio mode (kvferry.vllm.moriio): this server's registration with the
+        # router; a decode server's starts once its rendezvous are known (`set_handshakes`).
+        self._registration: Optional[moriio.Registration] = None
+        if config.router_discovery is not None and role == "kv_both":
+            raise InvalidArgumentError(
+                f"invalid kv_connector_extra_config router_discovery={config.router_discovery!r} on a kv_both server:"
+                " vllm-router's moriio mode registers a server as prefill (kv_producer) or decode (kv_consumer)"
+            )
+        if config.router_discovery is not None and role == "kv_producer":
+            self._register("P", "kvferry")
         self.tally = Tally()  # what this half counts (vllm:kvferry_* on /metrics)
         self._unhonoured: deque[str] = deque()  # reasons counted on other threads, tallied each step
 
@@ -220,14 +230,15 @@ class SchedulerSide:
         not read, and parameters of a protocol it does not speak, are logged and counted
         (the request is then served as it can be: never an unannounced recompute)."""
         raw = getattr(request, "kv_transfer_params", None)
-        params = parse_router_params(raw, request.request_id) or parse_params(raw)
-        if params is not None and params.router and params.ignored:
+        params = _parse(raw, request.request_id)
+        if params is not None and params.ignored:
             self.tally.unhonoured("ignored_keys")
             _warn.warning(
                 "ignored",
-                "kvferry: request %s: kv_transfer_params keys %s are not NixlConnector's and are ignored",
+                "kvferry: request %s: kv_transfer_params keys %s are not %s and are ignored",
                 request.request_id,
                 list(params.ignored),
+                "NixlConnector's" if params.router else "vllm-router moriio mode's",
             )
         elif params is None and isinstance(raw, dict) and set(raw) - router.PLAIN_KEYS:
             self.tally.unhonoured("not_kvferry")
@@ -373,6 +384,15 @@ class SchedulerSide:
             return
         ordered = [by_rank[r] for r in sorted(by_rank)]
         self.handshake = Handshake(ordered[0].engine, " ".join(h.peer for h in ordered))
+        if self.config.router_discovery is not None and self.role == "kv_consumer" and self._registration is None:
+            peer = self.handshake.peer  # signed: a prefill server connects only to it (kvferry.vllm.trust)
+            self._register("D", moriio.registered_address(peer, trust.sign_peer(self._authkey, peer)))
+
+    def _register(self, role: str, zmq_address: str) -> None:
+        assert self.config.router_discovery is not None and self.config.http_address is not None
+        self._registration = moriio.Registration(
+            self.config.router_discovery, role, self.config.http_address, zmq_address
+        )
 
     def _plan(self, peer: str) -> Optional[list[tuple[ranks.Link, str]]]:
         """Each link of a send to decode server ``peer`` and the rendezvous of its decode
@@ -660,8 +680,7 @@ class SchedulerSide:
         if refused is not None:
             return False, {"kvferry": {"error": redact.scrub(refused)}}
         try:
-            raw = getattr(request, "kv_transfer_params", None)
-            params = parse_router_params(raw, rid) or parse_params(raw)
+            params = _parse(getattr(request, "kv_transfer_params", None), rid)
         except KvFerryError:
             params = None
         if params is not None and params.op == "hello":
@@ -820,11 +839,19 @@ class SchedulerSide:
         return answer
 
     def close(self) -> None:
-        """Stops the offer rendezvous (routers), if it started."""
+        """Stops the offer rendezvous (routers) and the router registration, if they started."""
         self._book.close()
+        if self._registration is not None:
+            self._registration.close()
 
     def has_pending(self) -> bool:
         return bool(self._lookups or self._computing or self._late or self._parked)
+
+
+def _parse(raw: Any, rid: str) -> Optional[RequestParams]:
+    """A request's parameters in whichever protocol it speaks: vllm-router's moriio mode,
+    NixlConnector's (other routers), kvferry's own; None for a plain request."""
+    return moriio.parse_moriio_params(raw, rid) or parse_router_params(raw, rid) or parse_params(raw)
 
 
 def _capped(asked: Optional[float], bound: float) -> float:

@@ -486,6 +486,7 @@ def start_server(
     python: str = sys.executable,
     host: str = "127.0.0.1",
     netns: Optional[str] = None,
+    port: Optional[int] = None,
 ) -> Server:
     """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free port of
     ``host`` (loopback by default; NIXL's side channel listens there too); returns at once
@@ -493,8 +494,9 @@ def start_server(
     exec``, root), standing for another host; ``host`` is then its address there.
     ``cores``: the CPUs the server computes on; ``transfer_cores``: where its transfer threads
     run instead (kvferry's, `kvferry.affinity`, and every NIXL agent's, vLLM's NixlConnector's
-    included), so that every connector's transfer work is placed alike."""
-    port, side = free_port(), free_port()
+    included), so that every connector's transfer work is placed alike. ``port``: the HTTP
+    port (a free one by default), for a config that names it (``http_address``)."""
+    port, side = port or free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     args = [
@@ -692,11 +694,13 @@ def start_router(
     mode: str = "nixl",
     timeout_s: float = 120.0,
     quiet: bool = False,
+    discovery: Optional[str] = None,
 ) -> Router:
     """Starts vllm-router ``--vllm-pd-disaggregation`` in front of the servers' URLs on a free
     loopback port, with ``--kv-connector mode``, and waits until it answers /health.
     ``quiet``: no circuit breaker and no failed health verdicts (a bench pauses the servers
-    whose turn it is not)."""
+    whose turn it is not). ``discovery`` (host:port; ``prefills`` and ``decodes`` empty): the
+    servers register there instead (``--vllm-discovery-address``, the moriio mode's way)."""
     if mode not in ROUTER_MODES:
         raise ValueError(f"invalid mode={mode!r}: vllm-router's --kv-connector takes {', '.join(ROUTER_MODES)}")
     binary = router_binary()
@@ -708,6 +712,8 @@ def start_router(
         args += ["--prefill", url]
     for url in decodes:
         args += ["--decode", url]
+    if discovery is not None:
+        args += ["--vllm-discovery-address", discovery]
     args += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     args += ["--worker-startup-timeout-secs", "600", "--disable-retries"]
     if quiet:
@@ -727,6 +733,9 @@ def start_router(
             with urllib.request.urlopen(router.url + "/health", timeout=2) as r:
                 if r.status == 200:
                     return router
+        except urllib.error.HTTPError:
+            if discovery is not None:
+                return router  # it answers: unhealthy until servers register, which is the caller's to wait for
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         if time.monotonic() > deadline:
