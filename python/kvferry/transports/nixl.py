@@ -929,6 +929,8 @@ class NixlTransport(Transport):
         self._conn.check()
 
     def close(self) -> None:
+        if self.agent is None:  # closed already
+            return
         try:
             self.agent.release_dlist_handle(self._local_side)
             if self._host_side is not None:
