@@ -1,23 +1,29 @@
 """NIXL transport (UCX backend): the engine production stacks use across nodes.
 
 ```
-receiver: NixlEndpoint   registers its pool's spans, hello = agent metadata + the layers'
-                         addresses, its segment and block strides and the spans
-sender:   NixlTransport  registers its pool, adds the remote agent, prepares both block
-                         descriptor lists once; each write is one prepared WRITE of
-                         (layer, segment, block) descriptors chosen by index, notices
-                         riding along as the transfer's notification
-receiver: a thread polls notifications and delivers the notices (and the fences, which
-                         the sender posts as notifications of their own, after its writes)
+receiver: NixlEndpoint   its pool registered with the process's receiving agent, hello =
+                         agent metadata + the layers' addresses, its segment and block
+                         strides and the spans
+sender:   NixlTransport  its pool registered with the process's sending agent, the remote
+                         agent added, both block descriptor lists prepared once; each write
+                         is one prepared WRITE of (layer, segment, block) descriptors chosen
+                         by index, notices riding along as the transfer's notification
+receiver: the process's one poller thread hands each notification to the endpoint whose
+                         connection its agent is bound to, which delivers the notices (and
+                         the fences, which the sender posts as notifications of their own,
+                         after its writes)
 ```
-Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
+One agent per process and role (kvferry.transports.nixl_hub): every endpoint of a process
+shares its receiving agent, every transport its sending agent, and each pool's memory is
+registered once however many peers read or write it. Agent metadata (opaque bytes, bounded)
+is exchanged in-band over the authenticated control
 channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
 every interface), with the pool's layer addresses, strides and registered spans: the sender
 builds the receiver's block descriptors itself, at the receiver's strides, after checking that
 every one lies inside a registered span (`_remote_pool`), so any pool (layer- or block-outer,
 a head slice) is served on either side. Needs the `nixl` package
-(`pip install kvferry[nixl]`); the receiver's UCX progress thread stays on (without it the
-target never progresses), the sender's agent has none (`SENDER_PROGRESS_THREAD`).
+(`pip install kvferry[nixl]`); the receiving agent's UCX progress thread stays on (without it
+the target never progresses), the sending agent has none (`SENDER_PROGRESS_THREAD`).
 
 Faults. The sender learns that its receiver died from the socket (EOF), from NIXL (a post or a
 transfer that ends in error), or, where neither says anything (a hung peer), from the sender's
@@ -32,9 +38,10 @@ Wire: a notification is one frame of the core's codec (kvferry.transports.wire):
 lease before a notice counts), or a ``revoke`` frame, a fence. The sender names its agent on
 the control channel first (an ``agent`` frame), so that the receiver can tie the agent's
 requests to the connection (announces, cancellations back, its end). The name is bound to
-the connection once: a second ``agent`` frame, one naming an agent another connection holds,
-or an announce or fence before it, breaks the protocol and ends that connection (a sender
-cannot take over another's requests by naming its agent). A notification that does not
+the connection once: a second ``agent`` frame, one naming an agent another open connection
+to any endpoint of the process holds, or an announce or fence before it, breaks the protocol
+and ends that connection (a sender cannot take over another's requests by naming its agent,
+nor have its notifications reach another endpoint's receiver). A notification that does not
 decode, or names blocks outside a lease, is refused and ends that agent's control
 connection.
 """
