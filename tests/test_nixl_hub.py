@@ -56,22 +56,22 @@ def nixl_threads() -> int:
     return sum(1 for task in os.listdir("/proc/self/task") if int(task) not in python)
 
 
-def head_views(heads: int, fill: float) -> list[torch.Tensor]:
+def head_views(heads: int, fill: float, device: str = "cpu") -> list[torch.Tensor]:
     """vLLM-like [B, H, N, C] views of one allocation, one per layer."""
-    whole = torch.full((LAYERS, BLOCKS, heads, TOKENS, CONTENT), fill)
+    whole = torch.full((LAYERS, BLOCKS, heads, TOKENS, CONTENT), fill, device=device)
     return list(whole.unbind(0))
 
 
 class Rank:
     """A simulated prefill rank: its hub, its pool (its head of the model), its sender."""
 
-    def __init__(self, nixl_hub: Any, rank: int, address: str, authkey: bytes) -> None:
+    def __init__(self, nixl_hub: Any, rank: int, address: str, authkey: bytes, device: str = "cpu") -> None:
         from kvferry.layout import paged_kv_from_views
         from kvferry.transports.nixl import SENDER_PROGRESS_THREAD, NixlTransport
 
         self.hub = nixl_hub.AgentHub("tx", progress_thread=SENDER_PROGRESS_THREAD)
         gen = torch.Generator().manual_seed(rank)
-        self.kv = torch.randn((LAYERS, BLOCKS, 1, TOKENS, CONTENT), generator=gen)
+        self.kv = torch.randn((LAYERS, BLOCKS, 1, TOKENS, CONTENT), generator=gen).to(device)
         self.pool = paged_kv_from_views(
             list(self.kv.unbind(0)), num_blocks=BLOCKS, tokens_per_block=TOKENS, heads=(0, 1)
         )
@@ -237,3 +237,40 @@ def test_notifications_wait_for_their_agents_binding_and_stop_at_its_endpoints_c
     hub.detach(a)
     assert hub._route({"x": [b"5"], "y": [b"y2"]}) == [(b, "y", [b"y2"])]
     assert hub.dropped == 1
+
+
+@pytest.mark.cuda
+def test_cuda_head_slices_share_one_registration_and_land_bit_exact(nixl_hub: Any) -> None:
+    """VRAM: two prefill ranks (hubs of their own) write the two head slices of one CUDA
+    pool, poisoned with NaN, through endpoints of one receiver hub: the pool's allocation is
+    registered once, each head holds its rank's blocks bit for bit, the rest stays NaN."""
+    from kvferry.layout import paged_kv_from_views
+    from kvferry.transports.nixl import NixlEndpoint
+
+    views = head_views(2, float("nan"), "cuda")
+    pool = paged_kv_from_views(views, num_blocks=BLOCKS, tokens_per_block=TOKENS)
+    receivers = [KVReceiver(pool.heads(r, r + 1)) for r in range(2)]
+    hub = nixl_hub.ReceiverHub()
+    authkey = secrets.token_bytes(32)
+    endpoints = [NixlEndpoint(receiver, authkey=authkey, hub=hub) for receiver in receivers]
+    ranks: list[Rank] = []
+    try:
+        ranks = [Rank(nixl_hub, r, endpoints[r].address, authkey, "cuda") for r in range(2)]
+        assert hub.registrations() == 1 and nixl_hub.registered_by_agent[endpoints[0].agent.name] == 1
+        for rank, receiver in zip(ranks, receivers):
+            rank.send(7, receiver.expect(7, len(DST_IDS) * TOKENS, dst_blocks=DST_IDS))
+        for receiver in receivers:
+            receiver.wait(7, timeout=SLACK)
+            assert receiver.release(7).is_complete
+        torch.cuda.synchronize()
+        untouched = np.setdiff1d(np.arange(BLOCKS), DST_IDS)
+        for r in range(2):
+            landed = torch.stack([view[:, r : r + 1] for view in views])
+            assert torch.equal(landed[:, DST_IDS], ranks[r].kv[:, SRC_IDS])
+            assert bool(torch.isnan(landed[:, untouched]).all())
+    finally:
+        for rank in ranks:
+            rank.close()
+        for endpoint in endpoints:
+            endpoint.close()
+    assert hub.agents() == 0 and hub.registrations() == 0
