@@ -380,29 +380,34 @@ class NixlEndpoint(LocalEndpoint):
         # The process's one receiving agent (kvferry.transports.nixl_hub): its pool's
         # allocations registered once for every endpoint over them, one poller for all.
         self._hub = receivers() if hub is None else hub
-        self._lane = self._hub.attach(self)
+        self._lane: Optional[Lane] = self._hub.attach(self)
+        self._registered: list[Any] = []
         try:
             self._registered = self._lane.register(pool)
+            self.agent = self._lane.agent
+            hello = pool_hello(
+                pool,
+                "nixl",
+                agent_name=self.agent.name,
+                agent_metadata=bytes(self.agent.get_agent_metadata()),
+                mem_type=_mem_type(pool),
+                device=pool.device.index or 0,
+                bases=[t.data_ptr() for t in pool.layers],
+                segment_stride=pool.segment_stride,
+                block_stride=pool.block_stride,
+                # Inside the registered allocations: what a sender checks its blocks against,
+                # and where its descriptors may be joined (`joined_spans`).
+                regions=registered_spans(pool),
+            )
+            super().__init__(receiver, hello, authkey=authkey, **options)
         except BaseException:
+            lane, self._lane = self._lane, None
             self._hub.detach(self)
-            self._hub.release(self._lane)
+            try:
+                lane.deregister(self._registered)
+            finally:
+                self._hub.release(lane)
             raise
-        self.agent = self._lane.agent
-        hello = pool_hello(
-            pool,
-            "nixl",
-            agent_name=self.agent.name,
-            agent_metadata=bytes(self.agent.get_agent_metadata()),
-            mem_type=_mem_type(pool),
-            device=pool.device.index or 0,
-            bases=[t.data_ptr() for t in pool.layers],
-            segment_stride=pool.segment_stride,
-            block_stride=pool.block_stride,
-            # Inside the registered allocations: what a sender checks its blocks against,
-            # and where its descriptors may be joined (`joined_spans`).
-            regions=registered_spans(pool),
-        )
-        super().__init__(receiver, hello, authkey=authkey, **options)
 
     def on_notification(self, agent: str, message: bytes) -> None:
         """One notification of ``agent``, bound to a connection of this endpoint (the
@@ -482,12 +487,15 @@ class NixlEndpoint(LocalEndpoint):
             self.receiver.fence_source(peer.source)
 
     def close(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is None:  # closed already
+            return
         self._hub.detach(self)
         super().close()
         try:
-            self._lane.deregister(self._registered)
+            lane.deregister(self._registered)
         finally:
-            self._hub.release(self._lane)
+            self._hub.release(lane)
             self.agent = None  # see _agent: the last user's release ends its progress thread
             self._registered = []
 
