@@ -35,6 +35,8 @@ import time
 from collections import deque
 from typing import Any, Optional, Protocol
 
+import numpy as np
+
 from kvferry import affinity
 from kvferry.layout import PagedKV
 from kvferry.transports import wire
@@ -95,18 +97,14 @@ class Lane:
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
-        self.name: str = agent.name
         self.users = 0
         self._lock = threading.Lock()
         self._registered: dict[Key, list[Any]] = {}  # key -> [NIXL handle, users]
         self._peers: set[str] = set()  # remote agents a transport of this lane writes to
-        self.registrations = 0  # register_memory calls over the lane's life
 
     def register(self, pool: PagedKV) -> list[Key]:
         """Registers the pool's allocations not registered yet; returns the keys to give
         back to `deregister`."""
-        import numpy as np
-
         mem, device = _mem_type(pool), pool.device.index or 0
         keys = [(a, n, device, mem) for a, n in storage_spans(pool)]
         with self._lock:
@@ -117,7 +115,6 @@ class Lane:
                     if entry is None:
                         rows = np.array([key[:3]], dtype=np.uint64)
                         entry = self._registered[key] = [self.agent.register_memory(rows, mem), 0]
-                        self.registrations += 1
                     entry[1] += 1
                     done.append(key)
             except BaseException:
@@ -188,8 +185,8 @@ class AgentHub:
             return lane
 
     def release(self, lane: Lane) -> None:
-        """The lane's user is done; its last user's release drops the agent (and with it
-        its progress thread), after deregistering anything still registered."""
+        """The lane's user is done (having deregistered what it registered); the last
+        user's release drops the agent, and with it its progress thread."""
         with self._lock:
             lane.users -= 1
             if lane.users:
