@@ -371,7 +371,9 @@ def _after_agent(handler: Handler) -> Handler:
 
 class NixlEndpoint(LocalEndpoint):
     """The receiver's side: registers the pool with a NIXL agent, hands its metadata and block
-    descriptors to senders that present the key, and delivers notices from notifications."""
+    descriptors to senders that present the key, and delivers notices from notifications.
+    ``hub``: the agents it shares (default: this process's receiving one,
+    `nixl_hub.receivers`; a hub of its own stands for another process in tests)."""
 
     def __init__(
         self, receiver: KVReceiver, *, authkey: bytes, hub: Optional[ReceiverHub] = None, **options: Any
@@ -661,7 +663,8 @@ SPLIT_TIERS = False
 class NixlTransport(Transport):
     """The sender's side. ``src`` is the sender's own pool and ``host_src`` its host tier,
     if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
-    and the receiver's."""
+    and the receiver's. ``hub``: the agents it shares (default: this process's sending one,
+    `nixl_hub.senders`; a hub of its own stands for another process in tests)."""
 
     carries_notices = True  # the notification leaves with the write (`Transport.carries_notices`)
     costly_submit = True  # descriptors built and posted per write (`Transport.costly_submit`)
