@@ -196,11 +196,11 @@ def _native_threads() -> dict[int, str]:
 @needs_two_cores
 def test_a_nixl_agents_own_threads_start_on_the_transfer_cores(engine_core: Any) -> None:
     pytest.importorskip("nixl._api")
-    from kvferry.transports import nixl
+    from kvferry.transports import nixl_hub
 
     engine, transfer = engine_core
     before = _native_threads()
-    agent = nixl._agent("tx")  # UCX's progress thread starts here, in native code
+    agent = nixl_hub._agent("tx")  # UCX's progress thread starts here, in native code
     try:
         started = {tid: cpus for tid, cpus in _native_threads().items() if tid not in before}
         assert started, "the agent started no thread"

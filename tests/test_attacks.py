@@ -371,14 +371,14 @@ def test_a_nixl_receiver_whose_hello_lies_is_refused_before_any_agent(monkeypatc
     the sender refuses it by name before it creates an agent, registers memory or adds the
     peer; the receiver's pool is untouched."""
     pytest.importorskip("nixl")
-    from kvferry.transports import nixl
+    from kvferry.transports import nixl, nixl_hub
 
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     src, dst = POOLS.random(3), POOLS.nan()
     served = serve("nixl", dst)
     made: list[str] = []
-    real_agent = nixl._agent
-    monkeypatch.setattr(nixl, "_agent", lambda role: made.append(role) or real_agent(role))
+    real_agent = nixl_hub._agent
+    monkeypatch.setattr(nixl_hub, "_agent", lambda role, **kw: made.append(role) or real_agent(role, **kw))
     try:
         hello = served.endpoint._hello
         first = hello["regions"][0]

@@ -6,8 +6,8 @@
 #   bash benches/python/gpu_session.sh MODE
 # tests (the default): every `cuda` test of FILES (vLLM's KV cache layouts through copy_blocks,
 # in-process, staging and cuda_ipc; the copies, staging, tiers, TP, the worker replay, the
-# connector's direct GPU path), each
-# file under LIMIT seconds.
+# connector's direct GPU path, the NIXL receiver hub's one registration of a CUDA pool's head
+# slices), each file under LIMIT seconds.
 # bench: `bench agentic` at Llama-8B geometry (32k cached + 2k new) over TRANSPORTS (cuda-ipc
 # and staging), and with COPY=1 `bench copy` of copy, staging and cuda-ipc first.
 # staging-legs (about 7 minutes): the `cuda` tests of HMA x TP and
@@ -49,7 +49,7 @@ if [ "${1:-tests}" = tests ]; then
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
       tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py \
-      tests/test_gpupath.py tests/test_park.py}; do
+      tests/test_gpupath.py tests/test_park.py tests/test_nixl_hub.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12

@@ -1,23 +1,29 @@
 """NIXL transport (UCX backend): the engine production stacks use across nodes.
 
 ```
-receiver: NixlEndpoint   registers its pool's spans, hello = agent metadata + the layers'
-                         addresses, its segment and block strides and the spans
-sender:   NixlTransport  registers its pool, adds the remote agent, prepares both block
-                         descriptor lists once; each write is one prepared WRITE of
-                         (layer, segment, block) descriptors chosen by index, notices
-                         riding along as the transfer's notification
-receiver: a thread polls notifications and delivers the notices (and the fences, which
-                         the sender posts as notifications of their own, after its writes)
+receiver: NixlEndpoint   its pool registered with the process's receiving agent, hello =
+                         agent metadata + the layers' addresses, its segment and block
+                         strides and the spans
+sender:   NixlTransport  its pool registered with the process's sending agent, the remote
+                         agent added, both block descriptor lists prepared once; each write
+                         is one prepared WRITE of (layer, segment, block) descriptors chosen
+                         by index, notices riding along as the transfer's notification
+receiver: the process's one poller thread hands each notification to the endpoint whose
+                         connection its agent is bound to, which delivers the notices (and
+                         the fences, which the sender posts as notifications of their own,
+                         after its writes)
 ```
-Agent metadata (opaque bytes, bounded) is exchanged in-band over the authenticated control
+One agent per process and role (kvferry.transports.nixl_hub): every endpoint of a process
+shares its receiving agent, every transport its sending agent, and each pool's memory is
+registered once however many peers read or write it. Agent metadata (opaque bytes, bounded)
+is exchanged in-band over the authenticated control
 channel of kvferry.transports.control, a Unix socket or TCP (NIXL's own listener would bind
 every interface), with the pool's layer addresses, strides and registered spans: the sender
 builds the receiver's block descriptors itself, at the receiver's strides, after checking that
 every one lies inside a registered span (`_remote_pool`), so any pool (layer- or block-outer,
 a head slice) is served on either side. Needs the `nixl` package
-(`pip install kvferry[nixl]`); the receiver's UCX progress thread stays on (without it the
-target never progresses), the sender's agent has none (`SENDER_PROGRESS_THREAD`).
+(`pip install kvferry[nixl]`); the receiving agent's UCX progress thread stays on (without it
+the target never progresses), the sending agent has none (`SENDER_PROGRESS_THREAD`).
 
 Faults. The sender learns that its receiver died from the socket (EOF), from NIXL (a post or a
 transfer that ends in error), or, where neither says anything (a hung peer), from the sender's
@@ -32,23 +38,21 @@ Wire: a notification is one frame of the core's codec (kvferry.transports.wire):
 lease before a notice counts), or a ``revoke`` frame, a fence. The sender names its agent on
 the control channel first (an ``agent`` frame), so that the receiver can tie the agent's
 requests to the connection (announces, cancellations back, its end). The name is bound to
-the connection once: a second ``agent`` frame, one naming an agent another connection holds,
-or an announce or fence before it, breaks the protocol and ends that connection (a sender
-cannot take over another's requests by naming its agent). A notification that does not
+the connection once: a second ``agent`` frame, one naming an agent another open connection
+to any endpoint of the process holds, or an announce or fence before it, breaks the protocol
+and ends that connection (a sender cannot take over another's requests by naming its agent,
+nor have its notifications reach another endpoint's receiver). A notification that does not
 decode, or names blocks outside a lease, is refused and ends that agent's control
 connection.
 """
 
 from __future__ import annotations
 
-import secrets
-import threading
 import time
 from typing import AbstractSet, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
-from kvferry import affinity
 from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -60,6 +64,7 @@ from kvferry.transports import wire
 from kvferry.transports.base import Transport, Write
 from kvferry.transports.control import Handler, LocalEndpoint, PeerConnection, pool_hello
 from kvferry.transports.frames import TRANSPORT, Agent, Announce, Frame, Notices, Revoke
+from kvferry.transports.nixl_hub import AgentHub, Lane, ReceiverHub, _mem_type, receivers, senders
 
 __all__ = ["NixlEndpoint", "NixlTransport", "block_descriptors", "descriptor_indices"]
 
@@ -84,25 +89,6 @@ COALESCE = True
 # when the announcer looks at the receiver (`NixlTransport.check_peer`). The receiver keeps
 # its thread: it is the target of the writes, and nothing else would progress it.
 SENDER_PROGRESS_THREAD = False
-
-
-def _agent(role: str, progress_thread: bool = True) -> Any:
-    """A NIXL agent on UCX. Its progress thread (``progress_thread``) polls without pause
-    (about half a core) until the agent is destroyed, which happens only when the last
-    object holding it goes: so every holder here drops it as soon as it is done, rather
-    than leave that to the garbage collector."""
-    from kvferry._optional import require
-
-    require("nixl")
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-    with affinity.on_transfer_cores():  # its progress thread starts here and inherits the cores
-        return nixl_agent(f"kvferry-{role}-{secrets.token_hex(16)}", config)
-
-
-def _mem_type(pool: PagedKV) -> str:
-    return "VRAM" if pool.device.type == "cuda" else "DRAM"
 
 
 def _remote_pool(hello: Mapping[str, Any], peer: str) -> np.ndarray:
@@ -385,50 +371,59 @@ def _after_agent(handler: Handler) -> Handler:
 
 class NixlEndpoint(LocalEndpoint):
     """The receiver's side: registers the pool with a NIXL agent, hands its metadata and block
-    descriptors to senders that present the key, and delivers notices from notifications."""
+    descriptors to senders that present the key, and delivers notices from notifications.
+    ``hub``: the agents it shares (default: this process's receiving one,
+    `nixl_hub.receivers`; a hub of its own stands for another process in tests)."""
 
-    def __init__(self, receiver: KVReceiver, *, authkey: bytes, **options: Any) -> None:
+    def __init__(
+        self, receiver: KVReceiver, *, authkey: bytes, hub: Optional[ReceiverHub] = None, **options: Any
+    ) -> None:
         pool = receiver.pool
-        self.agent = _agent("rx")
-        # By spans, as the sender registers its own: a block-outer pool's layers and a head
-        # slice's are views that are not contiguous tensors.
-        self._registered = self.agent.register_memory(registered_regions(pool), _mem_type(pool))
-        hello = pool_hello(
-            pool,
-            "nixl",
-            agent_name=self.agent.name,
-            agent_metadata=bytes(self.agent.get_agent_metadata()),
-            mem_type=_mem_type(pool),
-            device=pool.device.index or 0,
-            bases=[t.data_ptr() for t in pool.layers],
-            segment_stride=pool.segment_stride,
-            block_stride=pool.block_stride,
-            regions=registered_spans(pool),
-        )
-        self._stop = threading.Event()
-        super().__init__(receiver, hello, authkey=authkey, **options)
-        self._poller = affinity.Thread(target=self._poll_notifications, name="kvferry-nixl-notifs", daemon=True)
-        self._poller.start()
+        # The process's one receiving agent (kvferry.transports.nixl_hub): its pool's
+        # allocations registered once for every endpoint over them, one poller for all.
+        self._hub = receivers() if hub is None else hub
+        self._lane: Optional[Lane] = self._hub.attach(self)
+        self._registered: list[Any] = []
+        try:
+            self._registered = self._lane.register(pool)
+            self.agent = self._lane.agent
+            hello = pool_hello(
+                pool,
+                "nixl",
+                agent_name=self.agent.name,
+                agent_metadata=bytes(self.agent.get_agent_metadata()),
+                mem_type=_mem_type(pool),
+                device=pool.device.index or 0,
+                bases=[t.data_ptr() for t in pool.layers],
+                segment_stride=pool.segment_stride,
+                block_stride=pool.block_stride,
+                # Inside the registered allocations: what a sender checks its blocks against,
+                # and where its descriptors may be joined (`joined_spans`).
+                regions=registered_spans(pool),
+            )
+            super().__init__(receiver, hello, authkey=authkey, **options)
+        except BaseException:
+            lane, self._lane = self._lane, None
+            self._hub.detach(self)
+            try:
+                lane.deregister(self._registered)
+            finally:
+                self._hub.release(lane)
+            raise
 
-    def _poll_notifications(self) -> None:
-        while not self._stop.is_set():
-            got = self.agent.get_new_notifs()
-            if not got:
-                time.sleep(POLL_SECONDS)
-                continue
-            for agent, messages in got.items():
-                # The remote agent's name identifies the sender: a request belongs to the
-                # first agent that announced it, as a connection does on the socket.
-                source = _agent_source(agent)
-                for message in messages:
-                    try:
-                        frame = _decode_notification(bytes(message))
-                        self.NOTIFICATIONS[type(frame)](self, source, frame)
-                    except wire.ProtocolError as err:  # a bad frame or a write outside a lease
-                        self._record(err)
-                        self._drop(source, err)
-                    except KvFerryError as err:  # recorded on the request; its wait raises
-                        self._record(err)
+    def on_notification(self, agent: str, message: bytes) -> None:
+        """One notification of ``agent``, bound to a connection of this endpoint (the
+        hub's poller calls this): a request belongs to the first agent that announced it,
+        as a connection does on the socket."""
+        source = _agent_source(agent)
+        try:
+            frame = _decode_notification(message)
+            self.NOTIFICATIONS[type(frame)](self, source, frame)
+        except wire.ProtocolError as err:  # a bad frame or a write outside a lease
+            self._record(err)
+            self._drop(source, err)
+        except KvFerryError as err:  # recorded on the request; its wait raises
+            self._record(err)
 
     def _drop(self, source: str, err: BaseException) -> None:
         """Ends the control connection of the agent that sent a notification breaking the
@@ -443,15 +438,20 @@ class NixlEndpoint(LocalEndpoint):
     def _on_agent(self, peer: Any, frame: Agent) -> None:
         """Binds the connection to the NIXL agent it writes with: its requests are the
         agent's (the notifications name it). Once per connection, and only to an agent no
-        other connection holds (a name is all a notification's sender has to go by)."""
+        other open connection to any endpoint of this process holds (a name is all a
+        notification's sender has to go by, and the hub routes it by that name alone)."""
         source = _agent_source(frame.agent_name)
         if peer.source is not peer:
             why = f"a second agent frame (NIXL agent {frame.agent_name!r}): the connection is bound to {peer.source}"
             raise wire.ProtocolError(f"{peer}: {why}", peer=str(peer))
         with self._lock:  # check and bind at once: two connections cannot both take a name
-            holder = next((p for p in self._peers if p is not peer and p.source == source), None)
+            holder: Any = next((p for p in self._peers if p is not peer and p.source == source), None)
             if holder is None:
-                peer.source = source
+                elsewhere = self._hub.bind(frame.agent_name, self)
+                if elsewhere is not None:
+                    holder = f"a connection to the endpoint at {getattr(elsewhere, 'address', elsewhere)}"
+                else:
+                    peer.source = source
         if holder is not None:
             raise wire.ProtocolError(f"{peer}: claims {source}, which {holder} holds", peer=str(peer))
 
@@ -483,20 +483,33 @@ class NixlEndpoint(LocalEndpoint):
     def lost(self, peer: Any, reason: str) -> None:
         """Fails nothing (see the module doc: the receiver's timeout decides), but fences
         the agent's requests unless the endpoint itself is closing."""
+        if isinstance(peer.source, str):
+            self._hub.unbind(_agent_name(peer.source), self)
         if not self._closing.is_set():
             self.receiver.fence_source(peer.source)
 
     def close(self) -> None:
-        self._stop.set()
-        self._poller.join(timeout=5)
+        lane, self._lane = self._lane, None
+        if lane is None:  # closed already
+            return
+        self._hub.detach(self)
         super().close()
-        self.agent.deregister_memory(self._registered)
-        self.agent = self._registered = None  # see _agent: ends its progress thread
+        try:
+            lane.deregister(self._registered)
+        finally:
+            self._hub.release(lane)
+            self.agent = None  # see _agent: the last user's release ends its progress thread
+            self._registered = []
 
 
 def _agent_source(name: str) -> str:
     """How the receiver names a NIXL sender: by its agent."""
     return f"NIXL agent {name}"
+
+
+def _agent_name(source: str) -> str:
+    """The agent `_agent_source` named."""
+    return source[len(_agent_source("")) :]
 
 
 class _XferPending(Pending):
@@ -650,7 +663,8 @@ SPLIT_TIERS = False
 class NixlTransport(Transport):
     """The sender's side. ``src`` is the sender's own pool and ``host_src`` its host tier,
     if it has one (`KVSender(..., host_pool=...)`): NIXL registers every pool it reads from
-    and the receiver's."""
+    and the receiver's. ``hub``: the agents it shares (default: this process's sending one,
+    `nixl_hub.senders`; a hub of its own stands for another process in tests)."""
 
     carries_notices = True  # the notification leaves with the write (`Transport.carries_notices`)
     costly_submit = True  # descriptors built and posted per write (`Transport.costly_submit`)
@@ -663,6 +677,7 @@ class NixlTransport(Transport):
         src: PagedKV,
         host_src: Optional[PagedKV] = None,
         handshake_timeout: Optional[float] = None,
+        hub: Optional[AgentHub] = None,
     ) -> None:
         if host_src is not None:
             if not isinstance(host_src, PagedKV):
@@ -690,14 +705,25 @@ class NixlTransport(Transport):
             raise
         self._src = src
         self._host_src = host_src
-        self.agent = _agent("tx", progress_thread=SENDER_PROGRESS_THREAD)
-        self._conn.send(Agent(self.agent.name))  # before any announce
-        # By spans, not by tensors: a block-outer pool's layer views are not contiguous.
-        self._registered = [self.agent.register_memory(registered_regions(src), _mem_type(src))]
-        if host_src is not None:
-            self._registered.append(self.agent.register_memory(registered_regions(host_src), _mem_type(host_src)))
-        self._remote = self.agent.add_remote_agent(hello["agent_metadata"])
-        self._remote_name = hello["agent_name"]
+        self._remote_name = str(hello["agent_name"])
+        # The process's sending agent (kvferry.transports.nixl_hub): each pool registered
+        # once for every transport, the receiver's agent added once.
+        self._hub = senders(SENDER_PROGRESS_THREAD) if hub is None else hub
+        self._lane: Optional[Lane] = None
+        self._registered: list[Any] = []
+        self._peer_added = False
+        try:
+            self._lane = self._hub.acquire(self._remote_name)
+            self.agent = self._lane.agent
+            self._conn.send(Agent(self.agent.name))  # before any announce
+            # By the allocations the pools view (`nixl_hub.storage_spans`): a block-outer
+            # pool's layer views are not contiguous, and slices of one pool share them.
+            self._registered = [self._lane.register(p) for p in (src, host_src) if p is not None]
+            self._lane.add_peer(hello["agent_metadata"], self._remote_name)
+            self._peer_added = True
+        except BaseException:
+            self._unwind()
+            raise
         # Local descriptor lists: rows of the device pool's blocks, then (one list) the host
         # pool's, from `_host_row`; or the host pool's in a list of its own (`_host_side`).
         self._split = host_src is not None and (SPLIT_TIERS or _mem_type(src) != _mem_type(host_src))
@@ -921,16 +947,30 @@ class NixlTransport(Transport):
         self._conn.check()
 
     def close(self) -> None:
+        if self.agent is None:  # closed already
+            return
         try:
             self.agent.release_dlist_handle(self._local_side)
             if self._host_side is not None:
                 self.agent.release_dlist_handle(self._host_side)
             self.agent.release_dlist_handle(self._remote_side)
-            self.agent.remove_remote_agent(self._remote)
-            for registered in self._registered:
-                self.agent.deregister_memory(registered)
         finally:
-            self._conn.close()
+            self._unwind()
             # see _agent: the descriptor handles hold the agent too
             self.agent = self._local_side = self._host_side = self._remote_side = None
-            self._registered = []
+
+    def _unwind(self) -> None:
+        """Gives back what this transport holds of its hub's lane (the remote agent, the
+        registrations, the lane) and closes the socket."""
+        try:
+            if self._lane is not None:
+                try:
+                    self._lane.remove_peer(self._remote_name, added=self._peer_added)
+                finally:
+                    for keys in self._registered:
+                        self._lane.deregister(keys)
+        finally:
+            self._conn.close()
+            if self._lane is not None:
+                self._hub.release(self._lane)
+            self._lane, self._registered, self._peer_added = None, [], False

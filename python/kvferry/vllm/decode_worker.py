@@ -347,8 +347,9 @@ class DecodeWorker:
     def sweep(self, now: float) -> list[str]:
         """Closes the endpoints of prefill engines that went away (see ENDPOINT_GRACE_S);
         returns their senders' names. Runs on the engine thread each step, so it never waits
-        for the endpoints' lock: while a lookup holds it to make an endpoint (NIXL registers
-        the whole pool then, which takes a while), this step sweeps nothing; the next does."""
+        for the endpoints' lock: while a lookup holds it to make an endpoint (the first NIXL
+        endpoint registers the whole pool then, which takes a while), this step sweeps
+        nothing; the next does."""
         assert self.rendezvous is not None
         gone: list[registry.Served | paths.Choice] = []
         names: list[str] = []
