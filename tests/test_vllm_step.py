@@ -252,7 +252,6 @@ def test_a_decode_step_goes_on_while_a_lookup_it_answered_waits_for_a_registrati
     import threading
 
     from helpers import SLACK, in_thread
-
     from kvferry.vllm.client import Client
 
     rdv = decode.rendezvous

@@ -1,9 +1,10 @@
 """The rendezvous: how a prefill request learns its destination blocks on the decode server.
 
 ```
-decode worker (Rendezvous)                         prefill scheduler / worker (lookup, abandon)
+decode worker (Rendezvous)                         prefill scheduler / worker (client.Client)
 publish(T, destination)  <- the decode request's blocks are allocated and expected
-            <-- kvferry's mutual handshake (transports/wire.py: HMAC-SHA256 both ways) --
+            <-- kvferry's mutual handshake (transports/wire.py: HMAC-SHA256 both ways),
+                once per connection: every question below rides on it, numbered (call) --
             <-- lookup (T, wait_ms, S)
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
@@ -32,7 +33,8 @@ It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tc
 Every message is a frame of kvferry's binary codec (the same header and handshake as the
 transports' control channels, ``wire.Channel``; its own set of frames, kvferry.vllm.frames
 and rust/src/wire/rendezvous.rs), read only after both sides proved they hold the key, with
-bodies of at most 1 MiB:
+bodies of at most 1 MiB; every frame but the handshake's and the goodbye ends with
+``call`` (u32), the question's number on its connection, which its answer repeats:
 
 ```
 lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (1-128 bytes)
@@ -40,9 +42,9 @@ destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_siz
              | held_blocks i64 (<= the ids) | dst_blocks (<= 2^20 ids >= 0) | digest (1-64
              lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars)
 refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes) | epoch i64 (>= 0)
-abandoned    (no body)                 goodbye  why the connection closes
+abandoned    (call only)               goodbye  why the connection closes
 offer        transfer | peer (1-4096 bytes) | peer_mac (64 lower-case hex)
-accepted     (no body)
+accepted     (call only)
 ```
 The core checks every field of every frame, both ways, before Python sees it: nothing from
 the socket is ever unpickled or parsed as JSON. A frame that does not decode, or one the
@@ -53,8 +55,16 @@ written by two senders; and once handed out, only the request that took it can g
 (an abandon naming the destination's epoch): a prefill request that named the same id but
 took nothing (a client's second request, aborted) cannot make the decode side free blocks
 the taker is still writing. At most ``max_connections`` authenticated connections are
-served at once (`MAX_CONNECTIONS`; one more is answered with a refusal naming the bound),
-and each sends its frame within `IDLE_SECONDS` of its handshake or of its last answer.
+served at once (`MAX_CONNECTIONS`, a thread each; one more is answered with a refusal naming
+the bound); one with no question pending that sends nothing for `IDLE_SECONDS` is closed.
+
+A connection's thread reads its questions and answers each at once, except a lookup that
+must wait: that one is parked (no thread holds it) until its transfer is published,
+withdrawn or abandoned, or its wait ends, when the watcher thread looks at it again. A
+lookup that takes a destination is answered by one of `MAKERS` endpoint threads, which make
+the sender's endpoint first (a ring, a listener, with NIXL a registration): the decode step
+that publishes never makes one, and one engine's slow endpoint holds up no other answer.
+Answers are queued (`QUEUE_BYTES` per connection), never waited for.
 Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of its own: a staging ring
 has one writer.
 
