@@ -105,6 +105,7 @@ class _Ask:
     whom: str  # "decode server" or "prefill server", for a connection's errors
     address: str
     call: int = -1
+    channel: Optional[wire.Channel] = None  # the connection it was written on
     deadline: float = math.inf  # monotonic, once written
     settled: bool = field(default=False)
 
@@ -138,20 +139,21 @@ class _Line:
         return True
 
     def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
+        """Fails its questions not answered yet and shuts its connection down now (the
+        rendezvous sees it end at once), then its threads end."""
+        self._fail_all("the client closed")
 
     def _settle(self, ask: _Ask) -> None:
-        """(lock held) Takes ``ask`` off the line: whoever settles it sets its future (`_finish`,
-        outside the lock), once."""
+        """(lock held) Takes ``ask`` off the line: whoever settles it sets its future, once,
+        outside the lock."""
         ask.settled = True
         self._sent.pop(ask.call, None)
 
     @staticmethod
-    def _finish(ask: _Ask, answer: Optional[Frame] = None, why: str = "the line closed") -> None:
+    def _finish(ask: _Ask, answer: Frame) -> None:
+        """Sets ``ask``'s future from its answer (a refusal or a malformed answer: its error)."""
         try:
-            ask.future.set_result(ask.answered(answer) if answer is not None else None)
+            ask.future.set_result(ask.answered(answer))
             return
         except TransferError as err:
             error = err
@@ -171,6 +173,7 @@ class _Line:
     def _fail_all(self, why: str) -> None:
         with self._cond:
             self._closing = True
+            self._cond.notify_all()
             asks = self._queue + list(self._sent.values())
             self._queue, self._sent = [], {}
             for ask in asks:
@@ -251,6 +254,7 @@ class _Line:
                 while ask.call in self._sent or ask.call == 0:
                     ask.call = next(self._calls) % CALLS
                 ask.deadline = now + ask.wait_s
+                ask.channel = channel
                 self._sent[ask.call] = ask
                 heapq.heappush(self._deadlines, (ask.deadline, ask.call, ask))
         for i, ask in enumerate(asks):
@@ -262,7 +266,10 @@ class _Line:
                     unsent = [a for a in asks[i + 1 :] if not a.settled]
                     for a in unsent:  # never written: they wait for the next connection
                         self._sent.pop(a.call, None)
+                        a.channel = None
                     self._queue = unsent + self._queue
+                    if self._channel is channel:
+                        self._channel = None  # the next write makes a new one
                 logger.info("kvferry: the rendezvous line to %s broke while writing: %r", self.address, err)
                 return
 
@@ -279,8 +286,9 @@ class _Line:
                     ask = self._sent.get(call) if isinstance(call, int) else None
                     if ask is not None:
                         self._settle(ask)
+                        self._idle_since = time.monotonic()  # idle from its last answer on
                 if ask is not None:
-                    self._finish(ask, answer=frame)
+                    self._finish(ask, frame)
                 else:  # its question expired here already (or a peer that numbers wrongly)
                     logger.debug("kvferry: the rendezvous at %s answered call %r, not asked now", self.address, call)
         except wire.ProtocolError as err:
@@ -289,10 +297,9 @@ class _Line:
             why = f"went away: {err!r}"
         finally:
             with self._cond:
-                lost = list(self._sent.values())
-                self._sent = {}
+                lost = [ask for ask in self._sent.values() if ask.channel is channel]
                 for ask in lost:
-                    ask.settled = True
+                    self._settle(ask)
                 if self._channel is channel:
                     self._channel = None
                 self._cond.notify_all()
