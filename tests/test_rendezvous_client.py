@@ -168,3 +168,41 @@ def test_bad_questions_are_refused_before_anything_is_sent() -> None:
     client.close()
     with pytest.raises(TransferError, match="the client closed"):
         client.abandon("tcp://127.0.0.1:1", "T", "why").result(SLACK)
+
+
+def test_questions_waiting_on_one_connection_are_bounded_by_name(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At MAX_PENDING questions waiting on one connection, the next lookup is refused naming
+    the bound (the others wait on); an answered one frees its place."""
+    monkeypatch.setattr(rendezvous, "MAX_PENDING", 2)
+    with Client(KEY) as client:
+        waiting = [client.lookup(server.address, name, 3600, "prefill-a") for name in ("P1", "P2")]
+        with pytest.raises(TransferError, match=r"has 2 questions waiting already.*\(MAX_PENDING=2\)"):
+            client.lookup(server.address, "P3", 3600, "prefill-a").result(SLACK)
+        publish(server, "P1", _prompt(1))
+        assert waiting[0].result(SLACK)["epoch"] == 1
+        publish(server, "P3", _prompt(3))
+        assert client.lookup(server.address, "P3", 5, "prefill-a").result(SLACK)["epoch"] == 1
+        assert not waiting[1].done()
+
+
+def test_an_idle_line_closes_and_the_next_question_opens_another(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line with nothing to ask closes after LINE_IDLE_SECONDS (made short here), before
+    the rendezvous's own idle bound; the next question makes a new connection and is
+    answered."""
+    from kvferry.vllm import client as client_module
+
+    monkeypatch.setattr(client_module, "LINE_IDLE_SECONDS", 0.05)
+    with Client(KEY) as client:
+        publish(server, "I1", _prompt(1))
+        asked = client.lookup(server.address, "I1", 5, "prefill-a")
+        (line,) = client._lines.values()  # (it stays while a question waits on it)
+        assert asked.result(SLACK)["epoch"] == 1
+        line._keeper.join(SLACK)  # its keeper ends with the line
+        assert not line._keeper.is_alive() and client.lines == 0
+        publish(server, "I2", _prompt(2))
+        assert client.lookup(server.address, "I2", 5, "prefill-a").result(SLACK)["epoch"] == 1
+        assert client.handshakes == 2
