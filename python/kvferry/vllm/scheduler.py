@@ -786,7 +786,7 @@ class SchedulerSide:
 
 def _capped(asked: Optional[float], bound: float) -> float:
     """A request's own ``timeout_s`` (from an HTTP body) within the operator's ``bound``: a
-    client may ask to wait less, never to hold blocks, threads and sockets longer."""
+    client may ask to wait less, never to hold blocks (and a parked lookup) longer."""
     return bound if asked is None else min(asked, bound)
 
 
