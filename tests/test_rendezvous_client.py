@@ -206,3 +206,47 @@ def test_an_idle_line_closes_and_the_next_question_opens_another(
         publish(server, "I2", _prompt(2))
         assert client.lookup(server.address, "I2", 5, "prefill-a").result(SLACK)["epoch"] == 1
         assert client.handshakes == 2
+
+
+def test_a_tensor_parallel_send_refused_on_one_link_gives_back_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TP-2 prefill request looks up both links at once; one decode rank refuses (its
+    name ended there) while the other hands its destination out. The request fails, and the
+    destination it took is abandoned under its epoch, so that decode rank frees its blocks at
+    once instead of waiting for a send that will not come."""
+    from kvferry.vllm.metadata import leg_name
+
+    slow = SlowHandshakes(monkeypatch)  # both lookups are asked before either is answered
+    servers = [
+        rendezvous.Rendezvous(KEY, lambda sender: "staging+unix:///nowhere.sock", listen="tcp://127.0.0.1:0")
+        for _ in range(2)
+    ]
+    abandoned = threading.Event()
+    real_abandon = servers[0]._abandon
+
+    def abandon(transfer: str, reason: str, epoch: int = 0) -> Any:
+        why = real_abandon(transfer, reason, epoch)
+        abandoned.set()
+        return why
+
+    monkeypatch.setattr(servers[0], "_abandon", abandon)
+    peer = " ".join(s.address for s in servers)
+    names = [leg_name("T", rank, 2, 1) for rank in range(2)]
+    prefill = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_producer", engine_id="prefill-engine",
+                            kv_cache_manager_getter=lambda: Manager({}), authkey=KEY, tp_size=2,
+                            num_kv_heads=2)  # fmt: skip
+    try:
+        publish(servers[0], names[0], _prompt(0))
+        servers[1].withdraw(names[1], "its decode request ended")
+        params = {"kvferry": {"op": "send", "transfer": "T", "peer": peer, "peer_mac": trust.sign_peer(KEY, peer)}}
+        assert prefill.get_num_new_matched_tokens(Request("r", _prompt(0), params), 0) == (None, False)
+        found = prefill._lookups["r"]
+        slow.release.set()
+        assert found.done.wait(SLACK)
+        assert found.error is not None and "ended on the decode server: its decode request ended" in found.error
+        assert abandoned.wait(SLACK)
+        assert servers[0].taker(names[0]) == leg_name("prefill-engine", 0, 2, 1)  # it was taken, then given back
+        assert (servers[0].abandoned(names[0]) or "").startswith("another link of the send failed")
+    finally:
+        prefill.close()
+        for server in servers:
+            server.close()

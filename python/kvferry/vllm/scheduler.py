@@ -812,20 +812,21 @@ def _run_lookup(found: _Lookup, client: Client, peer: str, transfer: str, wait_s
     once (every decode rank publishes in the same step), each within ``wait_s``. The last
     answer fills ``found`` and sets ``found.done``, on the client's thread."""
     links: list[tuple[ranks.Link, str, str]] = []  # (link, its rendezvous, its name); none: one lookup
+    asked: list[Future[dict[str, Any]]] = []
     try:
         if found.plan is None:
-            asked = [client.lookup(peer, transfer, wait_s, sender)]
+            asked.append(client.lookup(peer, transfer, wait_s, sender))
         else:
             tp, pp = found.prefill_tp, found.prefill_pp
             links = [(link, address, leg_name(transfer, link.prefill_rank, tp, pp)) for link, address in found.plan]
-            asked = [
-                client.lookup(address, name, wait_s, leg_name(sender, link.prefill_rank, tp, pp))
-                for link, address, name in links
-            ]
-    except KvFerryError as err:  # a name the wire cannot carry: nothing was asked
-        found.error = str(err)
-        found.done.set()
-        return
+            for link, address, name in links:
+                asked.append(client.lookup(address, name, wait_s, leg_name(sender, link.prefill_rank, tp, pp)))
+    except KvFerryError as err:
+        # A name the wire cannot carry fails as a refusal would: the links asked before it
+        # give back what they take.
+        refused: Future[dict[str, Any]] = Future()
+        refused.set_exception(err)
+        asked.append(refused)
     left = [len(asked)]
     lock = threading.Lock()
 
@@ -855,7 +856,7 @@ def _collect(
         failed = next((err for err in errors if err is not None), None)
         if failed is not None:
             found.error = str(failed) if isinstance(failed, KvFerryError) else repr(failed)
-            took = [
+            took = [  # (zip stops at the links asked)
                 (address, name, int(future.result()["epoch"]))
                 for (_, address, name), future, err in zip(links, asked, errors)
                 if err is None
