@@ -101,8 +101,8 @@ def test_a_revoked_transfer_is_offered_again_to_its_taker_only(server: rendezvou
 
 
 def test_the_rendezvous_serves_a_bounded_number_of_connections() -> None:
-    """Each authenticated connection holds a thread, and a lookup holds it for its whole
-    wait: at ``max_connections`` the next one is refused by name (its question read and
+    """Each authenticated connection holds a thread (each one-shot lookup here opens its
+    own): at ``max_connections`` the next one is refused by name (its question read and
     answered), and served again once a place is free."""
     rdv = rendezvous.Rendezvous(KEY, lambda sender: "staging+unix:///x", listen="tcp://127.0.0.1:0", max_connections=2)
     try:
@@ -124,8 +124,9 @@ def test_the_rendezvous_serves_a_bounded_number_of_connections() -> None:
 def test_an_authenticated_connection_that_sends_nothing_is_closed(
     server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After its handshake a connection must send its question within IDLE_SECONDS (made
-    short here), or it is closed with a goodbye saying why: silence holds no thread."""
+    """After its handshake a connection with no question pending must send one within
+    IDLE_SECONDS (made short here), or it is closed with a goodbye saying why: silence holds
+    no thread."""
     from kvferry.transports.frames import Goodbye
     from kvferry.vllm.frames import RENDEZVOUS
 

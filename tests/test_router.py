@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 from kvferry.errors import InvalidArgumentError, TransferError
-from kvferry.vllm import rendezvous, trust
+from kvferry.vllm import client, rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, parse_router_params, router_key
 from kvferry.vllm.metadata import Handshake
 from kvferry.vllm.proxy import NIXL_PREFILL_LEG
@@ -326,13 +326,13 @@ def test_a_stalled_handshake_is_not_reported_as_a_key_mismatch(tmp_path: Any) ->
         stalled.bind(path)
         stalled.listen()
         with pytest.raises(TransferError) as err:
-            rendezvous._connect(f"unix://{path}", KEY, timeout=0.5)
+            client.connect(f"unix://{path}", KEY, timeout=0.5)
     assert "no complete handshake" in str(err.value) and "different keys" not in str(err.value)
     # A server with another key still gets the key named.
     other = rendezvous.Rendezvous(b"o" * 32, lambda sender: "x", str(tmp_path))
     try:
         with pytest.raises(TransferError, match="hold different keys"):
-            rendezvous._connect(other.address, KEY)
+            client.connect(other.address, KEY)
     finally:
         other.close()
 

@@ -1105,10 +1105,12 @@ def test_the_rendezvous_frames_are_a_set_of_their_own() -> None:
         RENDEZVOUS.encode(Announce([(1, 1)]))
     with pytest.raises(InvalidArgumentError, match="not a frame of the transport channel"):
         wire.encode(Lookup("T", 0, "P"))
-    assert isinstance(RENDEZVOUS.decode(RENDEZVOUS.encode(Abandoned()), 0), Abandoned)
-    destination = Destination(7, 2, 40, 16, 1, [7, 3, 9], "0123456789abcdef", "e0", "staging+unix:///x")
+    assert RENDEZVOUS.decode(RENDEZVOUS.encode(Abandoned(call=5)), 4) == Abandoned(call=5)  # its call only
+    destination = Destination(7, 2, 40, 16, 1, [7, 3, 9], "0123456789abcdef", "e0", "staging+unix:///x", call=9)
     got = RENDEZVOUS.decode(RENDEZVOUS.encode(destination), 1 << 20)
-    assert isinstance(got, Destination) and got.as_dict() == dict(destination.fields(), dst_blocks=[7, 3, 9])
+    assert isinstance(got, Destination) and got.call == 9
+    published = {k: v for k, v in destination.fields().items() if k != "call"}  # as the connector reads it
+    assert got.as_dict() == dict(published, dst_blocks=[7, 3, 9])
     assert type(got.as_dict()["dst_blocks"][0]) is int
 
 

@@ -242,6 +242,38 @@ def test_a_decode_step_does_not_wait_for_an_endpoint_being_made(decode: Any) -> 
     assert decode.sweep(float("inf")) == ["gone-engine"]  # the lock free again: swept
 
 
+def test_a_decode_step_goes_on_while_a_lookup_it_answered_waits_for_a_registration(decode: Any) -> None:
+    """A prefill engine's lookup waits (parked) at the decode rendezvous; the step that
+    publishes its transfer answers it, but its answer needs the engine's endpoint, whose
+    making (with NIXL, the pool's registration) is stalled here by holding the endpoints'
+    lock. The publishing step and the next one (another request bound, results, sweep)
+    return meanwhile: no engine-thread call waits on a registration, a lock held across
+    one, or the network. The answer comes once the registration ends."""
+    import threading
+
+    from helpers import SLACK, in_thread
+    from kvferry.vllm.client import Client
+
+    rdv = decode.rendezvous
+    parked = threading.Event()
+    real_park = rdv._park
+
+    def park(entry: Any) -> None:
+        real_park(entry)
+        parked.set()
+
+    rdv._park = park
+    with Client(b"k" * 32) as client:
+        answer = client.lookup(rdv.address, "Tr0", 60, "stalled-engine")
+        assert parked.wait(SLACK)
+        with decode._endpoints_lock:  # the engine's endpoint being made: a registration, stalled
+            done, outcome = in_thread(lambda: (_expect(decode, 1), _expect(decode, 1, "s"), decode.results(set())))
+            assert done.wait(SLACK), "a decode step waited for a lookup's registration"
+            assert not isinstance(outcome[0], BaseException), outcome[0]
+            assert rdv.taker("Tr0") == "stalled-engine" and not answer.done()  # taken; its answer waits
+        assert answer.result(SLACK)["request_id"] == 100  # the registration ended: answered
+
+
 def test_duplicates_and_other_refusals_count_apart(decode: Any) -> None:
     """vllm:kvferry_duplicates_refused counts notices for blocks that had arrived, only;
     every other refusal (here: a notice for blocks outside the prompt) counts in

@@ -566,9 +566,9 @@ def test_every_frame_class_holds_its_records_fields() -> None:
         _core.wire_encode("abandoned", {})
     with pytest.raises(InvalidArgumentError, match="invalid revoke: unknown field 'epcoh'"):
         _core.wire_encode("revoke", {"request_id": 1, "epcoh": 2})
-    abandoned = _core.rendezvous_encode("abandoned", {})
+    abandoned = _core.rendezvous_encode("abandoned", {"call": 1})
     with pytest.raises(InvalidArgumentError, match="a abandoned frame, which the transport channel does not take"):
-        TRANSPORT.decode(abandoned, 0)
+        TRANSPORT.decode(abandoned, 4)
 
 
 def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:

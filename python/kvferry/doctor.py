@@ -37,7 +37,6 @@ import secrets
 import stat
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Optional
 
@@ -598,13 +597,25 @@ def serve_probes(
             served.close()
 
 
+def _verdict(asking: Any) -> str:
+    """The probe's verdict: the refusal that ends its verdict lookup (a `Future`), which
+    names how the transfer ended on the probe."""
+    try:
+        asking.result(timeout=90)
+    except KvFerryError as err:
+        return str(err).split("ended on the decode server: ", 1)[-1]
+    except Exception as err:  # reported as the verdict
+        return f"FAILED: no verdict from the probe: {err!r}"
+    return "FAILED: the probe answered with a destination, not a verdict"
+
+
 def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
     """A handshake and one bit-exact transfer to the probe at ``url`` (``--serve``)."""
     import numpy as np
 
     from kvferry.sender import KVSender
 
-    rendezvous = _vllm_module("rendezvous")
+    client_module = _vllm_module("client")
 
     out: dict[str, Any] = {
         "url": url,
@@ -619,54 +630,31 @@ def probe_peer(url: str, *, authkey_file: Optional[str]) -> dict[str, Any]:
     try:
         key = _key(authkey_file)
         me = f"doctor-{secrets.token_hex(8)}"
-        dest = rendezvous.lookup(url, key, PROBE_TRANSFER, 10.0, me)
-        seed = dest["digest"]
-        # The verdict is asked for now, before a block leaves: the probe ends that transfer
-        # with it once the blocks are compared, and the waiting lookup hears it then.
-        # The connection is made (authenticated) before a block leaves, so a probe that
-        # serves one probe and closes its listener still answers it.
-        from kvferry.transports import wire
-        from kvferry.vllm.frames import RENDEZVOUS, Lookup, Refused
-
-        verdicts: list[str] = []
-        sock = rendezvous._connect(url, key)
-
-        def ask() -> None:
+        with client_module.Client(key) as client:
+            dest = client.lookup(url, PROBE_TRANSFER, 10.0, me).result()
+            seed = dest["digest"]
+            # The verdict is asked for now, before a block leaves, on the connection the first
+            # lookup made (authenticated already, so a probe that serves one probe and closes
+            # its listener still answers it): the probe ends that transfer with it once the
+            # blocks are compared, and the waiting lookup hears it then.
+            asking = client.lookup(url, f"{PROBE_TRANSFER}/{seed}", 60.0, me)
+            src = _pool(_pattern(seed))
+            t0 = time.perf_counter()
+            tx = registry.connect(dest["endpoint"], authkey=key, src=src)
+            t1 = time.perf_counter()
+            sender = KVSender(src, tx)
             try:
-                answer = rendezvous._ask(
-                    sock, wire.encode(Lookup(f"{PROBE_TRANSFER}/{seed}", 60_000, me), RENDEZVOUS), 70.0
-                )
-                text = (
-                    answer.error
-                    if isinstance(answer, Refused)
-                    else f"FAILED: the probe answered a {answer.kind} frame, not a verdict"
-                )
-                verdicts.append(text.split("ended on the decode server: ", 1)[-1])
-            except Exception as err:  # reported as the verdict
-                verdicts.append(f"FAILED: no verdict from the probe: {err!r}")
+                prompt = int(dest["prompt_len"])
+                sender.add(int(dest["request_id"]), prompt, epoch=int(dest["epoch"]))
+                ids = np.arange(PROBE["blocks"], dtype=np.int64)[None, :]
+                dst = np.asarray(dest["dst_blocks"], dtype=np.int64)[None, :]
+                t2 = time.perf_counter()
+                sender.send_chunks(np.array([dest["request_id"]]), np.array([0]), np.array([prompt]), ids, dst)
+                sender.flush(timeout=30)
+                t3 = time.perf_counter()
             finally:
-                sock.close()
-
-        asking = threading.Thread(target=ask, name="kvferry-doctor-verdict", daemon=True)
-        asking.start()
-        src = _pool(_pattern(seed))
-        t0 = time.perf_counter()
-        tx = registry.connect(dest["endpoint"], authkey=key, src=src)
-        t1 = time.perf_counter()
-        sender = KVSender(src, tx)
-        try:
-            prompt = int(dest["prompt_len"])
-            sender.add(int(dest["request_id"]), prompt, epoch=int(dest["epoch"]))
-            ids = np.arange(PROBE["blocks"], dtype=np.int64)[None, :]
-            dst = np.asarray(dest["dst_blocks"], dtype=np.int64)[None, :]
-            t2 = time.perf_counter()
-            sender.send_chunks(np.array([dest["request_id"]]), np.array([0]), np.array([prompt]), ids, dst)
-            sender.flush(timeout=30)
-            t3 = time.perf_counter()
-        finally:
-            sender.close()
-        asking.join(90)
-        verdict = verdicts[0] if verdicts else "FAILED: no verdict from the probe within 70 s"
+                sender.close()
+            verdict = _verdict(asking)
         nbytes = src.block_bytes * src.num_layers * PROBE["blocks"]
         out.update(
             handshake_ms=(t1 - t0) * 1e3,

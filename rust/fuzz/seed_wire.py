@@ -12,6 +12,7 @@ import os
 from kvferry import _core
 
 DESTINATION = {
+    "call": 3,
     "request_id": 7,
     "epoch": 2,
     "prompt_len": 40,
@@ -23,17 +24,17 @@ DESTINATION = {
     "endpoint": "staging+unix:///tmp/kvferry-x/notices.sock",
 }
 FRAMES = [
-    ("lookup", {"transfer": "T", "wait_ms": 60000, "sender": "prefill-0"}),
-    ("lookup", {"transfer": "turn-1 ⟂", "wait_ms": 3600000, "sender": "P"}),
+    ("lookup", {"call": 1, "transfer": "T", "wait_ms": 60000, "sender": "prefill-0"}),
+    ("lookup", {"call": 4294967295, "transfer": "turn-1 ⟂", "wait_ms": 3600000, "sender": "P"}),
     ("destination", DESTINATION),
     ("destination", dict(DESTINATION, dst_blocks=[], held_blocks=0, endpoint="nixl+tcp://[::1]:5000")),
-    ("refused", {"error": "transfer 'T' was abandoned: prefill aborted"}),
-    ("abandon", {"transfer": "T", "reason": "prefill request refused the destination", "epoch": 3}),
-    ("abandon", {"transfer": "T", "reason": "", "epoch": 0}),
-    ("abandoned", {}),
-    ("offer", {"transfer": "T", "peer": "unix:///tmp/kvferry-x/rendezvous.sock", "peer_mac": "0f" * 32}),
-    ("offer", {"transfer": "K", "peer": "tcp://10.0.0.2:7001 tcp://10.0.0.2:7002", "peer_mac": "ab" * 32}),
-    ("accepted", {}),
+    ("refused", {"call": 1, "error": "transfer 'T' was abandoned: prefill aborted"}),
+    ("abandon", {"call": 2, "transfer": "T", "reason": "prefill request refused the destination", "epoch": 3}),
+    ("abandon", {"call": 0, "transfer": "T", "reason": "", "epoch": 0}),
+    ("abandoned", {"call": 2}),
+    ("offer", {"call": 5, "transfer": "T", "peer": "unix:///tmp/kvferry-x/rendezvous.sock", "peer_mac": "0f" * 32}),
+    ("offer", {"call": 6, "transfer": "K", "peer": "tcp://10.0.0.2:7001 tcp://10.0.0.2:7002", "peer_mac": "ab" * 32}),
+    ("accepted", {"call": 5}),
 ]
 
 NIXL_HELLO = {

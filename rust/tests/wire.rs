@@ -178,10 +178,12 @@ fn destination() -> impl Strategy<Value = Destination> {
         "[0-9a-f]{1,64}",
         name(),
         "[a-z+]{1,12}://[ -~]{0,200}",
+        any::<u32>(),
     )
-        .prop_flat_map(|(ints, dst_blocks, digest, engine, endpoint)| {
+        .prop_flat_map(|(ints, dst_blocks, digest, engine, endpoint, call)| {
             let n = dst_blocks.len() as i64;
             (0..=n).prop_map(move |held_blocks| Destination {
+                call,
                 request_id: ints.0,
                 epoch: ints.1,
                 prompt_len: ints.2,
@@ -199,23 +201,25 @@ fn destination() -> impl Strategy<Value = Destination> {
 fn rendezvous_frame() -> impl Strategy<Value = rendezvous::Frame> {
     use rendezvous::Frame as R;
     prop_oneof![
-        (".{1,256}", 0..=MAX_WAIT_MS, ".{1,32}").prop_map(|(transfer, wait_ms, sender)| R::Lookup(
-            Lookup {
+        (any::<u32>(), ".{1,256}", 0..=MAX_WAIT_MS, ".{1,32}").prop_map(
+            |(call, transfer, wait_ms, sender)| R::Lookup(Lookup {
+                call,
                 transfer,
                 wait_ms,
                 sender
-            }
-        )),
+            })
+        ),
         destination().prop_map(R::Destination),
-        ".{1,400}".prop_map(|error| R::Refused(Refused { error })),
-        (".{1,256}", ".{0,200}", 0..=i64::MAX).prop_map(|(transfer, reason, epoch)| {
-            R::Abandon(Abandon {
+        (any::<u32>(), ".{1,400}").prop_map(|(call, error)| R::Refused(Refused { call, error })),
+        (any::<u32>(), ".{1,256}", ".{0,200}", 0..=i64::MAX).prop_map(
+            |(call, transfer, reason, epoch)| R::Abandon(Abandon {
+                call,
                 transfer,
                 reason,
                 epoch,
             })
-        }),
-        Just(R::Abandoned(Abandoned {})),
+        ),
+        any::<u32>().prop_map(|call| R::Abandoned(Abandoned { call })),
         (1u8..=2, any::<[u8; 32]>())
             .prop_map(|(role, nonce)| R::Challenge(Challenge { role, nonce })),
         ".{0,200}".prop_map(|reason| R::Goodbye(Goodbye { reason })),

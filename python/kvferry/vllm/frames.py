@@ -1,7 +1,9 @@
 """The rendezvous's frames (kvferry.vllm.rendezvous), one frozen dataclass per kind, and the
 `RENDEZVOUS` frame set: the transports' codec does not know them (rust/src/wire/rendezvous.rs
 holds their records, with each field's width and bound). The handshake's frames and the
-goodbye are every channel's (kvferry.transports.frames).
+goodbye are every channel's (kvferry.transports.frames). Every question (lookup, abandon,
+offer) carries a ``call``, its number on its connection, and every answer the ``call`` of
+the question it answers: one connection carries many questions at once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class Lookup(Frame):
     transfer: str
     wait_ms: int
     sender: str
+    # The asking side's number for the question (the answer's: the question it answers): one
+    # connection carries many questions at once, answered in any order.
+    call: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,14 +48,19 @@ class Destination(Frame):
     digest: str
     engine: str
     endpoint: str
+    call: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        """The destination as the connector reads it: plain ints, ``dst_blocks`` a list."""
-        return dict(self.fields(), dst_blocks=[int(b) for b in self.dst_blocks])
+        """The destination as the connector reads it: plain ints, ``dst_blocks`` a list (no
+        ``call``: that numbered the question on its connection)."""
+        fields = self.fields()
+        del fields["call"]
+        return dict(fields, dst_blocks=[int(b) for b in self.dst_blocks])
 
 
-# What a decode worker publishes: a destination without its endpoint (added per lookup).
-PUBLISHED_KEYS = frozenset(f.name for f in fields(Destination)) - {"endpoint"}
+# What a decode worker publishes: a destination without its endpoint (added per lookup) or
+# the number of the lookup it answers.
+PUBLISHED_KEYS = frozenset(f.name for f in fields(Destination)) - {"endpoint", "call"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class Refused(Frame):
 
     kind: ClassVar[str] = "refused"
     error: str
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class Abandon(Frame):
     transfer: str
     reason: str
     epoch: int = 0
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class Abandoned(Frame):
     """Rendezvous to the prefill side: the abandon is recorded."""
 
     kind: ClassVar[str] = "abandoned"
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class Offer(Frame):
     transfer: str
     peer: str
     peer_mac: str
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,7 @@ class Accepted(Frame):
     """A prefill server's rendezvous to the decode side: the offer is taken."""
 
     kind: ClassVar[str] = "accepted"
+    call: int = 0
 
 
 RENDEZVOUS = FrameSet(

@@ -3,7 +3,7 @@ kvferry `KVSender` per decode server it sends to, fed chunk by chunk from vLLM's
 
 Every call here runs on vLLM's engine thread and returns without waiting on the network:
 connecting to a new decode endpoint, telling a decode server that a transfer was given up
-(``rendezvous.abandon``) and closing a dead peer's sender run on a small pool of background
+(an abandon at its rendezvous) and closing a dead peer's sender run on a small pool of background
 threads; the senders post notices and fences and wait for ring room on their own threads
 (`KVSender`). A request whose endpoint is still being connected to keeps its chunks
 (``_Send.queued``) and sends them, in order, once the connection is up; if it cannot be
@@ -41,7 +41,8 @@ from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
 from kvferry.sender import KVSender
 from kvferry.tiers import tiered_source
-from kvferry.vllm import paths, rendezvous
+from kvferry.vllm import paths
+from kvferry.vllm.client import Client
 from kvferry.vllm.metadata import Chunk, KvferryMetadata, SendSpec
 from kvferry.vllm.park import park_pool
 from kvferry.vllm.worker import WorkerCommon
@@ -127,6 +128,7 @@ class PrefillWorker:
             BACKGROUND_THREADS, thread_name_prefix="kvferry-prefill", initializer=affinity.pin_current_thread
         )
         self._released: list[tuple[str, str, str]] = []  # finished requests whose destination never came
+        self._client = Client(self.authkey)  # abandons: one kept connection per decode rendezvous
         self._retired: list[_Send] = []  # preempted sends still in their senders (`_retire`)
         # Late prompts in host memory (kvferry.vllm.park): the pool, as the copies address it
         # (a CUDA view of its pinned memory on CUDA), and the requests parked there.
@@ -471,7 +473,7 @@ class PrefillWorker:
 
     def _abandon(self, address: str, transfer: str, reason: str, epoch: int) -> None:
         try:
-            rendezvous.abandon(address, self.authkey, transfer, reason, epoch)
+            self._client.abandon(address, transfer, reason, epoch).result()
         except KvFerryError as why:
             logger.warning("kvferry: %s", why)
 
@@ -707,6 +709,7 @@ class PrefillWorker:
 
     def close(self) -> None:
         self._bg.shutdown(wait=True)  # connections under way end (made or failed), abandons sent
+        self._client.close()
         for future in self._connecting.values():
             if future.exception() is None:
                 self._dead.append(future.result())

@@ -1,9 +1,10 @@
 """The rendezvous: how a prefill request learns its destination blocks on the decode server.
 
 ```
-decode worker (Rendezvous)                         prefill scheduler / worker (lookup, abandon)
+decode worker (Rendezvous)                         prefill scheduler / worker (client.Client)
 publish(T, destination)  <- the decode request's blocks are allocated and expected
-            <-- kvferry's mutual handshake (transports/wire.py: HMAC-SHA256 both ways) --
+            <-- kvferry's mutual handshake (transports/wire.py: HMAC-SHA256 both ways),
+                once per connection: every question below rides on it, numbered (call) --
             <-- lookup (T, wait_ms, S)
             --> destination {...}   once T is published, with the URL of sender S's own
                                     endpoint; or refused (why: taken, abandoned, ended, none
@@ -32,7 +33,8 @@ It listens on a ``unix://`` socket (the default: a fresh 0700 directory) or ``tc
 Every message is a frame of kvferry's binary codec (the same header and handshake as the
 transports' control channels, ``wire.Channel``; its own set of frames, kvferry.vllm.frames
 and rust/src/wire/rendezvous.rs), read only after both sides proved they hold the key, with
-bodies of at most 1 MiB:
+bodies of at most 1 MiB; every frame but the handshake's and the goodbye ends with
+``call`` (u32), the question's number on its connection, which its answer repeats:
 
 ```
 lookup       transfer (1-1024 bytes UTF-8) | wait_ms u32 (<= 3600000) | sender (1-128 bytes)
@@ -41,9 +43,9 @@ destination  request_id i64 | epoch i64 | prompt_len i64 (each >= 0) | block_siz
              lower-case hex) | engine (a name) | endpoint (URL, 1-1024 bytes, no control chars;
              several, tried in order: kvferry.vllm.paths.choice_url)
 refused      why (1-4096 bytes)        abandon  transfer | reason (<= 1024 bytes) | epoch i64 (>= 0)
-abandoned    (no body)                 goodbye  why the connection closes
+abandoned    (call only)               goodbye  why the connection closes
 offer        transfer | peer (1-4096 bytes) | peer_mac (64 lower-case hex)
-accepted     (no body)
+accepted     (call only)
 ```
 The core checks every field of every frame, both ways, before Python sees it: nothing from
 the socket is ever unpickled or parsed as JSON. A frame that does not decode, or one the
@@ -54,8 +56,16 @@ written by two senders; and once handed out, only the request that took it can g
 (an abandon naming the destination's epoch): a prefill request that named the same id but
 took nothing (a client's second request, aborted) cannot make the decode side free blocks
 the taker is still writing. At most ``max_connections`` authenticated connections are
-served at once (`MAX_CONNECTIONS`; one more is answered with a refusal naming the bound),
-and each sends its frame within `IDLE_SECONDS` of its handshake or of its last answer.
+served at once (`MAX_CONNECTIONS`, a thread each; one more is answered with a refusal naming
+the bound); one with no question pending that sends nothing for `IDLE_SECONDS` is closed.
+
+A connection's thread reads its questions and answers each at once, except a lookup that
+must wait: that one is parked (no thread holds it) until its transfer is published,
+withdrawn or abandoned, or its wait ends, when the watcher thread looks at it again. A
+lookup that takes a destination is answered by one of `MAKERS` endpoint threads, which make
+the sender's endpoint first (a ring, a listener, with NIXL a registration): the decode step
+that publishes never makes one, and one engine's slow endpoint holds up no other answer.
+Answers are queued (`QUEUE_BYTES` per connection), never waited for.
 Each prefill engine ``S`` (its vLLM engine id) gets an endpoint of its own: a staging ring
 has one writer.
 
@@ -78,20 +88,25 @@ A lookup takes a name of an alternative only when its sender is of that alternat
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import math
 import os
 import socket
 import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional
 
 from kvferry import affinity
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.transports import guard, wire
-from kvferry.transports.frames import Frame, Goodbye
+from kvferry.transports.frames import Frame
+from kvferry.vllm import client
+from kvferry.vllm.client import Client
 from kvferry.vllm.frames import (
     PUBLISHED_KEYS,
     RENDEZVOUS,
@@ -111,13 +126,20 @@ logger = logging.getLogger("kvferry.vllm")
 _log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
-HANDSHAKE_SECONDS = 10.0
-# Authenticated connections served at once: each holds a thread, and a lookup holds it for
-# its whole wait (a prefill request's destination_timeout_s at most). One more is refused.
+HANDSHAKE_SECONDS = client.HANDSHAKE_SECONDS
+# Authenticated connections served at once, each with a thread (a prefill process keeps one
+# per rendezvous it asks; a waiting lookup holds none). One more is refused.
 MAX_CONNECTIONS = 1024
-# After its handshake (or its last answer), a connection sends its next frame within this,
-# or is closed: every client sends its one frame at once.
-IDLE_SECONDS = 10.0
+# A connection with no question pending that sends nothing for this long is closed (a
+# client closes its own idle line sooner: client.LINE_IDLE_SECONDS).
+IDLE_SECONDS = 60.0
+# Questions of one connection waiting at once (parked lookups, destinations being
+# finished); one more is refused by name.
+MAX_PENDING = 16384
+# Answers waiting for a peer that does not read, per connection, before it is cut off.
+QUEUE_BYTES = 16 << 20
+# Threads that finish taken destinations (make the sender's endpoint, answer).
+MAKERS = 4
 GONE_KEPT = 4096  # transfers that ended, remembered so a late lookup fails at once
 MAX_WAIT_SECONDS = 3600
 # The codec's bounds (rust/src/wire/rendezvous.rs): a refusal's text, an abandon's reason.
@@ -125,6 +147,35 @@ MAX_ERROR_BYTES = 4096
 MAX_REASON_BYTES = 1000
 # What a destination carries besides the endpoint (the codec's `destination` frame).
 DESTINATION_KEYS = PUBLISHED_KEYS
+
+
+class _Peer:
+    """One authenticated connection being served: its channel (answers are queued, never
+    waited for) and, under the rendezvous's lock, its questions not answered yet."""
+
+    def __init__(self, channel: wire.Channel) -> None:
+        self.channel = channel
+        self.pending = 0
+        self.gone = False
+
+    def answer(self, frame: Frame) -> None:
+        try:
+            self.channel.send_frame(wire.encode(frame, RENDEZVOUS))
+        except OSError:  # gone, or cut off for not reading: its reader ends the connection
+            pass
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A lookup waiting for its transfer to be published (or withdrawn, abandoned), or for
+    its ``deadline`` (monotonic)."""
+
+    peer: _Peer
+    call: int
+    transfer: str
+    sender: str
+    wait: float
+    deadline: float
 
 
 class InvalidDestinationError(TransferError, InvalidArgumentError):
@@ -238,9 +289,24 @@ class Rendezvous:
         self._choices: deque[str] = deque(maxlen=GONE_KEPT)  # names whose take chose, since the last take_chosen
         # Each transfer's names published (with family_of), the latest GONE_KEPT transfers.
         self._families: OrderedDict[str, set[str]] = OrderedDict()
+        # Lookups waiting for their transfer, by name; their deadlines (a heap); the names
+        # (and families) whose state changed since the watcher last looked.
+        self._parked: dict[str, list[_Parked]] = {}
+        self._deadlines: list[tuple[float, int, _Parked]] = []
+        self._seq = itertools.count()
+        self._dirty: set[str] = set()
+        self._dirty_families: set[str] = set()
+        self._dropped = False  # a connection with parked lookups ended
         self._closing = False
         self._stop = threading.Event()  # the accept loop's: set with _closing
         self._admission = guard.Admission()
+        self._makers = ThreadPoolExecutor(
+            max_workers=MAKERS,
+            thread_name_prefix="kvferry-rendezvous-endpoint",
+            initializer=affinity.pin_current_thread,
+        )
+        self._watcher = affinity.Thread(target=self._watch, name="kvferry-rendezvous-parked", daemon=True)
+        self._watcher.start()
         self._thread = affinity.Thread(target=self._serve, name="kvferry-rendezvous", daemon=True)
         self._thread.start()
 
@@ -267,6 +333,7 @@ class Rendezvous:
                 family = self._family_of(transfer)
                 self._families.setdefault(family, set()).add(transfer)
                 self._families.move_to_end(family)
+                self._dirty_families.add(family)  # a lookup of a name it lacks may be refused now
                 while len(self._families) > GONE_KEPT:
                     self._families.popitem(last=False)
             if among is not None:
@@ -276,7 +343,7 @@ class Rendezvous:
                     self._end(transfer, among.why_not(alternative))  # a lookup waiting for it is refused
                     return
             self._published[transfer] = destination
-            self._cond.notify_all()
+            self._changed(transfer)
 
     def republish(self, transfer: str, destination: dict[str, Any]) -> None:
         """Offers a taken transfer again, under ``destination``'s new epoch: its sender revoked
@@ -292,7 +359,7 @@ class Rendezvous:
             self._epochs.pop(transfer, None)
             self._reserved[transfer] = taker
             self._published[transfer] = destination
-            self._cond.notify_all()
+            self._changed(transfer)
 
     def withdraw(self, transfer: str, reason: str) -> None:
         """The transfer ended here (arrived, failed, aborted): a lookup still to come fails."""
@@ -312,7 +379,7 @@ class Rendezvous:
         self._gone[transfer] = reason
         while len(self._gone) > GONE_KEPT:
             self._gone.popitem(last=False)
-        self._cond.notify_all()
+        self._changed(transfer)
 
     def withdraw_untaken(self, transfer: str, reason: str) -> bool:
         """Withdraws ``transfer`` if no lookup took its destination yet; returns whether it
@@ -398,7 +465,10 @@ class Rendezvous:
             raise
 
     def _pump(self, conn: socket.socket, ticket: int) -> None:
+        """One connection: its handshake, then its questions, each handled at once (a lookup
+        that must wait is parked, `_park`, and this thread reads the next question)."""
         served = False
+        peer: Optional[_Peer] = None
         try:
             try:
                 wire.tune(conn)
@@ -414,38 +484,21 @@ class Rendezvous:
                 return
             finally:
                 self._admission.settle(ticket)
-            channel = wire.Channel(conn, MAX_FRAME, RENDEZVOUS)
             with self._cond:
-                served = self._connections < self.max_connections
+                served = self._connections < self.max_connections and not self._closing
                 if served:
                     self._connections += 1
             if not served:  # its question is read (a client sends one at once) and refused by name
+                channel = wire.Channel(conn, MAX_FRAME, RENDEZVOUS)
                 why = f"the rendezvous serves at most {self.max_connections} connections at once (max_connections)"
                 _log.warning("full", "kvferry: the rendezvous at %s: %s; one more refused", self.address, why)
-                channel.recv(IDLE_SECONDS)
-                channel.send_frame(wire.encode(Refused(why), RENDEZVOUS))
+                frame = channel.recv(IDLE_SECONDS)
+                channel.send_frame(wire.encode(Refused(why, call=getattr(frame, "call", 0)), RENDEZVOUS))
                 return
-            while True:
-                try:
-                    frame = channel.recv(IDLE_SECONDS)
-                except wire.ProtocolError as err:
-                    logger.warning(
-                        "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err
-                    )
-                    channel.goodbye(f"disconnected: {err}")
-                    return
-                except socket.timeout:
-                    channel.goodbye(f"closed: no frame within {IDLE_SECONDS:g} s")
-                    return
-                handler = self.HANDLERS.get(type(frame))
-                if handler is None:
-                    why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup, abandon and offer)"
-                    logger.warning(
-                        "kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why
-                    )
-                    channel.goodbye(f"disconnected: {why}")
-                    return
-                channel.send_frame(handler(self, frame))
+            # Answers are queued, never waited for: the thread that answers (this one, the
+            # parked lookups' or an endpoint maker) never waits on a peer that stopped reading.
+            peer = _Peer(wire.Channel(conn, MAX_FRAME, RENDEZVOUS, queue_bytes=QUEUE_BYTES))
+            self._serve_questions(conn, peer)
         except (EOFError, OSError):  # the peer went away (or stopped reading): the connection ends
             pass
         except Exception:  # a bug here: this connection ends, the rendezvous serves on
@@ -454,30 +507,179 @@ class Rendezvous:
             if served:
                 with self._cond:
                     self._connections -= 1
+                    if peer is not None:
+                        peer.gone = True
+                        if peer.pending:  # its parked lookups are dropped: nobody to answer, nothing taken
+                            self._dropped = True
+                            self._cond.notify_all()
             conn.close()
 
-    def _on_lookup(self, frame: Lookup) -> bytes:
-        return self._lookup(frame.transfer, frame.wait_ms, frame.sender)
+    def _serve_questions(self, conn: socket.socket, peer: _Peer) -> None:
+        channel = peer.channel
+        while True:
+            if not channel.poll(IDLE_SECONDS):
+                with self._cond:
+                    if peer.pending and not self._closing:
+                        continue  # a lookup of its own waits: the connection is not idle
+                channel.goodbye(f"closed: no frame within {IDLE_SECONDS:g} s and no question pending")
+                return
+            try:
+                frame = channel.recv(None)  # its first byte is here: the rest within frame_timeout
+            except wire.ProtocolError as err:
+                logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), err)
+                channel.goodbye(f"disconnected: {err}")
+                return
+            except socket.timeout:
+                channel.goodbye(f"disconnected: a frame begun and not finished within {channel.frame_timeout:g} s")
+                return
+            handler = self.HANDLERS.get(type(frame))
+            if handler is None:
+                why = f"a {frame.kind} frame, which the rendezvous does not take (only lookup, abandon and offer)"
+                logger.warning("kvferry: the rendezvous at %s drops %s: %s", self.address, wire.peer_name(conn), why)
+                channel.goodbye(f"disconnected: {why}")
+                return
+            handler(self, peer, frame)
 
-    def _on_abandon(self, frame: Abandon) -> bytes:
+    def _on_lookup(self, peer: _Peer, frame: Lookup) -> None:
+        transfer, sender, call = frame.transfer, frame.sender, frame.call
+        if self._admit is not None and (why := self._admit(sender)) is not None:
+            peer.answer(_refused(f"transfer {transfer!r}: {why}", call))
+            return
+        wait = frame.wait_ms / 1000
+        parked = _Parked(peer, call, transfer, sender, wait, time.monotonic() + wait)
+        with self._cond:
+            outcome = self._try(parked, due=wait <= 0 or self._closing)
+            if outcome is None:
+                if peer.pending >= MAX_PENDING:
+                    outcome = (
+                        f"transfer {transfer!r}: this connection has {peer.pending} questions waiting already, "
+                        f"the most the rendezvous keeps for one (MAX_PENDING={MAX_PENDING})"
+                    )
+                else:
+                    self._park(parked)
+                    return
+            peer.pending += 1
+        self._settle(parked, outcome)
+
+    def _park(self, parked: _Parked) -> None:
+        """(lock held) ``parked`` waits, holding no thread, until its transfer changes (a
+        publish, withdraw or abandon marks it) or its deadline; `_watch` looks again then."""
+        parked.peer.pending += 1
+        self._parked.setdefault(parked.transfer, []).append(parked)
+        heapq.heappush(self._deadlines, (parked.deadline, next(self._seq), parked))
+        self._cond.notify_all()
+
+    def _changed(self, transfer: str) -> None:
+        """(lock held) ``transfer``'s state changed: a lookup parked for it looks again."""
+        if transfer in self._parked:
+            self._dirty.add(transfer)
+        self._cond.notify_all()
+
+    def _watch(self) -> None:
+        """The parked lookups' thread: looks again at those whose transfer changed or whose
+        deadline passed; what it takes is finished on `_makers` (an endpoint may take long to
+        make), what it refuses is answered at once (answers are queued, never waited for)."""
+        while True:
+            settled: list[tuple[_Parked, Any]] = []
+            with self._cond:
+                while not (self._dirty or self._dirty_families or self._closing or self._due() or self._dropped):
+                    self._cond.wait(None if not self._deadlines else max(0.0, self._deadlines[0][0] - time.monotonic()))
+                now = time.monotonic()
+                names, self._dirty = self._dirty, set()
+                while self._deadlines and (self._deadlines[0][0] <= now or self._closing):
+                    names.add(heapq.heappop(self._deadlines)[2].transfer)
+                for name in names | self._stale_names():
+                    still = []
+                    for parked in self._parked.get(name, ()):
+                        if parked.peer.gone:
+                            continue  # its connection ended: nobody to answer, nothing taken
+                        outcome = self._try(parked, due=parked.deadline <= now or self._closing)
+                        if outcome is None:
+                            still.append(parked)
+                        else:
+                            settled.append((parked, outcome))
+                    if still:
+                        self._parked[name] = still
+                    else:
+                        self._parked.pop(name, None)
+                if len(self._deadlines) > 2 * sum(map(len, self._parked.values())) + 64:
+                    # Deadlines of lookups answered early: dropped now and then, not one by one.
+                    self._deadlines = [d for d in self._deadlines if d[2].transfer in self._parked]
+                    heapq.heapify(self._deadlines)
+                done = self._closing and not self._parked
+            for parked, outcome in settled:
+                self._settle(parked, outcome)
+            if done:
+                return
+
+    def _due(self) -> bool:
+        return bool(self._deadlines) and self._deadlines[0][0] <= time.monotonic()
+
+    def _stale_names(self) -> set[str]:
+        """(lock held) Names with a parked lookup of a connection that ended (dropped now),
+        and, when a family changed, every parked name of it."""
+        names: set[str] = set()
+        if self._dropped:
+            self._dropped = False
+            names.update(name for name, waiting in self._parked.items() if any(p.peer.gone for p in waiting))
+        if self._dirty_families and self._family_of is not None:
+            families, self._dirty_families = self._dirty_families, set()
+            names.update(name for name in self._parked if self._family_of(name) in families)
+        return names
+
+    def _settle(self, parked: _Parked, outcome: Any) -> None:
+        """Answers a lookup that `_try` settled: a refusal at once, a destination taken on
+        an endpoint maker's thread (never the caller's: publish may be an engine's step)."""
+        if isinstance(outcome, str):
+            self._answered(parked.peer, _refused(outcome, parked.call))
+        else:
+            self._makers.submit(self._finish, parked, outcome)
+
+    def _answered(self, peer: _Peer, frame: Frame) -> None:
+        peer.answer(frame)
+        with self._cond:
+            peer.pending -= 1
+
+    def _finish(self, parked: _Parked, published: dict[str, Any]) -> None:
+        """The destination a lookup took, with its sender's endpoint (made or found here,
+        outside the lock: making one, a ring or a registration, must hold up no other lookup)."""
+        transfer, sender = parked.transfer, parked.sender
+        frame: Frame
+        try:
+            endpoint = self._endpoint_for(sender)
+        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
+            why = self._refuse_taken(transfer, sender, f"no endpoint for prefill engine {sender!r}: {err}")
+            self._answered(parked.peer, _refused(why, parked.call))
+            return
+        try:  # publish checked every other field: only the endpoint can be refused
+            frame = Destination(**dict(published, endpoint=endpoint, call=parked.call))
+            wire.encode(frame, RENDEZVOUS)
+        except (InvalidArgumentError, TypeError) as err:
+            why = self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+            frame = _refused(why, parked.call)
+        self._answered(parked.peer, frame)
+
+    def _on_abandon(self, peer: _Peer, frame: Abandon) -> None:
         why = self._abandon(frame.transfer, frame.reason, frame.epoch)
         if why is not None:
             logger.warning("kvferry: the rendezvous at %s refused an abandon: %s", self.address, why)
-            return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
-        return wire.encode(Abandoned(), RENDEZVOUS)
+            peer.answer(_refused(why, frame.call))
+            return
+        peer.answer(Abandoned(call=frame.call))
 
-    def _on_offer(self, frame: Offer) -> bytes:
+    def _on_offer(self, peer: _Peer, frame: Offer) -> None:
         why: Optional[str]
         if self._on_offer_cb is None:
             why = "this is a decode server's rendezvous: it takes lookups and abandons, not offers"
         else:
             why = self._on_offer_cb(frame.transfer, frame.peer, frame.peer_mac)
         if why is not None:
-            return wire.encode(Refused(_clip(f"transfer {frame.transfer!r}: {why}", MAX_ERROR_BYTES)), RENDEZVOUS)
-        return wire.encode(Accepted(), RENDEZVOUS)
+            peer.answer(_refused(f"transfer {frame.transfer!r}: {why}", frame.call))
+            return
+        peer.answer(Accepted(call=frame.call))
 
-    # What a peer may send, by frame class: each handler returns the encoded answer.
-    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, Any], bytes]]] = {
+    # What a peer may send, by frame class: each handler answers it (or parks it).
+    HANDLERS: ClassVar[Mapping[type[Frame], Callable[[Any, _Peer, Any], None]]] = {
         Lookup: _on_lookup,
         Abandon: _on_abandon,
         Offer: _on_offer,
@@ -501,68 +703,49 @@ class Rendezvous:
             self._abandons.append(transfer)
             while len(self._abandoned) > GONE_KEPT:
                 del self._abandoned[next(iter(self._abandoned))]
-            self._cond.notify_all()
+            self._changed(transfer)
         return None
 
-    def _lookup(self, transfer: str, wait_ms: int, sender: str) -> bytes:
-        """The encoded answer to one lookup: its destination, or a refusal saying why. The
-        sender's endpoint is made (or found) only once a published destination was taken,
-        so a lookup naming a transfer that does not exist costs no endpoint."""
-
-        def refused(why: str) -> bytes:
-            return wire.encode(Refused(_clip(why, MAX_ERROR_BYTES)), RENDEZVOUS)
-
-        if self._admit is not None and (why := self._admit(sender)) is not None:
-            return refused(f"transfer {transfer!r}: {why}")
-        wait = wait_ms / 1000
-        deadline = time.monotonic() + wait
-        with self._cond:
-            while True:
-                if transfer in self._abandoned:
-                    return refused(f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}")
-                taker = self._taken.get(transfer)
-                if taker is not None and taker != sender:
-                    return refused(f"transfer {transfer!r} was already taken by another prefill request")
-                # Its own taker looking it up again (it preempted the request and computed it
-                # again) waits for `republish`, once its revoke reached the decode server.
-                if transfer in self._published:  # (never both published and taken)
-                    if self._reserved.get(transfer, sender) != sender:
-                        return refused(f"transfer {transfer!r} was taken by another prefill engine")
-                    why = self._choose(transfer, sender)
-                    if why is not None:
-                        return refused(f"transfer {transfer!r}: {why}")
-                    published = self._published.pop(transfer)
-                    self._reserved.pop(transfer, None)
-                    self._taken[transfer] = sender
-                    self._epochs[transfer] = int(published["epoch"])
-                    break
-                if transfer in self._gone:
-                    return refused(f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}")
-                stranger = self._stranger(transfer, sender)
-                if stranger is not None:
-                    return refused(f"transfer {transfer!r}: {stranger}")
-                left = deadline - time.monotonic()
-                if (left <= 0 or self._closing) and taker is not None:
-                    return refused(
-                        f"transfer {transfer!r}: this prefill engine took it, and its decode server did not offer it"
-                        f" again within {wait:g} s"
-                    )
-                if left <= 0 or self._closing:
-                    why = f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
-                    if not self._closing:
-                        # The prefill side gives the transfer up with this answer: a decode
-                        # request that names it later fails at once, not at its own timeout.
-                        self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
-                    return refused(why)
-                self._cond.wait(left)
-        try:  # outside the lock: making an endpoint (a ring, a listener) must not hold up other lookups
-            endpoint = self._endpoint_for(sender)
-        except Exception as err:  # no room for another endpoint: this lookup fails, not the server
-            return self._refuse_taken(transfer, sender, f"no endpoint for prefill engine {sender!r}: {err}")
-        try:  # publish checked every other field: only the endpoint can be refused
-            return wire.encode(Destination(**dict(published, endpoint=endpoint)), RENDEZVOUS)
-        except (InvalidArgumentError, TypeError) as err:
-            return self._refuse_taken(transfer, sender, f"no usable endpoint for prefill engine {sender!r}: {err}")
+    def _try(self, parked: _Parked, due: bool) -> Any:
+        """(lock held) Settles the lookup ``parked`` if it can: why it is refused (a str), or
+        the published destination it took (a dict); None while it must wait. ``due``: its
+        wait is over (or the rendezvous closes): it is refused rather than left waiting."""
+        transfer, sender, wait = parked.transfer, parked.sender, parked.wait
+        if transfer in self._abandoned:
+            return f"transfer {transfer!r} was abandoned: {self._abandoned[transfer]}"
+        taker = self._taken.get(transfer)
+        if taker is not None and taker != sender:
+            return f"transfer {transfer!r} was already taken by another prefill request"
+        # Its own taker looking it up again (it preempted the request and computed it
+        # again) waits for `republish`, once its revoke reached the decode server.
+        if transfer in self._published:  # (never both published and taken)
+            if self._reserved.get(transfer, sender) != sender:
+                return f"transfer {transfer!r} was taken by another prefill engine"
+            why = self._choose(transfer, sender)
+            if why is not None:
+                return f"transfer {transfer!r}: {why}"
+            published = self._published.pop(transfer)
+            self._reserved.pop(transfer, None)
+            self._taken[transfer] = sender
+            self._epochs[transfer] = int(published["epoch"])
+            return published
+        if transfer in self._gone:
+            return f"transfer {transfer!r} ended on the decode server: {self._gone[transfer]}"
+        stranger = self._stranger(transfer, sender)
+        if stranger is not None:
+            return f"transfer {transfer!r}: {stranger}"
+        if not due:
+            return None
+        if taker is not None:
+            return (
+                f"transfer {transfer!r}: this prefill engine took it, and its decode server did not offer it"
+                f" again within {wait:g} s"
+            )
+        if not self._closing:
+            # The prefill side gives the transfer up with this answer: a decode request that
+            # names it later fails at once, not at its own timeout.
+            self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
+        return f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
 
     def _stranger(self, transfer: str, sender: str) -> Optional[str]:
         """Under the lock: why a lookup of ``transfer``, not published, will never find it (its
@@ -597,18 +780,21 @@ class Rendezvous:
                     self._end(name, group.why_not(other))
         return None  # group.chosen == alternative: the others' names were withdrawn when it was chosen
 
-    def _refuse_taken(self, transfer: str, sender: str, reason: str) -> bytes:
+    def _refuse_taken(self, transfer: str, sender: str, reason: str) -> str:
         """Gives back a destination ``sender`` took but cannot use: nothing can reach its
-        blocks, so its decode request fails now (abandoned), not at its timeout."""
+        blocks, so its decode request fails now (abandoned), not at its timeout. Returns
+        ``reason``, the refusal's."""
         with self._cond:
             self._abandoned[transfer] = reason
             if self._taken.get(transfer) == sender:
                 del self._taken[transfer]
                 self._epochs.pop(transfer, None)
-            self._cond.notify_all()
-        return wire.encode(Refused(_clip(reason, MAX_ERROR_BYTES)), RENDEZVOUS)
+            self._changed(transfer)
+        return reason
 
     def close(self) -> None:
+        """Stops taking connections; every parked lookup is refused (its transfer is not
+        marked abandoned: the decode side is going away, not the prefill side)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -618,6 +804,8 @@ class Rendezvous:
         except OSError:
             pass
         self._thread.join(timeout=5)
+        self._watcher.join(timeout=5)
+        self._makers.shutdown(wait=False)
         self._listener.close()
         if self._unix_path is not None:
             try:
@@ -631,80 +819,18 @@ class Rendezvous:
                 pass
 
 
-def _connect(
-    address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS, what: str = "decode server's"
-) -> socket.socket:
-    try:
-        where = wire.parse_address(address, "kv_transfer_params.kvferry.peer")
-    except KvFerryError as err:
-        raise TransferError(f"cannot reach the {what} rendezvous: {err}", peer=str(address)) from err
-    try:
-        sock = wire.connect(where, timeout)
-    except OSError as err:
-        raise TransferError(f"cannot reach the {what} rendezvous at {address!r}: {err!r}", peer=address) from err
-    try:
-        wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
-    except wire.AuthenticationError as err:
-        sock.close()
-        if not err.wrong_key:  # a stall or a reset says nothing about the keys
-            raise TransferError(
-                f"no complete handshake with the {what} rendezvous at {address!r} (busy, or going away): {err}",
-                peer=address,
-            ) from err
-        raise TransferError(
-            f"authentication failed with the {what} rendezvous at {address!r}: the two servers hold different "
-            "keys "
-            f"(kv_connector_extra_config.authkey_file must name a file with the same key on both): {err}",
-            peer=address,
-        ) from err
-    return sock
-
-
-def _ask(sock: socket.socket, data: bytes, wait_s: float) -> Frame:
-    """Sends one question; its answer must begin within ``wait_s`` (and arrive whole soon
-    after: `wire.Channel.recv`), else ``TimeoutError``."""
-    channel = wire.Channel(sock, MAX_FRAME, RENDEZVOUS)
-    channel.send_frame(data)
-    try:
-        return channel.recv(wait_s)
-    except socket.timeout:
-        raise TimeoutError(f"no answer within {wait_s} s") from None
-
-
-def _unexpected(address: str, transfer: str, asked: str, frame: Frame) -> TransferError:
-    if isinstance(frame, Goodbye):
-        why = f"closed the connection: {frame.reason}"
-    else:
-        why = f"answered a {asked} with a {frame.kind} frame"
-    return TransferError(f"transfer {transfer!r}: the decode server's rendezvous at {address!r} {why}", peer=address)
+def _refused(why: str, call: int) -> Refused:
+    return Refused(_clip(why, MAX_ERROR_BYTES), call=call)
 
 
 def lookup(address: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> dict[str, Any]:
     """Blocks until the decode server published ``transfer``'s destination (at most
     ``wait_s``, in [0, 3600]); returns it (the published keys and ``endpoint``), or raises
     `TransferError` with the decode side's reason. A transfer or sender the wire cannot
-    carry (empty, too long) raises `InvalidArgumentError` before anything is sent."""
-    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_SECONDS:
-        raise InvalidArgumentError(f"invalid wait_s={wait_s!r}: must be in [0, {MAX_WAIT_SECONDS}] seconds")
-    data = wire.encode(Lookup(transfer, math.ceil(wait_s * 1000), sender), RENDEZVOUS)
-    sock = _connect(address, authkey)
-    try:
-        answer = _ask(sock, data, wait_s + HANDSHAKE_SECONDS)
-    except TimeoutError as err:
-        raise TransferError(
-            f"transfer {transfer!r}: the decode server at {address!r} did not answer within {wait_s} s", peer=address
-        ) from err
-    except Exception as err:
-        raise TransferError(
-            f"transfer {transfer!r}: the decode server at {address!r} went away: {err!r}", peer=address
-        ) from err
-    finally:
-        sock.close()
-    if isinstance(answer, Destination):
-        return answer.as_dict()
-    if isinstance(answer, Refused):
-        raise TransferError(answer.error, peer=address)
-    raise _unexpected(address, transfer, "lookup", answer)
+    carry (empty, too long) raises `InvalidArgumentError` before anything is sent. One
+    connection of its own: a process asking often keeps a `client.Client` instead."""
+    with Client(authkey) as client:
+        return client.lookup(address, transfer, wait_s, sender).result()
 
 
 def abandon(address: str, authkey: bytes, transfer: str, reason: str, epoch: int = 0) -> None:
@@ -712,8 +838,8 @@ def abandon(address: str, authkey: bytes, transfer: str, reason: str, epoch: int
     then fails at once instead of at its timeout. ``epoch``: that of the destination this
     request's lookup took (0: it took none); a transfer taken by another request is not
     given up (the rendezvous refuses). Raises `TransferError` if it cannot, or is refused."""
-    _tell(address, authkey, transfer, "decode server", "abandon", Abandoned,
-          lambda: Abandon(transfer, _clip(str(reason), MAX_REASON_BYTES), int(epoch)))  # fmt: skip
+    with Client(authkey) as client:
+        client.abandon(address, transfer, reason, epoch).result()
 
 
 def offer(address: str, authkey: bytes, transfer: str, peer: str, peer_mac: str) -> None:
@@ -721,30 +847,5 @@ def offer(address: str, authkey: bytes, transfer: str, peer: str, peer_mac: str)
     destination is published at ``peer`` (this decode server's rendezvous, one URL per rank),
     signed by ``peer_mac``. Raises `TransferError` with the prefill side's reason when it
     cannot be told or refuses."""
-    _tell(address, authkey, transfer, "prefill server", "offer", Accepted, lambda: Offer(transfer, peer, peer_mac))
-
-
-def _tell(
-    address: str, authkey: bytes, transfer: str, whom: str, asked: str, done: type[Frame], frame: Callable[[], Frame]
-) -> None:
-    """One frame of ``transfer`` to the rendezvous at ``address`` (of a ``whom``), answered
-    by ``done`` or a refusal; `TransferError` names the step that failed."""
-    try:
-        data = wire.encode(frame(), RENDEZVOUS)
-    except (InvalidArgumentError, TypeError) as err:
-        raise TransferError(
-            f"transfer {transfer!r}: could not tell the {whom} at {address!r}: {err}", peer=str(address)
-        ) from err
-    sock = _connect(address, authkey, what=f"{whom}'s")
-    try:
-        answer = _ask(sock, data, HANDSHAKE_SECONDS)
-    except Exception as err:
-        raise TransferError(
-            f"transfer {transfer!r}: could not tell the {whom} at {address!r}: {err!r}", peer=address
-        ) from err
-    finally:
-        sock.close()
-    if isinstance(answer, Refused):
-        raise TransferError(f"the {whom} at {address!r} refused the {asked}: {answer.error}", peer=address)
-    if not isinstance(answer, done):
-        raise _unexpected(address, transfer, asked, answer)
+    with Client(authkey) as client:
+        client.offer(address, transfer, peer, peer_mac).result()

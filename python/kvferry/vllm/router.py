@@ -24,7 +24,7 @@ decode leg gets the post-prefill push only.
 
 `OfferBook` is the prefill scheduler's half: a rendezvous that takes offers only (started
 with the first router request), and the table matching offers with requests, whichever
-comes first. `offer_async` is the decode scheduler's: the offer, off the engine thread; one
+comes first. `offer_async` is the decode scheduler's: the offer, on its rendezvous client (no thread, no wait); one
 that fails abandons the transfer at the decode server's own rendezvous, so the decode
 request fails (or recomputes, by ``kv_load_failure_policy``) at once, never at its timeout.
 """
@@ -35,12 +35,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-from kvferry import affinity
 from kvferry.errors import KvFerryError
 from kvferry.transports import wire
 from kvferry.vllm import rendezvous, trust
+from kvferry.vllm.client import Client
 from kvferry.vllm.config import ROUTER_KEYS, ConnectorConfig
 
 __all__ = ["MAX_OFFERS", "PLAIN_KEYS", "OfferBook", "answer", "offer_async", "offer_listen_address"]
@@ -207,35 +208,42 @@ def answer(book: OfferBook[Any], authkey: bytes, engine_id: str, transfer: str, 
 
 
 def offer_async(
+    client: Client,
     offer_to: str,
     offer_mac: str,
-    authkey: bytes,
     transfer: str,
     peer: str,
     own_names: list[tuple[str, str]],
     on_failure: Callable[[str], None],
 ) -> None:
-    """Decode side, off the engine thread: checks the prefill server's address against its
-    signature (the address came in an HTTP body), then offers ``transfer`` there. If either
+    """Decode side, never waiting on the network: checks the prefill server's address
+    against its signature (the address came in an HTTP body), then offers ``transfer`` there
+    on ``client`` (its kept connection to that prefill server's rendezvous). If either
     fails, ``transfer`` is abandoned at this server's own rendezvous (``own_names``: each
     rank's address and the names it publishes), so its decode worker gives the request up
-    at its next step, and ``on_failure(reason)`` is called."""
+    at its next step, and ``on_failure(reason)`` is called (on the client's thread)."""
 
-    def run() -> None:
-        try:
-            trust.check_peer(authkey, (), offer_to, offer_mac)
-            rendezvous.offer(offer_to, authkey, transfer, peer, trust.sign_peer(authkey, peer))
-            return
-        except KvFerryError as err:
-            reason = f"cannot tell the prefill server where to send: {err}"
-        except Exception as err:  # the socket itself failed (a peer killed mid-handshake): the same
-            reason = f"cannot tell the prefill server where to send: {offer_to} went away ({err!r})"
+    def failed(reason: str) -> None:
         logger.error("kvferry: transfer %r: %s", transfer, reason)
         on_failure(reason)
         for address, name in own_names:
-            try:
-                rendezvous.abandon(address, authkey, name, reason)
-            except KvFerryError as err:
-                logger.warning("kvferry: %s", err)
+            client.abandon(address, name, reason).add_done_callback(_log_failure)
 
-    affinity.Thread(target=run, name="kvferry-offer", daemon=True).start()
+    try:
+        trust.check_peer(client.authkey, (), offer_to, offer_mac)
+    except KvFerryError as err:
+        failed(f"cannot tell the prefill server where to send: {err}")
+        return
+
+    def answered(future: Future[None]) -> None:
+        err = future.exception()
+        if err is not None:
+            failed(f"cannot tell the prefill server where to send: {err}")
+
+    client.offer(offer_to, transfer, peer, trust.sign_peer(client.authkey, peer)).add_done_callback(answered)
+
+
+def _log_failure(future: Future[None]) -> None:
+    err = future.exception()
+    if err is not None:
+        logger.warning("kvferry: %s", err)

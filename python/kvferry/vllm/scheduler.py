@@ -41,15 +41,17 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvferry import affinity, ranks
+from kvferry import ranks
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.transports.guard import RateLimitedLog
-from kvferry.vllm import moriio, paths, redact, rendezvous, router, trust
+from kvferry.vllm import moriio, paths, redact, router, trust
+from kvferry.vllm.client import Client
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 from kvferry.vllm.park import ParkBook
@@ -140,6 +142,8 @@ class SchedulerSide:
         self.tp_size, self.num_kv_heads, self.mla = tp_size, num_kv_heads, mla
         self.pp_size = pp_size
         self._authkey = authkey  # read at startup (config.load_authkey); never in a request or answer
+        # Lookups, abandons and offers: one kept connection per rendezvous, no thread per request.
+        self._client = Client(authkey)
         self.engine_id = engine_id  # vLLM's, shared with this engine's worker half
         self.block_size = block_size
         self.role = role  # "kv_producer", "kv_consumer", "kv_both"
@@ -325,20 +329,14 @@ class SchedulerSide:
         return 0, False
 
     def _start_lookup(self, found: _Lookup) -> None:
-        """Starts ``found``'s lookup at its peer (checked by the caller), on its own thread.
-        Raises `KvFerryError` for a split kvferry.ranks refuses."""
+        """Starts ``found``'s lookup at its peer (checked by the caller) on the rendezvous
+        client: nothing here waits on the network. Raises `KvFerryError` for a split
+        kvferry.ranks refuses."""
         params = found.params
         assert params.peer is not None and params.transfer is not None
         found.plan, found.prefill_tp, found.prefill_pp = self._plan(params.peer), self.tp_size, self.pp_size
-        args = (
-            found,
-            params.peer,
-            self._authkey,
-            params.transfer,
-            _capped(params.timeout_s, self.config.destination_timeout_s),
-            self.engine_id,
-        )
-        affinity.Thread(target=_run_lookup, args=args, name="kvferry-lookup", daemon=True).start()
+        wait_s = _capped(params.timeout_s, self.config.destination_timeout_s)
+        _run_lookup(found, self._client, params.peer, params.transfer, wait_s, self.engine_id)
 
     def _router_send(self, request: Any, params: RequestParams, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """A router's prefill request (kvferry.vllm.router): its decode server is learnt
@@ -459,7 +457,7 @@ class SchedulerSide:
         is given up. ``taken``: the epoch of each name whose destination this request took
         (the decode side takes an abandon of a taken name from its taker only)."""
         targets = [(address, name, (taken or {}).get(name, 0)) for address, name in self._abandon_targets(params)]
-        affinity.Thread(target=_tell_abandon, args=(targets, self._authkey, reason), daemon=True).start()
+        _tell_abandon(targets, self._client, reason)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -498,9 +496,9 @@ class SchedulerSide:
         if params.router:  # tell the prefill server where to send (its lookup waits for the publish)
             assert self.handshake is not None and params.offer_to is not None and params.offer_mac is not None
             router.offer_async(
+                self._client,
                 params.offer_to,
                 params.offer_mac,
-                self._authkey,
                 params.transfer,
                 self.handshake.peer,
                 self._own_names(params.transfer, params.prefill_tp),
@@ -839,10 +837,12 @@ class SchedulerSide:
         return answer
 
     def close(self) -> None:
-        """Stops the offer rendezvous (routers) and the router registration, if they started."""
+        """Stops the offer rendezvous (routers) and the router registration, if they started,
+        and the rendezvous client."""
         self._book.close()
         if self._registration is not None:
             self._registration.close()
+        self._client.close()
 
     def has_pending(self) -> bool:
         return bool(self._lookups or self._computing or self._late or self._parked)
@@ -856,7 +856,7 @@ def _parse(raw: Any, rid: str) -> Optional[RequestParams]:
 
 def _capped(asked: Optional[float], bound: float) -> float:
     """A request's own ``timeout_s`` (from an HTTP body) within the operator's ``bound``: a
-    client may ask to wait less, never to hold blocks, threads and sockets longer."""
+    client may ask to wait less, never to hold blocks (and a parked lookup) longer."""
     return bound if asked is None else min(asked, bound)
 
 
@@ -877,37 +877,88 @@ def _named_transfer(params: Any) -> Optional[str]:
     return transfer if isinstance(transfer, str) and 0 < len(transfer) <= 256 else None
 
 
-def _run_lookup(found: _Lookup, peer: str, authkey: bytes, transfer: str, wait_s: float, sender: str) -> None:
-    """One lookup, or under tensor parallelism one per link, in turn (every decode rank
-    publishes in the same step, so the later ones answer at once), within ``wait_s``."""
+def _run_lookup(found: _Lookup, client: Client, peer: str, transfer: str, wait_s: float, sender: str) -> None:
+    """Asks for ``found``'s destination, or under tensor parallelism one per link, all at
+    once (every decode rank publishes in the same step), each within ``wait_s``. The last
+    answer fills ``found`` and sets ``found.done``, on the client's thread."""
+    links: list[tuple[ranks.Link, str, str]] = []  # (link, its rendezvous, its name); none: one lookup
+    asked: list[Future[dict[str, Any]]] = []
     try:
         if found.plan is None:
-            found.destination = rendezvous.lookup(peer, authkey, transfer, wait_s, sender)
-            return
-        deadline = time.monotonic() + wait_s
-        legs = []
-        tp, pp = found.prefill_tp, found.prefill_pp
-        for link, address in found.plan:
-            name = leg_name(transfer, link.prefill_rank, tp, pp)
-            left = max(0.0, deadline - time.monotonic())
-            dest = rendezvous.lookup(address, authkey, name, left, leg_name(sender, link.prefill_rank, tp, pp))
-            legs.append(
-                SendLeg(
-                    link.prefill_rank, link.decode_rank, link.src_heads, link.dst_heads, link.whole, address, name, dest
-                )
-            )
-        found.legs = legs
+            asked.append(client.lookup(peer, transfer, wait_s, sender))
+        else:
+            tp, pp = found.prefill_tp, found.prefill_pp
+            links = [(link, address, leg_name(transfer, link.prefill_rank, tp, pp)) for link, address in found.plan]
+            for link, address, name in links:
+                asked.append(client.lookup(address, name, wait_s, leg_name(sender, link.prefill_rank, tp, pp)))
     except KvFerryError as err:
-        found.error = str(err)
+        # A name the wire cannot carry fails as a refusal would: the links asked before it
+        # give back what they take.
+        refused: Future[dict[str, Any]] = Future()
+        refused.set_exception(err)
+        asked.append(refused)
+    left = [len(asked)]
+    lock = threading.Lock()
+
+    def answered(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        _collect(found, client, peer, asked, links)
+
+    for future in asked:
+        future.add_done_callback(answered)
+
+
+def _collect(
+    found: _Lookup,
+    client: Client,
+    peer: str,
+    asked: list[Future[dict[str, Any]]],
+    links: list[tuple[ranks.Link, str, str]],
+) -> None:
+    """Fills ``found`` from its answers (each done). Under tensor parallelism a lookup that
+    failed on one link gives back what it took on the others (abandoned under their epochs),
+    so those decode ranks free their blocks at once instead of waiting for them."""
+    try:
+        errors = [future.exception() for future in asked]
+        failed = next((err for err in errors if err is not None), None)
+        if failed is not None:
+            found.error = str(failed) if isinstance(failed, KvFerryError) else repr(failed)
+            took = [  # (zip stops at the links asked)
+                (address, name, int(future.result()["epoch"]))
+                for (_, address, name), future, err in zip(links, asked, errors)
+                if err is None
+            ]
+            if took:
+                _tell_abandon(took, client, f"another link of the send failed: {found.error}")
+            return
+        if not links:
+            found.destination = asked[0].result()
+            return
+        found.legs = [
+            SendLeg(
+                link.prefill_rank,
+                link.decode_rank,
+                link.src_heads,
+                link.dst_heads,
+                link.whole,
+                address,
+                name,
+                future.result(),
+            )  # fmt: skip
+            for (link, address, name), future in zip(links, asked)
+        ]
     except Exception as err:  # a malformed answer: the request fails, the server goes on
         found.error = repr(err)
     finally:
         found.done.set()
         if found.ended is not None:
-            _give_back(found, peer, authkey, found.ended)
+            _give_back(found, client, peer, found.ended)
 
 
-def _give_back(found: _Lookup, peer: str, authkey: bytes, reason: str) -> None:
+def _give_back(found: _Lookup, client: Client, peer: str, reason: str) -> None:
     """A lookup that took destinations after its request ended (the request's own abandon,
     naming no epoch, went out before and is refused for a taken transfer) abandons them under
     their epochs, so the decode request fails at once instead of waiting for blocks. The
@@ -916,7 +967,7 @@ def _give_back(found: _Lookup, peer: str, authkey: bytes, reason: str) -> None:
     taken = _taken(found, None)
     where = {leg.transfer: leg.rendezvous for leg in found.legs} if found.legs is not None else {found.transfer: peer}
     if taken:
-        _tell_abandon([(where[name], name, epoch) for name, epoch in taken.items()], authkey, reason)
+        _tell_abandon([(where[name], name, epoch) for name, epoch in taken.items()], client, reason)
 
 
 def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]:
@@ -935,12 +986,16 @@ def _taken(found: Optional[_Lookup], spec: Optional[SendSpec]) -> dict[str, int]
     return {}
 
 
-def _tell_abandon(targets: list[tuple[str, str, int]], authkey: bytes, reason: str) -> None:
+def _tell_abandon(targets: list[tuple[str, str, int]], client: Client, reason: str) -> None:
+    """Abandons each (rendezvous, name, epoch) on the client; a failure is logged."""
     for address, transfer, epoch in targets:
-        try:
-            rendezvous.abandon(address, authkey, transfer, reason, epoch)
-        except KvFerryError as err:
-            logger.warning("kvferry: %s", err)
+        client.abandon(address, transfer, reason, epoch).add_done_callback(_log_failure)
+
+
+def _log_failure(future: Future[Any]) -> None:
+    err = future.exception()
+    if err is not None:
+        logger.warning("kvferry: %s", err)
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:

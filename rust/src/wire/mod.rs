@@ -65,7 +65,10 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 ///   it registered (`regions`) after its bases, so a sender addresses a receiving pool that
 ///   is not packed (block-outer layouts, head slices) and checks every descriptor against
 ///   what the receiver registered. The other fields keep their meaning.
-pub const VERSION: u16 = 3;
+/// - 4: every rendezvous frame but the handshake's and the goodbye carries a `call` (u32)
+///   last: a question's number, which its answer names, so one authenticated connection
+///   carries many lookups, abandons and offers at once and their answers come in any order.
+pub const VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// The largest body a frame may carry (a caller may set a lower limit per connection).

@@ -3,11 +3,15 @@
 //! engine's id) is answered by a destination (request id, epoch, prompt length, block size,
 //! held blocks, destination block ids, prompt digest, decode engine id, endpoint URL) or a
 //! refusal (why); an abandon (transfer id, reason, the epoch of the destination its sender
-//! took, 0 if none) by an abandoned (no body) or a refusal; an offer
+//! took, 0 if none) by an abandoned or a refusal; an offer
 //! (transfer id, the decode server's rendezvous addresses, their signature), which a decode
-//! server sends to the prefill server a router named, by an accepted (no body) or a refusal. The
+//! server sends to the prefill server a router named, by an accepted or a refusal. The
 //! transports' codec knows none of these: a rendezvous frame on a transport's channel (or
 //! the other way round) is refused as a type that channel does not take.
+//!
+//! Every one of those frames ends with a `call` (u32): the asking side numbers its
+//! questions, and each answer names the question it answers, so one connection carries many
+//! questions at once (a lookup may wait for its destination while others are answered).
 
 use super::check::{bound, check_ids, check_name, check_text};
 use super::{
@@ -59,6 +63,9 @@ record! {
         wait_ms: u32 = u32(),
         /// The prefill engine's id (1 to 128 bytes of UTF-8): each gets an endpoint of its own.
         sender: String = text(MAX_NAME_BYTES),
+        /// The asking side's number for this question, echoed by its answer: one
+        /// connection carries many questions at once (a lookup may wait), answered in any order.
+        call: u32 = u32(),
     }
 }
 
@@ -84,6 +91,8 @@ record! {
         engine: String = text(MAX_NAME_BYTES),
         /// The endpoint's URL (1 to [`MAX_URL_BYTES`] of UTF-8, no control characters).
         endpoint: String = text(MAX_URL_BYTES),
+        /// The number of the question it answers (that question's `call`).
+        call: u32 = u32(),
     }
 }
 
@@ -92,6 +101,8 @@ record! {
     pub struct Refused {
         /// 1 to [`MAX_ERROR_BYTES`] of UTF-8.
         error: String = text(MAX_ERROR_BYTES),
+        /// The number of the question it answers (that question's `call`).
+        call: u32 = u32(),
     }
 }
 
@@ -105,12 +116,18 @@ record! {
         /// The epoch of the destination the abandoning request took (>= 0; 0: it took
         /// none): a transfer taken already is given up only by the request that took it.
         epoch: i64 = i64(),
+        /// The asking side's number for this question, echoed by its answer: one
+        /// connection carries many questions at once (a lookup may wait), answered in any order.
+        call: u32 = u32(),
     }
 }
 
 record! {
-    /// The abandon is recorded (no body).
-    pub struct Abandoned {}
+    /// The abandon is recorded.
+    pub struct Abandoned {
+        /// The number of the question it answers (that question's `call`).
+        call: u32 = u32(),
+    }
 }
 
 record! {
@@ -124,12 +141,18 @@ record! {
         peer: String = text(MAX_PEER_BYTES),
         /// [`PEER_MAC_BYTES`] lower-case hex digits.
         peer_mac: String = text(PEER_MAC_BYTES),
+        /// The asking side's number for this question, echoed by its answer: one
+        /// connection carries many questions at once (a lookup may wait), answered in any order.
+        call: u32 = u32(),
     }
 }
 
 record! {
-    /// The offer is taken (no body).
-    pub struct Accepted {}
+    /// The offer is taken.
+    pub struct Accepted {
+        /// The number of the question it answers (that question's `call`).
+        call: u32 = u32(),
+    }
 }
 
 impl Check for Lookup {
@@ -249,6 +272,7 @@ mod tests {
 
     fn destination() -> Destination {
         Destination {
+            call: 3,
             request_id: 7,
             epoch: 2,
             prompt_len: 70,
@@ -270,6 +294,7 @@ mod tests {
 
     fn lookup(transfer: &str, wait_ms: u32, sender: &str) -> Frame {
         Frame::Lookup(Lookup {
+            call: 1,
             transfer: transfer.into(),
             wait_ms,
             sender: sender.into(),
@@ -278,6 +303,7 @@ mod tests {
 
     fn offer(transfer: &str, peer: &str, peer_mac: &str) -> Frame {
         Frame::Offer(Offer {
+            call: u32::MAX,
             transfer: transfer.into(),
             peer: peer.into(),
             peer_mac: peer_mac.into(),
@@ -290,28 +316,30 @@ mod tests {
             lookup("turn-1 ⟂ agent", MAX_WAIT_MS, "prefill-0"),
             Frame::Destination(destination()),
             Frame::Refused(Refused {
+                call: 9,
                 error: "transfer 'T' was abandoned: prefill aborted".into(),
             }),
             Frame::Abandon(Abandon {
+                call: 0,
                 transfer: "T".into(),
                 reason: String::new(),
                 epoch: 7,
             }),
-            Frame::Abandoned(Abandoned {}),
+            Frame::Abandoned(Abandoned { call: 4 }),
             offer(
                 "T",
                 "unix:///tmp/a.sock tcp://10.0.0.2:7001",
                 &"ab12".repeat(16),
             ),
-            Frame::Accepted(Accepted {}),
+            Frame::Accepted(Accepted { call: 5 }),
         ] {
             let bytes = encode(&frame).unwrap();
             assert_eq!(decode(&bytes, MAX_FRAME_BYTES), Ok(frame));
             assert!(decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err());
         }
-        // An abandoned carries nothing: a byte after its header is trailing.
-        let mut bytes = encode(&Frame::Abandoned(Abandoned {})).unwrap();
-        bytes[8] = 1;
+        // An abandoned carries its call only: a byte after it is trailing.
+        let mut bytes = encode(&Frame::Abandoned(Abandoned { call: 4 })).unwrap();
+        bytes[8] = 5;
         bytes.push(0);
         assert_eq!(
             decode(&bytes, MAX_FRAME_BYTES),
@@ -376,7 +404,7 @@ mod tests {
         assert_eq!(refused_field(&with(|d| d.engine = "a b".into())), "engine");
         assert_eq!(refused_field(&with(|d| d.endpoint.clear())), "endpoint");
         assert_eq!(refused_field(&with(|d| d.endpoint.push('\n'))), "endpoint");
-        let refused = |error: String| Frame::Refused(Refused { error });
+        let refused = |error: String| Frame::Refused(Refused { call: 0, error });
         assert_eq!(refused_field(&refused(String::new())), "error");
         assert_eq!(
             refused_field(&refused("e".repeat(MAX_ERROR_BYTES + 1))),
@@ -384,6 +412,7 @@ mod tests {
         );
         let abandon = |transfer: &str, reason: String, epoch: i64| {
             Frame::Abandon(Abandon {
+                call: 0,
                 transfer: transfer.into(),
                 reason,
                 epoch,

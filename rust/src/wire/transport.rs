@@ -685,7 +685,7 @@ mod tests {
     #[test]
     fn a_frame_of_the_rendezvous_is_not_the_transport_channels() {
         let bytes = super::super::rendezvous::encode(&super::super::rendezvous::Frame::Abandoned(
-            super::super::rendezvous::Abandoned {},
+            super::super::rendezvous::Abandoned { call: 1 },
         ))
         .unwrap();
         assert_eq!(
@@ -699,7 +699,7 @@ mod tests {
                 set: "transport channel"
             })
         );
-        assert_eq!(bytes.len(), HEADER_BYTES);
+        assert_eq!(bytes.len(), HEADER_BYTES + 4); // its call
     }
 
     fn nixl_hello(segment_stride: u64, block_stride: u64, regions: Vec<Region>) -> Frame {
