@@ -90,16 +90,15 @@ def test_the_host_pool_is_sized_by_bytes_and_capped_by_the_pool() -> None:
     from types import SimpleNamespace
 
     from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.park import DEFAULT_PARK_BYTES, ParkBook, park_blocks
+    from kvferry.vllm.park import ParkBook, park_blocks
 
     config = SimpleNamespace(num_blocks=100, kv_cache_tensors=[SimpleNamespace(size=100 * 1024)] * 2)  # 2 KiB a block
-    assert park_blocks(None, config, 1) == 100  # the pool's size, under the 4 GiB default
+    assert park_blocks(1 << 30, config, 1) == 100  # at most the pool's size
     assert park_blocks(10 * 2048 + 5, config, 1) == 10
-    assert park_blocks(0, config, 1) == 0
-    assert park_blocks(None, config, 2) == 0  # several KV cache groups: off
-    big = SimpleNamespace(num_blocks=10_000, kv_cache_tensors=[SimpleNamespace(size=10_000 << 20)])  # 1 MiB a block
-    assert park_blocks(None, big, 1) == DEFAULT_PARK_BYTES >> 20
-    assert ConnectorConfig.from_extra({"late_host_bytes": 0}).late_host_bytes == 0
+    assert park_blocks(0, config, 1) == 0  # off
+    assert park_blocks(1 << 30, config, 2) == 0  # several KV cache groups: off
+    assert ConnectorConfig().late_host_bytes == 0  # off unless asked for
+    assert ConnectorConfig.from_extra({"late_host_bytes": 4096}).late_host_bytes == 4096
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(InvalidArgumentError, match=rf"late_host_bytes={bad!r}: must be an integer >= 0"):
             ConnectorConfig.from_extra({"late_host_bytes": bad})

@@ -455,21 +455,27 @@ BUSY_OUT = 40  # output tokens of the request that keeps the one-sequence decode
 @pytest.fixture(scope="module")
 def eager_prefill(model: str) -> Any:
     """A prefill engine that computes a request whose destination has not come within
-    ``ADMISSION_WAIT_S``; a small pool, requests admitted by their first chunk and growing
-    32 tokens a step together (so that concurrent prompts outgrow it and vLLM preempts)."""
-    engine = _small_prefill(model, ADMISSION_WAIT_S)
+    ``ADMISSION_WAIT_S`` and parks it once computed (a host pool of its pool's size); a small
+    pool, requests admitted by their first chunk and growing 32 tokens a step together (so
+    that concurrent prompts outgrow it and vLLM preempts)."""
+    engine = _small_prefill(model, ADMISSION_WAIT_S, late_host_bytes=PREFILL_POOL * BLOCK_BYTES)
     yield engine
     engine.close()
 
 
-def _small_prefill(model: str, admission_wait_s: float) -> Engine:
+def _small_prefill(model: str, admission_wait_s: float, late_host_bytes: int = 0) -> Engine:
     """A prefill engine of ``PREFILL_POOL`` blocks admitting requests by their first chunk,
     32 tokens a step, that computes a request whose destination has not come within
-    ``admission_wait_s``."""
+    ``admission_wait_s`` (parking it in ``late_host_bytes`` of host memory once computed)."""
     return Engine(
         model,
         "kv_producer",
-        {"admission_wait_s": admission_wait_s, "destination_timeout_s": WAIT_S, "transfer_timeout_s": WAIT_S},
+        {
+            "admission_wait_s": admission_wait_s,
+            "destination_timeout_s": WAIT_S,
+            "transfer_timeout_s": WAIT_S,
+            "late_host_bytes": late_host_bytes,
+        },
         kv_cache_memory_bytes=PREFILL_POOL * BLOCK_BYTES,
         max_model_len=512,
         max_num_batched_tokens=96,

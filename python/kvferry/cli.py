@@ -629,8 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="BYTES",
-        help="--stress: the prefill server's late_host_bytes (default: its own; 0: prompts computed before their"
-        " destination keep their blocks in the prefill pool)",
+        help="--stress: the prefill server's late_host_bytes (default: its own, off; > 0: prompts computed before"
+        " their destination park in that much host memory)",
     )
     vllm.set_defaults(func=_cmd_bench_vllm)
 

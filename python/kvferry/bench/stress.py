@@ -54,8 +54,8 @@ class StressConfig:
     drain_s: float = 120.0  # both servers must hold nothing this long after the last turn
     seed: int = 0
     workdir: Optional[str] = None
-    # The prefill server's late_host_bytes (docs/vllm.md): None its default; 0 turns parking
-    # off (the A/B: late prompts then hold their blocks in the prefill pool).
+    # The prefill server's late_host_bytes (docs/vllm.md): None its default (off); > 0 parks
+    # prompts computed before their destination in that much host memory (the A/B).
     late_host_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:

@@ -78,9 +78,9 @@ class ConnectorConfig:
     # (kvferry.transports.staging.RING_BYTES says why).
     staging_bytes: Optional[int] = None
     # Prefill side: host memory that prompts computed before their destination park in, so
-    # that vLLM's pool frees them at once (kvferry.vllm.park); None: the pool's size, at most
-    # 4 GiB; 0: off (they hold their blocks in vLLM's pool until their destination comes).
-    late_host_bytes: Optional[int] = None
+    # that vLLM's pool frees them at once (kvferry.vllm.park), at most the pool's size; 0
+    # (the default): off, they hold their blocks in vLLM's pool until their destination comes.
+    late_host_bytes: int = 0
     authkey_file: Optional[str] = None  # a file holding the endpoints' key (else: the per-user default file)
     rendezvous_dir: Optional[str] = None  # where the decode side's sockets live (else: a fresh 0700 dir)
     listen: str = "unix://"  # where the decode side's rendezvous and endpoints listen: unix:// or tcp://host:port
@@ -143,7 +143,7 @@ class ConnectorConfig:
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be true or false"
                     )
-            elif name == "late_host_bytes":
+            elif name == "late_host_bytes":  # before the int branch: 0 is allowed
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be an integer >= 0 (0: off)"

@@ -33,24 +33,18 @@ if TYPE_CHECKING:  # the scheduler half imports this module for `ParkBook` alone
 
     from kvferry.layout import PagedKV
 
-__all__ = ["DEFAULT_PARK_BYTES", "ParkBook", "park_blocks", "park_pool"]
-
-# The host memory a worker parks late prompts in when kv_connector_extra_config says
-# nothing: its whole KV pool's size, up to this many bytes (pinned on CUDA: allocated once at
-# startup, so a few GiB, not a GPU's whole pool).
-DEFAULT_PARK_BYTES = 4 << 30
+__all__ = ["ParkBook", "park_blocks", "park_pool"]
 
 
-def park_blocks(late_host_bytes: Optional[int], kv_cache_config: Any, groups: int) -> int:
-    """How many blocks the host pool holds: ``late_host_bytes`` (None: `DEFAULT_PARK_BYTES`)
-    worth of this engine's blocks, at most its pool's block count; 0 (parking off) with
-    several KV cache groups, whose tables the late send moves group by group."""
+def park_blocks(late_host_bytes: int, kv_cache_config: Any, groups: int) -> int:
+    """How many blocks the host pool holds: ``late_host_bytes`` worth of this engine's
+    blocks, at most its pool's block count; 0 (parking off) for 0 bytes, and with several KV
+    cache groups, whose tables the late send moves group by group."""
     num_blocks = int(kv_cache_config.num_blocks)
-    if groups != 1 or num_blocks <= 0:
+    if groups != 1 or num_blocks <= 0 or late_host_bytes <= 0:
         return 0
     block_bytes = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // num_blocks
-    cap = DEFAULT_PARK_BYTES if late_host_bytes is None else late_host_bytes
-    return min(num_blocks, cap // block_bytes) if block_bytes > 0 else 0
+    return min(num_blocks, late_host_bytes // block_bytes) if block_bytes > 0 else 0
 
 
 class ParkBook:
