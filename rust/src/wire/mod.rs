@@ -27,7 +27,7 @@
 //! use kvferry::wire::{decode, encode, Frame, Notice, Notices, MAX_FRAME_BYTES};
 //!
 //! let notices = vec![Notice::new(7, 0, 0, 4, true, 1, 0, 1)];
-//! let frame = Frame::Notices(Notices { notices, dst_ids: Some(vec![3, 4, 5, 6]) });
+//! let frame = Frame::Notices(Notices { notices, dst_ids: Some(vec![3, 4, 5, 6]), checksums: None });
 //! let bytes = encode(&frame)?;
 //! assert_eq!(decode(&bytes, MAX_FRAME_BYTES)?, frame);
 //! assert!(decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err()); // truncated
@@ -65,7 +65,10 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 ///   it registered (`regions`) after its bases, so a sender addresses a receiving pool that
 ///   is not packed (block-outer layouts, head slices) and checks every descriptor against
 ///   what the receiver registered. The other fields keep their meaning.
-pub const VERSION: u16 = 3;
+/// - 4: notices and staging batches carry each block's checksum after their destination
+///   ids (`checksums`: a flag byte, then one `u64` per block the notices cover), which the
+///   receiver checks once the blocks landed (`crate::checksum`).
+pub const VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// The largest body a frame may carry (a caller may set a lower limit per connection).
