@@ -232,10 +232,11 @@ def mismatch(notice: Notice, dst_ids: np.ndarray, got: np.ndarray) -> Optional[C
         return None
     i = int(bad[0])
     more = f" ({len(bad)} of its {len(want)} blocks differ)" if len(bad) > 1 else ""
+    group = "" if notice.whole else f", layer group {notice.group} of {notice.groups}"
     return ChecksumError(
-        f"request {notice.request_id}: block {notice.start + i} (destination block {int(dst_ids[i])}, layer group "
-        f"{notice.group} of {notice.groups}) arrived with checksum {int(got[i]):#018x}, its sender summed "
-        f"{int(want[i]):#018x}{more}: corrupted in flight",
+        f"request {notice.request_id}: block {notice.start + i} (destination block {int(dst_ids[i])}{group}) "
+        f"arrived with checksum {int(got[i]):#018x}, its sender summed {int(want[i]):#018x}{more}: corrupted in "
+        "flight",
         request_ids=(notice.request_id,),
         block=notice.start + i,
     )

@@ -475,6 +475,7 @@ class KVReceiver:
                 corrupt.peer = _name(source)
                 self.checksum_failures += 1
                 raise self._refuse(notice, source, expected, corrupt) from None
+            self.checksummed_blocks += len(landed[0])
         try:
             blocks = _blocks_of(notice)
             if notice.whole:
