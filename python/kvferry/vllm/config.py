@@ -96,6 +96,10 @@ class ConnectorConfig:
     # copy threads, the control plane, NIXL's progress thread): keeps the transfer's work off
     # the cores the engine computes on. Empty: they run where the engine runs (kvferry.affinity).
     transfer_cores: tuple[int, ...] = ()
+    # Per-block checksums (kvferry.checksum): the prefill side sums every block it writes,
+    # the decode side checks each where it landed; a block that differs fails its request
+    # (vLLM's kv_load_failure_policy). None: kvferry.checksum.CHECKSUM_DEFAULT, on both sides.
+    checksum: Optional[bool] = None
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -124,8 +128,8 @@ class ConnectorConfig:
             elif name in ("authkey_file", "rendezvous_dir", "transport", "listen", "advertise", "trace"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
-            elif isinstance(default, bool):
-                if not isinstance(value, bool):
+            elif isinstance(default, bool) or name == "checksum":
+                if not isinstance(value, bool) and not (name == "checksum" and value is None):
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be true or false"
                     )
