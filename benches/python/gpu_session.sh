@@ -27,8 +27,13 @@
 # ${TRANSPORT:-staging}, the generation workers of all modes in one process.
 # links-extra (about 4 minutes): staging at 256 and 1024 MiB writes, the staging timeline at
 # 512 and 256 MiB writes, the copy kernel's 80-configuration sweep.
+# checksum (about 4 minutes): the `cuda` tests of test_checksum.py (the Triton kernel against
+# the torch reference on poisoned pools; a byte flipped in flight over cuda-ipc, staging and
+# in-process), then benches/probes/checksum_cost.py at Llama-8B geometry (2 MiB blocks): the
+# kernel alone (CUDA events) against the transfer over cuda-ipc and staging at 64 and 1024
+# blocks, checksums off and on; it prints 2*sum/xfer and (on-off)/off per row.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra ring-sizes agentic8b-rings copy-wide split split-check two-gpus"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -41,7 +46,8 @@ if [ "${1:-tests}" = tests ]; then
   # Each test file with its own limit and a per-test timeout (pytest-timeout is in the image),
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
-      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py}; do
+      tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py \
+      tests/test_checksum.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
@@ -62,6 +68,11 @@ elif [ "$1" = links ]; then
     --new 2048 --output 4 --aware --layerwise 8 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 \
     --ffn 14336 --vocab 1024 --json "$OUT/agentic8b-$t.json" 2>&1 | grep -v '^\[bench agentic\] \[' | tail -30 \
     | tee "$OUT/agentic8b-$t.txt"
+elif [ "$1" = checksum ]; then
+  timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
+    | tee "$OUT/checksum-tests.txt" | tail -10
+  timeout 400 python3 benches/probes/checksum_cost.py --device cuda --blocks 64,1024 --transports cuda-ipc,staging \
+    --reps 9 2>&1 | grep -v '^\[' | tee "$OUT/checksum-cost.txt"
 elif [ "$1" = links-extra ]; then
   bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   for mib in 256 1024; do
