@@ -94,6 +94,23 @@ def test_bad_input_is_refused_by_name() -> None:
         KVReceiver(pool, checksum="yes")  # type: ignore[arg-type]
 
 
+def test_the_default_follows_one_constant_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checksum=None`` (every default: the sender, the receiver, the connector's key) is
+    `CHECKSUM_DEFAULT` for the pool's device; an explicit value wins."""
+    pool = POOLS.zeros()
+    assert KVReceiver(pool).checksum
+    monkeypatch.setitem(checksum.CHECKSUM_DEFAULT, "cpu", False)
+    receiver = KVReceiver(pool)
+    assert not receiver.checksum and KVReceiver(pool, checksum=True).checksum
+    sender = KVSender(POOLS.random(0), InProcessTransport(receiver))
+    try:
+        assert not sender.checksum
+    finally:
+        sender.close()
+    monkeypatch.delitem(checksum.CHECKSUM_DEFAULT, "cpu")
+    assert not KVReceiver(pool).checksum  # a device the constant does not name: off
+
+
 KERNEL_CHECK = """
 import numpy as np, torch
 from kvferry import _triton_checksum

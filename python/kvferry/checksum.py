@@ -48,10 +48,11 @@ __all__ = [
     "supports",
 ]
 
-# Whether senders and receivers sum blocks when not told. The cost on CPU pools is of the
-# order of the copy (docs/benchmarks.md, "Checksums"); on CUDA it is one read of the written
-# blocks on each side, measured by benches/python/gpu_session.sh's ``checksum`` mode.
-CHECKSUM_DEFAULT = True
+# Whether senders and receivers sum blocks when not told, by the pool's device type. On CPU
+# the sums cost the order of the copy they guard (docs/benchmarks.md, "Checksums"); on CUDA
+# one more read of the written blocks on each side (benches/python/gpu_session.sh's
+# ``checksum`` mode measures it against the transfer). A device type not named: off.
+CHECKSUM_DEFAULT: dict[str, bool] = {"cpu": True, "cuda": True}
 
 WORD_BYTES = 8
 KEY = 0x9E3779B97F4A7C15
@@ -78,12 +79,12 @@ def supports(pool: PagedKV) -> bool:
 
 def checksum_option(value: Optional[bool], pool: PagedKV, name: str = "checksum") -> bool:
     """``value`` (a sender's or receiver's ``checksum`` option) resolved for ``pool``: None
-    follows `CHECKSUM_DEFAULT` where the pool `supports` it; True on a pool that does not is
+    follows `CHECKSUM_DEFAULT` for the pool's device, where the pool `supports` it; True on a pool that does not is
     refused, naming the pool's segment size."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
     if value is None:
-        return CHECKSUM_DEFAULT and supports(pool)
+        return CHECKSUM_DEFAULT.get(pool.device.type, False) and supports(pool)
     if value and not supports(pool):
         raise InvalidArgumentError(
             f"invalid {name}=True: the pool's blocks cannot be summed in 8-byte words (segments of "
