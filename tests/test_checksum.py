@@ -137,23 +137,26 @@ def test_the_kernel_sums_as_the_reference_under_the_interpreter() -> None:
 
 @pytest.mark.cuda
 def test_cuda_kernel_sums_as_the_reference_and_reads_only_its_blocks() -> None:
-    """On the GPU: random blocks among poisoned ones (a kernel that read a wrong block, or
-    past a segment, would sum poison), a scattered id list with a repeat, a layer slice;
-    its output is a fresh buffer, so a block it never summed would read the poisoned
-    allocation the caching allocator handed back."""
+    """On the GPU, at a real block's size (16 tokens x 8 heads x 128, K and V): random blocks
+    among poisoned ones (0xFF bytes: a kernel that read a wrong block, or past a segment,
+    sums poison), a scattered id list with a repeat, a layer slice; the kernel's sums are
+    the torch reference's and the Rust core's over the same bytes on the host."""
     from kvferry import _triton_checksum
 
-    pool = BF16.but(shape=(2, 64, 16, 8, 128)).filled_bytes(0xFF, "cuda")
+    shape = BF16.but(shape=(2, 64, 16, 8, 128))
+    pool = shape.filled_bytes(0xFF, "cuda")
     ids = np.array([7, 2, 63, 0, 41, 7, 13])
-    randomized = BF16.but(shape=(2, 64, 16, 8, 128)).random_bytes(9, "cuda")
+    index = torch.from_numpy(ids).cuda()
+    randomized = shape.random_bytes(9, "cuda")
     for t, r in zip(pool.layers, randomized.layers):
-        t[:, ids] = r[:, ids]
-    torch.full((4096,), -1, dtype=torch.int64, device="cuda")  # poison for the next allocation
+        t.index_copy_(1, index, r.index_select(1, index))
     for layers in [(0, 3), (1, 3)]:
+        poisoned = _triton_checksum.checksums(pool, np.array([1]), layers)  # a block no id names
         got = _triton_checksum.checksums(pool, ids, layers)
         want = reference_checksums(pool, ids, layers)
         assert torch.equal(got, want), (layers, got, want)
-    host = block_checksums(pool.with_layers([t.cpu() for t in pool.layers]), ids)
+        assert not bool((got == poisoned).any())
+    host = block_checksums(pool.with_layers([t.cpu() for t in pool.layers]), ids, (1, 3))
     assert np.array_equal(host, got.cpu().numpy().view(np.uint64))
 
 
