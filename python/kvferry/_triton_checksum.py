@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.checksum import KEY, M1, M2, WORD_BYTES
+from kvferry.checksum import KEY, M1, M2, WORD_BYTES, device_ids
 from kvferry.layout import PagedKV
 
 # Words one program sums, and the vector it sums them in: a 32 KiB segment (Llama-8B's K or
@@ -78,7 +78,7 @@ def checksums(pool: PagedKV, ids: np.ndarray, layers: tuple[int, int]) -> torch.
     out = torch.zeros(n, dtype=torch.int64, device=pool.device)
     if n == 0:
         return out
-    index = torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(pool.device, non_blocking=True)
+    index = device_ids(ids, pool.device)
     seg_words = pool.segment_bytes // WORD_BYTES
     chunk = min(CHUNK_WORDS, triton.next_power_of_2(seg_words))
     block = min(BLOCK_WORDS, chunk)

@@ -21,6 +21,7 @@ geometries match (head slices included: each side sums its slice's own segments)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -111,20 +112,45 @@ def summed(job: Any, work: Callable[[], None]) -> Callable[[], None]:
     return both
 
 
-def block_checksums(pool: PagedKV, ids: np.ndarray, layers: Optional[tuple[int, int]] = None) -> np.ndarray:
+def block_checksums(
+    pool: PagedKV, ids: np.ndarray, layers: Optional[tuple[int, int]] = None, stream: Any = None
+) -> np.ndarray:
     """The checksum of blocks ``ids`` of ``pool`` over ``layers`` (all of them: None), as a
-    uint64 array. A CUDA pool's are summed on its current stream and waited for."""
+    uint64 array. A CUDA pool's are summed on ``stream`` (None: the current one) and waited
+    for there only: a receiver passes a stream of its own, so its sums never wait behind the
+    engine's work on the default stream."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     if pool.device.type == "cpu":
         lo, hi = _layers(pool, layers)
         views = [v.detach().numpy() for v in pool.layer_slice(lo, hi).segment_views(torch.uint8)]
         return np.asarray(_core.block_checksums(views, ids, lo), dtype=np.uint64)
-    return as_uint64(device_checksums(pool, ids, layers))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        host = to_host(device_checksums(pool, ids, layers))
+        torch.cuda.current_stream(pool.device).synchronize()
+    return as_uint64(host)
+
+
+def to_host(sums: torch.Tensor) -> torch.Tensor:
+    """Queues the copy of device sums into page-locked host memory on the current stream
+    (no wait: read them once the stream passed this point)."""
+    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+    host.copy_(sums, non_blocking=True)
+    return host
 
 
 def as_uint64(sums: torch.Tensor) -> np.ndarray:
-    """Device sums (int64, the same bits) as a host uint64 array."""
-    return sums.cpu().numpy().view(np.uint64)
+    """Host sums (int64, the same bits) as a uint64 array."""
+    return sums.numpy().view(np.uint64)
+
+
+def device_ids(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Block ids on ``device``, uploaded on the current stream without a wait (from
+    page-locked memory: a copy from pageable memory would wait for the stream's earlier work,
+    the forward a sender's write is ordered after)."""
+    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def device_checksums(pool: PagedKV, ids: np.ndarray, layers: Optional[tuple[int, int]] = None) -> torch.Tensor:
@@ -152,7 +178,7 @@ def reference_checksums(pool: PagedKV, ids: np.ndarray, layers: Optional[tuple[i
     The reference the GPU kernel is tested against; a layer at a time, so it holds one
     layer's gathered blocks, not the whole write."""
     lo, hi = _layers(pool, layers)
-    index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=pool.device)
+    index = device_ids(ids, pool.device)
     segments, words = pool.segments, pool.segment_bytes // WORD_BYTES
     within = torch.arange(segments * words, dtype=torch.int64, device=pool.device).view(segments, 1, words)
     key, m1, m2 = _signed(KEY), _signed(M1), _signed(M2)
@@ -168,7 +194,7 @@ def reference_checksums(pool: PagedKV, ids: np.ndarray, layers: Optional[tuple[i
 
 @dataclass
 class _Part:
-    sums: Any  # a uint64 array (CPU) or an int64 device tensor
+    sums: Any  # a uint64 array (CPU), or an int64 page-locked host tensor its job fills (CUDA)
     positions: Optional[np.ndarray]  # the part's places in the write (None: all, in order)
 
 
@@ -188,21 +214,24 @@ class WriteChecksums:
         self.pending: Optional[Pending] = None  # a job of its own running `compute` (NIXL)
 
     def done(self) -> bool:
-        """Whether the sums are known, or their own job (``pending``) ended in error."""
-        return self._parts is not None or (self.pending is not None and self.pending.done())
+        """Whether the sums can be read: their own job (``pending``) ended, or, summed in the
+        write's job (whose end the caller waited for), they were computed."""
+        return self.pending.done() if self.pending is not None else self._parts is not None
 
     def error(self) -> Optional[BaseException]:
         """What the job summing the blocks raised, once done."""
         return None if self.pending is None else self.pending.error()
 
     def compute(self) -> None:
-        """Sums the blocks (a CUDA part queued on the current stream, the engine's)."""
+        """Sums the blocks. A CUDA part is queued on the current stream (the engine's), its
+        sums copied to page-locked host memory on it too: read once the job is done, with no
+        wait on another stream."""
         parts = []
         for part in source_parts(self.src, self.src_ids, self.src_ids):
             if part.pool.device.type == "cpu":
                 sums: Any = block_checksums(part.pool, part.src_ids, self.layers)
             else:
-                sums = device_checksums(part.pool, part.src_ids, self.layers)
+                sums = to_host(device_checksums(part.pool, part.src_ids, self.layers))
             parts.append(_Part(sums, part.positions))
         self._parts = parts
 

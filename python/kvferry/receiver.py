@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
+import torch
 
 from kvferry._core import BlockRange, TransferLedger
 from kvferry.checksum import block_checksums, checksum_option, write_layers
@@ -199,6 +200,9 @@ class KVReceiver:
             raise TypeError(f"pool must be a PagedKV, got {type(pool).__name__}")
         self.pool = pool
         self.checksum = checksum_option(checksum, pool)
+        # A CUDA pool's sums run on a stream of their own: on the default stream they would
+        # wait behind the engine's queued forward before a notice could count.
+        self._sum_stream: Any = torch.cuda.Stream(pool.device) if self.checksum and pool.device.type == "cuda" else None
         self.checksum_failures = 0  # blocks' notices refused for a checksum mismatch
         self.checksummed_blocks = 0  # blocks whose checksums were checked and agreed
         self._requests: dict[int, _Expected] = {}
@@ -453,7 +457,7 @@ class KVReceiver:
             layers = write_layers(notice, self.pool)
         except KvFerryError:
             return None
-        return ids, block_checksums(self.pool, ids, layers)
+        return ids, block_checksums(self.pool, ids, layers, self._sum_stream)
 
     def _claim(
         self,
