@@ -41,7 +41,7 @@ from kvferry import (
     early_prefix_blocks,
     select_early,
 )
-from kvferry._core import pack_pairs, wire_decode, wire_encode
+from kvferry._core import block_checksums, pack_pairs, wire_decode, wire_encode
 from kvferry.cli import main
 from kvferry.copy import copy_blocks
 from kvferry.hook import TransferHook
@@ -2445,9 +2445,46 @@ ROWS: list[Row] = [
         "wire-encode-dst-count",
         "_core.wire_encode",
         "one destination id for a 2-block notice",
-        lambda _: wire_encode("notices", {"notices": [(1, 0, 0, 2, True, 0, 0, 1)], "dst_ids": np.array([5])}),
+        lambda _: wire_encode(
+            "notices", {"notices": [(1, 0, 0, 2, True, 0, 0, 1)], "dst_ids": np.array([5]), "checksums": None}
+        ),
         InvalidArgumentError,
         "invalid dst_ids=<1 ids>: must be one id per block the notices cover",
+    ),
+    Row(
+        "wire-encode-checksum-count",
+        "_core.wire_encode",
+        "three checksums for a 2-block notice",
+        lambda _: wire_encode(
+            "notices",
+            {"notices": [(1, 0, 0, 2, True, 0, 0, 1)], "dst_ids": None, "checksums": np.arange(3, dtype=np.uint64)},
+        ),
+        InvalidArgumentError,
+        "invalid checksums=<3 checksums>: must be one checksum per block the notices cover",
+    ),
+    Row(
+        "checksums-block-id",
+        "_core.block_checksums",
+        "block 24 of a 24-block pool",
+        lambda _: block_checksums([np.zeros((2, 24, 64), dtype=np.uint8)], np.array([3, 24]), 0),
+        InvalidArgumentError,
+        "invalid block_ids=<an array holding 24>: must be block ids in [0, 24)",
+    ),
+    Row(
+        "receiver-checksum-unsummable",
+        "KVReceiver",
+        "checksum=True over 3-byte segments",
+        lambda _: KVReceiver(Pools(shape=(4, 3), layers=1, tpb=1, dtype=torch.uint8).zeros(), checksum=True),
+        InvalidArgumentError,
+        "invalid checksum=True: the pool's blocks cannot be summed in 8-byte words (segments of 3 bytes",
+    ),
+    Row(
+        "sender-checksum-type",
+        "KVSender",
+        'checksum="on"',
+        lambda _: in_process_pair(checksum="on"),
+        TypeError,
+        "checksum must be a bool or None, got str 'on'",
     ),
     Row(
         "wire-encode-name",

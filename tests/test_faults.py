@@ -16,7 +16,7 @@ import secrets
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -221,9 +221,21 @@ class GatedEngine(ThreadCopyEngine):
         self._open.set()
 
     def submit(
-        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Any = ()
+        self,
+        src: PagedKV,
+        dst: PagedKV,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        *,
+        after: Any = (),
+        before: Optional[Callable[[], None]] = None,
     ) -> Pending:
-        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids), after=after)
+        def copy() -> None:
+            if before is not None:
+                before()
+            copy_blocks(src, dst, src_ids, dst_ids)
+
+        return self.submit_call(copy, after=after)
 
     def submit_call(self, work: Callable[[], None], *, after: Any = (), nbytes: int = 0) -> Pending:
         gate = self._open

@@ -14,6 +14,7 @@ import importlib.util
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -365,3 +366,44 @@ def test_prefill_settle_scans_each_peer_once_per_step() -> None:
         assert worker.tally.take()["counts"]["chunk_bytes"] == n * common.pool.block_bytes
     finally:
         sender.close()
+
+
+@pytest.fixture
+def checked_decode(tmp_path: Any) -> Iterator[Any]:
+    """``decode`` with per-block checksums asked for (off by default over CPU caches)."""
+    from helpers import decode_worker
+
+    with decode_worker(str(tmp_path), num_blocks=32, block_size=TPB, config={"checksum": True}) as worker:
+        yield worker
+
+
+def test_a_checksum_mismatch_fails_the_request_into_the_load_failure_policy(checked_decode: Any) -> None:
+    """A write whose block differs where it landed from what the prefill side summed (a
+    byte flipped in flight) fails its request: the next step reports it failed, which vLLM
+    hands to kv_load_failure_policy (recompute, or fail); the error names the block, and it
+    counts in vllm:kvferry_checksum_mismatches and failures{reason="checksum"}, not among the
+    other refusals. An intact write of another request arrives."""
+    from kvferry.checksum import block_checksums
+    from kvferry.errors import ChecksumError
+    from kvferry.notice import Notice
+
+    decode = checked_decode
+    good, bad = _expect(decode, 2)
+    receiver = decode.receiver
+    assert receiver.checksum
+    for spec in (good, bad):
+        dst = np.asarray(spec.dst_blocks[0])
+        sums = block_checksums(receiver.pool, dst)
+        if spec is bad:
+            sums[1] ^= np.uint64(1 << 40)  # what it summed is not what landed in block 1
+        notice = Notice(spec.kv_id, 0, 0, 2, True, receiver.epoch(spec.kv_id)).with_checksums(sums)
+        if spec is bad:
+            with pytest.raises(ChecksumError, match=rf"request {spec.kv_id}: block 1 \(destination block 3\)"):
+                receiver.deliver(notice, dst_ids=dst)
+        else:
+            receiver.deliver(notice, dst_ids=dst)
+    arrived, failed = decode.results(set())
+    assert arrived == {good.req_id, bad.req_id} and failed == {bad.req_id}
+    counts = decode.tally.take()["counts"]
+    assert counts.get("checksum_mismatches") == 1 and counts.get("notices_refused", 0) == 0
+    assert counts.get("checksummed_blocks") == 2 and counts.get("failures/checksum") == 1, counts

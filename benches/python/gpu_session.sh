@@ -34,8 +34,13 @@
 # one-process fallback), then `bench copy` of copy, staging and cuda-ipc (each receiver in a
 # process of its own) at 8, 64 and 1024 blocks, twice, the copy row being the same run's ceiling,
 # and staging through the connector's 1 GiB ring.
+# checksum (about 4 minutes): the `cuda` tests of test_checksum.py (the Triton kernel against
+# the torch reference on poisoned pools; a byte flipped in flight over cuda-ipc, staging and
+# in-process), then benches/probes/checksum_cost.py at Llama-8B geometry (2 MiB blocks): the
+# kernel alone (CUDA events) against the transfer over cuda-ipc and staging at 64 and 1024
+# blocks, checksums off and on; it prints 2*sum/xfer and (on-off)/off per row.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -49,7 +54,7 @@ if [ "${1:-tests}" = tests ]; then
   # so one slow or hung test shows by name and the others still run.
   for f in ${FILES:-tests/test_kv_layouts.py tests/test_nonblocking.py tests/test_copy.py tests/test_staging.py \
       tests/test_transfer.py tests/test_tiers.py tests/test_registry.py tests/test_tp.py tests/test_worker_replay.py \
-      tests/test_gpupath.py tests/test_park.py tests/test_nixl_hub.py}; do
+      tests/test_gpupath.py tests/test_park.py tests/test_nixl_hub.py tests/test_checksum.py}; do
     [ -f "$f" ] || continue
     timeout "${LIMIT:-150}" python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE "$f" 2>&1 \
       | tee -a "$OUT/cuda-tests.txt" | tail -12
@@ -81,6 +86,11 @@ elif [ "$1" = gpupath ]; then
   { echo "== staging through the connector's 1 GiB ring"
     timeout 60 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024 \
       --ring-mib 1024 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/gpupath-copy.txt"
+elif [ "$1" = checksum ]; then
+  timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
+    | tee "$OUT/checksum-tests.txt" | tail -10
+  timeout 400 python3 benches/probes/checksum_cost.py --device cuda --blocks 64,1024 --transports cuda-ipc,staging \
+    --reps 9 2>&1 | grep -v '^\[' | tee "$OUT/checksum-cost.txt"
 elif [ "$1" = links-extra ]; then
   bench() { timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }
   for mib in 256 1024; do

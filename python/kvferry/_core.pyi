@@ -23,6 +23,7 @@ __all__ = [
     "WIRE_MAX_FRAME_BYTES",
     "WIRE_MAX_IDS",
     "WIRE_VERSION",
+    "block_checksums",
     "block_pairs",
     "block_runs",
     "chunk_blocks",
@@ -251,6 +252,13 @@ def select_early(
 def block_pairs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockPairs: ...
 def block_runs(plan: SlicePlan, src_block_table: _IntLike, dst_block_table: _IntLike) -> BlockRuns: ...
 def pack_pairs(src_ids: _IntLike, dst_ids: _IntLike, src_blocks: int, dst_blocks: int) -> npt.NDArray[np.int64]: ...
+
+# The per-block checksum (rust/src/checksum.rs) of a CPU pool's blocks ``block_ids``: each
+# of ``layers`` (layers first_layer, first_layer + 1, ...) a (segments, num_blocks,
+# segment_bytes) uint8 array with contiguous rows (kvferry.checksum.block_checksums).
+def block_checksums(
+    layers: Sequence[npt.NDArray[np.uint8]], block_ids: _IntLike, first_layer: int
+) -> npt.NDArray[np.uint64]: ...
 
 # The frame codecs (rust/src/wire/): (kind, fields), the same shape both ways; fields is a
 # dict of the record's fields (WIRE_FIELDS names them), the hello's a flat dict of its own.

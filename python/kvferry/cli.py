@@ -352,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--reps", type=_positive, default=5, metavar="N", help="timed repetitions per figure; the median is reported"
     )
     copy.add_argument(
+        "--checksum",
+        choices=("on", "off"),
+        default=None,
+        help="transports: per-block checksums summed by the sender and checked by the receiver (default: the "
+        "library's default, kvferry.checksum.CHECKSUM_DEFAULT)",
+    )
+    copy.add_argument(
         "--contiguous",
         action="store_true",
         help="transports: each transfer's blocks consecutive on both sides (default: random blocks)",
@@ -1236,6 +1243,7 @@ def _cmd_bench_copy(args: argparse.Namespace) -> int:
         ring_bytes=None if args.ring_mib is None else args.ring_mib << 20,
         receiver_device=args.receiver_device,
         contiguous=args.contiguous,
+        checksum=None if args.checksum is None else args.checksum == "on",
     )
     if args.receiver_device is not None:
         why = _receiver_device_problem(args.receiver_device, args.device, transports)

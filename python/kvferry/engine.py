@@ -72,12 +72,26 @@ class Pending(ABC):
 
 class CopyEngine(ABC):
     def submit(
-        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+        self,
+        src: PagedKV,
+        dst: PagedKV,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        *,
+        after: Sequence[Signal] = (),
+        before: Optional[Callable[[], None]] = None,
     ) -> Pending:
         """Queues ``copy_blocks(src, dst, src_ids, dst_ids)`` after the caller's pending work
-        and after every signal in ``after``."""
+        and after every signal in ``after``; ``before`` runs first, in the same job (the
+        sums of the blocks it reads: kvferry.checksum)."""
         nbytes = len(src_ids) * src.block_bytes * src.num_layers
-        return self.submit_call(lambda: copy_blocks(src, dst, src_ids, dst_ids), after=after, nbytes=nbytes)
+
+        def copy() -> None:
+            if before is not None:
+                before()
+            copy_blocks(src, dst, src_ids, dst_ids)
+
+        return self.submit_call(copy, after=after, nbytes=nbytes)
 
     @abstractmethod
     def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
@@ -145,11 +159,24 @@ class ThreadCopyEngine(CopyEngine):
         self._closing = threading.Event()
 
     def submit(
-        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+        self,
+        src: PagedKV,
+        dst: PagedKV,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        *,
+        after: Sequence[Signal] = (),
+        before: Optional[Callable[[], None]] = None,
     ) -> Pending:
         if self.link_gbps is None or src.device.type != "cpu" or dst.device.type != "cpu":
-            return super().submit(src, dst, src_ids, dst_ids, after=after)
-        return self._run(lambda: _paced_copy(src, dst, src_ids, dst_ids, self.link_gbps or 0.0), 0, tuple(after))
+            return super().submit(src, dst, src_ids, dst_ids, after=after, before=before)
+
+        def paced() -> None:
+            if before is not None:
+                before()
+            _paced_copy(src, dst, src_ids, dst_ids, self.link_gbps or 0.0)
+
+        return self._run(paced, 0, tuple(after))
 
     def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
         return self._run(work, nbytes, tuple(after))

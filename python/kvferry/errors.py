@@ -14,6 +14,7 @@ __all__ = [
     "DuplicateTransferError",
     "UnknownRequestError",
     "TransferError",
+    "ChecksumError",
     "TransferTimeoutError",
     "MissingDependencyError",
     "SharedMemoryError",
@@ -51,6 +52,20 @@ class TransferError(KvFerryError):
         super().__init__(message)
         self.request_ids: tuple[int, ...] = tuple(int(r) for r in request_ids)
         self.peer = peer
+
+
+class ChecksumError(TransferError):
+    """A block's bytes where its write landed are not the bytes its sender summed
+    (kvferry.checksum): corrupted in flight, or overwritten before its notice arrived. Its
+    request fails (vLLM: the connector's load-failure policy); the message names the
+    request, the block (``block``: its index in the request), its destination block and
+    both checksums."""
+
+    def __init__(
+        self, message: str = "", *, request_ids: Iterable[int] = (), peer: Optional[str] = None, block: int = -1
+    ) -> None:
+        super().__init__(message, request_ids=request_ids, peer=peer)
+        self.block = block
 
 
 class TransferTimeoutError(TransferError, TimeoutError):

@@ -60,9 +60,16 @@ class _LentEngine(CopyEngine):
         return pending
 
     def submit(
-        self, src: PagedKV, dst: PagedKV, src_ids: np.ndarray, dst_ids: np.ndarray, *, after: Sequence[Signal] = ()
+        self,
+        src: PagedKV,
+        dst: PagedKV,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        *,
+        after: Sequence[Signal] = (),
+        before: Optional[Callable[[], None]] = None,
     ) -> Pending:
-        return self._keep(self._engine.submit(src, dst, src_ids, dst_ids, after=after))
+        return self._keep(self._engine.submit(src, dst, src_ids, dst_ids, after=after, before=before))
 
     def submit_call(self, work: Callable[[], None], *, after: Sequence[Signal] = (), nbytes: int = 0) -> Pending:
         return self._keep(self._engine.submit_call(work, after=after, nbytes=nbytes))

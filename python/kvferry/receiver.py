@@ -55,8 +55,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
+import torch
 
 from kvferry._core import BlockRange, TransferLedger
+from kvferry.checksum import block_checksums, checksum_option, write_layers
+from kvferry.checksum import mismatch as mismatch_error
 from kvferry.errors import (
     DuplicateTransferError,
     InvalidArgumentError,
@@ -187,10 +190,21 @@ class KVReceiver:
     """Tracks arrivals per request in its own ledger. Notices may come from another thread
     (a transport's listener); every method is safe to call concurrently."""
 
-    def __init__(self, pool: PagedKV) -> None:
+    def __init__(self, pool: PagedKV, *, checksum: Optional[bool] = None) -> None:
+        """``checksum``: a notice that carries its blocks' checksums (kvferry.checksum) is
+        checked against the blocks where its write landed before they count (a block that
+        differs fails the request, `ChecksumError`, and counts in ``checksum_failures``).
+        None (the default): `kvferry.checksum.CHECKSUM_DEFAULT`, where the pool's blocks can
+        be summed. A notice without checksums (its sender sums nothing) is taken as before."""
         if not isinstance(pool, PagedKV):
             raise TypeError(f"pool must be a PagedKV, got {type(pool).__name__}")
         self.pool = pool
+        self.checksum = checksum_option(checksum, pool)
+        # A CUDA pool's sums run on a stream of their own: on the default stream they would
+        # wait behind the engine's queued forward before a notice could count.
+        self._sum_stream: Any = torch.cuda.Stream(pool.device) if self.checksum and pool.device.type == "cuda" else None
+        self.checksum_failures = 0  # blocks' notices refused for a checksum mismatch
+        self.checksummed_blocks = 0  # blocks whose checksums were checked and agreed
         self._requests: dict[int, _Expected] = {}
         self._cond = threading.Condition()
         self._next_epoch = 1
@@ -399,6 +413,7 @@ class KVReceiver:
         destination blocks the notice's write used; a notice from a ``source`` (a
         cross-process sender) for a request whose lease records its blocks must name exactly
         those, or it is refused (`LeaseError`)."""
+        landed = self._landed_sums(notice, dst_ids)
         with self._cond:
             expected = self._requests.get(notice.request_id)
             try:
@@ -407,7 +422,7 @@ class KVReceiver:
                 raise self._refuse(notice, source, expected, err) from None
             if reason is None:
                 assert expected is not None
-                return self._claim(expected, notice, source, dst_ids)
+                return self._claim(expected, notice, source, dst_ids, landed)
             self._discard(Discard("notice", notice.request_id, notice.epoch, reason, _name(source), notice))
             # A notice of the current epoch for a request cancelled before any sender had
             # announced it: that sender is the one to ask (a stale epoch binds nothing).
@@ -417,8 +432,40 @@ class KVReceiver:
             self._ask_cancel(notice.request_id, expected)
         return False
 
+    def _landed_sums(self, notice: Notice, dst_ids: Optional[np.ndarray]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """``(destination ids, their sums)`` of the blocks a notice's write landed in, when
+        the notice carries checksums and this receiver checks them; summed before the lock
+        is taken (a large write is a read of every block it wrote). The blocks are the ones
+        the write named, else the lease's. None where there is nothing to check, or where
+        the notice is malformed (`_claim` refuses it for that)."""
+        if not self.checksum or notice.checksums is None:
+            return None
+        if dst_ids is None:
+            with self._cond:
+                expected = self._requests.get(notice.request_id)
+                lease = None if expected is None else expected.dst_blocks
+            if lease is None or not 0 <= notice.start < notice.end <= len(lease):
+                return None
+            dst_ids = lease[notice.start : notice.end]
+        ids = np.asarray(dst_ids, dtype=np.int64)
+        n = notice.end - notice.start
+        if ids.shape != (n,) or len(notice.checksums) != 8 * n or not n:
+            return None
+        if ids.min() < 0 or ids.max() >= self.pool.num_blocks:
+            return None
+        try:
+            layers = write_layers(notice, self.pool)
+        except KvFerryError:
+            return None
+        return ids, block_checksums(self.pool, ids, layers, self._sum_stream)
+
     def _claim(
-        self, expected: _Expected, notice: Notice, source: Optional[Hashable], dst_ids: Optional[np.ndarray] = None
+        self,
+        expected: _Expected,
+        notice: Notice,
+        source: Optional[Hashable],
+        dst_ids: Optional[np.ndarray] = None,
+        landed: Optional[tuple[np.ndarray, np.ndarray]] = None,
     ) -> bool:
         if source is not None and expected.source is None:
             expected.source = source  # bound even if refused below: it may have written
@@ -426,6 +473,13 @@ class KVReceiver:
         if mismatch is not None:
             err = LeaseError(f"invalid dst_ids for request {notice.request_id}: notice {notice} {mismatch}")
             raise self._refuse(notice, source, expected, err) from None
+        if landed is not None:
+            corrupt = mismatch_error(notice, *landed)
+            if corrupt is not None:
+                corrupt.peer = _name(source)
+                self.checksum_failures += 1
+                raise self._refuse(notice, source, expected, corrupt) from None
+            self.checksummed_blocks += len(landed[0])
         try:
             blocks = _blocks_of(notice)
             if notice.whole:

@@ -43,6 +43,7 @@ import torch
 
 from kvferry import affinity
 from kvferry._core import RequestSpec, SlicePlan, TransferBook, TransferLedger
+from kvferry.checksum import WriteChecksums, checksum_option
 from kvferry.engine import CopyEngine, Pending, engine_for
 from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
 from kvferry.layout import PagedKV
@@ -131,6 +132,7 @@ class _Job:
     submitted_at: float
     kind: str
     nbytes: int
+    checksums: Optional[WriteChecksums] = None
 
 
 @dataclass
@@ -208,6 +210,7 @@ class KVSender:
         host_pool: Optional[PagedKV] = None,
         backlog_blocks: int = BACKLOG_BLOCKS,
         handoff: Optional[bool] = None,
+        checksum: Optional[bool] = None,
     ) -> None:
         """``timeout``: seconds a queued copy may take, counted from its submission (so after
         the forward that produced it: a request in prefill is never timed out).
@@ -230,7 +233,11 @@ class KVSender:
         (`kvferry.affinity`), off the engine's. Needs ``progress``. None (the default): on for
         CUDA pools over a transport whose submission is costly (`Transport.costly_submit`:
         NIXL), where handing a write over would otherwise hold the engine's thread, not only
-        its core, before the forward; off otherwise (`default_handoff`)."""
+        its core, before the forward; off otherwise (`default_handoff`).
+        ``checksum``: every block written is summed over its source (kvferry.checksum) and
+        its notice carries the sum, which a receiver that checks sums compares with the
+        block it received. None (the default): `kvferry.checksum.CHECKSUM_DEFAULT`, where the
+        pool's blocks can be summed; True on a pool whose blocks cannot is refused."""
         pool.check_compatible(transport.geometry())
         if handoff and not progress:
             raise InvalidArgumentError("invalid handoff=True with progress=False: the announcer hands writes over")
@@ -247,6 +254,7 @@ class KVSender:
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"invalid timeout={timeout}: must be > 0 or None")
         self.host_pool = host_pool
+        self.checksum = checksum_option(checksum, pool)
         # What writes read: the pool, or the pool and its host tier behind one id space.
         self.source: Source = pool if host_pool is None else tiered_source(pool, host_pool)
         transport.check_source(self.source)
@@ -424,7 +432,9 @@ class KVSender:
             return False
         except TransferError as err:  # its receiver is gone (the staging ring reading a closed socket)
             raise self._lose_peer(err, unposted=ids) from err
-        self._inflight.append(_Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes))
+        self._inflight.append(
+            _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
+        )
         self._wake.set()
         return True
 
@@ -669,7 +679,8 @@ class KVSender:
         refuses the write (`TransferError` naming the bound: `_dispatch` fails the requests
         of its plan)."""
         after = self._ordering.signals_for(src_ids)  # tier copies still writing what it reads
-        held = _Held(Write(self.source, src_ids, dst_ids, notices, after, layers), time.monotonic(), kind, nbytes)
+        sums = WriteChecksums(self.source, src_ids, layers) if self.checksum else None
+        held = _Held(Write(self.source, src_ids, dst_ids, notices, after, layers, sums), time.monotonic(), kind, nbytes)
         if not self._backlog and not self.handoff and self._wire.acquire(blocking=False):
             try:
                 if self._submit(held):
@@ -808,6 +819,8 @@ class KVSender:
         # preemption whose forward overwrote the blocks it read) has its notices dropped,
         # so the receiver never counts blocks read after the revoke.
         revoked = frozenset(rid for rid in ids if self._drops(rid))
+        if job.checksums is not None:
+            job.notices = job.checksums.stamp(job.notices)
         self._outbox.append(_Op(self.transport.post, (job.notices, revoked), tuple(ids)))
         if self.records is not None:
             started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
@@ -1001,6 +1014,8 @@ class KVSender:
             rest = [n for n, m in zip(write.notices, mine) if not m]
             nbytes = held.nbytes * int(keep.sum()) // held.blocks
             write = dataclasses.replace(write, src_ids=write.src_ids[keep], dst_ids=write.dst_ids[keep], notices=rest)
+            if write.checksums is not None:  # summed afresh over the blocks it keeps
+                write = dataclasses.replace(write, checksums=WriteChecksums(write.src, write.src_ids, write.layers))
             kept.append(_Held(write, held.queued_at, held.kind, nbytes))
             self._backlogged += kept[-1].blocks
         self._backlog = kept

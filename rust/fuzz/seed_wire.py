@@ -1,7 +1,7 @@
 """Writes the `wire` fuzz target's seeds for the rendezvous's frames (its own set of frames:
 kvferry._core.rendezvous_encode; one valid frame of each type, and a few edge values) and for
 the NIXL hello (kvferry._core.wire_encode: a packed pool and a strided one, wire version 3's
-strides and regions) into rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
+strides and regions; version 4's notices and staging batches with checksums) into rust/fuzz/corpus/wire, named by their SHA-1 as libFuzzer names its inputs. Run from the
 repository root: .venv/bin/python rust/fuzz/seed_wire.py"""
 
 from __future__ import annotations
@@ -58,7 +58,15 @@ NIXL_HELLO = {
     "block_stride": 64,
     "regions": [{"start": 0x10000, "length": 1024}, {"start": 0x20000, "length": 1024}],
 }
+NOTICES = [(7, 0, 0, 2, False, 3, 0, 1), (7, 1, 2, 3, True, 3, 1, 2)]
 TRANSPORT_FRAMES = [
+    # wire version 4's checksums: one per block the notices cover, after the destination ids
+    ("notices", {"notices": NOTICES, "dst_ids": [9, 4, 7], "checksums": [0, 2**64 - 1, 0x9E3779B97F4A7C15]}),
+    ("notices", {"notices": NOTICES, "dst_ids": None, "checksums": None}),
+    (
+        "staged",
+        {"notices": NOTICES, "lo": 4, "freed": 3, "picked": None, "dst_ids": [1, 2, 3], "checksums": [1, 2, 3]},
+    ),
     ("hello", NIXL_HELLO),
     # block-outer: the layers interleave in one registered region, blocks 256 bytes apart
     (

@@ -25,6 +25,7 @@
 
 pub mod bitmap;
 pub mod book;
+pub mod checksum;
 pub mod error;
 pub mod ledger;
 pub mod pairs;

@@ -226,6 +226,13 @@ fn rendezvous_frame() -> impl Strategy<Value = rendezvous::Frame> {
     ]
 }
 
+/// Checksums of any value (the codec carries them; only the receiver computes them).
+fn sums(n: usize, seed: u64) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| seed.rotate_left(i as u32) ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect()
+}
+
 fn frame() -> impl Strategy<Value = Frame> {
     let leases = || vec((any::<i64>(), any::<i64>()), 0..20);
     prop_oneof![
@@ -233,32 +240,48 @@ fn frame() -> impl Strategy<Value = Frame> {
             .prop_map(|(role, nonce)| Frame::Challenge(Challenge { role, nonce })),
         any::<[u8; 32]>().prop_map(|mac| Frame::Proof(Proof { mac })),
         hello().prop_map(Frame::Hello),
-        (notices_and_ids(), any::<bool>()).prop_map(|((notices, ids), named)| Frame::Notices(
-            Notices {
-                notices,
-                dst_ids: named.then_some(ids),
-            }
-        )),
+        (
+            notices_and_ids(),
+            any::<bool>(),
+            any::<bool>(),
+            any::<u64>()
+        )
+            .prop_map(|((notices, ids), named, summed, seed)| {
+                let checksums = summed.then(|| sums(ids.len(), seed));
+                Frame::Notices(Notices {
+                    notices,
+                    dst_ids: named.then_some(ids),
+                    checksums,
+                })
+            }),
         vec(notice(), 0..6).prop_map(|notices| Frame::Notices(Notices {
             notices,
-            dst_ids: None
+            dst_ids: None,
+            checksums: None,
         })),
         leases().prop_map(|leases| Frame::Announce(Announce { leases })),
         leases().prop_map(|leases| Frame::Cancel(Cancel { leases })),
         (any::<i64>(), any::<i64>())
             .prop_map(|(request_id, epoch)| Frame::Revoke(Revoke { request_id, epoch })),
-        (notices_and_ids(), any::<u64>(), any::<u64>(), any::<bool>()).prop_map(
-            |((notices, dst_ids), lo, freed, pick)| {
+        (
+            notices_and_ids(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_map(|((notices, dst_ids), lo, freed, pick, summed)| {
                 let picked = pick.then(|| (0..dst_ids.len() as i64).map(|i| i * 2).collect());
+                let checksums = summed.then(|| sums(dst_ids.len(), lo));
                 Frame::Staged(Staged {
                     notices,
                     lo,
                     freed,
                     picked,
                     dst_ids,
+                    checksums,
                 })
-            }
-        ),
+            }),
         any::<u64>().prop_map(|freed| Frame::Freed(Freed { freed })),
         name().prop_map(|agent_name| Frame::Agent(Agent { agent_name })),
         ".{0,200}".prop_map(|reason| Frame::Goodbye(Goodbye { reason })),

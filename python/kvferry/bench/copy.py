@@ -59,6 +59,9 @@ class CopyBenchConfig:
     # network namespace it runs in (None: this one): a second host on one machine.
     listen: str = "unix://"
     receiver_netns: Optional[str] = None
+    # Transports: whether the sender sums each block for the receiver to check
+    # (kvferry.checksum; None: the library's default).
+    checksum: Optional[bool] = None
 
     def ring_blocks(self) -> Optional[int]:
         """The staging ring's capacity in blocks (every layer) for `ring_bytes`, None for the
@@ -299,7 +302,7 @@ def _sender_rows(
     ceiling: float,
 ) -> list[Row]:
     """End to end through a KVSender: plan, copy, notice, receiver complete."""
-    sender = KVSender(src, tx)
+    sender = KVSender(src, tx, checksum=cfg.checksum)
     rng = np.random.default_rng(cfg.seed)
     ids = itertools.count(1)
     rows = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
 
 import numpy as np
 
+from kvferry.checksum import summed
 from kvferry.copy import copy_blocks
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import KvFerryError
@@ -28,6 +29,8 @@ from kvferry.tiers import Signal, Source, source_layers, source_parts
 
 if TYPE_CHECKING:
     import torch
+
+    from kvferry.checksum import WriteChecksums
 
 __all__ = ["Transport", "TransportFull", "Write", "kept"]
 
@@ -51,6 +54,7 @@ class Write:
     notices: Sequence[Notice]
     after: Sequence[Signal] = ()
     layers: Optional[tuple[int, int]] = None
+    checksums: Optional[WriteChecksums] = None
 
 
 class Transport(ABC):
@@ -112,8 +116,9 @@ class Transport(ABC):
         posted once every part of it landed."""
         layers, after = job.layers, job.after
         src, dst = source_layers(job.src, layers), self.dst if layers is None else self.dst.layer_slice(*layers)
+        sums = None if job.checksums is None else job.checksums.compute
         if isinstance(src, PagedKV):
-            return engine.submit(src, dst, job.src_ids, job.dst_ids, after=after)
+            return engine.submit(src, dst, job.src_ids, job.dst_ids, after=after, before=sums)
         parts = source_parts(src, job.src_ids, job.dst_ids)
 
         def copy() -> None:
@@ -121,7 +126,7 @@ class Transport(ABC):
                 copy_blocks(part.pool, dst, part.src_ids, part.dst_ids)
 
         return engine.submit_call(
-            copy, after=after, nbytes=len(job.src_ids) * src.device.block_bytes * src.device.num_layers
+            summed(job, copy), after=after, nbytes=len(job.src_ids) * src.device.block_bytes * src.device.num_layers
         )
 
     @abstractmethod

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvferry import _core
 from kvferry.errors import InvalidArgumentError
-from kvferry.notice import Notice
+from kvferry.notice import Notice, joined_checksums, stamp
 
 __all__ = [
     "TRANSPORT",
@@ -104,18 +104,23 @@ class Hello(Frame):
 class Notices(Frame):
     """Sender to receiver: notices, and the destination blocks their writes used, in notice
     order (``None``: the sender names none, which a request whose lease records its blocks
-    refuses)."""
+    refuses). The notices' checksums (`Notice.checksums`) travel as the record's
+    ``checksums``, one per block the notices cover, when every notice carries them."""
 
     kind: ClassVar[str] = "notices"
     notices: Sequence[Notice]
     dst_ids: Optional[np.ndarray] = None
 
     def fields(self) -> dict[str, Any]:
-        return {"notices": [n.as_tuple() for n in self.notices], "dst_ids": self.dst_ids}
+        return {
+            "notices": [n.as_tuple() for n in self.notices],
+            "dst_ids": self.dst_ids,
+            "checksums": joined_checksums(self.notices),
+        }
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> Notices:
-        return cls([Notice(*values) for values in fields["notices"]], fields["dst_ids"])
+        return cls(stamp([Notice(*values) for values in fields["notices"]], fields["checksums"]), fields["dst_ids"])
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ class Cancel(Frame):
 class Staged(Frame):
     """Sender to receiver: a staging-ring batch. Ring slots from ``lo`` hold the blocks of
     ``notices`` in order (or more, of which those at ``picked`` go to ``dst_ids``); ``freed``
-    slots are free once it is applied."""
+    slots are free once it is applied. The notices' checksums travel as in `Notices`."""
 
     kind: ClassVar[str] = "staged"
     notices: Sequence[Notice]
@@ -157,11 +162,16 @@ class Staged(Frame):
     dst_ids: np.ndarray
 
     def fields(self) -> dict[str, Any]:
-        return dict(super().fields(), notices=[n.as_tuple() for n in self.notices])
+        return dict(
+            super().fields(),
+            notices=[n.as_tuple() for n in self.notices],
+            checksums=joined_checksums(self.notices),
+        )
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> Staged:
-        return cls(**dict(fields, notices=[Notice(*values) for values in fields["notices"]]))
+        sums = fields.pop("checksums")
+        return cls(**dict(fields, notices=stamp([Notice(*values) for values in fields["notices"]], sums)))
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from typing import AbstractSet, Any, Callable, ClassVar, Mapping, Optional, Sequ
 
 import numpy as np
 
+from kvferry.checksum import WriteChecksums
 from kvferry.copy import packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -519,8 +520,10 @@ class _XferPending(Pending):
     is ordered after (NIXL follows neither CUDA streams nor host signals, and waiting here
     would block the executor, so the post is deferred to the next poll). With ``notify``
     (a write of several transfers) the notices go as a notification of their own once every
-    transfer is done, so they never overtake a part of the write. NIXL raising (a peer that
-    disconnected, say) ends it in error rather than in the caller."""
+    transfer is done, so they never overtake a part of the write. With ``stamped`` (the
+    write's checksums, its notices and destination ids) that notification carries the
+    notices' checksums, and waits for the engine's job summing the blocks too. NIXL raising
+    (a peer that disconnected, say) ends it in error rather than in the caller."""
 
     def __init__(
         self,
@@ -530,8 +533,10 @@ class _XferPending(Pending):
         peer: str,
         failure: Optional[BaseException] = None,
         notify: Optional[tuple[str, bytes]] = None,
+        stamped: Optional[tuple[WriteChecksums, list[Notice], np.ndarray]] = None,
     ) -> None:
         self._agent = agent
+        self._stamped = stamped
         self._handles = list(handles)  # transfers not known to be finished
         self._ready = list(ready)
         self._peer = peer
@@ -597,8 +602,17 @@ class _XferPending(Pending):
         if self._state != "PROC" or self._handles:
             return
         if self._notify is not None:
+            notify = self._notify
+            if self._stamped is not None:
+                sums, notices, dst = self._stamped
+                if not sums.done():
+                    return  # looked at again by the next `done`
+                if sums.error() is not None:
+                    self._fail(TransferError(f"summing the write's blocks failed: {sums.error()!r}"))
+                    return
+                notify = (notify[0], _encode(sums.stamp(notices), dst))
             try:
-                self._agent.send_notif(*self._notify)
+                self._agent.send_notif(*notify)
             except Exception as err:  # a receiver already gone
                 self._failure = self._failure or err
                 self._state = "ERR"
@@ -798,8 +812,9 @@ class NixlTransport(Transport):
         coalesced = self._coalesced(src, s, d, layers) if COALESCE else None
         notify = None
         message = _encode(notices, d)
-        # Several transfers: the notices follow once all are done.
-        if len(coalesced if coalesced is not None else sides) > 1:
+        # Several transfers, or checksums to carry: the notices follow once all are done
+        # (and the sums of the blocks, queued on the engine, are known).
+        if len(coalesced if coalesced is not None else sides) > 1 or job.checksums is not None:
             notify, message = (self._remote_name, message), b""
         handles = []
         try:
@@ -818,7 +833,13 @@ class NixlTransport(Transport):
             import torch
 
             ready.append(torch.cuda.current_stream(pool.device).record_event())
-        return _XferPending(self.agent, handles, ready, self.peer, notify=notify)
+        stamped = None
+        if job.checksums is not None:
+            # NIXL's write is no job of the engine's: the sums are one of their own, after
+            # the same signals (and, on CUDA, the forward's stream work) as the write's post.
+            job.checksums.pending = engine.submit_call(job.checksums.compute, after=job.after)
+            stamped = (job.checksums, list(notices), d)
+        return _XferPending(self.agent, handles, ready, self.peer, notify=notify, stamped=stamped)
 
     def _coalesced(
         self, src: Source, s: np.ndarray, d: np.ndarray, layers: tuple[int, int]

@@ -40,6 +40,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 import numpy as np
 import torch
 
+from kvferry.checksum import summed
 from kvferry.copy import BlockCopies, copy_blocks, packed_ids
 from kvferry.engine import CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -859,7 +860,7 @@ class StagingTransport(LocalTransport):
         self._pending.append((lo, d, s.size + skipped))
         self._collect_frees()
         return engine.submit_call(
-            stage,
+            summed(job, stage),
             after=job.after,
             nbytes=n
             * int(self._geometry["num_layers"])

@@ -108,6 +108,10 @@ class ConnectorConfig:
     # server's HTTP API at. Both or neither.
     router_discovery: Optional[str] = None
     http_address: Optional[str] = None
+    # Per-block checksums (kvferry.checksum): the prefill side sums every block it writes,
+    # the decode side checks each where it landed; a block that differs fails its request
+    # (vLLM's kv_load_failure_policy). None: kvferry.checksum.CHECKSUM_DEFAULT, on both sides.
+    checksum: Optional[bool] = None
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
@@ -138,8 +142,8 @@ class ConnectorConfig:
                     raise InvalidArgumentError(f"invalid kv_connector_extra_config {name}={value!r}: must be a string")
             elif name in ("router_discovery", "http_address"):
                 value = _check_host_port(name, value)
-            elif isinstance(default, bool):
-                if not isinstance(value, bool):
+            elif isinstance(default, bool) or name == "checksum":
+                if not isinstance(value, bool) and not (name == "checksum" and value is None):
                     raise InvalidArgumentError(
                         f"invalid kv_connector_extra_config {name}={value!r}: must be true or false"
                     )

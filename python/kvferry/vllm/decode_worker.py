@@ -135,7 +135,7 @@ class DecodeWorker:
         self._rid_of_transfer: dict[str, str] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._look: set[str] = set()  # looked at next step whatever happens (given up, or abandoned early)
-        self._refused_seen = self._duplicates_seen = 0
+        self._refused_seen = self._duplicates_seen = self._corrupt_seen = self._checked_seen = 0
         # Prefill sizes learnt from requests (a router's decode request names its prefill
         # server's tensor parallel size): their receivers are made on first use.
         self._learnt: list[int] = []
@@ -169,7 +169,7 @@ class DecodeWorker:
                     if layers is not None:  # that stage's ranks write their layers only
                         part = part.layer_slice(*layers)
                     key = (size, stage * size + link.prefill_rank)
-                    self.receivers[key] = KVReceiver(part)
+                    self.receivers[key] = KVReceiver(part, checksum=self.config.checksum)
                     ring = self.config.staging_bytes or default_ring_bytes(part.device)
                     self._ring_of[key] = max(2, ring // (part.block_bytes * part.num_layers))
 
@@ -469,9 +469,15 @@ class DecodeWorker:
         assert self.receivers and self.rendezvous is not None
         refused = sum(r.refused_count for r in self.receivers.values())
         duplicates = sum(r.duplicate_count for r in self.receivers.values())
+        corrupt = sum(r.checksum_failures for r in self.receivers.values())
+        checked = sum(r.checksummed_blocks for r in self.receivers.values())
         self.tally.add("duplicates_refused", duplicates - self._duplicates_seen)
-        self.tally.add("notices_refused", (refused - duplicates) - (self._refused_seen - self._duplicates_seen))
+        self.tally.add("checksum_mismatches", corrupt - self._corrupt_seen)
+        self.tally.add("checksummed_blocks", checked - self._checked_seen)
+        other, seen = refused - duplicates - corrupt, self._refused_seen - self._duplicates_seen - self._corrupt_seen
+        self.tally.add("notices_refused", other - seen)
         self._refused_seen, self._duplicates_seen = refused, duplicates
+        self._corrupt_seen, self._checked_seen = corrupt, checked
         now = time.monotonic()
         for rid in self._to_look(finished_req_ids, now):
             st = self._recv[rid]

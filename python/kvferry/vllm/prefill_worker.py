@@ -349,6 +349,7 @@ class PrefillWorker:
                 # With transfer cores, writes start on them (the announcer's), not on the
                 # engine's; else the sender's default (NIXL over CUDA caches hands them off).
                 handoff=True if self.config.transfer_cores else None,
+                checksum=self.config.checksum,
             )
         except BaseException:
             transport.close()

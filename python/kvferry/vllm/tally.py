@@ -39,9 +39,14 @@ COUNTERS = {
         "Prompts computed before their destination whose blocks were copied into host memory, so that vLLM's"
         " pool freed them at once; their late send reads the copy (prefill side, one per rank)."
     ),
-    # Decode side: a refused notice counts once, in one of the two.
+    # Decode side: a refused notice counts once, in one of the three.
     "duplicates_refused": "Notices the decode side refused because their blocks had already arrived.",
+    "checksum_mismatches": (
+        "Notices the decode side refused because a block's checksum where it landed differed from the one its prefill"
+        " side summed (corrupted in flight): each fails its request."
+    ),
     "notices_refused": "Notices the decode side refused for another reason (unknown request, epoch, sender or blocks).",
+    "checksummed_blocks": "Blocks (per layer group written) whose checksum the decode side checked and found intact.",
     "transfers": "Transfers whose every block landed (prefill side).",
     "failed_transfers": "Transfers released before every block landed (prefill side).",
     # Prefill side: which path each connection to a decode endpoint took (kvferry.vllm.paths).
@@ -69,9 +74,20 @@ HISTOGRAMS = {
 
 # The counter vllm:kvferry_failures_total{reason=...}: transfers that failed on either side, by
 # the kind of their error (`failure_reason`), each label made at start so a rate starts at 0.
-FAILURE_REASONS = ("timeout", "aborted", "preempted", "peer_lost", "peer_gave_up", "authentication", "refused", "other")
+FAILURE_REASONS = (
+    "timeout",
+    "aborted",
+    "preempted",
+    "peer_lost",
+    "peer_gave_up",
+    "authentication",
+    "checksum",
+    "refused",
+    "other",
+)
 _REASON_WORDS = (  # first match wins: the words kvferry's errors say for each kind
     ("authentication", ("authentication", "different keys")),
+    ("checksum", ("corrupted in flight",)),
     ("preempted", ("preempted",)),
     ("aborted", ("aborted",)),
     ("peer_gave_up", ("gave up", "abandoned")),

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod args;
 mod arrays;
 mod book;
+mod checksum;
 mod errors;
 mod ledger;
 mod pairs;
@@ -31,6 +32,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pairs::block_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(pairs::block_runs, m)?)?;
     m.add_function(wrap_pyfunction!(pairs::pack_pairs, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum::block_checksums, m)?)?;
     m.add("MAX_LEDGER_BLOCKS", crate::MAX_LEDGER_BLOCKS)?;
     m.add_function(wrap_pyfunction!(wire::wire_header, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_decode, m)?)?;

@@ -76,3 +76,17 @@ pub(crate) fn check_covered(field: &'static str, notices: &[Notice], ids: &[i64]
     }
     Ok(())
 }
+
+/// Checksums, when a frame carries them: one per block the notices cover.
+pub(crate) fn check_sums(notices: &[Notice], sums: Option<&[u64]>) -> Result<()> {
+    let Some(sums) = sums else { return Ok(()) };
+    bound("checksums", sums.len(), MAX_IDS)?;
+    if covered(notices)? != sums.len() as u128 {
+        return Err(WireError::field(
+            "checksums",
+            format!("<{} checksums>", sums.len()),
+            "one checksum per block the notices cover",
+        ));
+    }
+    Ok(())
+}

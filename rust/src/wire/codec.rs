@@ -134,6 +134,21 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// Per-block checksums behind a flag byte (0: none): a count, then `u64`s.
+    pub(crate) fn opt_sums(&mut self, what: &'static str) -> Result<Option<Vec<u64>>> {
+        Ok(if self.flag(what)? {
+            let n = self.count(what, MAX_IDS, 8)?;
+            let raw = self.take(what, n * 8)?;
+            Some(
+                raw.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                    .collect(),
+            )
+        } else {
+            None
+        })
+    }
+
     /// A tensor shape or stride: at most [`MAX_DIMS`] `u64`s.
     pub(crate) fn dims(&mut self, what: &'static str) -> Result<Vec<u64>> {
         self.u64s(what, MAX_DIMS)
@@ -245,6 +260,12 @@ impl Writer {
         self.flag(&ids.is_some());
         if let Some(ids) = ids {
             self.ids(ids);
+        }
+    }
+    pub(crate) fn opt_sums(&mut self, sums: &Option<Vec<u64>>) {
+        self.flag(&sums.is_some());
+        if let Some(sums) = sums {
+            self.u64s(sums);
         }
     }
     pub(crate) fn dims(&mut self, dims: &[u64]) {

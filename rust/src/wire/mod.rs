@@ -27,7 +27,7 @@
 //! use kvferry::wire::{decode, encode, Frame, Notice, Notices, MAX_FRAME_BYTES};
 //!
 //! let notices = vec![Notice::new(7, 0, 0, 4, true, 1, 0, 1)];
-//! let frame = Frame::Notices(Notices { notices, dst_ids: Some(vec![3, 4, 5, 6]) });
+//! let frame = Frame::Notices(Notices { notices, dst_ids: Some(vec![3, 4, 5, 6]), checksums: None });
 //! let bytes = encode(&frame)?;
 //! assert_eq!(decode(&bytes, MAX_FRAME_BYTES)?, frame);
 //! assert!(decode(&bytes[..bytes.len() - 1], MAX_FRAME_BYTES).is_err()); // truncated
@@ -68,6 +68,9 @@ pub const MAGIC: [u8; 4] = *b"KVFW";
 /// - 4: every rendezvous frame but the handshake's and the goodbye carries a `call` (u32)
 ///   last: a question's number, which its answer names, so one authenticated connection
 ///   carries many lookups, abandons and offers at once and their answers come in any order.
+///   Notices and staging batches carry each block's checksum after their destination ids
+///   (`checksums`: a flag byte, then one `u64` per block the notices cover), which the
+///   receiver checks once the blocks landed (`crate::checksum`).
 pub const VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;

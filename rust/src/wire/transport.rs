@@ -4,7 +4,7 @@
 //! end, last (0 or 1), epoch, group, groups), 64 bytes; a lease is two `i64` (request,
 //! epoch).
 
-use super::check::{bound, check_covered, check_ids, check_name};
+use super::check::{bound, check_covered, check_ids, check_name, check_sums};
 use super::codec::{Reader, Writer};
 use super::{
     decode_body_as, decode_frame, encode_frame, frame_set, record, Challenge, Check, FrameType,
@@ -328,6 +328,8 @@ record! {
         notices: Vec<Notice> = records(MAX_NOTICES, 64),
         /// One id per block the notices cover, or none.
         dst_ids: Option<Vec<i64>> = opt_ids(),
+        /// One checksum per block the notices cover (`crate::checksum`), or none.
+        checksums: Option<Vec<u64>> = opt_sums(),
     }
 }
 
@@ -371,6 +373,8 @@ record! {
         picked: Option<Vec<i64>> = opt_ids(),
         /// One destination id per block the notices cover.
         dst_ids: Vec<i64> = ids(),
+        /// One checksum per block the notices cover (`crate::checksum`), or none.
+        checksums: Option<Vec<u64>> = opt_sums(),
     }
 }
 
@@ -536,10 +540,10 @@ fn check_tensor(t: &CudaTensor) -> Result<()> {
 impl Check for Notices {
     fn check(&self) -> Result<()> {
         bound("notices", self.notices.len(), MAX_NOTICES)?;
-        match &self.dst_ids {
-            Some(ids) => check_covered("dst_ids", &self.notices, ids),
-            None => Ok(()),
+        if let Some(ids) = &self.dst_ids {
+            check_covered("dst_ids", &self.notices, ids)?;
         }
+        check_sums(&self.notices, self.checksums.as_deref())
     }
 }
 
@@ -569,6 +573,7 @@ impl Check for Staged {
     fn check(&self) -> Result<()> {
         bound("notices", self.notices.len(), MAX_NOTICES)?;
         check_covered("dst_ids", &self.notices, &self.dst_ids)?;
+        check_sums(&self.notices, self.checksums.as_deref())?;
         if let Some(picked) = &self.picked {
             check_ids("picked", picked)?;
             if picked.len() != self.dst_ids.len() {
@@ -602,6 +607,7 @@ mod tests {
                 Notice::new(1, 1, 2, 3, true, 3, 1, 2),
             ],
             dst_ids: Some(vec![9, 4, 7]),
+            checksums: Some(vec![u64::MAX, 0, 1 << 63]),
         })
     }
 
@@ -638,11 +644,55 @@ mod tests {
         let frame = Frame::Notices(Notices {
             notices: vec![Notice::new(1, 0, 0, 2, false, 3, 0, 1)],
             dst_ids: Some(vec![1]),
+            checksums: None,
         });
         assert!(matches!(
             encode(&frame),
             Err(WireError::Field {
                 field: "dst_ids",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn checksums_must_cover_the_notices() {
+        let notices = vec![Notice::new(1, 0, 0, 2, false, 3, 0, 1)];
+        let short = Frame::Notices(Notices {
+            notices: notices.clone(),
+            dst_ids: Some(vec![1, 2]),
+            checksums: Some(vec![5]),
+        });
+        let staged = Frame::Staged(Staged {
+            notices,
+            lo: 0,
+            freed: 0,
+            picked: None,
+            dst_ids: vec![1, 2],
+            checksums: Some(vec![5, 6, 7]),
+        });
+        for frame in [short, staged] {
+            assert!(matches!(
+                encode(&frame),
+                Err(WireError::Field {
+                    field: "checksums",
+                    ..
+                })
+            ));
+        }
+        // And a decoder given such bytes (encoded by hand) refuses them too.
+        let good = notices_frame();
+        let mut bytes = encode(&good).unwrap();
+        let n = bytes.len();
+        bytes.truncate(n - 8); // drop the last checksum and say there are two
+        let count_at = n - 3 * 8 - 4; // the count before three checksums
+        bytes[count_at..count_at + 4].copy_from_slice(&2u32.to_le_bytes());
+        let len = (bytes.len() - HEADER_BYTES) as u32;
+        bytes[8..12].copy_from_slice(&len.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, MAX_FRAME_BYTES),
+            Err(WireError::Field {
+                field: "checksums",
                 ..
             })
         ));
@@ -768,7 +818,8 @@ mod tests {
         );
         assert_eq!(
             Staged::FIELDS,
-            ["notices", "lo", "freed", "picked", "dst_ids"]
+            ["notices", "lo", "freed", "picked", "dst_ids", "checksums"]
         );
+        assert_eq!(Notices::FIELDS, ["notices", "dst_ids", "checksums"]);
     }
 }

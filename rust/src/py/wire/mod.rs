@@ -8,7 +8,7 @@
 //! call per frame: a batch of notices crosses the boundary once. Each record's conversion is
 //! generated from its `record!` table by `py_record!`, each set's by `py_frame_set!`.
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
@@ -265,6 +265,33 @@ impl PyField for Option<Vec<i64>> {
             return Ok(None);
         }
         Vec::<i64>::from_py(obj, name).map(Some)
+    }
+}
+
+/// Checksums: a uint64 array out, a uint64 array (or any sequence of ints >= 0) in.
+impl PyField for Option<Vec<u64>> {
+    fn to_py(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+        match self {
+            Some(sums) => Ok(PyArray1::from_vec(py, sums).into_any()),
+            None => Ok(py.None().into_bound(py)),
+        }
+    }
+    fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Self> {
+        if obj.is_none() {
+            return Ok(None);
+        }
+        if let Ok(array) = obj.cast::<PyArray1<u64>>() {
+            if let Ok(read) = array.try_readonly() {
+                return Ok(Some(read.as_array().to_vec()));
+            }
+        }
+        obj.extract().map(Some).map_err(|_| {
+            type_error(
+                name,
+                "a uint64 array or a sequence of ints in [0, 2**64)",
+                kind_and_value(obj),
+            )
+        })
     }
 }
 
