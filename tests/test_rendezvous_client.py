@@ -125,7 +125,19 @@ def test_a_lookup_whose_connection_breaks_fails_and_is_not_sent_again(
         real_park(entry)
         parked.set()
 
+    # The rendezvous drops the lookup once it sees its connection end (under its lock, which
+    # a publish takes too): the publish waits for that, as a publish after the break would.
+    dropped = threading.Event()
+    real_stale = server._stale_names
+
+    def stale() -> set[str]:
+        names = real_stale()
+        if "B" in names:
+            dropped.set()
+        return names
+
     monkeypatch.setattr(server, "_park", park)
+    monkeypatch.setattr(server, "_stale_names", stale)
     with Client(KEY) as client:
         waiting = client.lookup(server.address, "B", 3600, "prefill-a")
         assert parked.wait(SLACK)
@@ -133,6 +145,7 @@ def test_a_lookup_whose_connection_breaks_fails_and_is_not_sent_again(
         line._channel.sock.shutdown(2)  # the connection breaks (a reset, a dead middlebox)
         with pytest.raises(TransferError, match="the decode server at .* went away"):
             waiting.result(SLACK)
+        assert dropped.wait(SLACK)
         publish(server, "B", _prompt(2))
         assert server.taker("B") is None  # the dropped lookup took nothing
         assert client.lookup(server.address, "B", 5, "prefill-a").result(SLACK)["epoch"] == 1
