@@ -4,8 +4,9 @@ rendezvous (the decode engine's admission is then the test's own). No vLLM neede
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 from kvferry.vllm.config import prompt_digest
 
@@ -61,3 +62,28 @@ def publish(rdv: Any, transfer: str, prompt: list[int], block_size: int = 4) -> 
             "engine": "decode-engine",
         },
     )
+
+
+@contextlib.contextmanager
+def scheduler_pair(rendezvous_dir: str, key: bytes) -> Iterator[tuple[Any, Any, Any, Manager]]:
+    """A prefill and a decode scheduler half (blocks of 4 tokens, one fake KV cache manager)
+    and the decode server's real rendezvous in ``rendezvous_dir``, destinations published by
+    hand (the decode worker's part): ``(prefill, decode, rendezvous, manager)``, closed at exit."""
+    from kvferry.vllm import rendezvous
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.metadata import Handshake
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    rdv = rendezvous.Rendezvous(key, lambda sender: "staging+unix:///nowhere/ring.sock", rendezvous_dir)
+    manager = Manager({})
+    prefill = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_producer", engine_id="prefill-engine",
+                            kv_cache_manager_getter=lambda: manager, authkey=key)  # fmt: skip
+    decode = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_consumer", engine_id="decode-engine",
+                           kv_cache_manager_getter=lambda: manager, authkey=key)  # fmt: skip
+    decode.set_handshakes({0: Handshake("decode-engine", rdv.address)})
+    try:
+        yield prefill, decode, rdv, manager
+    finally:
+        prefill.close()
+        decode.close()
+        rdv.close()

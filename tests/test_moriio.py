@@ -16,15 +16,14 @@ from typing import Any, Iterator
 
 import pytest
 from kvferry.errors import InvalidArgumentError
-from kvferry.vllm import rendezvous, trust
+from kvferry.vllm import trust
 from kvferry.vllm.config import ConnectorConfig
-from kvferry.vllm.metadata import Handshake
 from kvferry.vllm.moriio import Registration, parse_moriio_params, registered_address
 from kvferry.vllm.scheduler import SchedulerSide
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import until  # noqa: E402
-from sched_fakes import Manager, Request, step  # noqa: E402
+from sched_fakes import Manager, Request, scheduler_pair, step  # noqa: E402
 from sched_fakes import publish as publish_destination  # noqa: E402
 
 KEY = b"m" * 32
@@ -45,17 +44,8 @@ def _request_id(decode_zmq: str, chat: bool = False) -> str:
 def pair(tmp_path: Any) -> Iterator[tuple[SchedulerSide, SchedulerSide, Any, Manager]]:
     """A prefill and a decode scheduler half and the decode server's real rendezvous
     (destinations published by hand: the decode worker's part)."""
-    rdv = rendezvous.Rendezvous(KEY, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
-    manager = Manager({})
-    prefill = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_producer", engine_id="prefill-engine",
-                            kv_cache_manager_getter=lambda: manager, authkey=KEY)  # fmt: skip
-    decode = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_consumer", engine_id="decode-engine",
-                           kv_cache_manager_getter=lambda: manager, authkey=KEY)  # fmt: skip
-    decode.set_handshakes({0: Handshake("decode-engine", rdv.address)})
-    yield prefill, decode, rdv, manager
-    prefill.close()
-    decode.close()
-    rdv.close()
+    with scheduler_pair(str(tmp_path), KEY) as pair:
+        yield pair
 
 
 def _counts(side: SchedulerSide) -> dict[str, int]:

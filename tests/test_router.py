@@ -17,13 +17,12 @@ import pytest
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.vllm import client, rendezvous, trust
 from kvferry.vllm.config import ConnectorConfig, parse_router_params, router_key
-from kvferry.vllm.metadata import Handshake
 from kvferry.vllm.proxy import NIXL_PREFILL_LEG
 from kvferry.vllm.scheduler import SchedulerSide
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import until  # noqa: E402
-from sched_fakes import Manager, Request, Status, publish, step  # noqa: E402
+from sched_fakes import Manager, Request, Status, publish, scheduler_pair, step  # noqa: E402
 
 KEY = b"r" * 32
 PREFILL_LEG = NIXL_PREFILL_LEG  # the toy proxy's prefill leg
@@ -33,16 +32,8 @@ PREFILL_LEG = NIXL_PREFILL_LEG  # the toy proxy's prefill leg
 def pair(tmp_path: Any) -> Iterator[tuple[SchedulerSide, SchedulerSide, Any, Manager]]:
     """A prefill scheduler half, a decode scheduler half and the decode server's real
     rendezvous (destinations are published by hand: the decode worker's part)."""
-    rdv = rendezvous.Rendezvous(KEY, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
-    manager = Manager({})
-    prefill = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_producer", engine_id="prefill-engine",
-                            kv_cache_manager_getter=lambda: manager, authkey=KEY)  # fmt: skip
-    decode = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_consumer", engine_id="decode-engine",
-                           kv_cache_manager_getter=lambda: manager, authkey=KEY)  # fmt: skip
-    decode.set_handshakes({0: Handshake("decode-engine", rdv.address)})
-    yield prefill, decode, rdv, manager
-    prefill.close()
-    rdv.close()
+    with scheduler_pair(str(tmp_path), KEY) as pair:
+        yield pair
 
 
 def _prefill_request(rid: str, prompt: list[int]) -> Request:

@@ -676,26 +676,30 @@ def test_admission_wait_is_checked_by_name() -> None:
             ConnectorConfig.from_extra({"admission_wait_s": value})
 
 
+HALF_KEY = b"a" * 32
+
+
+def prefill_half(manager: Any, **more: Any) -> Any:
+    """A prefill scheduler half computing at once (``admission_wait_s`` 0), blocks of 4
+    tokens, its KV cache manager ``manager``; ``more``: `SchedulerSide`'s other arguments."""
+    from kvferry.vllm.config import ConnectorConfig
+    from kvferry.vllm.scheduler import SchedulerSide
+
+    return SchedulerSide(ConnectorConfig(admission_wait_s=0.0), block_size=4, role="kv_producer",
+                         engine_id="prefill-engine", kv_cache_manager_getter=lambda: manager, authkey=HALF_KEY,
+                         **more)  # fmt: skip
+
+
 @pytest.fixture
 def half(tmp_path: Any) -> Any:
     """A prefill scheduler half computing at once (``admission_wait_s`` 0) against a real
     decode rendezvous (published by hand: the decode engine's admission is the test's)."""
     from kvferry.vllm import rendezvous, trust
-    from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.scheduler import SchedulerSide
 
-    key = b"a" * 32
-    rdv = rendezvous.Rendezvous(key, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
+    rdv = rendezvous.Rendezvous(HALF_KEY, lambda sender: "staging+unix:///nowhere/ring.sock", str(tmp_path))
     manager = Manager({})
-    side = SchedulerSide(
-        ConnectorConfig(admission_wait_s=0.0),
-        block_size=4,
-        role="kv_producer",
-        engine_id="prefill-engine",
-        kv_cache_manager_getter=lambda: manager,
-        authkey=key,
-    )
-    mac = trust.sign_peer(key, rdv.address)
+    side = prefill_half(manager)
+    mac = trust.sign_peer(HALF_KEY, rdv.address)
     yield side, rdv, manager, mac
     rdv.close()
 
@@ -738,19 +742,7 @@ def test_a_late_prompt_parks_in_host_blocks_and_its_late_send_reads_them(half: A
     host blocks come back once every worker reported it done. A prompt with no room left
     in the host pool holds its blocks in vLLM's pool, as without one."""
     _, rdv, manager, mac = half
-    from kvferry.vllm.config import ConnectorConfig
-    from kvferry.vllm.scheduler import SchedulerSide
-
-    side = SchedulerSide(
-        ConnectorConfig(admission_wait_s=0.0),
-        block_size=4,
-        role="kv_producer",
-        engine_id="prefill-engine",
-        kv_cache_manager_getter=lambda: manager,
-        authkey=b"a" * 32,  # the half fixture's
-        park_blocks=5,
-        num_blocks=40,
-    )
+    side = prefill_half(manager, park_blocks=5, num_blocks=40)
     prompt, transfer = list(range(1, 11)), uuid.uuid4().hex  # 3 blocks of 4
     other, transfer2 = list(range(20, 30)), uuid.uuid4().hex
     reqs = [
