@@ -635,7 +635,9 @@ def _gated_pair() -> tuple[KVSender, KVReceiver, ManualEngine]:
     return sender, receiver, engine
 
 
-def test_cancel_waits_for_its_copies_and_drops_their_notices() -> None:
+def test_cancel_waits_for_its_copies_and_drops_their_notices(sender_clock: FakeClock) -> None:
+    # The sender's clock stands still: its 0.05 s copy timeout cannot pass while the test
+    # thread waits for the CPU (on a loaded box it did, failing both requests).
     sender, receiver, engine = _gated_pair()
     table = np.arange(8).reshape(2, 4)
     sender.send_early([1, 2], table, table)
