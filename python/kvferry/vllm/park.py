@@ -40,8 +40,10 @@ def park_blocks(late_host_bytes: int, kv_cache_config: Any, groups: int) -> int:
     """How many blocks the host pool holds: ``late_host_bytes`` worth of this engine's
     blocks, at most its pool's block count; 0 (parking off) for 0 bytes, and with several KV
     cache groups, whose tables the late send moves group by group."""
+    if late_host_bytes <= 0 or groups != 1:
+        return 0
     num_blocks = int(kv_cache_config.num_blocks)
-    if groups != 1 or num_blocks <= 0 or late_host_bytes <= 0:
+    if num_blocks <= 0:
         return 0
     block_bytes = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // num_blocks
     return min(num_blocks, late_host_bytes // block_bytes) if block_bytes > 0 else 0
