@@ -263,7 +263,14 @@ def test_a_decode_step_goes_on_while_a_lookup_it_answered_waits_for_a_registrati
         real_park(entry)
         parked.set()
 
-    rdv._park = park
+    settled = threading.Event()  # the rendezvous's own thread looked again and took it
+    real_settle = rdv._settle
+
+    def settle(entry: Any, outcome: Any) -> None:
+        real_settle(entry, outcome)
+        settled.set()
+
+    rdv._park, rdv._settle = park, settle
     with Client(b"k" * 32) as client:
         answer = client.lookup(rdv.address, "Tr0", 60, "stalled-engine")
         assert parked.wait(SLACK)
@@ -271,6 +278,7 @@ def test_a_decode_step_goes_on_while_a_lookup_it_answered_waits_for_a_registrati
             done, outcome = in_thread(lambda: (_expect(decode, 1), _expect(decode, 1, "s"), decode.results(set())))
             assert done.wait(SLACK), "a decode step waited for a lookup's registration"
             assert not isinstance(outcome[0], BaseException), outcome[0]
+            assert settled.wait(SLACK)
             assert rdv.taker("Tr0") == "stalled-engine" and not answer.done()  # taken; its answer waits
         assert answer.result(SLACK)["request_id"] == 100  # the registration ended: answered
 
