@@ -135,6 +135,7 @@ class PrefillWorker:
         self._park: Optional[PagedKV] = None
         self._park_view: Optional[PagedKV] = None
         self._parked: dict[str, _Parked] = {}
+        self._stream: Any = None  # the parking copies' CUDA stream (`_side_stream`)
 
     @property
     def pool(self) -> Any:
@@ -279,10 +280,9 @@ class PrefillWorker:
         self.tally.add("parked_prompts", 1)
 
     def _side_stream(self) -> Any:
-        stream = self.__dict__.get("_stream")
-        if stream is None:
-            stream = self.__dict__["_stream"] = torch.cuda.Stream(self.pool.device)
-        return stream
+        if self._stream is None:  # made at the first park: a CPU pool never needs one
+            self._stream = torch.cuda.Stream(self.pool.device)
+        return self._stream
 
     def _let_go(self, rid: str, sending: set[str]) -> None:
         """A finished request's transfer ended on this rank: vLLM may free its blocks, or, for
