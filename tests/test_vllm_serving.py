@@ -771,42 +771,6 @@ def test_a_late_prompt_parks_in_host_blocks_and_its_late_send_reads_them(half: A
     assert side._park.take(5) == [0, 1, 2, 3, 4]  # every host block back, lowest first
 
 
-def test_prompts_computed_ahead_of_their_destination_hold_at_most_half_the_pool(half: Any) -> None:
-    """Prompts computed before their destination (the decode server has not admitted their
-    requests) take at most half of the prefill pool: the next one waits for its destination,
-    so requests whose destination came always find room. With both pools full, the prefill
-    pool all held for unadmitted requests and the decode pool all held for requests waiting
-    for prompts with no room to compute would otherwise wait on each other. A prompt sent
-    late gives its share back; a parked prompt (host pool) holds none."""
-    _, rdv, manager, mac = half
-    side = prefill_half(manager, num_blocks=12)  # half: 6 blocks, two prompts of 3
-    prompts = {f"a{i}": list(range(10 * i + 1, 10 * i + 11)) for i in range(3)}  # 10 tokens: 3 blocks each
-    transfers = {rid: uuid.uuid4().hex for rid in prompts}
-    reqs = {rid: Request(rid, p, _send_params(rdv, mac, transfers[rid])) for rid, p in prompts.items()}
-    for i, rid in enumerate(prompts):
-        manager.tables[rid] = [3 * i, 3 * i + 1, 3 * i + 2]
-    assert side.get_num_new_matched_tokens(reqs["a0"], 0) == (0, False)
-    assert side.get_num_new_matched_tokens(reqs["a1"], 0) == (0, False)
-    assert side.get_num_new_matched_tokens(reqs["a2"], 0) == (None, False)  # 6 of 12 held: waits
-    reqs["a0"].status = Status("FINISHED_LENGTH_CAPPED")
-    assert side.request_finished(reqs["a0"], manager.tables["a0"])[0] is True  # still held, late
-    assert side.get_num_new_matched_tokens(reqs["a2"], 0) == (None, False)
-    publish(rdv, transfers["a0"], prompts["a0"])
-    assert side._late["a0"].lookup is not None and side._late["a0"].lookup.done.wait(30)
-    assert [s.req_id for s in side.build_connector_meta(step({})).sends] == ["a0"]  # its late send
-    assert side.get_num_new_matched_tokens(reqs["a2"], 0) == (0, False)  # a0's share came back
-
-    parking = prefill_half(manager, num_blocks=12, park_blocks=12)
-    for rid in ("a0", "a1"):
-        assert parking.get_num_new_matched_tokens(reqs[rid], 0) == (0, False)
-        reqs[rid].status = Status("FINISHED_LENGTH_CAPPED")
-        assert parking.request_finished(reqs[rid], manager.tables[rid])[0] is True
-    assert [rid for rid, _, _ in parking.build_connector_meta(step({})).parks] == ["a0", "a1"]
-    assert parking.get_num_new_matched_tokens(reqs["a2"], 0) == (0, False)  # parked prompts hold no pool blocks
-    for side_ in (side, parking):
-        side_.close()
-
-
 def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:
     """The destination comes while the prompt computes: its SendSpec goes with the next
     scheduled chunk, ``reused_len`` where the computation stands (the blocks computed so

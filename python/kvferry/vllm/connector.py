@@ -120,7 +120,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.groups,
                 pp_size=pp_size,
                 park_blocks=park,
-                num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
+                num_blocks=kv_cache_config.num_blocks if park else 0,
             )
         else:
             tp_rank = pp_rank = 0

@@ -65,9 +65,6 @@ MAX_KV_ID = 2**62
 # Transfers whose end (done, failed, aborted) a server remembers for `status` (oldest forgotten
 # first): a proxy asks right after the failed answer, so a few thousand is plenty.
 MAX_OUTCOMES = 4096
-# The share of a prefill server's KV pool that prompts computed before their destination may
-# hold (`SchedulerSide._may_compute_ahead`).
-COMPUTE_AHEAD_SHARE = 0.5
 
 
 @dataclass
@@ -316,8 +313,6 @@ class SchedulerSide:
         if not found.done.is_set():
             if time.monotonic() - found.started < self.config.admission_wait_s:
                 return None, False  # vLLM asks again next step; the request waits for its destination
-            if not self._may_compute_ahead(request):
-                return None, False  # the pool's share for prompts without a destination is taken
             # The decode server has not admitted its request yet (saturated, or its half is
             # late): compute now rather than idle; the blocks wait for the destination instead.
             self._computing[rid] = self._lookups.pop(rid)
@@ -332,37 +327,6 @@ class SchedulerSide:
         del self._lookups[rid]
         self._sending[rid] = _Sending(self._send_spec(found, num_computed_tokens), found)
         return 0, False
-
-    def _may_compute_ahead(self, request: Any) -> bool:
-        """Whether ``request`` may compute before its destination: the prompts computed or
-        computing so (parked ones aside) hold at most `COMPUTE_AHEAD_SHARE` of the pool with
-        it. The rest stays for requests whose destination came: with both servers' pools
-        full, a prefill pool all taken by prompts the decode server has not admitted, and a
-        decode pool all taken by requests waiting for prompts the prefill server has no room
-        to compute, would wait on each other until ``destination_timeout_s``."""
-        if self._num_blocks <= 0:
-            return True  # a pool of unknown size (kv_cache_config without num_blocks): no bound
-        held = sum(self._blocks_of(c.request) for c in self._computing.values() if not c.params.router)
-        held += sum(
-            sum(len(t) for t in late.block_ids)
-            for late in self._late.values()
-            if late.host is None and late.lookup is not None and not late.lookup.params.router
-        )
-        if held + self._blocks_of(request) <= COMPUTE_AHEAD_SHARE * self._num_blocks:
-            return True
-        _warn.warning(
-            "ahead",
-            "kvferry: prefill request %s waits for its destination: prompts computed before theirs hold %d of this"
-            " server's %d KV blocks (at most half compute ahead of the decode server's admission)",
-            request.request_id,
-            held,
-            self._num_blocks,
-        )
-        return False
-
-    def _blocks_of(self, request: Any) -> int:
-        """The most blocks ``request``'s prompt holds, all its KV cache groups together."""
-        return len(self.groups) * -(-int(request.num_prompt_tokens) // self.block_size)
 
     def _start_lookup(self, found: _Lookup) -> None:
         """Starts ``found``'s lookup at its peer (checked by the caller) on the rendezvous
