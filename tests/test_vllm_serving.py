@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sched_fakes import Manager, Request, Status, publish, step  # noqa: E402
+from sched_fakes import Manager, Request, Status, publish, scheduler_pair, step  # noqa: E402
 from vllm_harness import BLOCK, Engine, hello_of, model_with_own_key_dir, prompt_of, wait_until  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -551,9 +551,11 @@ def test_saturated_decode_past_the_bound_frees_both_sides(
     """The decode engine stays full past the prefill request's bound (``timeout_s`` 3 s on
     its send, as ``destination_timeout_s``): the prefill engine computed it, then releases
     its blocks at the bound while the decode engine is still stopped, and the decode
-    rendezvous marks the transfer abandoned, so the decode request fails as soon as it is
-    admitted (with the reason in ``status``) instead of waiting ``transfer_timeout_s``; both
-    engines end with no block used and go on serving."""
+    rendezvous marks the transfer abandoned. The decode workers report it given up while
+    the busy request finishes, so the decode request, once admitted, computes its prompt
+    there (its output a plain engine's, the reason in ``status`` and counted) instead of
+    failing or waiting ``transfer_timeout_s``; both engines end with no block used and go
+    on serving."""
     prefill, decode = eager_prefill, one_seq_decode
     hello = hello_of(decode)
     prompt, transfer = prompt_of(200, 62), uuid.uuid4().hex
@@ -567,14 +569,16 @@ def test_saturated_decode_past_the_bound_frees_both_sides(
     assert mine["state"] == "failed" and "no decode request expected it within 3 s" in mine["error"], mine
     got = decode.run([])["outputs"]
     assert got["d-busy2"]["finish_reason"] == "length"
-    assert got["d-over"]["finish_reason"] == "error", got
+    want = plain.run([("r-over", prompt, 6, None)])["outputs"]["r-over"]
+    assert (got["d-over"]["tokens"], got["d-over"]["finish_reason"]) == (want["tokens"], "length"), got
     theirs = status_of(decode, transfer)
     assert theirs == {
         "op": "status",
         "transfer": transfer,
         "state": "failed",
-        "error": "the prefill side gave up: no destination within its 3 s wait",
+        "error": "the prefill side gave it up before this server admitted its request: computed here",
     }, theirs
+    assert decode.call("sched_totals").get("unhonoured/prefill_gave_up") == 1
     no_blocks_used(prefill, decode)
     served(prefill, decode, plain, [prompt_of(90, 63)], 6, "adm-after")
 
@@ -769,6 +773,25 @@ def test_a_late_prompt_parks_in_host_blocks_and_its_late_send_reads_them(half: A
     side.unparked(["k1"])
     assert side._park.free == 5 and not side.has_pending()
     assert side._park.take(5) == [0, 1, 2, 3, 4]  # every host block back, lowest first
+
+
+def test_a_decode_request_whose_prefill_side_gave_up_first_is_computed_here(tmp_path: Any) -> None:
+    """A transfer the decode workers report given up (the prefill side abandoned it before
+    this server admitted its request: a saturated decode server past
+    ``destination_timeout_s``): its decode request loads nothing and computes its prompt
+    here, once counted and recorded in ``status``, however often vLLM asks; a request of
+    another transfer still loads its KV."""
+    with scheduler_pair(str(tmp_path), HALF_KEY) as (_, decode, _, _):
+        gone, live = uuid.uuid4().hex, uuid.uuid4().hex
+        decode.given_up([gone])
+        late = Request("d-late", list(range(1, 41)), {"kvferry": {"op": "recv", "transfer": gone}})
+        assert decode.get_num_new_matched_tokens(late, 0) == (0, False)
+        assert decode.get_num_new_matched_tokens(late, 0) == (0, False)  # not scheduled that step: asked again
+        assert decode.tally.totals.get("unhonoured/prefill_gave_up") == 1
+        assert decode._status(gone)["state"] == "failed"
+        assert "computed here" in decode._status(gone)["error"]
+        other = Request("d-live", list(range(1, 41)), {"kvferry": {"op": "recv", "transfer": live}})
+        assert decode.get_num_new_matched_tokens(other, 0) == (40, True)
 
 
 def test_destination_during_the_computation_joins_at_the_next_chunk(half: Any) -> None:

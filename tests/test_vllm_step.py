@@ -229,6 +229,26 @@ def test_decode_results_wait_only_on_requests_that_changed(decode: Any) -> None:
     assert decode.results(set()) == (set(), set()) and set(decode._recv) == {s.req_id for s in specs[3:]}
 
 
+def test_a_transfer_given_up_before_its_request_came_is_reported_to_the_scheduler_half(decode: Any) -> None:
+    """The prefill side abandons a transfer this decode worker holds no request of (one
+    name plain, one a tensor-parallel rank's leg), and one it holds: the step's worker
+    metadata names the first two as given up, by their transfer ids, once; the held one
+    is failed as before, and not reported as given up."""
+    from kvferry.vllm.metadata import leg_name
+
+    (spec,) = _expect(decode, 1)
+    decode.rendezvous._abandon("Tnobody", "no destination within its 60 s wait")
+    decode.rendezvous._abandon(leg_name("Tlegs", 1, 2), "prefill request ended")
+    decode.rendezvous._abandon(spec.transfer, "the prefill request was aborted")
+    arrived, failed = decode.results(set())
+    assert failed == {spec.req_id}
+    meta = decode.common.outcomes()
+    assert meta is not None and sorted(meta.given_up) == ["Tlegs", "Tnobody"]
+    assert decode.results(set()) == (set(), set())
+    again = decode.common.outcomes()
+    assert again is None or again.given_up == []
+
+
 def test_a_decode_step_does_not_wait_for_an_endpoint_being_made(decode: Any) -> None:
     """A lookup making a prefill engine's endpoint holds the endpoints' lock (with NIXL, for
     the whole pool's registration); a decode step then sweeps nothing and returns, where it

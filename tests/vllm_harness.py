@@ -289,6 +289,8 @@ def _serve(
                 reply = True
             elif cmd == "recorded":
                 reply = {"calls": list(recorded), "num_blocks": get_kv_transfer_group()._worker.num_blocks}
+            elif cmd == "sched_totals":  # the scheduler half's counters (vllm:kvferry_unhonoured_total, ...)
+                reply = dict(sched.connector._sched.tally.totals)
             elif cmd == "lookups_done":  # a prefill engine's destination lookups under way, each ended
                 side = sched.connector._sched
                 reply = all(found.done.wait(arg[0]) for found in list(side._lookups.values()))

@@ -232,6 +232,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KvferryWorkerMeta):
             self._sched.record(meta.outcomes)
             self._sched.unparked(meta.unparked)
+            self._sched.given_up(meta.given_up)
 
     def has_pending_push_work(self) -> bool:
         # Keeps vLLM stepping while a prompt waits for its destination after vLLM freed its

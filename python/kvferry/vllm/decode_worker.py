@@ -601,6 +601,9 @@ class DecodeWorker:
         look.update(rid for rid in finished_req_ids if rid in self._recv)
         gone = self.rendezvous.take_abandoned()
         look.update(self._rid_of_transfer[t] for t in gone if t in self._rid_of_transfer)
+        # Given up before any request here published it: the scheduler half has its request,
+        # once vLLM admits it, computed here rather than waiting for KV that will not come.
+        self.common.given_up.extend(t.split(LEG_MARK)[0] for t in gone if t not in self._rid_of_transfer)
         if len(self.config.prefill_tp_sizes) > 1:  # a first lookup chose a request's size: its other parts go
             chosen = self.rendezvous.take_chosen()
             look.update(self._rid_of_transfer[t] for t in chosen if t in self._rid_of_transfer)

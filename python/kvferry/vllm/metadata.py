@@ -215,7 +215,12 @@ class KvferryWorkerMeta(KVConnectorWorkerMetadata):
     # Parked requests whose late send ended (or was released) on this worker: their host
     # blocks are free once every worker reported them (kvferry.vllm.park).
     unparked: list[str] = field(default_factory=list)
+    # Transfers the prefill side gave up (an abandon, or a lookup that waited out its bound)
+    # before any decode request here published them: that request is computed here.
+    given_up: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvferryWorkerMeta)
-        return KvferryWorkerMeta(self.outcomes + other.outcomes, self.unparked + other.unparked)
+        return KvferryWorkerMeta(
+            self.outcomes + other.outcomes, self.unparked + other.unparked, self.given_up + other.given_up
+        )

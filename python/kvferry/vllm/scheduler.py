@@ -175,6 +175,9 @@ class SchedulerSide:
         # prefill server will send.
         self._loaded: set[str] = set()
         self._claimed: OrderedDict[str, None] = OrderedDict()  # transfers received here (the newest MAX_OUTCOMES)
+        # Transfers the prefill side gave up before a decode request here published them
+        # (the newest MAX_OUTCOMES; the decode workers report them): computed here.
+        self._given_up: OrderedDict[str, None] = OrderedDict()
         self._meta = KvferryMetadata()
         self._outcomes: OrderedDict[str, Outcome] = OrderedDict()  # transfer -> how it ended here
         # Routers (NixlConnector's protocol, kvferry.vllm.router): the offers decode servers
@@ -215,7 +218,7 @@ class SchedulerSide:
                     )
                 if params.prefill_tp is not None:
                     self._check_prefill_size(params)
-                return self._claim(params.transfer or "", remaining)
+                return self._claim(rid, params.transfer or "", remaining)
             if self.role == "kv_consumer":
                 raise KvFerryError(
                     f"{_what(params, 'send')} on a kv_consumer server: send prefill requests to a kv_producer (or"
@@ -273,15 +276,36 @@ class SchedulerSide:
         if params.router and self.handshake is None:
             raise KvFerryError("this decode server's workers have not started their rendezvous yet")
 
-    def _claim(self, transfer: str, remaining: int) -> tuple[Optional[int], bool]:
+    def _claim(self, rid: str, transfer: str, remaining: int) -> tuple[Optional[int], bool]:
         """One receive per transfer: vLLM's parallel sampling (``n > 1``, ``best_of``) makes
         one request per sample, all with the same parameters. The first receives; the others
         wait until its blocks arrived (then vLLM's prefix cache holds them) and compute the
         rest here, as does a request naming a transfer this server already took."""
         if transfer not in self._claimed:
+            if transfer in self._given_up:
+                return self._computed_here(rid, transfer)
             return remaining, True
         if transfer not in self._outcomes and transfer in self._receiving.values():
             return None, False  # still arriving for another request: asked again next step
+        return 0, False
+
+    def _computed_here(self, rid: str, transfer: str) -> tuple[int, bool]:
+        """A decode request whose prefill side gave its transfer up before this server
+        admitted it (a decode server saturated past ``destination_timeout_s``, the prefill
+        request refused or ended): nothing will come, so this server computes the prompt, as
+        a server on its own would, and says so (log, ``unhonoured{reason="prefill_gave_up"}``,
+        its ``status``)."""
+        self.tally.unhonoured("prefill_gave_up")
+        _warn.warning(
+            "gave_up",
+            "kvferry: decode request %s (transfer %s): its prefill side gave the transfer up before this server"
+            " admitted the request; the prompt is computed here",
+            rid,
+            transfer,
+        )
+        why = "the prefill side gave it up before this server admitted its request: computed here"
+        self.record([Outcome(transfer, "failed", why)])
+        self._loaded.add(rid)  # asked again (preempted, or not scheduled this step): computed here still
         return 0, False
 
     def _refuse(self, rid: str, reason: str, request: Any = None) -> int:
@@ -803,6 +827,15 @@ class SchedulerSide:
             peer = self.handshake.peer
             hello.update(peer=peer, peer_mac=trust.sign_peer(self._authkey, peer), engine=self.handshake.engine)
         return hello
+
+    def given_up(self, transfers: list[str]) -> None:
+        """Transfers the prefill side gave up before any decode request here published them
+        (the decode workers' report)."""
+        for transfer in transfers:
+            self._given_up[transfer] = None
+            self._given_up.move_to_end(transfer)
+        while len(self._given_up) > MAX_OUTCOMES:
+            self._given_up.popitem(last=False)
 
     def record(self, outcomes: list[Outcome]) -> None:
         """Remembers how transfers ended here (the newest ``MAX_OUTCOMES``). A failure is not

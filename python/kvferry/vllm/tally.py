@@ -107,6 +107,8 @@ UNHONOURED_REASONS = {
     "offer_failed": "decode side: the prefill server could not be told where to send (the request failed)",
     "no_offer": "prefill side: no decode server asked for the KV in time (its blocks were freed)",
     "no_request": "prefill side: a decode server's offer that no prefill request took in time",
+    "prefill_gave_up": "decode side: the prefill side gave the transfer up before this server admitted its request"
+    " (computed here)",
 }
 
 

@@ -93,6 +93,7 @@ class WorkerCommon:
         # half's ``status`` answers.
         self._outcomes: list[Outcome] = []
         self.unparked: list[str] = []  # parked requests this worker is done with (kvferry.vllm.park)
+        self.given_up: list[str] = []  # transfers abandoned before a decode request here published them
         # Requests the scheduler half refused: reported as failed loads at the next results.
         self._fail_next: dict[str, tuple[Optional[str], str]] = {}  # req_id -> (transfer, reason)
 
@@ -178,8 +179,8 @@ class WorkerCommon:
     def outcomes(self) -> Optional[KvferryWorkerMeta]:
         """The transfers settled since the last call (vLLM hands them to the scheduler half
         with this step's output), or ``None``."""
-        if not self._outcomes and not self.unparked:
+        if not self._outcomes and not self.unparked and not self.given_up:
             return None
-        meta = KvferryWorkerMeta(self._outcomes, self.unparked)
-        self._outcomes, self.unparked = [], []
+        meta = KvferryWorkerMeta(self._outcomes, self.unparked, self.given_up)
+        self._outcomes, self.unparked, self.given_up = [], [], []
         return meta
