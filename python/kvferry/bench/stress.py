@@ -163,10 +163,11 @@ def _session(cfg: StressConfig, base: str, index: int, out: list[_Turn], lock: t
         prompt = prompt + [rng.randrange(1, 500) for _ in range(cfg.new)]
 
 
-def _counter(text: str, name: str) -> float:
+def _counter(text: str, name: str, label: str = "") -> float:
+    """The sum of metric ``name``'s samples in ``text`` (those whose labels hold ``label``)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line.split(" ", 1)[0]:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -245,6 +246,8 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
         leaks = {s.name: s.kv_blocks()[0] for s in bed.servers()}
         preemptions = {s.name: _counter(s.metrics(), "vllm:num_preemptions_total") for s in bed.servers()}
         parked = sum(_counter(s.metrics(), "vllm:kvferry_parked_prompts_total") for s in bed.servers())
+        gave_up = 'reason="prefill_gave_up"'
+        recomputed = sum(_counter(s.metrics(), "vllm:kvferry_unhonoured_total", gave_up) for s in bed.servers())
         still = _stream(bed.url, [7] * 90, 4, None, cfg.request_timeout_s)
     done = [t for t in turns if t.outcome == "done"]
     progress(f"checking {len(done)} completed turns against a plain server")
@@ -278,6 +281,7 @@ def run_stress(cfg: StressConfig, progress: Callable[[str], None] = lambda m: No
         "mismatches": mismatches,
         "preemptions": preemptions,
         "parked_prompts": parked,
+        "computed_on_decode": recomputed,
         "leaked_blocks": leaks,
         "serves_after": still_ok,
         "wall_s": wall,
@@ -302,6 +306,10 @@ def format_stress(result: dict[str, Any]) -> str:
     lines.append(f"outputs differing from a plain server: {result['mismatches']}")
     lines.append("preemptions: " + ", ".join(f"{k} {v:.0f}" for k, v in result["preemptions"].items()))
     lines.append(f"prompts parked in host memory (computed before their destination): {result['parked_prompts']:.0f}")
+    lines.append(
+        "prompts the decode server computed (the prefill side gave them up before it admitted them): "
+        f"{result['computed_on_decode']:.0f}"
+    )
     lines.append(
         "blocks held after the drain (leaks): " + ", ".join(f"{k} {v}" for k, v in result["leaked_blocks"].items())
     )
