@@ -30,6 +30,7 @@ from aiohttp import web  # noqa: E402
 from kvferry.vllm import testbed, trust  # noqa: E402
 from kvferry.vllm.config import load_authkey  # noqa: E402
 from kvferry.vllm.proxy import SESSION_HEADER, ProxyThread, session_of  # noqa: E402
+from kvferry.vllm.rendezvous import UNCLAIMED  # noqa: E402
 from kvferry.vllm.testbed import Answer, Testbed, call  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -394,8 +395,11 @@ class _Stub:
     that never come) until its connection closes; with ``fail_recv`` a ``recv`` request ends
     as vLLM ends one it finished with finish_reason "error" (HTTP 500, or a stream's error
     event) and its transfer's status says ``fail_recv``; with ``fail_after`` a prefill
-    request fails once that stub has seen a request; with ``linger`` a stream stays open
-    after its ``[DONE]`` until the connection closes (vLLM ends its stream a moment later)."""
+    request fails once that stub has seen a request (its transfer's status then says
+    ``fail_status``, when given); with ``hold_recv`` (an event) a ``recv`` request is
+    answered only once it is set; with ``linger`` a stream stays open after its ``[DONE]``
+    until the connection closes (vLLM ends its stream a moment later). ``status_answered`` is
+    set once the stub answered a ``status`` request."""
 
     def __init__(self, role: str, cut_stream: bool = False, hang_recv: bool = False, fail_after: _Stub | None = None,
                  fail_recv: str | None = None, linger: bool = False, abandon: str | None = None) -> None:  # fmt: skip
@@ -403,6 +407,9 @@ class _Stub:
         self.fail_recv, self.linger = fail_recv, linger
         self.remember = True  # fail_recv: the status answer knows the failed transfer
         self.abandon = abandon
+        self.fail_status: str | None = None
+        self.hold_recv: threading.Event | None = None
+        self.status_answered = threading.Event()
         self.seen: list[dict[str, Any]] = []
         self.request_ids: list[str | None] = []  # each seen request's X-Request-Id header
         self.hellos = 0
@@ -435,9 +442,11 @@ class _Stub:
             transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
             self.status_asked.append(transfer)
             known = self.outcomes.get(transfer, {"state": "unknown"})
-            return web.json_response(
+            answer = web.json_response(
                 {"choices": [], "kv_transfer_params": {"kvferry": {"op": "status", "transfer": transfer, **known}}}
             )
+            self.status_answered.set()
+            return answer
         self.seen.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id"))
         self.got.set()
@@ -476,8 +485,13 @@ class _Stub:
                 await asyncio.Event().wait()
             finally:
                 self.closed.set()
+        if op == "recv" and self.hold_recv is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.hold_recv.wait, 30)
         if self.fail_after is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.fail_after.got.wait, 30)
+            if self.fail_status is not None:
+                transfer = body["kv_transfer_params"]["kvferry"]["transfer"]
+                self.outcomes[transfer] = {"state": "failed", "error": self.fail_status.replace("<T>", transfer)}
             return web.json_response({"error": {"message": "engine dead"}}, status=500)
         choice = {"index": 0, "text": self.role, "token_ids": [1], "finish_reason": "length"}
         if op == "send":
@@ -692,6 +706,30 @@ def test_kvferry_flow_failed_prefill_cancels_decode_leg() -> None:
         assert decode.closed.wait(30)  # the decode leg's connection was closed: vLLM aborts it
         wait_until(lambda: proxy.in_flight() == 0, "the proxy to have no upstream call in flight")
         assert proxy.proxy.flow.peers == {}  # type: ignore[attr-defined]  # asked again next time
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_kvferry_flow_keeps_the_decode_leg_when_its_server_had_not_admitted_the_request(stream: bool) -> None:
+    """The prefill server refuses its request because no decode request published the
+    transfer within its wait (the decode server had not admitted it, and computes it itself
+    once it does): the proxy keeps the decode leg, and the client gets the decode server's
+    answer, not the prefill leg's error. (Any other prefill failure ends the decode leg:
+    test_kvferry_flow_failed_prefill_cancels_decode_leg.)"""
+    decode = _Stub("decode")
+    prefill = _Stub("prefill", fail_after=decode)
+    prefill.fail_status = f"request refused: no destination for transfer '<T>': transfer '<T>': {UNCLAIMED} 3 s"
+    decode.hold_recv = prefill.status_answered  # answers once the proxy has the prefill leg's reason
+    proxy = ProxyThread([prefill.url], [decode.url], connector="kvferry")
+    proxy.start()
+    try:
+        a = call(proxy.url, COMPLETIONS, {"model": "tiny", "prompt": [3] * 40, "max_tokens": 4, "stream": stream})
+        assert a.status == 200 and "error" not in str(a.body), a.body
+        assert prefill.status_asked == [prefill.seen[-1]["kv_transfer_params"]["kvferry"]["transfer"]]
+        assert not decode.closed.is_set()
     finally:
         proxy.stop()
         prefill.stop()

@@ -30,7 +30,10 @@ to free it (NixlConnector does), so nothing stays allocated. What is left to the
 lease: KV prepared for a decode server that died before reading it. With KvferryConnector, a
 leg whose server answers an error (vLLM says only "Internal server error" for a request it
 finished with finish_reason "error") makes the proxy ask that server the transfer's
-``status``, and the client's error names the reason (docs/vllm.md, "Status").
+``status``, and the client's error names the reason (docs/vllm.md, "Status"). A prefill leg
+failing before the decode server sent a token ends the decode leg too, unless the prefill
+server gave the transfer up because the decode server had not admitted its request in time
+(`rendezvous.UNCLAIMED`): that server computes the prompt itself once it admits it.
 
 Idle upstream connections are kept ``KEEPALIVE_S`` seconds, under the servers' own HTTP
 keep-alive; a request that meets a connection its server closed before answering goes once
@@ -66,6 +69,7 @@ from aiohttp import web
 
 from kvferry.transports.guard import RateLimitedLog
 from kvferry.vllm import redact
+from kvferry.vllm.rendezvous import UNCLAIMED
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SESSION_HEADER = "X-Session-Id"
@@ -321,8 +325,16 @@ class KvferryFlow(Flow):
                 # No token came yet, so the decode request is still waiting for blocks that
                 # will not come (it would wait out its transfer timeout): give it up and report
                 # the prefill server's failure, as a JSON error or, once the stream's headers
-                # went out, as the stream's last event.
-                raise await self._explain_prefill(ex, prefill.exception(), transfer)  # type: ignore[arg-type]
+                # went out, as the stream's last event. Unless the decode server had not
+                # admitted it when the prefill side gave it up: it computes it itself then.
+                failed = await self._explain_prefill(ex, prefill.exception(), transfer)  # type: ignore[arg-type]
+                if not (isinstance(failed, UpstreamError) and UNCLAIMED in failed.message):
+                    raise failed
+                _log.warning(
+                    "unclaimed",
+                    "kvferry proxy: %s; the decode server computes the prompt once it admits the request",
+                    failed,
+                )
             response = await decode
         except BaseException:
             if ex.delivered:

@@ -119,6 +119,11 @@ from kvferry.vllm.frames import (
     Refused,
 )
 
+# How a lookup that no decode request published within its wait is refused: the decode
+# server had not admitted its request, and computes that request itself once it does (a
+# router such as kvferry proxy then keeps the decode leg).
+UNCLAIMED = "no decode request expected it within"
+
 __all__ = ["Alternatives", "InvalidDestinationError", "Rendezvous", "abandon", "lookup", "offer"]
 
 logger = logging.getLogger("kvferry.vllm")
@@ -745,7 +750,7 @@ class Rendezvous:
             # The prefill side gives the transfer up with this answer: a decode request that
             # names it later fails at once, not at its own timeout.
             self._abandon(transfer, f"no destination within its {wait:g} s wait")  # (an RLock)
-        return f"transfer {transfer!r}: no decode request expected it within {wait:g} s"
+        return f"transfer {transfer!r}: {UNCLAIMED} {wait:g} s"
 
     def _stranger(self, transfer: str, sender: str) -> Optional[str]:
         """Under the lock: why a lookup of ``transfer``, not published, will never find it (its
