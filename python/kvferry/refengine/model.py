@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kvferry.geometry import Geometry
 from kvferry.layout import PagedKV
 
-__all__ = ["ModelConfig", "TinyLlama", "new_kv_pool"]
+__all__ = ["ModelConfig", "TinyLlama", "forward_peak_bytes", "new_kv_pool", "weights_bytes"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,56 @@ def new_kv_pool(cfg: ModelConfig, num_blocks: int, tokens_per_block: int, device
     shape = cfg.kv_layer_shape(num_blocks, tokens_per_block)
     layers = cfg.geometry.layers
     return PagedKV(tuple(torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(layers)), tokens_per_block)
+
+
+def weights_bytes(cfg: ModelConfig) -> int:
+    """Device bytes of one `TinyLlama` of ``cfg``: `Geometry.weight_elements` at the model's
+    dtype, its RMSNorm weights and the rotary frequencies (float64)."""
+    g = cfg.geometry
+    norms = (2 * g.layers + 1) * g.hidden
+    return (g.weight_elements() + norms) * cfg.element_size + (g.head_dim // 2) * 8
+
+
+def forward_peak_bytes(cfg: ModelConfig, tokens: int, end: int, tokens_per_block: int) -> int:
+    """A bound of the device bytes `TinyLlama.forward` allocates at its peak, beyond the
+    weights and the KV pool, for ``tokens`` tokens ending at position ``end``: what lives
+    through every layer (the hidden state, the causal mask, the last layer's attention
+    locals), plus the largest of the per-layer steps:
+
+    ```
+    live:       x, mask n x end (bool), a, q, k, v, keys/values gathered over end, attn, m
+    attention:  keys/values repeated to every head (2 x end x heads x head_dim),
+                SDPA's additive mask from the bool one (n x end: logical_not + dtype),
+                the memory-efficient kernel's copy padded to 16 columns, output, logsumexp
+    MLP:        silu(gate), up and their product (3 x n x ffn)
+    RMSNorm:    two float32 copies of x;  RoPE: the projection and its rotated halves
+    ```
+    The attention kernels on CUDA (cuDNN or memory-efficient: the bool mask rules out flash)
+    never materialize heads x n x end scores; the math backend would, and is not counted."""
+    g, es = cfg.geometry, cfg.element_size
+    n, h, heads, kv, d = tokens, g.hidden, g.heads, g.kv_heads, g.head_dim
+    gathered = -(-end // tokens_per_block) * tokens_per_block  # whole blocks, then sliced to end
+    live = (
+        3 * n * h * es  # x, a, m
+        + n * end  # the bool causal mask
+        + 3 * n * 8  # positions, their blocks and slots (int64)
+        + 2 * n * heads * d * es  # q, attn
+        + 2 * n * kv * d * es  # k, v
+        + 2 * gathered * kv * d * es  # keys, values
+    )
+    padded = -(-end // 16) * 16
+    attention = (
+        2 * end * heads * d * es  # repeat_interleave to every head
+        + n * end  # logical_not of the mask
+        + n * end * es  # the additive mask
+        + (n * padded * es if padded != end else 0)  # padded for the memory-efficient kernel
+        + n * heads * d * es  # the output
+        + n * heads * 4  # logsumexp (float32)
+    )
+    mlp = 3 * n * g.ffn * es
+    rms = 2 * n * h * 4
+    rope = 3 * n * heads * d * es + n * (d // 2) * (8 + 2 * es)
+    return live + max(attention, mlp, rms, rope)
 
 
 class TinyLlama:
