@@ -218,3 +218,68 @@ def test_a_run_reports_each_processs_estimate() -> None:
     assert {name: m["estimate"] for name, m in result["memory"].items()} == estimates
     assert all(m["peak"] is None for m in result["memory"].values())
     assert result["outputs_match"], result
+
+
+def _dense_forward(model: TinyLlama, tokens: torch.Tensor, start: int, kv: Any, block_table: torch.Tensor) -> Any:
+    """`TinyLlama.forward` as it was before it dropped each layer's tensors early: every
+    layer's locals alive until the next layer rebinds them."""
+    g, tpb = model.cfg.geometry, kv.tokens_per_block
+    n = tokens.numel()
+    end = start + n
+    positions = torch.arange(start, end, device=model.device)
+    blocks = block_table[positions // tpb]
+    slots = positions % tpb
+    used = block_table[: -(-end // tpb)]
+    x = model.embed[tokens]
+    causal = positions[:, None] >= torch.arange(end, device=model.device)[None, :]
+    for layer, cache in zip(model.layers, kv.layers):
+        a = model._rms(x, layer["attn_norm"])
+        q = model._rope((a @ layer["wq"]).view(n, g.heads, g.head_dim), positions)
+        k = model._rope((a @ layer["wk"]).view(n, g.kv_heads, g.head_dim), positions)
+        v = (a @ layer["wv"]).view(n, g.kv_heads, g.head_dim)
+        cache[blocks, 0, slots] = k
+        cache[blocks, 1, slots] = v
+        keys = cache[used, 0].reshape(-1, g.kv_heads, g.head_dim)[:end]
+        values = cache[used, 1].reshape(-1, g.kv_heads, g.head_dim)[:end]
+        group = g.heads // g.kv_heads
+        with model._attention_kernel(n):
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                keys.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                values.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                attn_mask=causal[None, None],
+            )[0].transpose(0, 1)
+        x = x + attn.reshape(n, -1) @ layer["wo"]
+        m = model._rms(x, layer["mlp_norm"])
+        x = x + (torch.nn.functional.silu(m @ layer["w_gate"]) * (m @ layer["w_up"])) @ layer["w_down"]
+    return (model._rms(x[-1:], model.final_norm) @ model.lm_head)[0].float()
+
+
+def _same_as_dense(device: str, dtype: torch.dtype) -> None:
+    model = TinyLlama(ModelConfig(SMALL, dtype=dtype), device)
+    tpb, gen = 16, torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, SMALL.vocab, (300,), generator=gen).to(device)
+    table = torch.randperm(24, generator=gen).to(device)
+    pools = [new_kv_pool(model.cfg, 24, tpb, device) for _ in range(2)]
+    for pool in pools:  # poisoned: a slot the forward should write and did not shows
+        for layer in pool.layers:
+            layer.fill_(float("nan"))
+    # A first prefill, a chunk ending mid-block, a decode step.
+    for start, end in [(0, 200), (200, 299), (299, 300)]:
+        got = model.forward(prompt[start:end], start, pools[0], table)
+        want = _dense_forward(model, prompt[start:end], start, pools[1], table)
+        assert torch.equal(got, want), (start, end)
+        for a, b in zip(pools[0].layers, pools[1].layers):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), (start, end)
+
+
+def test_the_forward_gives_the_dense_forwards_logits_and_kv_bit_for_bit() -> None:
+    """Dropping each layer's tensors as soon as they were used changes no operation: the
+    logits and every KV byte equal the dense forward's, on CPU."""
+    _same_as_dense("cpu", torch.float32)
+
+
+@pytest.mark.cuda
+def test_the_forward_gives_the_dense_forwards_logits_and_kv_bit_for_bit_on_cuda() -> None:
+    """The same on CUDA in bf16, through the SDPA kernels the bench uses there."""
+    _same_as_dense("cuda", torch.bfloat16)
