@@ -210,7 +210,7 @@ def test_the_8b_run_that_ran_out_of_memory_on_an_h100_is_refused_by_name() -> No
 
 def test_a_run_reports_each_processs_estimate() -> None:
     """The result carries each process's estimate by term (peaks on CUDA only)."""
-    from kvferry.bench.agentic import run_agentic
+    from kvferry.bench.agentic import format_agentic, run_agentic
 
     cfg = _cfg(device="cpu", sessions=1, turns=1, cached_tokens=64, new_tokens=16, output_tokens=2, link_gbps=None)
     result = run_agentic(cfg)
@@ -218,6 +218,14 @@ def test_a_run_reports_each_processs_estimate() -> None:
     assert {name: m["estimate"] for name, m in result["memory"].items()} == estimates
     assert all(m["peak"] is None for m in result["memory"].values())
     assert result["outputs_match"], result
+    assert "device memory" not in format_agentic(result)
+    # On CUDA each process's peaks print beside its estimate.
+    result["memory"]["generation"]["peak"] = {"max_allocated": 3_250_000_000, "max_reserved": 3_500_000_000}
+    total = estimates["generation"]["total"] / 1e9
+    assert (
+        "device memory, generation process: peak 3.25 GB allocated, 3.50 GB reserved; the memory check's "
+        f"estimate {total:.2f} GB"
+    ) in format_agentic(result)
 
 
 def _dense_forward(model: TinyLlama, tokens: torch.Tensor, start: int, kv: Any, block_table: torch.Tensor) -> Any:

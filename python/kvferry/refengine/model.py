@@ -143,7 +143,9 @@ class TinyLlama:
         the generation workers in 7 of 12 decode steps, enough to flip a near-tied greedy
         token; pinned, 0 of 12 (docs/benchmarks.md, "Output mismatch"). Prefill keeps
         torch's choice (2x faster than the pinned kernel at 2k x 34k, and bit-equal across
-        workers in every run: the KV digests)."""
+        workers in every run: the KV digests): the bool mask rules out flash attention, so
+        cuDNN where torch ranks it first, else the memory-efficient kernel; neither
+        materializes the heads x n x end scores (`forward_peak_bytes`)."""
         if self.device.type != "cuda" or queries != 1:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
