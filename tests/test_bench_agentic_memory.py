@@ -68,7 +68,7 @@ def _measured_forward_peak(model: TinyLlama, start: int, end: int, tpb: int) -> 
 def test_forward_peak_bytes_bound_what_the_forward_allocates(start: int, end: int) -> None:
     """Every storage the forward creates (its ops' outputs, tracked until freed) at its
     peak: a first prefill whose mask is the largest term, a chunk over a longer context
-    (end not a multiple of 16: the memory-efficient kernel's padded mask is counted, which
+    (end not a multiple of 8: the memory-efficient kernel's padded mask is counted, which
     the CPU kernel does not make) and a decode step. The bound holds and stays within a
     quarter of the measured peak."""
     model = TinyLlama(ModelConfig(SMALL))

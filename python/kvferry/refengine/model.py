@@ -70,26 +70,27 @@ def forward_peak_bytes(cfg: ModelConfig, tokens: int, end: int, tokens_per_block
     attention:  q, keys/values gathered over end and repeated to every head (2 x end x
                 heads x head_dim), SDPA's additive mask made from the bool one (n x end:
                 logical_not, then the dtype), the memory-efficient kernel's copy padded to
-                16 columns, the output and its logsumexp
+                a multiple of 8 columns, the output and its logsumexp
     residual:   the attention output, its projection, the new x
     MLP:        RMSNorm's output, silu(gate), up and their product (3 x n x ffn)
     RMSNorm:    two float32 copies of x
     ```
     The attention kernels on CUDA (cuDNN or memory-efficient: the bool mask rules out flash)
-    never materialize heads x n x end scores; the math backend would, and is not counted."""
+    never materialize heads x n x end scores; the math backend would (in float32: it upcasts
+    bf16), and is not counted."""
     g, es = cfg.geometry, cfg.element_size
     n, h, heads, kv, d = tokens, g.hidden, g.heads, g.kv_heads, g.head_dim
     gathered = -(-end // tokens_per_block) * tokens_per_block  # whole blocks, then sliced to end
     live = n * h * es + n * end + 3 * n * 8
     project = n * h * es + 3 * n * heads * d * es + 2 * n * kv * d * es + n * (d // 2) * (8 + 2 * es) + n * 8
-    padded = -(-end // 16) * 16
+    padded = -(-end // 8) * 8
     attention = (
         n * heads * d * es  # q
         + 2 * gathered * kv * d * es  # keys, values
         + 2 * end * heads * d * es  # repeated to every head
         + n * end  # logical_not of the mask
         + n * end * es  # the additive mask
-        + (n * padded * es if padded != end else 0)  # padded for the memory-efficient kernel
+        + (n * padded * es if padded != end else 0)  # the memory-efficient kernel's aligned copy
         + n * heads * d * es  # the output
         + n * heads * 4  # logsumexp (float32)
     )
