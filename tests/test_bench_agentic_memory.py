@@ -291,3 +291,21 @@ def test_the_forward_gives_the_dense_forwards_logits_and_kv_bit_for_bit() -> Non
 def test_the_forward_gives_the_dense_forwards_logits_and_kv_bit_for_bit_on_cuda() -> None:
     """The same on CUDA in bf16, through the SDPA kernels the bench uses there."""
     _same_as_dense("cuda", torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_each_process_stays_within_its_estimate_on_cuda() -> None:
+    """A run over staging with every mode, its warm-up forward 4096 tokens: each process's
+    allocator peaks stay within the estimate the run was admitted on (allocated within the
+    estimate less its runtime allowance, reserved within the whole), outputs matching."""
+    from kvferry.bench.agentic import run_agentic
+
+    geometry = Geometry(layers=4, hidden=1024, heads=8, kv_heads=2, head_dim=128, ffn=2048, vocab=256)
+    cfg = _cfg(cached_tokens=4096, new_tokens=256, output_tokens=4, tokens_per_block=32, model=geometry)
+    result = run_agentic(cfg)
+    assert result["outputs_match"], result["output_divergences"]
+    assert set(result["memory"]) == {"context", "generation"}
+    for name, m in result["memory"].items():
+        peak, estimate = m["peak"], m["estimate"]
+        assert peak["max_allocated"] <= estimate["total"] - estimate["runtime"], (name, peak, estimate)
+        assert peak["max_reserved"] <= estimate["total"], (name, peak, estimate)
