@@ -193,7 +193,9 @@ def _device_peaks(device: str) -> Optional[dict[str, int]]:
     return {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
 
 
-def _memory(cfg: AgenticConfig, context: Optional[dict[str, int]], generation: Optional[dict[str, Any]]) -> dict:
+def _memory(
+    cfg: AgenticConfig, context: Optional[dict[str, int]], generation: Optional[dict[str, Any]]
+) -> dict[str, Any]:
     """Each process's estimate (`memory_estimate`) beside its measured peaks, where measured."""
     out: dict[str, Any] = {}
     peaks = {"context": context, "generation": generation, "context+generation": context}
