@@ -39,8 +39,14 @@
 # in-process), then benches/probes/checksum_cost.py at Llama-8B geometry (2 MiB blocks): the
 # kernel alone (CUDA events) against the transfer over cuda-ipc and staging at 64 and 1024
 # blocks, checksums off and on; it prints 2*sum/xfer and (on-off)/off per row.
+# agentic-memory (about 4 minutes): `bench agentic`'s memory check against what each process
+# holds: the `cuda` tests of test_bench_agentic_memory.py (the forward's allocator peak within
+# its estimate), then at Llama-8B geometry over staging with every mode, --sessions 1 and 2
+# (refused on an 80 GB H100, naming each process's figures; both run on an H200), then
+# without --aware (runs on an H100): per process, the allocator's max_allocated and
+# max_reserved at the end beside the check's estimate.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -234,6 +240,19 @@ elif [ "$1" = two-gpus ]; then
         if [ $ring = pool ]; then bench --transport staging --blocks 1024,4096
         else bench --transport staging --blocks 1024,4096 --ring-mib $ring; fi ; } 2>&1 | tee -a "$OUT/two-gpus.txt"
     done
+  done
+elif [ "$1" = agentic-memory ]; then
+  timeout 120 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_bench_agentic_memory.py 2>&1 \
+    | tail -4 | tee "$OUT/agentic-memory-tests.txt"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$OUT/agentic-memory.txt"
+  for run in "--sessions 1 --aware" "--sessions 2 --aware" "--sessions 1"; do
+    name=$(echo "$run" | tr -d ' -')
+    { echo "== $run --layerwise 8 (free before: $(python3 -c 'import torch; print(torch.cuda.mem_get_info()[0])') bytes)"
+      timeout "${LIMIT:-240}" python3 -m kvferry.cli bench agentic --device cuda --transport staging $run --cached 32768 \
+        --new 2048 --layerwise 8 --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ffn 14336 \
+        --vocab 1024 --png '' --json "$OUT/agentic-memory-$name.json" 2>&1 \
+        | grep -E 'invalid run|device memory|OutOfMemory|outputs match|Error'
+      echo "exit ${PIPESTATUS[0]}"; } 2>&1 | tee -a "$OUT/agentic-memory.txt"
   done
 else  # bench
   bench() { timeout 150 python3 -m kvferry.cli bench copy --device cuda --reps 5 "$@" 2>/dev/null | grep -v '^\[' ; }

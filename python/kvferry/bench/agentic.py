@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvferry.bench.agentic_memory import check_device_memory, memory_estimate
 from kvferry.bench.util import emulated_link, machine, percentile, stderr_progress, tcp_stream_gbps
-from kvferry.errors import InvalidArgumentError
 from kvferry.geometry import AGENTIC_MODEL, Geometry
 from kvferry.notice import Notice
 from kvferry.refengine.generation import GenerationHost
@@ -176,24 +176,32 @@ def _generation_stats(stats: dict[str, Any]) -> str:
 
 
 def _check_device_memory(cfg: AgenticConfig) -> None:
-    """On CUDA: refuses, before anything is allocated, a run whose KV pools and copies of
-    the weights (one here, one in the generation process when the transport has one) alone
-    exceed the device's free memory (naming the figures), instead of an out-of-memory error
-    minutes into the run."""
+    """On CUDA: refuses, before anything is allocated, a run whose processes would hold more
+    than the device's free memory at their peak (`kvferry.bench.agentic_memory`: weights,
+    pools, staging scratch, the largest forward's transients, allocator slack and runtime),
+    naming the figures, instead of an out-of-memory error minutes into the run."""
     if cfg.device != "cuda":
         return
     free, _ = torch.cuda.mem_get_info()
-    model = cfg.model_config()
-    copies = 2 if registry.check(cfg.transport, device=cfg.device).has_endpoint else 1
-    weights = copies * cfg.model.weight_elements() * model.element_size
-    need = pools_bytes(cfg) + weights
-    if need > free:
-        raise InvalidArgumentError(
-            f"invalid run: {len(cfg.modes)} modes x 2 pools of {_pool_blocks(cfg)} blocks "
-            f"({pools_bytes(cfg) / 1e9:.1f} GB) and {copies} copies of the "
-            f"{weights / copies / 1e9:.1f} GB of weights exceed the device's free {free / 1e9:.1f} GB: "
-            "lower --sessions, --cached, --turns or --new, or run fewer modes"
-        )
+    check_device_memory(cfg, free)
+
+
+def _device_peaks(device: str) -> Optional[dict[str, int]]:
+    """This process's CUDA caching allocator peaks over the run (None off CUDA)."""
+    if device != "cuda":
+        return None
+    return {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+
+
+def _memory(
+    cfg: AgenticConfig, context: Optional[dict[str, int]], generation: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    """Each process's estimate (`memory_estimate`) beside its measured peaks, where measured."""
+    out: dict[str, Any] = {}
+    peaks = {"context": context, "generation": generation, "context+generation": context}
+    for p in memory_estimate(cfg):
+        out[p.name] = {"estimate": p.terms(), "peak": peaks[p.name]}
+    return out
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -456,6 +464,9 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
                         "early_over_baseline": kv_ready["early"] / kv_ready["baseline"],
                     }
                 )
+        # Before anything is freed: each process's allocator peaks, against the estimate the
+        # run was admitted on.
+        memory = _memory(cfg, _device_peaks(cfg.device), host.stats()["peaks"] if host is not None else None)
     finally:
         for engine in engines.values():
             engine.close()
@@ -491,6 +502,9 @@ def run_agentic(cfg: AgenticConfig, progress: Callable[[str], None] = lambda s: 
         "tcp_link_gbps": _tcp_link(cfg),
         # The generation process, when the transport has one: copies of the weights and pools.
         "generation": generation,
+        # Per process: the memory check's estimate (bytes, by term) and, on CUDA, the caching
+        # allocator's peaks ("max_allocated", "max_reserved") at the end of the run.
+        "memory": memory,
         "requests": [asdict(f) for f in per_request],
     }
     for mode in modes:
@@ -603,6 +617,15 @@ def format_agentic(result: dict[str, Any]) -> str:
             f"{result['prefill_mismatch_blocks']} between the context worker's prefill and aggregated serving's "
             f"({result['reuse_mismatches']} requests reused a different length)"
         )
+    for name, m in result.get("memory", {}).items():
+        peak, estimate = m["peak"], m["estimate"]
+        if peak is not None:
+            lines.append(
+                f"device memory, {name} process: peak {peak['max_allocated'] / 1e9:.2f} GB allocated, "
+                f"{peak['max_reserved'] / 1e9:.2f} GB reserved; the memory check's estimate "
+                f"{estimate['total'] / 1e9:.2f} GB (transients {estimate['transients'] / 1e9:.2f}, "
+                f"slack {estimate['slack'] / 1e9:.2f}, runtime {estimate['runtime'] / 1e9:.2f})"
+            )
     for d in result.get("output_divergences", []):
         lines.append(
             f"  {d['mode']} turn {d['turn']} request {d['request_id']}: outputs diverge at token {d['first_token']}"

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import torch
+
 from kvferry._core import BlockRange
 from kvferry.receiver import KVReceiver
 from kvferry.refengine.cache import PrefixCache
@@ -250,8 +252,9 @@ class GenerationHost:
 
     def stats(self) -> dict[str, Any]:
         """What the process holds: ``models`` (copies of the weights), ``pools`` (blocks of
-        each live worker's pool, by key), ``pool_bytes`` (their bytes in all) and ``rings``
-        (blocks of each staging worker's ring, by key)."""
+        each live worker's pool, by key), ``pool_bytes`` (their bytes in all), ``peaks`` (on
+        CUDA, the caching allocator's ``max_allocated`` and ``max_reserved`` bytes so far;
+        None elsewhere) and ``rings`` (blocks of each staging worker's ring, by key)."""
         return dict(self.call(("stats",)))
 
     def close(self) -> None:
@@ -409,6 +412,15 @@ def _host_main(conn: Any, cfg: ModelConfig, device: str, netns: Optional[str]) -
                         "pool_bytes": sum(
                             h.worker.pool.num_blocks * h.worker.pool.num_layers * h.worker.pool.block_bytes
                             for h in hosted.values()
+                        ),
+                        # On CUDA: this process's allocator peaks so far.
+                        "peaks": (
+                            {
+                                "max_allocated": torch.cuda.max_memory_allocated(),
+                                "max_reserved": torch.cuda.max_memory_reserved(),
+                            }
+                            if device == "cuda"
+                            else None
                         ),
                         # Staging: each worker's ring, in blocks (its endpoint's capacity).
                         "rings": {

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
+from typing import AbstractSet, Any, Callable, ClassVar, Iterable, Mapping, NoReturn, Optional, Sequence
 
 import kvferry._need_torch  # noqa: F401  (before torch: without it, one line naming the extra)
 
@@ -55,7 +55,7 @@ from kvferry.transports.frames import Announce, Frame, Freed, Hello, Staged
 from kvferry.transports.registry import STAGING_RING_BYTES
 from kvferry.transports.shm import SharedPool
 
-__all__ = ["StagingEndpoint", "StagingTransport"]
+__all__ = ["StagingEndpoint", "StagingTransport", "scratch_bytes"]
 
 # A write's two PCIe legs (device-to-host here, host-to-device at the receiver) run one after
 # the other, so a plan is cut into writes of at most `WRITE_BYTES` (half the ring if that is
@@ -205,6 +205,22 @@ def ring_as_pool(ring: PagedKV, like: PagedKV) -> PagedKV:
 APPLY_POLL_SECONDS = 50e-6
 
 
+def _scratch_blocks(block_bytes: int, num_layers: int) -> int:
+    """Blocks of one scratch pool: `STAGE_CHUNK_BYTES` of whole blocks, at least one."""
+    return max(1, STAGE_CHUNK_BYTES // (block_bytes * num_layers))
+
+
+def scratch_bytes(block_bytes: int, layer_counts: Iterable[int], device: torch.device) -> int:
+    """Bytes on ``device`` that one side of a staging connection keeps in scratch pools
+    (`_Scratch`) once it moved writes of each of ``layer_counts`` layers (a pool's whole
+    blocks, and any layer slices of it), for a pool of ``block_bytes`` per block and layer:
+    two pools per count on CUDA (`_Pipe`), one on CPU, none with direct legs (`LEGS_ENV`)."""
+    if staging_legs(device) == "direct":
+        return 0
+    per_count = 2 if device.type == "cuda" else 1
+    return sum(per_count * _scratch_blocks(block_bytes, n) * block_bytes * n for n in set(layer_counts))
+
+
 class _Scratch:
     """Scratch pools of `STAGE_CHUNK_BYTES`, two per pool layout (a layer slice has fewer
     layers; on CUDA two pieces are in flight, each in its own pool), made on first use and
@@ -229,7 +245,7 @@ class _Scratch:
         scratch = self._pools.get(key)
         if scratch is None:
             shape = list(pool.shape)
-            shape[pool.block_dim] = max(1, STAGE_CHUNK_BYTES // (pool.block_bytes * pool.num_layers))
+            shape[pool.block_dim] = _scratch_blocks(pool.block_bytes, pool.num_layers)
             layers = tuple(torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers))
             scratch = self._pools[key] = pool.with_layers(layers)
         return scratch
