@@ -126,7 +126,11 @@ logger = logging.getLogger("kvferry.vllm")
 _log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
-HANDSHAKE_SECONDS = client.HANDSHAKE_SECONDS
+# A connecting peer's handshake: as long as a client waits for it (kvferry.vllm.client), so
+# a client whose own threads were starved mid-handshake is not cut off while it waits. A
+# peer without the key holds a thread this long at most, and no more than guard's bounds of
+# them at once (the oldest is cut off for a newcomer).
+HANDSHAKE_SECONDS = client.PATIENCE_SECONDS
 # Authenticated connections served at once, each with a thread (a prefill process keeps one
 # per rendezvous it asks; a waiting lookup holds none). One more is refused.
 MAX_CONNECTIONS = 1024
