@@ -387,3 +387,30 @@ def test_a_handshake_cut_off_after_the_proof_is_not_reported_as_a_key_mismatch(t
         assert done.wait(SLACK) and outcome == [None]
     said = str(err.value)
     assert "cut the handshake off" in said and "different keys" not in said, said
+
+
+def test_a_question_whose_connection_closed_before_it_was_written_goes_on_the_next(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection ends between the handshake and the first question (the rendezvous
+    closes a connection quiet for IDLE_SECONDS while the client's thread waits for the CPU).
+    Nothing of the question left, so it is written on a new connection and answered, where it
+    used to wait out its bound with nobody left to answer it."""
+    real_write = client_module._Line._write
+    ended: list[Any] = []
+
+    def write(line: Any, channel: wire.Channel) -> None:
+        if not ended:
+            ended.append(channel)
+            readers = [t for t in threading.enumerate() if t.name == "kvferry-rendezvous-answers"]
+            channel.sock.shutdown(socket.SHUT_RDWR)  # the end, seen by the line's reader first
+            for reader in readers:
+                reader.join(SLACK)
+            assert not any(reader.is_alive() for reader in readers)
+        real_write(line, channel)
+
+    monkeypatch.setattr(client_module._Line, "_write", write)
+    with Client(KEY) as client:
+        assert client.abandon(server.address, "Q", "the prefill request was aborted").result(SLACK) is None
+        assert ended and client.handshakes == 2
+    assert server.abandoned("Q") == "the prefill request was aborted"

@@ -253,8 +253,20 @@ def test_a_request_kvferry_cannot_serve_is_refused_and_counted(routed: Any) -> N
 )
 @pytest.mark.parametrize(
     ("prefill_tp", "decode_tp", "front"),
-    [(2, 1, "vllm-router"), (1, 2, "vllm-router"), (2, 1, "kvferry-proxy")],
-    ids=["tp2-to-tp1-vllm-router", "tp1-to-tp2-vllm-router", "tp2-to-tp1-kvferry-proxy"],
+    [
+        (2, 1, "vllm-router"),
+        (1, 2, "vllm-router"),
+        (2, 1, "kvferry-proxy"),
+        (1, 2, "kvferry-proxy"),
+        (2, 2, "vllm-router"),
+    ],
+    ids=[
+        "tp2-to-tp1-vllm-router",
+        "tp1-to-tp2-vllm-router",
+        "tp2-to-tp1-kvferry-proxy",
+        "tp1-to-tp2-kvferry-proxy",
+        "tp2-to-tp2-vllm-router",
+    ],
 )
 def test_tensor_parallel_pairs_need_no_setting(
     plain: testbed.Server, model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int, front: str
@@ -265,9 +277,9 @@ def test_tensor_parallel_pairs_need_no_setting(
     proxy's ``prefill_tp``, from the prefill server's hello), and every output equals a
     plain server's."""
     prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
-    prefill = testbed.start_server("prefill", model, tmp_path, kv_transfer_config=prefill_config,
+    prefill = testbed.start_server("prefill", model, tmp_path, kv_transfer_config=prefill_config, kvferry_log=True,
                                    engine=testbed.EngineSettings(tensor_parallel_size=prefill_tp))  # fmt: skip
-    decode = testbed.start_server("decode", model, tmp_path, kv_transfer_config=decode_config,
+    decode = testbed.start_server("decode", model, tmp_path, kv_transfer_config=decode_config, kvferry_log=True,
                                   engine=testbed.EngineSettings(tensor_parallel_size=decode_tp))  # fmt: skip
     bed = Testbed(model, tmp_path, None, None, proxy_connector=None, prefills=[prefill], decodes=[decode])
     try:
@@ -290,8 +302,16 @@ def test_tensor_parallel_pairs_need_no_setting(
             wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "no KV blocks held")
         finally:
             router.stop()
+    except BaseException:
+        for server in (prefill, decode):  # kvferry's lines of both servers: what went wrong where
+            print(f"--- {server.name} ({server.log_path}), kvferry lines:\n" + _kvferry_lines(server))
+        raise
     finally:
         bed.close()
+
+
+def _kvferry_lines(server: testbed.Server, limit: int = 60) -> str:
+    return "\n".join([line for line in server.log_tail(10**7).splitlines() if "kvferry" in line][-limit:])
 
 
 def test_a_client_that_hangs_up_frees_both_servers(routed: Any) -> None:

@@ -77,6 +77,7 @@ DEFAULT_MAX_PEERS = 64
 DEFAULT_IDLE_RECLAIM_SECONDS = 60.0
 # Failed handshakes and accept errors, logged at a bounded rate (a flood cannot flood the log).
 _log = guard.RateLimitedLog(logging.getLogger("kvferry.transports"))
+logger = logging.getLogger("kvferry.transports")
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
 # misbehaving sender cannot grow the endpoint without bound.
 ERRORS_KEPT = 1024
@@ -298,6 +299,7 @@ class LocalEndpoint:
             fds = self.hello_fds() if peer.sock.family == socket.AF_UNIX else []
             assert peer.channel is not None
             peer.channel.send_frame(hello, fds)
+            logger.debug("kvferry: the endpoint at %s: %s authenticated, hello sent", self.address, peer)
             while True:
                 frame = peer.channel.recv()
                 peer.last_active = time.monotonic()

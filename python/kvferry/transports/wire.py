@@ -471,6 +471,10 @@ class StalledError(ConnectionError):
     the connection down (its reader sees the end) and refuses every later send."""
 
 
+class ChannelClosedError(StalledError):
+    """A send on a channel already closed: nothing of the frame was written."""
+
+
 class Channel:
     """Frames of one set (``frames``: the transports' unless told) over one connected socket,
     after the handshake. `send` may be called from any thread; `recv` and `poll` from one
@@ -538,7 +542,7 @@ class Channel:
             if self.broken is not None:
                 raise StalledError(self.broken)
             if self._closed:
-                raise StalledError("the channel is closed")
+                raise ChannelClosedError("the channel is closed")
             if self.queue_bytes is None:
                 self._send_blocking(view, fds)
                 return

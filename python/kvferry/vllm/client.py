@@ -58,6 +58,8 @@ MAX_FRAME = 1 << 20
 # How long a peer that stays connected may take to complete its handshake, to send its
 # hello, or to answer a question (the module doc: a gone peer fails at once, whatever this).
 PATIENCE_SECONDS = 120.0
+# A handshake slower than this completes, with a warning: the 10 s it used to be given.
+SLOW_SECONDS = 10.0
 MAX_WAIT_SECONDS = 3600
 MAX_ERROR_BYTES = 4096
 MAX_REASON_BYTES = 1000
@@ -216,8 +218,8 @@ class _Line:
                 while True:
                     now = time.monotonic()
                     while self._deadlines and (self._deadlines[0][2].settled or self._deadlines[0][0] <= now):
-                        _, _, ask = heapq.heappop(self._deadlines)
-                        if not ask.settled:
+                        due, _, ask = heapq.heappop(self._deadlines)
+                        if not ask.settled and due == ask.deadline:  # (else written again since: a newer one)
                             self._settle(ask)
                             expired.append(ask)
                     if self._sent or self._queue:
@@ -254,8 +256,13 @@ class _Line:
         """Connects (outside the lock); a failure fails every question waiting for it."""
         with self._cond:
             whom = self._queue[0].whom if self._queue else "decode server"
+        began = time.monotonic()
         try:
             sock = connect(self.address, self.client.authkey, PATIENCE_SECONDS, what=f"{whom}'s")
+            took = time.monotonic() - began
+            if took > SLOW_SECONDS:  # it waited, not failed: worth a line (a starved process on either side)
+                logger.warning("kvferry: the handshake with the %s's rendezvous at %s took %.1f s (a loaded host?)",
+                               whom, self.address, took)  # fmt: skip
         except TransferError as err:
             err = NoAnswerError(str(err), peer=self.address)
             with self._cond:
@@ -274,7 +281,8 @@ class _Line:
 
     def _write(self, channel: wire.Channel) -> None:
         """Writes every queued question on ``channel``; a failed write fails that question
-        (it may have reached the rendezvous: it is not written again) and ends the connection."""
+        (it may have reached the rendezvous: it is not written again, unless the channel was
+        closed before it) and ends the connection."""
         with self._cond:
             asks, self._queue = self._queue, []
             now = time.monotonic()
@@ -291,11 +299,15 @@ class _Line:
                 channel.send_frame(wire.encode(dataclasses.replace(ask.frame, call=ask.call), RENDEZVOUS))
             except OSError as err:
                 _shut(channel)  # its reader fails the questions written on it, this one too
+                # Closed before this one was written (the rendezvous closed a connection that
+                # had been quiet too long, while this thread waited for the CPU): nothing of
+                # it left, so it waits for the next connection with the rest.
+                first = i if isinstance(err, wire.ChannelClosedError) else i + 1
                 with self._cond:
-                    unsent = [a for a in asks[i + 1 :] if not a.settled]
+                    unsent = [a for a in asks[first:] if not a.settled]
                     for a in unsent:  # never written: they wait for the next connection
                         self._sent.pop(a.call, None)
-                        a.channel = None
+                        a.channel, a.deadline = None, math.inf
                     self._queue = unsent + self._queue
                     if self._channel is channel:
                         self._channel = None  # the next write makes a new one

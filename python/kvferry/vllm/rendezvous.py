@@ -546,6 +546,7 @@ class Rendezvous:
 
     def _on_lookup(self, peer: _Peer, frame: Lookup) -> None:
         transfer, sender, call = frame.transfer, frame.sender, frame.call
+        logger.debug("kvferry: the rendezvous at %s: lookup of %s from %s", self.address, transfer, sender)
         if self._admit is not None and (why := self._admit(sender)) is not None:
             peer.answer(_refused(f"transfer {transfer!r}: {why}", call))
             return
@@ -672,6 +673,7 @@ class Rendezvous:
         peer.answer(Abandoned(call=frame.call))
 
     def _on_offer(self, peer: _Peer, frame: Offer) -> None:
+        logger.debug("kvferry: the rendezvous at %s: offer of %s", self.address, frame.transfer)
         why: Optional[str]
         if self._on_offer_cb is None:
             why = "this is a decode server's rendezvous: it takes lookups and abandons, not offers"
