@@ -20,6 +20,7 @@ CHALLENGE (role endpoint, nonce_e) ------------->
 checks it; only then:
 PROOF MAC(endpoint, E, nonce_s, nonce_e) ------->  checks it
 HELLO (how to reach the pool) ------------------>
+(a wrong proof: GOODBYE "refused: wrong proof" -> and the end of the connection instead)
 
 MAC(role, E, theirs, mine) = HMAC-SHA256(key, label | version | role | len(E) | E | theirs | mine)
 ```
