@@ -563,6 +563,9 @@ def _logging_config(path: Path) -> Path:
     }
     config["handlers"]["kvferry"] = dict(config["handlers"]["vllm"], formatter="kvferry", level="DEBUG")
     config["loggers"]["kvferry"] = {"handlers": ["kvferry"], "level": "DEBUG", "propagate": False}
+    # vLLM hands this config to uvicorn too: its access lines (when each answer went) stay.
+    for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
+        config["loggers"][name] = {"handlers": ["vllm"], "level": "INFO", "propagate": False}
     path.write_text(json.dumps(config))
     return path
 
