@@ -30,7 +30,7 @@ from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver
 from kvferry.sender import KVSender
 from kvferry.transports import wire
-from kvferry.transports.frames import Freed, Notices, Revoke
+from kvferry.transports.frames import Freed, Goodbye, Notices, Revoke
 from kvferry.transports.shm import SharedPool, ShmEndpoint, ShmTransport
 from kvferry.transports.wire import AuthenticationError
 from test_faults import TPB, Generation
@@ -64,7 +64,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
     stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         stalled.connect(_path(gen.address))  # never answers the challenge, stays connected
-        with pytest.raises(TransferError, match="cannot reach the receiver.*it refused our key"):
+        with pytest.raises(
+            TransferError, match="cannot reach the receiver.*refused our proof: it does not hold our key"
+        ):
             ShmTransport(gen.address, authkey=secrets.token_bytes(32))
 
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,7 +79,9 @@ def test_wrong_key_is_refused_and_the_endpoint_keeps_serving() -> None:
         mine = secrets.token_bytes(wire.NONCE_BYTES)
         raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.CHALLENGE, 33) + bytes([wire.ROLE_SENDER]) + mine)
         raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.PROOF, 32) + b"\0" * 32)  # a wrong proof
-        assert _recv_exact(raw, 1) == b""  # closed without another byte: no proof, no hello
+        refusal = wire.encode(Goodbye(wire.REFUSED_PROOF))
+        assert _recv_exact(raw, len(refusal)) == refusal  # its refusal of the proof, said,
+        assert _recv_exact(raw, 1) == b""  # then closed without another byte: no proof, no hello
         raw.close()
 
         src = POOLS.random(3)

@@ -6,14 +6,19 @@ tests/sched_fakes.py, as in tests/test_router.py)."""
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Iterator
 
 import pytest
 from kvferry.errors import InvalidArgumentError, TransferError
 from kvferry.transports import wire
+from kvferry.transports.frames import Challenge
+from kvferry.vllm import client as client_module
 from kvferry.vllm import rendezvous, trust
 from kvferry.vllm.client import Client
 from kvferry.vllm.config import ConnectorConfig
@@ -206,7 +211,6 @@ def test_an_idle_line_closes_and_the_next_question_opens_another(
     """A line with nothing to ask closes after LINE_IDLE_SECONDS (made short here), before
     the rendezvous's own idle bound; the next question makes a new connection and is
     answered."""
-    from kvferry.vllm import client as client_module
 
     monkeypatch.setattr(client_module, "LINE_IDLE_SECONDS", 0.05)
     with Client(KEY) as client:
@@ -263,3 +267,150 @@ def test_a_tensor_parallel_send_refused_on_one_link_gives_back_the_other(monkeyp
         prefill.close()
         for server in servers:
             server.close()
+
+
+class _Clock:
+    """The client's clock, moved on by the test (a host where seconds pass while a process
+    waits for the CPU); ``looked`` is set once the line's keeper read it after a move."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.looked = threading.Event()
+
+    def monotonic(self) -> float:
+        if self.offset and threading.current_thread().name == "kvferry-rendezvous-line":
+            self.looked.set()
+        return time.monotonic() + self.offset
+
+
+def test_an_answer_that_comes_a_minute_late_from_a_connected_rendezvous_is_taken(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rendezvous that is connected but slow (its threads starved on a loaded host: four
+    engine processes on two cores) answers an abandon a minute after it was written. The
+    client used to give an answer 10 s and fail the question; a peer still connected is slow,
+    not gone, so it waits (up to PATIENCE_SECONDS) and takes the answer."""
+    held, entered = threading.Event(), threading.Event()
+    real_abandon = server._abandon
+
+    def abandon(transfer: str, reason: str, epoch: int = 0) -> Any:
+        entered.set()
+        held.wait(SLACK)  # the rendezvous's thread, starved
+        return real_abandon(transfer, reason, epoch)
+
+    monkeypatch.setattr(server, "_abandon", abandon)
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", clock)
+    with Client(KEY) as client:
+        asked = client.abandon(server.address, "H", "the prefill request was aborted")
+        assert entered.wait(SLACK)  # written, and being answered
+        clock.offset = 60.0
+        (line,) = client._lines.values()
+        with line._cond:
+            line._cond.notify_all()  # the keeper looks at its deadlines a minute on
+        assert clock.looked.wait(SLACK)
+        held.set()
+        assert asked.result(SLACK) is None
+    assert server.abandoned("H") == "the prefill request was aborted"
+
+
+def test_a_lookup_the_rendezvous_never_answered_is_abandoned_there(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill request's lookup is written, then its connection breaks before any answer
+    (the rendezvous may never have seen it). The request fails, and the prefill side tells
+    that rendezvous it gave up (an abandon, on a new connection), so the decode request that
+    publishes the transfer fails at once instead of waiting out its own timeout."""
+    parked, abandoned = threading.Event(), threading.Event()
+    real_park, real_abandon = server._park, server._abandon
+
+    def park(entry: Any) -> None:
+        real_park(entry)
+        parked.set()
+
+    def abandon(transfer: str, reason: str, epoch: int = 0) -> Any:
+        why = real_abandon(transfer, reason, epoch)
+        if transfer == "N" and why is None:
+            abandoned.set()
+        return why
+
+    monkeypatch.setattr(server, "_park", park)
+    monkeypatch.setattr(server, "_abandon", abandon)
+    prefill = SchedulerSide(ConnectorConfig(), block_size=4, role="kv_producer", engine_id="prefill-engine",
+                            kv_cache_manager_getter=lambda: Manager({}), authkey=KEY)  # fmt: skip
+    peer = server.address
+    params = {"kvferry": {"op": "send", "transfer": "N", "peer": peer, "peer_mac": trust.sign_peer(KEY, peer)}}
+    try:
+        assert prefill.get_num_new_matched_tokens(Request("r", _prompt(5), params), 0) == (None, False)
+        assert parked.wait(SLACK)
+        (line,) = prefill._client._lines.values()
+        line._channel.sock.shutdown(2)  # the connection breaks with the lookup unanswered
+        found = prefill._lookups["r"]
+        assert found.done.wait(SLACK) and "went away" in (found.error or "")
+        assert abandoned.wait(SLACK)
+        assert (server.abandoned("N") or "").startswith("the prefill request gave up")
+        assert server.taker("N") is None
+    finally:
+        prefill.close()
+
+
+def test_a_handshake_cut_off_after_the_proof_is_not_reported_as_a_key_mismatch(tmp_path: Any) -> None:
+    """An endpoint that closes after the client's proof without refusing it (its deadline
+    passed while the client waited for the CPU, or it made room for newer connections) says
+    nothing about the keys: the error says the handshake was cut off, where it used to tell
+    the operator that the two servers hold different keys. (A refused proof is said in
+    words, wire.REFUSED_PROOF: tests/test_router.py still gets the keys named.)"""
+    path = str(tmp_path / "cut.sock")
+
+    def recv_exact(conn: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            assert chunk, "the client closed early"
+            data += chunk
+        return data
+
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen()
+
+        def endpoint() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(SLACK)
+                conn.sendall(wire.encode(Challenge(wire.ROLE_ENDPOINT, secrets.token_bytes(wire.NONCE_BYTES))))
+                recv_exact(conn, 2 * wire.HEADER.size + 1 + 2 * wire.NONCE_BYTES)  # its challenge, then its proof
+
+        done, outcome = in_thread(endpoint)
+        with pytest.raises(TransferError) as err:
+            client_module.connect(f"unix://{path}", KEY, timeout=SLACK)
+        assert done.wait(SLACK) and outcome == [None]
+    said = str(err.value)
+    assert "cut the handshake off" in said and "different keys" not in said, said
+
+
+def test_a_question_whose_connection_closed_before_it_was_written_goes_on_the_next(
+    server: rendezvous.Rendezvous, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection ends between the handshake and the first question (the rendezvous
+    closes a connection quiet for IDLE_SECONDS while the client's thread waits for the CPU).
+    Nothing of the question left, so it is written on a new connection and answered, where it
+    used to wait out its bound with nobody left to answer it."""
+    real_write = client_module._Line._write
+    ended: list[Any] = []
+
+    def write(line: Any, channel: wire.Channel) -> None:
+        if not ended:
+            ended.append(channel)
+            readers = [t for t in threading.enumerate() if t.name == "kvferry-rendezvous-answers"]
+            channel.sock.shutdown(socket.SHUT_RDWR)  # the end, seen by the line's reader first
+            for reader in readers:
+                reader.join(SLACK)
+            assert not any(reader.is_alive() for reader in readers)
+        real_write(line, channel)
+
+    monkeypatch.setattr(client_module._Line, "_write", write)
+    with Client(KEY) as client:
+        assert client.abandon(server.address, "Q", "the prefill request was aborted").result(SLACK) is None
+        assert ended and client.handshakes == 2
+    assert server.abandoned("Q") == "the prefill request was aborted"

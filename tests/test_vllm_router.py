@@ -243,37 +243,63 @@ def test_a_request_kvferry_cannot_serve_is_refused_and_counted(routed: Any) -> N
     wait_until(lambda: decode.kv_blocks()[0] == 0, "the decode server to hold no KV blocks")
 
 
-# Real tensor-parallel engines on a 2-core machine (three or four processes computing): a
-# transfer between such a pair still stalls at times (a prefill rank's handshake with a decode
-# endpoint not answered within 10 s; with kvferry proxy, TP 1 -> 2 a write never applied), so
-# these run on demand, not in CI, until that is found: KVFERRY_TP_ENGINE_TESTS=1.
-@pytest.mark.skipif(
-    os.environ.get("KVFERRY_TP_ENGINE_TESTS") != "1",
-    reason="tensor-parallel engine pairs stall at times on 2 cores: run with KVFERRY_TP_ENGINE_TESTS=1",
-)
-@pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "front"),
-    [(2, 1, "vllm-router"), (1, 2, "vllm-router"), (2, 1, "kvferry-proxy")],
-    ids=["tp2-to-tp1-vllm-router", "tp1-to-tp2-vllm-router", "tp2-to-tp1-kvferry-proxy"],
-)
-def test_tensor_parallel_pairs_need_no_setting(
-    plain: testbed.Server, model: Path, tmp_path: Path, prefill_tp: int, decode_tp: int, front: str
-) -> None:
-    """A prefill and a decode server of different tensor parallel sizes, both with
-    ``kv_connector_extra_config`` empty, under vllm-router or kvferry proxy: the decode server
-    learns the prefill server's size from the request (vllm-router's ``tp_size``; the
-    proxy's ``prefill_tp``, from the prefill server's hello), and every output equals a
-    plain server's."""
+@pytest.fixture(scope="module")
+def tp_pair(
+    request: pytest.FixtureRequest, plain: testbed.Server, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Testbed]:
+    """A KvferryConnector prefill and decode server of the tensor parallel sizes
+    ``request.param`` (prefill, decode), both with ``kv_connector_extra_config`` empty, shared
+    by the fronts put before them (vllm-router, kvferry proxy): starting a tensor-parallel
+    pair is most of a case's time. kvferry's debug lines go to their logs."""
+    prefill_tp, decode_tp = request.param
+    work = tmp_path_factory.mktemp(f"tp{prefill_tp}-to-tp{decode_tp}")
     prefill_config, decode_config = testbed.CONNECTORS["kvferry"]
-    prefill = testbed.start_server("prefill", model, tmp_path, kv_transfer_config=prefill_config,
+    prefill = testbed.start_server("prefill", model, work, kv_transfer_config=prefill_config, kvferry_log=True,
                                    engine=testbed.EngineSettings(tensor_parallel_size=prefill_tp))  # fmt: skip
-    decode = testbed.start_server("decode", model, tmp_path, kv_transfer_config=decode_config,
+    decode = testbed.start_server("decode", model, work, kv_transfer_config=decode_config, kvferry_log=True,
                                   engine=testbed.EngineSettings(tensor_parallel_size=decode_tp))  # fmt: skip
-    bed = Testbed(model, tmp_path, None, None, proxy_connector=None, prefills=[prefill], decodes=[decode])
+    bed = Testbed(model, work, None, None, proxy_connector=None, prefills=[prefill], decodes=[decode])
     try:
         testbed.wait_ready([prefill, decode, plain])
+        yield bed
+    finally:
+        bed.close()
+
+
+# A tensor-parallel pair is four or five engine processes, and vLLM's TP workers spin while
+# their engine steps (it steps while a transfer waits). On the 2-core machine shared with
+# other engine suites (load average 20 to 115, /proc/pressure/cpu "some" 90 to 100%), a
+# decode leg reached its engine more than 60 s after its prefill ended (past
+# destination_timeout_s), and a decode endpoint's hello did not come within 120 s; at load
+# 10 to 16 the cases that ran passed in 50 to 62 s each. Not yet measured on an idle machine,
+# so they run on demand: KVFERRY_TP_ENGINE_TESTS=1 (docs/routers.md).
+@pytest.mark.skipif(
+    os.environ.get("KVFERRY_TP_ENGINE_TESTS") != "1",
+    reason="tensor-parallel engine pairs starve on a loaded 2-core machine: run with KVFERRY_TP_ENGINE_TESTS=1",
+)
+@pytest.mark.parametrize("front", ["vllm-router", "kvferry-proxy"])
+@pytest.mark.parametrize(
+    "tp_pair", [(2, 1), (1, 2), (2, 2)], indirect=True, ids=["tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2"]
+)
+def test_tensor_parallel_pairs_need_no_setting(
+    request: pytest.FixtureRequest, plain: testbed.Server, tp_pair: Testbed, front: str
+) -> None:
+    """A prefill and a decode server of tensor parallel sizes 2 and 1, 1 and 2, or 2 and 2,
+    both with ``kv_connector_extra_config`` empty, under vllm-router or kvferry proxy: the
+    decode server learns the prefill server's size from the request (vllm-router's
+    ``tp_size``; the proxy's ``prefill_tp``, from the prefill server's hello), and every
+    output equals a plain server's. On two cores these four or five engine processes leave
+    the servers' control threads waiting for the CPU for seconds at a time: every handshake,
+    hello and answer waits for a peer still connected (kvferry.vllm.client.PATIENCE_SECONDS)."""
+    bed = tp_pair
+    prefill, decode = bed.prefills[0], bed.decodes[0]
+    prefill_tp, decode_tp = request.node.callspec.params["tp_pair"]
+    # Each pair and front its own prompts: the other front's turns left no cache hit for them.
+    seed = 300 + 100 * prefill_tp + 10 * decode_tp + (front == "kvferry-proxy")
+    before = _figures(bed)
+    try:
         if front == "vllm-router":
-            router: Any = testbed.start_router([prefill.url], [decode.url], tmp_path)
+            router: Any = testbed.start_router([prefill.url], [decode.url], bed.workdir)
         else:
             from kvferry.vllm.proxy import ProxyThread
 
@@ -281,17 +307,25 @@ def test_tensor_parallel_pairs_need_no_setting(
             router.start()
         try:
             send = lambda body: call(router.url, COMPLETIONS, body)  # noqa: E731
-            system = _tokens(random.Random(prefill_tp * 10 + decode_tp), 100)
-            got = _session(send, system, seed=300 + prefill_tp)
-            want = _session(lambda body: call(plain.url, COMPLETIONS, body), system, seed=300 + prefill_tp)
+            system = _tokens(random.Random(seed), 100)
+            got = _session(send, system, seed=seed)
+            want = _session(lambda body: call(plain.url, COMPLETIONS, body), system, seed=seed)
             assert [a.token_ids for a in got] == [a.token_ids for a in want]
-            figures = _figures(bed)
-            assert figures["transfers"] >= TURNS and figures["computed"] < 0.1 * figures["prompt"], figures
+            after = _figures(bed)
+            delta = {k: after[k] - before[k] for k in after}
+            assert delta["transfers"] >= TURNS and delta["computed"] < 0.1 * delta["prompt"], delta
+            assert delta["unhonoured"] == 0, delta
             wait_until(lambda: [s.kv_blocks()[0] for s in bed.servers()] == [0, 0], "no KV blocks held")
         finally:
             router.stop()
-    finally:
-        bed.close()
+    except BaseException:
+        for server in (prefill, decode):  # kvferry's lines of both servers: what went wrong where
+            print(f"--- {server.name} ({server.log_path}), kvferry lines:\n" + _kvferry_lines(server))
+        raise
+
+
+def _kvferry_lines(server: testbed.Server, limit: int = 60) -> str:
+    return "\n".join([line for line in server.log_tail(10**7).splitlines() if "kvferry" in line][-limit:])
 
 
 def test_a_client_that_hangs_up_frees_both_servers(routed: Any) -> None:

@@ -77,6 +77,7 @@ DEFAULT_MAX_PEERS = 64
 DEFAULT_IDLE_RECLAIM_SECONDS = 60.0
 # Failed handshakes and accept errors, logged at a bounded rate (a flood cannot flood the log).
 _log = guard.RateLimitedLog(logging.getLogger("kvferry.transports"))
+logger = logging.getLogger("kvferry.transports")
 # What the endpoint refused or failed at, kept for inspection (``error_count`` counts all): a
 # misbehaving sender cannot grow the endpoint without bound.
 ERRORS_KEPT = 1024
@@ -298,6 +299,7 @@ class LocalEndpoint:
             fds = self.hello_fds() if peer.sock.family == socket.AF_UNIX else []
             assert peer.channel is not None
             peer.channel.send_frame(hello, fds)
+            logger.debug("kvferry: the endpoint at %s: %s authenticated, hello sent", self.address, peer)
             while True:
                 frame = peer.channel.recv()
                 peer.last_active = time.monotonic()
@@ -518,8 +520,15 @@ class PeerConnection:
         try:
             wire.handshake(self._sock, key, wire.ROLE_SENDER, timeout, where.url())
         except AuthenticationError as err:
+            who = wire.peer_name(self._sock)
             self._sock.close()
-            raise TransferError(f"cannot reach the receiver at {address}: {err}", peer=address) from err
+            if err.stalled:  # connected all along: alive, but its threads did not run the handshake
+                raise TransferError(
+                    f"cannot reach the receiver at {address} ({who}): it is connected but did not complete the "
+                    f"handshake within {timeout:g} s: a starved, stopped or stuck process",
+                    peer=address,
+                ) from err
+            raise TransferError(f"cannot reach the receiver at {address} ({who}): {err}", peer=address) from err
         self._channel = wire.Channel(self._sock)  # sends block, cut off after wire.SEND_SECONDS without progress
         self.peer = f"receiver at {where.url()} ({wire.peer_name(self._sock)})"
         self.lost: Optional[TransferError] = None
@@ -543,7 +552,11 @@ class PeerConnection:
             self.hello = dict(first.pool)
         except socket.timeout as err:
             self.close()
-            raise TransferError(f"cannot reach the {self.peer}: no hello within {timeout:g} s", peer=self.peer) from err
+            raise TransferError(
+                f"cannot reach the {self.peer}: it is connected but sent no hello within {timeout:g} s: a starved, "
+                "stopped or stuck process",
+                peer=self.peer,
+            ) from err
         except (OSError, EOFError, KvFerryError) as err:
             self.close()
             raise TransferError(f"cannot reach the {self.peer}: {err}", peer=self.peer) from err

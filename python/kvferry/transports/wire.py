@@ -20,6 +20,7 @@ CHALLENGE (role endpoint, nonce_e) ------------->
 checks it; only then:
 PROOF MAC(endpoint, E, nonce_s, nonce_e) ------->  checks it
 HELLO (how to reach the pool) ------------------>
+(a wrong proof: GOODBYE "refused: wrong proof" -> and the end of the connection instead)
 
 MAC(role, E, theirs, mine) = HMAC-SHA256(key, label | version | role | len(E) | E | theirs | mine)
 ```
@@ -108,12 +109,15 @@ ROLE_SENDER = 2
 class AuthenticationError(KvFerryError):
     """The peer did not prove it holds the session's key (a wrong key, garbage, a stall,
     or a frame that is not the handshake's). ``wrong_key``: the peer answered, and its proof
-    (or its refusal of ours) says the two sides hold different keys; False for a stall, a
-    reset or a closed connection, which say nothing about the key (a busy or dying peer)."""
+    (or its refusal of ours, `REFUSED_PROOF`) says the two sides hold different keys; False
+    for a stall, a reset or a closed connection, which say nothing about the key (a busy or
+    dying peer). ``stalled``: the deadline passed with the connection still open (the peer
+    is alive but did not do its part: starved, stopped or stuck)."""
 
-    def __init__(self, message: str, wrong_key: bool = False) -> None:
+    def __init__(self, message: str, wrong_key: bool = False, stalled: bool = False) -> None:
         super().__init__(message)
         self.wrong_key = wrong_key
+        self.stalled = stalled
 
 
 def check_authkey(authkey: object, name: str = "authkey") -> bytes:
@@ -306,6 +310,9 @@ def peer_name(sock: socket.socket) -> str:
 
 # The frame header (rust/src/wire/mod.rs describes every frame): magic, version, type, body
 # length, little-endian. Here only to build frames by hand in tests; the codec is the core's.
+# What an endpoint says, in a goodbye, to a sender whose proof is wrong, before it closes
+# (fits the handshake's frame bound).
+REFUSED_PROOF = "refused: wrong proof"
 MAGIC = b"KVFW"
 VERSION = _core.WIRE_VERSION
 HEADER = struct.Struct("<4sHHI")
@@ -465,6 +472,10 @@ class StalledError(ConnectionError):
     the connection down (its reader sees the end) and refuses every later send."""
 
 
+class ChannelClosedError(StalledError):
+    """A send on a channel already closed: nothing of the frame was written."""
+
+
 class Channel:
     """Frames of one set (``frames``: the transports' unless told) over one connected socket,
     after the handshake. `send` may be called from any thread; `recv` and `poll` from one
@@ -532,7 +543,7 @@ class Channel:
             if self.broken is not None:
                 raise StalledError(self.broken)
             if self._closed:
-                raise StalledError("the channel is closed")
+                raise ChannelClosedError("the channel is closed")
             if self.queue_bytes is None:
                 self._send_blocking(view, fds)
                 return
@@ -703,9 +714,15 @@ def _expect(sock: socket.socket, kind: type[H], deadline: float) -> H:
     except InvalidArgumentError:
         why = f"not a kvferry handshake: a malformed or oversized frame where a {kind.kind} was due"
         raise AuthenticationError(why) from None
+    if isinstance(got, Goodbye) and kind is Proof and got.reason == REFUSED_PROOF:
+        raise _Refused()
     if not isinstance(got, kind):
         raise AuthenticationError(f"a {got.kind} frame during the handshake, expected a {kind.kind}")
     return got
+
+
+class _Refused(Exception):
+    """The endpoint refused the sender's proof (`REFUSED_PROOF`), in place of its own."""
 
 
 def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoint: str | Sequence[str]) -> str:
@@ -734,6 +751,13 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
         bound = next((b for b in bindings if hmac.compare_digest(proof, _mac(key, peer_role, b, mine, theirs))), None)
         if bound is None:
             if role == ROLE_ENDPOINT:
+                # Said before closing, so the sender tells a refused key from a connection cut
+                # off mid-handshake (a bound, room for newer connections), which says nothing
+                # about the key.
+                try:
+                    _send_until(sock, encode(Goodbye(REFUSED_PROOF)), deadline)
+                except OSError:
+                    pass
                 raise AuthenticationError(
                     "the peer's proof is wrong: it does not hold this session's key, or it meant another endpoint than"
                     f" {names[0]} (a relay?), or speaks another handshake version than v{HANDSHAKE_VERSION}",
@@ -750,13 +774,18 @@ def handshake(sock: socket.socket, key: bytes, role: int, timeout: float, endpoi
     except AuthenticationError:
         raise
     except socket.timeout:
-        raise AuthenticationError(f"no complete handshake within {timeout} s") from None
+        raise AuthenticationError(f"no complete handshake within {timeout} s", stalled=True) from None
+    except _Refused:
+        raise AuthenticationError(
+            "the peer refused our proof: it does not hold our key (not this session's?), or we meant another"
+            " address than it is reached by (a relay, or another name than it advertises?)",
+            wrong_key=True,
+        ) from None
     except EOFError:
-        if proved:
+        if proved:  # a refusal says so first (`REFUSED_PROOF`): this is a cut, not a key mismatch
             raise AuthenticationError(
-                "the peer closed the connection after our proof: it refused our key (not this session's?)"
-                " or the address we meant (reached through a relay, or by another name than it advertises?)",
-                wrong_key=True,
+                "the peer closed the connection after our proof without refusing it: it cut the handshake off"
+                " (its own deadline, or room for newer connections) or went away"
             ) from None
         raise AuthenticationError("the peer closed the connection during the handshake") from None
     except OSError as err:

@@ -19,7 +19,15 @@ connection; those written and not answered fail with `TransferError` (the rendez
 have handed the lookup its destination, and a lookup is never sent twice, so no
 destination is taken twice or silently lost), as a question fails whose connection cannot
 be made, or whose answer does not come within its bound (a lookup's wait plus
-`HANDSHAKE_SECONDS`; an abandon's or offer's `HANDSHAKE_SECONDS`).
+`PATIENCE_SECONDS`; an abandon's or offer's `PATIENCE_SECONDS`). Each of those failures is a
+`NoAnswerError`: the rendezvous may never have seen the question.
+
+How long a peer may take tracks its liveness, not a short timer: a peer that goes away
+(its process ends, its host resets the connection) fails what waits on it at once, since
+its connection ends; one that stays connected is slow, not gone (a loaded host, several
+engine processes on a few cores, leaves a process's threads unscheduled for tens of
+seconds), and is given `PATIENCE_SECONDS` for its handshake and for each answer before the
+error names it as connected but not serving.
 """
 
 from __future__ import annotations
@@ -42,12 +50,16 @@ from kvferry.transports import wire
 from kvferry.transports.frames import Frame, Goodbye
 from kvferry.vllm.frames import RENDEZVOUS, Abandon, Abandoned, Accepted, Destination, Lookup, Offer, Refused
 
-__all__ = ["Client", "connect"]
+__all__ = ["PATIENCE_SECONDS", "Client", "NoAnswerError", "connect"]
 
 logger = logging.getLogger("kvferry.vllm")
 
 MAX_FRAME = 1 << 20
-HANDSHAKE_SECONDS = 10.0
+# How long a peer that stays connected may take to complete its handshake, to send its
+# hello, or to answer a question (the module doc: a gone peer fails at once, whatever this).
+PATIENCE_SECONDS = 120.0
+# A handshake slower than this completes, with a warning: the 10 s it used to be given.
+SLOW_SECONDS = 10.0
 MAX_WAIT_SECONDS = 3600
 MAX_ERROR_BYTES = 4096
 MAX_REASON_BYTES = 1000
@@ -61,8 +73,14 @@ def _clip(text: str, limit: int) -> str:
     return text.encode()[:limit].decode(errors="ignore")
 
 
+class NoAnswerError(TransferError):
+    """A question the rendezvous did not answer: its connection could not be made, broke
+    before the answer, or its answer did not come within its bound. The rendezvous may never
+    have seen it (unlike a refusal, which it sent)."""
+
+
 def connect(
-    address: str, authkey: bytes, timeout: float = HANDSHAKE_SECONDS, what: str = "decode server's"
+    address: str, authkey: bytes, timeout: float = PATIENCE_SECONDS, what: str = "decode server's"
 ) -> socket.socket:
     """A connection to the rendezvous at ``address``, through kvferry's mutual handshake;
     `TransferError` says which step failed (and, for a wrong key, what to check)."""
@@ -77,10 +95,18 @@ def connect(
     try:
         wire.handshake(sock, authkey, wire.ROLE_SENDER, timeout, where.url())
     except wire.AuthenticationError as err:
+        who = wire.peer_name(sock)
         sock.close()
-        if not err.wrong_key:  # a stall or a reset says nothing about the keys
+        if err.stalled:  # connected all along: alive, but its threads did not run the handshake
             raise TransferError(
-                f"no complete handshake with the {what} rendezvous at {address!r} (busy, or going away): {err}",
+                f"the {what} rendezvous at {address!r} ({who}) is connected but did not complete the handshake within "
+                f"{timeout:g} s: a starved, stopped or stuck process",
+                peer=address,
+            ) from err
+        if not err.wrong_key:  # a reset or a closed connection says nothing about the keys
+            raise TransferError(
+                f"no complete handshake with the {what} rendezvous at {address!r} ({who}; going away, or it cut "
+                f"the handshake off): {err}",
                 peer=address,
             ) from err
         raise TransferError(
@@ -192,8 +218,8 @@ class _Line:
                 while True:
                     now = time.monotonic()
                     while self._deadlines and (self._deadlines[0][2].settled or self._deadlines[0][0] <= now):
-                        _, _, ask = heapq.heappop(self._deadlines)
-                        if not ask.settled:
+                        due, _, ask = heapq.heappop(self._deadlines)
+                        if not ask.settled and due == ask.deadline:  # (else written again since: a newer one)
                             self._settle(ask)
                             expired.append(ask)
                     if self._sent or self._queue:
@@ -210,7 +236,11 @@ class _Line:
                 closing = self._closing
                 channel = self._channel
             for ask in expired:
-                ask.future.set_exception(ask.failed(f"no answer within {ask.wait_s:g} s"))
+                ask.future.set_exception(
+                    ask.failed(
+                        f"is connected but did not answer within {ask.wait_s:g} s: a starved, stopped or stuck process"
+                    )
+                )
             if closing:
                 self._fail_all("the client closed" if self.client.closed else "the line closed")
                 return
@@ -226,9 +256,15 @@ class _Line:
         """Connects (outside the lock); a failure fails every question waiting for it."""
         with self._cond:
             whom = self._queue[0].whom if self._queue else "decode server"
+        began = time.monotonic()
         try:
-            sock = connect(self.address, self.client.authkey, HANDSHAKE_SECONDS, what=f"{whom}'s")
+            sock = connect(self.address, self.client.authkey, PATIENCE_SECONDS, what=f"{whom}'s")
+            took = time.monotonic() - began
+            if took > SLOW_SECONDS:  # it waited, not failed: worth a line (a starved process on either side)
+                logger.warning("kvferry: the handshake with the %s's rendezvous at %s took %.1f s (a loaded host?)",
+                               whom, self.address, took)  # fmt: skip
         except TransferError as err:
+            err = NoAnswerError(str(err), peer=self.address)
             with self._cond:
                 asks, self._queue = self._queue, []
                 for ask in asks:
@@ -245,7 +281,8 @@ class _Line:
 
     def _write(self, channel: wire.Channel) -> None:
         """Writes every queued question on ``channel``; a failed write fails that question
-        (it may have reached the rendezvous: it is not written again) and ends the connection."""
+        (it may have reached the rendezvous: it is not written again, unless the channel was
+        closed before it) and ends the connection."""
         with self._cond:
             asks, self._queue = self._queue, []
             now = time.monotonic()
@@ -262,11 +299,15 @@ class _Line:
                 channel.send_frame(wire.encode(dataclasses.replace(ask.frame, call=ask.call), RENDEZVOUS))
             except OSError as err:
                 _shut(channel)  # its reader fails the questions written on it, this one too
+                # Closed before this one was written (the rendezvous closed a connection that
+                # had been quiet too long, while this thread waited for the CPU): nothing of
+                # it left, so it waits for the next connection with the rest.
+                first = i if isinstance(err, wire.ChannelClosedError) else i + 1
                 with self._cond:
-                    unsent = [a for a in asks[i + 1 :] if not a.settled]
+                    unsent = [a for a in asks[first:] if not a.settled]
                     for a in unsent:  # never written: they wait for the next connection
                         self._sent.pop(a.call, None)
-                        a.channel = None
+                        a.channel, a.deadline = None, math.inf
                     self._queue = unsent + self._queue
                     if self._channel is channel:
                         self._channel = None  # the next write makes a new one
@@ -392,11 +433,9 @@ class Client:
             )
 
         def failed(why: str) -> TransferError:
-            if why.startswith("no answer within"):
-                why = f"did not answer within {wait_s} s"
-            return TransferError(f"transfer {transfer!r}: the decode server at {address!r} {why}", peer=address)
+            return NoAnswerError(f"transfer {transfer!r}: the decode server at {address!r} {why}", peer=address)
 
-        return self._ask(_Ask(frame, wait_s + HANDSHAKE_SECONDS, Future(), answered, failed, "decode server", address))
+        return self._ask(_Ask(frame, wait_s + PATIENCE_SECONDS, Future(), answered, failed, "decode server", address))
 
     def abandon(self, address: str, transfer: str, reason: str, epoch: int = 0) -> Future[None]:
         """Tells the decode server that the prefill side gave ``transfer`` up (``epoch``: that
@@ -445,8 +484,8 @@ class Client:
                 )
 
         def failed(why: str) -> TransferError:
-            return TransferError(
+            return NoAnswerError(
                 f"transfer {transfer!r}: could not tell the {whom} at {address!r}: {why}", peer=address
             )
 
-        return self._ask(_Ask(made, HANDSHAKE_SECONDS, future, answered, failed, whom, address))
+        return self._ask(_Ask(made, PATIENCE_SECONDS, future, answered, failed, whom, address))

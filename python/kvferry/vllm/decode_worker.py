@@ -45,7 +45,7 @@ from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError
 from kvferry.groups import expect_groups
 from kvferry.receiver import KVReceiver
 from kvferry.transports import registry, wire
-from kvferry.vllm import paths, rendezvous
+from kvferry.vllm import client, paths, rendezvous
 from kvferry.vllm.metadata import LEG_MARK, Handshake, KvferryMetadata, RecvSpec, leg_name, leg_rank
 from kvferry.vllm.worker import WorkerCommon
 
@@ -234,7 +234,9 @@ class DecodeWorker:
         beside the rendezvous, or on the rendezvous's tcp:// host with a port of its own; a
         staging endpoint's ring size."""
         where = wire.parse_address(self.config.listen, "kv_connector_extra_config listen")
-        options: dict[str, Any] = {}
+        # A prefill rank's handshake may take as long as it waits for it (kvferry.vllm.client:
+        # a peer still connected is slow, not gone), so a starved prefill rank is not cut off.
+        options: dict[str, Any] = {"handshake_timeout": client.PATIENCE_SECONDS}
         if where.scheme == "tcp":
             options["address"] = wire.Address("tcp", host=where.host).url()  # port 0: any
             if self.config.advertise is not None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from kvferry.errors import InvalidArgumentError
 from kvferry.transports import registry
+from kvferry.vllm.client import PATIENCE_SECONDS
 
 __all__ = ["AUTO", "Choice", "choice_url", "connect", "offered", "urls_of"]
 
@@ -166,7 +167,9 @@ def connect(
     (`taken`) and that opens. The direct path is skipped for
     a pool on a device it does not serve; when it fails to open (the decode rank's handles
     cannot be mapped here), one log line names ``what`` (the peer) and why, and the next
-    URL is tried. ``host_src``: the sender's host pool (NIXL registers it). Raises what the
+    URL is tried. ``host_src``: the sender's host pool (NIXL registers it). The endpoint has
+    `PATIENCE_SECONDS` for its handshake and hello while connected (a loaded decode host is
+    slow, not gone). Raises what the
     last URL raised."""
     urls = taken(endpoint, transport)
     if not urls:
@@ -183,11 +186,15 @@ def connect(
                 logger.info("kvferry: %s: %s (%s)", what, FALLBACK, why)
                 continue
             try:
-                return registry.connect(url, authkey=authkey, src=src, host_src=host_src), name
+                return registry.connect(
+                    url, authkey=authkey, src=src, host_src=host_src, handshake_timeout=PATIENCE_SECONDS
+                ), name
             except InvalidArgumentError:  # a bug here, not the handles: staging would not mend it
                 raise
             except Exception as err:  # torch's rebuild raises what CUDA said (a RuntimeError)
                 logger.warning("kvferry: %s: %s, as %s could not open its KV cache: %s", what, FALLBACK, DIRECT, err)
             continue
-        return registry.connect(url, authkey=authkey, src=src, host_src=host_src), name
+        return registry.connect(
+            url, authkey=authkey, src=src, host_src=host_src, handshake_timeout=PATIENCE_SECONDS
+        ), name
     raise AssertionError("unreachable: the last URL returns or raises")

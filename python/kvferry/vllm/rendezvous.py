@@ -131,7 +131,11 @@ logger = logging.getLogger("kvferry.vllm")
 _log = guard.RateLimitedLog(logger)
 
 MAX_FRAME = 1 << 20
-HANDSHAKE_SECONDS = client.HANDSHAKE_SECONDS
+# A connecting peer's handshake: as long as a client waits for it (kvferry.vllm.client), so
+# a client whose own threads were starved mid-handshake is not cut off while it waits. A
+# peer without the key holds a thread this long at most, and no more than guard's bounds of
+# them at once (the oldest is cut off for a newcomer).
+HANDSHAKE_SECONDS = client.PATIENCE_SECONDS
 # Authenticated connections served at once, each with a thread (a prefill process keeps one
 # per rendezvous it asks; a waiting lookup holds none). One more is refused.
 MAX_CONNECTIONS = 1024
@@ -547,6 +551,7 @@ class Rendezvous:
 
     def _on_lookup(self, peer: _Peer, frame: Lookup) -> None:
         transfer, sender, call = frame.transfer, frame.sender, frame.call
+        logger.debug("kvferry: the rendezvous at %s: lookup of %s from %s", self.address, transfer, sender)
         if self._admit is not None and (why := self._admit(sender)) is not None:
             peer.answer(_refused(f"transfer {transfer!r}: {why}", call))
             return
@@ -673,6 +678,7 @@ class Rendezvous:
         peer.answer(Abandoned(call=frame.call))
 
     def _on_offer(self, peer: _Peer, frame: Offer) -> None:
+        logger.debug("kvferry: the rendezvous at %s: offer of %s", self.address, frame.transfer)
         why: Optional[str]
         if self._on_offer_cb is None:
             why = "this is a decode server's rendezvous: it takes lookups and abandons, not offers"

@@ -51,7 +51,7 @@ from kvferry.groups import GroupSet
 from kvferry.transports import registry
 from kvferry.transports.guard import RateLimitedLog
 from kvferry.vllm import moriio, paths, redact, router, trust
-from kvferry.vllm.client import Client
+from kvferry.vllm.client import Client, NoAnswerError
 from kvferry.vllm.config import ConnectorConfig, RequestParams, parse_params, parse_router_params, prompt_digest
 from kvferry.vllm.metadata import Chunk, Handshake, KvferryMetadata, Outcome, RecvSpec, SendLeg, SendSpec, leg_name
 from kvferry.vllm.park import ParkBook
@@ -953,7 +953,10 @@ def _collect(
 ) -> None:
     """Fills ``found`` from its answers (each done). Under tensor parallelism a lookup that
     failed on one link gives back what it took on the others (abandoned under their epochs),
-    so those decode ranks free their blocks at once instead of waiting for them."""
+    so those decode ranks free their blocks at once instead of waiting for them. A link
+    whose rendezvous never answered (`NoAnswerError`: no connection, a broken one, no answer
+    within its bound) may not know that this request gave up: it is told too (an abandon
+    naming no epoch), so its decode request fails at once, not at its own timeout."""
     try:
         errors = [future.exception() for future in asked]
         failed = next((err for err in errors if err is not None), None)
@@ -966,6 +969,11 @@ def _collect(
             ]
             if took:
                 _tell_abandon(took, client, f"another link of the send failed: {found.error}")
+            named = [(address, name) for _, address, name in links] if links else [(peer, found.transfer)]
+            unanswered = [(address, name, 0) for (address, name), err in zip(named, errors)
+                          if isinstance(err, NoAnswerError)]  # fmt: skip
+            if unanswered and not client.closed:
+                _tell_abandon(unanswered, client, f"the prefill request gave up: {found.error}")
             return
         if not links:
             found.destination = asked[0].result()

@@ -487,6 +487,7 @@ def start_server(
     host: str = "127.0.0.1",
     netns: Optional[str] = None,
     port: Optional[int] = None,
+    kvferry_log: bool = False,
 ) -> Server:
     """Starts ``python -m kvferry.vllm.testbed serve`` (vLLM's OpenAI server) on a free port of
     ``host`` (loopback by default; NIXL's side channel listens there too); returns at once
@@ -495,7 +496,9 @@ def start_server(
     ``cores``: the CPUs the server computes on; ``transfer_cores``: where its transfer threads
     run instead (kvferry's, `kvferry.affinity`, and every NIXL agent's, vLLM's NixlConnector's
     included), so that every connector's transfer work is placed alike. ``port``: the HTTP
-    port (a free one by default), for a config that names it (``http_address``)."""
+    port (a free one by default), for a config that names it (``http_address``).
+    ``kvferry_log``: kvferry's INFO and DEBUG lines go to the server's log too (timestamped,
+    with their process and thread), not only its warnings: what a failed test's log tail needs."""
     port, side = port or free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
@@ -528,6 +531,8 @@ def start_server(
             VLLM_CPU_OMP_THREADS_BIND="|".join(str(every[r % len(every)]) for r in range(ranks)),
             OMP_NUM_THREADS="1",
         )
+    if kvferry_log:
+        full_env["VLLM_LOGGING_CONFIG_PATH"] = str(_logging_config(workdir / f"{name}-logging.json"))
     full_env.update(env or {})
     log = open(log_path, "wb")
     try:
@@ -542,6 +547,27 @@ def start_server(
     finally:
         log.close()
     return Server(name, f"http://{url_host(host)}:{port}", proc, log_path, side)
+
+
+def _logging_config(path: Path) -> Path:
+    """vLLM's own logging config (every process of a server reads it: the API server, the
+    engine core, each worker) plus the ``kvferry`` logger at DEBUG, written to ``path``."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["formatters"]["kvferry"] = {
+        "format": "(%(processName)s pid=%(process)d %(threadName)s) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
+        "datefmt": "%m-%d %H:%M:%S",
+    }
+    config["handlers"]["kvferry"] = dict(config["handlers"]["vllm"], formatter="kvferry", level="DEBUG")
+    config["loggers"]["kvferry"] = {"handlers": ["kvferry"], "level": "DEBUG", "propagate": False}
+    # vLLM hands this config to uvicorn too: its access lines (when each answer went) stay.
+    for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
+        config["loggers"][name] = {"handlers": ["vllm"], "level": "INFO", "propagate": False}
+    path.write_text(json.dumps(config))
+    return path
 
 
 def url_host(host: str) -> str:
