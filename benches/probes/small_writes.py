@@ -20,7 +20,7 @@ import argparse
 import itertools
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from kvferry.bench.copy import CopyBenchConfig, _RemoteReceiver, _sync, make_pool
@@ -32,12 +32,39 @@ from kvferry.transports import registry
 BLOCKS = 8  # each request's chunk: the turn's new KV
 
 
+class _Counts:
+    """Counts the writes and posts handed to ``tx`` (the submissions a step makes)."""
+
+    def __init__(self, tx: Any) -> None:
+        self.writes = self.posts = 0
+        write, post = tx.write, tx.post
+
+        def counted_write(*args: Any) -> Any:
+            self.writes += 1
+            return write(*args)
+
+        def counted_post(*args: Any) -> Any:
+            self.posts += 1
+            return post(*args)
+
+        tx.write, tx.post = counted_write, counted_post
+
+    def take(self) -> tuple[int, int]:
+        out = (self.writes, self.posts)
+        self.writes = self.posts = 0
+        return out
+
+
 def _steps(run: Callable[[], float], reps: int) -> float:
     """Median of ``reps`` values of ``run`` after two warm-up steps."""
     return statistics.median([run() for _ in range(reps + 2)][2:])
 
 
-def hook_part(cfg: CopyBenchConfig, name: str, counts: list[int], reps: int) -> list[tuple[str, int, float, float]]:
+def hook_part(
+    cfg: CopyBenchConfig, name: str, counts: list[int], reps: int
+) -> list[tuple[str, int, float, tuple[int, int]]]:
+    """(batched or per request, requests, median seconds per step, writes and posts of one
+    more step) for each count."""
     pool_blocks = max(counts) * BLOCKS
     src = make_pool(cfg, pool_blocks, fill=True)
     tpb = src.tokens_per_block
@@ -55,6 +82,7 @@ def hook_part(cfg: CopyBenchConfig, name: str, counts: list[int], reps: int) -> 
 
     sender = KVSender(src, tx)
     hook = TransferHook(sender)
+    counted = _Counts(tx)
     ids = itertools.count(1)
     rows = []
     try:
@@ -80,7 +108,10 @@ def hook_part(cfg: CopyBenchConfig, name: str, counts: list[int], reps: int) -> 
                     hook.finish(rid)
                 return seconds
 
-            rows.append(("batched" if batched else "per request", n, _steps(step, reps), 0.0))
+            seconds = _steps(step, reps)
+            counted.take()
+            step()
+            rows.append(("batched" if batched else "per request", n, seconds, counted.take()))
     finally:
         sender.close()
         if remote is not None:
@@ -88,7 +119,7 @@ def hook_part(cfg: CopyBenchConfig, name: str, counts: list[int], reps: int) -> 
     return rows
 
 
-def worker_part(cfg: CopyBenchConfig, counts: list[int], reps: int) -> list[tuple[int, float]]:
+def worker_part(cfg: CopyBenchConfig, counts: list[int], reps: int) -> list[tuple[int, float, tuple[int, int]]]:
     """`PrefillWorker.after_forward` over the in-process transport (a live peer, as the
     connector's own tests build it)."""
     from kvferry.vllm.config import ConnectorConfig
@@ -105,6 +136,7 @@ def worker_part(cfg: CopyBenchConfig, counts: list[int], reps: int) -> list[tupl
     worker = PrefillWorker(common)
     sender = KVSender(src, registry.connect("in-process", receiver=receiver), record=True)
     worker._peers["p"] = peer = _Peer("p", sender, TransferHook(sender), src)
+    counted = _Counts(sender.transport)
     ids = itertools.count(1)
     rows = []
     try:
@@ -132,7 +164,10 @@ def worker_part(cfg: CopyBenchConfig, counts: list[int], reps: int) -> list[tupl
                     receiver.release(kv)
                 return seconds
 
-            rows.append((n, _steps(step, reps)))
+            seconds = _steps(step, reps)
+            counted.take()
+            step()
+            rows.append((n, seconds, counted.take()))
     finally:
         worker.close()
     return rows
@@ -144,22 +179,27 @@ def main() -> None:
     ap.add_argument("--transports", default="in-process,shm")
     ap.add_argument("--requests", default="1,8,32")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--block-kib", type=int, default=64)
+    # `kvferry bench copy`'s geometry: 8 layers of 64 KiB on CPU, 32 of 128 KiB (4 MiB blocks) on CUDA.
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--block-kib", type=int, default=None)
     ap.add_argument("--parts", default="hook,worker")
     args = ap.parse_args()
     counts = [int(x) for x in args.requests.split(",")]
-    cfg = CopyBenchConfig(device=args.device, layers=args.layers, block_kib=args.block_kib)
+    cuda = args.device.startswith("cuda")
+    layers = args.layers or (32 if cuda else 8)
+    block_kib = args.block_kib or (128 if cuda else 64)
+    cfg = CopyBenchConfig(device=args.device, layers=layers, block_kib=block_kib)
     parts = args.parts.split(",")
-    block = args.layers * args.block_kib
+    block = layers * block_kib
     print(f"# {args.device}, {BLOCKS} blocks of {block} KiB per request, median of {args.reps} steps")
     if "hook" in parts:
         for name in args.transports.split(","):
             print(f"== {name}: one step, from the first after_forward call to the sender's flush")
             rows = hook_part(cfg, name, counts, args.reps)
-            for how, n, seconds, _ in rows:
+            for how, n, seconds, (writes, posts) in rows:
                 print(
                     f"{name:10} {how:12} {n:3} requests: {seconds * 1e3:8.3f} ms/step {seconds / n * 1e6:9.1f} us/write"
+                    f"  ({writes} writes, {posts} posts)"
                 )
             for n in counts:
                 one = next(s for h, m, s, _ in rows if m == n and h == "batched")
@@ -167,8 +207,11 @@ def main() -> None:
                 print(f"{name:10} {n:3} requests: batched / per request = {one / each:.2f}")
     if "worker" in parts:
         print("== prefill worker after_forward, in-process transport (the engine thread's time)")
-        for n, seconds in worker_part(cfg, counts, args.reps):
-            print(f"worker     {n:3} requests: {seconds * 1e3:8.3f} ms/step {seconds / n * 1e6:9.1f} us/request")
+        for n, seconds, (writes, posts) in worker_part(cfg, counts, args.reps):
+            print(
+                f"worker     {n:3} requests: {seconds * 1e3:8.3f} ms/step {seconds / n * 1e6:9.1f} us/request"
+                f"  ({writes} writes, {posts} posts)"
+            )
 
 
 if __name__ == "__main__":
