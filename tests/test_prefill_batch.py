@@ -87,7 +87,13 @@ class Rig:
 def rig() -> Iterator[Any]:
     made: list[Rig] = []
 
-    def make(addresses: tuple[str, ...] = ("p0",), requests: int = 32, layer_groups: int = 1, **options: Any) -> Rig:
+    def make(
+        addresses: tuple[str, ...] = ("p0",),
+        requests: int = 32,
+        layer_groups: int = 1,
+        device: str = "cpu",
+        **options: Any,
+    ) -> Rig:
         from kvferry.hook import TransferHook
         from kvferry.layout import PagedKV
         from kvferry.receiver import KVReceiver
@@ -100,13 +106,13 @@ def rig() -> Iterator[Any]:
         config = ConnectorConfig(layer_groups=layer_groups)
         common = WorkerCommon(config, block_size=TPB, num_blocks=blocks, authkey=b"k" * 32)
         layers = layer_groups  # one layer per group
-        common.pool = PagedKV(tuple(torch.randn(blocks, 2, TPB, 8) for _ in range(layers)), TPB)
+        common.pool = PagedKV(tuple(torch.randn(blocks, 2, TPB, 8, device=device) for _ in range(layers)), TPB)
         common.layer_of = {f"layers.{i}": i for i in range(layers)}
         worker = PrefillWorker(common)
         r = Rig(worker, {}, {}, {})
         for address in addresses:
             receiver = KVReceiver(
-                PagedKV(tuple(torch.full((blocks, 2, TPB, 8), float("nan")) for _ in range(layers)), TPB)
+                PagedKV(tuple(torch.full((blocks, 2, TPB, 8), float("nan"), device=device) for _ in range(layers)), TPB)
             )
             transport = _counting(receiver)
             # progress=False: every write is handed over on this thread, so the counts are
@@ -136,13 +142,15 @@ def _step(r: Rig, sends: list[Any], chunks: list[tuple[str, int, int]]) -> tuple
     return {a: bound[a] - before[a] for a in before}, {a: after[a] - bound[a] for a in before}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("n", [1, 8, 32])
-def test_one_steps_sends_to_one_peer_are_one_write(rig: Any, n: int) -> None:
+def test_one_steps_sends_to_one_peer_are_one_write(rig: Any, n: int, device: str) -> None:
     """N requests added in one step, each with a 2-block cached prefix and its last chunk
     ending in that step, all to one decode server: the early prefixes leave before the
     forward as one write, the chunks after it as one write, and each write's notices as one
-    post (it was N writes and N posts each before). Every block arrives, byte for byte."""
-    r = rig(requests=n)
+    post (it was N writes and N posts each before). Every block arrives, byte for byte (the
+    receiver's pool poisoned first; on CUDA too, the copies queued on the copy stream)."""
+    r = rig(requests=n, device=device)
     sends = [r.send(f"r{i}", "p0", i) for i in range(n)]
     early, chunks = _step(r, sends, [(f"r{i}", REUSED, BLOCKS * TPB) for i in range(n)])
     assert early == {"p0": 1} and chunks == {"p0": 1}

@@ -39,11 +39,13 @@
 # in-process), then benches/probes/checksum_cost.py at Llama-8B geometry (2 MiB blocks): the
 # kernel alone (CUDA events) against the transfer over cuda-ipc and staging at 64 and 1024
 # blocks, checksums off and on; it prints 2*sum/xfer and (on-off)/off per row.
-# smallwrites (about 3 minutes): `bench copy` of copy, staging and cuda-ipc at 8 and 64 blocks,
-# then benches/probes/small_writes.py: one step's chunks of 1, 8 and 32 requests of 8 blocks
-# (4 MiB each) to one receiver over cuda-ipc and staging, as one hook call against one call per
-# request, to the sender's completion signal (median of 15 steps after warm-up); it prints
-# ms/step, us/write and batched / per request per row, then the prefill worker's after_forward.
+# smallwrites (about 3 minutes): the `cuda` test of tests/test_prefill_batch.py (a step's writes
+# to one peer as one write, on CUDA pools), `bench copy` of copy, staging and cuda-ipc at 8 and
+# 64 blocks, then benches/probes/small_writes.py: one step's chunks of 1, 8 and 32 requests of 8
+# blocks (4 MiB each) to one receiver over cuda-ipc, staging (and nixl where it imports), as one
+# hook call against one call per request, to the sender's completion signal (median of 15 steps
+# after warm-up); it prints ms/step, us/write, the writes and posts per step and batched / per
+# request, then the prefill worker's after_forward over in-process CUDA pools.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
 MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath smallwrites"
 set -u
@@ -92,10 +94,13 @@ elif [ "$1" = gpupath ]; then
     timeout 60 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024 \
       --ring-mib 1024 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/gpupath-copy.txt"
 elif [ "$1" = smallwrites ]; then
+  timeout 90 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_prefill_batch.py 2>&1 \
+    | tee "$OUT/smallwrites-tests.txt" | tail -4
   { echo "== copy, staging, cuda-ipc"
     timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 --transport copy,staging,cuda-ipc \
       --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/smallwrites-copy.txt"
-  timeout 300 python3 benches/probes/small_writes.py --device cuda --transports cuda-ipc,staging --requests 1,8,32 \
+  t=cuda-ipc,staging; python3 -c "import nixl" 2>/dev/null && t=$t,nixl
+  timeout 300 python3 benches/probes/small_writes.py --device cuda --transports $t --requests 1,8,32 \
     --reps 15 2>&1 | grep -v '^\[' | tee "$OUT/smallwrites.txt"
 elif [ "$1" = checksum ]; then
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
