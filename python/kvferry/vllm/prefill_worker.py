@@ -30,7 +30,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -510,7 +510,7 @@ class PrefillWorker:
                 self._batched(hook.after_forward, chunks)
 
     def _batched(
-        self, fn: Callable[..., Any], items: list[tuple[_Send, Optional[tuple[int, int]]]], *extra: Any
+        self, fn: Callable[..., Any], items: Sequence[tuple[_Send, Optional[tuple[int, int]]]], *extra: Any
     ) -> None:
         """One hook call ``fn`` for the sends of ``items`` to one peer, each with its chunk
         ``(start, end)`` (None: an early send, which takes none), every KV cache group's
@@ -519,21 +519,21 @@ class PrefillWorker:
         request its sender failed already, a bad chunk) is made again request by request,
         so only the refused ones fail; one whose writes could not all be queued
         (`UnqueuedWriteError`) names the requests that failed, the rest were sent."""
-        items = [(st, bounds) for st, bounds in items if st.error is None]
-        if not items:
+        live = [(st, bounds) for st, bounds in items if st.error is None]
+        if not live:
             return
         try:
-            fn(*self._batch_args(items), *extra)
+            fn(*self._batch_args(live), *extra)
         except UnqueuedWriteError as err:
             failed = set(err.request_ids)
-            for st, _ in items:
+            for st, _ in live:
                 if failed.intersection(self._kv_ids(st)):
                     self._failed(st, err)
         except KvFerryError as err:
-            if len(items) == 1:
-                self._failed(items[0][0], err)
+            if len(live) == 1:
+                self._failed(live[0][0], err)
                 return
-            for st, bounds in items:
+            for st, bounds in live:
                 self._call(st, fn, *self._batch_args([(st, bounds)]), *extra)
 
     def _batch_args(self, items: list[tuple[_Send, Optional[tuple[int, int]]]]) -> tuple[list[int], ...]:
