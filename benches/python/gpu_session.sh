@@ -45,8 +45,15 @@
 # (refused on an 80 GB H100, naming each process's figures; both run on an H200), then
 # without --aware (runs on an H100): per process, the allocator's max_allocated and
 # max_reserved at the end beside the check's estimate.
+# smallwrites (about 3 minutes): the `cuda` test of tests/test_prefill_batch.py (a step's writes
+# to one peer as one write, on CUDA pools), `bench copy` of copy, staging and cuda-ipc at 8 and
+# 64 blocks, then benches/probes/small_writes.py: one step's chunks of 1, 8 and 32 requests of 8
+# blocks (4 MiB each) to one receiver over cuda-ipc, staging (and nixl where it imports), as one
+# hook call against one call per request, to the sender's completion signal (median of 15 steps
+# after warm-up); it prints ms/step, us/write, the writes and posts per step and batched / per
+# request, then the prefill worker's after_forward over in-process CUDA pools.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -92,6 +99,15 @@ elif [ "$1" = gpupath ]; then
   { echo "== staging through the connector's 1 GiB ring"
     timeout 60 python3 -m kvferry.cli bench copy --device cuda --reps 5 --transport staging --blocks 64,1024 \
       --ring-mib 1024 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/gpupath-copy.txt"
+elif [ "$1" = smallwrites ]; then
+  timeout 90 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_prefill_batch.py 2>&1 \
+    | tee "$OUT/smallwrites-tests.txt" | tail -4
+  { echo "== copy, staging, cuda-ipc"
+    timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 --transport copy,staging,cuda-ipc \
+      --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee "$OUT/smallwrites-copy.txt"
+  t=cuda-ipc,staging; python3 -c "import nixl" 2>/dev/null && t=$t,nixl
+  timeout 300 python3 benches/probes/small_writes.py --device cuda --transports $t --requests 1,8,32 \
+    --reps 15 2>&1 | grep -v '^\[' | tee "$OUT/smallwrites.txt"
 elif [ "$1" = checksum ]; then
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
     | tee "$OUT/checksum-tests.txt" | tail -10

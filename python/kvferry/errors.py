@@ -16,6 +16,7 @@ __all__ = [
     "TransferError",
     "ChecksumError",
     "TransferTimeoutError",
+    "UnqueuedWriteError",
     "MissingDependencyError",
     "SharedMemoryError",
 ]
@@ -70,6 +71,14 @@ class ChecksumError(TransferError):
 
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its deadline."""
+
+
+class UnqueuedWriteError(TransferError):
+    """A `KVSender` ``send_*`` call claimed its plan in the book but could not queue all of
+    its writes (the sender's backlog full): the requests it names (``request_ids``) failed,
+    and every other request of the call had all its writes queued. Any other error from a
+    ``send_*`` call was raised before anything of the call was claimed, or is the loss of
+    the receiver (which fails every request)."""
 
 
 class SharedMemoryError(KvFerryError, MemoryError):

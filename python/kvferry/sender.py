@@ -45,7 +45,13 @@ from kvferry import affinity
 from kvferry._core import RequestSpec, SlicePlan, TransferBook, TransferLedger
 from kvferry.checksum import WriteChecksums, checksum_option
 from kvferry.engine import CopyEngine, Pending, engine_for
-from kvferry.errors import InvalidArgumentError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import (
+    InvalidArgumentError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+    UnqueuedWriteError,
+)
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.tiers import Signal, Source, TierOrdering, check_signal, source_ids, tiered_source
@@ -194,7 +200,14 @@ class KVSender:
     ``_wire`` serialises every call into the transport (a socket is not shared between two
     threads' reads) and is only ever *tried* by the executor's thread, which leaves the
     write to the backlog (or skips the receiver check) when the announcer holds it. With
-    ``progress=False`` there is no announcer: the executor's own calls do that I/O."""
+    ``progress=False`` there is no announcer: the executor's own calls do that I/O.
+
+    One ``send_*`` call is one plan, whatever its number of requests: it goes to the transport
+    as one write (or as few as `Transport.write_blocks` allows), whose notices are posted
+    together, so an engine step's small sends cost one submission when made in one call. A
+    call is refused whole before anything is claimed (an unknown, failed or cancelled request,
+    a bad chunk), or, once claimed, raises `UnqueuedWriteError` naming the requests whose
+    writes could not be queued (the rest were)."""
 
     def __init__(
         self,
@@ -657,7 +670,8 @@ class KVSender:
                 raise
             # Claimed in the book but never queued: those requests cannot complete any more.
             ids = sorted({n.request_id for n in piece} | {r for r, _, _ in slices[at:]})
-            failed = type(err)(
+            # Its own type: a caller that sent a batch knows the rest of it was queued.
+            failed = UnqueuedWriteError(
                 f"{err}; requests {ids} failed (claimed, never written)", request_ids=ids, peer=self._peer_name()
             )
             raise self._fail(ids, failed) from err

@@ -30,12 +30,18 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from kvferry import affinity
-from kvferry.errors import KvFerryError, TransferError, TransferTimeoutError, UnknownRequestError
+from kvferry.errors import (
+    KvFerryError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+    UnqueuedWriteError,
+)
 from kvferry.groups import add_groups
 from kvferry.hook import TransferHook
 from kvferry.layout import PagedKV
@@ -92,6 +98,19 @@ class _Send:
 
 
 @dataclass
+class _Owed:
+    """The hook calls one peer is owed since the last flush (`PrefillWorker._flush`), in
+    the order they leave: every early send, then the queued chunks round by round (a
+    request's k-th chunk in round k, so its chunks stay in order). Each is one call for all
+    its requests, so one write (and one notice batch) per peer per step, not one per request."""
+
+    peer: _Peer
+    early: list[_Send] = field(default_factory=list)
+    rounds: list[list[tuple[_Send, tuple[int, int]]]] = field(default_factory=list)
+    placed: dict[int, int] = field(default_factory=dict)  # chunks of each send (by id) in ``rounds``
+
+
+@dataclass
 class _Parked:
     """A late prompt copied into the host pool (kvferry.vllm.park): vLLM frees its blocks
     once the copy completed (``reported``); its host blocks go back once its late send ended
@@ -136,6 +155,8 @@ class PrefillWorker:
         self._park_view: Optional[PagedKV] = None
         self._parked: dict[str, _Parked] = {}
         self._stream: Any = None  # the parking copies' CUDA stream (`_side_stream`)
+        # The sends this call issued, by peer (id), made at its end (`_flush`): empty between calls.
+        self._owed: dict[int, _Owed] = {}
 
     @property
     def pool(self) -> Any:
@@ -190,6 +211,7 @@ class PrefillWorker:
                     st.forward_done = time.monotonic()
                 if st.added:
                     self._issue(st)  # the early send (or a late send) leaves here, before the forward
+        self._flush()
 
     def save_layer(self, layer_name: str) -> None:
         if self.config.layer_groups == 1 or not self._chunks:
@@ -197,11 +219,13 @@ class PrefillWorker:
         layer = self.common.layer_of.get(layer_name)
         if layer is None:
             return
+        owed: dict[int, tuple[_Peer, list[tuple[_Send, tuple[int, int]]]]] = {}
         for c in self._chunks:
             for st in self._legs(c.req_id):
                 if c.end == st.spec.prompt_len and st.added and st.peer is not None:
-                    kvs = self._kv_ids(st)
-                    self._call(st, st.peer.hook.after_layer, kvs, [c.start] * len(kvs), [c.end] * len(kvs), layer)
+                    owed.setdefault(id(st.peer), (st.peer, []))[1].append((st, (c.start, c.end)))
+        for peer, items in owed.values():  # one call per peer: one write of this layer group
+            self._batched(peer.hook.after_layer, items, layer)
 
     def after_forward(self) -> None:
         for c in self._chunks:
@@ -218,6 +242,7 @@ class PrefillWorker:
                     st.forward_done = time.monotonic()
         self._chunks = []
         self._adopt()
+        self._flush()
         self._poll_peers()
 
     def results(self, finished_req_ids: set[str]) -> set[str]:
@@ -233,6 +258,7 @@ class PrefillWorker:
             if rid in self._bare:
                 self._bare[rid] = True
         self._adopt()
+        self._flush()
         self._poll_peers()
         finishing = [st for st in self._send.values() if st.finishing]
         if finishing:
@@ -424,10 +450,12 @@ class PrefillWorker:
         self._issue(st)
 
     def _issue(self, st: _Send) -> None:
-        """The one place that sends a request's blocks: its block table so far, then the
+        """The one place that decides a request's sends: its block table so far, then the
         early send (once, before the first forward it is issued for; a send that waited
         for its connection issues it late, still before the chunks), then each chunk whose
-        forward ran, in order. None of it waits (`KVSender`)."""
+        forward ran, in order. The sends are owed to its peer and made, with the other
+        requests' to the same peer, when the engine's call ends (`_flush`). None of it
+        waits (`KVSender`)."""
         peer = st.peer
         assert peer is not None and st.added
         kvs = self._kv_ids(st)
@@ -441,6 +469,9 @@ class PrefillWorker:
             # Its late send reads the host copy the side stream is still writing.
             parked.ordered.add(id(peer))
             self._call(st, peer.sender.order_after, [b for table in st.src_blocks for b in table], parked.copied)
+        owed = self._owed.get(id(peer))
+        if owed is None:
+            owed = self._owed[id(peer)] = _Owed(peer)
         if st.src_blocks is not None:
             for kv, table in zip(kvs, st.src_blocks):
                 self._call(st, peer.hook.update_src_blocks, kv, table[: st.blocks])
@@ -449,18 +480,75 @@ class PrefillWorker:
                 reused_blocks = st.spec.reused_len // self.block_size
                 if st.spec.early:
                     self.trace.event("prefill", "early_issued", st.spec.transfer, st.spec.req_id, blocks=reused_blocks)
-                    self._call(st, peer.hook.before_forward, kvs)
+                    owed.early.append(st)
                 else:  # the forward writes some of the hit: the first chunk sends it all after
                     self.trace.event(
                         "prefill", "early_deferred", st.spec.transfer, st.spec.req_id, blocks=reused_blocks
                     )
                     self.tally.add("early_deferred", 1)
+        k = owed.placed.get(id(st), 0)
         for start, end in st.queued:
             if end == st.spec.prompt_len and st.src_blocks is not None:
                 # The last chunk sends every group's live blocks: none may be vLLM's null block.
                 self._call(st, self.common.groups.check_live, st.src_blocks, st.spec.prompt_len, "the prefill request")
-            self._call(st, peer.hook.after_forward, kvs, [start] * len(kvs), [end] * len(kvs))
+            if k == len(owed.rounds):
+                owed.rounds.append([])
+            owed.rounds[k].append((st, (start, end)))
+            k += 1
+        owed.placed[id(st)] = k
         st.queued = []
+
+    def _flush(self) -> None:
+        """Makes the sends owed to each peer (`_Owed`): its early sends in one hook call, then
+        each round of chunks in one, so a step's small writes to a peer leave as one
+        submission. Called at the end of every engine call that issues sends."""
+        owed, self._owed = self._owed, {}
+        for batch in owed.values():
+            hook = batch.peer.hook
+            self._batched(hook.before_forward, [(st, None) for st in batch.early])
+            for chunks in batch.rounds:
+                self._batched(hook.after_forward, chunks)
+
+    def _batched(
+        self, fn: Callable[..., Any], items: Sequence[tuple[_Send, Optional[tuple[int, int]]]], *extra: Any
+    ) -> None:
+        """One hook call ``fn`` for the sends of ``items`` to one peer, each with its chunk
+        ``(start, end)`` (None: an early send, which takes none), every KV cache group's
+        kvferry request of each; ``extra`` follows (a layer). A failure fails only the sends
+        it concerns (as `_call` does for one): a call refused before anything was claimed (a
+        request its sender failed already, a bad chunk) is made again request by request,
+        so only the refused ones fail; one whose writes could not all be queued
+        (`UnqueuedWriteError`) names the requests that failed, the rest were sent."""
+        live = [(st, bounds) for st, bounds in items if st.error is None]
+        if not live:
+            return
+        try:
+            fn(*self._batch_args(live), *extra)
+        except UnqueuedWriteError as err:
+            failed = set(err.request_ids)
+            for st, _ in live:
+                if failed.intersection(self._kv_ids(st)):
+                    self._failed(st, err)
+        except KvFerryError as err:
+            if len(live) == 1:
+                self._failed(live[0][0], err)
+                return
+            for st, bounds in live:
+                self._call(st, fn, *self._batch_args([(st, bounds)]), *extra)
+
+    def _batch_args(self, items: list[tuple[_Send, Optional[tuple[int, int]]]]) -> tuple[list[int], ...]:
+        """A hook call's request ids (every group's of each send), with the chunk bounds of
+        each when the sends have chunks."""
+        kvs: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        for st, bounds in items:
+            ids = self._kv_ids(st)
+            kvs += ids
+            if bounds is not None:
+                starts += [bounds[0]] * len(ids)
+                ends += [bounds[1]] * len(ids)
+        return (kvs,) if items[0][1] is None else (kvs, starts, ends)
 
     def _give_up(self, st: _Send, reason: str) -> None:
         """Fails a send before its worker wrote anything and tells the decode server (from
@@ -583,8 +671,11 @@ class PrefillWorker:
         try:
             fn(*args)
         except KvFerryError as err:
-            st.error = str(err)
-            logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
+            self._failed(st, err)
+
+    def _failed(self, st: _Send, err: KvFerryError) -> None:
+        st.error = str(err)
+        logger.error("kvferry: prefill request %s (transfer %s) failed: %s", st.spec.req_id, st.spec.transfer, err)
 
     def _kv_ids(self, st: _Send) -> list[int]:
         return self.common.groups.kv_ids(st.kv_id)
