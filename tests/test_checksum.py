@@ -288,13 +288,17 @@ def test_without_checksums_the_flip_goes_unseen(receiving: Any, monkeypatch: pyt
     assert hit and receiver.checksum_failures == 0 and receiver.checksummed_blocks == 0
 
 
+# cuda-ipc is not among them: a process cannot open its own CUDA IPC handles (on an H100,
+# 2026-12-07: "invalid device context"), and the byte flipped here is flipped in this
+# process's receiver.
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["cuda-ipc", "staging", "in-process"])
+@pytest.mark.parametrize("name", ["staging", "in-process"])
 def test_cuda_a_byte_flipped_in_flight_fails_its_request_naming_the_block(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CUDA pools on both sides: the sender sums on its copy stream (the Triton kernel),
     the receiver where the blocks landed."""
+    monkeypatch.setitem(checksum.CHECKSUM_DEFAULT, "cuda", True)  # on both sides and the endpoint's
     dst = POOLS.nan("cuda")
     src = POOLS.random(0, "cuda")
     if name == "in-process":

@@ -50,11 +50,12 @@ __all__ = [
 ]
 
 # Whether senders and receivers sum blocks when not told, by the pool's device type: on where
-# they cost under 2% of the transfer they guard. On CPU they cost the order of the copy itself
-# (docs/benchmarks.md, "Checksums"): off, `checksum=True` asks for them. On CUDA one more read
-# of the written blocks on each side (benches/python/gpu_session.sh's ``checksum`` mode
-# measures it against the transfer). A device type not named: off.
-CHECKSUM_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": True}
+# they cost under 2% of the transfer they guard, which they do nowhere measured
+# (docs/benchmarks.md, "Checksums"). On CPU they cost the order of the copy itself. On CUDA (one
+# H100, Llama-8B geometry) both sides' sums came to 49-68% of a cuda-ipc transfer and 2.4-3.5%
+# of a staging one, and turning them on made those transfers 100-207% and 7-17% slower:
+# off, `checksum=True` asks for them. A device type not named: off.
+CHECKSUM_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 
 WORD_BYTES = 8
 KEY = 0x9E3779B97F4A7C15
