@@ -514,9 +514,7 @@ class SchedulerSide:
             )
         )
         self._receiving[rid] = params.transfer
-        self._claimed[params.transfer] = None
-        while len(self._claimed) > MAX_OUTCOMES:
-            self._claimed.popitem(last=False)
+        _remember(self._claimed, params.transfer)
         if params.router:  # tell the prefill server where to send (its lookup waits for the publish)
             assert self.handshake is not None and params.offer_to is not None and params.offer_mac is not None
             router.offer_async(
@@ -832,10 +830,7 @@ class SchedulerSide:
         """Transfers the prefill side gave up before any decode request here published them
         (the decode workers' report)."""
         for transfer in transfers:
-            self._given_up[transfer] = None
-            self._given_up.move_to_end(transfer)
-        while len(self._given_up) > MAX_OUTCOMES:
-            self._given_up.popitem(last=False)
+            _remember(self._given_up, transfer)
 
     def record(self, outcomes: list[Outcome]) -> None:
         """Remembers how transfers ended here (the newest ``MAX_OUTCOMES``). A failure is not
@@ -879,6 +874,14 @@ class SchedulerSide:
 
     def has_pending(self) -> bool:
         return bool(self._lookups or self._computing or self._late or self._parked)
+
+
+def _remember(recent: OrderedDict[str, None], transfer: str) -> None:
+    """Adds ``transfer`` to ``recent`` as its newest, keeping the newest `MAX_OUTCOMES`."""
+    recent[transfer] = None
+    recent.move_to_end(transfer)
+    while len(recent) > MAX_OUTCOMES:
+        recent.popitem(last=False)
 
 
 def _parse(raw: Any, rid: str) -> Optional[RequestParams]:
