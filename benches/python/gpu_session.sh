@@ -52,8 +52,14 @@
 # hook call against one call per request, to the sender's completion signal (median of 15 steps
 # after warm-up); it prints ms/step, us/write, the writes and posts per step and batched / per
 # request, then the prefill worker's after_forward over in-process CUDA pools.
+# stages (about 3 minutes): where a lone small write's fixed cost goes
+# (benches/probes/write_stages.py: one request of 1, 8 and 64 blocks of 4 MiB over cuda-ipc and
+# staging to a receiver process, each stage's time from the send call, median of 25 writes;
+# then cProfile of the send calls at 8 blocks), then what the reference model's forward holds
+# at its allocator peak (benches/probes/forward_peak.py) and the `cuda` tests of
+# test_bench_agentic_memory.py.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -108,6 +114,16 @@ elif [ "$1" = smallwrites ]; then
   t=cuda-ipc,staging; python3 -c "import nixl" 2>/dev/null && t=$t,nixl
   timeout 300 python3 benches/probes/small_writes.py --device cuda --transports $t --requests 1,8,32 \
     --reps 15 2>&1 | grep -v '^\[' | tee "$OUT/smallwrites.txt"
+elif [ "$1" = stages ]; then
+  for t in cuda-ipc staging; do
+    timeout 100 python3 benches/probes/write_stages.py --device cuda --transport $t --blocks 1,8,64 --reps 25 2>&1 \
+      | grep -v '^\[' | tee -a "$OUT/stages.txt"
+  done
+  timeout 60 python3 benches/probes/write_stages.py --device cuda --transport cuda-ipc --blocks 8 --reps 25 --profile \
+    2>&1 | grep -v '^\[' | tee -a "$OUT/stages-profile.txt" | head -30
+  timeout 90 python3 benches/probes/forward_peak.py 2>&1 | tee "$OUT/forward-peak.txt"
+  timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_bench_agentic_memory.py 2>&1 \
+    | tee "$OUT/memory-tests.txt" | tail -6
 elif [ "$1" = checksum ]; then
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
     | tee "$OUT/checksum-tests.txt" | tail -10

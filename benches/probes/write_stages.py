@@ -1,0 +1,192 @@
+"""Where a lone small write's fixed cost goes: one request of ``--blocks`` blocks sent by a
+`KVSender` to a receiver in another process, each stage's time on CLOCK_MONOTONIC (shared by
+the processes of one host), median over ``--reps`` writes after warm-up.
+
+Stages, from the sender's ``send_chunks`` call:
+- ``submit``: ``send_chunks`` returned (the plan, the copy queued or launched);
+- ``copied``: the copy ended (the copy engine's own record: a CUDA event, the CPU worker);
+- ``woken``: the code told of the copy's end ran (`Pending.when_done`'s callback);
+- ``posting``/``posted``: the transport's ``post`` began and returned (the notices sent);
+- ``read``: the receiver's endpoint began handling the frame (it was read and decoded);
+- ``delivered``: the receiver's last ``deliver`` for the request returned;
+- ``waited``: the receiver's ``wait`` for the request returned (what a decode step sees).
+
+    PYTHONPATH=python python benches/probes/write_stages.py --device cpu --transport shm
+    PYTHONPATH=python python benches/probes/write_stages.py --device cuda --transport cuda-ipc,staging
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import secrets
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+STAGES = ("submit", "copied", "woken", "posting", "posted", "read", "delivered", "waited")
+
+
+def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: int, block_kib: int, device: str) -> None:
+    import torch
+
+    from kvferry.receiver import KVReceiver
+    from kvferry.transports import registry
+    from kvferry.transports.control import LocalEndpoint
+
+    read: dict[int, float] = {}
+    delivered: dict[int, float] = {}
+    dispatch, deliver = LocalEndpoint.dispatch, KVReceiver.deliver
+
+    def timed_dispatch(self: Any, peer: Any, frame: Any) -> None:
+        at = time.monotonic()
+        for notice in getattr(frame, "notices", ()) or ():
+            read.setdefault(notice.request_id, at)
+        dispatch(self, peer, frame)
+
+    def timed_deliver(self: Any, notice: Any, *args: Any, **kwargs: Any) -> Any:
+        out = deliver(self, notice, *args, **kwargs)
+        delivered[notice.request_id] = time.monotonic()
+        return out
+
+    LocalEndpoint.dispatch = timed_dispatch  # type: ignore[method-assign]
+    KVReceiver.deliver = timed_deliver  # type: ignore[method-assign]
+    pool = registry.receiver_pool(
+        kind, num_layers=layers, shape=(blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device
+    )
+    receiver = KVReceiver(pool.pool)
+    served = registry.serve(kind, receiver, authkey=authkey, **pool.serve_options)
+    conn.send(served.url)
+    while True:
+        op, rid = conn.recv()
+        if op == "stop":
+            break
+        if op == "expect":
+            receiver.expect(rid, blocks * 16)
+            conn.send("ok")
+            continue
+        receiver.wait(rid, timeout=60)
+        waited = time.monotonic()
+        receiver.release(rid)
+        # The frame's read time where the transport's frames carry notices (else the delivery).
+        conn.send((read.get(rid, delivered[rid]), delivered[rid], waited))
+    served.close()
+    pool.close()
+
+
+def measure(
+    kind: str, device: str, layers: int, blocks: int, block_kib: int, reps: int, profile: bool = False
+) -> dict[str, float]:
+    """Median microseconds from the ``send_chunks`` call to each stage (`STAGES`); with
+    ``profile``, prints the sender thread's ``send_chunks`` calls' top functions (cProfile)."""
+    import cProfile
+    import pstats
+
+    from kvferry.bench.copy import CopyBenchConfig, make_pool
+    from kvferry.sender import KVSender
+    from kvferry.transports import registry
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    authkey = secrets.token_bytes(32)
+    proc = ctx.Process(
+        target=_receiver_main, args=(child, kind, authkey, layers, blocks, block_kib, device), daemon=True
+    )
+    proc.start()
+    url = parent.recv()
+    cfg = CopyBenchConfig(device=device, transports=(kind,), blocks=(blocks,), layers=layers, block_kib=block_kib)
+    src = make_pool(cfg, blocks, fill=True)
+    tx = registry.connect(url, authkey=authkey, src=src)
+    marks: dict[str, float] = {}
+    write, post = tx.write, tx.post
+
+    def timed_write(engine: Any, job: Any) -> Any:
+        pending = write(engine, job)
+        when_done = pending.when_done
+
+        def told(callback: Any) -> bool:
+            def wrapped() -> None:
+                marks.setdefault("woken", time.monotonic())
+                callback()
+
+            return bool(when_done(wrapped))
+
+        pending.when_done = told
+        marks["pending"] = pending
+        return pending
+
+    def timed_post(*args: Any, **kwargs: Any) -> None:
+        marks.setdefault("posting", time.monotonic())
+        post(*args, **kwargs)
+        marks.setdefault("posted", time.monotonic())
+
+    tx.write, tx.post = timed_write, timed_post
+    sender = KVSender(src, tx)
+    ids = np.arange(blocks)[None, :]
+    rows: list[dict[str, float]] = []
+    profiler = cProfile.Profile() if profile else None
+    try:
+        for rid in range(1, reps + 4):
+            sender.add(rid, blocks * 16)
+            parent.send(("expect", rid))
+            parent.recv()
+            marks.clear()
+            if device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            if profiler is not None and rid > 3:
+                profiler.enable()
+            t0 = time.monotonic()
+            sender.send_chunks([rid], [0], [blocks * 16], ids, ids)
+            submitted = time.monotonic()
+            if profiler is not None:
+                profiler.disable()
+            parent.send(("wait", rid))
+            read, delivered, waited = parent.recv()
+            sender.flush(60)
+            sender.remove(rid)
+            interval = marks["pending"].interval()  # type: ignore[union-attr]
+            stamps = {
+                "submit": submitted,
+                "copied": interval[1] if interval else float("nan"),
+                "woken": marks.get("woken", float("nan")),
+                "posting": marks["posting"],
+                "posted": marks["posted"],
+                "read": read,
+                "delivered": delivered,
+                "waited": waited,
+            }
+            if rid > 3:  # three warm-up writes
+                rows.append({k: (v - t0) * 1e6 for k, v in stamps.items()})
+    finally:
+        sender.close()
+        parent.send(("stop", 0))
+        proc.join(30)
+    if profiler is not None:
+        print(f"== {kind}, {blocks} blocks: send_chunks, {len(rows)} calls")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    return {stage: statistics.median(r[stage] for r in rows) for stage in STAGES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--transport", default="shm", help="comma-separated transports with an endpoint")
+    ap.add_argument("--blocks", default="1,8,64", help="comma-separated blocks per write")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--block-kib", type=int, default=128, help="KiB per block and layer")
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--profile", action="store_true", help="cProfile the send_chunks calls")
+    args = ap.parse_args()
+    print(f"{'transport':>10} {'blocks':>6} " + " ".join(f"{s:>9}" for s in STAGES) + "   (us from send_chunks)")
+    for kind in args.transport.split(","):
+        for blocks in map(int, args.blocks.split(",")):
+            med = measure(kind, args.device, args.layers, blocks, args.block_kib, args.reps, args.profile)
+            print(f"{kind:>10} {blocks:>6} " + " ".join(f"{med[s]:9.0f}" for s in STAGES), flush=True)
+
+
+if __name__ == "__main__":
+    main()
