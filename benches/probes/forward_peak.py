@@ -13,7 +13,6 @@ import argparse
 from typing import Any
 
 import torch
-
 from kvferry.geometry import Geometry
 from kvferry.refengine.model import ModelConfig, TinyLlama, forward_peak_bytes, new_kv_pool
 
