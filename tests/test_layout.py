@@ -99,3 +99,22 @@ def test_block_ids_are_checked_against_each_pool() -> None:
         with pytest.raises(error) as exc:
             checked_pairs(p, p, bad, [0])
         assert needle in str(exc.value)
+
+
+def _layer_at(offset: int, blocks: int, segment: int) -> torch.Tensor:
+    """A ``(blocks, segment)`` byte layer whose first byte is ``offset`` bytes past a page."""
+    raw = torch.empty(blocks * segment + 2 * 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096 + offset
+    return raw[start : start + blocks * segment].view(blocks, segment)
+
+
+@pytest.mark.parametrize(
+    ("offset", "segment", "want"),
+    [(0, 64, 64), (4, 64, 4), (8, 64, 8), (0, 48, 16), (0, 6, 2)],
+    ids=["aligned", "base-off-by-4", "base-off-by-8", "48-byte-segments", "6-byte-segments"],
+)
+def test_alignment_is_the_widest_word_every_address_and_stride_allows(offset: int, segment: int, want: int) -> None:
+    """A pool's alignment is the widest power of two dividing every layer's base address,
+    its segment bytes and its strides (the copy kernel's fast path asks it on each launch)."""
+    pool = PagedKV((_layer_at(0, 4, segment), _layer_at(offset, 4, segment)), tokens_per_block=1)
+    assert pool.alignment == want

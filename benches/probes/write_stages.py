@@ -31,7 +31,6 @@ STAGES = ("submit", "copied", "woken", "posting", "posted", "read", "delivered",
 
 def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: int, block_kib: int, device: str) -> None:
     import torch
-
     from kvferry.receiver import KVReceiver
     from kvferry.transports import registry
     from kvferry.transports.control import LocalEndpoint
@@ -54,7 +53,12 @@ def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: in
     LocalEndpoint.dispatch = timed_dispatch  # type: ignore[method-assign]
     KVReceiver.deliver = timed_deliver  # type: ignore[method-assign]
     pool = registry.receiver_pool(
-        kind, num_layers=layers, shape=(blocks, block_kib * 256), dtype=torch.float32, tokens_per_block=16, device=device
+        kind,
+        num_layers=layers,
+        shape=(blocks, block_kib * 256),
+        dtype=torch.float32,
+        tokens_per_block=16,
+        device=device,
     )
     receiver = KVReceiver(pool.pool)
     served = registry.serve(kind, receiver, authkey=authkey, **pool.serve_options)

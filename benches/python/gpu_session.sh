@@ -52,12 +52,13 @@
 # hook call against one call per request, to the sender's completion signal (median of 15 steps
 # after warm-up); it prints ms/step, us/write, the writes and posts per step and batched / per
 # request, then the prefill worker's after_forward over in-process CUDA pools.
-# stages (about 3 minutes): where a lone small write's fixed cost goes
+# stages (about 3 minutes, 5 with BASE): where a lone small write's fixed cost goes
 # (benches/probes/write_stages.py: one request of 1, 8 and 64 blocks of 4 MiB over cuda-ipc and
 # staging to a receiver process, each stage's time from the send call, median of 25 writes;
-# then cProfile of the send calls at 8 blocks), then what the reference model's forward holds
-# at its allocator peak (benches/probes/forward_peak.py) and the `cuda` tests of
-# test_bench_agentic_memory.py.
+# `bench copy` of copy, staging and cuda-ipc at 8 and 64 blocks; with BASE=DIR both first for
+# that tree's python/, then for this one; then cProfile of the send calls at 8 blocks), then
+# what the reference model's forward holds at its allocator peak (benches/probes/forward_peak.py)
+# and the `cuda` tests of test_bench_agentic_memory.py.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
 MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages"
 set -u
@@ -115,9 +116,16 @@ elif [ "$1" = smallwrites ]; then
   timeout 300 python3 benches/probes/small_writes.py --device cuda --transports $t --requests 1,8,32 \
     --reps 15 2>&1 | grep -v '^\[' | tee "$OUT/smallwrites.txt"
 elif [ "$1" = stages ]; then
-  for t in cuda-ipc staging; do
-    timeout 100 python3 benches/probes/write_stages.py --device cuda --transport $t --blocks 1,8,64 --reps 25 2>&1 \
-      | grep -v '^\[' | tee -a "$OUT/stages.txt"
+  # BASE=DIR (a tree of an earlier commit's python/, with the extension in it): its rows first,
+  # then this tree's, taking turns in the same call, so the ratio is measured on one machine.
+  for tree in ${BASE:+"$BASE"} python; do
+    for t in cuda-ipc staging; do
+      { echo "== $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py --device cuda --transport $t \
+          --blocks 1,8,64 --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/stages.txt"
+    done
+    { echo "== $tree: copy, staging, cuda-ipc"
+      PYTHONPATH=$tree timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 \
+        --transport copy,staging,cuda-ipc --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/stages-copy.txt"
   done
   timeout 60 python3 benches/probes/write_stages.py --device cuda --transport cuda-ipc --blocks 8 --reps 25 --profile \
     2>&1 | grep -v '^\[' | tee -a "$OUT/stages-profile.txt" | head -30

@@ -103,9 +103,7 @@ def _copy_kernel(
 
 def supports(src: PagedKV, dst: PagedKV) -> bool:
     """The kernel needs 16-byte aligned segments, strides and layer bases."""
-    if any(n % ALIGN for p in (src, dst) for n in (p.segment_bytes, p.segment_stride, p.block_stride)):
-        return False
-    return all(t.data_ptr() % ALIGN == 0 for t in (*src.layers, *dst.layers))
+    return src.alignment >= ALIGN and dst.alignment >= ALIGN
 
 
 def warm_up(pool: PagedKV) -> None:

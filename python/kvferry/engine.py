@@ -405,9 +405,9 @@ class CudaCopyEngine(CopyEngine):
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)  # `_EventWaiter` sleeps on it
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            started.record()
+            started.record(self.stream)
             work()
-            done.record()
+            done.record(self.stream)
         return _EventPending(done, started, self._clock, self._waiter)
 
     def _launch_deferred(self) -> None:

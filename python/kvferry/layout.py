@@ -118,6 +118,10 @@ def _block_strides(t: torch.Tensor, block_dim: int) -> tuple[int, int] | str:
     return seg_stride, block_stride
 
 
+# The widest alignment `PagedKV.alignment` reports (a page: nothing copies wider words).
+MAX_ALIGNMENT = 4096
+
+
 @dataclass(frozen=True, eq=False)
 class PagedKV:
     """A paged KV pool: ``layers[i]`` has shape ``(*outer, num_blocks, *inner)`` with the block
@@ -239,6 +243,17 @@ class PagedKV:
         only arrangement a remote writer that knows only the geometry can address."""
         seg, block = self._strides
         return block == self.segment_bytes and (self.segments == 1 or seg == self.num_blocks * self.segment_bytes)
+
+    @functools.cached_property
+    def alignment(self) -> int:
+        """The largest power of two, up to `MAX_ALIGNMENT`, that divides every layer's base
+        address and the pool's segment bytes and strides: the widest word a copy of whole
+        segments may move. Worked out once per pool (a copy kernel asks on every launch)."""
+        value = MAX_ALIGNMENT
+        for n in (self.segment_bytes, *self._strides, *(t.data_ptr() for t in self.layers)):
+            while n % value:
+                value //= 2
+        return value
 
     @functools.cached_property
     def _geometry(self) -> dict[str, object]:
