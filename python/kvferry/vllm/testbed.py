@@ -348,6 +348,40 @@ class EngineSettings:
         return out
 
 
+# vLLM's tensor-parallel workers read each step from a shared-memory queue and, for a second
+# after every read, wait for the next one by spinning on sched_yield (shm_broadcast's
+# SpinCondition). An engine steps on while a transfer waits, so its workers spin all the time;
+# on a 2-core machine with a second server beside them, that starved every other process of
+# the machine: a shell loop printing the time each second went 54 to 182 s without running,
+# vmstat's 2 s samples came 9 to 53 s apart with 54 to 68 threads runnable, and kvferry's
+# handshakes (which wait 120 s for a connected peer) timed out on both servers. The servers a
+# test starts with tensor parallelism therefore wait on the queue's notification socket from
+# the first idle moment (busy_loop_s 0): the same queue, the same messages, no spinning.
+# Every process of the server (API server, engine core, workers) imports this module at
+# start-up, before vLLM is imported.
+_QUIET_WORKERS = """\
+try:
+    from vllm.distributed.device_communicators import shm_broadcast as _queue
+except ImportError:
+    pass
+else:
+    _made = _queue.SpinCondition.__init__
+
+    def _no_spin(self, is_reader, context, notify_address, busy_loop_s=1):
+        _made(self, is_reader, context, notify_address, busy_loop_s=0)
+
+    _queue.SpinCondition.__init__ = _no_spin
+"""
+
+
+def _quiet_workers_site(where: Path) -> Path:
+    """A directory whose ``sitecustomize`` makes vLLM's TP workers wait without spinning
+    (`_QUIET_WORKERS`), for a server's PYTHONPATH."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "sitecustomize.py").write_text(_QUIET_WORKERS)
+    return where
+
+
 def nixl_config(role: str, lease_s: int = 600, connector: str = "NixlConnector") -> dict[str, Any]:
     """vLLM's own NIXL connectors on CPU: ``NixlConnector`` (pull: the decode server READs) or
     ``NixlPushConnector`` (the prefill server WRITEs; vLLM 0.32), configured alike: host
@@ -530,6 +564,9 @@ def start_server(
         full_env.update(
             VLLM_CPU_OMP_THREADS_BIND="|".join(str(every[r % len(every)]) for r in range(ranks)),
             OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(
+                [str(_quiet_workers_site(workdir / f"{name}-site")), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         )
     if kvferry_log:
         full_env["VLLM_LOGGING_CONFIG_PATH"] = str(_logging_config(workdir / f"{name}-logging.json"))
