@@ -270,7 +270,7 @@ def tp_pair(
 # workers wait for each step by spinning on sched_yield, and an engine steps on while a
 # transfer waits: that starved the whole machine (a shell loop printing the time each second
 # went 54 to 182 s without running), and kvferry's handshakes timed out on both servers
-# (2 of 5 runs of tp2-to-tp1 under vllm-router passed). The testbed now has TP workers wait
+# (2 of 7 runs of tp2-to-tp1 under vllm-router passed). The testbed now has TP workers wait
 # on their queue's notification socket instead (testbed._QUIET_WORKERS): the longest such
 # gap fell to 7 s, and all six cases passed. The two cases the routers need in CI (a prefill
 # of size 2 under a decode of size 1, and the reverse, under vllm-router) always run; the
