@@ -5,13 +5,14 @@ untouched transfer passes."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import re
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import pytest
 import torch
-from helpers import POOLS, SLACK, Pools, run_kernel_check, serve
+from helpers import POOLS, SLACK, Pools, reply_from, run_kernel_check, serve
 from kvferry import _core, checksum
 from kvferry.checksum import block_checksums, reference_checksums
 from kvferry.copy import copy_blocks
@@ -183,10 +184,11 @@ REQUESTS = ((1, 16), (2, 16))  # (request, prompt tokens): 4 blocks each of POOL
 FLIPPED = (2, 2)  # request 2's block 2 is corrupted after it landed
 
 
-def _flip_before_delivery(receiver: KVReceiver, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _flip_before_delivery(receiver: KVReceiver, patch: Callable[[Any, str, Any], None]) -> list[int]:
     """Corrupts one byte of the destination block that `FLIPPED` names, where it landed,
     just before its notice is delivered (what a bad link or a stray write leaves); returns
-    the list the corrupted destination block is recorded in."""
+    the list the corrupted destination block is recorded in. ``patch``: how ``deliver`` is
+    replaced (``monkeypatch.setattr``, or ``setattr`` in a spawned receiver)."""
     real = receiver.deliver
     hit: list[int] = []
 
@@ -201,7 +203,7 @@ def _flip_before_delivery(receiver: KVReceiver, monkeypatch: pytest.MonkeyPatch)
             layer.view(torch.uint8).select(receiver.pool.block_dim, dst).reshape(-1)[5] ^= 0x20
         return real(notice, source, dst_ids=dst_ids)
 
-    monkeypatch.setattr(receiver, "deliver", deliver)
+    patch(receiver, "deliver", deliver)
     return hit
 
 
@@ -248,7 +250,7 @@ def test_a_byte_flipped_in_flight_fails_its_request_naming_the_block(
 ) -> None:
     monkeypatch.setitem(checksum.CHECKSUM_DEFAULT, "cpu", True)  # the default, on both sides and the endpoint's
     receiver, src, transport = receiving(name)
-    hit = _flip_before_delivery(receiver, monkeypatch)
+    hit = _flip_before_delivery(receiver, monkeypatch.setattr)
     epochs = {
         rid: receiver.expect(rid, prompt, dst_blocks=np.arange(4) + 20 + 4 * (rid - 1)) for rid, prompt in REQUESTS
     }
@@ -276,7 +278,7 @@ def test_without_checksums_the_flip_goes_unseen(receiving: Any, monkeypatch: pyt
     """The control: the same flip with a sender that sums nothing is taken (the notice
     carries no sums to compare), so the test above fails without the check."""
     receiver, src, transport = receiving("shm")
-    hit = _flip_before_delivery(receiver, monkeypatch)
+    hit = _flip_before_delivery(receiver, monkeypatch.setattr)
     epochs = {rid: receiver.expect(rid, prompt) for rid, prompt in REQUESTS}
     sender = KVSender(src, transport(), checksum=False)
     try:
@@ -288,9 +290,8 @@ def test_without_checksums_the_flip_goes_unseen(receiving: Any, monkeypatch: pyt
     assert hit and receiver.checksum_failures == 0 and receiver.checksummed_blocks == 0
 
 
-# cuda-ipc is not among them: a process cannot open its own CUDA IPC handles (on an H100,
-# 2026-12-07: "invalid device context"), and the byte flipped here is flipped in this
-# process's receiver.
+# cuda-ipc has a test of its own below: a process cannot open its own CUDA IPC handles (on an
+# H100, 2026-12-07: "invalid device context"), so its receiver runs in a spawned process.
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["staging", "in-process"])
 def test_cuda_a_byte_flipped_in_flight_fails_its_request_naming_the_block(
@@ -309,7 +310,7 @@ def test_cuda_a_byte_flipped_in_flight_fails_its_request_naming_the_block(
         served = serve(name, dst)
         receiver, close = served.receiver, served.close
         transport = connect(f"{name}+{served.endpoint.address}", authkey=served.authkey, src=src)
-    hit = _flip_before_delivery(receiver, monkeypatch)
+    hit = _flip_before_delivery(receiver, monkeypatch.setattr)
     epochs = {rid: receiver.expect(rid, prompt) for rid, prompt in REQUESTS}
     sender = KVSender(src, transport)
     try:
@@ -323,3 +324,68 @@ def test_cuda_a_byte_flipped_in_flight_fails_its_request_naming_the_block(
     cause = raised.value.__cause__
     assert isinstance(cause, ChecksumError) and cause.block == 2 and hit == [26]
     assert receiver.checksum_failures == 1
+
+
+def _flipping_cuda_ipc_receiver(conn: Any) -> None:
+    """A spawned process: a CUDA receiver behind a cuda-ipc endpoint, sums on, whose
+    ``deliver`` flips `FLIPPED`'s byte where it landed. Answers its address, key and the
+    requests' epochs, then what became of request 2 (or the error it met)."""
+    try:
+        checksum.CHECKSUM_DEFAULT["cuda"] = True
+        served = serve("cuda-ipc", POOLS.nan("cuda"))
+        receiver = served.receiver
+        hit = _flip_before_delivery(receiver, setattr)
+        epochs = {rid: receiver.expect(rid, prompt) for rid, prompt in REQUESTS}
+        conn.send((f"cuda-ipc+{served.endpoint.address}", served.authkey, epochs))
+        receiver.wait(1, timeout=SLACK)
+        try:
+            receiver.wait(2, timeout=SLACK)
+            cause: Optional[BaseException] = None
+        except TransferError as err:
+            cause = err.__cause__
+        conn.send(
+            {
+                "cause": type(cause).__name__,
+                "block": getattr(cause, "block", None),
+                "request_ids": getattr(cause, "request_ids", None),
+                "message": str(cause),
+                "hit": hit,
+                "failures": receiver.checksum_failures,
+            }
+        )
+        conn.recv()  # the sender is closed: the endpoint may go
+        served.close()
+    except BaseException as err:  # said to the test, which names it
+        conn.send({"error": repr(err)})
+
+
+@pytest.mark.cuda
+def test_cuda_ipc_a_byte_flipped_in_flight_fails_its_request_naming_the_block() -> None:
+    """CUDA pools in two processes over cuda-ipc (the connector's direct GPU path): the
+    sender sums each block on its copy stream before writing it into the receiver's pool,
+    the receiver (another process) sums where it landed; the flipped block fails its
+    request by name, and the other request lands."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_flipping_cuda_ipc_receiver, args=(child,), daemon=True)
+    proc.start()
+    try:
+        hello = reply_from(parent, proc, "receiver")
+        assert isinstance(hello, tuple), hello
+        address, authkey, epochs = hello
+        src = POOLS.random(0, "cuda")
+        sender = KVSender(src, connect(address, authkey=authkey, src=src), checksum=True)
+        try:
+            _send(sender, epochs, 1)
+            seen = reply_from(parent, proc, "receiver")
+        finally:
+            sender.close()
+        parent.send("closed")
+    finally:
+        proc.join(timeout=SLACK)
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in seen, seen
+    assert seen["cause"] == "ChecksumError" and seen["block"] == 2 and tuple(seen["request_ids"]) == (2,), seen
+    assert seen["hit"] == [26] and seen["failures"] == 1, seen
+    assert "request 2: block 2 (destination block 26) arrived with checksum" in seen["message"]
