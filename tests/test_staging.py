@@ -352,7 +352,8 @@ def test_bad_ring_options_are_refused_by_name(option: str, value: object) -> Non
 
 # Each side's legs (`KVFERRY_STAGING_LEGS`): through a scratch pool (and the copy engine on
 # CUDA), or one copy between the pool and the ring (the fused kernel over PCIe on CUDA). Every
-# other staging test runs each device's default: direct on CPU, dma on CUDA.
+# other staging test runs each device's default: direct on CPU; auto on CUDA, which takes the
+# direct leg for writes as small as these tests' (a test below checks its choice).
 LEGS = pytest.mark.parametrize(
     ("device", "legs"),
     [
@@ -371,14 +372,76 @@ def test_legs_default_by_device_and_a_bad_setting_is_refused_by_name_on_both_sid
 
     monkeypatch.delenv(staging_mod.LEGS_ENV, raising=False)
     assert staging_mod.staging_legs(torch.device("cpu")) == "direct"
-    assert staging_mod.staging_legs(torch.device("cuda", 0)) == "dma"
+    assert staging_mod.staging_legs(torch.device("cuda", 0)) == "auto"
+    small, large = staging_mod.DIRECT_WRITE_BYTES, staging_mod.DIRECT_WRITE_BYTES + 1
+    assert [staging_mod.write_legs("auto", n) for n in (small, large)] == ["direct", "dma"]
+    assert [staging_mod.write_legs(legs, large) for legs in ("dma", "direct")] == ["dma", "direct"]
     monkeypatch.setenv(staging_mod.LEGS_ENV, "dma")
     assert staging_mod.staging_legs(torch.device("cpu")) == "dma"
     monkeypatch.setenv(staging_mod.LEGS_ENV, "fast")
-    with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast': must be one of dma, direct"):
+    with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast': must be one of dma, direct, auto"):
         StagingEndpoint(KVReceiver(POOLS.nan()), authkey=secrets.token_bytes(32), capacity_blocks=CAPACITY)
     with pytest.raises(InvalidArgumentError, match="KVFERRY_STAGING_LEGS='fast'"):
         StagingTransport("ipc:///nowhere", authkey=secrets.token_bytes(32))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_auto_legs_take_the_direct_leg_for_a_small_write_and_dma_for_a_large_one_on_both_sides(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """With "auto" legs (CUDA's default) each side picks a write's legs by its bytes: a write
+    of 2 blocks, under the bound of 3 blocks' bytes, is one copy between each pool and the
+    ring (no scratch pool on either side); one of 7 goes through the scratch pools (a planned
+    gather at the sender, a planned scatter at the receiver) and no direct copy. Both land bit
+    exact."""
+    from kvferry.engine import CudaCopyEngine, ThreadCopyEngine
+    from kvferry.transports import staging as staging_mod
+
+    monkeypatch.setenv(staging_mod.LEGS_ENV, "auto")
+    src, dst = POOLS.random(5, device), POOLS.nan(device)
+    monkeypatch.setattr(staging_mod, "DIRECT_WRITE_BYTES", 3 * src.block_bytes * LAYERS)
+    direct: list[str] = []
+    planned: list[int] = []
+    copy_blocks, block_copies = staging_mod.copy_blocks, staging_mod.BlockCopies
+
+    def counted_copy(a: PagedKV, b: PagedKV, *args: Any) -> None:
+        direct.append("sender" if a is src else "receiver")
+        copy_blocks(a, b, *args)
+
+    def counted_copies(copies: Any) -> Any:
+        planned.append(len(copies))
+        return block_copies(copies)
+
+    monkeypatch.setattr(staging_mod, "copy_blocks", counted_copy)
+    monkeypatch.setattr(staging_mod, "BlockCopies", counted_copies)
+    engine: Any = CudaCopyEngine(torch.device("cuda")) if device == "cuda" else ThreadCopyEngine()
+    served = serve("staging", dst, capacity_blocks=16)
+    receiver, endpoint, authkey = served.receiver, served.endpoint, served.authkey
+    try:
+        tx = StagingTransport(endpoint.address, authkey=authkey)
+        rng = np.random.default_rng(5)
+        src_ids, dst_ids = rng.permutation(src.num_blocks)[:9], rng.permutation(dst.num_blocks)[:9]
+        for rid, (lo, hi) in ((1, (0, 2)), (2, (2, 9))):
+            epoch = receiver.expect(rid, (hi - lo) * TPB, dst_blocks=dst_ids[lo:hi])
+            tx.announce([(rid, epoch)])
+            notices = [Notice(rid, 0, 0, hi - lo, True, epoch)]
+            direct.clear()
+            planned.clear()
+            assert tx.write(engine, Write(src, src_ids[lo:hi], dst_ids[lo:hi], notices)).wait(SLACK)
+            tx.post(notices)
+            receiver.wait(rid, timeout=SLACK)
+            if hi - lo == 2:
+                assert (sorted(direct), planned) == (["receiver", "sender"], [])
+            else:
+                assert (direct, len(planned)) == ([], 2)
+            for s_layer, d_layer in zip(src.segment_views(torch.int32), dst.segment_views(torch.int32)):
+                got = d_layer[:, torch.from_numpy(dst_ids[lo:hi]).to(device)]
+                assert torch.equal(got, s_layer[:, torch.from_numpy(src_ids[lo:hi]).to(device)])
+            receiver.release(rid)
+        tx.close()
+    finally:
+        endpoint.close()
+        engine.close()
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])

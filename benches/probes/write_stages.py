@@ -80,11 +80,65 @@ def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: in
     pool.close()
 
 
+# What `--parts` times inside each `send_chunks` call (inclusive, nested parts overlap):
+# (module, attribute path) pairs, each wrapped by a timer on its class or module.
+PARTS = (
+    ("kvferry.sender", "KVSender._refuse_revoked"),
+    ("kvferry.sender", "KVSender._dispatch"),
+    ("kvferry.sender", "KVSender._queue"),
+    ("kvferry.sender", "KVSender._submit"),
+    ("kvferry.sender", "KVSender._kick"),
+    ("kvferry.engine", "CudaCopyEngine.submit_call"),
+    ("kvferry.engine", "CudaCopyEngine._enqueue"),
+    ("kvferry.engine", "copy_blocks"),
+    ("kvferry.copy", "_packed_pairs"),
+    ("kvferry._triton_copy", "copy_packed"),
+    ("kvferry._triton_copy", "LaunchGraphs.copy"),
+    ("torch.cuda", "CUDAGraph.replay"),
+    ("kvferry._streams", "current_stream"),
+    ("kvferry._streams", "run_on"),
+)
+
+
+def _time_parts(spent: dict[str, float]) -> None:
+    """Wraps each of `PARTS` (where it exists in this tree) to add its calls' time to ``spent``."""
+    import importlib
+
+    for module_name, path in PARTS:
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+
+        def timed(*args: Any, _fn: Any = fn, _key: str = path, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_key] = spent.get(_key, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+
 def measure(
-    kind: str, device: str, layers: int, blocks: int, block_kib: int, reps: int, profile: bool = False
+    kind: str,
+    device: str,
+    layers: int,
+    blocks: int,
+    block_kib: int,
+    reps: int,
+    profile: bool = False,
+    parts: bool = False,
 ) -> dict[str, float]:
     """Median microseconds from the ``send_chunks`` call to each stage (`STAGES`); with
-    ``profile``, prints the sender thread's ``send_chunks`` calls' top functions (cProfile)."""
+    ``profile``, prints the sender thread's ``send_chunks`` calls' top functions (cProfile);
+    with ``parts``, the median time inside each of `PARTS` during a ``send_chunks`` call."""
     import cProfile
     import pstats
 
@@ -127,9 +181,13 @@ def measure(
         marks.setdefault("posted", time.monotonic())
 
     tx.write, tx.post = timed_write, timed_post
+    spent: dict[str, float] = {}
+    if parts:
+        _time_parts(spent)
     sender = KVSender(src, tx)
     ids = np.arange(blocks)[None, :]
     rows: list[dict[str, float]] = []
+    part_rows: list[dict[str, float]] = []
     profiler = cProfile.Profile() if profile else None
     try:
         for rid in range(1, reps + 4):
@@ -143,9 +201,11 @@ def measure(
                 torch.cuda.synchronize()
             if profiler is not None and rid > 3:
                 profiler.enable()
+            spent.clear()
             t0 = time.monotonic()
             sender.send_chunks([rid], [0], [blocks * 16], ids, ids)
             submitted = time.monotonic()
+            part_rows.append({k: v * 1e6 for k, v in spent.items()})
             if profiler is not None:
                 profiler.disable()
             parent.send(("wait", rid))
@@ -169,6 +229,12 @@ def measure(
         sender.close()
         parent.send(("stop", 0))
         proc.join(30)
+    if parts:
+        print(f"== {kind}, {blocks} blocks: median us inside each part during send_chunks (inclusive)")
+        for _, path in PARTS:
+            got = [r[path] for r in part_rows[3:] if path in r]
+            if got:
+                print(f"   {path:<32} {statistics.median(got):8.1f}")
     if profiler is not None:
         print(f"== {kind}, {blocks} blocks: send_chunks, {len(rows)} calls")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
@@ -184,11 +250,12 @@ def main() -> None:
     ap.add_argument("--block-kib", type=int, default=128, help="KiB per block and layer")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--profile", action="store_true", help="cProfile the send_chunks calls")
+    ap.add_argument("--parts", action="store_true", help="time the parts of each send_chunks call")
     args = ap.parse_args()
     print(f"{'transport':>10} {'blocks':>6} " + " ".join(f"{s:>9}" for s in STAGES) + "   (us from send_chunks)")
     for kind in args.transport.split(","):
         for blocks in map(int, args.blocks.split(",")):
-            med = measure(kind, args.device, args.layers, blocks, args.block_kib, args.reps, args.profile)
+            med = measure(kind, args.device, args.layers, blocks, args.block_kib, args.reps, args.profile, args.parts)
             print(f"{kind:>10} {blocks:>6} " + " ".join(f"{med[s]:9.0f}" for s in STAGES), flush=True)
 
 

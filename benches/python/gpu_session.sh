@@ -59,8 +59,13 @@
 # that tree's python/, then for this one; then cProfile of the send calls at 8 blocks), then
 # what the reference model's forward holds at its allocator peak (benches/probes/forward_peak.py)
 # and the `cuda` tests of test_bench_agentic_memory.py.
+# tail (about 6 minutes, with BASE): the small-write path before and after a change, in one
+# call: the `cuda` tests of the files a write's path runs through, then for BASE's tree and
+# this one, taking turns twice: write_stages.py over cuda-ipc and staging at 8 and 64 blocks
+# (median of 25), its --parts (time inside each step of the send call) at 8 blocks, and `bench
+# copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling).
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
-MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages"
+MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages tail"
 set -u
 case " $MODES " in
   *" ${1:-tests} "*) ;;
@@ -132,6 +137,25 @@ elif [ "$1" = stages ]; then
   timeout 90 python3 benches/probes/forward_peak.py 2>&1 | tee "$OUT/forward-peak.txt"
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_bench_agentic_memory.py 2>&1 \
     | tee "$OUT/memory-tests.txt" | tail -6
+elif [ "$1" = tail ]; then
+  timeout 240 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE ${FILES:-tests/test_staging.py \
+    tests/test_engine.py tests/test_copy.py tests/test_transfer.py tests/test_prefill_batch.py} 2>&1 \
+    | tee "$OUT/tail-tests.txt" | tail -8
+  for round in 1 2; do
+    for tree in ${BASE:+"$BASE"} python; do
+      for t in cuda-ipc staging; do
+        { echo "== round $round, $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py \
+            --device cuda --transport $t --blocks 8,64 --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-stages.txt"
+      done
+      if [ $round = 1 ]; then
+        { echo "== $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py --device cuda \
+            --transport cuda-ipc,staging --blocks 8 --reps 25 --parts 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-parts.txt"
+      fi
+      { echo "== round $round, $tree: copy, staging, cuda-ipc"
+        PYTHONPATH=$tree timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 \
+          --transport copy,staging,cuda-ipc --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/tail-copy.txt"
+    done
+  done
 elif [ "$1" = checksum ]; then
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 --durations 5 -rfE tests/test_checksum.py 2>&1 \
     | tee "$OUT/checksum-tests.txt" | tail -10

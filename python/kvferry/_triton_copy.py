@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
+from kvferry import _streams
 from kvferry.layout import PagedKV
 
 WORD_BYTES = 8
@@ -151,7 +152,7 @@ def _launch(
     )
     # Switching devices costs microseconds a launch: only when the pool is not on the current
     # one. CPU tensors reach here only under TRITON_INTERPRET=1 (how CI runs the kernel).
-    on_current = src.device.type != "cuda" or src.device.index in (None, torch.cuda.current_device())
+    on_current = src.device.type != "cuda" or src.device.index in (None, _streams.current_device())
     where = contextlib.nullcontext() if on_current else torch.cuda.device(src.device)
     # Everything the compiled kernel was specialised on: the constexprs, the launch shape,
     # and whether the ids pointer is 16-byte aligned (the other pointers always are).
@@ -216,6 +217,7 @@ class IdRing:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else _streams.current_device()
         self._slots = [
             _Slot(
                 torch.empty(2 * RING_PAIRS, dtype=torch.int64, pin_memory=True),
@@ -249,7 +251,7 @@ class IdRing:
                 else:
                     slot.device[: 2 * n].copy_(slot.host[: 2 * n], non_blocking=True)
                     _launch(src, dst, n, slot.device_ptr, lambda: slot.device[: 2 * n], None)
-                slot.used.record()
+                slot.used.record(_streams.current_stream(self._index))
                 return
         copy_blocks(src, dst, torch.from_numpy(packed).pin_memory().to(self.device, non_blocking=True))
 
@@ -273,6 +275,7 @@ class LaunchGraphs:
 
     def __init__(self, src: PagedKV, dst: PagedKV) -> None:
         self._pools = (weakref.ref(src), weakref.ref(dst))
+        self._index = src.device.index if src.device.index is not None else _streams.current_device()
         self._host = torch.empty(2 * GRAPH_BUCKETS[-1], dtype=torch.int64, pin_memory=True)
         self._device = torch.empty(2 * GRAPH_BUCKETS[-1], dtype=torch.int64, device=src.device)
         self._ids = self._host.numpy()
@@ -300,7 +303,7 @@ class LaunchGraphs:
             ids[:n], ids[n:bucket] = packed[0], packed[0, -1]
             ids[bucket : bucket + n], ids[bucket + n : 2 * bucket] = packed[1], packed[1, -1]
             graph.replay()
-            self._done.record()
+            self._done.record(_streams.current_stream(self._index))
         return True
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
@@ -376,7 +379,7 @@ def _forget_graphs(key: tuple[int, int]) -> None:
 
 def copy_packed(src: PagedKV, dst: PagedKV, packed: np.ndarray) -> None:
     """`copy_blocks` for validated host-side pairs (see `kvferry._core.pack_pairs`)."""
-    small = packed.shape[1] <= GRAPH_BUCKETS[-1] and src.device.index == torch.cuda.current_device()
+    small = packed.shape[1] <= GRAPH_BUCKETS[-1] and src.device.index == _streams.current_device()
     if small and USE_GRAPHS and _graphs_for(src, dst).copy(packed):
         return
     ring = _rings.get(src.device)

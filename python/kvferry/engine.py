@@ -27,7 +27,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 import numpy as np
 import torch
 
-from kvferry import affinity
+from kvferry import _streams, affinity
 from kvferry.copy import checked_pairs, copy_blocks
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV, common_word
@@ -355,7 +355,9 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, device: torch.device, warm: Optional[PagedKV] = None) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else _streams.current_device()
         self.stream = torch.cuda.Stream(device=device)
+        self._order = torch.cuda.Event()  # the submitter's stream, for jobs enqueued at once
         # A device event taken at a known host time turns later events into host times.
         base = torch.cuda.Event(enable_timing=True)
         base.record(self.stream)
@@ -382,13 +384,17 @@ class CudaCopyEngine(CopyEngine):
         failed = next((e for e in map(signal_error, host) if e is not None), None)
         if failed is not None:
             return _FailedPending(TransferError(f"the tier copy this copy was ordered after failed: {failed!r}"))
-        # The forward that produced the blocks: recorded now, whenever the job is enqueued.
-        waits = [torch.cuda.current_stream(self.device).record_event(), *events]
+        current = _streams.current_stream(self._index)
         with self._lock:
             pending_host = [s for s in host if not signal_done(s)]
             if not pending_host and not self._deferred:
-                return self._enqueue(work, waits)
-            job = _Deferred(work, waits, pending_host)
+                # The forward that produced the blocks, recorded on one reused event: the copy
+                # stream's wait is queued at once, and a wait takes the event as recorded when
+                # it is queued, so the next job may record it again.
+                self._order.record(current)
+                return self._enqueue(work, [self._order, *events], current)
+            # Recorded now, whenever the job is enqueued: an event of its own.
+            job = _Deferred(work, [current.record_event(), *events], pending_host)
             self._deferred.append(job)
             if self._launcher is None:
                 self._launcher = affinity.Thread(
@@ -398,16 +404,24 @@ class CudaCopyEngine(CopyEngine):
             self._waiting.notify()
             return job.pending
 
-    def _enqueue(self, work: Callable[[], None], waits: Sequence[torch.cuda.Event]) -> Pending:
-        """Queues ``work`` on the copy stream after ``waits`` (caller holds the lock)."""
+    def _enqueue(
+        self, work: Callable[[], None], waits: Sequence[torch.cuda.Event], current: Optional[torch.cuda.Stream] = None
+    ) -> Pending:
+        """Queues ``work`` on the copy stream after ``waits`` (caller holds the lock);
+        ``current``: the calling thread's current stream on the engine's device, where the
+        caller looked it up already."""
+        stream = self.stream
         for event in waits:
-            self.stream.wait_event(event)  # no host sync: the stream waits
+            event.wait(stream)  # no host sync: the stream waits
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)  # `_EventWaiter` sleeps on it
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            started.record(self.stream)
+
+        def run() -> None:
+            started.record(stream)
             work()
-            done.record(self.stream)
+            done.record(stream)
+
+        _streams.run_on(stream, current, run)
         return _EventPending(done, started, self._clock, self._waiter)
 
     def _launch_deferred(self) -> None:

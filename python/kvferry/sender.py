@@ -310,6 +310,10 @@ class KVSender:
         self._lost: Optional[TransferError] = None  # the receiver is gone: nothing can be sent
         self._closing = threading.Event()
         self._wake = threading.Event()  # a write was queued, a request added, or close began
+        # The oldest write's completion sets ``_wake`` (`_arm`): the thread that submitted it
+        # asks at once, so the copy engine watches the copy while the executor's call goes on.
+        self._armed: Optional[Pending] = None
+        self._watching = False  # the announcer's last pass saw requests or writes to watch
         self._progress: Optional[threading.Thread] = None
         if progress:
             # The thread holds the sender only weakly: a sender dropped without `close` is
@@ -350,6 +354,7 @@ class KVSender:
                 # waiting for ``_lock`` (a failed send losing the receiver).
                 starved = self._submit_backlog(block=False) and not self._inflight
                 self._time_out_backlog()
+                self._watching = watching
                 result = (False, self._inflight[0].pending if self._inflight else None, starved, watching, next_check)
             except TransferError as err:  # its requests are failed already; later writes still post
                 self._defer(err)
@@ -399,7 +404,12 @@ class KVSender:
         announcer (``progress=False``), or a transport that does no network I/O (in-process:
         its posts are method calls), the caller sends the outbox itself."""
         if self._announcing():
-            self._wake.set()  # it watches the receiver while requests are registered
+            # It watches the receiver while requests are registered, sends the outbox and
+            # submits the backlog; a write whose completion is armed wakes it when done. A call
+            # that left it nothing new (a step's poll, a send whose writes are armed) leaves it
+            # asleep, so its pass does not take the executor's GIL and cores in between.
+            if self._outbox or self._backlog or not self._watching or not self._head_armed():
+                self._wake.set()
             if not self._local_io:
                 return
         try:
@@ -448,8 +458,25 @@ class KVSender:
         self._inflight.append(
             _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
         )
-        self._wake.set()
+        if not (len(self._inflight) == 1 and self._announcing() and self._arm(pending)):
+            self._wake.set()
         return True
+
+    def _arm(self, head: Pending) -> bool:
+        """Has the oldest write's completion wake the announcer (`Pending.when_done`), once;
+        returns whether it will (a copy that cannot tell leaves the announcer to look)."""
+        with self._lock:
+            if head is self._armed:
+                return True
+            if head.when_done(self._wake.set):
+                self._armed = head
+                return True
+            return False
+
+    def _head_armed(self) -> bool:
+        """Whether no write is in flight, or the oldest one's completion wakes the announcer."""
+        inflight = self._inflight
+        return not inflight or inflight[0].pending is self._armed
 
     def _submit_backlog(self, block: bool) -> bool:
         """Hands backlogged writes to the transport, oldest first, while it has room
@@ -1222,7 +1249,6 @@ def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, clos
     every ``PEER_CHECK_SECONDS`` while requests are registered to take the receiver's
     cancellations."""
     next_check = 0.0
-    armed: Optional[Pending] = None  # the write whose completion sets ``wake``
     while not closing.is_set():
         wake.clear()  # before looking: a write queued after the look sets it again
         sender = ref()
@@ -1233,13 +1259,13 @@ def _announcer(ref: weakref.ReferenceType[KVSender], wake: threading.Event, clos
             return
         # Backlogged writes, nothing in flight: the receiver's frees make room.
         room = sender._wait_for_room(PEER_CHECK_SECONDS) if starved else False
+        armed = head is not None and not starved and sender._arm(head)
         del sender  # not kept alive while this thread sleeps
         if starved:
             if not room:  # a transport that cannot wait for room: look again shortly
                 wake.wait(PROGRESS_SECONDS)
             continue
-        if head is not None and (head is armed or head.when_done(wake.set)):
-            armed = head
+        if armed:
             wake.wait(PEER_CHECK_SECONDS)
         elif head is not None:
             wake.wait(PROGRESS_SECONDS)

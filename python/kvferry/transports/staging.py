@@ -133,9 +133,17 @@ STAGE_CHUNK_BYTES = 256 << 20
 #   (docs/benchmarks.md, "The H100 run of 2026-12-05"): each leg alone moves 92-95% of the
 #   link either way, as the dma leg does; but a sender's and a receiver's kernels on one GPU
 #   take each other's SMs (1024 blocks: 23.8 GB/s against dma's 40.4) and a forward beside
-#   them ran 1.82x slower (`bench agentic`), so CUDA pools keep "dma".
+#   them ran 1.82x slower (`bench agentic`), so CUDA pools keep "dma" for large writes.
+# - "auto" (CUDA pools' default): "direct" for a write of at most `DIRECT_WRITE_BYTES`, "dma"
+#   above. A small write's dma legs cost far more than its bytes: one copy call per layer and
+#   segment on each side (64 for Llama-8B's 32 layers), each a few microseconds of Python and
+#   driver, and a lone write of 8 blocks of 4 MiB took 4.3-6.6 ms where the link moves its
+#   32 MiB in 0.6 ms (docs/benchmarks.md, "Where a lone small write's time goes"). One kernel a
+#   side is one launch; a small write's kernels hold the SMs for about its link time only.
+#   Each side decides for its own copies of each write, by the write's bytes.
+DIRECT_WRITE_BYTES = 64 << 20
 LEGS_ENV = "KVFERRY_STAGING_LEGS"
-LEGS = ("dma", "direct")
+LEGS = ("dma", "direct", "auto")
 
 # A ring's size where its user does not choose one (`default_ring_bytes`): the registry's
 # `STAGING_RING_BYTES` (kept there, without torch, for `kvferry doctor`), which says why.
@@ -149,11 +157,20 @@ def default_ring_bytes(device: torch.device) -> int:
 
 def staging_legs(device: Optional[torch.device] = None) -> str:
     """The legs this process's staging copies of a pool on ``device`` take: `LEGS_ENV` if
-    set, else "direct" for CPU pools and "dma" for CUDA pools."""
-    default = "dma" if device is not None and device.type == "cuda" else "direct"
+    set, else "direct" for CPU pools and "auto" for CUDA pools (`write_legs` picks a
+    write's)."""
+    default = "auto" if device is not None and device.type == "cuda" else "direct"
     legs = os.environ.get(LEGS_ENV, default)
     if legs not in LEGS:
         raise InvalidArgumentError(f"invalid {LEGS_ENV}={legs!r}: must be one of {', '.join(LEGS)}")
+    return legs
+
+
+def write_legs(legs: str, nbytes: int) -> str:
+    """The legs one write of ``nbytes`` (all its layers) takes under setting ``legs``:
+    "auto" is "direct" up to `DIRECT_WRITE_BYTES`, "dma" above."""
+    if legs == "auto":
+        return "direct" if nbytes <= DIRECT_WRITE_BYTES else "dma"
     return legs
 
 
@@ -258,7 +275,7 @@ class _Pipe:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.direct = staging_legs(device) == "direct"
+        self.legs = staging_legs(device)
         self.scratch = _Scratch()
         # The DMA stream (device-to-host at the sender, host-to-device at the receiver) and
         # the kernel stream (the receiver's scatter; the sender gathers on its engine's stream).
@@ -267,6 +284,10 @@ class _Pipe:
         # Recorded once a scratch pool's last reader finished: the next piece that writes it
         # waits for it on the stream.
         self.free = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
+
+    def direct(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` takes the direct leg here (`write_legs`)."""
+        return write_legs(self.legs, nbytes) == "direct"
 
     def pieces(self, pool: PagedKV) -> list[PagedKV]:
         """The scratch pools pieces take turns in (two on CUDA), like ``pool``."""
@@ -331,7 +352,7 @@ class _Ring:
             try:
                 self.pipe = _Pipe(pool.device)  # used by the connection's thread alone
                 # The direct leg's view of the ring (its scatter reads the slots over PCIe).
-                self.seen = ring_as_pool(self.shared.pool, pool) if self.pipe.direct else None
+                self.seen = _direct_view(self.shared.pool, pool, self.pipe.legs)
             except BaseException:
                 self._unpin()
                 raise
@@ -357,6 +378,20 @@ class _Ring:
                 self._unpin()
             finally:
                 self.shared.close()
+
+
+def _direct_view(ring: PagedKV, pool: PagedKV, legs: str) -> Optional[PagedKV]:
+    """The ring as ``pool``'s copies address it for the direct leg (`ring_as_pool`); None
+    with dma legs, or with "auto" legs where this device cannot address the ring (every write
+    then takes the dma legs). Set to "direct", that is an error naming the setting."""
+    if legs == "dma":
+        return None
+    try:
+        return ring_as_pool(ring, pool)
+    except TransferError:
+        if legs == "direct":
+            raise
+        return None
 
 
 @dataclass
@@ -385,12 +420,12 @@ def _unstage(
     is recorded after the last; on CPU they are done on return (None). ``positions``
     increase (the codec checks ``picked``). ``seen``: the ring as the pool's device addresses
     it (`ring_as_pool`), for the direct leg: one copy from the slots (on CUDA one fused scatter
-    reading them over PCIe)."""
+    reading them over PCIe), where this write takes that leg (`_Pipe.direct`)."""
     try:
         packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"invalid staging batch: {err}") from None
-    if seen is not None:
+    if seen is not None and pipe.direct(len(dst_ids) * ring.block_bytes * ring.num_layers):
         if pipe.kernel is None:
             copy_blocks(seen, pool, lo + positions, dst_ids)
             return None
@@ -742,7 +777,9 @@ class StagingTransport(LocalTransport):
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
         self._pipes: dict[torch.device, _Pipe] = {}  # by pool device; used in write order only
-        self._seen: dict[tuple[object, ...], PagedKV] = {}  # the ring as each kind of pool sees it (direct legs)
+        self._seen: dict[
+            tuple[object, ...], Optional[PagedKV]
+        ] = {}  # the ring as each kind of pool sees it (direct legs)
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -804,7 +841,7 @@ class StagingTransport(LocalTransport):
 
     def write_blocks(self, total: int, device: torch.device) -> int:
         limit = super().write_blocks(total, device)
-        if not WRITE_OVERHEAD_BYTES or staging_legs(device) != "dma":
+        if not WRITE_OVERHEAD_BYTES or write_legs(staging_legs(device), total * self._block_bytes) == "direct":
             return limit
         return split_write_blocks(total, limit, max(1, WRITE_OVERHEAD_BYTES // self._block_bytes), self.capacity)
 
@@ -835,8 +872,9 @@ class StagingTransport(LocalTransport):
                 else np.asarray(p.positions, dtype=np.int64)
                 for p in parts
             ]
-            if pipe.direct:
-                self._stage_direct(layers, parts, [lo + where for where in at])
+            if pipe.direct(n * ring.block_bytes * ring.num_layers) and self._stage_direct(
+                layers, parts, [lo + where for where in at], pipe.legs
+            ):
                 return
             scratches = pipe.pieces(parts[0].pool)
             step = scratches[0].num_blocks
@@ -885,19 +923,24 @@ class StagingTransport(LocalTransport):
         )
 
     def _stage_direct(
-        self, layers: Optional[tuple[int, int]], parts: Sequence[Any], slots: Sequence[np.ndarray]
-    ) -> None:
+        self, layers: Optional[tuple[int, int]], parts: Sequence[Any], slots: Sequence[np.ndarray], legs: str
+    ) -> bool:
         """The direct leg (`LEGS_ENV`): each part's blocks copied straight into their ring
-        ``slots`` (on CUDA one fused copy storing over PCIe, on the current stream)."""
+        ``slots`` (on CUDA one fused copy storing over PCIe, on the current stream). False,
+        copying nothing, where "auto" legs find the ring not addressable from the pool's
+        device (the write then takes the dma legs)."""
         like = parts[0].pool
         key = (like.device, like.dtype, like.tokens_per_block, like.block_layout)
-        seen = self._seen.get(key)
+        if key not in self._seen:
+            self._seen[key] = _direct_view(self.dst, like, legs)
+        seen = self._seen[key]
         if seen is None:
-            seen = self._seen[key] = ring_as_pool(self.dst, like)
+            return False
         if layers is not None:
             seen = seen.layer_slice(*layers)
         for p, ids in zip(parts, slots):
             copy_blocks(p.pool, seen, p.src_ids, ids)
+        return True
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         # Writes finish in order, so the oldest staged batch is this one.
