@@ -61,9 +61,10 @@
 # and the `cuda` tests of test_bench_agentic_memory.py.
 # tail (about 6 minutes, with BASE): the small-write path before and after a change, in one
 # call: the `cuda` tests of the files a write's path runs through, then for BASE's tree and
-# this one, taking turns twice: write_stages.py over cuda-ipc and staging at 8 and 64 blocks
+# this one, taking turns (the second turn cuda-ipc and staging only): write_stages.py over cuda-ipc and staging at 8 and 64 blocks
 # (median of 25), its --parts (time inside each step of the send call) at 8 blocks, and `bench
-# copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling).
+# copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling);
+# nixl too where its wheels are carried in .gpu/nixl.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
 MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages tail"
 set -u
@@ -138,22 +139,25 @@ elif [ "$1" = stages ]; then
   timeout 150 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE tests/test_bench_agentic_memory.py 2>&1 \
     | tee "$OUT/memory-tests.txt" | tail -6
 elif [ "$1" = tail ]; then
-  timeout 240 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE ${FILES:-tests/test_staging.py \
+  # NIXL where its wheels were carried (.gpu/nixl: nixl and the nixl-cu* of the image's CUDA).
+  ls .gpu/nixl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .gpu/nixl/*.whl 2>&1 | tail -2
+  links="cuda-ipc staging"; python3 -c "import nixl" 2>/dev/null && links="$links nixl"
+  timeout 180 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE ${FILES:-tests/test_staging.py \
     tests/test_engine.py tests/test_copy.py tests/test_transfer.py tests/test_prefill_batch.py} 2>&1 \
     | tee "$OUT/tail-tests.txt" | tail -8
   for round in 1 2; do
     for tree in ${BASE:+"$BASE"} python; do
-      for t in cuda-ipc staging; do
+      for t in $([ $round = 1 ] && echo $links || echo cuda-ipc staging); do
         { echo "== round $round, $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py \
             --device cuda --transport $t --blocks 8,64 --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-stages.txt"
       done
       if [ $round = 1 ]; then
         { echo "== $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py --device cuda \
-            --transport cuda-ipc,staging --blocks 8 --reps 25 --parts 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-parts.txt"
+            --transport ${links// /,} --blocks 8 --reps 25 --parts 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-parts.txt"
       fi
-      { echo "== round $round, $tree: copy, staging, cuda-ipc"
+      [ $round = 1 ] && { echo "== $tree: copy, staging, cuda-ipc"
         PYTHONPATH=$tree timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 \
-          --transport copy,staging,cuda-ipc --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/tail-copy.txt"
+          --transport copy,${links// /,} --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/tail-copy.txt"
     done
   done
 elif [ "$1" = checksum ]; then
