@@ -243,6 +243,49 @@ def test_a_post_stuck_on_the_network_stalls_no_executor_call() -> None:
         shared.close()
 
 
+def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
+    """Once the announcer watches a registered request and no write is in flight, an engine
+    step's `poll` gives it nothing to do and does not wake it (its pass would take the GIL
+    and a core from the engine's step); a write that follows is still posted, its copy's
+    completion waking the announcer."""
+    from kvferry.transports.shm import ShmEndpoint, ShmTransport
+
+    shared = POOLS.shared()
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    authkey = secrets.token_bytes(32)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    src = POOLS.random(4)
+    sender = KVSender(src, ShmTransport(endpoint.address, authkey=authkey), timeout=GUARD * 4)
+    try:
+        epoch = receiver.expect(1, 8 * TPB)
+        sender.add(1, 8 * TPB, epoch=epoch)
+        sender.send_chunks([1], [0], [4 * TPB], table(range(8)), table(range(8)))
+        sender.flush(GUARD)  # the announcer posted it, in a pass that saw request 1 registered
+        wakes: list[int] = []
+        wake_set = sender._wake.set
+
+        def counted() -> None:
+            wakes.append(1)
+            wake_set()
+
+        sender._wake.set = counted  # type: ignore[method-assign]
+        for _ in range(20):
+            assert sender.poll() == []
+        assert wakes == []
+        sender.send_chunks([1], [4 * TPB], [8 * TPB], table(range(8)), table(range(8)))
+        receiver.wait(1, timeout=GUARD)
+        assert wakes, "the write's completion woke the announcer"
+        for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
+            assert torch.equal(got, want)
+        assert_exactly_once(receiver.notices(1), 8)
+    finally:
+        sender.close()
+        endpoint.close()
+        del receiver
+        shared.close()
+
+
 def test_prefill_worker_steps_never_wait_on_a_stalled_decode_endpoint() -> None:
     """`PrefillWorker` driven as vLLM's engine thread drives it, with one decode endpoint
     that frees nothing (a paused staging receiver) and one healthy: bind (the connections
