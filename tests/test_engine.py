@@ -102,3 +102,37 @@ def test_raw_engine_still_copies_through_copy_blocks() -> None:
         engine.close()
     same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731  (random bytes hold NaNs)
     assert same(dst.layers[1][7], src.layers[1][1]) and same(dst.layers[1][0], src.layers[1][3])
+
+
+@pytest.mark.cuda
+def test_cuda_a_short_copy_that_can_start_at_once_is_waited_by_spinning_one_behind_a_forward_sleeps() -> None:
+    """The copy engine's waiter spins on a small copy whose stream and earlier copies have
+    ended (its wait is its own copy's), and sleeps on one queued behind work still running on
+    the submitting stream (a forward: spinning would hold a core all the while) or larger than
+    `SPIN_WAIT_BYTES`. Each lands bit exact and tells its completion either way."""
+    import threading
+
+    from kvferry.engine import SPIN_WAIT_BYTES, CudaCopyEngine
+
+    src = random_pool((40, 2, 16, 4, 8), torch.bfloat16, 0, device="cuda")
+    dst = poisoned(src, 40)
+    engine = CudaCopyEngine(src.device, warm=src)
+    try:
+        ids = np.arange(4)
+        torch.cuda.synchronize()
+        quick = engine.submit(src, dst, ids, ids)
+        told = threading.Event()
+        assert quick.when_done(told.set)
+        assert told.wait(30)
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
+        behind = engine.submit(src, dst, ids + 4, ids + 4)
+        assert (quick.spins, behind.spins) == (True, False)  # type: ignore[attr-defined]
+        assert behind.wait(60)
+        torch.cuda.synchronize()
+        big = engine.submit_call(lambda: copy_blocks(src, dst, ids + 8, ids + 8), nbytes=SPIN_WAIT_BYTES + 1)
+        assert not big.spins  # type: ignore[attr-defined]
+        assert big.wait(60)
+        for s_layer, d_layer in zip(src.layers, dst.layers):
+            assert torch.equal(d_layer[:12], s_layer[:12])
+    finally:
+        engine.close()

@@ -274,3 +274,43 @@ def test_cuda_head_slices_share_one_registration_and_land_bit_exact(nixl_hub: An
         for endpoint in endpoints:
             endpoint.close()
     assert hub.agents() == 0 and hub.registrations() == 0
+
+
+def test_a_write_is_asked_about_soon_after_it_starts_then_less_and_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NIXL write's state is asked of NIXL first 50 us after the previous look, then at
+    twice the interval each time up to `CHECK_SECONDS`, however often the announcer looks: a
+    small write UCX finished early is found done within a few hundred microseconds, a long
+    one is asked at most every millisecond (asking takes the UCX worker the transfer needs).
+    Time is the test's own clock, advanced by hand."""
+    pytest.importorskip("nixl")
+    import types
+
+    from kvferry.transports import nixl as nixl_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(nixl_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None))
+    asked: list[float] = []
+    state = ["PROC"]
+
+    class Agent:
+        def transfer(self, handle: object) -> str:
+            return "PROC"
+
+        def check_xfer_state(self, handle: object) -> str:
+            asked.append(round((clock[0] - 1000.0) * 1e6))
+            return state[0]
+
+        def release_xfer_handle(self, handle: object) -> None:
+            pass
+
+    pending = nixl_mod._XferPending(Agent(), ["h"], [], "receiver", None)
+    for us in (0, 10, 60, 110, 250, 320, 730, 1540, 2400, 2550, 3400, 3560):
+        clock[0] = 1000.0 + us * 1e-6
+        assert not pending.done()
+    assert asked == [0, 110, 320, 730, 1540, 2550, 3560]
+    state[0] = "DONE"
+    clock[0] = 1000.0 + 4000e-6
+    assert not pending.done()  # 440 us since the last look: not asked yet
+    clock[0] = 1000.0 + 4570e-6
+    assert pending.done()
+    assert asked[-1] == 4570

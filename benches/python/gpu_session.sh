@@ -61,7 +61,7 @@
 # and the `cuda` tests of test_bench_agentic_memory.py.
 # tail (about 6 minutes, with BASE): the small-write path before and after a change, in one
 # call: the `cuda` tests of the files a write's path runs through, then for BASE's tree and
-# this one, taking turns (the second turn cuda-ipc and staging only): write_stages.py over cuda-ipc and staging at 8 and 64 blocks
+# this one, taking turns (ROUNDS, default 2; the second turn cuda-ipc and staging only): write_stages.py over cuda-ipc and staging at 8 and 64 blocks
 # (median of 25), its --parts (time inside each step of the send call) at 8 blocks, and `bench
 # copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling);
 # nixl too where its wheels are carried in .gpu/nixl.
@@ -145,7 +145,7 @@ elif [ "$1" = tail ]; then
   timeout 180 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE ${FILES:-tests/test_staging.py \
     tests/test_engine.py tests/test_copy.py tests/test_transfer.py tests/test_prefill_batch.py} 2>&1 \
     | tee "$OUT/tail-tests.txt" | tail -8
-  for round in 1 2; do
+  for round in $(seq 1 ${ROUNDS:-2}); do
     for tree in ${BASE:+"$BASE"} python; do
       for t in $([ $round = 1 ] && echo $links || echo cuda-ipc staging); do
         { echo "== round $round, $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py \

@@ -265,13 +265,22 @@ class _FailedPending(Pending):
         return self._error
 
 
+# A copy of at most this many payload bytes that can start at once (the stream it waits on
+# and the copies before it have ended) is waited for by spinning, not sleeping: the wait is
+# then its own copy's, well under a millisecond, and a blocking-sync event's wake-up took
+# 50-120 us on an H100 (docs/benchmarks.md, "Small writes on the GPU node"), most of a small
+# write's cost beside the copy. A copy queued behind a running forward sleeps, whatever its size.
+SPIN_WAIT_BYTES = 64 << 20
+
+
 class _EventWaiter:
     """Tells callers when a CUDA copy finished, without polling: one thread per copy engine
-    sleeps in ``cudaEventSynchronize`` on each completion event it was asked about (the
-    events are blocking-sync ones, so the thread sleeps instead of spinning a core), in the
-    order they were asked, which is their stream's order, and calls the callbacks. A
-    sender's announcer then posts a small write's notices microseconds after its copy, not
-    at its next look (every ``PROGRESS_SECONDS``)."""
+    waits in ``cudaEventSynchronize`` on each completion event it was asked about, in the
+    order they were asked, which is their stream's order, and calls the callbacks. The
+    events are blocking-sync ones (the thread sleeps instead of spinning a core), except a
+    short copy's that can start at once (`SPIN_WAIT_BYTES`), whose wait spins. A sender's
+    announcer then posts a small write's notices microseconds after its copy, not at its
+    next look (every ``PROGRESS_SECONDS``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -299,7 +308,7 @@ class _EventWaiter:
                 if not self._queue:
                     return
                 event, callback = self._queue.popleft()
-            event.synchronize()  # releases the GIL; sleeps (blocking-sync event)
+            event.synchronize()  # releases the GIL; sleeps (a blocking-sync event) or spins
             callback()
 
     def close(self) -> None:
@@ -322,6 +331,7 @@ class _EventPending(Pending):
         self._started = started
         self._clock = clock
         self._waiter = waiter
+        self.spins = False  # its waiter spins rather than sleeps (`SPIN_WAIT_BYTES`)
 
     def when_done(self, callback: Callable[[], None]) -> bool:
         return self._waiter is not None and self._waiter.watch(self._event, callback)
@@ -358,6 +368,7 @@ class CudaCopyEngine(CopyEngine):
         self._index = device.index if device.index is not None else _streams.current_device()
         self.stream = torch.cuda.Stream(device=device)
         self._order = torch.cuda.Event()  # the submitter's stream, for jobs enqueued at once
+        self._last: Optional[torch.cuda.Event] = None  # the last job's end
         # A device event taken at a known host time turns later events into host times.
         base = torch.cuda.Event(enable_timing=True)
         base.record(self.stream)
@@ -392,7 +403,7 @@ class CudaCopyEngine(CopyEngine):
                 # stream's wait is queued at once, and a wait takes the event as recorded when
                 # it is queued, so the next job may record it again.
                 self._order.record(current)
-                return self._enqueue(work, [self._order, *events], current)
+                return self._enqueue(work, [self._order, *events], current, nbytes)
             # Recorded now, whenever the job is enqueued: an event of its own.
             job = _Deferred(work, [current.record_event(), *events], pending_host)
             self._deferred.append(job)
@@ -405,16 +416,30 @@ class CudaCopyEngine(CopyEngine):
             return job.pending
 
     def _enqueue(
-        self, work: Callable[[], None], waits: Sequence[torch.cuda.Event], current: Optional[torch.cuda.Stream] = None
+        self,
+        work: Callable[[], None],
+        waits: Sequence[torch.cuda.Event],
+        current: Optional[torch.cuda.Stream] = None,
+        nbytes: Optional[int] = None,
     ) -> Pending:
         """Queues ``work`` on the copy stream after ``waits`` (caller holds the lock);
         ``current``: the calling thread's current stream on the engine's device, where the
-        caller looked it up already."""
+        caller looked it up already; ``nbytes``: the copy's payload, where known (a short
+        copy that can start at once is waited for by spinning: `SPIN_WAIT_BYTES`)."""
         stream = self.stream
+        # Whether the copy can start at once: what it waits for and the copies queued before
+        # it have ended (asked before this one is queued behind them).
+        short = (
+            nbytes is not None
+            and nbytes <= SPIN_WAIT_BYTES
+            and (self._last is None or self._last.query())
+            and all(event.query() for event in waits)
+        )
         for event in waits:
             event.wait(stream)  # no host sync: the stream waits
         started = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True, blocking=True)  # `_EventWaiter` sleeps on it
+        # `_EventWaiter` sleeps on a blocking-sync event; a short copy's is not one: it spins.
+        done = torch.cuda.Event(enable_timing=True, blocking=not short)
 
         def run() -> None:
             started.record(stream)
@@ -422,7 +447,10 @@ class CudaCopyEngine(CopyEngine):
             done.record(stream)
 
         _streams.run_on(stream, current, run)
-        return _EventPending(done, started, self._clock, self._waiter)
+        self._last = done
+        pending = _EventPending(done, started, self._clock, self._waiter)
+        pending.spins = short
+        return pending
 
     def _launch_deferred(self) -> None:
         """The launcher thread: waits for the oldest deferred job's host signals (without the

@@ -76,6 +76,12 @@ POLL_SECONDS = 100e-6
 # across two network namespaces over UCX's TCP transport, one core per side: 18 MiB in 32 KiB
 # descriptors took 94 ms asked without pause, 29 ms asked every 0.5 ms (docs/benchmarks.md).
 CHECK_SECONDS = 1e-3
+# A write is asked about first this soon after the previous look, then at twice the interval
+# each time up to CHECK_SECONDS: a small write (a request's tail) that UCX finished in a
+# hundred microseconds was otherwise found done only a millisecond later, most of its cost
+# (docs/benchmarks.md, "Small writes on the GPU node"); a long one is asked only a few more
+# times in all.
+FIRST_CHECK_SECONDS = 50e-6
 
 # Writes with blocks contiguous on both sides go as one descriptor per run (`block_runs`);
 # False: always the prepared per-block descriptors (for measuring the difference).
@@ -543,7 +549,8 @@ class _XferPending(Pending):
         self._failure = failure
         self._notify = notify
         self._state = "NEW"
-        self._checked = 0.0  # when NIXL was last asked (CHECK_SECONDS)
+        self._checked = 0.0  # when NIXL was last asked
+        self._interval = FIRST_CHECK_SECONDS  # until it may be asked again (CHECK_SECONDS)
         if failure is not None:
             self._fail(failure)
         self._maybe_post()
@@ -625,9 +632,10 @@ class _XferPending(Pending):
         self._maybe_post()
         if self._state == "PROC":
             now = time.monotonic()
-            if now - self._checked < CHECK_SECONDS:
+            if now - self._checked < self._interval:
                 return False
             self._checked = now
+            self._interval = min(CHECK_SECONDS, 2 * self._interval)
             for handle in list(self._handles):
                 state = self._call(self._agent.check_xfer_state, handle)
                 if state == "ERR":
