@@ -88,6 +88,18 @@ def assert_exactly_once(notices: Sequence[Notice], blocks: int) -> None:
     assert count.tolist() == [1] * blocks, count
 
 
+def shm_pair() -> tuple[Any, KVReceiver, Any, Any]:
+    """A shared-memory receiver pool, its receiver and endpoint, and a transport to it."""
+    from kvferry.transports.shm import ShmEndpoint, ShmTransport
+
+    shared = POOLS.shared()
+    assert shared.pool is not None
+    receiver = KVReceiver(shared.pool)
+    authkey = secrets.token_bytes(32)
+    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    return shared, receiver, endpoint, ShmTransport(endpoint.address, authkey=authkey)
+
+
 def staging_pair(src: PagedKV, paused: bool) -> tuple[KVReceiver, StagingEndpoint, KVSender]:
     receiver = KVReceiver(POOLS.nan())
     authkey = secrets.token_bytes(32)
@@ -206,15 +218,8 @@ def test_a_post_stuck_on_the_network_stalls_no_executor_call() -> None:
     """The announcer's post blocks (a receiver that stopped reading its socket): sends,
     polls, a new request, the receiver check and a cancel on that sender all return, as
     they only touch local state; the request completes once the post goes through."""
-    from kvferry.transports.shm import ShmEndpoint, ShmTransport
-
-    shared = POOLS.shared()
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    shared, receiver, endpoint, transport = shm_pair()
     src = POOLS.random(2)
-    transport = ShmTransport(endpoint.address, authkey=authkey)
     stuck = _StuckPosts(transport)
     sender = KVSender(src, transport, timeout=GUARD * 4)
     try:
@@ -248,15 +253,9 @@ def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
     step's `poll` gives it nothing to do and does not wake it (its pass would take the GIL
     and a core from the engine's step); a write that follows is still posted, its copy's
     completion waking the announcer."""
-    from kvferry.transports.shm import ShmEndpoint, ShmTransport
-
-    shared = POOLS.shared()
-    assert shared.pool is not None
-    receiver = KVReceiver(shared.pool)
-    authkey = secrets.token_bytes(32)
-    endpoint = ShmEndpoint(receiver, shared, authkey=authkey)
+    shared, receiver, endpoint, transport = shm_pair()
     src = POOLS.random(4)
-    sender = KVSender(src, ShmTransport(endpoint.address, authkey=authkey), timeout=GUARD * 4)
+    sender = KVSender(src, transport, timeout=GUARD * 4)
     try:
         epoch = receiver.expect(1, 8 * TPB)
         sender.add(1, 8 * TPB, epoch=epoch)
