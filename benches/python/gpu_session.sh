@@ -64,7 +64,7 @@
 # this one, taking turns (ROUNDS, default 2; the second turn cuda-ipc and staging only): write_stages.py over cuda-ipc and staging at 8 and 64 blocks
 # (median of 25), its --parts (time inside each step of the send call) at 8 blocks, and `bench
 # copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling;
-# PARTS_NEW_ONLY=1: --parts and `bench copy` for this tree only);
+# PARTS_NEW_ONLY=1: --parts and `bench copy` for this tree only; PARTS=0: no --parts);
 # nixl too where its wheels are carried in .gpu/nixl.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
 MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages tail"
@@ -152,7 +152,7 @@ elif [ "$1" = tail ]; then
         { echo "== round $round, $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py \
             --device cuda --transport $t --blocks 8,64 --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-stages.txt"
       done
-      if [ $round = 1 ] && { [ $tree = python ] || [ -z "${PARTS_NEW_ONLY:-}" ]; }; then
+      if [ $round = 1 ] && [ "${PARTS:-1}" = 1 ] && { [ $tree = python ] || [ -z "${PARTS_NEW_ONLY:-}" ]; }; then
         { echo "== $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py --device cuda \
             --transport ${links// /,} --blocks 8 --reps 25 --parts 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-parts.txt"
       fi
