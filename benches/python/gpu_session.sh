@@ -64,7 +64,8 @@
 # this one, taking turns (ROUNDS, default 2; the second turn cuda-ipc and staging only): write_stages.py over cuda-ipc and staging at 8 and 64 blocks
 # (median of 25), its --parts (time inside each step of the send call) at 8 blocks, and `bench
 # copy` of copy, staging and cuda-ipc at 8 and 64 blocks (the copy row is the same run's ceiling;
-# PARTS_NEW_ONLY=1: --parts and `bench copy` for this tree only; PARTS=0: no --parts);
+# PARTS_NEW_ONLY=1: --parts and `bench copy` for this tree only; PARTS=0, COPY=0: without them;
+# LINKS, BLOCKS: other transports and write sizes);
 # nixl too where its wheels are carried in .gpu/nixl.
 # ring-sizes, agentic8b-rings, copy-wide, split, split-check, two-gpus: see each one's comment.
 MODES="tests bench staging-legs agentic8b-legs links links-extra checksum ring-sizes agentic8b-rings copy-wide split split-check two-gpus gpupath agentic-memory smallwrites stages tail"
@@ -142,7 +143,7 @@ elif [ "$1" = stages ]; then
 elif [ "$1" = tail ]; then
   # NIXL where its wheels were carried (.gpu/nixl: nixl and the nixl-cu* of the image's CUDA).
   ls .gpu/nixl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .gpu/nixl/*.whl 2>&1 | tail -2
-  links="cuda-ipc staging"; python3 -c "import nixl" 2>/dev/null && links="$links nixl"
+  links=${LINKS:-cuda-ipc staging}; [ -z "${LINKS:-}" ] && python3 -c "import nixl" 2>/dev/null && links="$links nixl"
   timeout 180 python3 -m pytest -m cuda -p no:cacheprovider --timeout 60 -rfE ${FILES:-tests/test_staging.py \
     tests/test_engine.py tests/test_copy.py tests/test_transfer.py tests/test_prefill_batch.py} 2>&1 \
     | tee "$OUT/tail-tests.txt" | tail -8
@@ -150,13 +151,13 @@ elif [ "$1" = tail ]; then
     for tree in ${BASE:+"$BASE"} python; do
       for t in $([ $round = 1 ] && echo $links || echo cuda-ipc staging); do
         { echo "== round $round, $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py \
-            --device cuda --transport $t --blocks 8,64 --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-stages.txt"
+            --device cuda --transport $t --blocks ${BLOCKS:-8,64} --reps 25 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-stages.txt"
       done
       if [ $round = 1 ] && [ "${PARTS:-1}" = 1 ] && { [ $tree = python ] || [ -z "${PARTS_NEW_ONLY:-}" ]; }; then
         { echo "== $tree"; PYTHONPATH=$tree timeout 100 python3 benches/probes/write_stages.py --device cuda \
             --transport ${links// /,} --blocks 8 --reps 25 --parts 2>&1 | grep -v '^\['; } | tee -a "$OUT/tail-parts.txt"
       fi
-      [ $round = 1 ] && { [ $tree = python ] || [ -z "${PARTS_NEW_ONLY:-}" ]; } && { echo "== $tree: copy, staging, cuda-ipc"
+      [ $round = 1 ] && [ "${COPY:-1}" = 1 ] && { [ $tree = python ] || [ -z "${PARTS_NEW_ONLY:-}" ]; } && { echo "== $tree: copy, staging, cuda-ipc"
         PYTHONPATH=$tree timeout 120 python3 -m kvferry.cli bench copy --device cuda --reps 9 \
           --transport copy,${links// /,} --blocks 8,64 2>/dev/null | grep -v '^\[' ; } 2>&1 | tee -a "$OUT/tail-copy.txt"
     done
