@@ -405,9 +405,9 @@ class KVSender:
         its posts are method calls), the caller sends the outbox itself."""
         if self._announcing():
             # It watches the receiver while requests are registered, sends the outbox and
-            # submits the backlog; a write whose completion is armed wakes it when done. A call
-            # that left it nothing new (a step's poll, a send whose writes are armed) leaves it
-            # asleep, so its pass does not take the executor's GIL and cores in between.
+            # submits the backlog; a write whose completion is armed wakes it when done, and a
+            # write submitted woke it already (`_submit`). A call that left it nothing new (a
+            # step's poll) leaves it asleep: its pass would take the executor's GIL and core.
             if self._outbox or self._backlog or not self._watching or not self._head_armed():
                 self._wake.set()
             if not self._local_io:
@@ -458,13 +458,19 @@ class KVSender:
         self._inflight.append(
             _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
         )
-        if not (len(self._inflight) == 1 and self._announcing() and self._arm(pending)):
-            self._wake.set()
+        if len(self._inflight) == 1 and self._announcing():
+            self._arm(pending)
+        # Woken even so: a small copy often ends before the executor's call returns, and the
+        # announcer, waiting for ``_lock`` meanwhile, then posts it in the pass that follows;
+        # left asleep until the completion's callback, it posted 60-90 us later (one H100).
+        self._wake.set()
         return True
 
     def _arm(self, head: Pending) -> bool:
         """Has the oldest write's completion wake the announcer (`Pending.when_done`), once;
-        returns whether it will (a copy that cannot tell leaves the announcer to look)."""
+        returns whether it will (a copy that cannot tell leaves the announcer to look). The
+        thread that submits the write asks at once, so the copy engine watches the copy
+        while the executor's call goes on."""
         with self._lock:
             if head is self._armed:
                 return True
