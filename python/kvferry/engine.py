@@ -268,8 +268,8 @@ class _FailedPending(Pending):
 # A copy of at most this many payload bytes that can start at once (the stream it waits on
 # and the copies before it have ended) is waited for by spinning, not sleeping: the wait is
 # then its own copy's, well under a millisecond, and a blocking-sync event's wake-up took
-# 50-120 us on an H100 (docs/benchmarks.md, "Small writes on the GPU node"), most of a small
-# write's cost beside the copy. A copy queued behind a running forward sleeps, whatever its size.
+# 50-120 us on an H100 (docs/benchmarks.md, "Small writes on the GPU node"), a good part of a
+# small write's cost beside the copy. A copy queued behind a running forward sleeps, whatever its size.
 SPIN_WAIT_BYTES = 64 << 20
 
 
