@@ -15,7 +15,7 @@ import kvferry._need_torch  # noqa: F401  (before torch: without it, one line na
 
 import torch
 
-__all__ = ["current_device", "current_stream", "run_on"]
+__all__ = ["current_device", "current_stream", "device_index", "run_on"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,11 @@ def current_device() -> int:
     if _get_device is None:  # a torch without the binding: its public call
         return int(torch.cuda.current_device())
     return int(_get_device())
+
+
+def device_index(device: torch.device) -> int:
+    """``device``'s index, the current device's where it names none (``torch.device("cuda")``)."""
+    return device.index if device.index is not None else current_device()
 
 
 def current_stream(index: int) -> torch.cuda.Stream:

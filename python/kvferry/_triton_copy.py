@@ -217,7 +217,7 @@ class IdRing:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._index = device.index if device.index is not None else _streams.current_device()
+        self._index = _streams.device_index(device)
         self._slots = [
             _Slot(
                 torch.empty(2 * RING_PAIRS, dtype=torch.int64, pin_memory=True),
@@ -275,7 +275,7 @@ class LaunchGraphs:
 
     def __init__(self, src: PagedKV, dst: PagedKV) -> None:
         self._pools = (weakref.ref(src), weakref.ref(dst))
-        self._index = src.device.index if src.device.index is not None else _streams.current_device()
+        self._index = _streams.device_index(src.device)
         self._host = torch.empty(2 * GRAPH_BUCKETS[-1], dtype=torch.int64, pin_memory=True)
         self._device = torch.empty(2 * GRAPH_BUCKETS[-1], dtype=torch.int64, device=src.device)
         self._ids = self._host.numpy()

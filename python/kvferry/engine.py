@@ -326,12 +326,13 @@ class _EventPending(Pending):
         started: Optional[torch.cuda.Event] = None,
         clock: Optional[tuple[torch.cuda.Event, float]] = None,
         waiter: Optional[_EventWaiter] = None,
+        spins: bool = False,
     ) -> None:
         self._event = event
         self._started = started
         self._clock = clock
         self._waiter = waiter
-        self.spins = False  # its waiter spins rather than sleeps (`SPIN_WAIT_BYTES`)
+        self.spins = spins  # ``event`` is not blocking-sync: its waiter spins (`SPIN_WAIT_BYTES`)
 
     def when_done(self, callback: Callable[[], None]) -> bool:
         return self._waiter is not None and self._waiter.watch(self._event, callback)
@@ -365,7 +366,7 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, device: torch.device, warm: Optional[PagedKV] = None) -> None:
         self.device = device
-        self._index = device.index if device.index is not None else _streams.current_device()
+        self._index = _streams.device_index(device)
         self.stream = torch.cuda.Stream(device=device)
         self._order = torch.cuda.Event()  # the submitter's stream, for jobs enqueued at once
         self._last: Optional[torch.cuda.Event] = None  # the last job's end
@@ -448,9 +449,7 @@ class CudaCopyEngine(CopyEngine):
 
         _streams.run_on(stream, current, run)
         self._last = done
-        pending = _EventPending(done, started, self._clock, self._waiter)
-        pending.spins = short
-        return pending
+        return _EventPending(done, started, self._clock, self._waiter, short)
 
     def _launch_deferred(self) -> None:
         """The launcher thread: waits for the oldest deferred job's host signals (without the

@@ -285,9 +285,10 @@ class _Pipe:
         # waits for it on the stream.
         self.free = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
 
-    def direct(self, nbytes: int) -> bool:
-        """Whether a write of ``nbytes`` takes the direct leg here (`write_legs`)."""
-        return write_legs(self.legs, nbytes) == "direct"
+    def direct(self, ring: PagedKV, blocks: int) -> bool:
+        """Whether a write of ``blocks`` slots of ``ring`` (or of the layer slice it was
+        given) takes the direct leg here (`write_legs`)."""
+        return write_legs(self.legs, blocks * ring.block_bytes * ring.num_layers) == "direct"
 
     def pieces(self, pool: PagedKV) -> list[PagedKV]:
         """The scratch pools pieces take turns in (two on CUDA), like ``pool``."""
@@ -425,7 +426,7 @@ def _unstage(
         packed_ids(positions, dst_ids, int(positions[-1]) + 1, pool.num_blocks)  # range, no block written twice
     except InvalidArgumentError as err:
         raise wire.ProtocolError(f"invalid staging batch: {err}") from None
-    if seen is not None and pipe.direct(len(dst_ids) * ring.block_bytes * ring.num_layers):
+    if seen is not None and pipe.direct(ring, len(dst_ids)):
         if pipe.kernel is None:
             copy_blocks(seen, pool, lo + positions, dst_ids)
             return None
@@ -777,9 +778,8 @@ class StagingTransport(LocalTransport):
         # Staged and not yet posted: (first slot, destination ids, slots to free after it).
         self._pending: list[tuple[int, np.ndarray, int]] = []
         self._pipes: dict[torch.device, _Pipe] = {}  # by pool device; used in write order only
-        self._seen: dict[
-            tuple[object, ...], Optional[PagedKV]
-        ] = {}  # the ring as each kind of pool sees it (direct legs)
+        # The ring as each kind of pool sees it (direct legs; None: not addressable there).
+        self._seen: dict[tuple[object, ...], Optional[PagedKV]] = {}
 
     def _open(self, hello: dict[str, Any]) -> tuple[PagedKV, Callable[[], None]]:
         if hello["kind"] != "staging":
@@ -872,9 +872,7 @@ class StagingTransport(LocalTransport):
                 else np.asarray(p.positions, dtype=np.int64)
                 for p in parts
             ]
-            if pipe.direct(n * ring.block_bytes * ring.num_layers) and self._stage_direct(
-                layers, parts, [lo + where for where in at], pipe.legs
-            ):
+            if pipe.direct(ring, n) and self._stage_direct(layers, parts, [lo + where for where in at], pipe.legs):
                 return
             scratches = pipe.pieces(parts[0].pool)
             step = scratches[0].num_blocks
