@@ -12,6 +12,7 @@ of these guards tripped.
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
 import threading
 from typing import Any, Callable, Sequence
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import TRANSFER_POOLS
+from kvferry.engine import CopyEngine, Pending, _FuturePending
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
@@ -207,6 +209,8 @@ class _StuckPosts:
         self.stuck = threading.Event()
         self._post = transport.post
         transport.post = self.post
+        # A socket nobody drains takes nothing now: the executor's own try leaves the post.
+        transport.try_post = lambda *args: False
 
     def post(self, *args: Any) -> None:
         self.stuck.set()
@@ -275,6 +279,77 @@ def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
         sender.send_chunks([1], [4 * TPB], [8 * TPB], table(range(8)), table(range(8)))
         receiver.wait(1, timeout=GUARD)
         assert wakes, "the write's completion woke the announcer"
+        for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
+            assert torch.equal(got, want)
+        assert_exactly_once(receiver.notices(1), 8)
+    finally:
+        sender.close()
+        endpoint.close()
+        del receiver
+        shared.close()
+
+
+class DoneAtOnce(CopyEngine):
+    """A copy engine whose copies have ended when `submit` returns (a small GPU copy that
+    ended while the send call went on)."""
+
+    def submit_call(self, work: Callable[[], None], *, after: Sequence[Any] = (), nbytes: int = 0) -> Pending:
+        assert not after
+        work()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(None)
+        return _FuturePending(done)
+
+
+def sends_by_thread(transport: Any) -> list[str]:
+    """The name of the thread that sent each frame on ``transport``'s connection."""
+    names: list[str] = []
+    conn = transport._conn
+    send, try_send = conn.send, conn.try_send
+
+    def sent(frame: Any) -> None:
+        send(frame)
+        names.append(threading.current_thread().name)
+
+    def tried(frame: Any) -> bool:
+        went = try_send(frame)
+        if went:
+            names.append(threading.current_thread().name)
+        return bool(went)
+
+    conn.send, conn.try_send = sent, tried
+    return names
+
+
+def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_thread() -> None:
+    """A copy that ended before the send call returned: the calling thread posts its
+    notices itself (their frame fits in the connection), without waking the announcer; a
+    frame the connection would not take now is left to the announcer, which posts it."""
+    shared, receiver, endpoint, transport = shm_pair()
+    src = POOLS.random(4)
+    sender = KVSender(src, transport, engine=DoneAtOnce(), timeout=GUARD * 4)
+    try:
+        epoch = receiver.expect(1, 8 * TPB)
+        sender.add(1, 8 * TPB, epoch=epoch)
+        sender.flush(GUARD)  # the announce went, in a pass that saw request 1 registered
+        names = sends_by_thread(transport)
+        wakes: list[int] = []
+        wake_set = sender._wake.set
+
+        def counted() -> None:
+            wakes.append(1)
+            wake_set()
+
+        sender._wake.set = counted  # type: ignore[method-assign]
+        sender.send_chunks([1], [0], [4 * TPB], table(range(8)), table(range(8)))
+        assert names == [threading.current_thread().name]
+        assert wakes == []
+        # The connection takes nothing now: the announcer posts the next write.
+        transport._conn.try_send = lambda frame: False
+        sender.send_chunks([1], [4 * TPB], [8 * TPB], table(range(8)), table(range(8)))
+        receiver.wait(1, timeout=GUARD)
+        assert names == [threading.current_thread().name, "kvferry-sender-progress"]
+        assert wakes, "the post left behind woke the announcer"
         for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
             assert torch.equal(got, want)
         assert_exactly_once(receiver.notices(1), 8)

@@ -591,3 +591,39 @@ def test_the_wire_fuzz_corpus_seeds_every_frame_type() -> None:
             pass
     rendezvous = {"lookup", "destination", "refused", "abandon", "abandoned", "offer", "accepted"}
     assert rendezvous | {"challenge", "proof", "hello", "notices", "goodbye"} <= kinds, kinds
+
+
+def _big_notices(tag: int, blocks: int) -> Any:
+    from kvferry.transports.frames import Notices
+
+    notice = Notice(tag, 0, 0, blocks, True, 1, 0, 1)
+    return Notices([notice], np.arange(blocks, dtype=np.int64))
+
+
+def test_try_send_never_waits_and_the_frame_it_began_goes_whole_before_later_ones() -> None:
+    """`Channel.try_send_frame` on a socket whose peer reads nothing yet: a frame larger
+    than the socket takes goes in part at once (the rest by the writer thread), a try
+    while that rest waits sends nothing, and a blocking send made then goes only after
+    that rest: the peer reads whole frames in order."""
+    import threading
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    sender, reader = wire.Channel(a), wire.Channel(b)
+    try:
+        big = wire.encode(_big_notices(1, 1 << 17))  # 1 MiB of ids: more than the socket holds
+        assert sender.try_send_frame(big)
+        assert sender.waiting > 0  # the rest waits for the writer thread
+        assert not sender.try_send_frame(wire.encode(_big_notices(2, 4)))
+        after = threading.Thread(target=sender.send, args=(_big_notices(3, 4),))
+        after.start()
+        got = [reader.recv(SLACK) for _ in range(2)]
+        after.join(SLACK)
+        assert not after.is_alive()
+        assert [f.notices[0].request_id for f in got] == [1, 3]
+        assert np.array_equal(got[0].dst_ids, np.arange(1 << 17))
+        assert sender.try_send_frame(wire.encode(_big_notices(4, 4)))  # room again: it goes
+        assert reader.recv(SLACK).notices[0].request_id == 4
+    finally:
+        sender.close()
+        reader.close()

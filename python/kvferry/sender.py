@@ -166,6 +166,8 @@ class _Op:
     args: tuple[Any, ...]
     request_ids: tuple[int, ...] = ()
     quiet: bool = False
+    # The same call where it waits on nothing (`Transport.try_post`): whether it was made.
+    nowait: Any = None
 
 
 @dataclass(frozen=True)
@@ -310,8 +312,8 @@ class KVSender:
         self._lost: Optional[TransferError] = None  # the receiver is gone: nothing can be sent
         self._closing = threading.Event()
         self._wake = threading.Event()  # a write was queued, a request added, or close began
-        # The oldest write's completion sets ``_wake`` (`_arm`): the thread that submitted it
-        # asks at once, so the copy engine watches the copy while the executor's call goes on.
+        # The oldest write's completion sets ``_wake`` (`_arm`), asked for by the executor's
+        # call that submitted it as it ends, or by the announcer.
         self._armed: Optional[Pending] = None
         self._watching = False  # the announcer's last pass saw requests or writes to watch
         self._progress: Optional[threading.Thread] = None
@@ -400,14 +402,21 @@ class KVSender:
         self._kick(raising=True)
 
     def _kick(self, raising: bool) -> None:
-        """After an executor call queued something: the announcer sends it; with no
-        announcer (``progress=False``), or a transport that does no network I/O (in-process:
-        its posts are method calls), the caller sends the outbox itself."""
+        """After an executor call: the announcer sends what it queued; with no announcer
+        (``progress=False``), or a transport that does no network I/O (in-process: its posts
+        are method calls), the caller sends the outbox itself. Either way, a write whose copy
+        has ended already (a small one often has by now) is posted by the caller where that
+        waits on nothing (`Transport.try_post`): no hand-off to the announcer before its
+        notices leave."""
         if self._announcing():
+            if not self._local_io:
+                self._finish_done()
+                self._send_outbox(raising=False, nowait=True)
+                self._arm_head()
             # It watches the receiver while requests are registered, sends the outbox and
-            # submits the backlog; a write whose completion is armed wakes it when done, and a
-            # write submitted woke it already (`_submit`). A call that left it nothing new (a
-            # step's poll) leaves it asleep: its pass would take the executor's GIL and core.
+            # submits the backlog; a write whose completion is armed wakes it when done. A
+            # call that left it nothing new (a step's poll) leaves it asleep: its pass would
+            # take the executor's GIL and core.
             if self._outbox or self._backlog or not self._watching or not self._head_armed():
                 self._wake.set()
             if not self._local_io:
@@ -418,21 +427,43 @@ class KVSender:
             if raising:
                 raise
 
-    def _send_outbox(self, raising: bool) -> None:
+    def _finish_done(self) -> None:
+        """The executor's thread, after its call: moves the finished writes at the head of the
+        queue to the outbox, as the announcer would (an error is kept for a later call)."""
+        if not self._inflight or not self._inflight[0].pending.done():
+            return
+        with self._lock:
+            try:
+                while self._inflight and self._inflight[0].pending.done():
+                    self._finish(self._inflight.popleft())
+            except TransferError as err:  # its requests are failed already
+                self._defer(err)
+
+    def _send_outbox(self, raising: bool, nowait: bool = False) -> None:
         """Sends the outbox in order: the one place that posts, abandons, fences and
         announces. Holds ``_wire`` (and ``_lock`` only to pop, never across a send). A
         failure loses the receiver: raised (``raising``, the executor's thread) or kept
-        for the executor's next call."""
+        for the executor's next call. ``nowait``: only what waits on nothing (``_wire``
+        free, each a post that fits in the connection now: `Transport.try_post`), stopping
+        at the first that does not; the announcer sends the rest."""
         if not self._outbox:
             # Nothing to send: ``_wire`` stays free, so an executor call that only tries it
             # hands its write over at once instead of backlogging it.
             return
-        with self._wire:
+        if not self._wire.acquire(blocking=not nowait):
+            return
+        try:
             while self._outbox:
-                op = self._outbox.popleft()
+                # Taken off once sent; only a holder of ``_wire`` takes ops off.
+                op = self._outbox[0]
                 try:
-                    op.call(*op.args)
+                    if not nowait:
+                        op.call(*op.args)
+                    elif op.nowait is None or not op.nowait(*op.args):
+                        return
+                    self._outbox.popleft()
                 except TransferError as err:
+                    self._outbox.popleft()
                     if op.quiet:
                         continue  # an abandon: the receiver holds nothing of ours any more
                     with self._lock:
@@ -443,6 +474,8 @@ class KVSender:
                     if raising:
                         raise lost from err
                     return
+        finally:
+            self._wire.release()
 
     def _submit(self, held: _Held) -> bool:
         """Hands one write to the transport (the caller holds ``_wire``); False, changing
@@ -458,19 +491,15 @@ class KVSender:
         self._inflight.append(
             _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
         )
-        if len(self._inflight) == 1 and self._announcing():
-            self._arm(pending)
-        # Woken even so: a small copy often ends before the executor's call returns, and the
-        # announcer, waiting for ``_lock`` meanwhile, then posts it in the pass that follows;
-        # left asleep until the completion's callback, it posted 60-90 us later (one H100).
-        self._wake.set()
+        # The announcer is woken by the copy's completion, armed once the executor's call
+        # ends (`_kick`: a copy that ended meanwhile is posted by that thread itself), or
+        # armed by the announcer where it submitted the write.
         return True
 
     def _arm(self, head: Pending) -> bool:
         """Has the oldest write's completion wake the announcer (`Pending.when_done`), once;
         returns whether it will (a copy that cannot tell leaves the announcer to look). The
-        thread that submits the write asks at once, so the copy engine watches the copy
-        while the executor's call goes on."""
+        executor's call asks as it ends (`_kick`), after posting a copy that ended already."""
         with self._lock:
             if head is self._armed:
                 return True
@@ -478,6 +507,12 @@ class KVSender:
                 self._armed = head
                 return True
             return False
+
+    def _arm_head(self) -> None:
+        """Arms the oldest write's completion (`_arm`), if a write is in flight."""
+        with self._lock:
+            if self._inflight:
+                self._arm(self._inflight[0].pending)
 
     def _head_armed(self) -> bool:
         """Whether no write is in flight, or the oldest one's completion wakes the announcer."""
@@ -868,7 +903,9 @@ class KVSender:
         revoked = frozenset(rid for rid in ids if self._drops(rid))
         if job.checksums is not None:
             job.notices = job.checksums.stamp(job.notices)
-        self._outbox.append(_Op(self.transport.post, (job.notices, revoked), tuple(ids)))
+        self._outbox.append(
+            _Op(self.transport.post, (job.notices, revoked), tuple(ids), nowait=self.transport.try_post)
+        )
         if self.records is not None:
             started, finished = job.pending.interval() or (job.submitted_at, time.monotonic())
             self.records.append(TransferRecord(job.kind, job.notices, job.nbytes, job.submitted_at, started, finished))

@@ -32,12 +32,17 @@ if TYPE_CHECKING:
 
     from kvferry.checksum import WriteChecksums
 
-__all__ = ["Transport", "TransportFull", "Write", "kept"]
+__all__ = ["Transport", "TransportFull", "WouldWait", "Write", "kept"]
 
 
 class TransportFull(KvFerryError):
     """The transport has no room for a write until earlier writes are posted and the
     receiver releases them (a bounded staging ring, say). Nothing was queued."""
+
+
+class WouldWait(Exception):
+    """Inside `Transport.try_post`: the post's frame would wait on the receiver; nothing was
+    sent or changed. Never leaves the transport."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,13 @@ class Transport(ABC):
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         """Called once per finished write, in order, with every notice the write carried:
         delivers those whose request is not in ``revoked`` (cancelled requests)."""
+
+    def try_post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> bool:
+        """`post`, where it waits on nothing (its frame fits in the connection now): True once
+        posted; False, nothing sent or changed, where it would wait, or where the transport
+        cannot tell. A thread that must not wait on the receiver (the engine's) tries it and
+        otherwise leaves the post to one that may."""
+        return False
 
     @abstractmethod
     def revoke(self, request_id: int, epoch: int) -> None:

@@ -38,6 +38,7 @@ transport after its copies ended (`KVSender.close`), so nothing more lands in th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -58,7 +59,7 @@ from kvferry.layout import PagedKV
 from kvferry.notice import Notice
 from kvferry.receiver import KVReceiver, LeaseError
 from kvferry.transports import guard, wire
-from kvferry.transports.base import Transport, Write, kept
+from kvferry.transports.base import Transport, WouldWait, Write, kept
 from kvferry.transports.frames import Announce, Cancel, Frame, Freed, Goodbye, Notices, Revoke
 from kvferry.transports.frames import Hello as HelloFrame
 from kvferry.transports.wire import DEFAULT_HANDSHAKE_SECONDS, AuthenticationError
@@ -576,6 +577,17 @@ class PeerConnection:
         except OSError as err:
             raise self._lose(err) from err
 
+    def try_send(self, frame: Frame) -> bool:
+        """`send`, where that waits on nothing (`wire.Channel.try_send_frame`): whether the
+        frame went; False, nothing sent, where the socket takes none of it now."""
+        if self.lost is not None:
+            raise self.lost
+        data = wire.encode(frame)
+        try:
+            return self._channel.try_send_frame(data)
+        except OSError as err:
+            raise self._lose(err) from err
+
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         if self.lost is not None:
             raise self.lost
@@ -637,6 +649,10 @@ class PeerConnection:
     def close(self) -> None:
         for fd in self.take_fds():
             os.close(fd)
+        if self.lost is None:
+            # The rest of a frame `try_send` began, before the end of the connection.
+            with contextlib.suppress(OSError):
+                self._channel.drain()
         self._channel.close()
 
 
@@ -656,6 +672,7 @@ class LocalTransport(Transport):
     ) -> None:
         self._conn = PeerConnection(address, authkey, handshake_timeout)
         self.peer = self._conn.peer
+        self._nowait = False  # inside `try_post`
         # Destination ids of the writes queued and not yet posted, oldest first (writes are
         # posted or abandoned in the order they were queued).
         self._written: deque[np.ndarray] = deque()
@@ -688,13 +705,27 @@ class LocalTransport(Transport):
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
         keep = kept(batch, revoked)
         # The destination ids of the write these notices describe; none for a post without
-        # a write (a sender that has no write to describe names no blocks).
-        dst = self._written.popleft() if self._written else None
+        # a write (a sender that has no write to describe names no blocks). Taken once sent:
+        # a post `try_post` could not make now changes nothing.
+        dst = self._written[0] if self._written else None
         if dst is not None and len(keep) != len(batch):
             lengths = np.array([n.end - n.start for n in batch])
             dst = dst[np.repeat([n.request_id not in revoked for n in batch], lengths)]
         if keep:
             self._send(Notices(keep, dst))
+        if self._written:
+            self._written.popleft()
+
+    def try_post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> bool:
+        """`post`, where its frame fits in the connection now (`PeerConnection.try_send`)."""
+        self._nowait = True
+        try:
+            self.post(batch, revoked)
+        except WouldWait:
+            return False
+        finally:
+            self._nowait = False
+        return True
 
     def abandon(self, batch: Sequence[Notice]) -> None:
         if self._written:
@@ -704,7 +735,12 @@ class LocalTransport(Transport):
         self._send(Revoke(int(request_id), int(epoch)))
 
     def _send(self, frame: Frame) -> None:
-        self._conn.send(frame)
+        """One frame to the receiver; inside `try_post`, only where it needs no wait (else
+        `WouldWait`, nothing sent: a post changes nothing before its frame is sent)."""
+        if not self._nowait:
+            self._conn.send(frame)
+        elif not self._conn.try_send(frame):
+            raise WouldWait()
 
     def close(self) -> None:
         """Closes the connection and releases the receiver's pool; a second close (its

@@ -941,8 +941,9 @@ class StagingTransport(LocalTransport):
         return True
 
     def post(self, batch: Sequence[Notice], revoked: AbstractSet[int] = frozenset()) -> None:
-        # Writes finish in order, so the oldest staged batch is this one.
-        lo, d, freed = self._pending.pop(0)
+        # Writes finish in order, so the oldest staged batch is this one; taken once sent (a
+        # post `try_post` could not make now changes nothing).
+        lo, d, freed = self._pending[0]
         keep = kept(batch, revoked)
         if len(keep) == len(batch):
             self._send(Staged(keep, lo, freed, None, d))
@@ -952,6 +953,7 @@ class StagingTransport(LocalTransport):
             lengths = np.array([n.end - n.start for n in batch])
             mask = np.repeat([n.request_id not in revoked for n in batch], lengths)
             self._send(Staged(keep, lo, freed, np.flatnonzero(mask), d[mask]))
+        self._pending.pop(0)
         self._collect_frees()
 
     def abandon(self, batch: Sequence[Notice]) -> None:

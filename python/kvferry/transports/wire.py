@@ -485,6 +485,10 @@ class Channel:
       at most ``frame_timeout`` seconds more;
     - `send` blocks the calling thread (frames whole, in order) until the frame is sent, but
       a peer that takes nothing for ``send_timeout`` seconds is cut off (`StalledError`);
+      `try_send_frame` sends only where the socket takes the frame's first bytes now (its
+      rest, if any, then goes by a writer thread, as below), so a thread that must not wait
+      (an engine's step posting a notice) tries it and otherwise leaves the frame to one
+      that may;
     - with ``queue_bytes`` (an endpoint's channels) `send` never blocks at all: what does not
       fit in the socket now waits in a queue that a writer thread of the channel's own sends
       on, and a peer that lets more than ``queue_bytes`` wait, or takes nothing for
@@ -545,6 +549,7 @@ class Channel:
             if self._closed:
                 raise ChannelClosedError("the channel is closed")
             if self.queue_bytes is None:
+                self._drain()  # the rest of a frame `try_send_frame` began goes first
                 self._send_blocking(view, fds)
                 return
             if not self._queue:
@@ -563,7 +568,53 @@ class Channel:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
                 self._writer.start()
-            self._changed.notify()
+            self._changed.notify_all()
+
+    def try_send_frame(self, data: bytes) -> bool:
+        """An encoded frame, whole, on a channel without ``queue_bytes``, where that needs no
+        wait: True once the socket took its first bytes (any rest follows by the writer
+        thread, ahead of every later frame); False, nothing sent, where the socket takes
+        none now or another thread is sending. Raises as `send_frame` does."""
+        view = memoryview(data)
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.broken is not None:
+                raise StalledError(self.broken)
+            if self._closed:
+                raise ChannelClosedError("the channel is closed")
+            if self._queue:
+                return False
+            sent = _send_some(self.sock, view, ())
+            if not sent:
+                return False
+            if sent < len(view):
+                self._queue.append((view[sent:], ()))
+                self._queued += len(view) - sent
+                self._moved = time.monotonic()
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
+                    self._writer.start()
+                self._changed.notify_all()
+            return True
+        finally:
+            self._lock.release()
+
+    def _drain(self) -> None:
+        """(lock held) Waits until the writer thread sent what waits for it (it cuts the peer
+        off after ``send_timeout`` without progress); raises `StalledError` once it did."""
+        while self._queue and self.broken is None and not self._closed:
+            self._changed.wait()
+        if self.broken is not None:
+            raise StalledError(self.broken)
+        if self._closed:
+            raise ChannelClosedError("the channel is closed")
+
+    def drain(self) -> None:
+        """Waits until what waits for the writer thread was sent, or the peer was cut off
+        (then raises `StalledError`)."""
+        with self._lock:
+            self._drain()
 
     def _send_blocking(self, view: memoryview, fds: Sequence[int]) -> None:
         """(lock held) The whole of ``view``, waiting for room at most ``send_timeout`` at a time."""
@@ -600,6 +651,8 @@ class Channel:
                     self._moved = time.monotonic()
                     if sent == len(view):
                         self._queue.popleft()
+                        if not self._queue:
+                            self._changed.notify_all()  # a send waiting for the queue to drain
                     else:
                         self._queue[0] = (view[sent:], ())
                     continue
@@ -663,7 +716,7 @@ class Channel:
                 if self._writer is None:
                     self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
                     self._writer.start()
-                self._changed.notify()
+                self._changed.notify_all()
         except OSError:
             pass
         finally:
