@@ -67,10 +67,10 @@ def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: in
         op, rid = conn.recv()
         if op == "stop":
             break
-        if op == "expect":
-            receiver.expect(rid, blocks * 16)
-            conn.send("ok")
-            continue
+        # Waiting already when the write starts, as the waiting thread of a decode server
+        # would be: the pipe's next message does not take this process's GIL mid-write.
+        receiver.expect(rid, blocks * 16)
+        conn.send("ok")
         receiver.wait(rid, timeout=60)
         waited = time.monotonic()
         receiver.release(rid)
@@ -193,7 +193,7 @@ def measure(
         for rid in range(1, reps + 4):
             sender.add(rid, blocks * 16)
             parent.send(("expect", rid))
-            parent.recv()
+            parent.recv()  # the receiver expects it, and waits for it from now on
             marks.clear()
             if device == "cuda":
                 import torch
@@ -208,7 +208,6 @@ def measure(
             part_rows.append({k: v * 1e6 for k, v in spent.items()})
             if profiler is not None:
                 profiler.disable()
-            parent.send(("wait", rid))
             read, delivered, waited = parent.recv()
             sender.flush(60)
             sender.remove(rid)

@@ -429,8 +429,9 @@ class KVSender:
 
     def _finish_done(self) -> None:
         """The executor's thread, after its call: moves the finished writes at the head of the
-        queue to the outbox, as the announcer would (an error is kept for a later call)."""
-        if not self._inflight or not self._inflight[0].pending.done():
+        queue to the outbox, as the announcer would (an error is kept for a later call).
+        Under ``_lock``, as every look at a write's state (a NIXL write's is not thread-safe)."""
+        if not self._inflight:
             return
         with self._lock:
             try:

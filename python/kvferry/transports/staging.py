@@ -42,7 +42,7 @@ import torch
 
 from kvferry.checksum import summed
 from kvferry.copy import BlockCopies, copy_blocks, packed_ids
-from kvferry.engine import CopyEngine, Pending
+from kvferry.engine import SPIN_WAIT_BYTES, CopyEngine, Pending
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
 from kvferry.layout import PagedKV
 from kvferry.notice import Notice
@@ -404,6 +404,7 @@ class _Applying:
     source: Any
     named: np.ndarray  # the destination ids the sender named (for the lease check)
     freed: int
+    short: bool = False  # at most `engine.SPIN_WAIT_BYTES`: waited for in one spin (`_settle`)
 
 
 def _unstage(
@@ -666,6 +667,7 @@ class StagingEndpoint(LocalEndpoint):
         # hand on blocks this write still lands in.
         landing = Landing()
         done = None
+        short = False
         try:
             admitted = [
                 self.receiver.admits(n, source, dst_ids=dst_ids[bounds[i] : bounds[i + 1]], landing=landing)
@@ -684,13 +686,14 @@ class StagingEndpoint(LocalEndpoint):
             if len(dst_ids):
                 at = np.arange(len(dst_ids), dtype=np.int64) if picked is None else np.asarray(picked, dtype=np.int64)
                 done = _unstage(ring, pool, staging.pipe, lo, at, np.asarray(dst_ids, dtype=np.int64), seen)
+            short = len(dst_ids) * pool.block_bytes * pool.num_layers <= SPIN_WAIT_BYTES
         except BaseException:
             staging.pipe.synchronize()  # whatever was queued has ended
             done = None
             raise
         finally:
             landing.copied(done)
-        staging.applying.append(_Applying(done, notices, source, named, int(freed)))
+        staging.applying.append(_Applying(done, notices, source, named, int(freed), short))
         self._settle(staging, everything=False)
 
     def _settle(self, staging: _Ring, *, everything: bool) -> None:
@@ -698,7 +701,10 @@ class StagingEndpoint(LocalEndpoint):
         the frame that frees its slots. ``everything``: waits for all of them. Otherwise it
         waits for the oldest only until the sender's next frame is there: that frame's
         copies are then queued behind it (the host-to-device leg never idles between two
-        writes for the host's round trip) and the wait goes on after it. A write read after
+        writes for the host's round trip) and the wait goes on after it; a short write
+        (`engine.SPIN_WAIT_BYTES`: a request's tail) is waited for in one wait on its event,
+        which spins without the GIL, so it is delivered as its copy ends rather than at the
+        next look (every ``APPLY_POLL_SECONDS``, which sleeps longer). A write read after
         one whose delivery broke the protocol is dropped, as if never read (it was not, in
         the order frames are read); its copies only touched blocks its notices were admitted
         for."""
@@ -706,7 +712,7 @@ class StagingEndpoint(LocalEndpoint):
         while staging.applying:
             entry = staging.applying[0]
             if entry.done is not None and not entry.done.query():
-                if everything or peer is None or peer.channel is None:
+                if everything or peer is None or peer.channel is None or entry.short:
                     entry.done.synchronize()
                 else:
                     while not entry.done.query():
