@@ -197,32 +197,32 @@ class PagedKV:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.layers[0].shape)
 
-    @property
+    @functools.cached_property
     def num_blocks(self) -> int:
         return self.shape[self.block_dim]
 
-    @property
+    @functools.cached_property
     def dtype(self) -> torch.dtype:
         return self.layers[0].dtype
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
         return self.layers[0].device
 
-    @property
+    @functools.cached_property
     def segments(self) -> int:
         """Contiguous pieces of one block in one layer (the product of the outer dims)."""
         return math.prod(self.shape[: self.block_dim])
 
-    @property
+    @functools.cached_property
     def segment_bytes(self) -> int:
         return math.prod(self.shape[self.block_dim + 1 :]) * self.layers[0].element_size()
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         """Bytes of one block in one layer."""
         return self.segments * self.segment_bytes
