@@ -430,15 +430,17 @@ class KVSender:
     def _finish_done(self) -> None:
         """The executor's thread, after its call: moves the finished writes at the head of the
         queue to the outbox, as the announcer would (an error is kept for a later call).
-        Under ``_lock``, as every look at a write's state (a NIXL write's is not thread-safe)."""
-        if not self._inflight:
+        Under ``_lock``, as every look at a write's state (a NIXL write's is not thread-safe);
+        only tried: an announcer holding it is in a pass that does this itself."""
+        if not self._inflight or not self._lock.acquire(blocking=False):
             return
-        with self._lock:
-            try:
-                while self._inflight and self._inflight[0].pending.done():
-                    self._finish(self._inflight.popleft())
-            except TransferError as err:  # its requests are failed already
-                self._defer(err)
+        try:
+            while self._inflight and self._inflight[0].pending.done():
+                self._finish(self._inflight.popleft())
+        except TransferError as err:  # its requests are failed already
+            self._defer(err)
+        finally:
+            self._lock.release()
 
     def _send_outbox(self, raising: bool, nowait: bool = False) -> None:
         """Sends the outbox in order: the one place that posts, abandons, fences and
@@ -510,10 +512,15 @@ class KVSender:
             return False
 
     def _arm_head(self) -> None:
-        """Arms the oldest write's completion (`_arm`), if a write is in flight."""
-        with self._lock:
+        """Arms the oldest write's completion (`_arm`), if a write is in flight; only tried,
+        as `_finish_done` (an announcer in its pass arms the head as the pass ends)."""
+        if not self._inflight or not self._lock.acquire(blocking=False):
+            return
+        try:
             if self._inflight:
                 self._arm(self._inflight[0].pending)
+        finally:
+            self._lock.release()
 
     def _head_armed(self) -> bool:
         """Whether no write is in flight, or the oldest one's completion wakes the announcer."""
