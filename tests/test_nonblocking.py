@@ -90,6 +90,13 @@ def assert_exactly_once(notices: Sequence[Notice], blocks: int) -> None:
     assert count.tolist() == [1] * blocks, count
 
 
+def assert_landed_once(receiver: KVReceiver, src: PagedKV, blocks: int) -> None:
+    """Request 1's first ``blocks`` blocks landed equal to the source's, each noticed once."""
+    for got, want in zip(blocks_of(receiver.pool, range(blocks)), blocks_of(src, range(blocks))):
+        assert torch.equal(got, want)
+    assert_exactly_once(receiver.notices(1), blocks)
+
+
 def shm_pair() -> tuple[Any, KVReceiver, Any, Any]:
     """A shared-memory receiver pool, its receiver and endpoint, and a transport to it."""
     from kvferry.transports.shm import ShmEndpoint, ShmTransport
@@ -240,9 +247,7 @@ def test_a_post_stuck_on_the_network_stalls_no_executor_call() -> None:
         assert not receiver.is_complete(1)
         stuck.go.set()
         receiver.wait(1, timeout=GUARD)
-        for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
-            assert torch.equal(got, want)
-        assert_exactly_once(receiver.notices(1), 8)
+        assert_landed_once(receiver, src, 8)
         receiver.release(2, timeout=GUARD)  # fenced after the stuck post went
     finally:
         stuck.go.set()
@@ -250,6 +255,19 @@ def test_a_post_stuck_on_the_network_stalls_no_executor_call() -> None:
         endpoint.close()
         del receiver
         shared.close()
+
+
+def counted_wakes(sender: KVSender) -> list[int]:
+    """One entry per time the sender wakes its announcer from now on."""
+    wakes: list[int] = []
+    wake_set = sender._wake.set
+
+    def counted() -> None:
+        wakes.append(1)
+        wake_set()
+
+    sender._wake.set = counted  # type: ignore[method-assign]
+    return wakes
 
 
 def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
@@ -265,23 +283,14 @@ def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
         sender.add(1, 8 * TPB, epoch=epoch)
         sender.send_chunks([1], [0], [4 * TPB], table(range(8)), table(range(8)))
         sender.flush(GUARD)  # the announcer posted it, in a pass that saw request 1 registered
-        wakes: list[int] = []
-        wake_set = sender._wake.set
-
-        def counted() -> None:
-            wakes.append(1)
-            wake_set()
-
-        sender._wake.set = counted  # type: ignore[method-assign]
+        wakes = counted_wakes(sender)
         for _ in range(20):
             assert sender.poll() == []
         assert wakes == []
         sender.send_chunks([1], [4 * TPB], [8 * TPB], table(range(8)), table(range(8)))
         receiver.wait(1, timeout=GUARD)
         assert wakes, "the write's completion woke the announcer"
-        for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
-            assert torch.equal(got, want)
-        assert_exactly_once(receiver.notices(1), 8)
+        assert_landed_once(receiver, src, 8)
     finally:
         sender.close()
         endpoint.close()
@@ -333,14 +342,7 @@ def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_t
         sender.add(1, 8 * TPB, epoch=epoch)
         sender.flush(GUARD)  # the announce went, in a pass that saw request 1 registered
         names = sends_by_thread(transport)
-        wakes: list[int] = []
-        wake_set = sender._wake.set
-
-        def counted() -> None:
-            wakes.append(1)
-            wake_set()
-
-        sender._wake.set = counted  # type: ignore[method-assign]
+        wakes = counted_wakes(sender)
         sender.send_chunks([1], [0], [4 * TPB], table(range(8)), table(range(8)))
         assert names == [threading.current_thread().name]
         assert wakes == []
@@ -350,9 +352,7 @@ def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_t
         receiver.wait(1, timeout=GUARD)
         assert names == [threading.current_thread().name, "kvferry-sender-progress"]
         assert wakes, "the post left behind woke the announcer"
-        for got, want in zip(blocks_of(receiver.pool, range(8)), blocks_of(src, range(8))):
-            assert torch.equal(got, want)
-        assert_exactly_once(receiver.notices(1), 8)
+        assert_landed_once(receiver, src, 8)
     finally:
         sender.close()
         endpoint.close()
