@@ -317,12 +317,12 @@ def sends_by_thread(transport: Any) -> list[str]:
     send, try_send = conn.send, conn.try_send
 
     def sent(frame: Any) -> None:
+        names.append(threading.current_thread().name)  # before: the receiver may act on it at once
         send(frame)
-        names.append(threading.current_thread().name)
 
     def tried(frame: Any) -> bool:
         went = try_send(frame)
-        if went:
+        if went:  # on the calling thread, before its call returns
             names.append(threading.current_thread().name)
         return bool(went)
 
