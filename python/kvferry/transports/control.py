@@ -569,22 +569,20 @@ class PeerConnection:
 
     def send(self, frame: Frame) -> None:
         """One frame to the receiver. A frame the codec refuses raises (nothing was sent)."""
-        if self.lost is not None:
-            raise self.lost
-        data = wire.encode(frame)
-        try:
-            self._channel.send_frame(data)
-        except OSError as err:
-            raise self._lose(err) from err
+        self._send_by(self._channel.send_frame, frame)
 
     def try_send(self, frame: Frame) -> bool:
         """`send`, where that waits on nothing (`wire.Channel.try_send_frame`): whether the
         frame went; False, nothing sent, where the socket takes none of it now."""
+        return bool(self._send_by(self._channel.try_send_frame, frame))
+
+    def _send_by(self, send: Callable[[bytes], Optional[bool]], frame: Frame) -> Optional[bool]:
+        """``frame``, encoded, through one of the channel's sends; a failure loses the receiver."""
         if self.lost is not None:
             raise self.lost
         data = wire.encode(frame)
         try:
-            return self._channel.try_send_frame(data)
+            return send(data)
         except OSError as err:
             raise self._lose(err) from err
 

@@ -544,10 +544,7 @@ class Channel:
         connection failed."""
         view = memoryview(data)
         with self._lock:
-            if self.broken is not None:
-                raise StalledError(self.broken)
-            if self._closed:
-                raise ChannelClosedError("the channel is closed")
+            self._check_open()
             if self.queue_bytes is None:
                 self._drain()  # the rest of a frame `try_send_frame` began goes first
                 self._send_blocking(view, fds)
@@ -563,12 +560,7 @@ class Channel:
                     f"the peer stopped reading: {self._queued} bytes already waited for it (at most {self.queue_bytes})"
                 )
                 raise StalledError(self.broken)
-            self._queue.append((view, fds))
-            self._queued += len(view)
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
-                self._writer.start()
-            self._changed.notify_all()
+            self._enqueue(view, fds)
 
     def try_send_frame(self, data: bytes) -> bool:
         """An encoded frame, whole, on a channel without ``queue_bytes``, where that needs no
@@ -579,36 +571,42 @@ class Channel:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if self.broken is not None:
-                raise StalledError(self.broken)
-            if self._closed:
-                raise ChannelClosedError("the channel is closed")
+            self._check_open()
             if self._queue:
                 return False
             sent = _send_some(self.sock, view, ())
             if not sent:
                 return False
             if sent < len(view):
-                self._queue.append((view[sent:], ()))
-                self._queued += len(view) - sent
                 self._moved = time.monotonic()
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
-                    self._writer.start()
-                self._changed.notify_all()
+                self._enqueue(view[sent:], ())
             return True
         finally:
             self._lock.release()
+
+    def _check_open(self) -> None:
+        """(lock held) Raises `StalledError` once the peer was cut off, `ChannelClosedError`
+        once the channel closed."""
+        if self.broken is not None:
+            raise StalledError(self.broken)
+        if self._closed:
+            raise ChannelClosedError("the channel is closed")
+
+    def _enqueue(self, view: memoryview, fds: Sequence[int]) -> None:
+        """(lock held) ``view`` to the writer thread, after what waits for it already."""
+        self._queue.append((view, fds))
+        self._queued += len(view)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
+            self._writer.start()
+        self._changed.notify_all()
 
     def _drain(self) -> None:
         """(lock held) Waits until the writer thread sent what waits for it (it cuts the peer
         off after ``send_timeout`` without progress); raises `StalledError` once it did."""
         while self._queue and self.broken is None and not self._closed:
             self._changed.wait()
-        if self.broken is not None:
-            raise StalledError(self.broken)
-        if self._closed:
-            raise ChannelClosedError("the channel is closed")
+        self._check_open()
 
     def drain(self) -> None:
         """Waits until what waits for the writer thread was sent, or the peer was cut off
@@ -711,12 +709,7 @@ class Channel:
                 data = data[_send_some(self.sock, data, ()) :]
                 self._moved = time.monotonic()
             if data and self.queue_bytes is not None and self._queued + len(data) <= self.queue_bytes:
-                self._queue.append((data, ()))
-                self._queued += len(data)
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write, name="kvferry-writer", daemon=True)
-                    self._writer.start()
-                self._changed.notify_all()
+                self._enqueue(data, ())
         except OSError:
             pass
         finally:
