@@ -80,6 +80,9 @@ def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: in
     pool.close()
 
 
+# The functions `--profile` prints, by their own time.
+PROFILE_ROWS = 40
+
 # What `--parts` times inside each `send_chunks` call (inclusive, nested parts overlap):
 # (module, attribute path) pairs, each wrapped by a timer on its class or module.
 PARTS = (
@@ -236,7 +239,7 @@ def measure(
                 print(f"   {path:<32} {statistics.median(got):8.1f}")
     if profiler is not None:
         print(f"== {kind}, {blocks} blocks: send_chunks, {len(rows)} calls")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(PROFILE_ROWS)
     return {stage: statistics.median(r[stage] for r in rows) for stage in STAGES}
 
 

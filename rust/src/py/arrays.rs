@@ -3,9 +3,10 @@
 //! (or bool) array is refused with an error that names the argument: floats, bool masks
 //! where ids belong, ragged lists, the wrong number of dimensions.
 
-use numpy::{Element, PyArray, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
+use numpy::{Element, PyArray, PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt, PyList};
 
 use super::args::{kind_and_value, shown};
 use super::errors::type_error;
@@ -83,7 +84,34 @@ pub fn i64_vec<'py>(
     obj: &Bound<'py, PyAny>,
     name: &'static str,
 ) -> PyResult<PyReadonlyArray<'py, i64, numpy::Ix1>> {
+    if let Some(values) = int_list(obj, name) {
+        return Ok(PyArray1::from_vec(obj.py(), values?).readonly());
+    }
     as_array(obj, name, "int64")
+}
+
+/// The values of a list of plain ints that each fit in an int64 (the chunk bounds an engine
+/// passes), read straight off the list where numpy's conversion makes about ten Python
+/// calls; a bool in it is refused by name (a flag where an id or a bound belongs, which
+/// numpy would take as 0 or 1). None for any other list (a float, a numpy scalar, an int
+/// past int64), which `as_array` converts or refuses.
+fn int_list(obj: &Bound<'_, PyAny>, name: &'static str) -> Option<PyResult<Vec<i64>>> {
+    let list = obj.cast::<PyList>().ok()?;
+    let mut values = Vec::with_capacity(list.len());
+    for (at, item) in list.iter().enumerate() {
+        if item.is_instance_of::<PyBool>() {
+            return Some(Err(type_error(
+                name,
+                "a list of ints",
+                format!("bool {} at index {at}", shown(&item)),
+            )));
+        }
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        values.push(item.extract::<i64>().ok()?);
+    }
+    Some(Ok(values))
 }
 
 /// A 2-d int64 view of `obj`.
