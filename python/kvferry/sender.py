@@ -686,11 +686,11 @@ class KVSender:
         self._check_peer()
         if self._lost is not None:
             raise self._raising(self._lost)
-        records = [r for r in map(self._requests.get, np.asarray(request_ids).tolist()) if r is not None]
-        for record in records:
-            if record.error is not None:
+        ids = np.asarray(request_ids).tolist()
+        for record in map(self._requests.get, ids):
+            if record is not None and record.error is not None:
                 raise record.error
-        hit = sorted(rid for rid in set(np.asarray(request_ids).tolist()) if self._drops(rid))
+        hit = sorted({rid for rid in ids if self._drops(rid)})
         if hit:
             raise InvalidArgumentError(f"invalid request_ids: {hit} were cancelled")
 
