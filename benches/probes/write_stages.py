@@ -129,6 +129,25 @@ def _time_parts(spent: dict[str, float]) -> None:
         setattr(owner, name, timed)
 
 
+def _inline_engine() -> Any:
+    """A CPU copy engine that runs each copy inside the send call, on its thread: what is
+    left of a write's time is its control path (planning, posting, the receiver's read,
+    delivery and wake-up), without the copy thread's hand-off."""
+    import concurrent.futures
+
+    from kvferry.engine import CopyEngine, _FuturePending
+
+    class InlineCopyEngine(CopyEngine):
+        def submit_call(self, work: Any, *, after: Any = (), nbytes: int = 0) -> Any:
+            start = time.monotonic()
+            work()
+            done: concurrent.futures.Future[tuple[float, float]] = concurrent.futures.Future()
+            done.set_result((start, time.monotonic()))
+            return _FuturePending(done)
+
+    return InlineCopyEngine()
+
+
 def measure(
     kind: str,
     device: str,
@@ -138,6 +157,7 @@ def measure(
     reps: int,
     profile: bool = False,
     parts: bool = False,
+    inline: bool = False,
 ) -> dict[str, float]:
     """Median microseconds from the ``send_chunks`` call to each stage (`STAGES`); with
     ``profile``, prints the sender thread's ``send_chunks`` calls' top functions (cProfile);
@@ -187,7 +207,7 @@ def measure(
     spent: dict[str, float] = {}
     if parts:
         _time_parts(spent)
-    sender = KVSender(src, tx)
+    sender = KVSender(src, tx, engine=_inline_engine() if inline else None)
     ids = np.arange(blocks)[None, :]
     rows: list[dict[str, float]] = []
     part_rows: list[dict[str, float]] = []
@@ -253,11 +273,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--profile", action="store_true", help="cProfile the send_chunks calls")
     ap.add_argument("--parts", action="store_true", help="time the parts of each send_chunks call")
+    ap.add_argument("--inline", action="store_true", help="CPU: each copy runs inside the send call (no copy thread)")
     args = ap.parse_args()
     print(f"{'transport':>10} {'blocks':>6} " + " ".join(f"{s:>9}" for s in STAGES) + "   (us from send_chunks)")
     for kind in args.transport.split(","):
         for blocks in map(int, args.blocks.split(",")):
-            med = measure(kind, args.device, args.layers, blocks, args.block_kib, args.reps, args.profile, args.parts)
+            med = measure(
+                kind, args.device, args.layers, blocks, args.block_kib, args.reps, args.profile, args.parts, args.inline
+            )
             print(f"{kind:>10} {blocks:>6} " + " ".join(f"{med[s]:9.0f}" for s in STAGES), flush=True)
 
 
