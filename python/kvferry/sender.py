@@ -483,13 +483,13 @@ class KVSender:
     def _submit(self, held: _Held) -> bool:
         """Hands one write to the transport (the caller holds ``_wire``); False, changing
         nothing, when it has no room."""
-        ids = sorted({n.request_id for n in held.write.notices})
         try:
             submitted = time.monotonic()
             pending = self.transport.write(self.engine, held.write)
         except TransportFull:
             return False
         except TransferError as err:  # its receiver is gone (the staging ring reading a closed socket)
+            ids = sorted({n.request_id for n in held.write.notices})
             raise self._lose_peer(err, unposted=ids) from err
         self._inflight.append(
             _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
