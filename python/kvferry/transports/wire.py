@@ -394,6 +394,9 @@ def recv_frame(
 
 
 MAX_PASSED_FDS = 4
+# What one read of a channel takes at most beyond the frame it needs: a notice frame and the
+# frames behind it, not a whole large body ahead of its header's check.
+READ_BYTES = 16 << 10
 
 
 def _send_some(sock: socket.socket, data: memoryview, fds: Sequence[int]) -> int:
@@ -527,6 +530,10 @@ class Channel:
         self._writer: Optional[threading.Thread] = None
         self._closed = False
         self.broken: Optional[str] = None  # why the channel cut the peer off
+        # Bytes read and not yet returned as a frame (the reader's only): a read takes what
+        # has arrived, up to `READ_BYTES`, so a frame's header and body usually come in one
+        # call, and a frame that arrived behind it needs none.
+        self._read = bytearray()
 
     @property
     def waiting(self) -> int:
@@ -682,12 +689,45 @@ class Channel:
 
     def recv(self, timeout: Optional[float] = None) -> Frame:
         """One frame whose first byte comes within ``timeout`` seconds (None: no bound) and
-        the rest within ``frame_timeout`` of it; ``socket.timeout`` past either."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return recv_frame(self.sock, self.limit, deadline, self.frames, whole_s=self.frame_timeout)
+        the rest within ``frame_timeout`` of it; ``socket.timeout`` past either. The header
+        is checked (magic, version, type, length within ``limit``) before more of the body
+        than one read's worth (`READ_BYTES`) is taken in; then the body is decoded and
+        validated by the core. `ProtocolError` for a bad frame, ``EOFError`` at the end."""
+        if not self._read:
+            _wait(self.sock, select.POLLIN, None if timeout is None else time.monotonic() + timeout)
+        whole = time.monotonic() + self.frame_timeout
+        self._read_until(_core.WIRE_HEADER_BYTES, whole)
+        try:
+            _, length = _core.wire_header(bytes(self._read[: _core.WIRE_HEADER_BYTES]), self.limit)
+            end = _core.WIRE_HEADER_BYTES + length
+            self._read_until(end, whole)
+            with memoryview(self._read) as view:
+                data = bytes(view[:end])
+            frame = self.frames.decode(data, self.limit)
+        except InvalidArgumentError as err:
+            raise ProtocolError(str(err)) from None
+        del self._read[:end]
+        return frame
+
+    def _read_until(self, n: int, deadline: float) -> None:
+        """Reads until ``n`` bytes are held, by ``deadline`` (monotonic). Each read waits in
+        poll(2), never in recv(2), so the socket's mode is never changed (another thread may
+        be sending on it)."""
+        held = self._read
+        while len(held) < n:
+            try:
+                chunk = self.sock.recv(min(max(n - len(held), READ_BYTES), 1 << 20), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                _wait(self.sock, select.POLLIN, deadline)
+                continue
+            if not chunk:
+                raise EOFError("the peer closed the connection")
+            held += chunk
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         """Whether a frame (or the end of the connection) is waiting."""
+        if self._read:
+            return True
         # poll(2), not select(2): select refuses descriptors >= 1024, which a busy process has.
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
