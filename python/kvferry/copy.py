@@ -61,12 +61,12 @@ GATHER_BYTES = 4 << 20
 
 def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> None:
     word = common_word(src, dst)
-    s_dev = torch.from_numpy(s).to(src.device, non_blocking=True)
-    d_dev = torch.from_numpy(d).to(dst.device, non_blocking=True)
     src_views, dst_views = src.segment_views(word), dst.segment_views(word)
     if src.device.type == dst.device.type == "cpu":
-        _copy_cpu_chunked(src_views, dst_views, s_dev, d_dev)
+        _copy_cpu_chunked(src_views, dst_views, s, d)
         return
+    s_dev = torch.from_numpy(s).to(src.device, non_blocking=True)
+    d_dev = torch.from_numpy(d).to(dst.device, non_blocking=True)
     for sv, dv in zip(src_views, dst_views):
         gathered = sv.index_select(1, s_dev)
         if gathered.device != dv.device:
@@ -75,35 +75,37 @@ def _copy_torch(src: PagedKV, dst: PagedKV, s: np.ndarray, d: np.ndarray) -> Non
         dv.index_copy_(1, d_dev, gathered)
 
 
-def _run_start(ids: torch.Tensor) -> int | None:
-    """``ids[0]`` when ``ids`` are consecutive and ascending (a staging ring's slots), else None."""
-    n = ids.numel()
+def _run_start(ids: np.ndarray) -> int | None:
+    """``ids[0]`` when ``ids`` are consecutive and ascending (a staging ring's slots), else None.
+    Asked of the host's ids: on torch tensors each of these element reads is an operator call."""
+    n = ids.size
     if n == 0:
         return None
     first = int(ids[0])
-    if int(ids[-1]) - first != n - 1 or (n > 2 and not bool((ids[1:] - ids[:-1] == 1).all())):
+    if int(ids[-1]) - first != n - 1 or (n > 2 and not bool((np.diff(ids) == 1).all())):
         return None
     return first
 
 
 def _copy_cpu_chunked(
-    src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s: torch.Tensor, d: torch.Tensor
+    src_views: list[torch.Tensor], dst_views: list[torch.Tensor], s_ids: np.ndarray, d_ids: np.ndarray
 ) -> None:
     """One pass over the bytes where one side's blocks are a consecutive run (a staging ring's
     slots: gathered straight into them, or scattered straight from them); else two, through a
     reused buffer."""
-    n = s.numel()
+    n = s_ids.size
+    s, d = torch.from_numpy(s_ids), torch.from_numpy(d_ids)
     apart = all(
         sv.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr() for sv, dv in zip(src_views, dst_views)
     )
-    at = _run_start(d) if apart else None  # within one pool, only the buffer keeps reads before writes
+    at = _run_start(d_ids) if apart else None  # within one pool, only the buffer keeps reads before writes
     first = dst_views[0]  # every layer has its strides
     if at is not None and all(first[seg, at : at + n].is_contiguous() for seg in range(first.shape[0])):
         for sv, dv in zip(src_views, dst_views):
             for seg in range(sv.shape[0]):
                 torch.index_select(sv[seg], 0, s, out=dv[seg, at : at + n])
         return
-    at = _run_start(s) if apart else None
+    at = _run_start(s_ids) if apart else None
     if at is not None:
         for sv, dv in zip(src_views, dst_views):
             dv.index_copy_(1, d, sv[:, at : at + n])
