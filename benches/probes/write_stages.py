@@ -55,7 +55,10 @@ def _receiver_main(conn: Any, kind: str, authkey: bytes, layers: int, blocks: in
     pool = registry.receiver_pool(
         kind,
         num_layers=layers,
-        shape=(blocks, block_kib * 256),
+        # Room for more than the request, as in `bench copy`: a staging ring holds as many
+        # blocks as the pool, and one write takes at most half the ring, so a pool of only the
+        # request's blocks would send it as two writes.
+        shape=(blocks + 64, block_kib * 256),
         dtype=torch.float32,
         tokens_per_block=16,
         device=device,
