@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import TRANSFER_POOLS
+from kvferry import sender as sender_module
 from kvferry.engine import CopyEngine, Pending, _FuturePending
 from kvferry.errors import TransferError
 from kvferry.layout import PagedKV
@@ -270,11 +271,18 @@ def counted_wakes(sender: KVSender) -> list[int]:
     return wakes
 
 
-def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
+def quiet_announcer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The announcer looks at the receiver only when woken, not every `PEER_CHECK_SECONDS`:
+    a look that holds the sender's lock as a copy ends would leave that copy's post to it."""
+    monkeypatch.setattr(sender_module, "PEER_CHECK_SECONDS", 3600.0)
+
+
+def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the announcer watches a registered request and no write is in flight, an engine
     step's `poll` gives it nothing to do and does not wake it (its pass would take the GIL
-    and a core from the engine's step); a write that follows is still posted, its copy's
-    completion waking the announcer."""
+    and a core from the engine's step); a write that follows is still posted, by the send
+    call or by its copy's completion, without waking it."""
+    quiet_announcer(monkeypatch)
     shared, receiver, endpoint, transport = shm_pair()
     src = POOLS.random(4)
     sender = KVSender(src, transport, timeout=GUARD * 4)
@@ -287,9 +295,11 @@ def test_a_steps_poll_with_nothing_new_leaves_the_announcer_asleep() -> None:
         for _ in range(20):
             assert sender.poll() == []
         assert wakes == []
+        names = sends_by_thread(transport)
         sender.send_chunks([1], [4 * TPB], [8 * TPB], table(range(8)), table(range(8)))
         receiver.wait(1, timeout=GUARD)
-        assert wakes, "the write's completion woke the announcer"
+        assert len(names) == 1 and names[0] in (threading.current_thread().name, "kvferry-copy_0")
+        assert wakes == []
         assert_landed_once(receiver, src, 8)
     finally:
         sender.close()
@@ -321,19 +331,23 @@ def sends_by_thread(transport: Any) -> list[str]:
         send(frame)
 
     def tried(frame: Any) -> bool:
+        names.append(threading.current_thread().name)  # before, as above; taken back if not sent
         went = try_send(frame)
-        if went:  # on the calling thread, before its call returns
-            names.append(threading.current_thread().name)
+        if not went:  # sends are serialised (the sender's ``_wire``): the entry is this one
+            names.pop()
         return bool(went)
 
     conn.send, conn.try_send = sent, tried
     return names
 
 
-def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_thread() -> None:
+def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A copy that ended before the send call returned: the calling thread posts its
     notices itself (their frame fits in the connection), without waking the announcer; a
     frame the connection would not take now is left to the announcer, which posts it."""
+    quiet_announcer(monkeypatch)
     shared, receiver, endpoint, transport = shm_pair()
     src = POOLS.random(4)
     sender = KVSender(src, transport, engine=DoneAtOnce(), timeout=GUARD * 4)
@@ -353,6 +367,74 @@ def test_a_write_whose_copy_ended_during_the_send_is_posted_by_the_senders_own_t
         assert names == [threading.current_thread().name, "kvferry-sender-progress"]
         assert wakes, "the post left behind woke the announcer"
         assert_landed_once(receiver, src, 8)
+    finally:
+        sender.close()
+        endpoint.close()
+        del receiver
+        shared.close()
+
+
+class EndsWhenTold(CopyEngine):
+    """A copy engine whose copies end when the test says (`end`), on the thread it calls from."""
+
+    def __init__(self) -> None:
+        self.running: list[concurrent.futures.Future[Any]] = []
+
+    def submit_call(self, work: Callable[[], None], *, after: Sequence[Any] = (), nbytes: int = 0) -> Pending:
+        assert not after
+        work()
+        self.running.append(concurrent.futures.Future())
+        return _FuturePending(self.running[-1])
+
+    def end(self) -> None:
+        """Ends the oldest running copy: its completion callbacks run on this thread."""
+        self.running.pop(0).set_result(None)
+
+
+def test_a_write_whose_copy_ends_after_the_send_is_posted_by_the_copys_completion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy still running when the send call returned: its completion (on the copy
+    engine's thread) posts its notices, without waking the announcer; two writes in flight
+    are posted in order, each as its copy ends; a copy that ends while the sender's lock is
+    held elsewhere is left to the announcer, which it wakes."""
+    quiet_announcer(monkeypatch)
+    shared, receiver, endpoint, transport = shm_pair()
+    src = POOLS.random(4)
+    engine = EndsWhenTold()
+    sender = KVSender(src, transport, engine=engine, timeout=GUARD * 4)
+
+    def end_on(name: str) -> None:
+        thread = threading.Thread(target=engine.end, name=name)
+        thread.start()
+        thread.join()
+
+    try:
+        for rid in (1, 2):
+            sender.add(rid, 8 * TPB, epoch=receiver.expect(rid, 8 * TPB))
+        sender.flush(GUARD)  # the announces went, in a pass that saw the requests registered
+        names = sends_by_thread(transport)
+        wakes = counted_wakes(sender)
+        sender.send_chunks([1], [0], [8 * TPB], table(range(8)), table(range(8)))
+        sender.send_chunks([2], [0], [4 * TPB], table(range(8)), table(range(10, 18)))
+        assert names == [] and wakes == []
+        end_on("copy-end-1")
+        receiver.wait(1, timeout=GUARD)
+        assert names == ["copy-end-1"]
+        end_on("copy-end-2")
+        assert names == ["copy-end-1", "copy-end-2"]
+        assert wakes == []
+        assert_landed_once(receiver, src, 8)
+        assert_exactly_once(receiver.notices(2), 4)
+        # The sender's lock held elsewhere (an announcer's pass) as the copy ends: it wakes
+        # the announcer, which posts it once the lock is free.
+        sender.send_chunks([2], [4 * TPB], [8 * TPB], table(range(8)), table(range(10, 18)))
+        with sender._lock:
+            end_on("copy-end-3")
+            assert wakes
+        receiver.wait(2, timeout=GUARD)
+        assert names[-1] == "kvferry-sender-progress"
+        assert_exactly_once(receiver.notices(2), 8)
     finally:
         sender.close()
         endpoint.close()

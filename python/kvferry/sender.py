@@ -410,14 +410,12 @@ class KVSender:
         notices leave."""
         if self._announcing():
             if not self._local_io:
-                self._finish_done()
-                self._send_outbox(raising=False, nowait=True)
-                self._arm_head()
+                self._post_finished()
             # It watches the receiver while requests are registered, sends the outbox and
-            # submits the backlog; a write whose completion is armed wakes it when done. A
-            # call that left it nothing new (a step's poll) leaves it asleep: its pass would
-            # take the executor's GIL and core.
-            if self._outbox or self._backlog or not self._watching or not self._head_armed():
+            # submits the backlog; a write whose completion is armed is posted by it when
+            # done (`_copy_done`). A call that left it nothing new (a step's poll) leaves it
+            # asleep: its pass would take the executor's GIL and core.
+            if not self._announcer_idle():
                 self._wake.set()
             if not self._local_io:
                 return
@@ -427,13 +425,42 @@ class KVSender:
             if raising:
                 raise
 
-    def _finish_done(self) -> None:
-        """The executor's thread, after its call: moves the finished writes at the head of the
-        queue to the outbox, as the announcer would (an error is kept for a later call).
-        Under ``_lock``, as every look at a write's state (a NIXL write's is not thread-safe);
-        only tried: an announcer holding it is in a pass that does this itself."""
-        if not self._inflight or not self._lock.acquire(blocking=False):
-            return
+    def _post_finished(self) -> bool:
+        """Posts the finished writes at the head of the queue where nothing waits (`_kick`
+        at an executor call's end, `_copy_done` as a copy ends), then arms the next one's
+        completion. Returns whether it took ``_lock`` (else the announcer, in a pass, holds
+        it)."""
+        took = self._finish_done()
+        self._send_outbox(raising=False, nowait=True)
+        self._arm_head()
+        return took
+
+    def _announcer_idle(self) -> bool:
+        """Whether the announcer has nothing to do until the armed head's copy ends: no post
+        or backlogged write waits, its last pass watched the receiver, and the oldest write
+        in flight (if any) has its completion armed."""
+        return not (self._outbox or self._backlog) and self._watching and self._head_armed()
+
+    def _copy_done(self) -> None:
+        """The armed write's copy ended (the copy engine's completion, on its thread): posts
+        it there where that waits on nothing (`_post_finished`), with no hand-off to the
+        announcer; else, or where anything is left for it, wakes the announcer."""
+        try:
+            if not self._local_io and self._announcing() and self._post_finished() and self._announcer_idle():
+                return
+        except BaseException as err:  # never into the engine's thread: the executor's next call raises it
+            self._defer(err)
+        self._wake.set()
+
+    def _finish_done(self) -> bool:
+        """Moves the finished writes at the head of the queue to the outbox, as the announcer
+        would (an error is kept for a later call). Under ``_lock``, as every look at a write's
+        state (a NIXL write's is not thread-safe); only tried: an announcer holding it is in
+        a pass that does this itself. Returns whether it took the lock."""
+        if not self._inflight:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
         try:
             while self._inflight and self._inflight[0].pending.done():
                 self._finish(self._inflight.popleft())
@@ -441,6 +468,7 @@ class KVSender:
             self._defer(err)
         finally:
             self._lock.release()
+        return True
 
     def _send_outbox(self, raising: bool, nowait: bool = False) -> None:
         """Sends the outbox in order: the one place that posts, abandons, fences and
@@ -494,21 +522,25 @@ class KVSender:
         self._inflight.append(
             _Job(pending, tuple(held.write.notices), submitted, held.kind, held.nbytes, held.write.checksums)
         )
-        # The announcer is woken by the copy's completion, armed once the executor's call
-        # ends (`_kick`: a copy that ended meanwhile is posted by that thread itself), or
-        # armed by the announcer where it submitted the write.
+        # The copy's completion posts it (`_copy_done`), armed once the executor's call ends
+        # (`_kick`: a copy that ended meanwhile is posted by that thread itself), or armed by
+        # the announcer where it submitted the write.
         return True
 
     def _arm(self, head: Pending) -> bool:
-        """Has the oldest write's completion wake the announcer (`Pending.when_done`), once;
+        """Has the oldest write's completion post it (`_copy_done`, `Pending.when_done`), once;
         returns whether it will (a copy that cannot tell leaves the announcer to look). The
         executor's call asks as it ends (`_kick`), after posting a copy that ended already."""
         with self._lock:
             if head is self._armed:
                 return True
-            if head.when_done(self._wake.set):
-                self._armed = head
+            # Marked first: a copy that has ended calls back at once, and that call may arm
+            # the next write before this one returns.
+            self._armed = head
+            if head.when_done(self._copy_done):
                 return True
+            if self._armed is head:
+                self._armed = None
             return False
 
     def _arm_head(self) -> None:
