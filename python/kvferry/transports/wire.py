@@ -59,7 +59,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 from kvferry import _core
 from kvferry.errors import InvalidArgumentError, KvFerryError, TransferError
@@ -366,6 +366,22 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return b"".join(chunks)
 
 
+def _frame_after(header: bytes, whole: Callable[[int], bytes], limit: int, frames: FrameSet) -> Frame:
+    """The frame ``header`` begins: the header checked (magic, version, type, length within
+    ``limit``) before ``whole(length)`` reads the rest and returns the whole frame (header
+    and body); then decoded and validated by the core. `ProtocolError` for a bad frame."""
+    try:
+        _, length = _core.wire_header(header, limit)
+        return frames.decode(whole(length), limit)
+    except InvalidArgumentError as err:
+        raise ProtocolError(str(err)) from None
+
+
+def _with_body(sock: socket.socket, header: bytes, deadline: Optional[float]) -> Callable[[int], bytes]:
+    """`_frame_after`'s ``whole`` for a frame read straight off ``sock``."""
+    return lambda length: header + _recv_exact(sock, length, deadline) if length else header
+
+
 def recv_frame(
     sock: socket.socket,
     limit: int = MAX_FRAME_BYTES,
@@ -385,12 +401,7 @@ def recv_frame(
         _wait(sock, select.POLLIN, deadline)
         deadline = time.monotonic() + whole_s
     header = _recv_exact(sock, _core.WIRE_HEADER_BYTES, deadline)
-    try:
-        _, length = _core.wire_header(header, limit)
-        body = _recv_exact(sock, length, deadline) if length else b""
-        return frames.decode(header + body, limit)
-    except InvalidArgumentError as err:
-        raise ProtocolError(str(err)) from None
+    return _frame_after(header, _with_body(sock, header, deadline), limit, frames)
 
 
 MAX_PASSED_FDS = 4
@@ -451,12 +462,7 @@ def recv_frame_fds(
             if not data:
                 raise EOFError("the peer closed the connection")
             header += data
-        try:
-            _, length = _core.wire_header(header, limit)
-            body = _recv_exact(sock, length, deadline) if length else b""
-            frame = frames.decode(header + body, limit)
-        except InvalidArgumentError as err:
-            raise ProtocolError(str(err)) from None
+        frame = _frame_after(header, _with_body(sock, header, deadline), limit, frames)
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -695,19 +701,19 @@ class Channel:
         validated by the core. `ProtocolError` for a bad frame, ``EOFError`` at the end."""
         if not self._read:
             _wait(self.sock, select.POLLIN, None if timeout is None else time.monotonic() + timeout)
-        whole = time.monotonic() + self.frame_timeout
-        self._read_until(_core.WIRE_HEADER_BYTES, whole)
-        try:
-            _, length = _core.wire_header(bytes(self._read[: _core.WIRE_HEADER_BYTES]), self.limit)
-            end = _core.WIRE_HEADER_BYTES + length
-            self._read_until(end, whole)
-            with memoryview(self._read) as view:
-                data = bytes(view[:end])
-            frame = self.frames.decode(data, self.limit)
-        except InvalidArgumentError as err:
-            raise ProtocolError(str(err)) from None
-        del self._read[:end]
-        return frame
+        deadline = time.monotonic() + self.frame_timeout
+        header = self._take(_core.WIRE_HEADER_BYTES, deadline, keep=True)
+        return _frame_after(header, lambda length: self._take(len(header) + length, deadline), self.limit, self.frames)
+
+    def _take(self, n: int, deadline: float, keep: bool = False) -> bytes:
+        """The next ``n`` bytes read, by ``deadline`` (monotonic); ``keep``: left in the
+        buffer for the next take (a header, read again with its body)."""
+        self._read_until(n, deadline)
+        with memoryview(self._read) as view:
+            data = bytes(view[:n])
+        if not keep:
+            del self._read[:n]
+        return data
 
     def _read_until(self, n: int, deadline: float) -> None:
         """Reads until ``n`` bytes are held, by ``deadline`` (monotonic). Each read waits in
